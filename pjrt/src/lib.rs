@@ -1,0 +1,861 @@
+//! A safe Rust layer over the PJRT C API, the interface XLA's plugins (CPU, CUDA, ROCm, TPU) export.
+//!
+//! The plugin is a shared object loaded with `dlopen`; [`Plugin::load`] checks the API table size
+//! and version before anything is called. Every PJRT object is owned by exactly one Rust value and
+//! destroyed once, in `Drop`. Every `PJRT_Error` becomes an [`Error`] carrying the plugin's words.
+//!
+//! ```no_run
+//! let plugin = pjrt::Plugin::load(std::path::Path::new("xla_cpu_pjrt.so"))?;
+//! let client = plugin.client(&pjrt::ClientOptions::default())?;
+//! let exe = client.compile("module { ... }", &pjrt::CompileOptions::default())?;
+//! # Ok::<(), pjrt::Error>(())
+//! ```
+
+pub mod discover;
+pub mod ffi;
+mod host;
+pub mod options;
+
+pub use host::{ElementType, HostTensor};
+pub use options::{CompileOptions, OptionValue};
+
+use ffi::*;
+use std::collections::HashMap;
+use std::ffi::{c_char, c_void, CString};
+use std::path::{Path, PathBuf};
+use std::ptr::null_mut;
+use std::sync::{Arc, Mutex, OnceLock};
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("cannot load PJRT plugin {path}: {message}")]
+    Load { path: PathBuf, message: String },
+    #[error(
+        "PJRT plugin {path} speaks PJRT C API {plugin_major}.{plugin_minor}, but xtrain needs {needed} \
+         (xtrain was written against {header_major}.{header_minor}); install a newer plugin"
+    )]
+    Version {
+        path: PathBuf,
+        plugin_major: i32,
+        plugin_minor: i32,
+        needed: String,
+        header_major: i32,
+        header_minor: i32,
+    },
+    #[error("{call} failed ({code}): {message}")]
+    Plugin {
+        call: &'static str,
+        code: &'static str,
+        message: String,
+    },
+    #[error("{0}")]
+    Invalid(String),
+}
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// A loaded plugin. Plugins are never unloaded (XLA does not survive `dlclose`), so loading the
+/// same path twice returns the same plugin.
+pub struct Plugin {
+    api: *const PJRT_Api,
+    path: PathBuf,
+    version: (i32, i32),
+    _lib: libloading::Library,
+}
+
+// SAFETY: the PJRT C API is thread-safe; the table is immutable after load.
+unsafe impl Send for Plugin {}
+unsafe impl Sync for Plugin {}
+
+/// The oldest API minor version whose table has every entry xtrain calls.
+/// (`PJRT_Executable_GetCompiledMemoryStats` arrived last among them.)
+const MIN_MINOR: i32 = 40;
+
+/// Look up an entry of the API table, checking that the plugin's table is long enough to have it.
+macro_rules! api_fn {
+    ($plugin:expr, $name:ident) => {{
+        let p: &Plugin = $plugin;
+        let api = unsafe { &*p.api };
+        let end = std::mem::offset_of!(PJRT_Api, $name) + std::mem::size_of::<ApiFn>();
+        match (end <= api.struct_size).then_some(api.$name).flatten() {
+            Some(f) => f,
+            None => {
+                return Err(Error::Invalid(format!(
+                    "PJRT plugin {} (API {}.{}) does not provide PJRT_{}",
+                    p.path.display(),
+                    p.version.0,
+                    p.version.1,
+                    stringify!($name)
+                )))
+            }
+        }
+    }};
+}
+
+/// Call an API entry with an argument struct whose `struct_size` is set by the caller.
+macro_rules! call {
+    ($plugin:expr, $name:ident, $args:expr) => {{
+        let p: &Plugin = $plugin;
+        let f = api_fn!(p, $name);
+        let err = unsafe { f($args as *mut _ as *mut c_void) };
+        p.check(concat!("PJRT_", stringify!($name)), err)
+    }};
+}
+
+macro_rules! args {
+    ($t:ident, $last:ident { $($field:ident : $value:expr),* $(,)? }) => {{
+        // SAFETY: every PJRT argument struct is plain old data for which all-zero is valid.
+        let mut a: $t = unsafe { std::mem::zeroed() };
+        a.struct_size = struct_size!($t, $last);
+        $(a.$field = $value;)*
+        a
+    }};
+}
+
+static LOADED: OnceLock<Mutex<HashMap<PathBuf, Arc<Plugin>>>> = OnceLock::new();
+
+/// Silence XLA's C++ logging unless the user asked for it. Must run before the plugin is loaded.
+pub fn set_verbose(verbose: bool) {
+    if std::env::var_os("TF_CPP_MIN_LOG_LEVEL").is_none() {
+        std::env::set_var("TF_CPP_MIN_LOG_LEVEL", if verbose { "0" } else { "3" });
+    }
+}
+
+impl Plugin {
+    pub fn load(path: &Path) -> Result<Arc<Plugin>> {
+        let key = path.canonicalize().map_err(|e| Error::Load {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        })?;
+        let mut loaded = LOADED.get_or_init(Default::default).lock().unwrap();
+        if let Some(p) = loaded.get(&key) {
+            return Ok(p.clone());
+        }
+        set_verbose(false);
+        let load_err = |message: String| Error::Load {
+            path: key.clone(),
+            message,
+        };
+        // SAFETY: loading a shared object runs its initialisers; that is the point of a plugin.
+        let lib = unsafe { libloading::Library::new(&key) }.map_err(|e| load_err(e.to_string()))?;
+        let get: libloading::Symbol<unsafe extern "C" fn() -> *const PJRT_Api> = unsafe {
+            lib.get(b"GetPjrtApi\0")
+        }
+        .map_err(|_| load_err("not a PJRT plugin: it does not export GetPjrtApi".to_string()))?;
+        let api = unsafe { get() };
+        if api.is_null() {
+            return Err(load_err("GetPjrtApi returned null".into()));
+        }
+        let (size, major, minor) = unsafe {
+            (
+                (*api).struct_size,
+                (*api).pjrt_api_version.major_version,
+                (*api).pjrt_api_version.minor_version,
+            )
+        };
+        let version_err = || Error::Version {
+            path: key.clone(),
+            plugin_major: major,
+            plugin_minor: minor,
+            needed: format!("{HEADER_MAJOR}.{MIN_MINOR} or newer (same major version)"),
+            header_major: HEADER_MAJOR,
+            header_minor: HEADER_MINOR,
+        };
+        let min_size = std::mem::offset_of!(PJRT_Api, Executable_GetCompiledMemoryStats)
+            + std::mem::size_of::<ApiFn>();
+        if major != HEADER_MAJOR || minor < MIN_MINOR || size < min_size {
+            return Err(version_err());
+        }
+        let plugin = Plugin {
+            api,
+            path: key.clone(),
+            version: (major, minor),
+            _lib: lib,
+        };
+        let mut a = args!(PJRT_Plugin_Initialize_Args, extension_start {});
+        call!(&plugin, Plugin_Initialize, &mut a)?;
+        let plugin = Arc::new(plugin);
+        loaded.insert(key, plugin.clone());
+        Ok(plugin)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The PJRT C API version the plugin implements, e.g. (0, 81).
+    pub fn api_version(&self) -> (i32, i32) {
+        self.version
+    }
+
+    /// Turn a returned `PJRT_Error*` into a Result, destroying the error.
+    fn check(&self, call: &'static str, err: *mut PJRT_Error) -> Result<()> {
+        if err.is_null() {
+            return Ok(());
+        }
+        let api = unsafe { &*self.api };
+        let mut m = args!(PJRT_Error_Message_Args, message_size { error: err });
+        let mut message = String::from("(no message)");
+        if let Some(f) = api.Error_Message {
+            unsafe { f(&mut m as *mut _ as *mut c_void) };
+            message = unsafe { str_from(m.message, m.message_size) };
+        }
+        let mut c = args!(PJRT_Error_GetCode_Args, code { error: err });
+        let code = match api.Error_GetCode {
+            Some(f) if unsafe { f(&mut c as *mut _ as *mut c_void) }.is_null() => c.code,
+            _ => 2,
+        };
+        let mut d = args!(PJRT_Error_Destroy_Args, error { error: err });
+        if let Some(f) = api.Error_Destroy {
+            unsafe { f(&mut d as *mut _ as *mut c_void) };
+        }
+        Err(Error::Plugin {
+            call,
+            code: error_code_name(code),
+            message,
+        })
+    }
+
+    /// Create a client. Each client owns its devices; most programs want one per process.
+    pub fn client(self: &Arc<Self>, options: &ClientOptions) -> Result<Client> {
+        let names: Vec<CString> = options
+            .int_options
+            .iter()
+            .map(|(k, _)| CString::new(k.as_str()).unwrap())
+            .collect();
+        let values: Vec<PJRT_NamedValue> = options
+            .int_options
+            .iter()
+            .zip(&names)
+            .map(|((k, v), name)| PJRT_NamedValue {
+                struct_size: struct_size!(PJRT_NamedValue, value_size),
+                extension_start: null_mut(),
+                name: name.as_ptr(),
+                name_size: k.len(),
+                type_: NAMED_VALUE_INT64,
+                value: *v as u64,
+                value_size: 1,
+            })
+            .collect();
+        let mut a = args!(
+            PJRT_Client_Create_Args,
+            kv_try_get_user_arg {
+                create_options: values.as_ptr(),
+                num_options: values.len(),
+            }
+        );
+        call!(self, Client_Create, &mut a)?;
+        let inner = Arc::new(ClientInner {
+            plugin: self.clone(),
+            raw: a.client,
+        });
+        Ok(Client { inner })
+    }
+}
+
+fn error_code_name(code: i32) -> &'static str {
+    const NAMES: [&str; 17] = [
+        "OK",
+        "CANCELLED",
+        "UNKNOWN",
+        "INVALID_ARGUMENT",
+        "DEADLINE_EXCEEDED",
+        "NOT_FOUND",
+        "ALREADY_EXISTS",
+        "PERMISSION_DENIED",
+        "RESOURCE_EXHAUSTED",
+        "FAILED_PRECONDITION",
+        "ABORTED",
+        "OUT_OF_RANGE",
+        "UNIMPLEMENTED",
+        "INTERNAL",
+        "UNAVAILABLE",
+        "DATA_LOSS",
+        "UNAUTHENTICATED",
+    ];
+    NAMES.get(code as usize).copied().unwrap_or("UNKNOWN")
+}
+
+unsafe fn str_from(ptr: *const c_char, len: usize) -> String {
+    if ptr.is_null() {
+        return String::new();
+    }
+    let bytes = std::slice::from_raw_parts(ptr as *const u8, len);
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// Options for `PJRT_Client_Create`, e.g. `cpu_device_count` for the CPU plugin.
+#[derive(Clone, Debug, Default)]
+pub struct ClientOptions {
+    pub int_options: Vec<(String, i64)>,
+}
+
+impl ClientOptions {
+    /// The CPU plugin's number of virtual devices (default 4).
+    pub fn cpu_device_count(n: i64) -> Self {
+        ClientOptions {
+            int_options: vec![("cpu_device_count".into(), n)],
+        }
+    }
+}
+
+struct ClientInner {
+    plugin: Arc<Plugin>,
+    raw: *mut PJRT_Client,
+}
+
+unsafe impl Send for ClientInner {}
+unsafe impl Sync for ClientInner {}
+
+impl Drop for ClientInner {
+    fn drop(&mut self) {
+        let mut a = args!(PJRT_Client_Destroy_Args, client { client: self.raw });
+        let _ = (|| call!(&self.plugin, Client_Destroy, &mut a))();
+    }
+}
+
+/// A PJRT client: the devices of one backend in this process. Cheap to clone.
+#[derive(Clone)]
+pub struct Client {
+    inner: Arc<ClientInner>,
+}
+
+/// A device of a client, with what the plugin says about it.
+#[derive(Clone, Debug)]
+pub struct DeviceInfo {
+    pub id: i32,
+    pub kind: String,
+    pub description: String,
+    /// Memory limit in bytes where the plugin reports it (GPUs do; the CPU plugin does not).
+    pub memory_bytes: Option<i64>,
+}
+
+/// A device handle; valid as long as its client.
+#[derive(Clone)]
+pub struct Device {
+    client: Arc<ClientInner>,
+    raw: *mut PJRT_Device,
+}
+
+unsafe impl Send for Device {}
+unsafe impl Sync for Device {}
+
+impl Client {
+    pub fn plugin(&self) -> &Arc<Plugin> {
+        &self.inner.plugin
+    }
+
+    fn p(&self) -> &Plugin {
+        &self.inner.plugin
+    }
+
+    pub fn platform_name(&self) -> Result<String> {
+        let mut a = args!(
+            PJRT_Client_PtrLen_Args,
+            len {
+                client: self.inner.raw
+            }
+        );
+        call!(self.p(), Client_PlatformName, &mut a)?;
+        Ok(unsafe { str_from(a.ptr as *const c_char, a.len) })
+    }
+
+    pub fn platform_version(&self) -> Result<String> {
+        let mut a = args!(
+            PJRT_Client_PtrLen_Args,
+            len {
+                client: self.inner.raw
+            }
+        );
+        call!(self.p(), Client_PlatformVersion, &mut a)?;
+        Ok(unsafe { str_from(a.ptr as *const c_char, a.len) })
+    }
+
+    /// The devices this process can address, in the plugin's order.
+    pub fn devices(&self) -> Result<Vec<Device>> {
+        let mut a = args!(
+            PJRT_Client_PtrLen_Args,
+            len {
+                client: self.inner.raw
+            }
+        );
+        call!(self.p(), Client_AddressableDevices, &mut a)?;
+        let raws = unsafe { std::slice::from_raw_parts(a.ptr as *const *mut PJRT_Device, a.len) };
+        Ok(raws
+            .iter()
+            .map(|&raw| Device {
+                client: self.inner.clone(),
+                raw,
+            })
+            .collect())
+    }
+
+    /// Compile StableHLO (or MHLO) text. Errors carry XLA's diagnostic.
+    pub fn compile(&self, mlir: &str, options: &CompileOptions) -> Result<Executable> {
+        let format = b"mlir";
+        let program = PJRT_Program {
+            struct_size: struct_size!(PJRT_Program, format_size),
+            extension_start: null_mut(),
+            code: mlir.as_ptr() as *mut c_char,
+            code_size: mlir.len(),
+            format: format.as_ptr() as *const c_char,
+            format_size: format.len(),
+        };
+        let opts = options.to_bytes();
+        let mut a = args!(
+            PJRT_Client_Compile_Args,
+            executable {
+                client: self.inner.raw,
+                program: &program,
+                compile_options: opts.as_ptr() as *const c_char,
+                compile_options_size: opts.len(),
+            }
+        );
+        call!(self.p(), Client_Compile, &mut a)?;
+        Ok(Executable {
+            client: self.inner.clone(),
+            raw: a.executable,
+            inputs: None,
+        })
+    }
+
+    /// Load an executable serialized by [`Executable::serialize`] with the same plugin version.
+    pub fn deserialize(&self, bytes: &[u8]) -> Result<Executable> {
+        let mut a = args!(
+            PJRT_Executable_DeserializeAndLoad_Args,
+            overridden_serialized_compile_options_size {
+                client: self.inner.raw,
+                serialized_executable: bytes.as_ptr() as *const c_char,
+                serialized_executable_size: bytes.len(),
+            }
+        );
+        call!(self.p(), Executable_DeserializeAndLoad, &mut a)?;
+        Ok(Executable {
+            client: self.inner.clone(),
+            raw: a.loaded_executable,
+            inputs: None,
+        })
+    }
+
+    /// Copy a host tensor to `device`. The host data may be freed when this returns.
+    pub fn to_device(&self, host: &HostTensor, device: &Device) -> Result<Buffer> {
+        let expected = host.ty.byte_size(host.element_count());
+        if host.bytes.len() != expected {
+            return Err(Error::Invalid(format!(
+                "host tensor {:?} {:?} needs {expected} bytes but has {}",
+                host.ty,
+                host.dims,
+                host.bytes.len()
+            )));
+        }
+        let mut a = args!(
+            PJRT_Client_BufferFromHostBuffer_Args,
+            buffer {
+                client: self.inner.raw,
+                data: host.bytes.as_ptr() as *const c_void,
+                type_: host.ty.pjrt_code(),
+                dims: host.dims.as_ptr(),
+                num_dims: host.dims.len(),
+                host_buffer_semantics: HOST_BUFFER_IMMUTABLE_ONLY_DURING_CALL,
+                device: device.raw,
+            }
+        );
+        call!(self.p(), Client_BufferFromHostBuffer, &mut a)?;
+        let buffer = Buffer {
+            client: self.inner.clone(),
+            raw: a.buffer,
+        };
+        if !a.done_with_host_buffer.is_null() {
+            Event::new(self.inner.clone(), a.done_with_host_buffer).wait()?;
+        }
+        Ok(buffer)
+    }
+}
+
+impl Device {
+    fn p(&self) -> &Plugin {
+        &self.client.plugin
+    }
+
+    pub fn info(&self) -> Result<DeviceInfo> {
+        let mut g = args!(
+            PJRT_Device_GetDescription_Args,
+            device_description { device: self.raw }
+        );
+        call!(self.p(), Device_GetDescription, &mut g)?;
+        let desc = g.device_description;
+        let mut id = args!(
+            PJRT_DeviceDescription_Id_Args,
+            id {
+                device_description: desc
+            }
+        );
+        call!(self.p(), DeviceDescription_Id, &mut id)?;
+        let mut kind = args!(
+            PJRT_DeviceDescription_Str_Args,
+            len {
+                device_description: desc
+            }
+        );
+        call!(self.p(), DeviceDescription_Kind, &mut kind)?;
+        let mut text = args!(
+            PJRT_DeviceDescription_Str_Args,
+            len {
+                device_description: desc
+            }
+        );
+        call!(self.p(), DeviceDescription_ToString, &mut text)?;
+        let mut stats = args!(
+            PJRT_Device_MemoryStats_Args,
+            peak_pool_bytes_is_set { device: self.raw }
+        );
+        let memory_bytes = match call!(self.p(), Device_MemoryStats, &mut stats) {
+            Ok(()) if stats.bytes_limit_is_set => Some(stats.bytes_limit),
+            _ => None,
+        };
+        Ok(DeviceInfo {
+            id: id.id,
+            kind: unsafe { str_from(kind.ptr, kind.len) },
+            description: unsafe { str_from(text.ptr, text.len) },
+            memory_bytes,
+        })
+    }
+
+    pub fn id(&self) -> Result<i32> {
+        Ok(self.info()?.id)
+    }
+}
+
+/// A completion event; waiting returns the error of the work it tracks.
+struct Event {
+    client: Arc<ClientInner>,
+    raw: *mut PJRT_Event,
+}
+
+impl Event {
+    fn new(client: Arc<ClientInner>, raw: *mut PJRT_Event) -> Self {
+        Event { client, raw }
+    }
+
+    fn wait(self) -> Result<()> {
+        let mut a = args!(PJRT_Event_Args, event { event: self.raw });
+        call!(&self.client.plugin, Event_Await, &mut a)
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        let mut a = args!(PJRT_Event_Args, event { event: self.raw });
+        let _ = (|| call!(&self.client.plugin, Event_Destroy, &mut a))();
+    }
+}
+
+/// A device buffer. Destroyed on drop; a donated buffer reports [`Buffer::is_deleted`].
+pub struct Buffer {
+    client: Arc<ClientInner>,
+    raw: *mut PJRT_Buffer,
+}
+
+unsafe impl Send for Buffer {}
+unsafe impl Sync for Buffer {}
+
+impl Drop for Buffer {
+    fn drop(&mut self) {
+        let mut a = args!(
+            PJRT_Handle_Args,
+            handle {
+                handle: self.raw as *mut c_void
+            }
+        );
+        let _ = (|| call!(&self.client.plugin, Buffer_Destroy, &mut a))();
+    }
+}
+
+impl Buffer {
+    fn p(&self) -> &Plugin {
+        &self.client.plugin
+    }
+
+    pub fn element_type(&self) -> Result<ElementType> {
+        let mut a = args!(PJRT_Buffer_ElementType_Args, type_ { buffer: self.raw });
+        call!(self.p(), Buffer_ElementType, &mut a)?;
+        ElementType::from_pjrt_code(a.type_)
+            .ok_or_else(|| Error::Invalid(format!("unsupported PJRT buffer type {}", a.type_)))
+    }
+
+    pub fn dims(&self) -> Result<Vec<i64>> {
+        let mut a = args!(PJRT_Buffer_Dimensions_Args, num_dims { buffer: self.raw });
+        call!(self.p(), Buffer_Dimensions, &mut a)?;
+        Ok(unsafe { std::slice::from_raw_parts(a.dims, a.num_dims) }.to_vec())
+    }
+
+    pub fn is_deleted(&self) -> Result<bool> {
+        let mut a = args!(PJRT_Buffer_IsDeleted_Args, is_deleted { buffer: self.raw });
+        call!(self.p(), Buffer_IsDeleted, &mut a)?;
+        Ok(a.is_deleted)
+    }
+
+    pub fn on_device_bytes(&self) -> Result<usize> {
+        let mut a = args!(
+            PJRT_Handle_Word_Args,
+            value {
+                handle: self.raw as *mut c_void
+            }
+        );
+        call!(self.p(), Buffer_OnDeviceSizeInBytes, &mut a)?;
+        Ok(a.value as usize)
+    }
+
+    /// Copy the buffer to the host (waits for the copy).
+    pub fn to_host(&self) -> Result<HostTensor> {
+        let ty = self.element_type()?;
+        let dims = self.dims()?;
+        let n: i64 = dims.iter().product();
+        let mut bytes = vec![0u8; ty.byte_size(n as usize)];
+        let mut a = args!(
+            PJRT_Buffer_ToHostBuffer_Args,
+            event {
+                src: self.raw,
+                dst: bytes.as_mut_ptr() as *mut c_void,
+                dst_size: bytes.len(),
+            }
+        );
+        call!(self.p(), Buffer_ToHostBuffer, &mut a)?;
+        if !a.event.is_null() {
+            Event::new(self.client.clone(), a.event).wait()?;
+        }
+        Ok(HostTensor { ty, dims, bytes })
+    }
+}
+
+/// XLA's compiled memory figures for one device, in bytes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MemoryStats {
+    pub argument_bytes: i64,
+    pub output_bytes: i64,
+    /// Output bytes that reuse (alias) donated argument buffers.
+    pub alias_bytes: i64,
+    pub temp_bytes: i64,
+    pub generated_code_bytes: i64,
+    /// Peak device memory where the plugin computes it (0 otherwise).
+    pub peak_bytes: i64,
+}
+
+impl MemoryStats {
+    /// Arguments + outputs not aliased to arguments + temporaries: what one step keeps live.
+    pub fn total_bytes(&self) -> i64 {
+        self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+    }
+}
+
+/// A compiled, loaded program.
+pub struct Executable {
+    client: Arc<ClientInner>,
+    raw: *mut PJRT_LoadedExecutable,
+    /// Per-device argument types and dims, checked before each execute when known. Plugins do
+    /// not all check them (the CPU plugin runs a [6] buffer where [3,2] was compiled).
+    inputs: Option<Vec<(ElementType, Vec<i64>)>>,
+}
+
+unsafe impl Send for Executable {}
+unsafe impl Sync for Executable {}
+
+impl Drop for Executable {
+    fn drop(&mut self) {
+        let mut a = args!(
+            PJRT_Handle_Args,
+            handle {
+                handle: self.raw as *mut c_void
+            }
+        );
+        let _ = (|| call!(&self.client.plugin, LoadedExecutable_Destroy, &mut a))();
+    }
+}
+
+/// The unloaded executable behind a loaded one; destroyed after use.
+struct RawExecutable<'a> {
+    plugin: &'a Plugin,
+    raw: *mut PJRT_Executable,
+}
+
+impl Drop for RawExecutable<'_> {
+    fn drop(&mut self) {
+        let mut a = args!(
+            PJRT_Handle_Args,
+            handle {
+                handle: self.raw as *mut c_void
+            }
+        );
+        let _ = (|| call!(self.plugin, Executable_Destroy, &mut a))();
+    }
+}
+
+impl Executable {
+    fn p(&self) -> &Plugin {
+        &self.client.plugin
+    }
+
+    fn raw_executable(&self) -> Result<RawExecutable<'_>> {
+        let mut a = args!(
+            PJRT_LoadedExecutable_GetExecutable_Args,
+            executable {
+                loaded_executable: self.raw,
+            }
+        );
+        call!(self.p(), LoadedExecutable_GetExecutable, &mut a)?;
+        Ok(RawExecutable {
+            plugin: self.p(),
+            raw: a.executable,
+        })
+    }
+
+    /// Declare the per-device argument types and dims; [`Executable::execute`] then rejects
+    /// arguments that do not match, naming the argument.
+    pub fn expect_inputs(&mut self, inputs: Vec<(ElementType, Vec<i64>)>) {
+        self.inputs = Some(inputs);
+    }
+
+    fn check_inputs(&self, args: &[Vec<&Buffer>]) -> Result<()> {
+        let Some(expected) = &self.inputs else {
+            return Ok(());
+        };
+        for (d, list) in args.iter().enumerate() {
+            if list.len() != expected.len() {
+                return Err(Error::Invalid(format!(
+                    "execute: the program takes {} arguments, device {d} was given {}",
+                    expected.len(),
+                    list.len()
+                )));
+            }
+            for (i, (buf, (ty, dims))) in list.iter().zip(expected).enumerate() {
+                let (got_ty, got_dims) = (buf.element_type()?, buf.dims()?);
+                if got_ty != *ty || got_dims != *dims {
+                    return Err(Error::Invalid(format!(
+                        "execute: argument {i} on device {d} should be {ty:?}{dims:?} but is {got_ty:?}{got_dims:?}"
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Number of outputs per device.
+    pub fn num_outputs(&self) -> Result<usize> {
+        let exe = self.raw_executable()?;
+        let mut a = args!(
+            PJRT_Handle_Word_Args,
+            value {
+                handle: exe.raw as *mut c_void
+            }
+        );
+        call!(self.p(), Executable_NumOutputs, &mut a)?;
+        Ok(a.value as usize)
+    }
+
+    /// XLA's memory figures for one device of this executable.
+    pub fn memory_stats(&self) -> Result<MemoryStats> {
+        let exe = self.raw_executable()?;
+        let mut a = args!(
+            PJRT_Executable_GetCompiledMemoryStats_Args,
+            peak_memory_in_bytes {
+                executable: exe.raw,
+            }
+        );
+        call!(self.p(), Executable_GetCompiledMemoryStats, &mut a)?;
+        Ok(MemoryStats {
+            argument_bytes: a.argument_size_in_bytes,
+            output_bytes: a.output_size_in_bytes,
+            alias_bytes: a.alias_size_in_bytes,
+            temp_bytes: a.temp_size_in_bytes,
+            generated_code_bytes: a.generated_code_size_in_bytes,
+            peak_bytes: a.peak_memory_in_bytes,
+        })
+    }
+
+    /// The plugin's serialized form, loadable with [`Client::deserialize`] by the same plugin build.
+    pub fn serialize(&self) -> Result<Vec<u8>> {
+        let exe = self.raw_executable()?;
+        let mut a = args!(
+            PJRT_Executable_Serialize_Args,
+            serialized_executable_deleter {
+                executable: exe.raw,
+            }
+        );
+        call!(self.p(), Executable_Serialize, &mut a)?;
+        let bytes = unsafe {
+            std::slice::from_raw_parts(a.serialized_bytes as *const u8, a.serialized_bytes_size)
+        }
+        .to_vec();
+        if let Some(deleter) = a.serialized_executable_deleter {
+            unsafe { deleter(a.serialized_executable) };
+        }
+        Ok(bytes)
+    }
+
+    /// Run on every device the program was compiled for. `args[d]` are device d's arguments, in
+    /// the program's argument order. Returns each device's outputs. Donated arguments are deleted.
+    pub fn execute(&self, args: &[Vec<&Buffer>]) -> Result<Vec<Vec<Buffer>>> {
+        let num_devices = args.len();
+        if num_devices == 0 {
+            return Err(Error::Invalid("execute needs at least one device".into()));
+        }
+        let num_args = args[0].len();
+        if let Some((d, list)) = args.iter().enumerate().find(|(_, l)| l.len() != num_args) {
+            return Err(Error::Invalid(format!(
+                "execute: device 0 has {num_args} arguments but device {d} has {}",
+                list.len()
+            )));
+        }
+        self.check_inputs(args)?;
+        let num_outputs = self.num_outputs()?;
+        let arg_ptrs: Vec<Vec<*mut PJRT_Buffer>> = args
+            .iter()
+            .map(|l| l.iter().map(|b| b.raw).collect())
+            .collect();
+        let arg_lists: Vec<*const *mut PJRT_Buffer> = arg_ptrs.iter().map(|l| l.as_ptr()).collect();
+        let mut out_ptrs: Vec<Vec<*mut PJRT_Buffer>> = (0..num_devices)
+            .map(|_| vec![null_mut(); num_outputs])
+            .collect();
+        let out_lists: Vec<*mut *mut PJRT_Buffer> =
+            out_ptrs.iter_mut().map(|l| l.as_mut_ptr()).collect();
+        let mut events: Vec<*mut PJRT_Event> = vec![null_mut(); num_devices];
+        let mut options = args!(PJRT_ExecuteOptions, incarnation_ids {});
+        let mut a = args!(
+            PJRT_LoadedExecutable_Execute_Args,
+            execute_device {
+                executable: self.raw,
+                options: &mut options,
+                argument_lists: arg_lists.as_ptr(),
+                num_devices: num_devices,
+                num_args: num_args,
+                output_lists: out_lists.as_ptr(),
+                device_complete_events: events.as_mut_ptr(),
+            }
+        );
+        call!(self.p(), LoadedExecutable_Execute, &mut a)?;
+        // Own the outputs first, so that they are destroyed even if an event reports an error.
+        let outputs: Vec<Vec<Buffer>> = out_ptrs
+            .into_iter()
+            .map(|l| {
+                l.into_iter()
+                    .map(|raw| Buffer {
+                        client: self.client.clone(),
+                        raw,
+                    })
+                    .collect()
+            })
+            .collect();
+        let mut first_err = None;
+        for e in events {
+            if !e.is_null() {
+                if let Err(err) = Event::new(self.client.clone(), e).wait() {
+                    first_err.get_or_insert(err);
+                }
+            }
+        }
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(outputs),
+        }
+    }
+}
