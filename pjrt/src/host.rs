@@ -12,6 +12,7 @@ pub enum ElementType {
     S64,
     U8,
     U32,
+    U64,
     F16,
     BF16,
     F32,
@@ -24,7 +25,7 @@ impl ElementType {
             ElementType::Pred | ElementType::S8 | ElementType::U8 => 1,
             ElementType::F16 | ElementType::BF16 => 2,
             ElementType::S32 | ElementType::U32 | ElementType::F32 => 4,
-            ElementType::S64 | ElementType::F64 => 8,
+            ElementType::S64 | ElementType::U64 | ElementType::F64 => 8,
         }
     }
 
@@ -41,6 +42,7 @@ impl ElementType {
             ElementType::S64 => 5,
             ElementType::U8 => 6,
             ElementType::U32 => 8,
+            ElementType::U64 => 9,
             ElementType::F16 => 10,
             ElementType::F32 => 11,
             ElementType::F64 => 12,
@@ -56,6 +58,7 @@ impl ElementType {
             5 => ElementType::S64,
             6 => ElementType::U8,
             8 => ElementType::U32,
+            9 => ElementType::U64,
             10 => ElementType::F16,
             11 => ElementType::F32,
             12 => ElementType::F64,

@@ -1,0 +1,189 @@
+//! Reverse-mode autodiff as a builder transform.
+//!
+//! `grad(y, wrt)` walks the nodes that lie on a path from `wrt` to `y` in reverse and applies each
+//! op's vjp rule (in `ops.rs`). Nodes off that path get no gradient work at all, so a frozen
+//! weight (not in `wrt`) never gets a gradient computed. Nodes created inside
+//! [`Builder::remat`] are recomputed from their region's inputs, passed through an
+//! `optimization_barrier` together with the incoming cotangent, so the recomputation happens
+//! in the backward pass and is not merged with the forward copy.
+
+use crate::builder::{err, Builder, Result};
+use crate::graph::{Node, Value};
+use std::collections::HashMap;
+
+impl Builder {
+    /// Gradient of the scalar `y` with respect to each of `wrt`.
+    pub fn grad(&mut self, y: Value, wrt: &[Value]) -> Result<Vec<Value>> {
+        let s = self.shape(y).clone();
+        if s.rank() != 0 || !s.dtype.is_float() {
+            return err(
+                "grad",
+                format!("needs a float scalar to differentiate, got {s}"),
+            );
+        }
+        let one = self.full_like(y, 1.0);
+        self.vjp(&[(y, one)], wrt)
+    }
+
+    /// `(y, grads)`: the value itself and its gradient.
+    pub fn value_and_grad(&mut self, y: Value, wrt: &[Value]) -> Result<(Value, Vec<Value>)> {
+        Ok((y, self.grad(y, wrt)?))
+    }
+
+    /// Vector-Jacobian product: given (output, cotangent) seeds, the cotangent of each of `wrt`.
+    pub fn vjp(&mut self, seeds: &[(Value, Value)], wrt: &[Value]) -> Result<Vec<Value>> {
+        let end = self.f.nodes.len();
+        let n_values = self.f.shapes.len();
+        let float = |b: &Builder, v: Value| b.dtype(v).is_float();
+
+        // Values that depend on some `wrt` (through float values only) ...
+        let mut depends = vec![false; n_values];
+        for &w in wrt {
+            depends[w.index()] = true;
+        }
+        for node in &self.f.nodes[..end] {
+            if node.inputs.iter().any(|v| depends[v.index()]) {
+                for &o in &node.outputs {
+                    depends[o.index()] = float(self, o);
+                }
+            }
+        }
+        // ... and that some seed depends on.
+        let mut reaches = vec![false; n_values];
+        for (y, _) in seeds {
+            reaches[y.index()] = true;
+        }
+        for node in self.f.nodes[..end].iter().rev() {
+            if node.outputs.iter().any(|v| reaches[v.index()]) {
+                for &i in &node.inputs {
+                    reaches[i.index()] = true;
+                }
+            }
+        }
+        let active = |v: Value| depends[v.index()] && reaches[v.index()];
+
+        let mut ct: HashMap<Value, Value> = HashMap::new();
+        for &(y, g) in seeds {
+            if self.shape(y) != self.shape(g) {
+                return err(
+                    "vjp",
+                    format!(
+                        "seed cotangent {} does not match output {}",
+                        self.shape(g),
+                        self.shape(y)
+                    ),
+                );
+            }
+            accumulate(self, &mut ct, y, g)?;
+        }
+        let saved_remat = self.remat.take();
+        let saved_scope = std::mem::take(&mut self.scope);
+        let mut recomputed: HashMap<u32, HashMap<Value, Value>> = HashMap::new();
+
+        let result = (|| -> Result<()> {
+            for idx in (0..end).rev() {
+                let node = self.f.nodes[idx].clone();
+                if !node.outputs.iter().any(|&o| active(o)) {
+                    continue;
+                }
+                let cts: Vec<Option<Value>> =
+                    node.outputs.iter().map(|o| ct.get(o).copied()).collect();
+                if cts.iter().all(|c| c.is_none()) {
+                    continue;
+                }
+                let needs: Vec<bool> = node.inputs.iter().map(|&i| active(i)).collect();
+                if !needs.iter().any(|&n| n) {
+                    continue;
+                }
+                self.scope = vec![match &node.loc {
+                    Some(l) => format!("{l}.grad"),
+                    None => "grad".to_string(),
+                }];
+                let view = match node.remat {
+                    Some(r) => {
+                        if let std::collections::hash_map::Entry::Vacant(slot) = recomputed.entry(r)
+                        {
+                            let tie: Vec<Value> = cts.iter().flatten().copied().collect();
+                            slot.insert(self.recompute_region(r, end, &tie));
+                        }
+                        let map = &recomputed[&r];
+                        let m = |v: &Value| *map.get(v).unwrap_or(v);
+                        Node {
+                            inputs: node.inputs.iter().map(m).collect(),
+                            outputs: node.outputs.iter().map(m).collect(),
+                            ..node.clone()
+                        }
+                    }
+                    None => node.clone(),
+                };
+                let grads = crate::ops::vjp(self, &view, &cts, &needs)?;
+                for ((&input, g), need) in node.inputs.iter().zip(grads).zip(&needs) {
+                    if let (Some(g), true) = (g, *need) {
+                        accumulate(self, &mut ct, input, g)?;
+                    }
+                }
+            }
+            Ok(())
+        })();
+        self.remat = saved_remat;
+        self.scope = saved_scope;
+        result?;
+        Ok(wrt
+            .iter()
+            .map(|w| match ct.get(w) {
+                Some(&g) => g,
+                None => self.zeros_like(*w),
+            })
+            .collect())
+    }
+
+    /// Emit a copy of remat region `r` (nodes before `end`) reading its inputs through an
+    /// optimization barrier that also holds `tie`. Returns original value -> recomputed value.
+    fn recompute_region(&mut self, r: u32, end: usize, tie: &[Value]) -> HashMap<Value, Value> {
+        let members: Vec<usize> = (0..end)
+            .filter(|&i| self.f.nodes[i].remat == Some(r))
+            .collect();
+        let mut inside = std::collections::HashSet::new();
+        for &i in &members {
+            inside.extend(self.f.nodes[i].outputs.iter().copied());
+        }
+        let mut externals: Vec<Value> = Vec::new();
+        for &i in &members {
+            for &v in &self.f.nodes[i].inputs {
+                if !inside.contains(&v) && !externals.contains(&v) {
+                    externals.push(v);
+                }
+            }
+        }
+        let mut barrier_in = externals.clone();
+        barrier_in.extend_from_slice(tie);
+        let barrier_out = self.optimization_barrier(&barrier_in);
+        let mut map: HashMap<Value, Value> = externals.iter().copied().zip(barrier_out).collect();
+        for &i in &members {
+            let node = self.f.nodes[i].clone();
+            if matches!(
+                node.op,
+                crate::graph::Op::Constant(_) | crate::graph::Op::Iota { .. }
+            ) {
+                continue; // constants are free to rematerialise; XLA folds them
+            }
+            let inputs = node
+                .inputs
+                .iter()
+                .map(|v| *map.get(v).unwrap_or(v))
+                .collect();
+            let outs = self.push_copy(&node, inputs);
+            map.extend(node.outputs.iter().copied().zip(outs));
+        }
+        map
+    }
+}
+
+fn accumulate(b: &mut Builder, ct: &mut HashMap<Value, Value>, v: Value, g: Value) -> Result<()> {
+    let total = match ct.get(&v) {
+        Some(&prev) => b.add(prev, g)?,
+        None => g,
+    };
+    ct.insert(v, total);
+    Ok(())
+}

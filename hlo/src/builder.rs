@@ -1,0 +1,189 @@
+//! The function builder: parameters, scopes for readable locations, remat regions, and the
+//! bookkeeping every op constructor shares. The op constructors themselves live in `ops.rs`.
+
+use crate::graph::*;
+use crate::types::{DType, Shape};
+
+/// A shape or operand error, naming the op: `dot_general: lhs contracting dim 1 has size 64 ...`.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+#[error("{op}: {message}")]
+pub struct Error {
+    pub op: &'static str,
+    pub message: String,
+}
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+pub(crate) fn err<T>(op: &'static str, message: impl Into<String>) -> Result<T> {
+    Err(Error {
+        op,
+        message: message.into(),
+    })
+}
+
+/// Builds one function. Values it returns belong to this builder's function only.
+pub struct Builder {
+    pub(crate) f: Func,
+    pub(crate) scope: Vec<String>,
+    pub(crate) remat: Option<u32>,
+    next_remat: u32,
+}
+
+impl Builder {
+    pub fn new(name: &str) -> Builder {
+        Builder {
+            f: Func {
+                name: name.to_string(),
+                params: Vec::new(),
+                nodes: Vec::new(),
+                results: Vec::new(),
+                shapes: Vec::new(),
+                defined_by: Vec::new(),
+            },
+            scope: Vec::new(),
+            remat: None,
+            next_remat: 0,
+        }
+    }
+
+    /// The function built so far (for inspection; values stay valid).
+    pub fn func(&self) -> &Func {
+        &self.f
+    }
+
+    fn new_value(&mut self, shape: Shape, def: Option<usize>) -> Value {
+        let v = Value(self.f.shapes.len() as u32);
+        self.f.shapes.push(shape);
+        self.f.defined_by.push(def);
+        v
+    }
+
+    /// Add a parameter. `name` is for humans (the printed SSA name) and must be unique.
+    pub fn param(&mut self, name: &str, shape: Shape) -> Value {
+        self.param_with(name, shape, ParamAttrs::default())
+    }
+
+    pub fn param_with(&mut self, name: &str, shape: Shape, attrs: ParamAttrs) -> Value {
+        let v = self.new_value(shape, None);
+        self.f.params.push(Param {
+            value: v,
+            name: name.to_string(),
+            attrs,
+        });
+        v
+    }
+
+    /// Set the attributes of an existing parameter (e.g. donation, once result order is known).
+    pub fn set_param_attrs(&mut self, v: Value, attrs: ParamAttrs) {
+        if let Some(p) = self.f.params.iter_mut().find(|p| p.value == v) {
+            p.attrs = attrs;
+        }
+    }
+
+    pub fn shape(&self, v: Value) -> &Shape {
+        self.f.shape(v)
+    }
+
+    pub fn dims(&self, v: Value) -> &[i64] {
+        &self.f.shape(v).dims
+    }
+
+    pub fn dtype(&self, v: Value) -> DType {
+        self.f.dtype(v)
+    }
+
+    pub fn rank(&self, v: Value) -> usize {
+        self.f.shape(v).rank()
+    }
+
+    /// Enter a named scope: nodes created until the matching [`Builder::pop_scope`] carry
+    /// `loc("outer.inner")`.
+    pub fn push_scope(&mut self, name: &str) {
+        self.scope.push(name.to_string());
+    }
+
+    pub fn pop_scope(&mut self) {
+        self.scope.pop();
+    }
+
+    /// Run `f` inside a named scope.
+    pub fn scoped<R>(
+        &mut self,
+        name: &str,
+        f: impl FnOnce(&mut Builder) -> Result<R>,
+    ) -> Result<R> {
+        self.push_scope(name);
+        let r = f(self);
+        self.pop_scope();
+        r
+    }
+
+    /// Run `f` as a remat region: what it computes is recomputed in the backward pass (behind an
+    /// `optimization_barrier`) instead of being kept alive from the forward pass.
+    pub fn remat<R>(&mut self, f: impl FnOnce(&mut Builder) -> Result<R>) -> Result<R> {
+        let outer = self.remat;
+        self.remat = Some(self.next_remat);
+        self.next_remat += 1;
+        let r = f(self);
+        self.remat = outer;
+        r
+    }
+
+    fn loc(&self) -> Option<String> {
+        (!self.scope.is_empty()).then(|| self.scope.join("."))
+    }
+
+    /// Append a node with the given output shapes; shape checking is the caller's job.
+    pub(crate) fn push(&mut self, op: Op, inputs: Vec<Value>, outs: Vec<Shape>) -> Vec<Value> {
+        let idx = self.f.nodes.len();
+        let outputs: Vec<Value> = outs
+            .into_iter()
+            .map(|s| self.new_value(s, Some(idx)))
+            .collect();
+        let loc = self.loc();
+        self.f.nodes.push(Node {
+            op,
+            inputs,
+            outputs: outputs.clone(),
+            loc,
+            remat: self.remat,
+        });
+        outputs
+    }
+
+    pub(crate) fn push1(&mut self, op: Op, inputs: Vec<Value>, out: Shape) -> Value {
+        self.push(op, inputs, vec![out])[0]
+    }
+
+    /// Append a copy of `node` reading `inputs`, outside any remat region (used by autodiff).
+    pub(crate) fn push_copy(&mut self, node: &Node, inputs: Vec<Value>) -> Vec<Value> {
+        let shapes = node
+            .outputs
+            .iter()
+            .map(|&v| self.shape(v).clone())
+            .collect();
+        let saved = self.remat.take();
+        let outs = self.push(node.op.clone(), inputs, shapes);
+        self.remat = saved;
+        outs
+    }
+
+    /// Finish the function with named results.
+    pub fn finish(self, results: &[(&str, Value)]) -> Func {
+        self.finish_with(
+            results
+                .iter()
+                .map(|(n, v)| FuncResult {
+                    value: *v,
+                    name: n.to_string(),
+                    sharding: None,
+                })
+                .collect(),
+        )
+    }
+
+    pub fn finish_with(mut self, results: Vec<FuncResult>) -> Func {
+        self.f.results = results;
+        self.f
+    }
+}

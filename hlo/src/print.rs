@@ -1,0 +1,517 @@
+//! The StableHLO text printer. Deterministic: the same graph always prints the same bytes.
+//!
+//! Simple ops use StableHLO's short ("pretty") forms, the rest the generic form, which every
+//! parser accepts. Parameters print under their own names (`%lora.q.A`); other values are
+//! numbered in definition order across the whole function, nested regions included.
+
+use crate::graph::*;
+use crate::types::{DType, Shape};
+use std::collections::HashMap;
+use std::fmt::Write;
+
+/// A module: the entry function `main` (first), helper functions, and an optional device mesh.
+#[derive(Clone, Debug)]
+pub struct Module {
+    pub name: String,
+    pub funcs: Vec<Func>,
+    pub mesh: Option<Mesh>,
+}
+
+impl Module {
+    pub fn new(name: &str, main: Func) -> Module {
+        Module {
+            name: name.to_string(),
+            funcs: vec![main],
+            mesh: None,
+        }
+    }
+
+    pub fn with_mesh(mut self, mesh: Mesh) -> Module {
+        self.mesh = Some(mesh);
+        self
+    }
+
+    pub fn to_text(&self) -> String {
+        let mut out = String::new();
+        let partitions = self.mesh.as_ref().map_or(1, |m| m.device_count());
+        let _ = writeln!(
+            out,
+            "module @{} attributes {{mhlo.num_partitions = {partitions} : i32, mhlo.num_replicas = 1 : i32}} {{",
+            sanitize(&self.name)
+        );
+        if let Some(mesh) = &self.mesh {
+            let axes: Vec<String> = mesh
+                .axes
+                .iter()
+                .map(|(n, s)| format!("\"{n}\"={s}"))
+                .collect();
+            let _ = writeln!(out, "  sdy.mesh @mesh = <[{}]>", axes.join(", "));
+        }
+        for (i, f) in self.funcs.iter().enumerate() {
+            // XLA runs the function called `main`; the others are helpers.
+            let (vis, name) = if i == 0 {
+                ("public", "main".to_string())
+            } else {
+                ("private", sanitize(&f.name))
+            };
+            Printer::default().func(&mut out, f, vis, &name);
+        }
+        out.push_str("}\n");
+        out
+    }
+}
+
+/// Turn a human name into a legal MLIR identifier (letters, digits, `$._-`; not starting with
+/// a digit).
+fn sanitize(name: &str) -> String {
+    let mut s: String = name
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || "$._-".contains(c) {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    if s.is_empty() || s.starts_with(|c: char| c.is_ascii_digit()) {
+        s.insert(0, 'v');
+    }
+    s
+}
+
+fn escape(s: &str) -> String {
+    s.replace('\\', "\\\\").replace('"', "\\\"")
+}
+
+fn i64_list(v: &[i64]) -> String {
+    let parts: Vec<String> = v.iter().map(|x| x.to_string()).collect();
+    format!("[{}]", parts.join(", "))
+}
+
+fn i64_array(v: &[i64]) -> String {
+    if v.is_empty() {
+        return "array<i64>".into();
+    }
+    let parts: Vec<String> = v.iter().map(|x| x.to_string()).collect();
+    format!("array<i64: {}>", parts.join(", "))
+}
+
+pub(crate) fn sharding_attr(s: &Sharding) -> String {
+    let dims: Vec<String> = s
+        .dims
+        .iter()
+        .map(|axes| {
+            let a: Vec<String> = axes.iter().map(|x| format!("\"{x}\"")).collect();
+            format!("{{{}}}", a.join(", "))
+        })
+        .collect();
+    format!("<@mesh, [{}]>", dims.join(", "))
+}
+
+/// A float in MLIR syntax for `dtype`: decimal when it round-trips, hex bits for NaN and Inf.
+fn float_text(v: f64, dtype: DType) -> String {
+    if !v.is_finite() {
+        let bits: u64 = match (dtype, v.is_nan(), v > 0.0) {
+            (DType::F64, true, _) => 0x7FF8_0000_0000_0000,
+            (DType::F64, _, true) => 0x7FF0_0000_0000_0000,
+            (DType::F64, _, false) => 0xFFF0_0000_0000_0000,
+            (DType::F32, true, _) => 0x7FC0_0000,
+            (DType::F32, _, true) => 0x7F80_0000,
+            (DType::F32, _, false) => 0xFF80_0000,
+            (DType::BF16, true, _) => 0x7FC0,
+            (DType::BF16, _, true) => 0x7F80,
+            (DType::BF16, _, false) => 0xFF80,
+            (_, true, _) => 0x7E00,
+            (_, _, true) => 0x7C00,
+            (_, _, false) => 0xFC00,
+        };
+        let width = dtype.bits() / 4;
+        return format!("0x{bits:0width$X}");
+    }
+    // Shortest text that reads back to the same value of the tensor's type.
+    let s = match dtype {
+        DType::F64 => format!("{v:e}"),
+        DType::F32 => format!("{:e}", v as f32),
+        DType::BF16 => format!("{:e}", half::bf16::from_f64(v).to_f32()),
+        _ => format!("{:e}", half::f16::from_f64(v).to_f32()),
+    };
+    // Rust writes "1e0" / "1.5e-7"; MLIR needs a '.' in the mantissa.
+    match s.split_once('e') {
+        Some((m, e)) if !m.contains('.') => format!("{m}.0e{e}"),
+        _ => s,
+    }
+}
+
+fn literal_element(lit: &Literal, i: usize, dtype: DType) -> String {
+    match lit {
+        Literal::Float(v) => float_text(v[i], dtype),
+        Literal::Int(v) => v[i].to_string(),
+        Literal::Bool(v) => v[i].to_string(),
+    }
+}
+
+fn dense_text(lit: &Literal, shape: &Shape) -> String {
+    let n = lit.len();
+    let all_same = (1..n)
+        .all(|i| literal_element(lit, i, shape.dtype) == literal_element(lit, 0, shape.dtype));
+    if n == 1 || all_same {
+        return format!("dense<{}>", literal_element(lit, 0, shape.dtype));
+    }
+    if n > 64 && !matches!(lit, Literal::Bool(_)) {
+        return format!("dense<\"0x{}\">", hex_bytes(lit, shape.dtype));
+    }
+    fn nested(lit: &Literal, dims: &[i64], offset: usize, dtype: DType) -> String {
+        if dims.is_empty() {
+            return literal_element(lit, offset, dtype);
+        }
+        let inner: i64 = dims[1..].iter().product();
+        let parts: Vec<String> = (0..dims[0])
+            .map(|i| nested(lit, &dims[1..], offset + (i * inner) as usize, dtype))
+            .collect();
+        format!("[{}]", parts.join(", "))
+    }
+    format!("dense<{}>", nested(lit, &shape.dims, 0, shape.dtype))
+}
+
+/// Raw little-endian element bytes, as MLIR's hex dense form expects.
+fn hex_bytes(lit: &Literal, dtype: DType) -> String {
+    let mut bytes: Vec<u8> = Vec::new();
+    match lit {
+        Literal::Float(v) => {
+            for &x in v {
+                match dtype {
+                    DType::F64 => bytes.extend(x.to_le_bytes()),
+                    DType::F32 => bytes.extend((x as f32).to_le_bytes()),
+                    DType::BF16 => bytes.extend(half::bf16::from_f64(x).to_le_bytes()),
+                    _ => bytes.extend(half::f16::from_f64(x).to_le_bytes()),
+                }
+            }
+        }
+        Literal::Int(v) => {
+            for &x in v {
+                let b = x.to_le_bytes();
+                bytes.extend(&b[..dtype.size_bytes()]);
+            }
+        }
+        Literal::Bool(v) => bytes.extend(v.iter().map(|&b| b as u8)),
+    }
+    bytes.iter().map(|b| format!("{b:02X}")).collect()
+}
+
+#[derive(Default)]
+struct Printer {
+    counter: usize,
+}
+
+struct Names(HashMap<Value, String>);
+
+impl Names {
+    fn get(&self, v: Value) -> &str {
+        &self.0[&v]
+    }
+
+    fn list(&self, vs: &[Value]) -> String {
+        vs.iter()
+            .map(|&v| self.get(v).to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}
+
+fn types(f: &Func, vs: &[Value]) -> String {
+    vs.iter()
+        .map(|&v| f.shape(v).to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+impl Printer {
+    fn fresh(&mut self) -> String {
+        let n = self.counter;
+        self.counter += 1;
+        format!("%{n}")
+    }
+
+    fn func(&mut self, out: &mut String, f: &Func, visibility: &str, name: &str) {
+        let mut names = Names(HashMap::new());
+        let mut used = std::collections::HashSet::new();
+        let mut params = Vec::new();
+        for p in &f.params {
+            let mut name = sanitize(&p.name);
+            if name.chars().all(|c| c.is_ascii_digit()) || !used.insert(name.clone()) {
+                let mut k = 1;
+                while !used.insert(format!("{name}_{k}")) {
+                    k += 1;
+                }
+                name = format!("{name}_{k}");
+            }
+            let mut attrs = Vec::new();
+            if let Some(o) = p.attrs.alias_output {
+                attrs.push(format!("tf.aliasing_output = {o} : i32"));
+            }
+            if let Some(s) = &p.attrs.sharding {
+                attrs.push(format!("sdy.sharding = #sdy.sharding{}", sharding_attr(s)));
+            }
+            let attrs = if attrs.is_empty() {
+                String::new()
+            } else {
+                format!(" {{{}}}", attrs.join(", "))
+            };
+            params.push(format!("%{name}: {}{attrs}", f.shape(p.value)));
+            names.0.insert(p.value, format!("%{name}"));
+        }
+        let results: Vec<String> = f
+            .results
+            .iter()
+            .map(|r| {
+                let mut attrs = vec![format!("xtrain.name = \"{}\"", escape(&r.name))];
+                if let Some(s) = &r.sharding {
+                    attrs.push(format!("sdy.sharding = #sdy.sharding{}", sharding_attr(s)));
+                }
+                format!("{} {{{}}}", f.shape(r.value), attrs.join(", "))
+            })
+            .collect();
+        let _ = writeln!(
+            out,
+            "  func.func {visibility} @{name}({}) -> ({}) {{",
+            params.join(", "),
+            results.join(", ")
+        );
+        self.body(out, f, &mut names, "    ");
+        let rv: Vec<Value> = f.results.iter().map(|r| r.value).collect();
+        let _ = writeln!(out, "    return {} : {}", names.list(&rv), types(f, &rv));
+        out.push_str("  }\n");
+    }
+
+    /// Print a region: a block whose arguments are `f`'s params, ending in `stablehlo.return`.
+    fn region(&mut self, out: &mut String, f: &Func, indent: &str) {
+        let mut names = Names(HashMap::new());
+        let args: Vec<String> = f
+            .params
+            .iter()
+            .map(|p| {
+                let n = self.fresh();
+                names.0.insert(p.value, n.clone());
+                format!("{n}: {}", f.shape(p.value))
+            })
+            .collect();
+        let _ = writeln!(out, "{indent}^bb0({}):", args.join(", "));
+        let inner = format!("{indent}  ");
+        self.body(out, f, &mut names, &inner);
+        let rv: Vec<Value> = f.results.iter().map(|r| r.value).collect();
+        let _ = writeln!(
+            out,
+            "{inner}stablehlo.return {} : {}",
+            names.list(&rv),
+            types(f, &rv)
+        );
+    }
+
+    fn body(&mut self, out: &mut String, f: &Func, names: &mut Names, indent: &str) {
+        for node in &f.nodes {
+            if matches!(node.op, Op::StopGradient) {
+                let src = names.get(node.inputs[0]).to_string();
+                names.0.insert(node.outputs[0], src);
+                continue;
+            }
+            let result = self.fresh();
+            if node.outputs.len() == 1 {
+                names.0.insert(node.outputs[0], result.clone());
+            } else {
+                for (k, &o) in node.outputs.iter().enumerate() {
+                    names.0.insert(o, format!("{result}#{k}"));
+                }
+            }
+            let lhs = if node.outputs.len() == 1 {
+                result.clone()
+            } else {
+                format!("{result}:{}", node.outputs.len())
+            };
+            let text = self.op_text(f, node, names, indent);
+            let loc = node
+                .loc
+                .as_ref()
+                .map(|l| format!(" loc(\"{}\")", escape(l)))
+                .unwrap_or_default();
+            let _ = writeln!(out, "{indent}{lhs} = {text}{loc}");
+        }
+    }
+
+    fn op_text(&mut self, f: &Func, node: &Node, names: &Names, indent: &str) -> String {
+        let ins = names.list(&node.inputs);
+        let in_types = types(f, &node.inputs);
+        let out_t = f.shape(node.outputs[0]);
+        let sig = format!("({in_types}) -> {out_t}");
+        let generic = |name: &str, props: String| {
+            let props = if props.is_empty() {
+                String::new()
+            } else {
+                format!(" <{{{props}}}>")
+            };
+            format!("\"stablehlo.{name}\"({ins}){props} : {sig}")
+        };
+        match &node.op {
+            Op::Constant(lit) => format!("stablehlo.constant {} : {out_t}", dense_text(lit, out_t)),
+            Op::Iota { dim } => format!("stablehlo.iota dim = {dim} : {out_t}"),
+            Op::Unary(u) => format!("stablehlo.{} {ins} : {out_t}", u.mlir()),
+            Op::Binary(b) => format!("stablehlo.{} {ins} : {out_t}", b.mlir()),
+            Op::Compare(dir) => {
+                let dt = f.dtype(node.inputs[0]);
+                let kind = if dt.is_float() {
+                    "FLOAT"
+                } else if dt.is_signed_int() {
+                    "SIGNED"
+                } else {
+                    "UNSIGNED"
+                };
+                format!("stablehlo.compare {}, {ins}, {kind} : {sig}", dir.mlir())
+            }
+            Op::Select => generic("select", String::new()),
+            Op::Clamp => generic("clamp", String::new()),
+            Op::Convert => format!("stablehlo.convert {ins} : {sig}"),
+            Op::BitcastConvert => format!("stablehlo.bitcast_convert {ins} : {sig}"),
+            Op::BroadcastInDim { dims } => format!("stablehlo.broadcast_in_dim {ins}, dims = {} : {sig}", i64_list(dims)),
+            Op::Reshape => format!("stablehlo.reshape {ins} : {sig}"),
+            Op::Transpose { perm } => format!("stablehlo.transpose {ins}, dims = {} : {sig}", i64_list(perm)),
+            Op::Slice { start, limit, strides } => generic(
+                "slice",
+                format!(
+                    "limit_indices = {}, start_indices = {}, strides = {}",
+                    i64_array(limit),
+                    i64_array(start),
+                    i64_array(strides)
+                ),
+            ),
+            Op::DynamicSlice { sizes } => generic("dynamic_slice", format!("slice_sizes = {}", i64_array(sizes))),
+            Op::DynamicUpdateSlice => generic("dynamic_update_slice", String::new()),
+            Op::Concatenate { dim } => generic("concatenate", format!("dimension = {dim} : i64")),
+            Op::Pad { low, high, interior } => generic(
+                "pad",
+                format!(
+                    "edge_padding_high = {}, edge_padding_low = {}, interior_padding = {}",
+                    i64_array(high),
+                    i64_array(low),
+                    i64_array(interior)
+                ),
+            ),
+            Op::Gather { dims, slice_sizes } => {
+                let mut fields = Vec::new();
+                for (k, v) in [
+                    ("offset_dims", &dims.offset_dims),
+                    ("collapsed_slice_dims", &dims.collapsed_slice_dims),
+                    ("start_index_map", &dims.start_index_map),
+                ] {
+                    if !v.is_empty() {
+                        fields.push(format!("{k} = {}", i64_list(v)));
+                    }
+                }
+                fields.push(format!("index_vector_dim = {}", dims.index_vector_dim));
+                generic(
+                    "gather",
+                    format!(
+                        "dimension_numbers = #stablehlo.gather<{}>, indices_are_sorted = false, slice_sizes = {}",
+                        fields.join(", "),
+                        i64_array(slice_sizes)
+                    ),
+                )
+            }
+            Op::Scatter { dims, combiner } => {
+                let mut fields = Vec::new();
+                for (k, v) in [
+                    ("update_window_dims", &dims.update_window_dims),
+                    ("inserted_window_dims", &dims.inserted_window_dims),
+                    ("scatter_dims_to_operand_dims", &dims.scatter_dims_to_operand_dims),
+                ] {
+                    if !v.is_empty() {
+                        fields.push(format!("{k} = {}", i64_list(v)));
+                    }
+                }
+                fields.push(format!("index_vector_dim = {}", dims.index_vector_dim));
+                let scalar = Shape::scalar(out_t.dtype);
+                let (a, b) = (self.fresh(), self.fresh());
+                let inner = format!("{indent}  ");
+                let body = match combiner {
+                    Combiner::Add => {
+                        let s = self.fresh();
+                        format!("{inner}{s} = stablehlo.add {a}, {b} : {scalar}\n{inner}stablehlo.return {s} : {scalar}\n")
+                    }
+                    _ => format!("{inner}stablehlo.return {b} : {scalar}\n"),
+                };
+                format!(
+                    "\"stablehlo.scatter\"({ins}) <{{indices_are_sorted = false, scatter_dimension_numbers = #stablehlo.scatter<{}>, unique_indices = false}}> ({{\n{indent}^bb0({a}: {scalar}, {b}: {scalar}):\n{body}{indent}}}) : {sig}",
+                    fields.join(", ")
+                )
+            }
+            Op::DotGeneral { dims, precision } => {
+                let mut s = format!("stablehlo.dot_general {ins}");
+                if !dims.lhs_batch.is_empty() {
+                    let _ = write!(s, ", batching_dims = {} x {}", i64_list(&dims.lhs_batch), i64_list(&dims.rhs_batch));
+                }
+                let _ = write!(s, ", contracting_dims = {} x {}", i64_list(&dims.lhs_contract), i64_list(&dims.rhs_contract));
+                if let Some(p) = precision {
+                    let p = match p {
+                        Precision::Default => "DEFAULT",
+                        Precision::High => "HIGH",
+                        Precision::Highest => "HIGHEST",
+                    };
+                    let _ = write!(s, ", precision = [{p}, {p}]");
+                }
+                let _ = write!(s, " : {sig}");
+                s
+            }
+            Op::Reduce { dims, combiner } => {
+                let op = match combiner {
+                    Combiner::Add => "add",
+                    Combiner::Max => "maximum",
+                    _ => "minimum",
+                };
+                let (x, init) = (names.get(node.inputs[0]), names.get(node.inputs[1]));
+                format!("stablehlo.reduce({x} init: {init}) applies stablehlo.{op} across dimensions = {} : {sig}", i64_list(dims))
+            }
+            Op::While { cond, body } => {
+                let mut s = format!("\"stablehlo.while\"({ins}) ({{\n");
+                self.region(&mut s, cond, indent);
+                let _ = writeln!(s, "{indent}}}, {{");
+                self.region(&mut s, body, indent);
+                let outs = types(f, &node.outputs);
+                let _ = write!(s, "{indent}}}) : ({in_types}) -> ({outs})");
+                s
+            }
+            Op::OptimizationBarrier => {
+                let outs = types(f, &node.outputs);
+                let outs = if node.outputs.len() == 1 { outs } else { format!("({outs})") };
+                format!("\"stablehlo.optimization_barrier\"({ins}) : ({in_types}) -> {outs}")
+            }
+            Op::ShardingConstraint(sh) => format!("sdy.sharding_constraint {ins} {} : {out_t}", sharding_attr(sh)),
+            Op::RngBitGenerator => format!(
+                "\"stablehlo.rng_bit_generator\"({ins}) <{{rng_algorithm = #stablehlo<rng_algorithm THREE_FRY>}}> : ({in_types}) -> ({})",
+                types(f, &node.outputs)
+            ),
+            Op::StopGradient => unreachable!("stop_gradient prints as its input"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn floats_print_exactly_and_specials_as_hex() {
+        assert_eq!(float_text(1.0, DType::F32), "1.0e0");
+        assert_eq!(float_text(0.1, DType::F32), "1.0e-1");
+        assert_eq!(float_text(-2.5e-7, DType::F64), "-2.5e-7");
+        assert_eq!(float_text(f64::NAN, DType::F32), "0x7FC00000");
+        assert_eq!(float_text(f64::NEG_INFINITY, DType::BF16), "0xFF80");
+        assert_eq!(float_text(f64::INFINITY, DType::F64), "0x7FF0000000000000");
+        assert_eq!(float_text(f64::INFINITY, DType::F16), "0x7C00");
+    }
+
+    #[test]
+    fn names_are_sanitized() {
+        assert_eq!(sanitize("layers.0.q_proj.lora_A"), "layers.0.q_proj.lora_A");
+        assert_eq!(sanitize("0abc"), "v0abc");
+        assert_eq!(sanitize("a b/c"), "a_b_c");
+    }
+}
