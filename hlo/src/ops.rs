@@ -585,11 +585,11 @@ impl Builder {
             );
         }
         self.check_index_scalars("dynamic_slice", starts)?;
-        for i in 0..s.rank() {
-            if sizes[i] < 0 || sizes[i] > s.dims[i] {
+        for (i, (&size, &dim)) in sizes.iter().zip(&s.dims).enumerate() {
+            if size < 0 || size > dim {
                 return err(
                     "dynamic_slice",
-                    format!("size {} of dim {i} exceeds {s}", sizes[i]),
+                    format!("size {size} of dim {i} exceeds {s}"),
                 );
             }
         }
