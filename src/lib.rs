@@ -1,1 +1,14 @@
+//! xtrain: the Llama 3.1 LoRA training step compiled as one StableHLO program and run on any
+//! PJRT plugin. See README.md for the tour; `hlo` builds graphs, `pjrt` runs them.
 
+pub mod config;
+pub mod fsutil;
+pub mod lora;
+pub mod model;
+pub mod optim;
+pub mod peft;
+pub mod runtime;
+pub mod safetensors;
+pub mod step;
+pub mod train;
+pub mod weights;

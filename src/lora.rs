@@ -1,0 +1,153 @@
+//! LoRA as PEFT defines it: for a target projection W [out, in], trainable A [r, in] and
+//! B [out, r]; the projection becomes `x W^T + (alpha / r) * dropout(x) A^T B^T`.
+
+use anyhow::{bail, Result};
+use std::fmt;
+
+/// A projection LoRA can adapt.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+pub enum Target {
+    Q,
+    K,
+    V,
+    O,
+    Gate,
+    Up,
+    Down,
+}
+
+impl Target {
+    pub const ALL: [Target; 7] = [
+        Target::Q,
+        Target::K,
+        Target::V,
+        Target::O,
+        Target::Gate,
+        Target::Up,
+        Target::Down,
+    ];
+
+    /// PEFT's module name (`q_proj`, ...).
+    pub fn module(self) -> &'static str {
+        match self {
+            Target::Q => "q_proj",
+            Target::K => "k_proj",
+            Target::V => "v_proj",
+            Target::O => "o_proj",
+            Target::Gate => "gate_proj",
+            Target::Up => "up_proj",
+            Target::Down => "down_proj",
+        }
+    }
+
+    /// `self_attn` or `mlp`: the HF submodule holding the projection.
+    pub fn block(self) -> &'static str {
+        match self {
+            Target::Q | Target::K | Target::V | Target::O => "self_attn",
+            _ => "mlp",
+        }
+    }
+
+    /// Parse `q`, `q_proj`, `gate`, ...
+    pub fn parse(s: &str) -> Result<Target> {
+        let s = s.trim();
+        let base = s.strip_suffix("_proj").unwrap_or(s);
+        Ok(match base {
+            "q" => Target::Q,
+            "k" => Target::K,
+            "v" => Target::V,
+            "o" => Target::O,
+            "gate" => Target::Gate,
+            "up" => Target::Up,
+            "down" => Target::Down,
+            _ => bail!("unknown LoRA target `{s}` (choose among q,k,v,o,gate,up,down)"),
+        })
+    }
+
+    pub fn parse_list(s: &str) -> Result<Vec<Target>> {
+        let mut v: Vec<Target> = s
+            .split(',')
+            .filter(|p| !p.trim().is_empty())
+            .map(Target::parse)
+            .collect::<Result<_>>()?;
+        v.sort();
+        v.dedup();
+        if v.is_empty() {
+            bail!("--lora-targets is empty");
+        }
+        Ok(v)
+    }
+
+    /// The HF name of the frozen weight this adapts in layer `layer`.
+    pub fn weight_name(self, layer: i64) -> String {
+        format!("model.layers.{layer}.{}.{}.weight", self.block(), self.module())
+    }
+
+    /// PEFT's file name for A or B (`which` = "A" or "B").
+    pub fn peft_name(self, layer: i64, which: &str) -> String {
+        format!(
+            "base_model.model.model.layers.{layer}.{}.{}.lora_{which}.weight",
+            self.block(),
+            self.module()
+        )
+    }
+}
+
+impl fmt::Display for Target {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.module())
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct LoraConfig {
+    pub r: i64,
+    pub alpha: f64,
+    pub dropout: f64,
+    pub targets: Vec<Target>,
+}
+
+impl LoraConfig {
+    pub fn scale(&self) -> f64 {
+        self.alpha / self.r as f64
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        if self.r <= 0 {
+            bail!("--lora-r must be positive, got {}", self.r);
+        }
+        if !(0.0..1.0).contains(&self.dropout) {
+            bail!("--lora-dropout must be in [0, 1), got {}", self.dropout);
+        }
+        Ok(())
+    }
+}
+
+/// A small deterministic generator (splitmix64) for initialisation and shuffling: the same seed
+/// gives the same numbers on every machine.
+#[derive(Clone, Debug)]
+pub struct SplitMix(pub u64);
+
+impl SplitMix {
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [0, 1).
+    pub fn next_f64(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// PEFT's default init of A: `kaiming_uniform_(a=sqrt(5))`, i.e. U(-1/sqrt(in), 1/sqrt(in)).
+/// (The same distribution as PEFT; the stream differs from torch's generator.)
+pub fn kaiming_uniform(rng: &mut SplitMix, r: i64, fan_in: i64) -> Vec<f32> {
+    let bound = 1.0 / (fan_in as f64).sqrt();
+    (0..r * fan_in)
+        .map(|_| ((rng.next_f64() * 2.0 - 1.0) * bound) as f32)
+        .collect()
+}

@@ -1,0 +1,356 @@
+//! The Llama 3.1 forward pass and loss, as a graph. Written to read like the equations:
+//!
+//! ```text
+//! h_0   = E[ids]
+//! a_l   = h_l + Attn_l(RMSNorm(h_l; g_l))          (GQA, RoPE, causal + padding mask)
+//! h_l+1 = a_l + W_down(silu(W_gate x) * W_up x),   x = RMSNorm(a_l; g'_l)
+//! logits = RMSNorm(h_L; g) W_head^T
+//! loss  = sum_valid CE(logits[t], label[t+1]) / #valid      (HF: over the whole batch)
+//! ```
+//! Every projection `x W^T` may carry a LoRA term `(alpha/r) dropout(x) A^T B^T`.
+
+use crate::config::LlamaConfig;
+use crate::lora::Target;
+use hlo::{Builder, CmpDir, DType, DotDims, Result, Shape, Value};
+use std::collections::BTreeMap;
+
+/// The frozen weights of one decoder layer (HF layout: projections are [out, in]).
+#[derive(Clone, Debug)]
+pub struct LayerWeights {
+    pub input_norm: Value,
+    pub q: Value,
+    pub k: Value,
+    pub v: Value,
+    pub o: Value,
+    pub post_norm: Value,
+    pub gate: Value,
+    pub up: Value,
+    pub down: Value,
+}
+
+impl LayerWeights {
+    pub fn projection(&self, t: Target) -> Value {
+        match t {
+            Target::Q => self.q,
+            Target::K => self.k,
+            Target::V => self.v,
+            Target::O => self.o,
+            Target::Gate => self.gate,
+            Target::Up => self.up,
+            Target::Down => self.down,
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct BaseWeights {
+    pub embed: Value,
+    pub layers: Vec<LayerWeights>,
+    pub norm: Value,
+    /// The embedding itself when embeddings are tied.
+    pub lm_head: Value,
+}
+
+/// One LoRA adapter pair: A [r, in], B [out, r].
+#[derive(Clone, Copy, Debug)]
+pub struct LoraPair {
+    pub a: Value,
+    pub b: Value,
+}
+
+/// The adapters of every layer, the scale alpha/r, and dropout.
+#[derive(Clone, Debug, Default)]
+pub struct Adapters {
+    pub layers: Vec<BTreeMap<Target, LoraPair>>,
+    pub scale: f64,
+    /// (probability, RNG state `tensor<2xui64>`) when dropout is on.
+    pub dropout: Option<(f64, Value)>,
+}
+
+/// Numerics of the forward pass.
+#[derive(Clone, Copy, Debug)]
+pub struct Numerics {
+    /// Element type of activations and matmul operands (f32, or bf16 for mixed precision).
+    pub compute: DType,
+}
+
+impl Default for Numerics {
+    fn default() -> Self {
+        Numerics { compute: DType::F32 }
+    }
+}
+
+/// Builds the forward pass of one model config into a builder.
+pub struct Llama<'a> {
+    pub cfg: &'a LlamaConfig,
+    pub num: Numerics,
+}
+
+/// `x W^T` for x [.., in] and W [out, in], accumulating in f32 whatever the operand type.
+fn linear(b: &mut Builder, x: Value, w: Value) -> Result<Value> {
+    let xr = b.rank(x) as i64;
+    let dims = DotDims {
+        lhs_contract: vec![xr - 1],
+        rhs_contract: vec![1],
+        ..Default::default()
+    };
+    let out_type = b.dtype(x);
+    b.dot_general(x, w, dims, None, Some(out_type))
+}
+
+impl Llama<'_> {
+    /// Logits [B, T, V] (f32) for token ids [B, T] (s32) and a padding mask [B, T] (s32, 1 =
+    /// real token).
+    pub fn logits(&self, b: &mut Builder, w: &BaseWeights, lora: &mut Adapters, ids: Value, attention_mask: Value) -> Result<Value> {
+        let t = b.dims(ids)[1];
+        let embed = b.convert(w.embed, self.num.compute)?;
+        let mut h = b.scoped("embed", |b| b.take_rows(embed, ids))?;
+        let (cos, sin) = b.scoped("rope", |b| self.rope_tables(b, t))?;
+        let mask = b.scoped("mask", |b| self.attention_mask(b, attention_mask))?;
+        for (l, lw) in w.layers.iter().enumerate() {
+            b.push_scope(&format!("layers.{l}"));
+            let x = b.scoped("input_norm", |b| self.rms_norm(b, h, lw.input_norm))?;
+            let attn = self.attention(b, l, x, lw, lora, (cos, sin), mask)?;
+            h = b.add(h, attn)?;
+            let x = b.scoped("post_norm", |b| self.rms_norm(b, h, lw.post_norm))?;
+            let mlp = self.mlp(b, l, x, lw, lora)?;
+            h = b.add(h, mlp)?;
+            b.pop_scope();
+        }
+        let x = b.scoped("norm", |b| self.rms_norm(b, h, w.norm))?;
+        b.scoped("lm_head", |b| {
+            let head = b.convert(w.lm_head, self.num.compute)?;
+            let logits = linear(b, x, head)?;
+            b.convert(logits, DType::F32)
+        })
+    }
+
+    /// RMSNorm in f32: `g * x / sqrt(mean(x^2) + eps)`, back in the compute type.
+    fn rms_norm(&self, b: &mut Builder, x: Value, g: Value) -> Result<Value> {
+        let dims = b.dims(x).to_vec();
+        let last = dims.len() as i64 - 1;
+        let x32 = b.convert(x, DType::F32)?;
+        let sq = b.mul(x32, x32)?;
+        let sum = b.reduce_sum(sq, &[last])?;
+        let mean = b.mul_scalar(sum, 1.0 / dims[last as usize] as f64)?;
+        let var = b.add_scalar(mean, self.cfg.rms_norm_eps)?;
+        let inv = b.rsqrt(var)?;
+        let inv = b.broadcast_in_dim(inv, &dims, &(0..last).collect::<Vec<_>>())?;
+        let normed = b.mul(x32, inv)?;
+        // HF casts back to the activation type before scaling by the weight.
+        let normed = b.convert(normed, self.num.compute)?;
+        let g = b.convert(g, self.num.compute)?;
+        let g = b.broadcast_in_dim(g, &dims, &[last])?;
+        b.mul(normed, g)
+    }
+
+    /// cos and sin tables [T, D] for positions 0..T, in the split-half layout.
+    fn rope_tables(&self, b: &mut Builder, t: i64) -> Result<(Value, Value)> {
+        let inv = self.cfg.rope_inv_freq();
+        let half = inv.len() as i64;
+        let inv = b.constant(
+            hlo::Literal::Float(inv.iter().map(|&f| f as f64).collect()),
+            Shape::new(&[half], DType::F32),
+        )?;
+        let pos = b.iota(Shape::new(&[t, half], DType::F32), 0)?;
+        let inv = b.broadcast_in_dim(inv, &[t, half], &[1])?;
+        let freqs = b.mul(pos, inv)?;
+        let angles = b.concatenate(&[freqs, freqs], 1)?;
+        let cos = b.cos(angles)?;
+        let sin = b.sin(angles)?;
+        Ok((b.convert(cos, self.num.compute)?, b.convert(sin, self.num.compute)?))
+    }
+
+    /// x * cos + rotate_half(x) * sin, for x [B, T, ..heads.., D].
+    fn apply_rope(&self, b: &mut Builder, x: Value, (cos, sin): (Value, Value)) -> Result<Value> {
+        let dims = b.dims(x).to_vec();
+        let r = dims.len();
+        let d = dims[r - 1];
+        let x1 = b.slice_dim(x, r - 1, 0, d / 2)?;
+        let x2 = b.slice_dim(x, r - 1, d / 2, d)?;
+        let neg_x2 = b.neg(x2)?;
+        let rotated = b.concatenate(&[neg_x2, x1], r as i64 - 1)?;
+        let cos = b.broadcast_in_dim(cos, &dims, &[1, r as i64 - 1])?;
+        let sin = b.broadcast_in_dim(sin, &dims, &[1, r as i64 - 1])?;
+        let a = b.mul(x, cos)?;
+        let c = b.mul(rotated, sin)?;
+        b.add(a, c)
+    }
+
+    /// Which key positions each query may attend to: [B, T, S] booleans, causal and not padding.
+    fn attention_mask(&self, b: &mut Builder, attention_mask: Value) -> Result<Value> {
+        let (bs, t) = (b.dims(attention_mask)[0], b.dims(attention_mask)[1]);
+        let q_pos = b.iota(Shape::new(&[bs, t, t], DType::S32), 1)?;
+        let k_pos = b.iota(Shape::new(&[bs, t, t], DType::S32), 2)?;
+        let causal = b.compare(k_pos, q_pos, CmpDir::Le)?;
+        let zero = b.zeros_like(attention_mask);
+        let real = b.compare(attention_mask, zero, CmpDir::Ne)?;
+        let real = b.broadcast_in_dim(real, &[bs, t, t], &[0, 2])?;
+        b.and(causal, real)
+    }
+
+    /// `x W^T` plus the layer's LoRA term for `target` when there is one.
+    fn project(&self, b: &mut Builder, layer: usize, target: Target, x: Value, w: Value, lora: &mut Adapters) -> Result<Value> {
+        b.scoped(target.module(), |b| {
+            let w = b.convert(w, self.num.compute)?;
+            let y = linear(b, x, w)?;
+            let Some(pair) = lora.layers.get(layer).and_then(|m| m.get(&target)).copied() else {
+                return Ok(y);
+            };
+            let x_in = match &mut lora.dropout {
+                Some((p, state)) => {
+                    let (next, kept) = dropout(b, x, *p, *state)?;
+                    *state = next;
+                    kept
+                }
+                None => x,
+            };
+            let a = b.convert(pair.a, self.num.compute)?;
+            let bm = b.convert(pair.b, self.num.compute)?;
+            let xa = linear(b, x_in, a)?;
+            let xab = linear(b, xa, bm)?;
+            let scaled = b.mul_scalar(xab, lora.scale)?;
+            b.add(y, scaled)
+        })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        b: &mut Builder,
+        l: usize,
+        x: Value,
+        w: &LayerWeights,
+        lora: &mut Adapters,
+        rope: (Value, Value),
+        mask: Value,
+    ) -> Result<Value> {
+        let c = self.cfg;
+        let (bs, t) = (b.dims(x)[0], b.dims(x)[1]);
+        let (kvh, d) = (c.num_key_value_heads, c.head_dim);
+        let g = c.num_attention_heads / kvh;
+        let q = self.project(b, l, Target::Q, x, w.q, lora)?;
+        let k = self.project(b, l, Target::K, x, w.k, lora)?;
+        let v = self.project(b, l, Target::V, x, w.v, lora)?;
+        b.scoped("attn", |b| {
+            // Query head j = kv * G + g uses kv head j / G, as HF's repeat_kv does.
+            let q = b.reshape(q, &[bs, t, kvh, g, d])?;
+            let k = b.reshape(k, &[bs, t, kvh, d])?;
+            let v = b.reshape(v, &[bs, t, kvh, d])?;
+            let q = self.apply_rope(b, q, rope)?;
+            let k = self.apply_rope(b, k, rope)?;
+            // scores [B, KV, T, G, S] = q . k / sqrt(D), in f32
+            let dims = DotDims {
+                lhs_batch: vec![0, 2],
+                rhs_batch: vec![0, 2],
+                lhs_contract: vec![4],
+                rhs_contract: vec![3],
+            };
+            let scores = b.dot_general(q, k, dims, None, Some(DType::F32))?;
+            let scores = b.mul_scalar(scores, 1.0 / (d as f64).sqrt())?;
+            let sd = b.dims(scores).to_vec();
+            let allowed = b.broadcast_in_dim(mask, &sd, &[0, 2, 4])?;
+            let blocked = b.full(f32::MIN as f64, Shape::new(&sd, DType::F32));
+            let scores = b.select(allowed, scores, blocked)?;
+            let probs = softmax_last(b, scores)?;
+            let probs = b.convert(probs, self.num.compute)?;
+            // out [B, KV, T, G, D] = probs . v
+            let dims = DotDims {
+                lhs_batch: vec![0, 1],
+                rhs_batch: vec![0, 2],
+                lhs_contract: vec![4],
+                rhs_contract: vec![1],
+            };
+            let out = b.dot_general(probs, v, dims, None, Some(self.num.compute))?;
+            let out = b.transpose(out, &[0, 2, 1, 3, 4])?;
+            b.reshape(out, &[bs, t, c.num_attention_heads * d])
+        })
+        .and_then(|attn| self.project(b, l, Target::O, attn, w.o, lora))
+    }
+
+    fn mlp(&self, b: &mut Builder, l: usize, x: Value, w: &LayerWeights, lora: &mut Adapters) -> Result<Value> {
+        let gate = self.project(b, l, Target::Gate, x, w.gate, lora)?;
+        let up = self.project(b, l, Target::Up, x, w.up, lora)?;
+        // silu(g) = g * sigmoid(g)
+        let act = b.scoped("mlp", |b| {
+            let s = b.logistic(gate)?;
+            let silu = b.mul(gate, s)?;
+            b.mul(silu, up)
+        })?;
+        self.project(b, l, Target::Down, act, w.down, lora)
+    }
+}
+
+/// Softmax over the last dim (f32), shifted by the max, which gets no gradient (the result does
+/// not depend on it).
+pub fn softmax_last(b: &mut Builder, x: Value) -> Result<Value> {
+    let dims = b.dims(x).to_vec();
+    let last = dims.len() as i64 - 1;
+    let keep: Vec<i64> = (0..last).collect();
+    let m = b.reduce_max(x, &[last])?;
+    let m = b.stop_gradient(m);
+    let m = b.broadcast_in_dim(m, &dims, &keep)?;
+    let shifted = b.sub(x, m)?;
+    let e = b.exp(shifted)?;
+    let s = b.reduce_sum(e, &[last])?;
+    let s = b.broadcast_in_dim(s, &dims, &keep)?;
+    b.div(e, s)
+}
+
+/// Inverted dropout on x: keep each element with probability 1-p and scale by 1/(1-p).
+/// Returns the advanced RNG state and the result.
+fn dropout(b: &mut Builder, x: Value, p: f64, state: Value) -> Result<(Value, Value)> {
+    let s = b.shape(x).clone();
+    let (next, bits) = b.rng_bit_generator(state, s.with_dtype(DType::U32))?;
+    // Uniform in [0, 1) from the top 24 bits.
+    let eight = b.full(8.0, s.with_dtype(DType::U32));
+    let top = b.shift_right_logical(bits, eight)?;
+    let u = b.convert(top, DType::F32)?;
+    let u = b.mul_scalar(u, 1.0 / (1u32 << 24) as f64)?;
+    let thresh = b.full(p, s.with_dtype(DType::F32));
+    let keep = b.compare(u, thresh, CmpDir::Ge)?;
+    let scaled = b.mul_scalar(x, 1.0 / (1.0 - p))?;
+    let zero = b.zeros_like(x);
+    Ok((next, b.select(keep, scaled, zero)?))
+}
+
+/// Per-token cross entropy and the HF loss. `labels` [B, T] (s32, -100 = ignore) are shifted
+/// here: position t predicts label t+1, the last position predicts nothing.
+/// Returns (loss = sum CE / #valid over the whole batch, per-token CE [B, T], #valid).
+pub fn causal_lm_loss(b: &mut Builder, logits: Value, labels: Value) -> Result<(Value, Value, Value)> {
+    b.scoped("loss", |b| {
+        let dims = b.dims(logits).to_vec();
+        let (bs, t, v) = (dims[0], dims[1], dims[2]);
+        let next = b.slice_dim(labels, 1, 1, t)?;
+        let ignore = b.scalar(-100.0, DType::S32);
+        let targets = b.pad(next, ignore, &[0, 0], &[0, 1], &[0, 0])?;
+        // log-sum-exp over the vocabulary
+        let m = b.reduce_max(logits, &[2])?;
+        let m = b.stop_gradient(m);
+        let mb = b.broadcast_in_dim(m, &dims, &[0, 1])?;
+        let shifted = b.sub(logits, mb)?;
+        let e = b.exp(shifted)?;
+        let s = b.reduce_sum(e, &[2])?;
+        let ls = b.log(s)?;
+        let lse = b.add(ls, m)?;
+        // the target's logit, picked with a one-hot compare (fused by XLA, no gather)
+        let vocab = b.iota(Shape::new(&[bs, t, v], DType::S32), 2)?;
+        let tb = b.broadcast_in_dim(targets, &dims, &[0, 1])?;
+        let hit = b.compare(vocab, tb, CmpDir::Eq)?;
+        let zero = b.zeros_like(logits);
+        let picked = b.select(hit, logits, zero)?;
+        let picked = b.reduce_sum(picked, &[2])?;
+        let ce = b.sub(lse, picked)?;
+        let minus100 = b.full(-100.0, Shape::new(&[bs, t], DType::S32));
+        let valid = b.compare(targets, minus100, CmpDir::Ne)?;
+        let valid = b.convert(valid, DType::F32)?;
+        let ce = b.mul(ce, valid)?;
+        let total = b.sum_all(ce)?;
+        let count = b.sum_all(valid)?;
+        // An all-ignored batch gives loss 0, not NaN.
+        let one = b.scalar(1.0, DType::F32);
+        let denom = b.max(count, one)?;
+        let loss = b.div(total, denom)?;
+        Ok((loss, ce, count))
+    })
+}

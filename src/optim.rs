@@ -1,0 +1,122 @@
+//! AdamW inside the step, with torch.optim.AdamW's formula:
+//!
+//! ```text
+//! p  <- p * (1 - lr * wd)                       (decoupled weight decay)
+//! m  <- b1 m + (1 - b1) g
+//! v  <- b2 v + (1 - b2) g^2
+//! p  <- p - (lr / (1 - b1^t)) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)   (eps after the sqrt)
+//! ```
+//! plus optional clipping of the global gradient norm (torch's clip_grad_norm_).
+
+use hlo::{Builder, DType, Result, Value};
+
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct AdamW {
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    pub weight_decay: f64,
+    /// Clip the global gradient norm to this (0 = no clipping).
+    pub max_grad_norm: f64,
+}
+
+impl Default for AdamW {
+    fn default() -> Self {
+        AdamW {
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+            max_grad_norm: 0.0,
+        }
+    }
+}
+
+/// One parameter with its gradient and moments.
+pub struct Slot {
+    pub param: Value,
+    pub grad: Value,
+    pub m: Value,
+    pub v: Value,
+}
+
+/// The global L2 norm of all gradients (f32 scalar).
+pub fn global_norm(b: &mut Builder, grads: &[Value]) -> Result<Value> {
+    let mut total = b.scalar(0.0, DType::F32);
+    for &g in grads {
+        let g = b.convert(g, DType::F32)?;
+        let sq = b.mul(g, g)?;
+        let s = b.sum_all(sq)?;
+        total = b.add(total, s)?;
+    }
+    b.sqrt(total)
+}
+
+impl AdamW {
+    /// Apply one update. `step` is t (1-based, f32 scalar), `lr` the learning rate (f32 scalar).
+    /// Returns the new (param, m, v) per slot and the gradient norm before clipping.
+    pub fn update(&self, b: &mut Builder, slots: &[Slot], step: Value, lr: Value) -> Result<(Vec<(Value, Value, Value)>, Value)> {
+        b.scoped("adamw", |b| {
+            let grads: Vec<Value> = slots.iter().map(|s| s.grad).collect();
+            let norm = global_norm(b, &grads)?;
+            // clip_coef = min(1, max_norm / (norm + 1e-6))
+            let clip = if self.max_grad_norm > 0.0 {
+                let n = b.add_scalar(norm, 1e-6)?;
+                let maxn = b.scalar(self.max_grad_norm, DType::F32);
+                let c = b.div(maxn, n)?;
+                let one = b.scalar(1.0, DType::F32);
+                Some(b.min(c, one)?)
+            } else {
+                None
+            };
+            // Bias corrections from the step count: 1 - beta^t.
+            let b1 = b.scalar(self.beta1, DType::F32);
+            let b2 = b.scalar(self.beta2, DType::F32);
+            let b1t = b.pow(b1, step)?;
+            let b2t = b.pow(b2, step)?;
+            let one = b.scalar(1.0, DType::F32);
+            let bc1 = b.sub(one, b1t)?;
+            let bc2 = b.sub(one, b2t)?;
+            let step_size = b.div(lr, bc1)?;
+            let sqrt_bc2 = b.sqrt(bc2)?;
+            let decay = if self.weight_decay != 0.0 {
+                let lw = b.mul_scalar(lr, self.weight_decay)?;
+                Some(b.sub(one, lw)?)
+            } else {
+                None
+            };
+            let mut out = Vec::new();
+            for s in slots {
+                let dims = b.dims(s.param).to_vec();
+                let bcast = |b: &mut Builder, x: Value| b.broadcast_in_dim(x, &dims, &[]);
+                let mut g = s.grad;
+                if let Some(c) = clip {
+                    let c = bcast(b, c)?;
+                    g = b.mul(g, c)?;
+                }
+                let mut p = s.param;
+                if let Some(d) = decay {
+                    let d = bcast(b, d)?;
+                    p = b.mul(p, d)?;
+                }
+                let m1 = b.mul_scalar(s.m, self.beta1)?;
+                let m2 = b.mul_scalar(g, 1.0 - self.beta1)?;
+                let m = b.add(m1, m2)?;
+                let gg = b.mul(g, g)?;
+                let v1 = b.mul_scalar(s.v, self.beta2)?;
+                let v2 = b.mul_scalar(gg, 1.0 - self.beta2)?;
+                let v = b.add(v1, v2)?;
+                let sv = b.sqrt(v)?;
+                let sb = bcast(b, sqrt_bc2)?;
+                let denom = b.div(sv, sb)?;
+                let denom = b.add_scalar(denom, self.eps)?;
+                let ss = bcast(b, step_size)?;
+                let upd = b.div(m, denom)?;
+                let upd = b.mul(upd, ss)?;
+                let p = b.sub(p, upd)?;
+                out.push((p, m, v));
+            }
+            Ok((out, norm))
+        })
+    }
+}

@@ -1,0 +1,104 @@
+//! The device side: a PJRT client, compiled programs, host <-> device tensors.
+
+use crate::step::Program;
+use anyhow::{bail, Context, Result};
+use half::{bf16, f16};
+use hlo::DType;
+use pjrt::{Buffer, Client, ClientOptions, CompileOptions, Device, ElementType, Executable, HostTensor, Plugin};
+
+pub fn element_type(d: DType) -> ElementType {
+    match d {
+        DType::Pred => ElementType::Pred,
+        DType::S8 => ElementType::S8,
+        DType::S32 => ElementType::S32,
+        DType::S64 => ElementType::S64,
+        DType::U8 => ElementType::U8,
+        DType::U32 => ElementType::U32,
+        DType::U64 => ElementType::U64,
+        DType::F16 => ElementType::F16,
+        DType::BF16 => ElementType::BF16,
+        DType::F32 => ElementType::F32,
+        DType::F64 => ElementType::F64,
+    }
+}
+
+/// Convert a host tensor's element type: between float types (rounding to nearest even), and
+/// from any integer type to s32 (checking the range).
+pub fn convert(t: &HostTensor, to: ElementType) -> Result<HostTensor> {
+    if t.ty == to {
+        return Ok(t.clone());
+    }
+    let floats = |v: Vec<f32>| -> HostTensor {
+        match to {
+            ElementType::F32 => HostTensor::from_f32(&v, &t.dims),
+            ElementType::BF16 => HostTensor::from_bf16(&v.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>(), &t.dims),
+            ElementType::F16 => HostTensor::from_f16(&v.iter().map(|&x| f16::from_f32(x)).collect::<Vec<_>>(), &t.dims),
+            _ => unreachable!(),
+        }
+    };
+    match (t.ty, to) {
+        (ElementType::F32 | ElementType::BF16 | ElementType::F16, ElementType::F32 | ElementType::BF16 | ElementType::F16) => {
+            Ok(floats(t.to_f32_lossy()?))
+        }
+        (ElementType::F64, ElementType::F32) => Ok(floats(t.to_f64()?.iter().map(|&x| x as f32).collect())),
+        (ElementType::S64, ElementType::S32) => {
+            let v = t.to_i64()?;
+            let out: Vec<i32> = v
+                .iter()
+                .map(|&x| i32::try_from(x).map_err(|_| anyhow::anyhow!("value {x} does not fit in 32 bits")))
+                .collect::<Result<_>>()?;
+            Ok(HostTensor::from_i32(&out, &t.dims))
+        }
+        (ElementType::U8 | ElementType::S8 | ElementType::U32, ElementType::S32) => {
+            let v: Vec<i32> = match t.ty {
+                ElementType::U8 => t.to_u8()?.iter().map(|&x| x as i32).collect(),
+                ElementType::S8 => t.to_i8()?.iter().map(|&x| x as i32).collect(),
+                _ => t.to_u32()?.iter().map(|&x| x as i32).collect(),
+            };
+            Ok(HostTensor::from_i32(&v, &t.dims))
+        }
+        (from, to) => bail!("cannot convert {from:?} to {to:?}"),
+    }
+}
+
+/// A PJRT client on one backend.
+pub struct Runtime {
+    pub client: Client,
+    pub devices: Vec<Device>,
+}
+
+impl Runtime {
+    /// Open the plugin (`cpu`, `cuda`, ..., a path, or `$XTRAIN_PLUGIN`; the CPU plugin is
+    /// installed on first use) and create a client. `cpu_devices` sets the CPU plugin's number
+    /// of virtual devices.
+    pub fn open(plugin: Option<&str>, cpu_devices: Option<i64>) -> Result<Runtime> {
+        let path = pjrt::discover::resolve_or_install(plugin)?;
+        let plugin = Plugin::load(&path)?;
+        let options = match cpu_devices {
+            Some(n) if path.to_string_lossy().contains("cpu") => ClientOptions::cpu_device_count(n),
+            _ => ClientOptions::default(),
+        };
+        let client = plugin
+            .client(&options)
+            .with_context(|| format!("cannot create a client for {}", path.display()))?;
+        let devices = client.devices()?;
+        if devices.is_empty() {
+            bail!("the plugin {} reports no devices", path.display());
+        }
+        Ok(Runtime { client, devices })
+    }
+
+    /// Compile a program for one device, checking its arguments on every execute.
+    pub fn compile(&self, program: &Program, options: &CompileOptions) -> Result<Executable> {
+        let mut exe = self
+            .client
+            .compile(&program.text, options)
+            .context("XLA could not compile the program")?;
+        exe.expect_inputs(program.args.iter().map(|a| (element_type(a.dtype), a.shape.clone())).collect());
+        Ok(exe)
+    }
+
+    pub fn upload(&self, t: &HostTensor) -> Result<Buffer> {
+        Ok(self.client.to_device(t, &self.devices[0])?)
+    }
+}

@@ -1,0 +1,260 @@
+//! The Llama 3.1 + LoRA + AdamW step against Hugging Face transformers + PEFT
+//! (tests/fixtures/tiny-llama3, see its manifest.json). f32 throughout.
+
+use pjrt::{CompileOptions, ElementType, HostTensor};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+use xtrain::config::LlamaConfig;
+use xtrain::lora::{LoraConfig, Target};
+use xtrain::optim::AdamW;
+use xtrain::runtime::{convert, Runtime};
+use xtrain::safetensors::SafeTensors;
+use xtrain::step::{self, Program, Role, StepSpec};
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-llama3")
+}
+
+fn runtime() -> &'static Runtime {
+    static RT: OnceLock<Runtime> = OnceLock::new();
+    RT.get_or_init(|| Runtime::open(Some("cpu"), Some(1)).expect("CPU runtime"))
+}
+
+fn read(file: &str) -> SafeTensors {
+    SafeTensors::open(&fixtures().join(file)).unwrap()
+}
+
+fn f32s(t: &HostTensor) -> Vec<f32> {
+    t.to_f32_lossy().unwrap()
+}
+
+fn oracle_lora() -> LoraConfig {
+    LoraConfig { r: 8, alpha: 16.0, dropout: 0.0, targets: Target::ALL.to_vec() }
+}
+
+fn spec(model_dir: &str) -> StepSpec {
+    StepSpec {
+        model: LlamaConfig::load(&fixtures().join(model_dir)).unwrap(),
+        lora: oracle_lora(),
+        adam: AdamW { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0, max_grad_norm: 0.0 },
+        batch: 2,
+        seq: 16,
+        weight_dtype: hlo::DType::F32,
+        compute_dtype: hlo::DType::F32,
+    }
+}
+
+/// Host inputs for a program, by role: weights from `model_dir`, LoRA from `adapter`, the batch.
+fn inputs(program: &Program, model_dir: &str, adapter: &BTreeMap<String, HostTensor>, extra: &BTreeMap<String, HostTensor>) -> Vec<HostTensor> {
+    let s = spec(model_dir);
+    let weights = xtrain::weights::load(&fixtures().join(model_dir), &s.model, ElementType::F32, |_, _| {}).unwrap();
+    let batch = read("inputs.safetensors");
+    let mut w = weights.into_iter();
+    program
+        .args
+        .iter()
+        .map(|a| match a.role {
+            Role::Frozen => w.next().unwrap(),
+            Role::Lora => adapter[&a.name].clone(),
+            Role::InputIds | Role::Labels | Role::AttentionMask => convert(&batch.read(&a.name).unwrap(), ElementType::S32).unwrap(),
+            _ => extra[&a.name].clone(),
+        })
+        .collect()
+}
+
+fn execute(program: &Program, host: &[HostTensor]) -> BTreeMap<String, HostTensor> {
+    let rt = runtime();
+    let exe = rt.compile(program, &CompileOptions::default()).unwrap();
+    let bufs: Vec<_> = host.iter().map(|t| rt.upload(t).unwrap()).collect();
+    let out = exe.execute(&[bufs.iter().collect()]).unwrap();
+    program.results.iter().zip(&out[0]).map(|(r, b)| (r.name.clone(), b.to_host().unwrap())).collect()
+}
+
+fn adapter(dir: &str) -> BTreeMap<String, HostTensor> {
+    let s = spec("model");
+    xtrain::peft::read_tensors(&fixtures().join(dir), &s.model, &oracle_lora()).unwrap()
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+#[test]
+fn both_config_forms_agree() {
+    let a = LlamaConfig::load(&fixtures().join("model/config.json")).unwrap();
+    let b = LlamaConfig::load(&fixtures().join("model/config.v5.json")).unwrap();
+    assert_eq!(a, b);
+    assert_eq!(a.head_dim, 16);
+    assert!(a.rope_scaling.is_some());
+}
+
+#[test]
+fn rope_frequencies_match_transformers() {
+    let cfg = spec("model").model;
+    let base = read("base_outputs.safetensors");
+    let want = f32s(&base.read("rope_inv_freq").unwrap());
+    let got = cfg.rope_inv_freq();
+    for (g, w) in got.iter().zip(&want) {
+        assert!((g - w).abs() <= 1e-6 * w.abs(), "{g} vs {w}");
+    }
+}
+
+#[test]
+fn base_logits_and_loss_match() {
+    let program = step::build_forward(&spec("model"), false).unwrap();
+    let out = execute(&program, &inputs(&program, "model", &BTreeMap::new(), &BTreeMap::new()));
+    let base = read("base_outputs.safetensors");
+    let d = max_abs_diff(&f32s(&out["logits"]), &f32s(&base.read("logits").unwrap()));
+    assert!(d <= 1e-4, "logits differ by {d} (tolerance 1e-4)");
+    let loss = out["loss"].scalar_f32().unwrap();
+    assert!((loss - 6.649667).abs() <= 1e-5, "loss {loss} vs 6.649667 (tolerance 1e-5)");
+    // Per-token CE: oracle [2, 15] for positions 0..14; ours [2, 16] with the last position 0.
+    let ce = f32s(&out["token_loss"]);
+    let want = f32s(&base.read("per_token_ce").unwrap());
+    for r in 0..2 {
+        for t in 0..15 {
+            let (g, w) = (ce[r * 16 + t], want[r * 15 + t]);
+            assert!((g - w).abs() <= 1e-4, "row {r} pos {t}: {g} vs {w}");
+        }
+    }
+}
+
+#[test]
+fn sharded_and_bf16_checkpoints() {
+    let program = step::build_forward(&spec("model"), false).unwrap();
+    let base = read("base_outputs.safetensors");
+    let out = execute(&program, &inputs(&program, "model_sharded", &BTreeMap::new(), &BTreeMap::new()));
+    let d = max_abs_diff(&f32s(&out["logits"]), &f32s(&base.read("logits").unwrap()));
+    assert!(d <= 1e-4, "sharded checkpoint logits differ by {d}");
+    let out = execute(&program, &inputs(&program, "model_bf16", &BTreeMap::new(), &BTreeMap::new()));
+    let want = read("bf16_outputs.safetensors");
+    let d = max_abs_diff(&f32s(&out["logits"]), &f32s(&want.read("logits").unwrap()));
+    assert!(d <= 1e-4, "bf16 checkpoint (f32 compute) logits differ by {d} (tolerance 1e-4)");
+}
+
+#[test]
+fn lora_logits_loss_and_all_28_gradients_match() {
+    let s = spec("model");
+    let init = adapter("adapter_init");
+    let program = step::build_forward(&s, true).unwrap();
+    let out = execute(&program, &inputs(&program, "model", &init, &BTreeMap::new()));
+    let lo = read("lora_outputs.safetensors");
+    let d = max_abs_diff(&f32s(&out["logits"]), &f32s(&lo.read("logits").unwrap()));
+    assert!(d <= 1e-4, "LoRA logits differ by {d}");
+    let loss = out["loss"].scalar_f32().unwrap();
+    assert!((loss - 6.638960).abs() <= 1e-5, "LoRA loss {loss}");
+
+    let program = step::build_grad_program(&s).unwrap();
+    let out = execute(&program, &inputs(&program, "model", &init, &BTreeMap::new()));
+    let mut checked = 0;
+    for r in program.results.iter().filter(|r| r.name.starts_with("grad.")) {
+        let got = f32s(&out[&r.name]);
+        let want = f32s(&lo.read(&r.name).unwrap());
+        let diff: f32 = got.iter().zip(&want).map(|(a, b)| (a - b) * (a - b)).sum::<f32>().sqrt();
+        let norm: f32 = want.iter().map(|b| b * b).sum::<f32>().sqrt();
+        assert!(diff / norm <= 1e-4, "{}: relative error {} (tolerance 1e-4)", r.name, diff / norm);
+        checked += 1;
+    }
+    assert_eq!(checked, 28);
+}
+
+fn zeros_like_lora(init: &BTreeMap<String, HostTensor>) -> BTreeMap<String, HostTensor> {
+    let mut extra = BTreeMap::new();
+    for (name, t) in init {
+        let z = HostTensor::from_f32(&vec![0.0; t.element_count()], &t.dims);
+        extra.insert(format!("exp_avg.{name}"), z.clone());
+        extra.insert(format!("exp_avg_sq.{name}"), z);
+    }
+    extra
+}
+
+#[test]
+fn three_adamw_steps_match_torch() {
+    let s = spec("model");
+    let program = step::build_train_step(&s).unwrap();
+    let rt = runtime();
+    let exe = rt.compile(&program, &CompileOptions::default()).unwrap();
+    let mut state = adapter("adapter_init");
+    state.extend(zeros_like_lora(&adapter("adapter_init")));
+    let step1 = read("lora_step1.safetensors");
+    let step3 = read("lora_step3.safetensors");
+    let grads = read("lora_outputs.safetensors");
+    let mut losses = Vec::new();
+    for t in 1..=3 {
+        let mut extra = state.clone();
+        extra.insert("step".into(), HostTensor::from_f32(&[t as f32], &[]));
+        extra.insert("lr".into(), HostTensor::from_f32(&[1e-3], &[]));
+        let host = inputs(&program, "model", &state, &extra);
+        let bufs: Vec<_> = host.iter().map(|t| rt.upload(t).unwrap()).collect();
+        let out = exe.execute(&[bufs.iter().collect()]).unwrap();
+        // Donated state buffers are consumed by the step.
+        let lora_idx = program.args.iter().position(|a| a.role == Role::Lora).unwrap();
+        assert!(bufs[lora_idx].is_deleted().unwrap(), "LoRA params are donated");
+        let out: BTreeMap<String, HostTensor> = program.results.iter().zip(&out[0]).map(|(r, b)| (r.name.clone(), b.to_host().unwrap())).collect();
+        losses.push(out["loss"].scalar_f32().unwrap());
+        if t == 1 {
+            let gn = out["grad_norm"].scalar_f32().unwrap();
+            assert!((gn - 2.5769150).abs() <= 1e-4 * 2.58, "grad norm {gn} vs 2.5769150");
+            for r in program.results.iter().filter(|r| r.role == Role::Lora) {
+                let got = f32s(&out[&r.name]);
+                let want = f32s(&step1.read(&r.name).unwrap());
+                let g = f32s(&grads.read(&format!("grad.{}", r.name)).unwrap());
+                for i in 0..got.len() {
+                    if g[i].abs() > 1e-6 {
+                        assert!((got[i] - want[i]).abs() <= 1e-5, "{} [{i}] after step 1: {} vs {}", r.name, got[i], want[i]);
+                    }
+                }
+            }
+            for r in program.results.iter().filter(|r| matches!(r.role, Role::AdamM | Role::AdamV)) {
+                let d = max_abs_diff(&f32s(&out[&r.name]), &f32s(&step1.read(&r.name).unwrap()));
+                assert!(d <= 1e-6, "{} after step 1 differs by {d} (tolerance 1e-6)", r.name);
+            }
+        }
+        if t == 3 {
+            for r in program.results.iter().filter(|r| r.role == Role::Lora) {
+                let d = max_abs_diff(&f32s(&out[&r.name]), &f32s(&step3.read(&r.name).unwrap()));
+                assert!(d <= 1e-5, "{} after step 3 differs by {d} (tolerance 1e-5)", r.name);
+            }
+        }
+        for r in program.results.iter().filter(|r| matches!(r.role, Role::Lora | Role::AdamM | Role::AdamV)) {
+            state.insert(r.name.clone(), out[&r.name].clone());
+        }
+    }
+    for (g, w) in losses.iter().zip([6.63896f32, 6.45776, 6.28345]) {
+        assert!((g - w).abs() <= 1e-4, "losses {losses:?}");
+    }
+}
+
+#[test]
+fn the_step_computes_no_gradient_of_a_frozen_weight() {
+    let s = spec("model");
+    let program = step::build_train_step(&s).unwrap();
+    let frozen: Vec<String> = program
+        .args
+        .iter()
+        .filter(|a| a.role == Role::Frozen)
+        .map(|a| format!("tensor<{}xf32>", a.shape.iter().map(|d| d.to_string()).collect::<Vec<_>>().join("x")))
+        .collect();
+    // Lines of the backward pass (their location ends in ".grad") must not produce a value with
+    // a frozen weight's type: no weight gradient is ever formed.
+    let mut backward_lines = 0;
+    for line in program.text.lines().filter(|l| l.contains(".grad\")")) {
+        backward_lines += 1;
+        let result_type = line.rsplit("-> ").next().unwrap_or(line);
+        for f in &frozen {
+            assert!(!result_type.starts_with(f.as_str()), "backward produces a {f}: {line}");
+        }
+    }
+    assert!(backward_lines > 100);
+    // Forward, per layer: 7 projections + 14 LoRA dots + 2 attention dots; plus lm_head.
+    // Backward, per layer: 7 activation grads through W, 4 per LoRA pair (dA, dB and two
+    // activation grads), 4 attention; plus lm_head's activation grad. Layer 0's input comes from
+    // the frozen embedding, so q, k and v there need no input gradient: 3 through W and 3
+    // through A fewer. Nothing else: a frozen weight never gets a gradient dot.
+    let dots = program.text.matches("stablehlo.dot_general").count();
+    let forward = 2 * (7 + 14 + 2) + 1;
+    let backward = 2 * (7 + 28 + 4) - 6 + 1;
+    assert_eq!(dots, forward + backward, "dot_general count");
+}
