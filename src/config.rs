@@ -112,7 +112,10 @@ impl LlamaConfig {
         // RoPE: transformers 5 nests everything in `rope_parameters`; 4.x has `rope_theta` at the
         // top and the scaling in `rope_scaling`.
         let (theta, scaling) = match get(j, "rope_parameters") {
-            Some(p) => (float(p, "rope_theta").context("in `rope_parameters`")?, Some(p)),
+            Some(p) => (
+                float(p, "rope_theta").context("in `rope_parameters`")?,
+                Some(p),
+            ),
             None => (
                 get(j, "rope_theta").map_or(Ok(10000.0), |_| float(j, "rope_theta"))?,
                 get(j, "rope_scaling"),
@@ -121,7 +124,11 @@ impl LlamaConfig {
         let rope_scaling = match scaling {
             None => None,
             Some(s) => {
-                let field = if get(j, "rope_parameters").is_some() { "rope_parameters" } else { "rope_scaling" };
+                let field = if get(j, "rope_parameters").is_some() {
+                    "rope_parameters"
+                } else {
+                    "rope_scaling"
+                };
                 let kind = get(s, "rope_type")
                     .or_else(|| get(s, "type"))
                     .and_then(|v| v.as_str())
@@ -143,9 +150,9 @@ impl LlamaConfig {
         };
         let tie = match get(j, "tie_word_embeddings") {
             None => false,
-            Some(v) => v
-                .as_bool()
-                .with_context(|| format!("field `tie_word_embeddings` must be true or false, found {v}"))?,
+            Some(v) => v.as_bool().with_context(|| {
+                format!("field `tie_word_embeddings` must be true or false, found {v}")
+            })?,
         };
         Ok(LlamaConfig {
             vocab_size: int(j, "vocab_size")?,

@@ -8,9 +8,18 @@ use std::path::Path;
 /// Write `path` through `fill` into a temp file in the same directory, fsync it, rename it over
 /// `path` and fsync the directory. A crash at any point leaves the old file (or none), never a
 /// half-written one.
-pub fn write_atomic(path: &Path, fill: impl FnOnce(&mut BufWriter<File>) -> std::io::Result<()>) -> Result<()> {
-    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    let name = path.file_name().context("path has no file name")?.to_string_lossy();
+pub fn write_atomic(
+    path: &Path,
+    fill: impl FnOnce(&mut BufWriter<File>) -> std::io::Result<()>,
+) -> Result<()> {
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let name = path
+        .file_name()
+        .context("path has no file name")?
+        .to_string_lossy();
     let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
     let result = (|| -> std::io::Result<()> {
         let mut w = BufWriter::new(File::create(&tmp)?);

@@ -80,7 +80,11 @@ impl Target {
 
     /// The HF name of the frozen weight this adapts in layer `layer`.
     pub fn weight_name(self, layer: i64) -> String {
-        format!("model.layers.{layer}.{}.{}.weight", self.block(), self.module())
+        format!(
+            "model.layers.{layer}.{}.{}.weight",
+            self.block(),
+            self.module()
+        )
     }
 
     /// PEFT's file name for A or B (`which` = "A" or "B").

@@ -76,7 +76,9 @@ pub struct Numerics {
 
 impl Default for Numerics {
     fn default() -> Self {
-        Numerics { compute: DType::F32 }
+        Numerics {
+            compute: DType::F32,
+        }
     }
 }
 
@@ -101,7 +103,14 @@ fn linear(b: &mut Builder, x: Value, w: Value) -> Result<Value> {
 impl Llama<'_> {
     /// Logits [B, T, V] (f32) for token ids [B, T] (s32) and a padding mask [B, T] (s32, 1 =
     /// real token).
-    pub fn logits(&self, b: &mut Builder, w: &BaseWeights, lora: &mut Adapters, ids: Value, attention_mask: Value) -> Result<Value> {
+    pub fn logits(
+        &self,
+        b: &mut Builder,
+        w: &BaseWeights,
+        lora: &mut Adapters,
+        ids: Value,
+        attention_mask: Value,
+    ) -> Result<Value> {
         let t = b.dims(ids)[1];
         let embed = b.convert(w.embed, self.num.compute)?;
         let mut h = b.scoped("embed", |b| b.take_rows(embed, ids))?;
@@ -158,7 +167,10 @@ impl Llama<'_> {
         let angles = b.concatenate(&[freqs, freqs], 1)?;
         let cos = b.cos(angles)?;
         let sin = b.sin(angles)?;
-        Ok((b.convert(cos, self.num.compute)?, b.convert(sin, self.num.compute)?))
+        Ok((
+            b.convert(cos, self.num.compute)?,
+            b.convert(sin, self.num.compute)?,
+        ))
     }
 
     /// x * cos + rotate_half(x) * sin, for x [B, T, ..heads.., D].
@@ -190,7 +202,15 @@ impl Llama<'_> {
     }
 
     /// `x W^T` plus the layer's LoRA term for `target` when there is one.
-    fn project(&self, b: &mut Builder, layer: usize, target: Target, x: Value, w: Value, lora: &mut Adapters) -> Result<Value> {
+    fn project(
+        &self,
+        b: &mut Builder,
+        layer: usize,
+        target: Target,
+        x: Value,
+        w: Value,
+        lora: &mut Adapters,
+    ) -> Result<Value> {
         b.scoped(target.module(), |b| {
             let w = b.convert(w, self.num.compute)?;
             let y = linear(b, x, w)?;
@@ -268,7 +288,14 @@ impl Llama<'_> {
         .and_then(|attn| self.project(b, l, Target::O, attn, w.o, lora))
     }
 
-    fn mlp(&self, b: &mut Builder, l: usize, x: Value, w: &LayerWeights, lora: &mut Adapters) -> Result<Value> {
+    fn mlp(
+        &self,
+        b: &mut Builder,
+        l: usize,
+        x: Value,
+        w: &LayerWeights,
+        lora: &mut Adapters,
+    ) -> Result<Value> {
         let gate = self.project(b, l, Target::Gate, x, w.gate, lora)?;
         let up = self.project(b, l, Target::Up, x, w.up, lora)?;
         // silu(g) = g * sigmoid(g)
@@ -317,7 +344,11 @@ fn dropout(b: &mut Builder, x: Value, p: f64, state: Value) -> Result<(Value, Va
 /// Per-token cross entropy and the HF loss. `labels` [B, T] (s32, -100 = ignore) are shifted
 /// here: position t predicts label t+1, the last position predicts nothing.
 /// Returns (loss = sum CE / #valid over the whole batch, per-token CE [B, T], #valid).
-pub fn causal_lm_loss(b: &mut Builder, logits: Value, labels: Value) -> Result<(Value, Value, Value)> {
+pub fn causal_lm_loss(
+    b: &mut Builder,
+    logits: Value,
+    labels: Value,
+) -> Result<(Value, Value, Value)> {
     b.scoped("loss", |b| {
         let dims = b.dims(logits).to_vec();
         let (bs, t, v) = (dims[0], dims[1], dims[2]);

@@ -40,6 +40,13 @@ pub struct Slot {
     pub v: Value,
 }
 
+/// A parameter and its moments after the update.
+pub struct Updated {
+    pub param: Value,
+    pub m: Value,
+    pub v: Value,
+}
+
 /// The global L2 norm of all gradients (f32 scalar).
 pub fn global_norm(b: &mut Builder, grads: &[Value]) -> Result<Value> {
     let mut total = b.scalar(0.0, DType::F32);
@@ -55,7 +62,13 @@ pub fn global_norm(b: &mut Builder, grads: &[Value]) -> Result<Value> {
 impl AdamW {
     /// Apply one update. `step` is t (1-based, f32 scalar), `lr` the learning rate (f32 scalar).
     /// Returns the new (param, m, v) per slot and the gradient norm before clipping.
-    pub fn update(&self, b: &mut Builder, slots: &[Slot], step: Value, lr: Value) -> Result<(Vec<(Value, Value, Value)>, Value)> {
+    pub fn update(
+        &self,
+        b: &mut Builder,
+        slots: &[Slot],
+        step: Value,
+        lr: Value,
+    ) -> Result<(Vec<Updated>, Value)> {
         b.scoped("adamw", |b| {
             let grads: Vec<Value> = slots.iter().map(|s| s.grad).collect();
             let norm = global_norm(b, &grads)?;
@@ -114,7 +127,7 @@ impl AdamW {
                 let upd = b.div(m, denom)?;
                 let upd = b.mul(upd, ss)?;
                 let p = b.sub(p, upd)?;
-                out.push((p, m, v));
+                out.push(Updated { param: p, m, v });
             }
             Ok((out, norm))
         })

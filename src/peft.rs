@@ -14,8 +14,10 @@ use std::path::Path;
 /// Read `adapter_config.json`.
 pub fn read_config(dir: &Path) -> Result<LoraConfig> {
     let path = dir.join("adapter_config.json");
-    let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
-    let j: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", path.display()))?;
+    let text = std::fs::read_to_string(&path)
+        .with_context(|| format!("cannot read {}", path.display()))?;
+    let j: serde_json::Value = serde_json::from_str(&text)
+        .with_context(|| format!("{} is not valid JSON", path.display()))?;
     let field = |k: &str| j.get(k).filter(|v| !v.is_null());
     if let Some(t) = field("peft_type") {
         if t != "LORA" {
@@ -27,9 +29,15 @@ pub fn read_config(dir: &Path) -> Result<LoraConfig> {
             bail!("{}: `{flag}` = true is not supported", path.display());
         }
     }
-    let r = field("r").and_then(|v| v.as_i64()).with_context(|| format!("{}: no integer `r`", path.display()))?;
-    let alpha = field("lora_alpha").and_then(|v| v.as_f64()).with_context(|| format!("{}: no `lora_alpha`", path.display()))?;
-    let dropout = field("lora_dropout").and_then(|v| v.as_f64()).unwrap_or(0.0);
+    let r = field("r")
+        .and_then(|v| v.as_i64())
+        .with_context(|| format!("{}: no integer `r`", path.display()))?;
+    let alpha = field("lora_alpha")
+        .and_then(|v| v.as_f64())
+        .with_context(|| format!("{}: no `lora_alpha`", path.display()))?;
+    let dropout = field("lora_dropout")
+        .and_then(|v| v.as_f64())
+        .unwrap_or(0.0);
     let targets = match field("target_modules") {
         Some(serde_json::Value::Array(a)) => {
             let mut t: Vec<Target> = a
@@ -41,31 +49,63 @@ pub fn read_config(dir: &Path) -> Result<LoraConfig> {
             t.dedup();
             t
         }
-        _ => bail!("{}: `target_modules` must be a list of module names", path.display()),
+        _ => bail!(
+            "{}: `target_modules` must be a list of module names",
+            path.display()
+        ),
     };
-    Ok(LoraConfig { r, alpha, dropout, targets })
+    Ok(LoraConfig {
+        r,
+        alpha,
+        dropout,
+        targets,
+    })
 }
 
 /// Read an adapter's tensors for `cfg`, checking names and shapes; converted to f32.
-pub fn read_tensors(dir: &Path, cfg: &LlamaConfig, lora: &LoraConfig) -> Result<BTreeMap<String, HostTensor>> {
+pub fn read_tensors(
+    dir: &Path,
+    cfg: &LlamaConfig,
+    lora: &LoraConfig,
+) -> Result<BTreeMap<String, HostTensor>> {
     let path = dir.join("adapter_model.safetensors");
     let st = SafeTensors::open(&path)?;
     let mut out = BTreeMap::new();
     for t in lora_tensors(cfg, lora) {
         let info = st.info(&t.name)?;
         if info.shape != t.shape {
-            bail!("{}: tensor `{}` has shape {:?} but rank {} on this model needs {:?}", path.display(), t.name, info.shape, lora.r, t.shape);
+            bail!(
+                "{}: tensor `{}` has shape {:?} but rank {} on this model needs {:?}",
+                path.display(),
+                t.name,
+                info.shape,
+                lora.r,
+                t.shape
+            );
         }
-        out.insert(t.name.clone(), convert(&st.read(&t.name)?, ElementType::F32)?);
+        out.insert(
+            t.name.clone(),
+            convert(&st.read(&t.name)?, ElementType::F32)?,
+        );
     }
     if let Some(extra) = st.tensors.keys().find(|k| !out.contains_key(*k)) {
-        bail!("{}: tensor `{extra}` is not part of a rank-{} adapter on {:?}", path.display(), lora.r, lora.targets);
+        bail!(
+            "{}: tensor `{extra}` is not part of a rank-{} adapter on {:?}",
+            path.display(),
+            lora.r,
+            lora.targets
+        );
     }
     Ok(out)
 }
 
 /// Write an adapter dir: both files atomically, into `dir` (created if needed).
-pub fn write(dir: &Path, lora: &LoraConfig, tensors: &BTreeMap<String, HostTensor>, base_model: &str) -> Result<()> {
+pub fn write(
+    dir: &Path,
+    lora: &LoraConfig,
+    tensors: &BTreeMap<String, HostTensor>,
+    base_model: &str,
+) -> Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let targets: Vec<&str> = lora.targets.iter().map(|t| t.module()).collect();
     let config = serde_json::json!({
@@ -91,5 +131,8 @@ pub fn write(dir: &Path, lora: &LoraConfig, tensors: &BTreeMap<String, HostTenso
     let mut meta = BTreeMap::new();
     meta.insert("format".to_string(), "pt".to_string());
     safetensors::write(&dir.join("adapter_model.safetensors"), tensors, &meta)?;
-    crate::fsutil::write_bytes_atomic(&dir.join("adapter_config.json"), serde_json::to_string_pretty(&config)?.as_bytes())
+    crate::fsutil::write_bytes_atomic(
+        &dir.join("adapter_config.json"),
+        serde_json::to_string_pretty(&config)?.as_bytes(),
+    )
 }

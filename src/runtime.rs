@@ -4,7 +4,10 @@ use crate::step::Program;
 use anyhow::{bail, Context, Result};
 use half::{bf16, f16};
 use hlo::DType;
-use pjrt::{Buffer, Client, ClientOptions, CompileOptions, Device, ElementType, Executable, HostTensor, Plugin};
+use pjrt::{
+    Buffer, Client, ClientOptions, CompileOptions, Device, ElementType, Executable, HostTensor,
+    Plugin,
+};
 
 pub fn element_type(d: DType) -> ElementType {
     match d {
@@ -31,21 +34,33 @@ pub fn convert(t: &HostTensor, to: ElementType) -> Result<HostTensor> {
     let floats = |v: Vec<f32>| -> HostTensor {
         match to {
             ElementType::F32 => HostTensor::from_f32(&v, &t.dims),
-            ElementType::BF16 => HostTensor::from_bf16(&v.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>(), &t.dims),
-            ElementType::F16 => HostTensor::from_f16(&v.iter().map(|&x| f16::from_f32(x)).collect::<Vec<_>>(), &t.dims),
+            ElementType::BF16 => HostTensor::from_bf16(
+                &v.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>(),
+                &t.dims,
+            ),
+            ElementType::F16 => HostTensor::from_f16(
+                &v.iter().map(|&x| f16::from_f32(x)).collect::<Vec<_>>(),
+                &t.dims,
+            ),
             _ => unreachable!(),
         }
     };
     match (t.ty, to) {
-        (ElementType::F32 | ElementType::BF16 | ElementType::F16, ElementType::F32 | ElementType::BF16 | ElementType::F16) => {
-            Ok(floats(t.to_f32_lossy()?))
+        (
+            ElementType::F32 | ElementType::BF16 | ElementType::F16,
+            ElementType::F32 | ElementType::BF16 | ElementType::F16,
+        ) => Ok(floats(t.to_f32_lossy()?)),
+        (ElementType::F64, ElementType::F32) => {
+            Ok(floats(t.to_f64()?.iter().map(|&x| x as f32).collect()))
         }
-        (ElementType::F64, ElementType::F32) => Ok(floats(t.to_f64()?.iter().map(|&x| x as f32).collect())),
         (ElementType::S64, ElementType::S32) => {
             let v = t.to_i64()?;
             let out: Vec<i32> = v
                 .iter()
-                .map(|&x| i32::try_from(x).map_err(|_| anyhow::anyhow!("value {x} does not fit in 32 bits")))
+                .map(|&x| {
+                    i32::try_from(x)
+                        .map_err(|_| anyhow::anyhow!("value {x} does not fit in 32 bits"))
+                })
                 .collect::<Result<_>>()?;
             Ok(HostTensor::from_i32(&out, &t.dims))
         }
@@ -94,7 +109,13 @@ impl Runtime {
             .client
             .compile(&program.text, options)
             .context("XLA could not compile the program")?;
-        exe.expect_inputs(program.args.iter().map(|a| (element_type(a.dtype), a.shape.clone())).collect());
+        exe.expect_inputs(
+            program
+                .args
+                .iter()
+                .map(|a| (element_type(a.dtype), a.shape.clone()))
+                .collect(),
+        );
         Ok(exe)
     }
 

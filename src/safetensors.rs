@@ -70,7 +70,9 @@ impl SafeTensors {
         let size = file.metadata()?.len();
         let fail = |m: String| anyhow::anyhow!("{}: {m}", path.display());
         if size < 8 {
-            return Err(fail(format!("file is {size} bytes, too short for a safetensors header")));
+            return Err(fail(format!(
+                "file is {size} bytes, too short for a safetensors header"
+            )));
         }
         let mut len = [0u8; 8];
         file.read_exact_at(&mut len, 0)?;
@@ -84,7 +86,9 @@ impl SafeTensors {
         file.read_exact_at(&mut header, 8)?;
         let json: serde_json::Value = serde_json::from_slice(&header)
             .map_err(|e| fail(format!("header is not valid JSON ({e})")))?;
-        let obj = json.as_object().ok_or_else(|| fail("header is not a JSON object".into()))?;
+        let obj = json
+            .as_object()
+            .ok_or_else(|| fail("header is not a JSON object".into()))?;
         let data_start = 8 + header_len;
         let mut tensors = BTreeMap::new();
         let mut metadata = BTreeMap::new();
@@ -98,8 +102,12 @@ impl SafeTensors {
                 continue;
             }
             let bad = |what: &str| fail(format!("tensor `{name}`: {what}"));
-            let dtype_s = entry.get("dtype").and_then(|d| d.as_str()).ok_or_else(|| bad("no dtype"))?;
-            let dtype = dtype_from_name(dtype_s).ok_or_else(|| bad(&format!("unsupported dtype {dtype_s}")))?;
+            let dtype_s = entry
+                .get("dtype")
+                .and_then(|d| d.as_str())
+                .ok_or_else(|| bad("no dtype"))?;
+            let dtype = dtype_from_name(dtype_s)
+                .ok_or_else(|| bad(&format!("unsupported dtype {dtype_s}")))?;
             let shape: Vec<i64> = entry
                 .get("shape")
                 .and_then(|s| s.as_array())
@@ -119,7 +127,9 @@ impl SafeTensors {
             if offsets.len() != 2 || offsets[0] > offsets[1] {
                 return Err(bad(&format!("bad data_offsets {offsets:?}")));
             }
-            let elements = shape.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d as u64));
+            let elements = shape
+                .iter()
+                .try_fold(1u64, |acc, &d| acc.checked_mul(d as u64));
             let expected = elements.and_then(|n| n.checked_mul(dtype.size_bytes() as u64));
             if expected != Some(offsets[1] - offsets[0]) {
                 return Err(bad(&format!(
@@ -173,7 +183,11 @@ impl SafeTensors {
 }
 
 /// Write tensors (in name order) to `path` atomically: a crash leaves the old file or none.
-pub fn write(path: &Path, tensors: &BTreeMap<String, HostTensor>, metadata: &BTreeMap<String, String>) -> Result<()> {
+pub fn write(
+    path: &Path,
+    tensors: &BTreeMap<String, HostTensor>,
+    metadata: &BTreeMap<String, String>,
+) -> Result<()> {
     let mut header = serde_json::Map::new();
     if !metadata.is_empty() {
         header.insert("__metadata__".into(), serde_json::to_value(metadata)?);
@@ -227,9 +241,9 @@ impl WeightFiles {
                 .with_context(|| format!("{}: no `weight_map` object", index_path.display()))?;
             let mut shard_ids: BTreeMap<String, usize> = BTreeMap::new();
             for (tensor, shard) in map {
-                let shard = shard
-                    .as_str()
-                    .with_context(|| format!("{}: `{tensor}` maps to a non-string", index_path.display()))?;
+                let shard = shard.as_str().with_context(|| {
+                    format!("{}: `{tensor}` maps to a non-string", index_path.display())
+                })?;
                 let id = match shard_ids.get(shard) {
                     Some(&id) => id,
                     None => {
@@ -279,19 +293,23 @@ impl WeightFiles {
     }
 
     pub fn info(&self, name: &str) -> Result<(&TensorInfo, &Path)> {
-        let id = self
-            .index
-            .get(name)
-            .with_context(|| format!("{}: the checkpoint has no tensor `{name}`", self.dir.display()))?;
+        let id = self.index.get(name).with_context(|| {
+            format!(
+                "{}: the checkpoint has no tensor `{name}`",
+                self.dir.display()
+            )
+        })?;
         let f = &self.files[*id];
         Ok((&f.tensors[name], &f.path))
     }
 
     pub fn read(&self, name: &str) -> Result<HostTensor> {
-        let id = self
-            .index
-            .get(name)
-            .with_context(|| format!("{}: the checkpoint has no tensor `{name}`", self.dir.display()))?;
+        let id = self.index.get(name).with_context(|| {
+            format!(
+                "{}: the checkpoint has no tensor `{name}`",
+                self.dir.display()
+            )
+        })?;
         self.files[*id].read(name)
     }
 }

@@ -8,7 +8,9 @@
 
 use crate::config::LlamaConfig;
 use crate::lora::{LoraConfig, Target};
-use crate::model::{causal_lm_loss, Adapters, BaseWeights, LayerWeights, Llama, LoraPair, Numerics};
+use crate::model::{
+    causal_lm_loss, Adapters, BaseWeights, LayerWeights, Llama, LoraPair, Numerics,
+};
 use crate::optim::{AdamW, Slot};
 use anyhow::Result;
 use hlo::{Builder, DType, Module, ParamAttrs, Shape, Value};
@@ -147,7 +149,12 @@ struct ModelParams {
     lora_values: Vec<Value>,
 }
 
-fn add_model_params(b: &mut Builder, spec: &StepSpec, with_lora: bool, args: &mut Vec<TensorSpec>) -> ModelParams {
+fn add_model_params(
+    b: &mut Builder,
+    spec: &StepSpec,
+    with_lora: bool,
+    args: &mut Vec<TensorSpec>,
+) -> ModelParams {
     let cfg = &spec.model;
     let mut by_name: BTreeMap<String, Value> = BTreeMap::new();
     for (name, shape) in frozen_weights(cfg) {
@@ -182,7 +189,11 @@ fn add_model_params(b: &mut Builder, spec: &StepSpec, with_lora: bool, args: &mu
         embed,
         layers,
         norm: w("model.norm.weight".into()),
-        lm_head: if cfg.tie_word_embeddings { embed } else { w("lm_head.weight".into()) },
+        lm_head: if cfg.tie_word_embeddings {
+            embed
+        } else {
+            w("lm_head.weight".into())
+        },
     };
     let mut adapters = Adapters {
         layers: vec![BTreeMap::new(); cfg.num_hidden_layers as usize],
@@ -214,7 +225,11 @@ fn add_model_params(b: &mut Builder, spec: &StepSpec, with_lora: bool, args: &mu
     }
 }
 
-fn add_batch_params(b: &mut Builder, spec: &StepSpec, args: &mut Vec<TensorSpec>) -> (Value, Value, Value) {
+fn add_batch_params(
+    b: &mut Builder,
+    spec: &StepSpec,
+    args: &mut Vec<TensorSpec>,
+) -> (Value, Value, Value) {
     let shape = vec![spec.batch, spec.seq];
     let mut p = |name: &str, role| {
         args.push(TensorSpec {
@@ -225,7 +240,11 @@ fn add_batch_params(b: &mut Builder, spec: &StepSpec, args: &mut Vec<TensorSpec>
         });
         b.param(name, Shape::new(&shape, DType::S32))
     };
-    (p("input_ids", Role::InputIds), p("labels", Role::Labels), p("attention_mask", Role::AttentionMask))
+    (
+        p("input_ids", Role::InputIds),
+        p("labels", Role::Labels),
+        p("attention_mask", Role::AttentionMask),
+    )
 }
 
 fn scalar_param(b: &mut Builder, name: &str, role: Role, args: &mut Vec<TensorSpec>) -> Value {
@@ -245,7 +264,11 @@ pub fn build_train_step(spec: &StepSpec) -> Result<Program> {
     let mut args = Vec::new();
     let mut mp = add_model_params(&mut b, spec, true, &mut args);
     let n = mp.lora_values.len();
-    let lora_args: Vec<TensorSpec> = args.iter().filter(|a| a.role == Role::Lora).cloned().collect();
+    let lora_args: Vec<TensorSpec> = args
+        .iter()
+        .filter(|a| a.role == Role::Lora)
+        .cloned()
+        .collect();
     // moments[i] = m of LoRA tensor i, moments[n + i] = its v; named as torch's state dict.
     let mut moments = Vec::new();
     for (prefix, role) in [("exp_avg", Role::AdamM), ("exp_avg_sq", Role::AdamV)] {
@@ -294,16 +317,24 @@ pub fn build_train_step(spec: &StepSpec) -> Result<Program> {
     let (updated, grad_norm) = spec.adam.update(&mut b, &slots, step, lr)?;
 
     // Results: params, then m, then v (each aliasing its input), then loss and grad norm.
-    let m_args: Vec<TensorSpec> = args.iter().filter(|a| a.role == Role::AdamM).cloned().collect();
-    let v_args: Vec<TensorSpec> = args.iter().filter(|a| a.role == Role::AdamV).cloned().collect();
+    let m_args: Vec<TensorSpec> = args
+        .iter()
+        .filter(|a| a.role == Role::AdamM)
+        .cloned()
+        .collect();
+    let v_args: Vec<TensorSpec> = args
+        .iter()
+        .filter(|a| a.role == Role::AdamV)
+        .cloned()
+        .collect();
     let mut results = Vec::new();
     let mut outs: Vec<(String, Value)> = Vec::new();
     for (k, group) in [&lora_args, &m_args, &v_args].iter().enumerate() {
         for (i, spec_i) in group.iter().enumerate() {
             let v = match k {
-                0 => updated[i].0,
-                1 => updated[i].1,
-                _ => updated[i].2,
+                0 => updated[i].param,
+                1 => updated[i].m,
+                _ => updated[i].v,
             };
             let input = match k {
                 0 => mp.lora_values[i],
@@ -320,7 +351,10 @@ pub fn build_train_step(spec: &StepSpec) -> Result<Program> {
             outs.push((spec_i.name.clone(), v));
         }
     }
-    for (name, v, role) in [("loss", loss, Role::Loss), ("grad_norm", grad_norm, Role::GradNorm)] {
+    for (name, v, role) in [
+        ("loss", loss, Role::Loss),
+        ("grad_norm", grad_norm, Role::GradNorm),
+    ] {
         results.push(TensorSpec {
             name: name.into(),
             shape: vec![],
@@ -354,9 +388,24 @@ pub fn build_forward(spec: &StepSpec, with_lora: bool) -> Result<Program> {
     let (loss, ce, _) = causal_lm_loss(&mut b, logits, labels)?;
     let (bs, t, v) = (spec.batch, spec.seq, spec.model.vocab_size);
     let results = vec![
-        TensorSpec { name: "logits".into(), shape: vec![bs, t, v], dtype: DType::F32, role: Role::Logits },
-        TensorSpec { name: "token_loss".into(), shape: vec![bs, t], dtype: DType::F32, role: Role::TokenLoss },
-        TensorSpec { name: "loss".into(), shape: vec![], dtype: DType::F32, role: Role::Loss },
+        TensorSpec {
+            name: "logits".into(),
+            shape: vec![bs, t, v],
+            dtype: DType::F32,
+            role: Role::Logits,
+        },
+        TensorSpec {
+            name: "token_loss".into(),
+            shape: vec![bs, t],
+            dtype: DType::F32,
+            role: Role::TokenLoss,
+        },
+        TensorSpec {
+            name: "loss".into(),
+            shape: vec![],
+            dtype: DType::F32,
+            role: Role::Loss,
+        },
     ];
     let func = b.finish(&[("logits", logits), ("token_loss", ce), ("loss", loss)]);
     Ok(Program {
@@ -382,11 +431,21 @@ pub fn build_grad_program(spec: &StepSpec) -> Result<Program> {
     let logits = model.logits(&mut b, &mp.weights, &mut mp.adapters, ids, mask)?;
     let (loss, _, _) = causal_lm_loss(&mut b, logits, labels)?;
     let grads = b.grad(loss, &mp.lora_values)?;
-    let mut results = vec![TensorSpec { name: "loss".into(), shape: vec![], dtype: DType::F32, role: Role::Loss }];
+    let mut results = vec![TensorSpec {
+        name: "loss".into(),
+        shape: vec![],
+        dtype: DType::F32,
+        role: Role::Loss,
+    }];
     let mut outs = vec![("loss".to_string(), loss)];
     for (a, g) in args.iter().filter(|a| a.role == Role::Lora).zip(&grads) {
         let name = format!("grad.{}", a.name);
-        results.push(TensorSpec { name: name.clone(), shape: a.shape.clone(), dtype: DType::F32, role: Role::Lora });
+        results.push(TensorSpec {
+            name: name.clone(),
+            shape: a.shape.clone(),
+            dtype: DType::F32,
+            role: Role::Lora,
+        });
         outs.push((name, *g));
     }
     let refs: Vec<(&str, Value)> = outs.iter().map(|(n, v)| (n.as_str(), *v)).collect();

@@ -1,0 +1,395 @@
+//! The training loop: compile the step once, upload the frozen weights once, then feed batches,
+//! log metrics and write PEFT adapters.
+
+use crate::config::LlamaConfig;
+use crate::lora::{kaiming_uniform, LoraConfig, SplitMix};
+use crate::optim::AdamW;
+use crate::runtime::{convert, element_type, Runtime};
+use crate::safetensors::SafeTensors;
+use crate::step::{self, Program, Role, StepSpec};
+use anyhow::{bail, Context, Result};
+use pjrt::{Buffer, CompileOptions, ElementType, Executable, HostTensor};
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+/// One batch: input_ids, labels, attention_mask, each s32 [B, T].
+#[derive(Clone, Debug)]
+pub struct Batch {
+    pub input_ids: HostTensor,
+    pub labels: HostTensor,
+    pub attention_mask: HostTensor,
+}
+
+impl Batch {
+    pub fn dims(&self) -> (i64, i64) {
+        (self.input_ids.dims[0], self.input_ids.dims[1])
+    }
+
+    /// Tokens that carry a loss (labels != -100, excluding the first position).
+    pub fn target_tokens(&self) -> i64 {
+        let labels = self.labels.to_i32().unwrap_or_default();
+        let t = self.dims().1 as usize;
+        labels
+            .iter()
+            .enumerate()
+            .filter(|(i, &l)| i % t != 0 && l != -100)
+            .count() as i64
+    }
+
+    /// Read a pre-tokenized batch (`input_ids`, `labels`, optional `attention_mask`) from a
+    /// safetensors file; integer types are converted to s32.
+    pub fn from_safetensors(path: &Path) -> Result<Batch> {
+        let st = SafeTensors::open(path)?;
+        let get = |name: &str| -> Result<HostTensor> {
+            let t = st.read(name)?;
+            if t.dims.len() != 2 {
+                bail!(
+                    "{}: `{name}` must be [batch, seq], found {:?}",
+                    path.display(),
+                    t.dims
+                );
+            }
+            convert(&t, ElementType::S32).with_context(|| format!("{}: `{name}`", path.display()))
+        };
+        let input_ids = get("input_ids")?;
+        let labels = if st.tensors.contains_key("labels") {
+            get("labels")?
+        } else {
+            input_ids.clone()
+        };
+        let attention_mask = if st.tensors.contains_key("attention_mask") {
+            get("attention_mask")?
+        } else {
+            HostTensor::from_i32(&vec![1; input_ids.element_count()], &input_ids.dims)
+        };
+        for (name, t) in [("labels", &labels), ("attention_mask", &attention_mask)] {
+            if t.dims != input_ids.dims {
+                bail!(
+                    "{}: `{name}` is {:?} but `input_ids` is {:?}",
+                    path.display(),
+                    t.dims,
+                    input_ids.dims
+                );
+            }
+        }
+        Ok(Batch {
+            input_ids,
+            labels,
+            attention_mask,
+        })
+    }
+
+    /// Check token ids against the vocabulary.
+    pub fn check_vocab(&self, vocab: i64) -> Result<()> {
+        let ids = self.input_ids.to_i32()?;
+        if let Some((i, &bad)) = ids
+            .iter()
+            .enumerate()
+            .find(|(_, &id)| id < 0 || id as i64 >= vocab)
+        {
+            let t = self.dims().1 as usize;
+            bail!("token id {bad} at batch row {}, position {} is outside the vocabulary (0..{vocab})", i / t, i % t);
+        }
+        Ok(())
+    }
+}
+
+/// Fresh LoRA weights: A Kaiming-uniform as PEFT, B zeros.
+pub fn init_lora(cfg: &LlamaConfig, lora: &LoraConfig, seed: u64) -> BTreeMap<String, HostTensor> {
+    let mut rng = SplitMix(seed);
+    step::lora_tensors(cfg, lora)
+        .into_iter()
+        .map(|t| {
+            let values = if t.which == "A" {
+                kaiming_uniform(&mut rng, t.shape[0], t.shape[1])
+            } else {
+                vec![0.0; (t.shape[0] * t.shape[1]) as usize]
+            };
+            (t.name, HostTensor::from_f32(&values, &t.shape))
+        })
+        .collect()
+}
+
+/// A compiled training step with its state on the device.
+pub struct Trainer {
+    pub rt: Runtime,
+    pub program: Program,
+    exe: Executable,
+    frozen: Vec<Buffer>,
+    /// LoRA params, then m, then v, in program order (the donated part).
+    state: Vec<Buffer>,
+    /// Number of optimizer steps taken.
+    pub step: u64,
+    pub spec: StepSpec,
+    /// Threefry key for LoRA dropout, advanced every step.
+    pub dropout_seed: u64,
+}
+
+impl Trainer {
+    /// Build and compile the step, upload the frozen weights and the initial LoRA state.
+    pub fn new(
+        rt: Runtime,
+        spec: StepSpec,
+        weights: Vec<HostTensor>,
+        lora: &BTreeMap<String, HostTensor>,
+        verbose: bool,
+    ) -> Result<Trainer> {
+        let program = step::build_train_step(&spec)?;
+        let t0 = Instant::now();
+        let exe = rt.compile(&program, &CompileOptions::default())?;
+        if verbose {
+            eprintln!(
+                "xtrain: compiled the step in {:.2}s ({} bytes of StableHLO)",
+                t0.elapsed().as_secs_f64(),
+                program.text.len()
+            );
+        }
+        let mut frozen = Vec::new();
+        let mut w = weights.into_iter();
+        for a in program.args.iter().filter(|a| a.role == Role::Frozen) {
+            let t = w.next().context("fewer weights than the program takes")?;
+            frozen.push(rt.upload(&convert(&t, element_type(a.dtype))?)?);
+        }
+        let mut trainer = Trainer {
+            rt,
+            program,
+            exe,
+            frozen,
+            state: Vec::new(),
+            step: 0,
+            spec,
+            dropout_seed: 0,
+        };
+        let zero_moments: BTreeMap<String, HostTensor> = BTreeMap::new();
+        trainer.set_state(lora, &zero_moments)?;
+        Ok(trainer)
+    }
+
+    /// Replace the LoRA weights and moments (missing moments start at zero).
+    pub fn set_state(
+        &mut self,
+        lora: &BTreeMap<String, HostTensor>,
+        moments: &BTreeMap<String, HostTensor>,
+    ) -> Result<()> {
+        let mut state = Vec::new();
+        for a in self
+            .program
+            .args
+            .iter()
+            .filter(|a| matches!(a.role, Role::Lora | Role::AdamM | Role::AdamV))
+        {
+            let t = match a.role {
+                Role::Lora => lora
+                    .get(&a.name)
+                    .cloned()
+                    .with_context(|| format!("no LoRA tensor `{}`", a.name))?,
+                _ => match moments.get(&a.name) {
+                    Some(t) => t.clone(),
+                    None => HostTensor::from_f32(
+                        &vec![0.0; a.shape.iter().product::<i64>() as usize],
+                        &a.shape,
+                    ),
+                },
+            };
+            if t.dims != a.shape {
+                bail!(
+                    "`{}` is {:?}, the program needs {:?}",
+                    a.name,
+                    t.dims,
+                    a.shape
+                );
+            }
+            state.push(self.rt.upload(&convert(&t, ElementType::F32)?)?);
+        }
+        self.state = state;
+        Ok(())
+    }
+
+    /// One optimizer step at learning rate `lr`. Returns (loss before the update, grad norm).
+    pub fn step(&mut self, batch: &Batch, lr: f64) -> Result<(f32, f32)> {
+        let t = self.step + 1;
+        let step_buf = self.rt.upload(&HostTensor::from_f32(&[t as f32], &[]))?;
+        let lr_buf = self.rt.upload(&HostTensor::from_f32(&[lr as f32], &[]))?;
+        let ids = self.rt.upload(&batch.input_ids)?;
+        let labels = self.rt.upload(&batch.labels)?;
+        let mask = self.rt.upload(&batch.attention_mask)?;
+        let key = if self.spec.lora.dropout > 0.0 {
+            let k = [self.dropout_seed, t];
+            Some(self.rt.upload(&HostTensor {
+                ty: ElementType::U64,
+                dims: vec![2],
+                bytes: k.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            })?)
+        } else {
+            None
+        };
+        let mut args: Vec<&Buffer> = self.frozen.iter().collect();
+        args.extend(self.state.iter());
+        args.extend([&step_buf, &lr_buf, &ids, &labels, &mask]);
+        if let Some(k) = &key {
+            args.push(k);
+        }
+        let mut out = self.exe.execute(&[args])?.remove(0);
+        let grad_norm = out
+            .pop()
+            .context("missing grad_norm")?
+            .to_host()?
+            .scalar_f32()?;
+        let loss = out.pop().context("missing loss")?.to_host()?.scalar_f32()?;
+        self.state = out;
+        self.step = t;
+        Ok((loss, grad_norm))
+    }
+
+    /// The current LoRA weights (PEFT names) and AdamW moments, on the host.
+    pub fn state_to_host(
+        &self,
+    ) -> Result<(BTreeMap<String, HostTensor>, BTreeMap<String, HostTensor>)> {
+        let mut lora = BTreeMap::new();
+        let mut moments = BTreeMap::new();
+        let specs = self
+            .program
+            .args
+            .iter()
+            .filter(|a| matches!(a.role, Role::Lora | Role::AdamM | Role::AdamV));
+        for (a, buf) in specs.zip(&self.state) {
+            let t = buf.to_host()?;
+            if a.role == Role::Lora {
+                lora.insert(a.name.clone(), t);
+            } else {
+                moments.insert(a.name.clone(), t);
+            }
+        }
+        Ok((lora, moments))
+    }
+}
+
+/// Options of `xtrain train` on a pre-tokenized batch.
+pub struct TrainOptions {
+    pub model: PathBuf,
+    pub data: PathBuf,
+    pub init_adapter: Option<PathBuf>,
+    pub steps: u64,
+    pub lr: f64,
+    pub adam: AdamW,
+    pub lora: LoraConfig,
+    pub save_every: u64,
+    pub out: PathBuf,
+    pub seed: u64,
+    pub plugin: Option<String>,
+    pub verbose: bool,
+    pub log_every: u64,
+}
+
+/// Write `dir` as a complete adapter directory or not at all: files go into a temp dir that is
+/// renamed into place.
+pub fn save_adapter(
+    dir: &Path,
+    lora: &LoraConfig,
+    tensors: &BTreeMap<String, HostTensor>,
+    base: &str,
+) -> Result<()> {
+    let parent = dir.parent().unwrap_or(Path::new("."));
+    let name = dir
+        .file_name()
+        .context("adapter dir has no name")?
+        .to_string_lossy();
+    let tmp = parent.join(format!(".{name}.tmp-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    crate::peft::write(&tmp, lora, tensors, base)?;
+    if dir.exists() {
+        std::fs::remove_dir_all(dir)
+            .with_context(|| format!("cannot replace {}", dir.display()))?;
+    }
+    std::fs::rename(&tmp, dir)
+        .with_context(|| format!("cannot move the adapter into {}", dir.display()))?;
+    Ok(())
+}
+
+/// Run `xtrain train` on one pre-tokenized batch used for every step.
+pub fn train_on_batch(opts: &TrainOptions) -> Result<()> {
+    let cfg = LlamaConfig::load(&opts.model)?;
+    let batch = Batch::from_safetensors(&opts.data)?;
+    batch.check_vocab(cfg.vocab_size)?;
+    let (bs, seq) = batch.dims();
+    let (lora_cfg, lora) = match &opts.init_adapter {
+        Some(dir) => {
+            let c = crate::peft::read_config(dir)?;
+            if c.r != opts.lora.r
+                || c.targets != opts.lora.targets
+                || (c.alpha - opts.lora.alpha).abs() > 1e-9
+            {
+                bail!(
+                    "--init-adapter {} has r={}, alpha={}, targets {:?}, but the flags ask for r={}, alpha={}, targets {:?}",
+                    dir.display(), c.r, c.alpha, c.targets, opts.lora.r, opts.lora.alpha, opts.lora.targets
+                );
+            }
+            let t = crate::peft::read_tensors(dir, &cfg, &opts.lora)?;
+            (opts.lora.clone(), t)
+        }
+        None => (opts.lora.clone(), init_lora(&cfg, &opts.lora, opts.seed)),
+    };
+    std::fs::create_dir_all(&opts.out)
+        .with_context(|| format!("cannot create output dir {}", opts.out.display()))?;
+    let files = crate::safetensors::WeightFiles::open(&opts.model)?;
+    crate::weights::check(&files, &cfg)?;
+    let weight_type = files.info("model.embed_tokens.weight")?.0.dtype;
+    let weight_dtype = if weight_type == ElementType::F32 {
+        hlo::DType::F32
+    } else {
+        hlo::DType::BF16
+    };
+    let spec = StepSpec {
+        model: cfg.clone(),
+        lora: lora_cfg.clone(),
+        adam: opts.adam.clone(),
+        batch: bs,
+        seq,
+        weight_dtype,
+        compute_dtype: hlo::DType::F32,
+    };
+    let weights = crate::weights::load(&opts.model, &cfg, element_type(weight_dtype), |_, _| {})?;
+    let rt = Runtime::open(opts.plugin.as_deref(), Some(1))?;
+    let mut trainer = Trainer::new(rt, spec, weights, &lora, opts.verbose)?;
+    trainer.dropout_seed = opts.seed;
+    let metrics_path = opts.out.join("metrics.jsonl");
+    let mut metrics = std::fs::File::create(&metrics_path)
+        .with_context(|| format!("cannot write {}", metrics_path.display()))?;
+    let tokens_per_step = bs * seq;
+    let start = Instant::now();
+    let base = opts.model.to_string_lossy().to_string();
+    for s in 1..=opts.steps {
+        let t0 = Instant::now();
+        let (loss, grad_norm) = trainer.step(&batch, opts.lr)?;
+        let dt = t0.elapsed().as_secs_f64();
+        writeln!(
+            metrics,
+            "{}",
+            serde_json::json!({"step": s, "loss": loss, "grad_norm": grad_norm, "lr": opts.lr, "tokens": tokens_per_step, "step_time_s": dt})
+        )?;
+        metrics.flush()?;
+        if opts.log_every > 0 && (s % opts.log_every == 0 || s == opts.steps) {
+            let elapsed = start.elapsed().as_secs_f64();
+            let eta = elapsed / s as f64 * (opts.steps - s) as f64;
+            eprintln!(
+                "step {s}/{} loss {loss:.4} grad_norm {grad_norm:.3} {:.0} tok/s eta {eta:.0}s",
+                opts.steps,
+                tokens_per_step as f64 / dt
+            );
+        }
+        if opts.save_every > 0 && s % opts.save_every == 0 {
+            let (lora_now, _) = trainer.state_to_host()?;
+            save_adapter(
+                &opts.out.join(format!("step-{s}")),
+                &lora_cfg,
+                &lora_now,
+                &base,
+            )?;
+        }
+    }
+    let (lora_now, _) = trainer.state_to_host()?;
+    save_adapter(&opts.out.join("adapter"), &lora_cfg, &lora_now, &base)?;
+    Ok(())
+}

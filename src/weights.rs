@@ -20,7 +20,10 @@ pub fn check(files: &WeightFiles, cfg: &LlamaConfig) -> Result<()> {
                 info.shape
             );
         }
-        if !matches!(info.dtype, ElementType::F32 | ElementType::BF16 | ElementType::F16) {
+        if !matches!(
+            info.dtype,
+            ElementType::F32 | ElementType::BF16 | ElementType::F16
+        ) {
             bail!(
                 "{}: tensor `{name}` has dtype {:?}; xtrain reads f32, bf16 and f16 weights",
                 path.display(),
@@ -33,7 +36,12 @@ pub fn check(files: &WeightFiles, cfg: &LlamaConfig) -> Result<()> {
 
 /// Read every frozen weight, in program order, converted to `dtype`. `progress` is called after
 /// each tensor with (done, total).
-pub fn load(dir: &Path, cfg: &LlamaConfig, dtype: ElementType, mut progress: impl FnMut(usize, usize)) -> Result<Vec<HostTensor>> {
+pub fn load(
+    dir: &Path,
+    cfg: &LlamaConfig,
+    dtype: ElementType,
+    mut progress: impl FnMut(usize, usize),
+) -> Result<Vec<HostTensor>> {
     let files = WeightFiles::open(dir)?;
     check(&files, cfg)?;
     let names = frozen_weights(cfg);

@@ -1,4 +1,5 @@
 //! Every op executed through the CPU plugin, compared with values computed here in Rust.
+#![allow(clippy::type_complexity)]
 
 mod common;
 use common::*;
@@ -161,7 +162,7 @@ fn unary_ops_match_rust() {
     ];
     for (name, op, reference, positive) in cases {
         let data = if positive { pos.clone() } else { x.clone() };
-        let got = run_f32(&[&[8]], &[data.clone()], |b, p| op(b, p[0]))
+        let got = run_f32(&[&[8]], std::slice::from_ref(&data), |b, p| op(b, p[0]))
             .to_f32()
             .unwrap();
         let want: Vec<f32> = data.iter().map(|&v| reference(v)).collect();
@@ -306,7 +307,7 @@ fn select_clamp_convert() {
         &x.iter().zip(&y).map(|(a, b)| a.max(*b)).collect::<Vec<_>>(),
         0.0,
     );
-    let got = run_f32(&[&[6]], &[x.clone()], |b, p| {
+    let got = run_f32(&[&[6]], std::slice::from_ref(&x), |b, p| {
         let lo = b.scalar(-0.5, DType::F32);
         let hi = b.scalar(0.5, DType::F32);
         b.clamp(lo, p[0], hi)
@@ -316,14 +317,18 @@ fn select_clamp_convert() {
         &x.iter().map(|v| v.clamp(-0.5, 0.5)).collect::<Vec<_>>(),
         0.0,
     );
-    let got = run_f32(&[&[6]], &[x.clone()], |b, p| b.convert(p[0], DType::BF16));
+    let got = run_f32(&[&[6]], std::slice::from_ref(&x), |b, p| {
+        b.convert(p[0], DType::BF16)
+    });
     let want: Vec<half::bf16> = x.iter().map(|&v| half::bf16::from_f32(v)).collect();
     assert_eq!(
         got.to_bf16().unwrap(),
         want,
         "f32 -> bf16 rounds to nearest even"
     );
-    let got = run_f32(&[&[6]], &[x.clone()], |b, p| b.convert(p[0], DType::S32));
+    let got = run_f32(&[&[6]], std::slice::from_ref(&x), |b, p| {
+        b.convert(p[0], DType::S32)
+    });
     assert_eq!(
         got.to_i32().unwrap(),
         x.iter().map(|&v| v as i32).collect::<Vec<_>>(),
@@ -335,7 +340,7 @@ fn select_clamp_convert() {
 fn slices_concat_pad() {
     let x: Vec<f32> = (0..20).map(|i| i as f32).collect();
     let at = |r: i64, c: i64| (r * 5 + c) as f32;
-    let got = run_f32(&[&[4, 5]], &[x.clone()], |b, p| {
+    let got = run_f32(&[&[4, 5]], std::slice::from_ref(&x), |b, p| {
         b.slice(p[0], &[1, 0], &[4, 5], &[2, 2])
     });
     assert_eq!(got.dims, vec![2, 3]);
@@ -343,7 +348,7 @@ fn slices_concat_pad() {
         got.to_f32().unwrap(),
         vec![at(1, 0), at(1, 2), at(1, 4), at(3, 0), at(3, 2), at(3, 4)]
     );
-    let got = run_f32(&[&[4, 5]], &[x.clone()], |b, p| {
+    let got = run_f32(&[&[4, 5]], std::slice::from_ref(&x), |b, p| {
         let i = b.scalar(2.0, DType::S32);
         let j = b.scalar(4.0, DType::S32); // clamped to 3 so the 2-wide window fits
         b.dynamic_slice(p[0], &[i, j], &[2, 2])
@@ -462,7 +467,9 @@ fn dot_general_with_batch_and_preferred_type() {
 #[test]
 fn reduce_sum_and_max() {
     let x = f32s(&[3, 4], 8);
-    let got = run_f32(&[&[3, 4]], &[x.clone()], |b, p| b.reduce_sum(p[0], &[1]));
+    let got = run_f32(&[&[3, 4]], std::slice::from_ref(&x), |b, p| {
+        b.reduce_sum(p[0], &[1])
+    });
     close(
         &got.to_f32().unwrap(),
         &(0..3)
@@ -470,7 +477,9 @@ fn reduce_sum_and_max() {
             .collect::<Vec<f32>>(),
         1e-6,
     );
-    let got = run_f32(&[&[3, 4]], &[x.clone()], |b, p| b.reduce_max(p[0], &[0]));
+    let got = run_f32(&[&[3, 4]], std::slice::from_ref(&x), |b, p| {
+        b.reduce_max(p[0], &[0])
+    });
     close(
         &got.to_f32().unwrap(),
         &(0..4)
@@ -561,9 +570,9 @@ fn sharding_constraint_runs_on_two_devices() {
         .unwrap();
     let out = exe.execute(&[vec![&s0], vec![&s1]]).unwrap();
     let want: Vec<f32> = (1..=8).map(|v| 3.0 * v as f32).collect();
-    for d in 0..2 {
+    for (d, outs) in out.iter().enumerate() {
         assert_eq!(
-            out[d][0].to_host().unwrap().to_f32().unwrap(),
+            outs[0].to_host().unwrap().to_f32().unwrap(),
             want,
             "device {d} holds the replicated result"
         );

@@ -1,0 +1,164 @@
+//! `xtrain` from the command line, as a user runs it.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use xtrain::safetensors::SafeTensors;
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-llama3")
+}
+
+fn xtrain() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_xtrain"))
+}
+
+fn tempdir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("xtrain-test-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+#[test]
+fn train_reproduces_the_oracle_losses_and_adapter_step3() {
+    let f = fixtures();
+    let out = tempdir("oracle-train");
+    let status = xtrain()
+        .args(["train", "--model"])
+        .arg(f.join("model"))
+        .arg("--data")
+        .arg(f.join("inputs.safetensors"))
+        .arg("--init-adapter")
+        .arg(f.join("adapter_init"))
+        .args([
+            "--steps",
+            "3",
+            "--lr",
+            "1e-3",
+            "--betas",
+            "0.9,0.999",
+            "--eps",
+            "1e-8",
+            "--weight-decay",
+            "0",
+        ])
+        .args([
+            "--lora-r",
+            "8",
+            "--lora-alpha",
+            "16",
+            "--lora-targets",
+            "q,k,v,o,gate,up,down",
+            "--save-every",
+            "3",
+            "--out",
+        ])
+        .arg(&out)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let rows: Vec<serde_json::Value> = metrics
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 3);
+    for (i, (row, want)) in rows.iter().zip([6.63896, 6.45776, 6.28345]).enumerate() {
+        assert_eq!(row["step"], i as u64 + 1);
+        let loss = row["loss"].as_f64().unwrap();
+        assert!(
+            (loss - want).abs() <= 1e-4,
+            "step {}: loss {loss} vs {want}",
+            i + 1
+        );
+    }
+    // The saved adapter is PEFT's format with the oracle's step-3 weights.
+    let cfg: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(out.join("step-3/adapter_config.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(cfg["peft_type"], "LORA");
+    assert_eq!(cfg["r"], 8);
+    assert_eq!(cfg["lora_alpha"].as_f64(), Some(16.0));
+    let mut targets: Vec<String> = cfg["target_modules"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap().to_string())
+        .collect();
+    targets.sort();
+    assert_eq!(
+        targets,
+        [
+            "down_proj",
+            "gate_proj",
+            "k_proj",
+            "o_proj",
+            "q_proj",
+            "up_proj",
+            "v_proj"
+        ]
+    );
+    let ours = SafeTensors::open(&out.join("step-3/adapter_model.safetensors")).unwrap();
+    let want = SafeTensors::open(&f.join("adapter_step3/adapter_model.safetensors")).unwrap();
+    assert_eq!(
+        ours.tensors.keys().collect::<Vec<_>>(),
+        want.tensors.keys().collect::<Vec<_>>()
+    );
+    for name in want.tensors.keys() {
+        let (a, b) = (
+            ours.read(name).unwrap().to_f32().unwrap(),
+            want.read(name).unwrap().to_f32().unwrap(),
+        );
+        let d = a
+            .iter()
+            .zip(&b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0f32, f32::max);
+        assert!(d <= 1e-5, "{name} differs by {d} (tolerance 1e-5)");
+    }
+    std::fs::remove_dir_all(&out).unwrap();
+}
+
+#[test]
+fn plugins_lists_the_cpu_plugin_with_version_and_devices() {
+    let out = xtrain().arg("plugins").output().unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("cpu ("), "{text}");
+    assert!(text.contains("PJRT C API 0.81"), "{text}");
+    assert!(text.contains("4 devices"), "{text}");
+}
+
+#[test]
+fn a_mismatched_init_adapter_is_refused() {
+    let f = fixtures();
+    let out = tempdir("mismatch");
+    let o = xtrain()
+        .args(["train", "--model"])
+        .arg(f.join("model"))
+        .arg("--data")
+        .arg(f.join("inputs.safetensors"))
+        .arg("--init-adapter")
+        .arg(f.join("adapter_init"))
+        .args([
+            "--lora-r",
+            "4",
+            "--lora-alpha",
+            "16",
+            "--steps",
+            "1",
+            "--out",
+        ])
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("has r=8") && err.contains("ask for r=4"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+    std::fs::remove_dir_all(&out).unwrap();
+}
