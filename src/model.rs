@@ -58,13 +58,52 @@ pub struct LoraPair {
     pub b: Value,
 }
 
-/// The adapters of every layer, the scale alpha/r, and dropout.
-#[derive(Clone, Debug, Default)]
-pub struct Adapters {
-    pub layers: Vec<BTreeMap<Target, LoraPair>>,
-    pub scale: f64,
-    /// (probability, RNG state `tensor<2xui64>`) when dropout is on.
+/// One layer's adapters, by target.
+pub type LayerAdapters = BTreeMap<Target, LoraPair>;
+
+/// What a layer shares with the others: RoPE tables, the attention mask, LoRA's scale, dropout.
+#[derive(Clone, Debug)]
+pub struct LayerContext {
+    pub rope: (Value, Value),
+    pub mask: Value,
+    pub lora_scale: f64,
+    /// (probability, this layer's RNG state `tensor<2xui64>`) when LoRA dropout is on; the state
+    /// advances through the layer's projections.
     pub dropout: Option<(f64, Value)>,
+}
+
+/// Named intermediates a remat policy keeps from the forward pass (the frozen projections'
+/// outputs): recorded in the forward pass, substituted when the backward pass recomputes.
+pub enum Saves<'a> {
+    Off,
+    Record(&'a mut Vec<(String, Value)>),
+    Use(&'a BTreeMap<String, Value>),
+}
+
+impl Saves<'_> {
+    fn point(&mut self, b: &mut Builder, name: &str, v: Value) -> Result<Value> {
+        match self {
+            Saves::Off => Ok(v),
+            Saves::Record(list) => {
+                list.push((name.to_string(), v));
+                Ok(v)
+            }
+            Saves::Use(map) => match map.get(name) {
+                Some(&saved) => b.use_saved(v, saved),
+                None => Ok(v),
+            },
+        }
+    }
+}
+
+/// The per-layer RNG state for dropout: the step's key with the layer index added to its second
+/// word, so a layer draws the same masks when it is recomputed.
+pub fn layer_key(b: &mut Builder, key: Value, layer: Value) -> Result<Value> {
+    let l = b.convert(layer, DType::U64)?;
+    let l = b.reshape(l, &[1])?;
+    let zero = b.zeros(Shape::new(&[1], DType::U64));
+    let offset = b.concatenate(&[zero, l], 0)?;
+    b.add(key, offset)
 }
 
 /// Numerics of the forward pass.
@@ -101,37 +140,93 @@ fn linear(b: &mut Builder, x: Value, w: Value) -> Result<Value> {
 }
 
 impl Llama<'_> {
+    /// h_0 = E[ids]: [B, T, H] in the compute type.
+    pub fn embed(&self, b: &mut Builder, embed: Value, ids: Value) -> Result<Value> {
+        b.scoped("embed", |b| {
+            let e = b.convert(embed, self.num.compute)?;
+            b.take_rows(e, ids)
+        })
+    }
+
+    /// RoPE tables for T positions and the [B, T, S] attention mask.
+    pub fn context(
+        &self,
+        b: &mut Builder,
+        attention_mask: Value,
+        lora_scale: f64,
+    ) -> Result<LayerContext> {
+        let t = b.dims(attention_mask)[1];
+        let rope = b.scoped("rope", |b| self.rope_tables(b, t))?;
+        let mask = b.scoped("mask", |b| self.attention_mask(b, attention_mask))?;
+        Ok(LayerContext {
+            rope,
+            mask,
+            lora_scale,
+            dropout: None,
+        })
+    }
+
+    /// One decoder layer: h + Attn(norm(h)), then + MLP(norm(.)).
+    pub fn layer(
+        &self,
+        b: &mut Builder,
+        h: Value,
+        w: &LayerWeights,
+        lora: &LayerAdapters,
+        ctx: &mut LayerContext,
+        saves: &mut Saves,
+    ) -> Result<Value> {
+        let x = b.scoped("input_norm", |b| self.rms_norm(b, h, w.input_norm))?;
+        let attn = self.attention(b, x, w, lora, ctx, saves)?;
+        let h = b.add(h, attn)?;
+        let x = b.scoped("post_norm", |b| self.rms_norm(b, h, w.post_norm))?;
+        let mlp = self.mlp(b, x, w, lora, ctx, saves)?;
+        b.add(h, mlp)
+    }
+
+    /// logits = norm(h) W_head^T, in f32.
+    pub fn head(&self, b: &mut Builder, h: Value, norm: Value, lm_head: Value) -> Result<Value> {
+        let x = b.scoped("norm", |b| self.rms_norm(b, h, norm))?;
+        b.scoped("lm_head", |b| {
+            let head = b.convert(lm_head, self.num.compute)?;
+            let logits = linear(b, x, head)?;
+            b.convert(logits, DType::F32)
+        })
+    }
+
     /// Logits [B, T, V] (f32) for token ids [B, T] (s32) and a padding mask [B, T] (s32, 1 =
-    /// real token).
+    /// real token), layers unrolled. `dropout_key` turns on LoRA dropout.
+    #[allow(clippy::too_many_arguments)]
     pub fn logits(
         &self,
         b: &mut Builder,
         w: &BaseWeights,
-        lora: &mut Adapters,
+        lora: &[LayerAdapters],
+        lora_scale: f64,
+        dropout: Option<(f64, Value)>,
         ids: Value,
         attention_mask: Value,
     ) -> Result<Value> {
-        let t = b.dims(ids)[1];
-        let embed = b.convert(w.embed, self.num.compute)?;
-        let mut h = b.scoped("embed", |b| b.take_rows(embed, ids))?;
-        let (cos, sin) = b.scoped("rope", |b| self.rope_tables(b, t))?;
-        let mask = b.scoped("mask", |b| self.attention_mask(b, attention_mask))?;
+        let mut h = self.embed(b, w.embed, ids)?;
+        let mut ctx = self.context(b, attention_mask, lora_scale)?;
+        let none = LayerAdapters::new();
         for (l, lw) in w.layers.iter().enumerate() {
             b.push_scope(&format!("layers.{l}"));
-            let x = b.scoped("input_norm", |b| self.rms_norm(b, h, lw.input_norm))?;
-            let attn = self.attention(b, l, x, lw, lora, (cos, sin), mask)?;
-            h = b.add(h, attn)?;
-            let x = b.scoped("post_norm", |b| self.rms_norm(b, h, lw.post_norm))?;
-            let mlp = self.mlp(b, l, x, lw, lora)?;
-            h = b.add(h, mlp)?;
+            if let Some((p, key)) = dropout {
+                let idx = b.scalar(l as f64, DType::S32);
+                ctx.dropout = Some((p, layer_key(b, key, idx)?));
+            }
+            h = self.layer(
+                b,
+                h,
+                lw,
+                lora.get(l).unwrap_or(&none),
+                &mut ctx,
+                &mut Saves::Off,
+            )?;
             b.pop_scope();
         }
-        let x = b.scoped("norm", |b| self.rms_norm(b, h, w.norm))?;
-        b.scoped("lm_head", |b| {
-            let head = b.convert(w.lm_head, self.num.compute)?;
-            let logits = linear(b, x, head)?;
-            b.convert(logits, DType::F32)
-        })
+        self.head(b, h, w.norm, w.lm_head)
     }
 
     /// RMSNorm in f32: `g * x / sqrt(mean(x^2) + eps)`, back in the compute type.
@@ -202,22 +297,25 @@ impl Llama<'_> {
     }
 
     /// `x W^T` plus the layer's LoRA term for `target` when there is one.
+    #[allow(clippy::too_many_arguments)]
     fn project(
         &self,
         b: &mut Builder,
-        layer: usize,
         target: Target,
         x: Value,
         w: Value,
-        lora: &mut Adapters,
+        lora: &LayerAdapters,
+        ctx: &mut LayerContext,
+        saves: &mut Saves,
     ) -> Result<Value> {
         b.scoped(target.module(), |b| {
             let w = b.convert(w, self.num.compute)?;
             let y = linear(b, x, w)?;
-            let Some(pair) = lora.layers.get(layer).and_then(|m| m.get(&target)).copied() else {
+            let y = saves.point(b, target.module(), y)?;
+            let Some(pair) = lora.get(&target).copied() else {
                 return Ok(y);
             };
-            let x_in = match &mut lora.dropout {
+            let x_in = match &mut ctx.dropout {
                 Some((p, state)) => {
                     let (next, kept) = dropout(b, x, *p, *state)?;
                     *state = next;
@@ -229,30 +327,29 @@ impl Llama<'_> {
             let bm = b.convert(pair.b, self.num.compute)?;
             let xa = linear(b, x_in, a)?;
             let xab = linear(b, xa, bm)?;
-            let scaled = b.mul_scalar(xab, lora.scale)?;
+            let scaled = b.mul_scalar(xab, ctx.lora_scale)?;
             b.add(y, scaled)
         })
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
         b: &mut Builder,
-        l: usize,
         x: Value,
         w: &LayerWeights,
-        lora: &mut Adapters,
-        rope: (Value, Value),
-        mask: Value,
+        lora: &LayerAdapters,
+        ctx: &mut LayerContext,
+        saves: &mut Saves,
     ) -> Result<Value> {
+        let (rope, mask) = (ctx.rope, ctx.mask);
         let c = self.cfg;
         let (bs, t) = (b.dims(x)[0], b.dims(x)[1]);
         let (kvh, d) = (c.num_key_value_heads, c.head_dim);
         let g = c.num_attention_heads / kvh;
-        let q = self.project(b, l, Target::Q, x, w.q, lora)?;
-        let k = self.project(b, l, Target::K, x, w.k, lora)?;
-        let v = self.project(b, l, Target::V, x, w.v, lora)?;
-        b.scoped("attn", |b| {
+        let q = self.project(b, Target::Q, x, w.q, lora, ctx, saves)?;
+        let k = self.project(b, Target::K, x, w.k, lora, ctx, saves)?;
+        let v = self.project(b, Target::V, x, w.v, lora, ctx, saves)?;
+        let attn = b.scoped("attn", |b| {
             // Query head j = kv * G + g uses kv head j / G, as HF's repeat_kv does.
             let q = b.reshape(q, &[bs, t, kvh, g, d])?;
             let k = b.reshape(k, &[bs, t, kvh, d])?;
@@ -284,27 +381,28 @@ impl Llama<'_> {
             let out = b.dot_general(probs, v, dims, None, Some(self.num.compute))?;
             let out = b.transpose(out, &[0, 2, 1, 3, 4])?;
             b.reshape(out, &[bs, t, c.num_attention_heads * d])
-        })
-        .and_then(|attn| self.project(b, l, Target::O, attn, w.o, lora))
+        })?;
+        self.project(b, Target::O, attn, w.o, lora, ctx, saves)
     }
 
     fn mlp(
         &self,
         b: &mut Builder,
-        l: usize,
         x: Value,
         w: &LayerWeights,
-        lora: &mut Adapters,
+        lora: &LayerAdapters,
+        ctx: &mut LayerContext,
+        saves: &mut Saves,
     ) -> Result<Value> {
-        let gate = self.project(b, l, Target::Gate, x, w.gate, lora)?;
-        let up = self.project(b, l, Target::Up, x, w.up, lora)?;
+        let gate = self.project(b, Target::Gate, x, w.gate, lora, ctx, saves)?;
+        let up = self.project(b, Target::Up, x, w.up, lora, ctx, saves)?;
         // silu(g) = g * sigmoid(g)
         let act = b.scoped("mlp", |b| {
             let s = b.logistic(gate)?;
             let silu = b.mul(gate, s)?;
             b.mul(silu, up)
         })?;
-        self.project(b, l, Target::Down, act, w.down, lora)
+        self.project(b, Target::Down, act, w.down, lora, ctx, saves)
     }
 }
 
@@ -341,14 +439,14 @@ fn dropout(b: &mut Builder, x: Value, p: f64, state: Value) -> Result<(Value, Va
     Ok((next, b.select(keep, scaled, zero)?))
 }
 
-/// Per-token cross entropy and the HF loss. `labels` [B, T] (s32, -100 = ignore) are shifted
-/// here: position t predicts label t+1, the last position predicts nothing.
-/// Returns (loss = sum CE / #valid over the whole batch, per-token CE [B, T], #valid).
-pub fn causal_lm_loss(
+/// Per-token cross entropy, HF's way: position t predicts label t+1 (`labels` [B, T], s32,
+/// -100 = ignore); the last position predicts nothing. Returns (CE [B, T] with ignored positions
+/// zero, valid [B, T] as 0/1 f32). The loss is sum(CE) / sum(valid) over the whole batch.
+pub fn token_cross_entropy(
     b: &mut Builder,
     logits: Value,
     labels: Value,
-) -> Result<(Value, Value, Value)> {
+) -> Result<(Value, Value)> {
     b.scoped("loss", |b| {
         let dims = b.dims(logits).to_vec();
         let (bs, t, v) = (dims[0], dims[1], dims[2]);
@@ -375,13 +473,6 @@ pub fn causal_lm_loss(
         let minus100 = b.full(-100.0, Shape::new(&[bs, t], DType::S32));
         let valid = b.compare(targets, minus100, CmpDir::Ne)?;
         let valid = b.convert(valid, DType::F32)?;
-        let ce = b.mul(ce, valid)?;
-        let total = b.sum_all(ce)?;
-        let count = b.sum_all(valid)?;
-        // An all-ignored batch gives loss 0, not NaN.
-        let one = b.scalar(1.0, DType::F32);
-        let denom = b.max(count, one)?;
-        let loss = b.div(total, denom)?;
-        Ok((loss, ce, count))
+        Ok((b.mul(ce, valid)?, valid))
     })
 }

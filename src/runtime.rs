@@ -8,6 +8,7 @@ use pjrt::{
     Buffer, Client, ClientOptions, CompileOptions, Device, ElementType, Executable, HostTensor,
     Plugin,
 };
+use std::collections::BTreeMap;
 
 pub fn element_type(d: DType) -> ElementType {
     match d {
@@ -122,4 +123,95 @@ impl Runtime {
     pub fn upload(&self, t: &HostTensor) -> Result<Buffer> {
         Ok(self.client.to_device(t, &self.devices[0])?)
     }
+}
+
+/// Stack tensors of one type and shape along a new leading axis.
+pub fn stack(parts: &[HostTensor]) -> Result<HostTensor> {
+    let first = parts.first().context("nothing to stack")?;
+    let mut bytes = Vec::with_capacity(first.bytes.len() * parts.len());
+    for p in parts {
+        if p.ty != first.ty || p.dims != first.dims {
+            bail!(
+                "cannot stack {:?}{:?} with {:?}{:?}",
+                p.ty,
+                p.dims,
+                first.ty,
+                first.dims
+            );
+        }
+        bytes.extend_from_slice(&p.bytes);
+    }
+    let mut dims = vec![parts.len() as i64];
+    dims.extend_from_slice(&first.dims);
+    Ok(HostTensor {
+        ty: first.ty,
+        dims,
+        bytes,
+    })
+}
+
+/// Split a tensor along its leading axis.
+pub fn unstack(t: &HostTensor) -> Vec<HostTensor> {
+    let n = t.dims[0] as usize;
+    let chunk = t.bytes.len() / n.max(1);
+    t.bytes
+        .chunks(chunk.max(1))
+        .take(n)
+        .map(|c| HostTensor {
+            ty: t.ty,
+            dims: t.dims[1..].to_vec(),
+            bytes: c.to_vec(),
+        })
+        .collect()
+}
+
+/// Per-layer tensors (PEFT/HF names with `layers.N.`) in the layout a program takes: stacked
+/// names (`layers.*.`) are assembled from their layers; `prefix` is prepended to the lookups
+/// (e.g. "exp_avg."). `layers` is the number of layers.
+pub fn to_program_layout(
+    names: &[(String, Vec<i64>)],
+    per_layer: &BTreeMap<String, HostTensor>,
+    layers: i64,
+) -> Result<Vec<HostTensor>> {
+    names
+        .iter()
+        .map(|(name, shape)| {
+            let t = if name.contains("layers.*.") {
+                let parts: Vec<HostTensor> = (0..layers)
+                    .map(|l| {
+                        let n = crate::step::layer_name(name, l);
+                        per_layer
+                            .get(&n)
+                            .cloned()
+                            .with_context(|| format!("missing tensor `{n}`"))
+                    })
+                    .collect::<Result<_>>()?;
+                stack(&parts)?
+            } else {
+                per_layer
+                    .get(name)
+                    .cloned()
+                    .with_context(|| format!("missing tensor `{name}`"))?
+            };
+            if &t.dims != shape {
+                bail!("`{name}` is {:?}, the program needs {shape:?}", t.dims);
+            }
+            Ok(t)
+        })
+        .collect()
+}
+
+/// The inverse of [`to_program_layout`]: program-layout tensors back to per-layer names.
+pub fn from_program_layout(named: Vec<(String, HostTensor)>) -> BTreeMap<String, HostTensor> {
+    let mut out = BTreeMap::new();
+    for (name, t) in named {
+        if name.contains("layers.*.") {
+            for (l, part) in unstack(&t).into_iter().enumerate() {
+                out.insert(crate::step::layer_name(&name, l as i64), part);
+            }
+        } else {
+            out.insert(name, t);
+        }
+    }
+    out
 }

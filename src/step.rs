@@ -5,18 +5,25 @@
 //! Argument order (each named in the program and in the manifest):
 //! frozen weights (HF names) | LoRA A/B (PEFT names) | exp_avg.* | exp_avg_sq.* | step | lr |
 //! input_ids | labels | attention_mask | [dropout_key]
+//!
+//! Layers are either unrolled (`--remat none`: XLA keeps every intermediate) or looped
+//! (`stablehlo.while` over weights stacked along a leading layer axis, named `layers.*`): the
+//! forward loop keeps each layer's input (and, with `save-proj`, the frozen projections'
+//! outputs); the backward loop recomputes each layer from them and applies its vjp. Program size
+//! does not grow with depth.
 
 use crate::config::LlamaConfig;
 use crate::lora::{LoraConfig, Target};
 use crate::model::{
-    causal_lm_loss, Adapters, BaseWeights, LayerWeights, Llama, LoraPair, Numerics,
+    layer_key, token_cross_entropy, BaseWeights, LayerAdapters, LayerContext, LayerWeights, Llama,
+    LoraPair, Numerics, Saves,
 };
 use crate::optim::{AdamW, Slot};
-use anyhow::Result;
+use anyhow::{bail, Result};
 use hlo::{Builder, DType, Module, ParamAttrs, Shape, Value};
 use std::collections::BTreeMap;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Role {
     Frozen,
@@ -33,6 +40,34 @@ pub enum Role {
     GradNorm,
     Logits,
     TokenLoss,
+}
+
+/// How much of the forward pass the backward pass recomputes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Remat {
+    /// Layers unrolled, every intermediate kept (program size grows with depth).
+    None,
+    /// Layers looped; each layer's input kept, the rest recomputed in the backward loop.
+    Layer,
+    /// Layers looped; each layer's input and its frozen projections' outputs kept.
+    SaveProj,
+}
+
+impl Remat {
+    pub fn parse(s: &str) -> Result<Remat> {
+        Ok(match s {
+            "none" => Remat::None,
+            "layer" => Remat::Layer,
+            "save-proj" => Remat::SaveProj,
+            _ => bail!("--remat must be none, layer or save-proj, got `{s}`"),
+        })
+    }
+
+    /// Whether layers are a loop over stacked weights.
+    pub fn scan(self) -> bool {
+        self != Remat::None
+    }
 }
 
 /// One argument or result of a program.
@@ -55,6 +90,7 @@ pub struct StepSpec {
     pub model: LlamaConfig,
     pub lora: LoraConfig,
     pub adam: AdamW,
+    /// Rows of the batch the step takes (all microbatches together).
     pub batch: i64,
     pub seq: i64,
     /// Element type of the frozen weights as the program takes them.
@@ -63,6 +99,10 @@ pub struct StepSpec {
     /// Element type of activations and matmuls.
     #[serde(serialize_with = "ser_dtype")]
     pub compute_dtype: DType,
+    pub remat: Remat,
+    /// Gradient accumulation: the batch is split into this many microbatches, looped inside
+    /// the step, with one optimizer update.
+    pub microbatches: i64,
 }
 
 /// A built program: its text and its signature.
@@ -72,29 +112,57 @@ pub struct Program {
     pub results: Vec<TensorSpec>,
 }
 
-/// The frozen weights a Llama checkpoint must contain, with their shapes, in program order.
-pub fn frozen_weights(cfg: &LlamaConfig) -> Vec<(String, Vec<i64>)> {
-    let (h, f, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
+/// The frozen tensors of one layer: HF name suffix (`self_attn.q_proj`) and shape.
+pub fn layer_kinds(cfg: &LlamaConfig) -> Vec<(&'static str, Vec<i64>)> {
+    let (h, f) = (cfg.hidden_size, cfg.intermediate_size);
     let q = cfg.num_attention_heads * cfg.head_dim;
     let kv = cfg.num_key_value_heads * cfg.head_dim;
+    vec![
+        ("input_layernorm", vec![h]),
+        ("self_attn.q_proj", vec![q, h]),
+        ("self_attn.k_proj", vec![kv, h]),
+        ("self_attn.v_proj", vec![kv, h]),
+        ("self_attn.o_proj", vec![h, q]),
+        ("post_attention_layernorm", vec![h]),
+        ("mlp.gate_proj", vec![f, h]),
+        ("mlp.up_proj", vec![f, h]),
+        ("mlp.down_proj", vec![h, f]),
+    ]
+}
+
+/// The frozen weights a Llama checkpoint must contain, with their shapes (HF names).
+pub fn frozen_weights(cfg: &LlamaConfig) -> Vec<(String, Vec<i64>)> {
+    frozen_args(cfg, false)
+}
+
+/// The frozen weights as a program takes them: per layer, or stacked as `model.layers.*.<kind>`
+/// with a leading layer axis.
+pub fn frozen_args(cfg: &LlamaConfig, stacked: bool) -> Vec<(String, Vec<i64>)> {
+    let (h, v, l) = (cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers);
     let mut out = vec![("model.embed_tokens.weight".to_string(), vec![v, h])];
-    for l in 0..cfg.num_hidden_layers {
-        let p = format!("model.layers.{l}");
-        out.push((format!("{p}.input_layernorm.weight"), vec![h]));
-        out.push((format!("{p}.self_attn.q_proj.weight"), vec![q, h]));
-        out.push((format!("{p}.self_attn.k_proj.weight"), vec![kv, h]));
-        out.push((format!("{p}.self_attn.v_proj.weight"), vec![kv, h]));
-        out.push((format!("{p}.self_attn.o_proj.weight"), vec![h, q]));
-        out.push((format!("{p}.post_attention_layernorm.weight"), vec![h]));
-        out.push((format!("{p}.mlp.gate_proj.weight"), vec![f, h]));
-        out.push((format!("{p}.mlp.up_proj.weight"), vec![f, h]));
-        out.push((format!("{p}.mlp.down_proj.weight"), vec![h, f]));
+    if stacked {
+        for (kind, shape) in layer_kinds(cfg) {
+            let mut s = vec![l];
+            s.extend(shape);
+            out.push((format!("model.layers.*.{kind}.weight"), s));
+        }
+    } else {
+        for layer in 0..l {
+            for (kind, shape) in layer_kinds(cfg) {
+                out.push((format!("model.layers.{layer}.{kind}.weight"), shape));
+            }
+        }
     }
     out.push(("model.norm.weight".to_string(), vec![h]));
     if !cfg.tie_word_embeddings {
         out.push(("lm_head.weight".to_string(), vec![v, h]));
     }
     out
+}
+
+/// The name of layer `layer`'s slice of a stacked (`layers.*`) tensor.
+pub fn layer_name(stacked: &str, layer: i64) -> String {
+    stacked.replace("layers.*.", &format!("layers.{layer}."))
 }
 
 /// (in, out) features of a projection.
@@ -114,7 +182,8 @@ pub fn projection_dims(cfg: &LlamaConfig, t: Target) -> (i64, i64) {
 /// One LoRA tensor: where it sits and its PEFT name and shape.
 #[derive(Clone, Debug)]
 pub struct LoraTensor {
-    pub layer: i64,
+    /// The layer, or None for a stacked tensor holding every layer.
+    pub layer: Option<i64>,
     pub target: Target,
     /// "A" or "B"
     pub which: &'static str,
@@ -122,18 +191,39 @@ pub struct LoraTensor {
     pub shape: Vec<i64>,
 }
 
-/// Every LoRA tensor in program order (layer, target, A then B).
+/// Every LoRA tensor of a PEFT adapter, per layer (layer, target, A then B).
 pub fn lora_tensors(cfg: &LlamaConfig, lora: &LoraConfig) -> Vec<LoraTensor> {
+    lora_args(cfg, lora, false)
+}
+
+/// The LoRA tensors as a program takes them: per layer, or stacked per target (`layers.*`).
+pub fn lora_args(cfg: &LlamaConfig, lora: &LoraConfig, stacked: bool) -> Vec<LoraTensor> {
     let mut out = Vec::new();
-    for layer in 0..cfg.num_hidden_layers {
+    let layers: Vec<Option<i64>> = if stacked {
+        vec![None]
+    } else {
+        (0..cfg.num_hidden_layers).map(Some).collect()
+    };
+    for layer in layers {
         for &target in &lora.targets {
             let (i, o) = projection_dims(cfg, target);
             for (which, shape) in [("A", vec![lora.r, i]), ("B", vec![o, lora.r])] {
+                let (name, shape) = match layer {
+                    Some(l) => (target.peft_name(l, which), shape),
+                    None => {
+                        let mut s = vec![cfg.num_hidden_layers];
+                        s.extend(shape);
+                        (
+                            target.peft_name(0, which).replace("layers.0.", "layers.*."),
+                            s,
+                        )
+                    }
+                };
                 out.push(LoraTensor {
                     layer,
                     target,
                     which,
-                    name: target.peft_name(layer, which),
+                    name,
                     shape,
                 });
             }
@@ -142,11 +232,25 @@ pub fn lora_tensors(cfg: &LlamaConfig, lora: &LoraConfig) -> Vec<LoraTensor> {
     out
 }
 
-/// Parameters of the model part of a program, shared by the train step and the forward pass.
-struct ModelParams {
-    weights: BaseWeights,
-    adapters: Adapters,
-    lora_values: Vec<Value>,
+/// Frozen weights and LoRA values of a program, in argument order.
+#[derive(Clone)]
+struct ModelValues {
+    frozen: Vec<Value>,
+    lora: Vec<Value>,
+}
+
+impl ModelValues {
+    fn flat(&self) -> Vec<Value> {
+        self.frozen.iter().chain(&self.lora).copied().collect()
+    }
+
+    fn rebind(&self, flat: &[Value]) -> ModelValues {
+        let n = self.frozen.len();
+        ModelValues {
+            frozen: flat[..n].to_vec(),
+            lora: flat[n..n + self.lora.len()].to_vec(),
+        }
+    }
 }
 
 fn add_model_params(
@@ -154,75 +258,31 @@ fn add_model_params(
     spec: &StepSpec,
     with_lora: bool,
     args: &mut Vec<TensorSpec>,
-) -> ModelParams {
-    let cfg = &spec.model;
-    let mut by_name: BTreeMap<String, Value> = BTreeMap::new();
-    for (name, shape) in frozen_weights(cfg) {
-        let v = b.param(&name, Shape::new(&shape, spec.weight_dtype));
+) -> ModelValues {
+    let stacked = spec.remat.scan();
+    let mut frozen = Vec::new();
+    for (name, shape) in frozen_args(&spec.model, stacked) {
+        frozen.push(b.param(&name, Shape::new(&shape, spec.weight_dtype)));
         args.push(TensorSpec {
-            name: name.clone(),
+            name,
             shape,
             dtype: spec.weight_dtype,
             role: Role::Frozen,
         });
-        by_name.insert(name, v);
     }
-    let w = |n: String| by_name[&n];
-    let layers = (0..cfg.num_hidden_layers)
-        .map(|l| {
-            let p = format!("model.layers.{l}");
-            LayerWeights {
-                input_norm: w(format!("{p}.input_layernorm.weight")),
-                q: w(format!("{p}.self_attn.q_proj.weight")),
-                k: w(format!("{p}.self_attn.k_proj.weight")),
-                v: w(format!("{p}.self_attn.v_proj.weight")),
-                o: w(format!("{p}.self_attn.o_proj.weight")),
-                post_norm: w(format!("{p}.post_attention_layernorm.weight")),
-                gate: w(format!("{p}.mlp.gate_proj.weight")),
-                up: w(format!("{p}.mlp.up_proj.weight")),
-                down: w(format!("{p}.mlp.down_proj.weight")),
-            }
-        })
-        .collect();
-    let embed = w("model.embed_tokens.weight".into());
-    let weights = BaseWeights {
-        embed,
-        layers,
-        norm: w("model.norm.weight".into()),
-        lm_head: if cfg.tie_word_embeddings {
-            embed
-        } else {
-            w("lm_head.weight".into())
-        },
-    };
-    let mut adapters = Adapters {
-        layers: vec![BTreeMap::new(); cfg.num_hidden_layers as usize],
-        scale: spec.lora.scale(),
-        dropout: None,
-    };
-    let mut lora_values = Vec::new();
+    let mut lora = Vec::new();
     if with_lora {
-        let tensors = lora_tensors(cfg, &spec.lora);
-        for pair in tensors.chunks(2) {
-            let a = b.param(&pair[0].name, Shape::new(&pair[0].shape, DType::F32));
-            let bv = b.param(&pair[1].name, Shape::new(&pair[1].shape, DType::F32));
-            for t in pair {
-                args.push(TensorSpec {
-                    name: t.name.clone(),
-                    shape: t.shape.clone(),
-                    dtype: DType::F32,
-                    role: Role::Lora,
-                });
-            }
-            adapters.layers[pair[0].layer as usize].insert(pair[0].target, LoraPair { a, b: bv });
-            lora_values.extend([a, bv]);
+        for t in lora_args(&spec.model, &spec.lora, stacked) {
+            lora.push(b.param(&t.name, Shape::new(&t.shape, DType::F32)));
+            args.push(TensorSpec {
+                name: t.name,
+                shape: t.shape,
+                dtype: DType::F32,
+                role: Role::Lora,
+            });
         }
     }
-    ModelParams {
-        weights,
-        adapters,
-        lora_values,
-    }
+    ModelValues { frozen, lora }
 }
 
 fn add_batch_params(
@@ -257,19 +317,439 @@ fn scalar_param(b: &mut Builder, name: &str, role: Role, args: &mut Vec<TensorSp
     b.param(name, Shape::scalar(DType::F32))
 }
 
+/// Slice layer `i` out of a stacked tensor [L, ...] -> [...].
+fn layer_slice(b: &mut Builder, stacked: Value, i: Value) -> hlo::Result<Value> {
+    let dims = b.dims(stacked).to_vec();
+    let zero = b.scalar(0.0, DType::S32);
+    let mut starts = vec![i];
+    starts.extend(std::iter::repeat_n(zero, dims.len() - 1));
+    let mut sizes = dims.clone();
+    sizes[0] = 1;
+    let s = b.dynamic_slice(stacked, &starts, &sizes)?;
+    b.reshape(s, &dims[1..])
+}
+
+/// Write `v` [...] into layer `i` of a stacked tensor [L, ...].
+fn layer_update(b: &mut Builder, stacked: Value, v: Value, i: Value) -> hlo::Result<Value> {
+    let mut dims = vec![1];
+    dims.extend_from_slice(b.dims(v));
+    let v = b.reshape(v, &dims)?;
+    let zero = b.scalar(0.0, DType::S32);
+    let mut starts = vec![i];
+    starts.extend(std::iter::repeat_n(zero, dims.len() - 1));
+    b.dynamic_update_slice(stacked, v, &starts)
+}
+
+/// A loop body's view of its invariants: stacked weights, stacked LoRA, the layer context and
+/// dropout.
+type LoopInvariants = (Vec<Value>, Vec<Value>, LayerContext, Option<(f64, Value)>);
+
+/// The model's structure over a flat list of values.
+struct Layout<'a> {
+    spec: &'a StepSpec,
+}
+
+impl Layout<'_> {
+    fn model(&self) -> Llama<'_> {
+        Llama {
+            cfg: &self.spec.model,
+            num: Numerics {
+                compute: self.spec.compute_dtype,
+            },
+        }
+    }
+
+    /// (embed, norm, lm_head) from the frozen values.
+    fn ends(&self, frozen: &[Value]) -> (Value, Value, Value) {
+        let n = frozen.len();
+        if self.spec.model.tie_word_embeddings {
+            (frozen[0], frozen[n - 1], frozen[0])
+        } else {
+            (frozen[0], frozen[n - 2], frozen[n - 1])
+        }
+    }
+
+    fn layer_weights(w: &[Value]) -> LayerWeights {
+        LayerWeights {
+            input_norm: w[0],
+            q: w[1],
+            k: w[2],
+            v: w[3],
+            o: w[4],
+            post_norm: w[5],
+            gate: w[6],
+            up: w[7],
+            down: w[8],
+        }
+    }
+
+    fn adapters(&self, lora: &[Value]) -> LayerAdapters {
+        self.spec
+            .lora
+            .targets
+            .iter()
+            .enumerate()
+            .map(|(k, &t)| {
+                (
+                    t,
+                    LoraPair {
+                        a: lora[2 * k],
+                        b: lora[2 * k + 1],
+                    },
+                )
+            })
+            .collect()
+    }
+
+    /// Logits with layers unrolled over per-layer weights.
+    fn logits_unrolled(
+        &self,
+        b: &mut Builder,
+        m: &ModelValues,
+        dropout: Option<(f64, Value)>,
+        ids: Value,
+        mask: Value,
+    ) -> hlo::Result<Value> {
+        let (embed, norm, lm_head) = self.ends(&m.frozen);
+        let layers = m.frozen[1..1 + 9 * self.spec.model.num_hidden_layers as usize]
+            .chunks(9)
+            .map(Self::layer_weights)
+            .collect();
+        let per_layer = 2 * self.spec.lora.targets.len();
+        let lora: Vec<LayerAdapters> = if m.lora.is_empty() {
+            Vec::new()
+        } else {
+            m.lora.chunks(per_layer).map(|c| self.adapters(c)).collect()
+        };
+        let w = BaseWeights {
+            embed,
+            layers,
+            norm,
+            lm_head,
+        };
+        self.model()
+            .logits(b, &w, &lora, self.spec.lora.scale(), dropout, ids, mask)
+    }
+
+    /// The names a remat policy saves in the forward loop.
+    fn saved_names(&self) -> Vec<&'static str> {
+        match self.spec.remat {
+            Remat::SaveProj => Target::ALL.iter().map(|t| t.module()).collect(),
+            _ => Vec::new(),
+        }
+    }
+
+    /// Run layer `i` (a loop index) of the stacked model inside a loop body.
+    #[allow(clippy::too_many_arguments)]
+    fn layer_in_loop(
+        &self,
+        b: &mut Builder,
+        i: Value,
+        h: Value,
+        stacked: &[Value],
+        lora: &[Value],
+        ctx: &LayerContext,
+        dropout: Option<(f64, Value)>,
+        saves: &mut Saves,
+    ) -> hlo::Result<(Value, Vec<Value>)> {
+        let w: Vec<Value> = stacked
+            .iter()
+            .map(|&s| layer_slice(b, s, i))
+            .collect::<hlo::Result<_>>()?;
+        let lw = Self::layer_weights(&w);
+        let lora_l: Vec<Value> = lora
+            .iter()
+            .map(|&s| layer_slice(b, s, i))
+            .collect::<hlo::Result<_>>()?;
+        let adapters = self.adapters(&lora_l);
+        let mut ctx = ctx.clone();
+        if let Some((p, key)) = dropout {
+            ctx.dropout = Some((p, layer_key(b, key, i)?));
+        }
+        let out = b.scoped("layers", |b| {
+            self.model().layer(b, h, &lw, &adapters, &mut ctx, saves)
+        })?;
+        Ok((out, lora_l))
+    }
+
+    /// Forward and backward for one (micro)batch: (loss share, gradients in LoRA arg order).
+    /// `denom` is the number of valid targets in the whole batch, so that microbatch losses and
+    /// gradients add up to those of the whole batch.
+    #[allow(clippy::too_many_arguments)]
+    fn loss_and_grads(
+        &self,
+        b: &mut Builder,
+        m: &ModelValues,
+        ids: Value,
+        labels: Value,
+        mask: Value,
+        key: Option<Value>,
+        denom: Value,
+    ) -> hlo::Result<(Value, Vec<Value>)> {
+        let dropout = key.map(|k| (self.spec.lora.dropout, k));
+        if !self.spec.remat.scan() {
+            let logits = self.logits_unrolled(b, m, dropout, ids, mask)?;
+            let loss = self.loss(b, logits, labels, denom)?;
+            let grads = b.grad(loss, &m.lora)?;
+            return Ok((loss, grads));
+        }
+        let model = self.model();
+        let l = self.spec.model.num_hidden_layers;
+        let (embed, norm, lm_head) = self.ends(&m.frozen);
+        let stacked = m.frozen[1..10].to_vec();
+        let h0 = model.embed(b, embed, ids)?;
+        let ctx = model.context(b, mask, self.spec.lora.scale())?;
+        let (bs, t, hd) = (b.dims(h0)[0], b.dims(h0)[1], b.dims(h0)[2]);
+        let saved_names = self.saved_names();
+
+        // Forward loop: carry (h, layer inputs [L,B,T,H], saved projections [L,B,T,out]...).
+        let inputs0 = b.zeros(Shape::new(&[l, bs, t, hd], self.spec.compute_dtype));
+        let mut carry = vec![h0, inputs0];
+        for name in &saved_names {
+            let target = Target::ALL.iter().find(|x| x.module() == *name).unwrap();
+            let out = projection_dims(&self.spec.model, *target).1;
+            carry.push(b.zeros(Shape::new(&[l, bs, t, out], self.spec.compute_dtype)));
+        }
+        let mut inv: Vec<Value> = stacked.iter().chain(&m.lora).copied().collect();
+        inv.extend([ctx.rope.0, ctx.rope.1, ctx.mask]);
+        inv.extend(key);
+        let (ns, nl) = (stacked.len(), m.lora.len());
+        let unpack = |inv: &[Value]| -> LoopInvariants {
+            let c = LayerContext {
+                rope: (inv[ns + nl], inv[ns + nl + 1]),
+                mask: inv[ns + nl + 2],
+                lora_scale: self.spec.lora.scale(),
+                dropout: None,
+            };
+            let d = key.map(|_| (self.spec.lora.dropout, inv[ns + nl + 3]));
+            (inv[..ns].to_vec(), inv[ns..ns + nl].to_vec(), c, d)
+        };
+        let fwd = b.fori_loop(l, &carry, &inv, |bb, i, carry, inv| {
+            let (stacked, lora, ctx, dropout) = unpack(inv);
+            let mut recorded = Vec::new();
+            let (h, _) = self.layer_in_loop(
+                bb,
+                i,
+                carry[0],
+                &stacked,
+                &lora,
+                &ctx,
+                dropout,
+                &mut Saves::Record(&mut recorded),
+            )?;
+            let mut next = vec![h, layer_update(bb, carry[1], carry[0], i)?];
+            for (k, name) in saved_names.iter().enumerate() {
+                let v = recorded
+                    .iter()
+                    .find(|(n, _)| n == name)
+                    .map(|(_, v)| *v)
+                    .expect("projection recorded");
+                next.push(layer_update(bb, carry[2 + k], v, i)?);
+            }
+            Ok(next)
+        })?;
+        let loss = {
+            let logits = model.head(b, fwd[0], norm, lm_head)?;
+            self.loss(b, logits, labels, denom)?
+        };
+        let dh = b.grad(loss, &[fwd[0]])?[0];
+
+        // Backward loop, last layer first: carry (dh, gradient stacks); recompute, then vjp.
+        let mut carry = vec![dh];
+        for &v in &m.lora {
+            carry.push(b.zeros_like(v));
+        }
+        let mut binv = fwd[1..].to_vec();
+        binv.extend(&inv);
+        let nsaved = fwd.len() - 1;
+        let bwd = b.fori_loop(l, &carry, &binv, |bb, i, carry, binv| {
+            let last = bb.scalar((l - 1) as f64, DType::S32);
+            let idx = bb.sub(last, i)?;
+            let h_in = layer_slice(bb, binv[0], idx)?;
+            let mut saved = BTreeMap::new();
+            for (k, name) in saved_names.iter().enumerate() {
+                saved.insert(name.to_string(), layer_slice(bb, binv[1 + k], idx)?);
+            }
+            let (stacked, lora, ctx, dropout) = unpack(&binv[nsaved..]);
+            let (h_out, lora_l) = self.layer_in_loop(
+                bb,
+                idx,
+                h_in,
+                &stacked,
+                &lora,
+                &ctx,
+                dropout,
+                &mut Saves::Use(&saved),
+            )?;
+            let mut wrt = vec![h_in];
+            wrt.extend(&lora_l);
+            let g = bb.vjp(&[(h_out, carry[0])], &wrt)?;
+            let mut next = vec![g[0]];
+            for (k, &gk) in g[1..].iter().enumerate() {
+                next.push(layer_update(bb, carry[1 + k], gk, idx)?);
+            }
+            Ok(next)
+        })?;
+        Ok((loss, bwd[1..].to_vec()))
+    }
+
+    /// sum(CE) / denom.
+    fn loss(
+        &self,
+        b: &mut Builder,
+        logits: Value,
+        labels: Value,
+        denom: Value,
+    ) -> hlo::Result<Value> {
+        let (ce, _) = token_cross_entropy(b, logits, labels)?;
+        let total = b.sum_all(ce)?;
+        b.div(total, denom)
+    }
+
+    /// max(1, number of valid targets): labels[:, 1:] != -100.
+    fn denominator(&self, b: &mut Builder, labels: Value) -> hlo::Result<Value> {
+        let t = b.dims(labels)[1];
+        let next = b.slice_dim(labels, 1, 1, t)?;
+        let ignore = b.full(-100.0, b.shape(next).clone());
+        let valid = b.compare(next, ignore, hlo::CmpDir::Ne)?;
+        let valid = b.convert(valid, DType::F32)?;
+        let count = b.sum_all(valid)?;
+        let one = b.scalar(1.0, DType::F32);
+        b.max(count, one)
+    }
+
+    /// Loss and gradients of the whole batch, looping over microbatches when there are several.
+    fn batch_loss_and_grads(
+        &self,
+        b: &mut Builder,
+        m: &ModelValues,
+        ids: Value,
+        labels: Value,
+        mask: Value,
+        key: Option<Value>,
+    ) -> hlo::Result<(Value, Vec<Value>)> {
+        let denom = self.denominator(b, labels)?;
+        let micro = self.spec.microbatches;
+        if micro <= 1 {
+            return self.loss_and_grads(b, m, ids, labels, mask, key, denom);
+        }
+        let rows = self.spec.batch / micro;
+        let t = self.spec.seq;
+        let mut carry = vec![b.scalar(0.0, DType::F32)];
+        for &v in &m.lora {
+            carry.push(b.zeros_like(v));
+        }
+        let mut inv = m.flat();
+        inv.extend([ids, labels, mask, denom]);
+        inv.extend(key);
+        let nm = m.frozen.len() + m.lora.len();
+        let out = b.fori_loop(micro, &carry, &inv, |bb, i, carry, inv| {
+            let mv = m.rebind(&inv[..nm]);
+            let r = bb.scalar(rows as f64, DType::S32);
+            let start = bb.mul(i, r)?;
+            let zero = bb.scalar(0.0, DType::S32);
+            let slice =
+                |bb: &mut Builder, x: Value| bb.dynamic_slice(x, &[start, zero], &[rows, t]);
+            let (ids, labels, mask) = (
+                slice(bb, inv[nm])?,
+                slice(bb, inv[nm + 1])?,
+                slice(bb, inv[nm + 2])?,
+            );
+            // Each microbatch draws its own dropout masks: offset the key's first word.
+            let key = match key {
+                Some(_) => {
+                    let k = inv[nm + 4];
+                    let mi = bb.convert(i, DType::U64)?;
+                    let mi = bb.reshape(mi, &[1])?;
+                    let z = bb.zeros(Shape::new(&[1], DType::U64));
+                    let off = bb.concatenate(&[mi, z], 0)?;
+                    Some(bb.add(k, off)?)
+                }
+                None => None,
+            };
+            let (loss, grads) =
+                self.loss_and_grads(bb, &mv, ids, labels, mask, key, inv[nm + 3])?;
+            let mut next = vec![bb.add(carry[0], loss)?];
+            for (k, g) in grads.into_iter().enumerate() {
+                next.push(bb.add(carry[1 + k], g)?);
+            }
+            Ok(next)
+        })?;
+        Ok((out[0], out[1..].to_vec()))
+    }
+
+    /// Logits for a forward-only program (looped when the spec loops layers).
+    fn logits(
+        &self,
+        b: &mut Builder,
+        m: &ModelValues,
+        ids: Value,
+        mask: Value,
+    ) -> hlo::Result<Value> {
+        if !self.spec.remat.scan() {
+            return self.logits_unrolled(b, m, None, ids, mask);
+        }
+        let model = self.model();
+        let (embed, norm, lm_head) = self.ends(&m.frozen);
+        let stacked = m.frozen[1..10].to_vec();
+        let h0 = model.embed(b, embed, ids)?;
+        let ctx = model.context(b, mask, self.spec.lora.scale())?;
+        let mut inv: Vec<Value> = stacked.iter().chain(&m.lora).copied().collect();
+        inv.extend([ctx.rope.0, ctx.rope.1, ctx.mask]);
+        let (ns, nl) = (stacked.len(), m.lora.len());
+        let out = b.fori_loop(
+            self.spec.model.num_hidden_layers,
+            &[h0],
+            &inv,
+            |bb, i, carry, inv| {
+                let c = LayerContext {
+                    rope: (inv[ns + nl], inv[ns + nl + 1]),
+                    mask: inv[ns + nl + 2],
+                    lora_scale: self.spec.lora.scale(),
+                    dropout: None,
+                };
+                let (h, _) = self.layer_in_loop(
+                    bb,
+                    i,
+                    carry[0],
+                    &inv[..ns],
+                    &inv[ns..ns + nl],
+                    &c,
+                    None,
+                    &mut Saves::Off,
+                )?;
+                Ok(vec![h])
+            },
+        )?;
+        model.head(b, out[0], norm, lm_head)
+    }
+}
+
+fn check_spec(spec: &StepSpec) -> Result<()> {
+    spec.lora.validate()?;
+    if spec.microbatches < 1 || spec.batch % spec.microbatches != 0 {
+        bail!(
+            "--grad-accum {} must divide the batch size {}",
+            spec.microbatches,
+            spec.batch
+        );
+    }
+    Ok(())
+}
+
 /// The training step program.
 pub fn build_train_step(spec: &StepSpec) -> Result<Program> {
-    spec.lora.validate()?;
+    check_spec(spec)?;
     let mut b = Builder::new("train_step");
     let mut args = Vec::new();
-    let mut mp = add_model_params(&mut b, spec, true, &mut args);
-    let n = mp.lora_values.len();
+    let mv = add_model_params(&mut b, spec, true, &mut args);
     let lora_args: Vec<TensorSpec> = args
         .iter()
         .filter(|a| a.role == Role::Lora)
         .cloned()
         .collect();
     // moments[i] = m of LoRA tensor i, moments[n + i] = its v; named as torch's state dict.
+    let n = mv.lora.len();
     let mut moments = Vec::new();
     for (prefix, role) in [("exp_avg", Role::AdamM), ("exp_avg_sq", Role::AdamV)] {
         for src in &lora_args {
@@ -286,29 +766,23 @@ pub fn build_train_step(spec: &StepSpec) -> Result<Program> {
     let step = scalar_param(&mut b, "step", Role::Step, &mut args);
     let lr = scalar_param(&mut b, "lr", Role::LearningRate, &mut args);
     let (ids, labels, mask) = add_batch_params(&mut b, spec, &mut args);
-    if spec.lora.dropout > 0.0 {
+    let key = if spec.lora.dropout > 0.0 {
         args.push(TensorSpec {
             name: "dropout_key".into(),
             shape: vec![2],
             dtype: DType::U64,
             role: Role::DropoutKey,
         });
-        let key = b.param("dropout_key", Shape::new(&[2], DType::U64));
-        mp.adapters.dropout = Some((spec.lora.dropout, key));
-    }
-
-    let model = Llama {
-        cfg: &spec.model,
-        num: Numerics {
-            compute: spec.compute_dtype,
-        },
+        Some(b.param("dropout_key", Shape::new(&[2], DType::U64)))
+    } else {
+        None
     };
-    let logits = model.logits(&mut b, &mp.weights, &mut mp.adapters, ids, mask)?;
-    let (loss, _, _) = causal_lm_loss(&mut b, logits, labels)?;
-    let grads = b.grad(loss, &mp.lora_values)?;
+
+    let layout = Layout { spec };
+    let (loss, grads) = layout.batch_loss_and_grads(&mut b, &mv, ids, labels, mask, key)?;
     let slots: Vec<Slot> = (0..n)
         .map(|i| Slot {
-            param: mp.lora_values[i],
+            param: mv.lora[i],
             grad: grads[i],
             m: moments[i],
             v: moments[n + i],
@@ -317,29 +791,16 @@ pub fn build_train_step(spec: &StepSpec) -> Result<Program> {
     let (updated, grad_norm) = spec.adam.update(&mut b, &slots, step, lr)?;
 
     // Results: params, then m, then v (each aliasing its input), then loss and grad norm.
-    let m_args: Vec<TensorSpec> = args
-        .iter()
-        .filter(|a| a.role == Role::AdamM)
-        .cloned()
-        .collect();
-    let v_args: Vec<TensorSpec> = args
-        .iter()
-        .filter(|a| a.role == Role::AdamV)
-        .cloned()
-        .collect();
     let mut results = Vec::new();
     let mut outs: Vec<(String, Value)> = Vec::new();
-    for (k, group) in [&lora_args, &m_args, &v_args].iter().enumerate() {
-        for (i, spec_i) in group.iter().enumerate() {
-            let v = match k {
-                0 => updated[i].param,
-                1 => updated[i].m,
-                _ => updated[i].v,
-            };
-            let input = match k {
-                0 => mp.lora_values[i],
-                _ => moments[(k - 1) * n + i],
-            };
+    let groups: [(Role, &dyn Fn(usize) -> (Value, Value)); 3] = [
+        (Role::Lora, &|i| (mv.lora[i], updated[i].param)),
+        (Role::AdamM, &|i| (moments[i], updated[i].m)),
+        (Role::AdamV, &|i| (moments[n + i], updated[i].v)),
+    ];
+    for (role, pick) in groups {
+        for (i, a) in args.iter().filter(|a| a.role == role).enumerate() {
+            let (input, output) = pick(i);
             b.set_param_attrs(
                 input,
                 ParamAttrs {
@@ -347,8 +808,8 @@ pub fn build_train_step(spec: &StepSpec) -> Result<Program> {
                     sharding: None,
                 },
             );
-            results.push(spec_i.clone());
-            outs.push((spec_i.name.clone(), v));
+            results.push(a.clone());
+            outs.push((a.name.clone(), output));
         }
     }
     for (name, v, role) in [
@@ -376,16 +837,14 @@ pub fn build_train_step(spec: &StepSpec) -> Result<Program> {
 pub fn build_forward(spec: &StepSpec, with_lora: bool) -> Result<Program> {
     let mut b = Builder::new("forward");
     let mut args = Vec::new();
-    let mut mp = add_model_params(&mut b, spec, with_lora, &mut args);
+    let mv = add_model_params(&mut b, spec, with_lora, &mut args);
     let (ids, labels, mask) = add_batch_params(&mut b, spec, &mut args);
-    let model = Llama {
-        cfg: &spec.model,
-        num: Numerics {
-            compute: spec.compute_dtype,
-        },
-    };
-    let logits = model.logits(&mut b, &mp.weights, &mut mp.adapters, ids, mask)?;
-    let (loss, ce, _) = causal_lm_loss(&mut b, logits, labels)?;
+    let layout = Layout { spec };
+    let logits = layout.logits(&mut b, &mv, ids, mask)?;
+    let (ce, _) = token_cross_entropy(&mut b, logits, labels)?;
+    let denom = layout.denominator(&mut b, labels)?;
+    let total = b.sum_all(ce)?;
+    let loss = b.div(total, denom)?;
     let (bs, t, v) = (spec.batch, spec.seq, spec.model.vocab_size);
     let results = vec![
         TensorSpec {
@@ -418,19 +877,13 @@ pub fn build_forward(spec: &StepSpec, with_lora: bool) -> Result<Program> {
 /// A program returning the loss and the gradient of every LoRA tensor (for checking gradients
 /// against a reference; the train step folds them into AdamW instead).
 pub fn build_grad_program(spec: &StepSpec) -> Result<Program> {
+    check_spec(spec)?;
     let mut b = Builder::new("grads");
     let mut args = Vec::new();
-    let mut mp = add_model_params(&mut b, spec, true, &mut args);
+    let mv = add_model_params(&mut b, spec, true, &mut args);
     let (ids, labels, mask) = add_batch_params(&mut b, spec, &mut args);
-    let model = Llama {
-        cfg: &spec.model,
-        num: Numerics {
-            compute: spec.compute_dtype,
-        },
-    };
-    let logits = model.logits(&mut b, &mp.weights, &mut mp.adapters, ids, mask)?;
-    let (loss, _, _) = causal_lm_loss(&mut b, logits, labels)?;
-    let grads = b.grad(loss, &mp.lora_values)?;
+    let layout = Layout { spec };
+    let (loss, grads) = layout.batch_loss_and_grads(&mut b, &mv, ids, labels, mask, None)?;
     let mut results = vec![TensorSpec {
         name: "loss".into(),
         shape: vec![],

@@ -128,7 +128,8 @@ pub struct Trainer {
 }
 
 impl Trainer {
-    /// Build and compile the step, upload the frozen weights and the initial LoRA state.
+    /// Build and compile the step, upload the frozen weights (in the program's layout, see
+    /// [`crate::weights::load`]) and the initial LoRA state (per-layer PEFT names).
     pub fn new(
         rt: Runtime,
         spec: StepSpec,
@@ -150,6 +151,14 @@ impl Trainer {
         let mut w = weights.into_iter();
         for a in program.args.iter().filter(|a| a.role == Role::Frozen) {
             let t = w.next().context("fewer weights than the program takes")?;
+            if t.dims != a.shape {
+                bail!(
+                    "weight `{}` is {:?}, the program takes {:?}",
+                    a.name,
+                    t.dims,
+                    a.shape
+                );
+            }
             frozen.push(rt.upload(&convert(&t, element_type(a.dtype))?)?);
         }
         let mut trainer = Trainer {
@@ -162,48 +171,48 @@ impl Trainer {
             spec,
             dropout_seed: 0,
         };
-        let zero_moments: BTreeMap<String, HostTensor> = BTreeMap::new();
-        trainer.set_state(lora, &zero_moments)?;
+        trainer.set_state(lora, &BTreeMap::new())?;
         Ok(trainer)
     }
 
-    /// Replace the LoRA weights and moments (missing moments start at zero).
+    fn state_specs(&self) -> Vec<(String, Vec<i64>)> {
+        self.program
+            .args
+            .iter()
+            .filter(|a| matches!(a.role, Role::Lora | Role::AdamM | Role::AdamV))
+            .map(|a| (a.name.clone(), a.shape.clone()))
+            .collect()
+    }
+
+    /// Replace the LoRA weights and moments (per-layer names; missing moments start at zero).
     pub fn set_state(
         &mut self,
         lora: &BTreeMap<String, HostTensor>,
         moments: &BTreeMap<String, HostTensor>,
     ) -> Result<()> {
-        let mut state = Vec::new();
-        for a in self
-            .program
-            .args
-            .iter()
-            .filter(|a| matches!(a.role, Role::Lora | Role::AdamM | Role::AdamV))
-        {
-            let t = match a.role {
-                Role::Lora => lora
-                    .get(&a.name)
-                    .cloned()
-                    .with_context(|| format!("no LoRA tensor `{}`", a.name))?,
-                _ => match moments.get(&a.name) {
-                    Some(t) => t.clone(),
+        let mut all = lora.clone();
+        for t in step::lora_tensors(&self.spec.model, &self.spec.lora) {
+            for prefix in ["exp_avg", "exp_avg_sq"] {
+                let name = format!("{prefix}.{}", t.name);
+                let v = match moments.get(&name) {
+                    Some(v) => v.clone(),
                     None => HostTensor::from_f32(
-                        &vec![0.0; a.shape.iter().product::<i64>() as usize],
-                        &a.shape,
+                        &vec![0.0; t.shape.iter().product::<i64>() as usize],
+                        &t.shape,
                     ),
-                },
-            };
-            if t.dims != a.shape {
-                bail!(
-                    "`{}` is {:?}, the program needs {:?}",
-                    a.name,
-                    t.dims,
-                    a.shape
-                );
+                };
+                all.insert(name, v);
             }
-            state.push(self.rt.upload(&convert(&t, ElementType::F32)?)?);
         }
-        self.state = state;
+        let tensors = crate::runtime::to_program_layout(
+            &self.state_specs(),
+            &all,
+            self.spec.model.num_hidden_layers,
+        )?;
+        self.state = tensors
+            .iter()
+            .map(|t| self.rt.upload(&convert(t, ElementType::F32)?))
+            .collect::<Result<_>>()?;
         Ok(())
     }
 
@@ -216,7 +225,7 @@ impl Trainer {
         let labels = self.rt.upload(&batch.labels)?;
         let mask = self.rt.upload(&batch.attention_mask)?;
         let key = if self.spec.lora.dropout > 0.0 {
-            let k = [self.dropout_seed, t];
+            let k = [self.dropout_seed, t << 20];
             Some(self.rt.upload(&HostTensor {
                 ty: ElementType::U64,
                 dims: vec![2],
@@ -243,25 +252,19 @@ impl Trainer {
         Ok((loss, grad_norm))
     }
 
-    /// The current LoRA weights (PEFT names) and AdamW moments, on the host.
+    /// The current LoRA weights (per-layer PEFT names) and AdamW moments, on the host.
     pub fn state_to_host(
         &self,
     ) -> Result<(BTreeMap<String, HostTensor>, BTreeMap<String, HostTensor>)> {
-        let mut lora = BTreeMap::new();
-        let mut moments = BTreeMap::new();
-        let specs = self
-            .program
-            .args
-            .iter()
-            .filter(|a| matches!(a.role, Role::Lora | Role::AdamM | Role::AdamV));
-        for (a, buf) in specs.zip(&self.state) {
-            let t = buf.to_host()?;
-            if a.role == Role::Lora {
-                lora.insert(a.name.clone(), t);
-            } else {
-                moments.insert(a.name.clone(), t);
-            }
-        }
+        let named: Vec<(String, HostTensor)> = self
+            .state_specs()
+            .into_iter()
+            .zip(&self.state)
+            .map(|((n, _), b)| Ok((n, b.to_host()?)))
+            .collect::<Result<_>>()?;
+        let all = crate::runtime::from_program_layout(named);
+        let (moments, lora): (BTreeMap<_, _>, BTreeMap<_, _>) =
+            all.into_iter().partition(|(n, _)| n.starts_with("exp_avg"));
         Ok((lora, moments))
     }
 }
@@ -349,8 +352,17 @@ pub fn train_on_batch(opts: &TrainOptions) -> Result<()> {
         seq,
         weight_dtype,
         compute_dtype: hlo::DType::F32,
+        remat: crate::step::Remat::None,
+        microbatches: 1,
     };
-    let weights = crate::weights::load(&opts.model, &cfg, element_type(weight_dtype), |_, _| {})?;
+    let args = step::frozen_args(&cfg, spec.remat.scan());
+    let weights = crate::weights::load(
+        &opts.model,
+        &cfg,
+        &args,
+        element_type(weight_dtype),
+        |_, _| {},
+    )?;
     let rt = Runtime::open(opts.plugin.as_deref(), Some(1))?;
     let mut trainer = Trainer::new(rt, spec, weights, &lora, opts.verbose)?;
     trainer.dropout_seed = opts.seed;

@@ -34,26 +34,37 @@ pub fn check(files: &WeightFiles, cfg: &LlamaConfig) -> Result<()> {
     Ok(())
 }
 
-/// Read every frozen weight, in program order, converted to `dtype`. `progress` is called after
-/// each tensor with (done, total).
+/// Read the frozen weights a program takes (`args`: names and shapes, stacked `layers.*` names
+/// assembled from their layers), converted to `dtype`. `progress` is called after each
+/// checkpoint tensor with (done, total).
 pub fn load(
     dir: &Path,
     cfg: &LlamaConfig,
+    args: &[(String, Vec<i64>)],
     dtype: ElementType,
     mut progress: impl FnMut(usize, usize),
 ) -> Result<Vec<HostTensor>> {
     let files = WeightFiles::open(dir)?;
     check(&files, cfg)?;
-    let names = frozen_weights(cfg);
-    let total = names.len();
-    names
-        .iter()
-        .enumerate()
-        .map(|(i, (name, _))| {
-            let t = files.read(name)?;
-            let t = convert(&t, dtype).with_context(|| format!("converting `{name}`"))?;
-            progress(i + 1, total);
-            Ok(t)
+    let total = frozen_weights(cfg).len();
+    let mut done = 0;
+    let mut read = |name: &str| -> Result<HostTensor> {
+        let t =
+            convert(&files.read(name)?, dtype).with_context(|| format!("converting `{name}`"))?;
+        done += 1;
+        progress(done, total);
+        Ok(t)
+    };
+    args.iter()
+        .map(|(name, _)| {
+            if name.contains("layers.*.") {
+                let parts: Vec<HostTensor> = (0..cfg.num_hidden_layers)
+                    .map(|l| read(&crate::step::layer_name(name, l)))
+                    .collect::<Result<_>>()?;
+                crate::runtime::stack(&parts)
+            } else {
+                read(name)
+            }
         })
         .collect()
 }

@@ -10,7 +10,7 @@ use xtrain::lora::{LoraConfig, Target};
 use xtrain::optim::AdamW;
 use xtrain::runtime::{convert, Runtime};
 use xtrain::safetensors::SafeTensors;
-use xtrain::step::{self, Program, Role, StepSpec};
+use xtrain::step::{self, Program, Remat, Role, StepSpec};
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-llama3")
@@ -39,7 +39,13 @@ fn oracle_lora() -> LoraConfig {
 }
 
 fn spec(model_dir: &str) -> StepSpec {
+    spec_with(model_dir, Remat::None)
+}
+
+fn spec_with(model_dir: &str, remat: Remat) -> StepSpec {
     StepSpec {
+        remat,
+        microbatches: 1,
         model: LlamaConfig::load(&fixtures().join(model_dir)).unwrap(),
         lora: oracle_lora(),
         adam: AdamW {
@@ -56,35 +62,67 @@ fn spec(model_dir: &str) -> StepSpec {
     }
 }
 
-/// Host inputs for a program, by role: weights from `model_dir`, LoRA from `adapter`, the batch.
+/// Host inputs for a program, by role: weights from `model_dir`, LoRA from `lora` (per-layer
+/// PEFT names, stacked here when the program loops over layers), the batch, and `extra` by name.
 fn inputs(
     program: &Program,
     model_dir: &str,
-    adapter: &BTreeMap<String, HostTensor>,
+    lora: &BTreeMap<String, HostTensor>,
     extra: &BTreeMap<String, HostTensor>,
 ) -> Vec<HostTensor> {
     let s = spec(model_dir);
+    let names = |role: Role| -> Vec<(String, Vec<i64>)> {
+        program
+            .args
+            .iter()
+            .filter(|a| a.role == role)
+            .map(|a| (a.name.clone(), a.shape.clone()))
+            .collect()
+    };
     let weights = xtrain::weights::load(
         &fixtures().join(model_dir),
         &s.model,
+        &names(Role::Frozen),
         ElementType::F32,
         |_, _| {},
     )
     .unwrap();
+    let mut all = lora.clone();
+    all.extend(extra.clone());
+    let state_names: Vec<(String, Vec<i64>)> = program
+        .args
+        .iter()
+        .filter(|a| matches!(a.role, Role::Lora | Role::AdamM | Role::AdamV))
+        .map(|a| (a.name.clone(), a.shape.clone()))
+        .collect();
+    let state =
+        xtrain::runtime::to_program_layout(&state_names, &all, s.model.num_hidden_layers).unwrap();
     let batch = read("inputs.safetensors");
-    let mut w = weights.into_iter();
+    let (mut w, mut st) = (weights.into_iter(), state.into_iter());
     program
         .args
         .iter()
         .map(|a| match a.role {
             Role::Frozen => w.next().unwrap(),
-            Role::Lora => adapter[&a.name].clone(),
+            Role::Lora | Role::AdamM | Role::AdamV => st.next().unwrap(),
             Role::InputIds | Role::Labels | Role::AttentionMask => {
                 convert(&batch.read(&a.name).unwrap(), ElementType::S32).unwrap()
             }
             _ => extra[&a.name].clone(),
         })
         .collect()
+}
+
+/// Results by name, stacked (`layers.*`) results split back into per-layer names.
+fn per_layer(program: &Program, out: Vec<HostTensor>) -> BTreeMap<String, HostTensor> {
+    xtrain::runtime::from_program_layout(
+        program
+            .results
+            .iter()
+            .map(|r| r.name.clone())
+            .zip(out)
+            .collect(),
+    )
 }
 
 fn execute(program: &Program, host: &[HostTensor]) -> BTreeMap<String, HostTensor> {
@@ -244,12 +282,19 @@ fn zeros_like_lora(init: &BTreeMap<String, HostTensor>) -> BTreeMap<String, Host
 
 #[test]
 fn three_adamw_steps_match_torch() {
-    let s = spec("model");
-    let program = step::build_train_step(&s).unwrap();
+    // With layers unrolled and with layers looped: the same numbers.
+    for remat in [Remat::None, Remat::Layer] {
+        three_adamw_steps(remat);
+    }
+}
+
+fn three_adamw_steps(remat: Remat) {
+    let program = step::build_train_step(&spec_with("model", remat)).unwrap();
     let rt = runtime();
     let exe = rt.compile(&program, &CompileOptions::default()).unwrap();
-    let mut state = adapter("adapter_init");
-    state.extend(zeros_like_lora(&adapter("adapter_init")));
+    let init = adapter("adapter_init");
+    let mut state = init.clone();
+    state.extend(zeros_like_lora(&init));
     let step1 = read("lora_step1.safetensors");
     let step3 = read("lora_step3.safetensors");
     let grads = read("lora_outputs.safetensors");
@@ -271,68 +316,56 @@ fn three_adamw_steps_match_torch() {
             bufs[lora_idx].is_deleted().unwrap(),
             "LoRA params are donated"
         );
-        let out: BTreeMap<String, HostTensor> = program
-            .results
-            .iter()
-            .zip(&out[0])
-            .map(|(r, b)| (r.name.clone(), b.to_host().unwrap()))
-            .collect();
+        let out = per_layer(
+            &program,
+            out[0].iter().map(|b| b.to_host().unwrap()).collect(),
+        );
         losses.push(out["loss"].scalar_f32().unwrap());
         if t == 1 {
             let gn = out["grad_norm"].scalar_f32().unwrap();
             assert!(
                 (gn - 2.576915).abs() <= 1e-4 * 2.58,
-                "grad norm {gn} vs 2.5769150"
+                "{remat:?}: grad norm {gn} vs 2.576915"
             );
-            for r in program.results.iter().filter(|r| r.role == Role::Lora) {
-                let got = f32s(&out[&r.name]);
-                let want = f32s(&step1.read(&r.name).unwrap());
-                let g = f32s(&grads.read(&format!("grad.{}", r.name)).unwrap());
+            for name in init.keys() {
+                let got = f32s(&out[name]);
+                let want = f32s(&step1.read(name).unwrap());
+                let g = f32s(&grads.read(&format!("grad.{name}")).unwrap());
                 for i in 0..got.len() {
                     if g[i].abs() > 1e-6 {
                         assert!(
                             (got[i] - want[i]).abs() <= 1e-5,
-                            "{} [{i}] after step 1: {} vs {}",
-                            r.name,
+                            "{remat:?} {name}[{i}] after step 1: {} vs {}",
                             got[i],
                             want[i]
                         );
                     }
                 }
-            }
-            for r in program
-                .results
-                .iter()
-                .filter(|r| matches!(r.role, Role::AdamM | Role::AdamV))
-            {
-                let d = max_abs_diff(&f32s(&out[&r.name]), &f32s(&step1.read(&r.name).unwrap()));
-                assert!(
-                    d <= 1e-6,
-                    "{} after step 1 differs by {d} (tolerance 1e-6)",
-                    r.name
-                );
+                for prefix in ["exp_avg", "exp_avg_sq"] {
+                    let m = format!("{prefix}.{name}");
+                    let d = max_abs_diff(&f32s(&out[&m]), &f32s(&step1.read(&m).unwrap()));
+                    assert!(
+                        d <= 1e-6,
+                        "{remat:?} {m} after step 1 differs by {d} (tolerance 1e-6)"
+                    );
+                }
             }
         }
         if t == 3 {
-            for r in program.results.iter().filter(|r| r.role == Role::Lora) {
-                let d = max_abs_diff(&f32s(&out[&r.name]), &f32s(&step3.read(&r.name).unwrap()));
+            for name in init.keys() {
+                let d = max_abs_diff(&f32s(&out[name]), &f32s(&step3.read(name).unwrap()));
                 assert!(
                     d <= 1e-5,
-                    "{} after step 3 differs by {d} (tolerance 1e-5)",
-                    r.name
+                    "{remat:?} {name} after step 3 differs by {d} (tolerance 1e-5)"
                 );
             }
         }
-        for r in program
-            .results
-            .iter()
-            .filter(|r| matches!(r.role, Role::Lora | Role::AdamM | Role::AdamV))
-        {
-            state.insert(r.name.clone(), out[&r.name].clone());
+        for name in state.keys().cloned().collect::<Vec<_>>() {
+            state.insert(name.clone(), out[&name].clone());
         }
     }
     for (g, w) in losses.iter().zip([6.63896f32, 6.45776, 6.28345]) {
-        assert!((g - w).abs() <= 1e-4, "losses {losses:?}");
+        assert!((g - w).abs() <= 1e-4, "{remat:?}: losses {losses:?}");
     }
 }
 

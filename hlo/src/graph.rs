@@ -308,6 +308,10 @@ pub enum Op {
     RngBitGenerator,
     /// Identity for the graph, a wall for autodiff. Printed as nothing: its output is its input.
     StopGradient,
+    /// `(recomputed, saved)`: evaluates to `saved` while gradients flow into `recomputed`. Lets a
+    /// backward pass reuse a value saved by the forward pass; printed as nothing, so the
+    /// recomputation is dead code that XLA removes.
+    UseSaved,
 }
 
 impl Op {
@@ -339,6 +343,7 @@ impl Op {
             Op::ShardingConstraint(_) => "sharding_constraint",
             Op::RngBitGenerator => "rng_bit_generator",
             Op::StopGradient => "stop_gradient",
+            Op::UseSaved => "use_saved",
         }
     }
 }

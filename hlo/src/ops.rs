@@ -274,6 +274,19 @@ impl Builder {
         let s = self.shape(x).clone();
         self.push1(Op::StopGradient, vec![x], s)
     }
+
+    /// Evaluate to `saved` (a value the forward pass kept) while gradients flow into
+    /// `recomputed`, whose computation then becomes dead code.
+    pub fn use_saved(&mut self, recomputed: Value, saved: Value) -> Result<Value> {
+        let (r, s) = (self.shape(recomputed).clone(), self.shape(saved).clone());
+        if r != s {
+            return err(
+                "use_saved",
+                format!("saved {s} does not match recomputed {r}"),
+            );
+        }
+        Ok(self.push1(Op::UseSaved, vec![recomputed, saved], r))
+    }
 }
 
 fn unary_vjp(b: &mut Builder, op: UnaryOp, x: Value, y: Value, g: Value) -> Result<Option<Value>> {
@@ -1089,6 +1102,13 @@ fn dot_operand_vjp(
 ) -> Result<Value> {
     let other_rank = b.rank(other);
     let other_free = free_dims(other_rank, other_batch, other_contract);
+    // A product accumulated in a wider type (bf16 x bf16 -> f32) has a wide cotangent: bring it
+    // to the operands' type so both sides of the backward product match.
+    let g = if b.dtype(g) != b.dtype(other) {
+        b.convert(g, b.dtype(other))?
+    } else {
+        g
+    };
     let nb = this_batch.len() as i64;
     let g_batch: Vec<i64> = (0..nb).collect();
     // Contract g's dims that belong to the other operand's free dims with those dims.
@@ -1311,6 +1331,75 @@ impl Builder {
         ))
     }
 
+    /// `for i in 0..n { carry = body(i, carry, invariants) }` as a `stablehlo.while`. The body
+    /// gets its own builder (regions are self-contained), the loop index (s32 scalar), the carry
+    /// and the invariants; it returns the new carry (same types). Returns the final carry.
+    pub fn fori_loop(
+        &mut self,
+        n: i64,
+        init: &[Value],
+        invariants: &[Value],
+        body: impl FnOnce(&mut Builder, Value, &[Value], &[Value]) -> Result<Vec<Value>>,
+    ) -> Result<Vec<Value>> {
+        let counter = Shape::scalar(DType::S32);
+        let state_types: Vec<Shape> = std::iter::once(counter.clone())
+            .chain(
+                init.iter()
+                    .chain(invariants)
+                    .map(|&v| self.shape(v).clone()),
+            )
+            .collect();
+        let nc = init.len();
+
+        let mut cb = Builder::new("cond");
+        let params: Vec<Value> = state_types
+            .iter()
+            .enumerate()
+            .map(|(k, s)| cb.param(&format!("s{k}"), s.clone()))
+            .collect();
+        let limit = cb.scalar(n as f64, DType::S32);
+        let go = cb.compare(params[0], limit, CmpDir::Lt)?;
+        let cond = cb.finish(&[("go", go)]);
+
+        let mut bb = Builder::new("body");
+        bb.scope = self.scope.clone();
+        let params: Vec<Value> = state_types
+            .iter()
+            .enumerate()
+            .map(|(k, s)| bb.param(&format!("s{k}"), s.clone()))
+            .collect();
+        let (i, carry, inv) = (params[0], &params[1..1 + nc], &params[1 + nc..]);
+        let new_carry = body(&mut bb, i, carry, inv)?;
+        if new_carry.len() != nc {
+            return err(
+                "while",
+                format!(
+                    "loop body returned {} values for a carry of {nc}",
+                    new_carry.len()
+                ),
+            );
+        }
+        let one = bb.scalar(1.0, DType::S32);
+        let next = bb.add(i, one)?;
+        let mut results = vec![("i".to_string(), next)];
+        results.extend(
+            new_carry
+                .iter()
+                .enumerate()
+                .map(|(k, &v)| (format!("c{k}"), v)),
+        );
+        results.extend(inv.iter().enumerate().map(|(k, &v)| (format!("k{k}"), v)));
+        let refs: Vec<(&str, Value)> = results.iter().map(|(n, v)| (n.as_str(), *v)).collect();
+        let body = bb.finish(&refs);
+
+        let zero = self.scalar(0.0, DType::S32);
+        let mut state = vec![zero];
+        state.extend_from_slice(init);
+        state.extend_from_slice(invariants);
+        let out = self.while_loop(cond, body, &state)?;
+        Ok(out[1..1 + nc].to_vec())
+    }
+
     /// Values that XLA may not move computations across (used to keep recomputation apart).
     pub fn optimization_barrier(&mut self, xs: &[Value]) -> Vec<Value> {
         if xs.is_empty() {
@@ -1372,6 +1461,7 @@ pub(crate) fn vjp(
     };
     Ok(match &node.op {
         Op::Constant(_) | Op::Iota { .. } | Op::Compare(_) | Op::RngBitGenerator | Op::BitcastConvert | Op::StopGradient => none,
+        Op::UseSaved => vec![Some(first), None],
         Op::Unary(u) => vec![unary_vjp(b, *u, node.inputs[0], node.outputs[0], first)?],
         Op::Binary(op) => binary_vjp(b, *op, (node.inputs[0], node.inputs[1]), node.outputs[0], first, needs)?,
         Op::Select => {

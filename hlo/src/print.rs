@@ -310,8 +310,13 @@ impl Printer {
 
     fn body(&mut self, out: &mut String, f: &Func, names: &mut Names, indent: &str) {
         for node in &f.nodes {
-            if matches!(node.op, Op::StopGradient) {
-                let src = names.get(node.inputs[0]).to_string();
+            let alias = match node.op {
+                Op::StopGradient => Some(node.inputs[0]),
+                Op::UseSaved => Some(node.inputs[1]),
+                _ => None,
+            };
+            if let Some(src) = alias {
+                let src = names.get(src).to_string();
                 names.0.insert(node.outputs[0], src);
                 continue;
             }
@@ -488,7 +493,7 @@ impl Printer {
                 "\"stablehlo.rng_bit_generator\"({ins}) <{{rng_algorithm = #stablehlo<rng_algorithm THREE_FRY>}}> : ({in_types}) -> ({})",
                 types(f, &node.outputs)
             ),
-            Op::StopGradient => unreachable!("stop_gradient prints as its input"),
+            Op::StopGradient | Op::UseSaved => unreachable!("aliases print as their source"),
         }
     }
 }

@@ -635,3 +635,19 @@ fn grad_does_not_flow_through_stop_gradient() {
     );
     assert_eq!(out[0].to_f32().unwrap(), vec![1.0; 3]);
 }
+
+#[test]
+fn fori_loop_sums_rows_with_dynamic_slices() {
+    // carry = sum of xs[i] over rows, xs an invariant.
+    let xs: Vec<f32> = (0..12).map(|v| v as f32).collect(); // 4 rows of 3
+    let got = run_f32(&[&[4, 3]], &[xs], |b, p| {
+        let zero = b.zeros(Shape::new(&[1, 3], DType::F32));
+        let out = b.fori_loop(4, &[zero], &[p[0]], |b, i, carry, inv| {
+            let z = b.scalar(0.0, DType::S32);
+            let row = b.dynamic_slice(inv[0], &[i, z], &[1, 3])?;
+            Ok(vec![b.add(carry[0], row)?])
+        })?;
+        Ok(out[0])
+    });
+    assert_eq!(got.to_f32().unwrap(), vec![18.0, 22.0, 26.0]);
+}

@@ -1,0 +1,283 @@
+//! Layers as loops, remat policies, gradient accumulation, bf16 mixed precision, dropout.
+
+use pjrt::{CompileOptions, ElementType, HostTensor};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+use xtrain::config::LlamaConfig;
+use xtrain::lora::{LoraConfig, Target};
+use xtrain::optim::AdamW;
+use xtrain::runtime::{convert, Runtime};
+use xtrain::safetensors::SafeTensors;
+use xtrain::step::{self, Program, Remat, Role, StepSpec};
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-llama3")
+}
+
+fn runtime() -> &'static Runtime {
+    static RT: OnceLock<Runtime> = OnceLock::new();
+    RT.get_or_init(|| Runtime::open(Some("cpu"), Some(1)).expect("CPU runtime"))
+}
+
+fn tiny() -> LlamaConfig {
+    LlamaConfig::load(&fixtures().join("model")).unwrap()
+}
+
+fn spec(cfg: LlamaConfig, remat: Remat, batch: i64, seq: i64) -> StepSpec {
+    StepSpec {
+        model: cfg,
+        lora: LoraConfig {
+            r: 8,
+            alpha: 16.0,
+            dropout: 0.0,
+            targets: Target::ALL.to_vec(),
+        },
+        adam: AdamW::default(),
+        batch,
+        seq,
+        weight_dtype: hlo::DType::F32,
+        compute_dtype: hlo::DType::F32,
+        remat,
+        microbatches: 1,
+    }
+}
+
+/// Run a program on the tiny model's weights, the oracle's initial adapter and `batch`.
+fn run(
+    program: &Program,
+    s: &StepSpec,
+    batch: &[HostTensor; 3],
+    extra: &BTreeMap<String, HostTensor>,
+) -> BTreeMap<String, HostTensor> {
+    let rt = runtime();
+    let frozen: Vec<(String, Vec<i64>)> = program
+        .args
+        .iter()
+        .filter(|a| a.role == Role::Frozen)
+        .map(|a| (a.name.clone(), a.shape.clone()))
+        .collect();
+    let wdt = if s.weight_dtype == hlo::DType::BF16 {
+        ElementType::BF16
+    } else {
+        ElementType::F32
+    };
+    let weights =
+        xtrain::weights::load(&fixtures().join("model"), &s.model, &frozen, wdt, |_, _| {})
+            .unwrap();
+    let lora =
+        xtrain::peft::read_tensors(&fixtures().join("adapter_init"), &s.model, &s.lora).unwrap();
+    let mut all = lora.clone();
+    for (n, t) in &lora {
+        let z = HostTensor::from_f32(&vec![0.0; t.element_count()], &t.dims);
+        all.insert(format!("exp_avg.{n}"), z.clone());
+        all.insert(format!("exp_avg_sq.{n}"), z);
+    }
+    let names: Vec<(String, Vec<i64>)> = program
+        .args
+        .iter()
+        .filter(|a| matches!(a.role, Role::Lora | Role::AdamM | Role::AdamV))
+        .map(|a| (a.name.clone(), a.shape.clone()))
+        .collect();
+    let state =
+        xtrain::runtime::to_program_layout(&names, &all, s.model.num_hidden_layers).unwrap();
+    let (mut w, mut st) = (weights.into_iter(), state.into_iter());
+    let host: Vec<HostTensor> = program
+        .args
+        .iter()
+        .map(|a| match a.role {
+            Role::Frozen => w.next().unwrap(),
+            Role::Lora | Role::AdamM | Role::AdamV => st.next().unwrap(),
+            Role::InputIds => batch[0].clone(),
+            Role::Labels => batch[1].clone(),
+            Role::AttentionMask => batch[2].clone(),
+            _ => extra[&a.name].clone(),
+        })
+        .collect();
+    let exe = rt.compile(program, &CompileOptions::default()).unwrap();
+    let bufs: Vec<_> = host.iter().map(|t| rt.upload(t).unwrap()).collect();
+    let out = exe.execute(&[bufs.iter().collect()]).unwrap();
+    xtrain::runtime::from_program_layout(
+        program
+            .results
+            .iter()
+            .map(|r| r.name.clone())
+            .zip(out[0].iter().map(|b| b.to_host().unwrap()))
+            .collect(),
+    )
+}
+
+fn oracle_batch() -> [HostTensor; 3] {
+    let st = SafeTensors::open(&fixtures().join("inputs.safetensors")).unwrap();
+    ["input_ids", "labels", "attention_mask"]
+        .map(|n| convert(&st.read(n).unwrap(), ElementType::S32).unwrap())
+}
+
+fn step_extra() -> BTreeMap<String, HostTensor> {
+    let mut e = BTreeMap::new();
+    e.insert("step".into(), HostTensor::from_f32(&[1.0], &[]));
+    e.insert("lr".into(), HostTensor::from_f32(&[1e-3], &[]));
+    e
+}
+
+#[test]
+fn looped_program_size_does_not_grow_with_depth() {
+    let mut c2 = tiny();
+    c2.num_hidden_layers = 2;
+    let mut c32 = tiny();
+    c32.num_hidden_layers = 32;
+    for remat in [Remat::Layer, Remat::SaveProj] {
+        let a = step::build_train_step(&spec(c2.clone(), remat, 2, 16))
+            .unwrap()
+            .text
+            .len() as f64;
+        let b = step::build_train_step(&spec(c32.clone(), remat, 2, 16))
+            .unwrap()
+            .text
+            .len() as f64;
+        assert!(
+            (b - a).abs() / a <= 0.10,
+            "{remat:?}: 2 layers {a} bytes, 32 layers {b} bytes"
+        );
+    }
+    // Unrolled, it does grow.
+    let a = step::build_train_step(&spec(c2, Remat::None, 2, 16))
+        .unwrap()
+        .text
+        .len();
+    let b = step::build_train_step(&spec(c32, Remat::None, 2, 16))
+        .unwrap()
+        .text
+        .len();
+    assert!(b > 10 * a);
+}
+
+#[test]
+fn remat_layer_lowers_compiled_temp_memory() {
+    // A fixed config with enough activations to see: the tiny model at 8 layers, 4 x 128 tokens.
+    let mut cfg = tiny();
+    cfg.num_hidden_layers = 8;
+    let rt = runtime();
+    let mut temps = Vec::new();
+    for remat in [Remat::None, Remat::SaveProj, Remat::Layer] {
+        let p = step::build_train_step(&spec(cfg.clone(), remat, 4, 128)).unwrap();
+        let exe = rt.compile(&p, &CompileOptions::default()).unwrap();
+        let m = exe.memory_stats().unwrap();
+        eprintln!(
+            "remat {remat:?}: temp {} bytes, arguments {} bytes",
+            m.temp_bytes, m.argument_bytes
+        );
+        temps.push(m.temp_bytes);
+    }
+    assert!(
+        temps[2] < temps[0],
+        "remat=layer temp {} must be below remat=none temp {}",
+        temps[2],
+        temps[0]
+    );
+    assert!(
+        temps[2] <= temps[1],
+        "remat=layer keeps less than save-proj"
+    );
+}
+
+#[test]
+fn gradient_accumulation_equals_one_big_batch() {
+    let batch = oracle_batch();
+    let one = spec(tiny(), Remat::Layer, 2, 16);
+    let mut two = one.clone();
+    two.microbatches = 2;
+    let a = run(
+        &step::build_train_step(&one).unwrap(),
+        &one,
+        &batch,
+        &step_extra(),
+    );
+    let b = run(
+        &step::build_train_step(&two).unwrap(),
+        &two,
+        &batch,
+        &step_extra(),
+    );
+    for (name, t) in &a {
+        let (x, y) = (t.to_f32().unwrap(), b[name].to_f32().unwrap());
+        let d = x
+            .iter()
+            .zip(&y)
+            .map(|(p, q)| (p - q).abs() / q.abs().max(1.0))
+            .fold(0.0f32, f32::max);
+        assert!(
+            d <= 1e-6,
+            "{name}: 1 batch vs 2 microbatches differ by {d} (tolerance 1e-6)"
+        );
+    }
+    let loss = a["loss"].scalar_f32().unwrap();
+    assert!((loss - 6.63896).abs() < 1e-5);
+}
+
+#[test]
+fn bf16_loss_is_close_to_f32() {
+    let batch = oracle_batch();
+    let f32_spec = spec(tiny(), Remat::Layer, 2, 16);
+    let mut bf = f32_spec.clone();
+    bf.weight_dtype = hlo::DType::BF16;
+    bf.compute_dtype = hlo::DType::BF16;
+    let a = run(
+        &step::build_grad_program(&f32_spec).unwrap(),
+        &f32_spec,
+        &batch,
+        &BTreeMap::new(),
+    );
+    let b = run(
+        &step::build_grad_program(&bf).unwrap(),
+        &bf,
+        &batch,
+        &BTreeMap::new(),
+    );
+    let (la, lb) = (
+        a["loss"].scalar_f32().unwrap(),
+        b["loss"].scalar_f32().unwrap(),
+    );
+    assert!(
+        (la - lb).abs() <= 2e-2,
+        "bf16 loss {lb} vs f32 {la} (tolerance 2e-2)"
+    );
+    // LoRA weights and their gradients stay f32 (master weights).
+    assert!(b
+        .iter()
+        .filter(|(n, _)| n.starts_with("grad."))
+        .all(|(_, t)| t.ty == ElementType::F32));
+}
+
+#[test]
+fn dropout_is_deterministic_and_the_same_unrolled_or_looped() {
+    let batch = oracle_batch();
+    let mut extra = step_extra();
+    extra.insert(
+        "dropout_key".into(),
+        HostTensor {
+            ty: ElementType::U64,
+            dims: vec![2],
+            bytes: [7u64, 1 << 20]
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect(),
+        },
+    );
+    let mut losses = Vec::new();
+    for remat in [Remat::None, Remat::Layer, Remat::Layer] {
+        let mut s = spec(tiny(), remat, 2, 16);
+        s.lora.dropout = 0.1;
+        let out = run(&step::build_train_step(&s).unwrap(), &s, &batch, &extra);
+        losses.push((
+            out["loss"].scalar_f32().unwrap(),
+            out["grad_norm"].scalar_f32().unwrap(),
+        ));
+    }
+    assert_ne!(losses[0].0, 6.63896f32, "dropout changes the loss");
+    assert!(
+        (losses[0].0 - losses[1].0).abs() < 1e-5 && (losses[0].1 - losses[1].1).abs() < 1e-4,
+        "{losses:?}"
+    );
+    assert_eq!(losses[1], losses[2], "same key, same result");
+}
