@@ -793,24 +793,25 @@ pub fn build_train_step(spec: &StepSpec) -> Result<Program> {
     // Results: params, then m, then v (each aliasing its input), then loss and grad norm.
     let mut results = Vec::new();
     let mut outs: Vec<(String, Value)> = Vec::new();
-    let groups: [(Role, &dyn Fn(usize) -> (Value, Value)); 3] = [
-        (Role::Lora, &|i| (mv.lora[i], updated[i].param)),
-        (Role::AdamM, &|i| (moments[i], updated[i].m)),
-        (Role::AdamV, &|i| (moments[n + i], updated[i].v)),
-    ];
-    for (role, pick) in groups {
-        for (i, a) in args.iter().filter(|a| a.role == role).enumerate() {
-            let (input, output) = pick(i);
-            b.set_param_attrs(
-                input,
-                ParamAttrs {
-                    alias_output: Some(outs.len()),
-                    sharding: None,
-                },
-            );
-            results.push(a.clone());
-            outs.push((a.name.clone(), output));
-        }
+    // (input, output) pairs: the updated params, m and v, in argument order.
+    let pairs: Vec<(Value, Value)> = (0..n)
+        .map(|i| (mv.lora[i], updated[i].param))
+        .chain((0..n).map(|i| (moments[i], updated[i].m)))
+        .chain((0..n).map(|i| (moments[n + i], updated[i].v)))
+        .collect();
+    let state_args = args
+        .iter()
+        .filter(|a| matches!(a.role, Role::Lora | Role::AdamM | Role::AdamV));
+    for (a, &(input, output)) in state_args.zip(&pairs) {
+        b.set_param_attrs(
+            input,
+            ParamAttrs {
+                alias_output: Some(outs.len()),
+                sharding: None,
+            },
+        );
+        results.push(a.clone());
+        outs.push((a.name.clone(), output));
     }
     for (name, v, role) in [
         ("loss", loss, Role::Loss),
