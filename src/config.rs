@@ -9,7 +9,7 @@ use serde_json::Value as Json;
 use std::path::Path;
 
 /// Llama 3's frequency-dependent RoPE scaling.
-#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Llama3Scaling {
     pub factor: f64,
     pub low_freq_factor: f64,
@@ -17,7 +17,7 @@ pub struct Llama3Scaling {
     pub original_max_position_embeddings: f64,
 }
 
-#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct LlamaConfig {
     pub vocab_size: i64,
     pub hidden_size: i64,

@@ -7,6 +7,7 @@ pub mod lora;
 pub mod model;
 pub mod optim;
 pub mod peft;
+pub mod program;
 pub mod runtime;
 pub mod safetensors;
 pub mod step;

@@ -5,7 +5,10 @@ use anyhow::{bail, Result};
 use std::fmt;
 
 /// A projection LoRA can adapt.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "snake_case")]
 pub enum Target {
     Q,
     K,
@@ -103,7 +106,7 @@ impl fmt::Display for Target {
     }
 }
 
-#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct LoraConfig {
     pub r: i64,
     pub alpha: f64,

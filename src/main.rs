@@ -5,6 +5,7 @@ use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
 use xtrain::lora::{LoraConfig, Target};
 use xtrain::optim::AdamW;
+use xtrain::step::{Remat, StepSpec};
 
 #[derive(Parser)]
 #[command(
@@ -29,6 +30,9 @@ enum Command {
     },
     /// Train LoRA adapters.
     Train(Box<TrainArgs>),
+    /// Build the training step program (StableHLO + manifest) without weights; --check also
+    /// compiles it and prints XLA's memory figures.
+    Compile(Box<CompileArgs>),
 }
 
 #[derive(Subcommand)]
@@ -66,6 +70,96 @@ impl LoraArgs {
     }
 }
 
+/// What shapes the step program: numerics, optimizer constants, remat, accumulation.
+#[derive(Args)]
+struct StepArgs {
+    /// AdamW betas, as b1,b2.
+    #[arg(long, default_value = "0.9,0.999")]
+    betas: String,
+    /// AdamW epsilon (added after the bias-corrected square root, as torch does).
+    #[arg(long, default_value_t = 1e-8)]
+    eps: f64,
+    /// Decoupled weight decay.
+    #[arg(long, default_value_t = 0.0)]
+    weight_decay: f64,
+    /// Clip the global gradient norm to this (0 = off).
+    #[arg(long, default_value_t = 0.0)]
+    max_grad_norm: f64,
+    #[command(flatten)]
+    lora: LoraArgs,
+    /// Precision: f32, or bf16 (bf16 weights and matmuls; f32 norms, softmax, loss, LoRA
+    /// master weights and optimizer state).
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+    /// What the backward pass recomputes: none (layers unrolled, everything kept), layer (keep
+    /// each layer's input), save-proj (also keep the frozen projections' outputs).
+    #[arg(long, default_value = "layer")]
+    remat: String,
+    /// Gradient accumulation: split each batch into this many microbatches inside the step.
+    #[arg(long, default_value_t = 1)]
+    grad_accum: i64,
+}
+
+impl StepArgs {
+    fn adam(&self) -> Result<AdamW> {
+        let (beta1, beta2) = parse_betas(&self.betas)?;
+        Ok(AdamW {
+            beta1,
+            beta2,
+            eps: self.eps,
+            weight_decay: self.weight_decay,
+            max_grad_norm: self.max_grad_norm,
+        })
+    }
+
+    fn spec(&self, model: xtrain::config::LlamaConfig, batch: i64, seq: i64) -> Result<StepSpec> {
+        let dtype = match self.dtype.as_str() {
+            "f32" => hlo::DType::F32,
+            "bf16" => hlo::DType::BF16,
+            other => bail!("--dtype must be f32 or bf16, got `{other}`"),
+        };
+        Ok(StepSpec {
+            model,
+            lora: self.lora.config()?,
+            adam: self.adam()?,
+            batch,
+            seq,
+            weight_dtype: dtype,
+            compute_dtype: dtype,
+            remat: Remat::parse(&self.remat)?,
+            microbatches: self.grad_accum,
+        })
+    }
+}
+
+#[derive(Args)]
+struct CompileArgs {
+    /// A Hugging Face model directory, or a preset: llama-3.1-8b, llama-3.1-70b, llama-3.1-405b,
+    /// tiny-llama3.
+    #[arg(long)]
+    model: String,
+    /// Rows per step (all microbatches together).
+    #[arg(long, default_value_t = 1)]
+    batch: i64,
+    /// Tokens per row.
+    #[arg(long, default_value_t = 2048)]
+    seq: i64,
+    #[command(flatten)]
+    step: StepArgs,
+    /// Program directory to write (train_step.mlir, manifest.json).
+    #[arg(long)]
+    out: PathBuf,
+    /// Also compile it with the plugin and print XLA's memory figures and the compile time.
+    #[arg(long)]
+    check: bool,
+    /// With --check: write XLA's optimized HLO here.
+    #[arg(long)]
+    xla_dump: Option<PathBuf>,
+    /// PJRT plugin for --check.
+    #[arg(long)]
+    plugin: Option<String>,
+}
+
 #[derive(Args)]
 struct TrainArgs {
     /// Hugging Face model directory (config.json + safetensors).
@@ -84,20 +178,14 @@ struct TrainArgs {
     /// Learning rate.
     #[arg(long, default_value_t = 2e-4)]
     lr: f64,
-    /// AdamW betas, as b1,b2.
-    #[arg(long, default_value = "0.9,0.999")]
-    betas: String,
-    /// AdamW epsilon (added after the bias-corrected square root, as torch does).
-    #[arg(long, default_value_t = 1e-8)]
-    eps: f64,
-    /// Decoupled weight decay.
-    #[arg(long, default_value_t = 0.0)]
-    weight_decay: f64,
-    /// Clip the global gradient norm to this (0 = off).
-    #[arg(long, default_value_t = 0.0)]
-    max_grad_norm: f64,
     #[command(flatten)]
-    lora: LoraArgs,
+    step: StepArgs,
+    /// Run a program directory from `xtrain compile` instead of building the step here.
+    #[arg(long)]
+    program: Option<PathBuf>,
+    /// Compile even if a cached executable exists.
+    #[arg(long)]
+    no_cache: bool,
     /// Write the adapter every K steps to OUT/step-K (0 = only at the end, to OUT/adapter).
     #[arg(long, default_value_t = 0)]
     save_every: u64,
@@ -181,21 +269,19 @@ fn plugins(action: Option<PluginAction>) -> Result<()> {
 }
 
 fn train(a: TrainArgs, verbose: bool) -> Result<()> {
-    let (beta1, beta2) = parse_betas(&a.betas)?;
     let opts = xtrain::train::TrainOptions {
         model: a.model,
         data: a.data,
         init_adapter: a.init_adapter,
         steps: a.steps,
         lr: a.lr,
-        adam: AdamW {
-            beta1,
-            beta2,
-            eps: a.eps,
-            weight_decay: a.weight_decay,
-            max_grad_norm: a.max_grad_norm,
-        },
-        lora: a.lora.config()?,
+        adam: a.step.adam()?,
+        lora: a.step.lora.config()?,
+        dtype: a.step.dtype.clone(),
+        remat: Remat::parse(&a.step.remat)?,
+        microbatches: a.step.grad_accum,
+        program: a.program,
+        use_cache: !a.no_cache,
         save_every: a.save_every,
         out: a.out,
         seed: a.seed,
@@ -206,12 +292,79 @@ fn train(a: TrainArgs, verbose: bool) -> Result<()> {
     xtrain::train::train_on_batch(&opts)
 }
 
+fn gib(b: i64) -> String {
+    format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
+}
+
+fn compile(a: CompileArgs, verbose: bool) -> Result<()> {
+    let (cfg, _) = xtrain::program::resolve_model_config(&a.model)?;
+    let spec = a.step.spec(cfg, a.batch, a.seq)?;
+    let t0 = std::time::Instant::now();
+    let program = xtrain::step::build_train_step(&spec)?;
+    let build_s = t0.elapsed().as_secs_f64();
+    let manifest = xtrain::program::write_dir(&a.out, &program, &spec)?;
+    let arg_bytes: i64 = manifest.args.iter().map(|t| t.bytes).sum();
+    println!(
+        "wrote {} ({} bytes of StableHLO, {} arguments, built in {:.3}s) and manifest.json",
+        a.out.join("train_step.mlir").display(),
+        program.text.len(),
+        program.args.len(),
+        build_s
+    );
+    println!(
+        "arguments: {} ({} parameters in the base model)",
+        gib(arg_bytes),
+        spec.model.param_count()
+    );
+    if !a.check {
+        return Ok(());
+    }
+    let rt = xtrain::runtime::Runtime::open(a.plugin.as_deref(), Some(1))?;
+    let mut options = pjrt::CompileOptions::default();
+    if let Some(dir) = &a.xla_dump {
+        std::fs::create_dir_all(dir)?;
+        options = options.with_override(
+            "xla_dump_to",
+            pjrt::OptionValue::String(dir.to_string_lossy().into()),
+        );
+        options = options.with_override("xla_dump_hlo_as_text", pjrt::OptionValue::Bool(true));
+    }
+    let t0 = std::time::Instant::now();
+    let exe = rt.compile(&program, &options)?;
+    let compile_s = t0.elapsed().as_secs_f64();
+    let m = exe.memory_stats()?;
+    if verbose {
+        eprintln!("{m:?}");
+    }
+    println!(
+        "XLA compile: {compile_s:.2}s on {}",
+        rt.client.platform_name()?
+    );
+    println!(
+        "per device: arguments {}, outputs {} ({} aliased to arguments), temporaries {}, code {}",
+        gib(m.argument_bytes),
+        gib(m.output_bytes),
+        gib(m.alias_bytes),
+        gib(m.temp_bytes),
+        gib(m.generated_code_bytes)
+    );
+    println!(
+        "per device total (arguments + non-aliased outputs + temporaries): {}",
+        gib(m.total_bytes())
+    );
+    if let Some(dir) = &a.xla_dump {
+        println!("XLA's HLO dumps: {}", dir.display());
+    }
+    Ok(())
+}
+
 fn main() {
     let cli = Cli::parse();
     pjrt::set_verbose(cli.verbose);
     let result = match cli.command {
         Command::Plugins { action } => plugins(action),
         Command::Train(a) => train(*a, cli.verbose),
+        Command::Compile(a) => compile(*a, cli.verbose),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -10,7 +10,7 @@
 
 use hlo::{Builder, DType, Result, Value};
 
-#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct AdamW {
     pub beta1: f64,
     pub beta2: f64,

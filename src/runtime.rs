@@ -104,11 +104,30 @@ impl Runtime {
         Ok(Runtime { client, devices })
     }
 
+    /// The options xtrain compiles with on this backend, on top of the caller's.
+    ///
+    /// On CPU, XLA computes bf16 matmuls in f32 and its while-loop invariant code motion then
+    /// hoists the f32 conversion of a whole stacked weight out of the layer loop: 3x the weight
+    /// memory. xtrain already builds loop-invariant values outside its loops, so the pass is off.
+    pub fn options(&self, base: &CompileOptions) -> CompileOptions {
+        let mut o = base.clone();
+        if self.client.platform_name().unwrap_or_default() == "cpu"
+            && !o.overrides.contains_key("xla_disable_hlo_passes")
+        {
+            o = o.with_override(
+                "xla_disable_hlo_passes",
+                pjrt::OptionValue::String("while-loop-invariant-code-motion".into()),
+            );
+        }
+        o
+    }
+
     /// Compile a program for one device, checking its arguments on every execute.
     pub fn compile(&self, program: &Program, options: &CompileOptions) -> Result<Executable> {
+        let options = self.options(options);
         let mut exe = self
             .client
-            .compile(&program.text, options)
+            .compile(&program.text, &options)
             .context("XLA could not compile the program")?;
         exe.expect_inputs(
             program

@@ -71,11 +71,11 @@ impl Remat {
 }
 
 /// One argument or result of a program.
-#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct TensorSpec {
     pub name: String,
     pub shape: Vec<i64>,
-    #[serde(serialize_with = "ser_dtype")]
+    #[serde(serialize_with = "ser_dtype", deserialize_with = "de_dtype")]
     pub dtype: DType,
     pub role: Role,
 }
@@ -84,8 +84,13 @@ fn ser_dtype<S: serde::Serializer>(d: &DType, s: S) -> std::result::Result<S::Ok
     s.serialize_str(d.mlir())
 }
 
+fn de_dtype<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<DType, D::Error> {
+    let s: String = serde::Deserialize::deserialize(d)?;
+    DType::parse(&s).ok_or_else(|| serde::de::Error::custom(format!("unknown element type `{s}`")))
+}
+
 /// What the program is built for.
-#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct StepSpec {
     pub model: LlamaConfig,
     pub lora: LoraConfig,
@@ -94,10 +99,10 @@ pub struct StepSpec {
     pub batch: i64,
     pub seq: i64,
     /// Element type of the frozen weights as the program takes them.
-    #[serde(serialize_with = "ser_dtype")]
+    #[serde(serialize_with = "ser_dtype", deserialize_with = "de_dtype")]
     pub weight_dtype: DType,
     /// Element type of activations and matmuls.
-    #[serde(serialize_with = "ser_dtype")]
+    #[serde(serialize_with = "ser_dtype", deserialize_with = "de_dtype")]
     pub compute_dtype: DType,
     pub remat: Remat,
     /// Gradient accumulation: the batch is split into this many microbatches, looped inside

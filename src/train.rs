@@ -128,21 +128,29 @@ pub struct Trainer {
 }
 
 impl Trainer {
-    /// Build and compile the step, upload the frozen weights (in the program's layout, see
-    /// [`crate::weights::load`]) and the initial LoRA state (per-layer PEFT names).
+    /// Compile `program` (through the executable cache), upload the frozen weights (in the
+    /// program's layout, see [`crate::weights::load`]) and the initial LoRA state (per-layer
+    /// PEFT names).
     pub fn new(
         rt: Runtime,
         spec: StepSpec,
+        program: Program,
         weights: Vec<HostTensor>,
         lora: &BTreeMap<String, HostTensor>,
+        use_cache: bool,
         verbose: bool,
     ) -> Result<Trainer> {
-        let program = step::build_train_step(&spec)?;
         let t0 = Instant::now();
-        let exe = rt.compile(&program, &CompileOptions::default())?;
+        let (exe, cached) =
+            crate::program::compile_cached(&rt, &program, &CompileOptions::default(), use_cache)?;
         if verbose {
+            let how = if cached {
+                "loaded the compiled step from the cache"
+            } else {
+                "compiled the step"
+            };
             eprintln!(
-                "xtrain: compiled the step in {:.2}s ({} bytes of StableHLO)",
+                "xtrain: {how} in {:.2}s ({} bytes of StableHLO)",
                 t0.elapsed().as_secs_f64(),
                 program.text.len()
             );
@@ -278,6 +286,13 @@ pub struct TrainOptions {
     pub lr: f64,
     pub adam: AdamW,
     pub lora: LoraConfig,
+    /// "f32" or "bf16".
+    pub dtype: String,
+    pub remat: crate::step::Remat,
+    pub microbatches: i64,
+    /// A program dir from `xtrain compile` to run instead of building the step.
+    pub program: Option<PathBuf>,
+    pub use_cache: bool,
     pub save_every: u64,
     pub out: PathBuf,
     pub seed: u64,
@@ -311,60 +326,102 @@ pub fn save_adapter(
     Ok(())
 }
 
+/// Build the step spec for a model dir and batch shape from the options, or take it from a
+/// program dir (checking that the program was built for this model and batch).
+pub fn plan(
+    opts: &TrainOptions,
+    cfg: &LlamaConfig,
+    batch: i64,
+    seq: i64,
+) -> Result<(StepSpec, Program)> {
+    if let Some(dir) = &opts.program {
+        let (program, spec) = crate::program::read_dir(dir)?;
+        if &spec.model != cfg {
+            bail!(
+                "program dir {} was built for another model (its config differs from {})",
+                dir.display(),
+                opts.model.display()
+            );
+        }
+        if (spec.batch, spec.seq) != (batch, seq) {
+            bail!(
+                "program dir {} takes batches of {}x{} but the data is {batch}x{seq}",
+                dir.display(),
+                spec.batch,
+                spec.seq
+            );
+        }
+        return Ok((spec, program));
+    }
+    let dtype = match opts.dtype.as_str() {
+        "f32" => hlo::DType::F32,
+        "bf16" => hlo::DType::BF16,
+        other => bail!("--dtype must be f32 or bf16, got `{other}`"),
+    };
+    let spec = StepSpec {
+        model: cfg.clone(),
+        lora: opts.lora.clone(),
+        adam: opts.adam.clone(),
+        batch,
+        seq,
+        weight_dtype: dtype,
+        compute_dtype: dtype,
+        remat: opts.remat,
+        microbatches: opts.microbatches,
+    };
+    let program = step::build_train_step(&spec)?;
+    Ok((spec, program))
+}
+
 /// Run `xtrain train` on one pre-tokenized batch used for every step.
 pub fn train_on_batch(opts: &TrainOptions) -> Result<()> {
     let cfg = LlamaConfig::load(&opts.model)?;
     let batch = Batch::from_safetensors(&opts.data)?;
     batch.check_vocab(cfg.vocab_size)?;
     let (bs, seq) = batch.dims();
-    let (lora_cfg, lora) = match &opts.init_adapter {
+    let (spec, program) = plan(opts, &cfg, bs, seq)?;
+    let lora_cfg = spec.lora.clone();
+    let lora = match &opts.init_adapter {
         Some(dir) => {
             let c = crate::peft::read_config(dir)?;
-            if c.r != opts.lora.r
-                || c.targets != opts.lora.targets
-                || (c.alpha - opts.lora.alpha).abs() > 1e-9
+            if c.r != lora_cfg.r
+                || c.targets != lora_cfg.targets
+                || (c.alpha - lora_cfg.alpha).abs() > 1e-9
             {
                 bail!(
                     "--init-adapter {} has r={}, alpha={}, targets {:?}, but the flags ask for r={}, alpha={}, targets {:?}",
-                    dir.display(), c.r, c.alpha, c.targets, opts.lora.r, opts.lora.alpha, opts.lora.targets
+                    dir.display(), c.r, c.alpha, c.targets, lora_cfg.r, lora_cfg.alpha, lora_cfg.targets
                 );
             }
-            let t = crate::peft::read_tensors(dir, &cfg, &opts.lora)?;
-            (opts.lora.clone(), t)
+            crate::peft::read_tensors(dir, &cfg, &lora_cfg)?
         }
-        None => (opts.lora.clone(), init_lora(&cfg, &opts.lora, opts.seed)),
+        None => init_lora(&cfg, &lora_cfg, opts.seed),
     };
     std::fs::create_dir_all(&opts.out)
         .with_context(|| format!("cannot create output dir {}", opts.out.display()))?;
-    let files = crate::safetensors::WeightFiles::open(&opts.model)?;
-    crate::weights::check(&files, &cfg)?;
-    let weight_type = files.info("model.embed_tokens.weight")?.0.dtype;
-    let weight_dtype = if weight_type == ElementType::F32 {
-        hlo::DType::F32
-    } else {
-        hlo::DType::BF16
-    };
-    let spec = StepSpec {
-        model: cfg.clone(),
-        lora: lora_cfg.clone(),
-        adam: opts.adam.clone(),
-        batch: bs,
-        seq,
-        weight_dtype,
-        compute_dtype: hlo::DType::F32,
-        remat: crate::step::Remat::None,
-        microbatches: 1,
-    };
-    let args = step::frozen_args(&cfg, spec.remat.scan());
+    let frozen: Vec<(String, Vec<i64>)> = program
+        .args
+        .iter()
+        .filter(|a| a.role == Role::Frozen)
+        .map(|a| (a.name.clone(), a.shape.clone()))
+        .collect();
     let weights = crate::weights::load(
         &opts.model,
         &cfg,
-        &args,
-        element_type(weight_dtype),
+        &frozen,
+        element_type(spec.weight_dtype),
         |_, _| {},
     )?;
     let rt = Runtime::open(opts.plugin.as_deref(), Some(1))?;
-    let mut trainer = Trainer::new(rt, spec, weights, &lora, opts.verbose)?;
+    let mut trainer = Trainer::new(
+        rt,
+        spec,
+        program,
+        weights,
+        &lora,
+        opts.use_cache,
+        opts.verbose,
+    )?;
     trainer.dropout_seed = opts.seed;
     let metrics_path = opts.out.join("metrics.jsonl");
     let mut metrics = std::fs::File::create(&metrics_path)

@@ -1,0 +1,214 @@
+//! Program directories (`train_step.mlir` + `manifest.json`), model presets, and the on-disk
+//! cache of compiled executables.
+
+use crate::config::LlamaConfig;
+use crate::step::{Program, StepSpec, TensorSpec};
+use anyhow::{bail, Context, Result};
+use pjrt::{CompileOptions, Executable};
+use sha2::{Digest, Sha256};
+use std::path::{Path, PathBuf};
+
+/// Configs built into the binary, so `--model llama-3.1-405b` works anywhere.
+pub const PRESETS: &[(&str, &str)] = &[
+    (
+        "llama-3.1-8b",
+        include_str!("../models/llama-3.1-8b/config.json"),
+    ),
+    (
+        "llama-3.1-70b",
+        include_str!("../models/llama-3.1-70b/config.json"),
+    ),
+    (
+        "llama-3.1-405b",
+        include_str!("../models/llama-3.1-405b/config.json"),
+    ),
+    (
+        "tiny-llama3",
+        include_str!("../models/tiny-llama3/config.json"),
+    ),
+];
+
+/// A model named on the command line: a directory with config.json, or a preset name.
+pub fn resolve_model_config(model: &str) -> Result<(LlamaConfig, Option<PathBuf>)> {
+    let p = Path::new(model);
+    if p.is_dir() || p.is_file() {
+        return Ok((LlamaConfig::load(p)?, p.is_dir().then(|| p.to_path_buf())));
+    }
+    if let Some((_, text)) = PRESETS.iter().find(|(n, _)| *n == model) {
+        let json: serde_json::Value = serde_json::from_str(text)?;
+        return Ok((LlamaConfig::from_json(&json)?, None));
+    }
+    let names: Vec<&str> = PRESETS.iter().map(|(n, _)| *n).collect();
+    bail!(
+        "--model {model}: no such directory, and not a preset (presets: {})",
+        names.join(", ")
+    )
+}
+
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// `manifest.json`: everything a runner needs to feed the program, and what it was built for.
+#[derive(serde::Serialize, serde::Deserialize)]
+pub struct Manifest {
+    pub format: String,
+    pub xtrain_version: String,
+    /// sha256 of train_step.mlir.
+    pub program_sha256: String,
+    pub spec: StepSpec,
+    pub args: Vec<TensorSpecOwned>,
+    pub results: Vec<TensorSpecOwned>,
+}
+
+/// [`TensorSpec`] in a form that round-trips through JSON.
+#[derive(Clone, serde::Serialize, serde::Deserialize)]
+pub struct TensorSpecOwned {
+    pub name: String,
+    pub shape: Vec<i64>,
+    pub dtype: String,
+    pub role: crate::step::Role,
+    pub bytes: i64,
+}
+
+impl From<&TensorSpec> for TensorSpecOwned {
+    fn from(t: &TensorSpec) -> Self {
+        TensorSpecOwned {
+            name: t.name.clone(),
+            shape: t.shape.clone(),
+            dtype: t.dtype.mlir().to_string(),
+            role: t.role,
+            bytes: t.shape.iter().product::<i64>() * t.dtype.size_bytes() as i64,
+        }
+    }
+}
+
+impl TensorSpecOwned {
+    fn to_spec(&self) -> Result<TensorSpec> {
+        Ok(TensorSpec {
+            name: self.name.clone(),
+            shape: self.shape.clone(),
+            dtype: hlo::DType::parse(&self.dtype)
+                .with_context(|| format!("unknown dtype {}", self.dtype))?,
+            role: self.role,
+        })
+    }
+}
+
+pub const MANIFEST_FORMAT: &str = "xtrain-program/1";
+
+/// Write a program directory atomically per file.
+pub fn write_dir(dir: &Path, program: &Program, spec: &StepSpec) -> Result<Manifest> {
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let manifest = Manifest {
+        format: MANIFEST_FORMAT.into(),
+        xtrain_version: env!("CARGO_PKG_VERSION").into(),
+        program_sha256: sha256_hex(program.text.as_bytes()),
+        spec: spec.clone(),
+        args: program.args.iter().map(Into::into).collect(),
+        results: program.results.iter().map(Into::into).collect(),
+    };
+    crate::fsutil::write_bytes_atomic(&dir.join("train_step.mlir"), program.text.as_bytes())?;
+    crate::fsutil::write_bytes_atomic(
+        &dir.join("manifest.json"),
+        serde_json::to_string_pretty(&manifest)?.as_bytes(),
+    )?;
+    Ok(manifest)
+}
+
+/// Read a program directory, checking the program text against the manifest's hash.
+pub fn read_dir(dir: &Path) -> Result<(Program, StepSpec)> {
+    let mpath = dir.join("manifest.json");
+    let text = std::fs::read_to_string(&mpath).with_context(|| {
+        format!(
+            "cannot read {} (is {} a program dir from `xtrain compile`?)",
+            mpath.display(),
+            dir.display()
+        )
+    })?;
+    let m: Manifest = serde_json::from_str(&text)
+        .with_context(|| format!("{} is not an xtrain manifest", mpath.display()))?;
+    if m.format != MANIFEST_FORMAT {
+        bail!(
+            "{}: format {} is not {MANIFEST_FORMAT}",
+            mpath.display(),
+            m.format
+        );
+    }
+    let ppath = dir.join("train_step.mlir");
+    let program = std::fs::read_to_string(&ppath)
+        .with_context(|| format!("cannot read {}", ppath.display()))?;
+    let hash = sha256_hex(program.as_bytes());
+    if hash != m.program_sha256 {
+        bail!(
+            "{} does not match its manifest (sha256 {hash}, manifest says {})",
+            ppath.display(),
+            m.program_sha256
+        );
+    }
+    Ok((
+        Program {
+            text: program,
+            args: m.args.iter().map(|a| a.to_spec()).collect::<Result<_>>()?,
+            results: m
+                .results
+                .iter()
+                .map(|a| a.to_spec())
+                .collect::<Result<_>>()?,
+        },
+        m.spec,
+    ))
+}
+
+/// Compile through the on-disk executable cache: the key covers the program text, the compile
+/// options and the plugin (path, API version, platform version), so a second run loads the
+/// serialized executable instead of compiling. Returns (executable, loaded from cache).
+pub fn compile_cached(
+    rt: &crate::runtime::Runtime,
+    program: &Program,
+    options: &CompileOptions,
+    use_cache: bool,
+) -> Result<(Executable, bool)> {
+    let plugin = rt.client.plugin();
+    let (major, minor) = plugin.api_version();
+    let mut key = Sha256::new();
+    key.update(program.text.as_bytes());
+    key.update(rt.options(options).to_bytes());
+    key.update(plugin.path().to_string_lossy().as_bytes());
+    key.update(
+        format!(
+            "{major}.{minor}/{}",
+            rt.client.platform_version().unwrap_or_default()
+        )
+        .as_bytes(),
+    );
+    let key: String = key.finalize().iter().map(|b| format!("{b:02x}")).collect();
+    let path = pjrt::discover::cache_dir()
+        .join("executables")
+        .join(format!("{key}.pjrt"));
+    let expected = program
+        .args
+        .iter()
+        .map(|a| (crate::runtime::element_type(a.dtype), a.shape.clone()))
+        .collect();
+    if use_cache {
+        if let Ok(bytes) = std::fs::read(&path) {
+            if let Ok(mut exe) = rt.client.deserialize(&bytes) {
+                exe.expect_inputs(expected);
+                return Ok((exe, true));
+            }
+        }
+    }
+    let exe = rt.compile(program, options)?;
+    if use_cache {
+        if let Ok(bytes) = exe.serialize() {
+            let _ = std::fs::create_dir_all(path.parent().unwrap());
+            // A cache that cannot be written only costs a recompile next time.
+            let _ = crate::fsutil::write_bytes_atomic(&path, &bytes);
+        }
+    }
+    Ok((exe, false))
+}
