@@ -3,6 +3,8 @@
 
 pub mod config;
 pub mod fsutil;
+pub mod generate;
+pub mod gguf;
 pub mod lora;
 pub mod model;
 pub mod optim;
@@ -11,5 +13,6 @@ pub mod program;
 pub mod runtime;
 pub mod safetensors;
 pub mod step;
+pub mod text;
 pub mod train;
 pub mod weights;

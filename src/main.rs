@@ -33,6 +33,45 @@ enum Command {
     /// Build the training step program (StableHLO + manifest) without weights; --check also
     /// compiles it and prints XLA's memory figures.
     Compile(Box<CompileArgs>),
+    /// Convert a llama.cpp GGUF file into a Hugging Face model directory.
+    ImportGguf {
+        /// The .gguf file.
+        file: PathBuf,
+        /// Output model directory.
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Generate text from a prompt, with or without a LoRA adapter.
+    Generate(GenerateArgs),
+}
+
+#[derive(Args)]
+struct GenerateArgs {
+    /// Hugging Face model directory (with tokenizer.json).
+    #[arg(long)]
+    model: PathBuf,
+    /// A PEFT adapter directory to apply.
+    #[arg(long)]
+    adapter: Option<PathBuf>,
+    /// The user message (rendered with the model's chat template unless --raw).
+    #[arg(long)]
+    prompt: String,
+    /// Use the prompt as raw text, without the chat template.
+    #[arg(long)]
+    raw: bool,
+    /// Maximum new tokens.
+    #[arg(long, default_value_t = 64)]
+    max_new_tokens: usize,
+    /// Sampling temperature (0 = greedy).
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f64,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Context length of the compiled program (prompt + new tokens must fit).
+    #[arg(long, default_value_t = 256)]
+    context: i64,
+    #[arg(long)]
+    plugin: Option<String>,
 }
 
 #[derive(Subcommand)]
@@ -292,6 +331,66 @@ fn train(a: TrainArgs, verbose: bool) -> Result<()> {
     xtrain::train::train_on_batch(&opts)
 }
 
+fn import_gguf(file: &std::path::Path, out: &std::path::Path) -> Result<()> {
+    let t0 = std::time::Instant::now();
+    let mut shown = 0;
+    xtrain::gguf::import(file, out, |done, total| {
+        let pct = done * 100 / total.max(1);
+        if pct >= shown + 10 || done == total {
+            shown = pct;
+            eprintln!("importing {}: {pct}% of {total} tensors", file.display());
+        }
+    })?;
+    println!(
+        "wrote {} in {:.1}s",
+        out.display(),
+        t0.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+fn generate(a: GenerateArgs) -> Result<()> {
+    let cfg = xtrain::config::LlamaConfig::load(&a.model)?;
+    let tok = xtrain::text::TextTokenizer::load(&a.model)?;
+    let text = if a.raw {
+        a.prompt.clone()
+    } else {
+        tok.render_chat(
+            &[xtrain::text::Message {
+                role: "user".into(),
+                content: a.prompt.clone(),
+            }],
+            true,
+        )?
+    };
+    let ids = tok.encode(&text)?;
+    let adapter = match &a.adapter {
+        Some(d) => Some(xtrain::generate::load_adapter(d, &cfg)?),
+        None => None,
+    };
+    let rt = xtrain::runtime::Runtime::open(a.plugin.as_deref(), Some(1))?;
+    let f = xtrain::generate::Forward::new(
+        &rt,
+        &cfg,
+        &a.model,
+        adapter.as_ref().map(|(c, t)| (c, t)),
+        xtrain::generate::Kind::NextToken,
+        1,
+        a.context,
+        hlo::DType::F32,
+    )?;
+    let out = xtrain::generate::generate(
+        &f,
+        &ids,
+        a.max_new_tokens,
+        a.temperature,
+        a.seed,
+        tok.eos_id,
+    )?;
+    println!("{}", tok.decode(&out)?);
+    Ok(())
+}
+
 fn gib(b: i64) -> String {
     format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
 }
@@ -365,6 +464,8 @@ fn main() {
         Command::Plugins { action } => plugins(action),
         Command::Train(a) => train(*a, cli.verbose),
         Command::Compile(a) => compile(*a, cli.verbose),
+        Command::ImportGguf { file, out } => import_gguf(&file, &out),
+        Command::Generate(a) => generate(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

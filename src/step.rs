@@ -389,6 +389,9 @@ impl Layout<'_> {
     }
 
     fn adapters(&self, lora: &[Value]) -> LayerAdapters {
+        if lora.is_empty() {
+            return LayerAdapters::new();
+        }
         self.spec
             .lora
             .targets
@@ -683,22 +686,37 @@ impl Layout<'_> {
         Ok((out[0], out[1..].to_vec()))
     }
 
-    /// Logits for a forward-only program (looped when the spec loops layers).
-    fn logits(
+    /// The last hidden state h_L [B, T, H] (layers looped when the spec loops them).
+    fn hidden(
         &self,
         b: &mut Builder,
         m: &ModelValues,
         ids: Value,
         mask: Value,
     ) -> hlo::Result<Value> {
-        if !self.spec.remat.scan() {
-            return self.logits_unrolled(b, m, None, ids, mask);
-        }
         let model = self.model();
-        let (embed, norm, lm_head) = self.ends(&m.frozen);
-        let stacked = m.frozen[1..10].to_vec();
+        let (embed, _, _) = self.ends(&m.frozen);
         let h0 = model.embed(b, embed, ids)?;
         let ctx = model.context(b, mask, self.spec.lora.scale())?;
+        if !self.spec.remat.scan() {
+            let mut h = h0;
+            let per_layer = 2 * self.spec.lora.targets.len();
+            let none = LayerAdapters::new();
+            for l in 0..self.spec.model.num_hidden_layers as usize {
+                let lw = Self::layer_weights(&m.frozen[1 + 9 * l..10 + 9 * l]);
+                let adapters = if m.lora.is_empty() {
+                    none.clone()
+                } else {
+                    self.adapters(&m.lora[per_layer * l..per_layer * (l + 1)])
+                };
+                let mut c = ctx.clone();
+                h = b.scoped(&format!("layers.{l}"), |b| {
+                    model.layer(b, h, &lw, &adapters, &mut c, &mut Saves::Off)
+                })?;
+            }
+            return Ok(h);
+        }
+        let stacked = m.frozen[1..10].to_vec();
         let mut inv: Vec<Value> = stacked.iter().chain(&m.lora).copied().collect();
         inv.extend([ctx.rope.0, ctx.rope.1, ctx.mask]);
         let (ns, nl) = (stacked.len(), m.lora.len());
@@ -726,7 +744,20 @@ impl Layout<'_> {
                 Ok(vec![h])
             },
         )?;
-        model.head(b, out[0], norm, lm_head)
+        Ok(out[0])
+    }
+
+    /// Logits for a forward-only program.
+    fn logits(
+        &self,
+        b: &mut Builder,
+        m: &ModelValues,
+        ids: Value,
+        mask: Value,
+    ) -> hlo::Result<Value> {
+        let h = self.hidden(b, m, ids, mask)?;
+        let (_, norm, lm_head) = self.ends(&m.frozen);
+        self.model().head(b, h, norm, lm_head)
     }
 }
 
@@ -910,6 +941,66 @@ pub fn build_grad_program(spec: &StepSpec) -> Result<Program> {
     let refs: Vec<(&str, Value)> = outs.iter().map(|(n, v)| (n.as_str(), *v)).collect();
     Ok(Program {
         text: Module::new("xtrain_grads", b.finish(&refs)).to_text(),
+        args,
+        results,
+    })
+}
+
+/// A program for generation: the logits [B, V] of the next token after position `positions[b]`
+/// of each row (the head runs on those positions only).
+pub fn build_next_token(spec: &StepSpec, with_lora: bool) -> Result<Program> {
+    let mut b = Builder::new("next_token");
+    let mut args = Vec::new();
+    let mv = add_model_params(&mut b, spec, with_lora, &mut args);
+    let shape = vec![spec.batch, spec.seq];
+    let ids = b.param("input_ids", Shape::new(&shape, DType::S32));
+    args.push(TensorSpec {
+        name: "input_ids".into(),
+        shape: shape.clone(),
+        dtype: DType::S32,
+        role: Role::InputIds,
+    });
+    let mask = b.param("attention_mask", Shape::new(&shape, DType::S32));
+    args.push(TensorSpec {
+        name: "attention_mask".into(),
+        shape: shape.clone(),
+        dtype: DType::S32,
+        role: Role::AttentionMask,
+    });
+    let pos = b.param("positions", Shape::new(&[spec.batch], DType::S32));
+    args.push(TensorSpec {
+        name: "positions".into(),
+        shape: vec![spec.batch],
+        dtype: DType::S32,
+        role: Role::Step,
+    });
+    let layout = Layout { spec };
+    let h = layout.hidden(&mut b, &mv, ids, mask)?;
+    // Pick h[b, positions[b], :] with a one-hot contraction over T.
+    let t = spec.seq;
+    let iota = b.iota(Shape::new(&[spec.batch, t], DType::S32), 1)?;
+    let pb = b.broadcast_in_dim(pos, &[spec.batch, t], &[0])?;
+    let hit = b.compare(iota, pb, hlo::CmpDir::Eq)?;
+    let one_hot = b.convert(hit, spec.compute_dtype)?;
+    let dims = hlo::DotDims {
+        lhs_batch: vec![0],
+        rhs_batch: vec![0],
+        lhs_contract: vec![1],
+        rhs_contract: vec![1],
+    };
+    let picked = b.dot_general(one_hot, h, dims, None, None)?;
+    let picked = b.reshape(picked, &[spec.batch, 1, spec.model.hidden_size])?;
+    let (_, norm, lm_head) = layout.ends(&mv.frozen);
+    let logits = layout.model().head(&mut b, picked, norm, lm_head)?;
+    let logits = b.reshape(logits, &[spec.batch, spec.model.vocab_size])?;
+    let results = vec![TensorSpec {
+        name: "logits".into(),
+        shape: vec![spec.batch, spec.model.vocab_size],
+        dtype: DType::F32,
+        role: Role::Logits,
+    }];
+    Ok(Program {
+        text: Module::new("xtrain_next_token", b.finish(&[("logits", logits)])).to_text(),
         args,
         results,
     })
