@@ -2,6 +2,7 @@
 //! PJRT plugin. See README.md for the tour; `hlo` builds graphs, `pjrt` runs them.
 
 pub mod config;
+pub mod data;
 pub mod fsutil;
 pub mod generate;
 pub mod gguf;
@@ -9,6 +10,7 @@ pub mod lora;
 pub mod model;
 pub mod optim;
 pub mod peft;
+pub mod plot;
 pub mod program;
 pub mod runtime;
 pub mod safetensors;

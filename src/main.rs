@@ -201,40 +201,87 @@ struct CompileArgs {
 
 #[derive(Args)]
 struct TrainArgs {
-    /// Hugging Face model directory (config.json + safetensors).
+    /// Hugging Face model directory (config.json + safetensors [+ tokenizer.json for text]).
     #[arg(long)]
     model: PathBuf,
-    /// Training data: a .safetensors file with a pre-tokenized batch (input_ids, labels,
-    /// attention_mask), used for every step.
+    /// Training data: a .jsonl file ({"text"}, alpaca {"instruction","input","output"} or chat
+    /// {"messages"} rows), or a .safetensors file with one pre-tokenized batch (input_ids,
+    /// labels, attention_mask) used for every step.
     #[arg(long)]
     data: PathBuf,
     /// Start from this PEFT adapter instead of a fresh one.
     #[arg(long)]
     init_adapter: Option<PathBuf>,
-    /// Number of optimizer steps.
-    #[arg(long, default_value_t = 100)]
+    /// Continue from a checkpoint dir (OUT/checkpoint-N): adapter, optimizer state, step, data
+    /// position. The run continues exactly as if it had not stopped.
+    #[arg(long)]
+    resume: Option<PathBuf>,
+    /// Number of optimizer steps (0 = --epochs over the data).
+    #[arg(long, default_value_t = 0)]
     steps: u64,
-    /// Learning rate.
+    /// Passes over the data when --steps is 0.
+    #[arg(long, default_value_t = 1)]
+    epochs: u64,
+    /// Peak learning rate.
     #[arg(long, default_value_t = 2e-4)]
     lr: f64,
+    /// Linear warmup steps.
+    #[arg(long, default_value_t = 0)]
+    warmup: u64,
+    /// Learning-rate decay after warmup: constant, linear or cosine.
+    #[arg(long, default_value = "constant")]
+    schedule: String,
+    /// The learning rate at the last step, as a fraction of --lr (linear/cosine).
+    #[arg(long, default_value_t = 0.0)]
+    min_lr_ratio: f64,
     #[command(flatten)]
     step: StepArgs,
+    /// Rows per step (JSONL data).
+    #[arg(long, default_value_t = 8)]
+    batch_size: i64,
+    /// Tokens per row (JSONL data).
+    #[arg(long, default_value_t = 512)]
+    seq: i64,
+    /// Pad each example to its own row instead of packing several per row.
+    #[arg(long)]
+    no_pack: bool,
+    /// Also put the loss on the prompt tokens (default: response tokens only).
+    #[arg(long)]
+    train_on_prompt: bool,
+    /// Skip JSONL lines that are not valid examples (counted) instead of stopping.
+    #[arg(long)]
+    skip_bad_lines: bool,
+    /// Stop on an example longer than --seq instead of truncating it.
+    #[arg(long)]
+    strict_length: bool,
+    /// Hold out this fraction of the examples for evaluation (ignored with --eval-data).
+    #[arg(long, default_value_t = 0.0)]
+    eval_fraction: f64,
+    /// A separate JSONL file to evaluate on.
+    #[arg(long)]
+    eval_data: Option<PathBuf>,
+    /// Evaluate every N steps (and at the start and the end).
+    #[arg(long, default_value_t = 0)]
+    eval_every: u64,
     /// Run a program directory from `xtrain compile` instead of building the step here.
     #[arg(long)]
     program: Option<PathBuf>,
     /// Compile even if a cached executable exists.
     #[arg(long)]
     no_cache: bool,
-    /// Write the adapter every K steps to OUT/step-K (0 = only at the end, to OUT/adapter).
+    /// Write a checkpoint (OUT/checkpoint-K) and the adapter (OUT/step-K) every K steps.
     #[arg(long, default_value_t = 0)]
     save_every: u64,
-    /// Print a progress line every N steps (0 = never).
-    #[arg(long, default_value_t = 10)]
+    /// Print progress every N steps (0 = never).
+    #[arg(long, default_value_t = 1)]
     log_every: u64,
-    /// Output directory (metrics.jsonl, adapters).
+    /// Do not draw OUT/loss.png.
+    #[arg(long)]
+    no_plot: bool,
+    /// Output directory (metrics.jsonl, checkpoints, adapters, loss.png).
     #[arg(long)]
     out: PathBuf,
-    /// Seed for LoRA initialisation and dropout.
+    /// Seed for LoRA initialisation, data order and dropout.
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// PJRT plugin: cpu, cuda, rocm, tpu or a path to a plugin .so (default: $XTRAIN_PLUGIN or cpu).
@@ -308,12 +355,22 @@ fn plugins(action: Option<PluginAction>) -> Result<()> {
 }
 
 fn train(a: TrainArgs, verbose: bool) -> Result<()> {
+    if !["constant", "linear", "cosine"].contains(&a.schedule.as_str()) {
+        bail!(
+            "--schedule must be constant, linear or cosine, got `{}`",
+            a.schedule
+        );
+    }
     let opts = xtrain::train::TrainOptions {
         model: a.model,
         data: a.data,
         init_adapter: a.init_adapter,
         steps: a.steps,
+        epochs: a.epochs,
         lr: a.lr,
+        warmup: a.warmup,
+        schedule: a.schedule,
+        min_lr_ratio: a.min_lr_ratio,
         adam: a.step.adam()?,
         lora: a.step.lora.config()?,
         dtype: a.step.dtype.clone(),
@@ -321,14 +378,25 @@ fn train(a: TrainArgs, verbose: bool) -> Result<()> {
         microbatches: a.step.grad_accum,
         program: a.program,
         use_cache: !a.no_cache,
+        batch_size: a.batch_size,
+        seq: a.seq,
+        pack: !a.no_pack,
+        train_on_prompt: a.train_on_prompt,
+        skip_bad_lines: a.skip_bad_lines,
+        strict_length: a.strict_length,
+        eval_fraction: a.eval_fraction,
+        eval_data: a.eval_data,
+        eval_every: a.eval_every,
         save_every: a.save_every,
+        resume: a.resume,
         out: a.out,
         seed: a.seed,
         plugin: a.plugin,
         verbose,
         log_every: a.log_every,
+        plot: !a.no_plot,
     };
-    xtrain::train::train_on_batch(&opts)
+    xtrain::train::run(&opts)
 }
 
 fn import_gguf(file: &std::path::Path, out: &std::path::Path) -> Result<()> {

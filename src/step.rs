@@ -1005,3 +1005,54 @@ pub fn build_next_token(spec: &StepSpec, with_lora: bool) -> Result<Program> {
         results,
     })
 }
+
+/// An evaluation program: per-token loss [B, T] and whether the argmax prediction at each
+/// position is the target [B, T] (1.0 or 0.0), teacher-forced. A row whose every target
+/// position is right is exactly what greedy decoding would produce.
+pub fn build_eval(spec: &StepSpec) -> Result<Program> {
+    let mut b = Builder::new("eval");
+    let mut args = Vec::new();
+    let mv = add_model_params(&mut b, spec, true, &mut args);
+    let (ids, labels, mask) = add_batch_params(&mut b, spec, &mut args);
+    let layout = Layout { spec };
+    let logits = layout.logits(&mut b, &mv, ids, mask)?;
+    let (ce, _) = token_cross_entropy(&mut b, logits, labels)?;
+    let correct = b.scoped("accuracy", |b| {
+        let (bs, t, v) = (spec.batch, spec.seq, spec.model.vocab_size);
+        let dims = [bs, t, v];
+        // argmax as the smallest index holding the maximum
+        let m = b.reduce_max(logits, &[2])?;
+        let mb = b.broadcast_in_dim(m, &dims, &[0, 1])?;
+        let at_max = b.compare(logits, mb, hlo::CmpDir::Eq)?;
+        let iota = b.iota(Shape::new(&dims, DType::S32), 2)?;
+        let big = b.full(v as f64, Shape::new(&dims, DType::S32));
+        let idx = b.select(at_max, iota, big)?;
+        let argmax = b.reduce(idx, &[2], hlo::Combiner::Min)?;
+        let next = b.slice_dim(labels, 1, 1, t)?;
+        let ignore = b.scalar(-100.0, DType::S32);
+        let targets = b.pad(next, ignore, &[0, 0], &[0, 1], &[0, 0])?;
+        let hit = b.compare(argmax, targets, hlo::CmpDir::Eq)?;
+        b.convert(hit, DType::F32)
+    })?;
+    let (bs, t) = (spec.batch, spec.seq);
+    let results = vec![
+        TensorSpec {
+            name: "token_loss".into(),
+            shape: vec![bs, t],
+            dtype: DType::F32,
+            role: Role::TokenLoss,
+        },
+        TensorSpec {
+            name: "token_correct".into(),
+            shape: vec![bs, t],
+            dtype: DType::F32,
+            role: Role::TokenLoss,
+        },
+    ];
+    let func = b.finish(&[("token_loss", ce), ("token_correct", correct)]);
+    Ok(Program {
+        text: Module::new("xtrain_eval", func).to_text(),
+        args,
+        results,
+    })
+}

@@ -125,6 +125,15 @@ pub struct Trainer {
     pub spec: StepSpec,
     /// Threefry key for LoRA dropout, advanced every step.
     pub dropout_seed: u64,
+    eval_exe: Option<Executable>,
+}
+
+/// Loss and exact-match accuracy on held-out rows.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+pub struct EvalResult {
+    pub loss: f64,
+    pub accuracy: f64,
+    pub rows: usize,
 }
 
 impl Trainer {
@@ -178,6 +187,7 @@ impl Trainer {
             step: 0,
             spec,
             dropout_seed: 0,
+            eval_exe: None,
         };
         trainer.set_state(lora, &BTreeMap::new())?;
         Ok(trainer)
@@ -260,6 +270,69 @@ impl Trainer {
         Ok((loss, grad_norm))
     }
 
+    /// Mean loss over `batches` (summed CE / valid targets) and the fraction of rows whose every
+    /// target token is the argmax prediction (what greedy decoding would reproduce exactly).
+    pub fn evaluate(&mut self, batches: &[Batch]) -> Result<EvalResult> {
+        if batches.is_empty() {
+            bail!("no evaluation batches");
+        }
+        if self.eval_exe.is_none() {
+            let mut spec = self.spec.clone();
+            spec.batch = batches[0].dims().0;
+            spec.microbatches = 1;
+            let program = step::build_eval(&spec)?;
+            let (exe, _) = crate::program::compile_cached(
+                &self.rt,
+                &program,
+                &CompileOptions::default(),
+                true,
+            )?;
+            self.eval_exe = Some(exe);
+        }
+        let exe = self.eval_exe.as_ref().unwrap();
+        let n_lora = self
+            .program
+            .args
+            .iter()
+            .filter(|a| a.role == Role::Lora)
+            .count();
+        let (mut total, mut count, mut rows, mut exact) = (0.0f64, 0.0f64, 0usize, 0usize);
+        for batch in batches {
+            let ids = self.rt.upload(&batch.input_ids)?;
+            let labels = self.rt.upload(&batch.labels)?;
+            let mask = self.rt.upload(&batch.attention_mask)?;
+            let mut args: Vec<&Buffer> = self.frozen.iter().collect();
+            args.extend(self.state[..n_lora].iter());
+            args.extend([&ids, &labels, &mask]);
+            let out = exe.execute(&[args])?;
+            let ce = out[0][0].to_host()?.to_f32()?;
+            let correct = out[0][1].to_host()?.to_f32()?;
+            let lab = batch.labels.to_i32()?;
+            let t = batch.dims().1 as usize;
+            for r in 0..batch.dims().0 as usize {
+                let mut all = true;
+                let mut any = false;
+                for p in 0..t - 1 {
+                    if lab[r * t + p + 1] != -100 {
+                        any = true;
+                        total += ce[r * t + p] as f64;
+                        count += 1.0;
+                        all &= correct[r * t + p] > 0.5;
+                    }
+                }
+                if any {
+                    rows += 1;
+                    exact += all as usize;
+                }
+            }
+        }
+        Ok(EvalResult {
+            loss: total / count.max(1.0),
+            accuracy: exact as f64 / rows.max(1) as f64,
+            rows,
+        })
+    }
+
     /// The current LoRA weights (per-layer PEFT names) and AdamW moments, on the host.
     pub fn state_to_host(
         &self,
@@ -277,13 +350,50 @@ impl Trainer {
     }
 }
 
-/// Options of `xtrain train` on a pre-tokenized batch.
+/// Learning-rate schedule: linear warmup, then constant, linear or cosine decay to
+/// `min_ratio * lr` at the last step.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Schedule {
+    pub lr: f64,
+    pub warmup: u64,
+    /// "constant", "linear" or "cosine"
+    pub kind: String,
+    pub min_ratio: f64,
+    pub total: u64,
+}
+
+impl Schedule {
+    /// The learning rate of step `step` (1-based).
+    pub fn at(&self, step: u64) -> f64 {
+        if self.warmup > 0 && step <= self.warmup {
+            return self.lr * step as f64 / self.warmup as f64;
+        }
+        let span = self.total.saturating_sub(self.warmup).max(1) as f64;
+        let progress = ((step - self.warmup) as f64 / span).clamp(0.0, 1.0);
+        let min = self.lr * self.min_ratio;
+        match self.kind.as_str() {
+            "linear" => self.lr - (self.lr - min) * progress,
+            "cosine" => {
+                min + (self.lr - min) * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos())
+            }
+            _ => self.lr,
+        }
+    }
+}
+
+/// Options of `xtrain train`.
 pub struct TrainOptions {
     pub model: PathBuf,
+    /// `.safetensors` (one pre-tokenized batch used for every step) or `.jsonl` (text data).
     pub data: PathBuf,
     pub init_adapter: Option<PathBuf>,
+    /// Optimizer steps; 0 = as many as `epochs` take.
     pub steps: u64,
+    pub epochs: u64,
     pub lr: f64,
+    pub warmup: u64,
+    pub schedule: String,
+    pub min_lr_ratio: f64,
     pub adam: AdamW,
     pub lora: LoraConfig,
     /// "f32" or "bf16".
@@ -293,41 +403,516 @@ pub struct TrainOptions {
     /// A program dir from `xtrain compile` to run instead of building the step.
     pub program: Option<PathBuf>,
     pub use_cache: bool,
+    /// Rows per step and tokens per row (JSONL data).
+    pub batch_size: i64,
+    pub seq: i64,
+    pub pack: bool,
+    pub train_on_prompt: bool,
+    pub skip_bad_lines: bool,
+    pub strict_length: bool,
+    pub eval_fraction: f64,
+    pub eval_data: Option<PathBuf>,
+    pub eval_every: u64,
     pub save_every: u64,
+    pub resume: Option<PathBuf>,
     pub out: PathBuf,
     pub seed: u64,
     pub plugin: Option<String>,
     pub verbose: bool,
     pub log_every: u64,
+    pub plot: bool,
 }
 
-/// Write `dir` as a complete adapter directory or not at all: files go into a temp dir that is
-/// renamed into place.
+/// Write `dir` as a complete directory or not at all: `fill` writes into a temp dir that is
+/// renamed into place (replacing an older `dir`).
+pub fn write_dir_atomic(dir: &Path, fill: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
+    let parent = dir.parent().unwrap_or(Path::new("."));
+    let name = dir
+        .file_name()
+        .context("directory has no name")?
+        .to_string_lossy();
+    let tmp = parent.join(format!(".{name}.tmp-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
+    if let Err(e) = fill(&tmp) {
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(e);
+    }
+    if dir.exists() {
+        std::fs::remove_dir_all(dir)
+            .with_context(|| format!("cannot replace {}", dir.display()))?;
+    }
+    std::fs::rename(&tmp, dir)
+        .with_context(|| format!("cannot move {} into place", dir.display()))?;
+    if let Ok(d) = std::fs::File::open(parent) {
+        let _ = d.sync_all();
+    }
+    Ok(())
+}
+
+/// Write an adapter directory (complete or not at all).
 pub fn save_adapter(
     dir: &Path,
     lora: &LoraConfig,
     tensors: &BTreeMap<String, HostTensor>,
     base: &str,
 ) -> Result<()> {
-    let parent = dir.parent().unwrap_or(Path::new("."));
-    let name = dir
-        .file_name()
-        .context("adapter dir has no name")?
-        .to_string_lossy();
-    let tmp = parent.join(format!(".{name}.tmp-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&tmp);
-    crate::peft::write(&tmp, lora, tensors, base)?;
-    if dir.exists() {
-        std::fs::remove_dir_all(dir)
-            .with_context(|| format!("cannot replace {}", dir.display()))?;
+    write_dir_atomic(dir, |tmp| crate::peft::write(tmp, lora, tensors, base))
+}
+
+/// Where training stands, saved with each checkpoint.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct TrainerState {
+    pub step: u64,
+    pub epoch: u64,
+    /// Index into the epoch's row order of the next row to use.
+    pub position: u64,
+    pub seed: u64,
+    pub schedule: Schedule,
+}
+
+/// A checkpoint: adapter + AdamW moments + trainer state, in one directory written atomically.
+pub fn save_checkpoint(
+    dir: &Path,
+    trainer: &Trainer,
+    state: &TrainerState,
+    base: &str,
+) -> Result<()> {
+    let (lora, moments) = trainer.state_to_host()?;
+    write_dir_atomic(dir, |tmp| {
+        crate::peft::write(tmp, &trainer.spec.lora, &lora, base)?;
+        crate::safetensors::write(
+            &tmp.join("optimizer.safetensors"),
+            &moments,
+            &BTreeMap::new(),
+        )?;
+        crate::fsutil::write_bytes_atomic(
+            &tmp.join("trainer_state.json"),
+            serde_json::to_string_pretty(state)?.as_bytes(),
+        )
+    })
+}
+
+pub fn load_checkpoint(
+    dir: &Path,
+    cfg: &LlamaConfig,
+    lora: &LoraConfig,
+) -> Result<(
+    BTreeMap<String, HostTensor>,
+    BTreeMap<String, HostTensor>,
+    TrainerState,
+)> {
+    let state_path = dir.join("trainer_state.json");
+    let state: TrainerState =
+        serde_json::from_str(&std::fs::read_to_string(&state_path).with_context(|| {
+            format!(
+                "cannot read {} (is {} a checkpoint?)",
+                state_path.display(),
+                dir.display()
+            )
+        })?)
+        .with_context(|| format!("{} is not a trainer state", state_path.display()))?;
+    let c = crate::peft::read_config(dir)?;
+    if c.r != lora.r || c.targets != lora.targets {
+        bail!(
+            "checkpoint {} has LoRA r={} on {:?}; this run uses r={} on {:?}",
+            dir.display(),
+            c.r,
+            c.targets,
+            lora.r,
+            lora.targets
+        );
     }
-    std::fs::rename(&tmp, dir)
-        .with_context(|| format!("cannot move the adapter into {}", dir.display()))?;
+    let weights = crate::peft::read_tensors(dir, cfg, lora)?;
+    let opt = SafeTensors::open(&dir.join("optimizer.safetensors"))?;
+    let mut moments = BTreeMap::new();
+    for name in opt.tensors.keys() {
+        moments.insert(name.clone(), opt.read(name)?);
+    }
+    Ok((weights, moments, state))
+}
+
+/// Where the batches come from.
+enum Source {
+    /// One batch used for every step.
+    Fixed(Batch),
+    /// Rows visited epoch by epoch in a seeded order.
+    Rows {
+        rows: Vec<crate::data::Row>,
+        batch: usize,
+    },
+}
+
+impl Source {
+    fn steps_per_epoch(&self) -> u64 {
+        match self {
+            Source::Fixed(_) => 1,
+            Source::Rows { rows, batch } => (rows.len() / batch).max(1) as u64,
+        }
+    }
+
+    /// The batch at (epoch, position), and the position after it.
+    fn next(&self, seed: u64, epoch: &mut u64, position: &mut u64) -> Batch {
+        match self {
+            Source::Fixed(b) => b.clone(),
+            Source::Rows { rows, batch } => {
+                if *position as usize + batch > rows.len() {
+                    *epoch += 1;
+                    *position = 0;
+                }
+                let order = crate::data::epoch_order(rows.len(), seed, *epoch);
+                let picked: Vec<&crate::data::Row> = order
+                    [*position as usize..*position as usize + batch]
+                    .iter()
+                    .map(|&i| &rows[i])
+                    .collect();
+                *position += *batch as u64;
+                crate::data::batch(&picked)
+            }
+        }
+    }
+}
+
+fn read_rows(
+    path: &Path,
+    tok: &crate::text::TextTokenizer,
+    opts: &TrainOptions,
+) -> Result<Vec<crate::data::Tokenized>> {
+    let report = crate::data::read_jsonl(path, opts.skip_bad_lines)?;
+    if !report.skipped.is_empty() {
+        eprintln!(
+            "xtrain: skipped {} bad lines of {} (first: line {}: {})",
+            report.skipped.len(),
+            path.display(),
+            report.skipped[0].0,
+            report.skipped[0].1
+        );
+    }
+    report
+        .examples
+        .iter()
+        .map(|e| crate::data::tokenize(tok, e, opts.train_on_prompt))
+        .collect()
+}
+
+/// The progress line: step, loss, tokens/s, ETA. Rewritten in place on a terminal.
+struct Progress {
+    start: Instant,
+    tty: bool,
+    first_step: u64,
+}
+
+impl Progress {
+    fn show(&self, step: u64, total: u64, loss: f32, tokens_per_s: f64, lr: f64) {
+        use std::io::IsTerminal;
+        let done = (step - self.first_step + 1) as f64;
+        let eta = self.start.elapsed().as_secs_f64() / done * (total - step) as f64;
+        let width = 24;
+        let filled = (step as usize * width) / total.max(1) as usize;
+        let bar: String = "#".repeat(filled) + &".".repeat(width - filled);
+        let line = format!("[{bar}] step {step}/{total} loss {loss:.4} lr {lr:.2e} {tokens_per_s:.0} tok/s eta {eta:.0}s");
+        if self.tty && std::io::stderr().is_terminal() {
+            eprint!("\r{line}");
+            if step == total {
+                eprintln!();
+            }
+        } else {
+            eprintln!("{line}");
+        }
+    }
+}
+
+/// `xtrain train`: build (or load) the step, then train on the data, logging metrics,
+/// evaluating, checkpointing and exporting the adapter.
+pub fn run(opts: &TrainOptions) -> Result<()> {
+    let cfg = LlamaConfig::load(&opts.model)?;
+    // Fail before any work if the output dir cannot be written.
+    std::fs::create_dir_all(&opts.out)
+        .with_context(|| format!("cannot create output dir {}", opts.out.display()))?;
+    let probe = opts.out.join(".xtrain-write-test");
+    std::fs::write(&probe, b"ok")
+        .with_context(|| format!("output dir {} is not writable", opts.out.display()))?;
+    let _ = std::fs::remove_file(&probe);
+
+    let is_batch_file = opts.data.extension().is_some_and(|e| e == "safetensors");
+    let (source, eval_batches, seq) = if is_batch_file {
+        let batch = Batch::from_safetensors(&opts.data)?;
+        batch.check_vocab(cfg.vocab_size)?;
+        let seq = batch.dims().1;
+        (Source::Fixed(batch), Vec::new(), seq)
+    } else {
+        let tok = crate::text::TextTokenizer::load(&opts.model)?;
+        if tok.vocab_size() as i64 > cfg.vocab_size {
+            bail!(
+                "the tokenizer has {} tokens but the model's vocabulary is {}",
+                tok.vocab_size(),
+                cfg.vocab_size
+            );
+        }
+        let examples = read_rows(&opts.data, &tok, opts)?;
+        let (train_ex, eval_ex) = match &opts.eval_data {
+            Some(p) => (examples, read_rows(p, &tok, opts)?),
+            None => crate::data::split_eval(&examples, opts.eval_fraction),
+        };
+        let seq = opts.seq as usize;
+        let (rows, report) =
+            crate::data::make_rows(&train_ex, seq, opts.pack, tok.pad_id, opts.strict_length)?;
+        if report.truncated > 0 {
+            eprintln!(
+                "xtrain: truncated {} examples to --seq {seq}",
+                report.truncated
+            );
+        }
+        if rows.len() < opts.batch_size as usize {
+            bail!(
+                "{} gives {} rows of {seq} tokens, fewer than one batch of {}",
+                opts.data.display(),
+                rows.len(),
+                opts.batch_size
+            );
+        }
+        // Eval rows are never packed, so that each row is one example (accuracy is per example).
+        let (eval_rows, _) = crate::data::make_rows(&eval_ex, seq, false, tok.pad_id, false)?;
+        let b = opts.batch_size as usize;
+        let eval_batches: Vec<Batch> = eval_rows
+            .chunks(b)
+            .map(|c| {
+                let mut refs: Vec<&crate::data::Row> = c.iter().collect();
+                while refs.len() < b {
+                    refs.push(&c[0]); // pad the last batch by repeating; repeated rows are skipped below
+                }
+                crate::data::batch(&refs)
+            })
+            .collect();
+        let eval_batches = mask_repeats(eval_batches, eval_rows.len(), b);
+        (Source::Rows { rows, batch: b }, eval_batches, seq as i64)
+    };
+    let bs = match &source {
+        Source::Fixed(b) => b.dims().0,
+        Source::Rows { batch, .. } => *batch as i64,
+    };
+    let (spec, program) = plan(opts, &cfg, bs, seq)?;
+    let lora_cfg = spec.lora.clone();
+    let total = if opts.steps > 0 {
+        opts.steps
+    } else {
+        source.steps_per_epoch() * opts.epochs.max(1)
+    };
+    let schedule = Schedule {
+        lr: opts.lr,
+        warmup: opts.warmup,
+        kind: opts.schedule.clone(),
+        min_ratio: opts.min_lr_ratio,
+        total,
+    };
+
+    let (lora, moments, mut state) = match &opts.resume {
+        Some(dir) => {
+            let (w, m, st) = load_checkpoint(dir, &cfg, &lora_cfg)?;
+            if st.seed != opts.seed {
+                bail!(
+                    "checkpoint {} was trained with --seed {}; resume with the same seed",
+                    dir.display(),
+                    st.seed
+                );
+            }
+            (w, m, st)
+        }
+        None => {
+            let w = match &opts.init_adapter {
+                Some(dir) => {
+                    let c = crate::peft::read_config(dir)?;
+                    if c.r != lora_cfg.r
+                        || c.targets != lora_cfg.targets
+                        || (c.alpha - lora_cfg.alpha).abs() > 1e-9
+                    {
+                        bail!(
+                            "--init-adapter {} has r={}, alpha={}, targets {:?}, but the flags ask for r={}, alpha={}, targets {:?}",
+                            dir.display(), c.r, c.alpha, c.targets, lora_cfg.r, lora_cfg.alpha, lora_cfg.targets
+                        );
+                    }
+                    crate::peft::read_tensors(dir, &cfg, &lora_cfg)?
+                }
+                None => init_lora(&cfg, &lora_cfg, opts.seed),
+            };
+            (
+                w,
+                BTreeMap::new(),
+                TrainerState {
+                    step: 0,
+                    epoch: 0,
+                    position: 0,
+                    seed: opts.seed,
+                    schedule: schedule.clone(),
+                },
+            )
+        }
+    };
+    state.schedule = schedule.clone();
+
+    let frozen: Vec<(String, Vec<i64>)> = program
+        .args
+        .iter()
+        .filter(|a| a.role == Role::Frozen)
+        .map(|a| (a.name.clone(), a.shape.clone()))
+        .collect();
+    let t_load = Instant::now();
+    let weights = crate::weights::load(
+        &opts.model,
+        &cfg,
+        &frozen,
+        element_type(spec.weight_dtype),
+        |_, _| {},
+    )?;
+    if opts.verbose {
+        eprintln!(
+            "xtrain: loaded {} weight tensors in {:.1}s",
+            frozen.len(),
+            t_load.elapsed().as_secs_f64()
+        );
+    }
+    let rt = Runtime::open(opts.plugin.as_deref(), Some(1))?;
+    let mut trainer = Trainer::new(
+        rt,
+        spec,
+        program,
+        weights,
+        &lora,
+        opts.use_cache,
+        opts.verbose,
+    )?;
+    trainer.dropout_seed = opts.seed;
+    trainer.set_state(&lora, &moments)?;
+    trainer.step = state.step;
+
+    // metrics.jsonl: on resume keep the lines up to the checkpoint's step.
+    let metrics_path = opts.out.join("metrics.jsonl");
+    let mut kept = String::new();
+    if opts.resume.is_some() {
+        if let Ok(old) = std::fs::read_to_string(&metrics_path) {
+            for line in old.lines() {
+                let v: serde_json::Value = serde_json::from_str(line).unwrap_or_default();
+                if v.get("step")
+                    .and_then(|s| s.as_u64())
+                    .is_some_and(|s| s <= state.step)
+                {
+                    kept.push_str(line);
+                    kept.push('\n');
+                }
+            }
+        }
+    }
+    std::fs::write(&metrics_path, &kept)
+        .with_context(|| format!("cannot write {}", metrics_path.display()))?;
+    let mut metrics = std::fs::OpenOptions::new()
+        .append(true)
+        .open(&metrics_path)?;
+    let base = opts.model.to_string_lossy().to_string();
+    let mut history: Vec<(u64, f64, Option<f64>)> = Vec::new();
+
+    let log_eval = |trainer: &mut Trainer,
+                    metrics: &mut std::fs::File,
+                    step: u64|
+     -> Result<Option<EvalResult>> {
+        if eval_batches.is_empty() {
+            return Ok(None);
+        }
+        let r = trainer.evaluate(&eval_batches)?;
+        writeln!(
+            metrics,
+            "{}",
+            serde_json::json!({"step": step, "eval_loss": r.loss, "eval_accuracy": r.accuracy, "eval_rows": r.rows})
+        )?;
+        eprintln!(
+            "eval at step {step}: loss {:.4}, exact-match accuracy {:.1}% of {} rows",
+            r.loss,
+            100.0 * r.accuracy,
+            r.rows
+        );
+        Ok(Some(r))
+    };
+    if state.step == 0 {
+        if let Some(r) = log_eval(&mut trainer, &mut metrics, 0)? {
+            history.push((0, f64::NAN, Some(r.loss)));
+        }
+    }
+    let progress = Progress {
+        start: Instant::now(),
+        tty: true,
+        first_step: state.step + 1,
+    };
+    let tokens_per_step = bs * seq;
+    while state.step < total {
+        let step = state.step + 1;
+        let batch = source.next(opts.seed, &mut state.epoch, &mut state.position);
+        let lr = schedule.at(step);
+        let t0 = Instant::now();
+        let (loss, grad_norm) = trainer.step(&batch, lr)?;
+        let dt = t0.elapsed().as_secs_f64();
+        state.step = step;
+        if !loss.is_finite() || !grad_norm.is_finite() {
+            bail!("step {step}: the loss is {loss} and the gradient norm {grad_norm}; stopping (the last checkpoint is kept)");
+        }
+        writeln!(
+            metrics,
+            "{}",
+            serde_json::json!({"step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "epoch": state.epoch, "tokens": tokens_per_step, "step_time_s": dt})
+        )?;
+        metrics.flush()?;
+        history.push((step, loss as f64, None));
+        if opts.log_every > 0 && (step % opts.log_every == 0 || step == total) {
+            progress.show(step, total, loss, tokens_per_step as f64 / dt, lr);
+        }
+        if opts.eval_every > 0 && step % opts.eval_every == 0 && step != total {
+            if let Some(r) = log_eval(&mut trainer, &mut metrics, step)? {
+                history.push((step, f64::NAN, Some(r.loss)));
+            }
+        }
+        if opts.save_every > 0 && step % opts.save_every == 0 {
+            save_checkpoint(
+                &opts.out.join(format!("checkpoint-{step}")),
+                &trainer,
+                &state,
+                &base,
+            )?;
+            let (lora_now, _) = trainer.state_to_host()?;
+            save_adapter(
+                &opts.out.join(format!("step-{step}")),
+                &lora_cfg,
+                &lora_now,
+                &base,
+            )?;
+        }
+    }
+    if let Some(r) = log_eval(&mut trainer, &mut metrics, state.step)? {
+        history.push((state.step, f64::NAN, Some(r.loss)));
+    }
+    let (lora_now, _) = trainer.state_to_host()?;
+    save_adapter(&opts.out.join("adapter"), &lora_cfg, &lora_now, &base)?;
+    if opts.plot {
+        let path = opts.out.join("loss.png");
+        crate::plot::loss_curve(&path, &history)?;
+        eprintln!("xtrain: loss curve in {}", path.display());
+    }
     Ok(())
 }
 
-/// Build the step spec for a model dir and batch shape from the options, or take it from a
-/// program dir (checking that the program was built for this model and batch).
+/// Eval batches padded by repeating rows: turn the repeats' labels off so they do not count.
+fn mask_repeats(mut batches: Vec<Batch>, real_rows: usize, b: usize) -> Vec<Batch> {
+    if let Some(last) = batches.last_mut() {
+        let real_in_last = real_rows - (real_rows.saturating_sub(1) / b) * b;
+        let t = last.dims().1 as usize;
+        let mut labels = last.labels.to_i32().unwrap_or_default();
+        for l in labels.iter_mut().skip(real_in_last * t) {
+            *l = -100;
+        }
+        last.labels = HostTensor::from_i32(&labels, &last.labels.dims);
+    }
+    batches
+}
+
+/// Build the step spec for a model and batch shape from the options, or take it from a program
+/// dir (checking that the program was built for this model and batch).
 pub fn plan(
     opts: &TrainOptions,
     cfg: &LlamaConfig,
@@ -345,7 +930,7 @@ pub fn plan(
         }
         if (spec.batch, spec.seq) != (batch, seq) {
             bail!(
-                "program dir {} takes batches of {}x{} but the data is {batch}x{seq}",
+                "program dir {} takes batches of {}x{} but the data gives {batch}x{seq}",
                 dir.display(),
                 spec.batch,
                 spec.seq
@@ -371,94 +956,4 @@ pub fn plan(
     };
     let program = step::build_train_step(&spec)?;
     Ok((spec, program))
-}
-
-/// Run `xtrain train` on one pre-tokenized batch used for every step.
-pub fn train_on_batch(opts: &TrainOptions) -> Result<()> {
-    let cfg = LlamaConfig::load(&opts.model)?;
-    let batch = Batch::from_safetensors(&opts.data)?;
-    batch.check_vocab(cfg.vocab_size)?;
-    let (bs, seq) = batch.dims();
-    let (spec, program) = plan(opts, &cfg, bs, seq)?;
-    let lora_cfg = spec.lora.clone();
-    let lora = match &opts.init_adapter {
-        Some(dir) => {
-            let c = crate::peft::read_config(dir)?;
-            if c.r != lora_cfg.r
-                || c.targets != lora_cfg.targets
-                || (c.alpha - lora_cfg.alpha).abs() > 1e-9
-            {
-                bail!(
-                    "--init-adapter {} has r={}, alpha={}, targets {:?}, but the flags ask for r={}, alpha={}, targets {:?}",
-                    dir.display(), c.r, c.alpha, c.targets, lora_cfg.r, lora_cfg.alpha, lora_cfg.targets
-                );
-            }
-            crate::peft::read_tensors(dir, &cfg, &lora_cfg)?
-        }
-        None => init_lora(&cfg, &lora_cfg, opts.seed),
-    };
-    std::fs::create_dir_all(&opts.out)
-        .with_context(|| format!("cannot create output dir {}", opts.out.display()))?;
-    let frozen: Vec<(String, Vec<i64>)> = program
-        .args
-        .iter()
-        .filter(|a| a.role == Role::Frozen)
-        .map(|a| (a.name.clone(), a.shape.clone()))
-        .collect();
-    let weights = crate::weights::load(
-        &opts.model,
-        &cfg,
-        &frozen,
-        element_type(spec.weight_dtype),
-        |_, _| {},
-    )?;
-    let rt = Runtime::open(opts.plugin.as_deref(), Some(1))?;
-    let mut trainer = Trainer::new(
-        rt,
-        spec,
-        program,
-        weights,
-        &lora,
-        opts.use_cache,
-        opts.verbose,
-    )?;
-    trainer.dropout_seed = opts.seed;
-    let metrics_path = opts.out.join("metrics.jsonl");
-    let mut metrics = std::fs::File::create(&metrics_path)
-        .with_context(|| format!("cannot write {}", metrics_path.display()))?;
-    let tokens_per_step = bs * seq;
-    let start = Instant::now();
-    let base = opts.model.to_string_lossy().to_string();
-    for s in 1..=opts.steps {
-        let t0 = Instant::now();
-        let (loss, grad_norm) = trainer.step(&batch, opts.lr)?;
-        let dt = t0.elapsed().as_secs_f64();
-        writeln!(
-            metrics,
-            "{}",
-            serde_json::json!({"step": s, "loss": loss, "grad_norm": grad_norm, "lr": opts.lr, "tokens": tokens_per_step, "step_time_s": dt})
-        )?;
-        metrics.flush()?;
-        if opts.log_every > 0 && (s % opts.log_every == 0 || s == opts.steps) {
-            let elapsed = start.elapsed().as_secs_f64();
-            let eta = elapsed / s as f64 * (opts.steps - s) as f64;
-            eprintln!(
-                "step {s}/{} loss {loss:.4} grad_norm {grad_norm:.3} {:.0} tok/s eta {eta:.0}s",
-                opts.steps,
-                tokens_per_step as f64 / dt
-            );
-        }
-        if opts.save_every > 0 && s % opts.save_every == 0 {
-            let (lora_now, _) = trainer.state_to_host()?;
-            save_adapter(
-                &opts.out.join(format!("step-{s}")),
-                &lora_cfg,
-                &lora_now,
-                &base,
-            )?;
-        }
-    }
-    let (lora_now, _) = trainer.state_to_host()?;
-    save_adapter(&opts.out.join("adapter"), &lora_cfg, &lora_now, &base)?;
-    Ok(())
 }
