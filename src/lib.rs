@@ -1,12 +1,14 @@
 //! xtrain: the Llama 3.1 LoRA training step compiled as one StableHLO program and run on any
 //! PJRT plugin. See README.md for the tour; `hlo` builds graphs, `pjrt` runs them.
 
+pub mod assets;
 pub mod config;
 pub mod data;
 pub mod fsutil;
 pub mod generate;
 pub mod gguf;
 pub mod lora;
+pub mod merge;
 pub mod model;
 pub mod optim;
 pub mod peft;

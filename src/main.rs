@@ -43,6 +43,15 @@ enum Command {
     },
     /// Generate text from a prompt, with or without a LoRA adapter.
     Generate(GenerateArgs),
+    /// Fold a LoRA adapter into the base weights and write a complete HF checkpoint.
+    Merge {
+        #[arg(long)]
+        model: PathBuf,
+        #[arg(long)]
+        adapter: PathBuf,
+        #[arg(long)]
+        out: PathBuf,
+    },
 }
 
 #[derive(Args)]
@@ -269,6 +278,10 @@ struct TrainArgs {
     /// Compile even if a cached executable exists.
     #[arg(long)]
     no_cache: bool,
+    /// Stop this invocation after N steps (checkpoints as usual), e.g. to time-box a session and
+    /// continue later with --resume.
+    #[arg(long)]
+    stop_after: Option<u64>,
     /// Write a checkpoint (OUT/checkpoint-K) and the adapter (OUT/step-K) every K steps.
     #[arg(long, default_value_t = 0)]
     save_every: u64,
@@ -395,6 +408,7 @@ fn train(a: TrainArgs, verbose: bool) -> Result<()> {
         verbose,
         log_every: a.log_every,
         plot: !a.no_plot,
+        stop_after: a.stop_after,
     };
     xtrain::train::run(&opts)
 }
@@ -534,6 +548,12 @@ fn main() {
         Command::Compile(a) => compile(*a, cli.verbose),
         Command::ImportGguf { file, out } => import_gguf(&file, &out),
         Command::Generate(a) => generate(a),
+        Command::Merge {
+            model,
+            adapter,
+            out,
+        } => xtrain::merge::merge(&model, &adapter, &out)
+            .map(|_| println!("wrote {}", out.display())),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -124,9 +124,8 @@ impl TextTokenizer {
             bos_token => self.bos.clone().unwrap_or_default(),
             eos_token => self.eos.clone().unwrap_or_default(),
         };
-        Ok(env
-            .get_template("chat")?
+        env.get_template("chat")?
             .render(ctx)
-            .context("rendering the chat template")?)
+            .context("rendering the chat template")
     }
 }

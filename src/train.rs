@@ -421,6 +421,8 @@ pub struct TrainOptions {
     pub verbose: bool,
     pub log_every: u64,
     pub plot: bool,
+    /// Stop this invocation after this many steps.
+    pub stop_after: Option<u64>,
 }
 
 /// Write `dir` as a complete directory or not at all: `fill` writes into a temp dir that is
@@ -471,6 +473,13 @@ pub struct TrainerState {
     pub schedule: Schedule,
 }
 
+/// A checkpoint as loaded: LoRA weights, AdamW moments (both per-layer names) and the state.
+pub type Checkpoint = (
+    BTreeMap<String, HostTensor>,
+    BTreeMap<String, HostTensor>,
+    TrainerState,
+);
+
 /// A checkpoint: adapter + AdamW moments + trainer state, in one directory written atomically.
 pub fn save_checkpoint(
     dir: &Path,
@@ -493,15 +502,7 @@ pub fn save_checkpoint(
     })
 }
 
-pub fn load_checkpoint(
-    dir: &Path,
-    cfg: &LlamaConfig,
-    lora: &LoraConfig,
-) -> Result<(
-    BTreeMap<String, HostTensor>,
-    BTreeMap<String, HostTensor>,
-    TrainerState,
-)> {
+pub fn load_checkpoint(dir: &Path, cfg: &LlamaConfig, lora: &LoraConfig) -> Result<Checkpoint> {
     let state_path = dir.join("trainer_state.json");
     let state: TrainerState =
         serde_json::from_str(&std::fs::read_to_string(&state_path).with_context(|| {
@@ -842,7 +843,10 @@ pub fn run(opts: &TrainOptions) -> Result<()> {
         first_step: state.step + 1,
     };
     let tokens_per_step = bs * seq;
-    while state.step < total {
+    let stop_at = opts
+        .stop_after
+        .map_or(total, |n| (state.step + n).min(total));
+    while state.step < stop_at {
         let step = state.step + 1;
         let batch = source.next(opts.seed, &mut state.epoch, &mut state.position);
         let lr = schedule.at(step);

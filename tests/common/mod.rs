@@ -1,0 +1,89 @@
+//! Shared test helpers: temp dirs, the tiny model with a byte-level tokenizer, running xtrain.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+pub fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-llama3")
+}
+
+pub fn tempdir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("xtrain-test-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+pub fn xtrain(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_xtrain"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+/// GPT-2's reversible byte -> printable char map (so every byte is one token).
+fn byte_chars() -> Vec<char> {
+    let mut printable: Vec<u32> = (b'!' as u32..=b'~' as u32)
+        .chain(0xA1..=0xAC)
+        .chain(0xAE..=0xFF)
+        .collect();
+    let mut map = vec!['\0'; 256];
+    for &b in &printable {
+        map[b as usize] = char::from_u32(b).unwrap();
+    }
+    let mut n = 0;
+    for b in 0..256u32 {
+        if !printable.contains(&b) {
+            map[b as usize] = char::from_u32(256 + n).unwrap();
+            n += 1;
+        }
+    }
+    printable.clear();
+    map
+}
+
+/// The tiny test model (vocab 512) plus a byte-level BPE tokenizer (256 byte tokens and three
+/// ChatML specials: <|im_start|> 256, <|im_end|> 257, <|endoftext|> 258) and ChatML template.
+pub fn tiny_text_model(dir: &Path) -> PathBuf {
+    let m = dir.join("tiny-text-model");
+    std::fs::create_dir_all(&m).unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(fixtures().join("model").join(f), m.join(f)).unwrap();
+    }
+    let mut vocab = serde_json::Map::new();
+    for (i, c) in byte_chars().into_iter().enumerate() {
+        vocab.insert(c.to_string(), serde_json::json!(i));
+    }
+    let specials = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"];
+    let added: Vec<serde_json::Value> = specials
+        .iter()
+        .enumerate()
+        .map(|(k, t)| {
+            vocab.insert(t.to_string(), serde_json::json!(256 + k));
+            serde_json::json!({"id": 256 + k, "content": t, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true})
+        })
+        .collect();
+    let tok = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": added, "normalizer": null,
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
+        "post_processor": null,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null, "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false, "vocab": vocab, "merges": []}
+    });
+    std::fs::write(
+        m.join("tokenizer.json"),
+        serde_json::to_string(&tok).unwrap(),
+    )
+    .unwrap();
+    let cfg = serde_json::json!({
+        "chat_template": "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"
+    });
+    std::fs::write(
+        m.join("tokenizer_config.json"),
+        serde_json::to_string(&cfg).unwrap(),
+    )
+    .unwrap();
+    m
+}
