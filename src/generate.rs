@@ -59,6 +59,7 @@ impl Forward {
             compute_dtype: dtype,
             remat: Remat::Layer,
             microbatches: 1,
+            mesh: None,
         };
         let program = match kind {
             Kind::NextToken => step::build_next_token(&spec, adapter.is_some())?,

@@ -16,6 +16,7 @@ pub mod plot;
 pub mod program;
 pub mod runtime;
 pub mod safetensors;
+pub mod sharding;
 pub mod step;
 pub mod text;
 pub mod train;

@@ -146,9 +146,34 @@ struct StepArgs {
     /// Gradient accumulation: split each batch into this many microbatches inside the step.
     #[arg(long, default_value_t = 1)]
     grad_accum: i64,
+    /// Device mesh, e.g. data=2,fsdp=4,tensor=1 (axes of size 1 are no-ops; devices are
+    /// numbered row-major over the axes in this order).
+    #[arg(long)]
+    mesh: Option<String>,
+    /// A file of `logical = mesh_axes` lines overriding the default sharding rules.
+    #[arg(long)]
+    sharding_rules: Option<PathBuf>,
 }
 
 impl StepArgs {
+    fn mesh(&self) -> Result<Option<xtrain::step::MeshPlan>> {
+        let Some(m) = &self.mesh else {
+            return Ok(None);
+        };
+        let mesh = xtrain::sharding::parse_mesh(m)?;
+        if mesh.axes.is_empty() {
+            return Ok(None);
+        }
+        let rules = match &self.sharding_rules {
+            Some(p) => xtrain::sharding::Rules::load(p)?,
+            None => xtrain::sharding::Rules::default(),
+        };
+        Ok(Some(xtrain::step::MeshPlan {
+            axes: mesh.axes,
+            rules,
+        }))
+    }
+
     fn adam(&self) -> Result<AdamW> {
         let (beta1, beta2) = parse_betas(&self.betas)?;
         Ok(AdamW {
@@ -176,6 +201,7 @@ impl StepArgs {
             compute_dtype: dtype,
             remat: Remat::parse(&self.remat)?,
             microbatches: self.grad_accum,
+            mesh: self.mesh()?,
         })
     }
 }
@@ -409,6 +435,7 @@ fn train(a: TrainArgs, verbose: bool) -> Result<()> {
         log_every: a.log_every,
         plot: !a.no_plot,
         stop_after: a.stop_after,
+        mesh: a.step.mesh()?,
     };
     xtrain::train::run(&opts)
 }
@@ -500,7 +527,31 @@ fn compile(a: CompileArgs, verbose: bool) -> Result<()> {
     if !a.check {
         return Ok(());
     }
-    let rt = xtrain::runtime::Runtime::open(a.plugin.as_deref(), Some(1))?;
+    if let Some(m) = &spec.mesh {
+        let order: Vec<String> = (0..m.devices() as usize)
+            .map(|p| {
+                let c = xtrain::sharding::coords(&m.mesh(), p);
+                let coords: Vec<String> = m
+                    .axes
+                    .iter()
+                    .map(|(n, _)| format!("{n}={}", c[n]))
+                    .collect();
+                format!("device {p}: {}", coords.join(" "))
+            })
+            .collect();
+        println!(
+            "mesh {:?}, {} devices; {}",
+            m.axes,
+            m.devices(),
+            order.join("; ")
+        );
+        let est = xtrain::sharding::estimate(&spec, &program);
+        println!("xtrain's estimate per device: arguments {}, temporaries ~{} (saved layer inputs and one layer's working set)", gib(est.0), gib(est.1));
+    } else {
+        let est = xtrain::sharding::estimate(&spec, &program);
+        println!("xtrain's estimate: arguments {}, temporaries ~{} (saved layer inputs and one layer's working set)", gib(est.0), gib(est.1));
+    }
+    let rt = xtrain::runtime::Runtime::open(a.plugin.as_deref(), Some(program.partitions))?;
     let mut options = pjrt::CompileOptions::default();
     if let Some(dir) = &a.xla_dump {
         std::fs::create_dir_all(dir)?;

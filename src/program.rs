@@ -149,18 +149,13 @@ pub fn read_dir(dir: &Path) -> Result<(Program, StepSpec)> {
             m.program_sha256
         );
     }
-    Ok((
-        Program {
-            text: program,
-            args: m.args.iter().map(|a| a.to_spec()).collect::<Result<_>>()?,
-            results: m
-                .results
-                .iter()
-                .map(|a| a.to_spec())
-                .collect::<Result<_>>()?,
-        },
-        m.spec,
-    ))
+    let args = m.args.iter().map(|a| a.to_spec()).collect::<Result<_>>()?;
+    let results = m
+        .results
+        .iter()
+        .map(|a| a.to_spec())
+        .collect::<Result<_>>()?;
+    Ok((Program::new(program, args, results, &m.spec), m.spec))
 }
 
 /// Compile through the on-disk executable cache: the key covers the program text, the compile
@@ -189,11 +184,7 @@ pub fn compile_cached(
     let path = pjrt::discover::cache_dir()
         .join("executables")
         .join(format!("{key}.pjrt"));
-    let expected = program
-        .args
-        .iter()
-        .map(|a| (crate::runtime::element_type(a.dtype), a.shape.clone()))
-        .collect();
+    let expected = crate::runtime::expected_inputs(program);
     if use_cache {
         if let Ok(bytes) = std::fs::read(&path) {
             if let Ok(mut exe) = rt.client.deserialize(&bytes) {

@@ -77,6 +77,16 @@ pub fn convert(t: &HostTensor, to: ElementType) -> Result<HostTensor> {
     }
 }
 
+/// What each device must be given: every argument's element type and shard shape.
+pub fn expected_inputs(program: &Program) -> Vec<(ElementType, Vec<i64>)> {
+    program
+        .args
+        .iter()
+        .zip(&program.arg_shard_dims)
+        .map(|(a, d)| (element_type(a.dtype), d.clone()))
+        .collect()
+}
+
 /// A PJRT client on one backend.
 pub struct Runtime {
     pub client: Client,
@@ -122,25 +132,57 @@ impl Runtime {
         o
     }
 
-    /// Compile a program for one device, checking its arguments on every execute.
+    /// Compile a program (on as many devices as it has partitions), checking its arguments on
+    /// every execute.
     pub fn compile(&self, program: &Program, options: &CompileOptions) -> Result<Executable> {
-        let options = self.options(options);
+        let mut options = self.options(options);
+        if program.partitions > 1 {
+            if (self.devices.len() as i64) < program.partitions {
+                bail!(
+                    "the program needs {} devices but the plugin has {}",
+                    program.partitions,
+                    self.devices.len()
+                );
+            }
+            let ids: Vec<i64> = self.devices[..program.partitions as usize]
+                .iter()
+                .map(|d| d.id().map(|i| i as i64))
+                .collect::<std::result::Result<_, _>>()?;
+            let spmd = CompileOptions::spmd(ids);
+            options.num_partitions = spmd.num_partitions;
+            options.spmd = true;
+            options.device_ids = spmd.device_ids;
+        }
         let mut exe = self
             .client
             .compile(&program.text, &options)
             .context("XLA could not compile the program")?;
-        exe.expect_inputs(
-            program
-                .args
-                .iter()
-                .map(|a| (element_type(a.dtype), a.shape.clone()))
-                .collect(),
-        );
+        exe.expect_inputs(expected_inputs(program));
         Ok(exe)
     }
 
     pub fn upload(&self, t: &HostTensor) -> Result<Buffer> {
         Ok(self.client.to_device(t, &self.devices[0])?)
+    }
+
+    /// Upload each device's shard of `t` (one buffer per partition). Only the shard is copied to
+    /// each device.
+    pub fn upload_sharded(
+        &self,
+        t: &HostTensor,
+        sharding: &hlo::Sharding,
+        mesh: Option<&hlo::Mesh>,
+    ) -> Result<Vec<Buffer>> {
+        let Some(mesh) = mesh else {
+            return Ok(vec![self.upload(t)?]);
+        };
+        (0..mesh.device_count() as usize)
+            .map(|p| {
+                let (starts, sizes) = crate::sharding::shard_box(&t.dims, sharding, mesh, p);
+                let shard = crate::sharding::slice(t, &starts, &sizes);
+                Ok(self.client.to_device(&shard, &self.devices[p])?)
+            })
+            .collect()
     }
 }
 

@@ -108,6 +108,34 @@ pub struct StepSpec {
     /// Gradient accumulation: the batch is split into this many microbatches, looped inside
     /// the step, with one optimizer update.
     pub microbatches: i64,
+    /// The device mesh and sharding rules (None: one device).
+    #[serde(default)]
+    pub mesh: Option<MeshPlan>,
+}
+
+/// A device mesh and the logical-axis rules that place tensors on it.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct MeshPlan {
+    pub axes: Vec<(String, i64)>,
+    pub rules: crate::sharding::Rules,
+}
+
+impl MeshPlan {
+    pub fn mesh(&self) -> hlo::Mesh {
+        hlo::Mesh {
+            axes: self.axes.clone(),
+        }
+    }
+
+    pub fn devices(&self) -> i64 {
+        self.mesh().device_count()
+    }
+
+    /// The sharding of a tensor named `name` (its logical axes come from the name).
+    pub fn sharding(&self, name: &str, shape: &[i64]) -> hlo::Sharding {
+        let axes = crate::sharding::logical_axes(name, shape.len());
+        self.rules.sharding(&axes, shape, &self.mesh())
+    }
 }
 
 /// A built program: its text and its signature.
@@ -115,6 +143,87 @@ pub struct Program {
     pub text: String,
     pub args: Vec<TensorSpec>,
     pub results: Vec<TensorSpec>,
+    /// Number of devices (SPMD partitions) it runs on.
+    pub partitions: i64,
+    /// The shape each device holds of each argument.
+    pub arg_shard_dims: Vec<Vec<i64>>,
+}
+
+impl Program {
+    pub fn new(
+        text: String,
+        args: Vec<TensorSpec>,
+        results: Vec<TensorSpec>,
+        spec: &StepSpec,
+    ) -> Program {
+        let arg_shard_dims = args
+            .iter()
+            .map(|a| match &spec.mesh {
+                Some(m) => m
+                    .sharding(&a.name, &a.shape)
+                    .shard_dims(&a.shape, &m.mesh()),
+                None => a.shape.clone(),
+            })
+            .collect();
+        let partitions = spec.mesh.as_ref().map_or(1, |m| m.devices());
+        Program {
+            text,
+            args,
+            results,
+            partitions,
+            arg_shard_dims,
+        }
+    }
+
+    /// The sharding of each argument (all replicated without a mesh).
+    pub fn arg_shardings(&self, spec: &StepSpec) -> Vec<hlo::Sharding> {
+        self.args.iter().map(|a| shard_of(spec, a)).collect()
+    }
+
+    pub fn result_shardings(&self, spec: &StepSpec) -> Vec<hlo::Sharding> {
+        self.results.iter().map(|a| shard_of(spec, a)).collect()
+    }
+}
+
+fn shard_of(spec: &StepSpec, a: &TensorSpec) -> hlo::Sharding {
+    match &spec.mesh {
+        Some(m) => m.sharding(&a.name, &a.shape),
+        None => hlo::Sharding::replicated(a.shape.len()),
+    }
+}
+
+/// Annotate parameters and results with their shardings and wrap the function in a module
+/// that declares the mesh.
+fn finish_module(
+    name: &str,
+    mut b: Builder,
+    spec: &StepSpec,
+    args: &[TensorSpec],
+    results: &[TensorSpec],
+    outs: &[(String, Value)],
+) -> String {
+    let params: Vec<Value> = b.func().params.iter().map(|p| p.value).collect();
+    let mut func_results: Vec<hlo::FuncResult> = outs
+        .iter()
+        .map(|(n, v)| hlo::FuncResult {
+            value: *v,
+            name: n.clone(),
+            sharding: None,
+        })
+        .collect();
+    if let Some(m) = &spec.mesh {
+        for (v, a) in params.iter().zip(args) {
+            b.set_param_sharding(*v, Some(m.sharding(&a.name, &a.shape)));
+        }
+        for (r, spec_r) in func_results.iter_mut().zip(results) {
+            r.sharding = Some(m.sharding(&spec_r.name, &spec_r.shape));
+        }
+    }
+    let module = Module::new(name, b.finish_with(func_results));
+    match &spec.mesh {
+        Some(m) => module.with_mesh(m.mesh()).to_text(),
+        None => module.to_text(),
+    }
 }
 
 /// The frozen tensors of one layer: HF name suffix (`self_attn.q_proj`) and shape.
@@ -439,6 +548,19 @@ impl Layout<'_> {
             .logits(b, &w, &lora, self.spec.lora.scale(), dropout, ids, mask)
     }
 
+    /// Pin the batch dim of an activation [B, T, ...] to the mesh's batch sharding (a hint for
+    /// the partitioner where the embedding gather would otherwise leave it guessing).
+    fn constrain_batch(&self, b: &mut Builder, x: Value) -> hlo::Result<Value> {
+        let Some(m) = &self.spec.mesh else {
+            return Ok(x);
+        };
+        let dims = b.dims(x).to_vec();
+        let mut logical = vec!["batch"];
+        logical.extend(std::iter::repeat_n("none", dims.len() - 1));
+        let sh = m.rules.sharding(&logical, &dims, &m.mesh());
+        b.sharding_constraint(x, sh)
+    }
+
     /// The names a remat policy saves in the forward loop.
     fn saved_names(&self) -> Vec<&'static str> {
         match self.spec.remat {
@@ -506,6 +628,7 @@ impl Layout<'_> {
         let (embed, norm, lm_head) = self.ends(&m.frozen);
         let stacked = m.frozen[1..10].to_vec();
         let h0 = model.embed(b, embed, ids)?;
+        let h0 = self.constrain_batch(b, h0)?;
         let ctx = model.context(b, mask, self.spec.lora.scale())?;
         let (bs, t, hd) = (b.dims(h0)[0], b.dims(h0)[1], b.dims(h0)[2]);
         let saved_names = self.saved_names();
@@ -861,13 +984,8 @@ pub fn build_train_step(spec: &StepSpec) -> Result<Program> {
         });
         outs.push((name.into(), v));
     }
-    let refs: Vec<(&str, Value)> = outs.iter().map(|(n, v)| (n.as_str(), *v)).collect();
-    let func = b.finish(&refs);
-    Ok(Program {
-        text: Module::new("xtrain_train_step", func).to_text(),
-        args,
-        results,
-    })
+    let text = finish_module("xtrain_train_step", b, spec, &args, &results, &outs);
+    Ok(Program::new(text, args, results, spec))
 }
 
 /// A forward-only program: (logits [B,T,V], per-token CE [B,T], loss) with or without LoRA.
@@ -903,12 +1021,13 @@ pub fn build_forward(spec: &StepSpec, with_lora: bool) -> Result<Program> {
             role: Role::Loss,
         },
     ];
-    let func = b.finish(&[("logits", logits), ("token_loss", ce), ("loss", loss)]);
-    Ok(Program {
-        text: Module::new("xtrain_forward", func).to_text(),
-        args,
-        results,
-    })
+    let outs = vec![
+        ("logits".to_string(), logits),
+        ("token_loss".to_string(), ce),
+        ("loss".to_string(), loss),
+    ];
+    let text = finish_module("xtrain_forward", b, spec, &args, &results, &outs);
+    Ok(Program::new(text, args, results, spec))
 }
 
 /// A program returning the loss and the gradient of every LoRA tensor (for checking gradients
@@ -938,12 +1057,8 @@ pub fn build_grad_program(spec: &StepSpec) -> Result<Program> {
         });
         outs.push((name, *g));
     }
-    let refs: Vec<(&str, Value)> = outs.iter().map(|(n, v)| (n.as_str(), *v)).collect();
-    Ok(Program {
-        text: Module::new("xtrain_grads", b.finish(&refs)).to_text(),
-        args,
-        results,
-    })
+    let text = finish_module("xtrain_grads", b, spec, &args, &results, &outs);
+    Ok(Program::new(text, args, results, spec))
 }
 
 /// A program for generation: the logits [B, V] of the next token after position `positions[b]`
@@ -999,11 +1114,15 @@ pub fn build_next_token(spec: &StepSpec, with_lora: bool) -> Result<Program> {
         dtype: DType::F32,
         role: Role::Logits,
     }];
-    Ok(Program {
-        text: Module::new("xtrain_next_token", b.finish(&[("logits", logits)])).to_text(),
-        args,
-        results,
-    })
+    let text = finish_module(
+        "xtrain_next_token",
+        b,
+        spec,
+        &args,
+        &results,
+        &[("logits".to_string(), logits)],
+    );
+    Ok(Program::new(text, args, results, spec))
 }
 
 /// An evaluation program: per-token loss [B, T] and whether the argmax prediction at each
@@ -1049,10 +1168,10 @@ pub fn build_eval(spec: &StepSpec) -> Result<Program> {
             role: Role::TokenLoss,
         },
     ];
-    let func = b.finish(&[("token_loss", ce), ("token_correct", correct)]);
-    Ok(Program {
-        text: Module::new("xtrain_eval", func).to_text(),
-        args,
-        results,
-    })
+    let outs = vec![
+        ("token_loss".to_string(), ce),
+        ("token_correct".to_string(), correct),
+    ];
+    let text = finish_module("xtrain_eval", b, spec, &args, &results, &outs);
+    Ok(Program::new(text, args, results, spec))
 }

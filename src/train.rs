@@ -117,9 +117,10 @@ pub struct Trainer {
     pub rt: Runtime,
     pub program: Program,
     exe: Executable,
-    frozen: Vec<Buffer>,
-    /// LoRA params, then m, then v, in program order (the donated part).
-    state: Vec<Buffer>,
+    /// Per argument, one buffer per device (its shard).
+    frozen: Vec<Vec<Buffer>>,
+    /// LoRA params, then m, then v, in program order (the donated part); per device.
+    state: Vec<Vec<Buffer>>,
     /// Number of optimizer steps taken.
     pub step: u64,
     pub spec: StepSpec,
@@ -164,9 +165,16 @@ impl Trainer {
                 program.text.len()
             );
         }
+        let mesh = spec.mesh.as_ref().map(|m| m.mesh());
+        let shardings = program.arg_shardings(&spec);
         let mut frozen = Vec::new();
         let mut w = weights.into_iter();
-        for a in program.args.iter().filter(|a| a.role == Role::Frozen) {
+        for (a, sh) in program
+            .args
+            .iter()
+            .zip(&shardings)
+            .filter(|(a, _)| a.role == Role::Frozen)
+        {
             let t = w.next().context("fewer weights than the program takes")?;
             if t.dims != a.shape {
                 bail!(
@@ -176,7 +184,11 @@ impl Trainer {
                     a.shape
                 );
             }
-            frozen.push(rt.upload(&convert(&t, element_type(a.dtype))?)?);
+            frozen.push(rt.upload_sharded(
+                &convert(&t, element_type(a.dtype))?,
+                sh,
+                mesh.as_ref(),
+            )?);
         }
         let mut trainer = Trainer {
             rt,
@@ -227,45 +239,86 @@ impl Trainer {
             &all,
             self.spec.model.num_hidden_layers,
         )?;
+        let shardings = self.state_shardings();
+        let mesh = self.spec.mesh.as_ref().map(|m| m.mesh());
         self.state = tensors
             .iter()
-            .map(|t| self.rt.upload(&convert(t, ElementType::F32)?))
+            .zip(&shardings)
+            .map(|(t, sh)| {
+                self.rt
+                    .upload_sharded(&convert(t, ElementType::F32)?, sh, mesh.as_ref())
+            })
             .collect::<Result<_>>()?;
         Ok(())
+    }
+
+    fn state_shardings(&self) -> Vec<hlo::Sharding> {
+        self.program
+            .args
+            .iter()
+            .zip(self.program.arg_shardings(&self.spec))
+            .filter(|(a, _)| matches!(a.role, Role::Lora | Role::AdamM | Role::AdamV))
+            .map(|(_, s)| s)
+            .collect()
+    }
+
+    /// Upload a per-step input (replicated or sharded by its name) to every device.
+    fn put(&self, name: &str, t: &HostTensor) -> Result<Vec<Buffer>> {
+        match &self.spec.mesh {
+            Some(m) => self
+                .rt
+                .upload_sharded(t, &m.sharding(name, &t.dims), Some(&m.mesh())),
+            None => Ok(vec![self.rt.upload(t)?]),
+        }
+    }
+
+    fn devices(&self) -> usize {
+        self.program.partitions as usize
     }
 
     /// One optimizer step at learning rate `lr`. Returns (loss before the update, grad norm).
     pub fn step(&mut self, batch: &Batch, lr: f64) -> Result<(f32, f32)> {
         let t = self.step + 1;
-        let step_buf = self.rt.upload(&HostTensor::from_f32(&[t as f32], &[]))?;
-        let lr_buf = self.rt.upload(&HostTensor::from_f32(&[lr as f32], &[]))?;
-        let ids = self.rt.upload(&batch.input_ids)?;
-        let labels = self.rt.upload(&batch.labels)?;
-        let mask = self.rt.upload(&batch.attention_mask)?;
-        let key = if self.spec.lora.dropout > 0.0 {
+        let mut inputs = vec![
+            self.put("step", &HostTensor::from_f32(&[t as f32], &[]))?,
+            self.put("lr", &HostTensor::from_f32(&[lr as f32], &[]))?,
+            self.put("input_ids", &batch.input_ids)?,
+            self.put("labels", &batch.labels)?,
+            self.put("attention_mask", &batch.attention_mask)?,
+        ];
+        if self.spec.lora.dropout > 0.0 {
             let k = [self.dropout_seed, t << 20];
-            Some(self.rt.upload(&HostTensor {
-                ty: ElementType::U64,
-                dims: vec![2],
-                bytes: k.iter().flat_map(|v| v.to_le_bytes()).collect(),
-            })?)
-        } else {
-            None
-        };
-        let mut args: Vec<&Buffer> = self.frozen.iter().collect();
-        args.extend(self.state.iter());
-        args.extend([&step_buf, &lr_buf, &ids, &labels, &mask]);
-        if let Some(k) = &key {
-            args.push(k);
+            inputs.push(self.put(
+                "dropout_key",
+                &HostTensor {
+                    ty: ElementType::U64,
+                    dims: vec![2],
+                    bytes: k.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                },
+            )?);
         }
-        let mut out = self.exe.execute(&[args])?.remove(0);
-        let grad_norm = out
-            .pop()
-            .context("missing grad_norm")?
-            .to_host()?
-            .scalar_f32()?;
-        let loss = out.pop().context("missing loss")?.to_host()?.scalar_f32()?;
-        self.state = out;
+        let args: Vec<Vec<&Buffer>> = (0..self.devices())
+            .map(|d| {
+                self.frozen
+                    .iter()
+                    .chain(&self.state)
+                    .chain(&inputs)
+                    .map(|per_device| &per_device[d])
+                    .collect()
+            })
+            .collect();
+        let out = self.exe.execute(&args)?;
+        let n_state = self.state.len();
+        // Loss and grad norm are replicated: read device 0's.
+        let loss = out[0][n_state].to_host()?.scalar_f32()?;
+        let grad_norm = out[0][n_state + 1].to_host()?.scalar_f32()?;
+        let mut per_arg: Vec<Vec<Buffer>> = (0..n_state).map(|_| Vec::new()).collect();
+        for device_out in out {
+            for (k, b) in device_out.into_iter().take(n_state).enumerate() {
+                per_arg[k].push(b);
+            }
+        }
+        self.state = per_arg;
         self.step = t;
         Ok((loss, grad_norm))
     }
@@ -297,16 +350,44 @@ impl Trainer {
             .filter(|a| a.role == Role::Lora)
             .count();
         let (mut total, mut count, mut rows, mut exact) = (0.0f64, 0.0f64, 0usize, 0usize);
+        let eval_spec = {
+            let mut s = self.spec.clone();
+            s.batch = batches[0].dims().0;
+            s
+        };
+        let mesh = self.spec.mesh.as_ref().map(|m| m.mesh());
+        let result_shardings = step::build_eval(&eval_spec)?.result_shardings(&eval_spec);
         for batch in batches {
-            let ids = self.rt.upload(&batch.input_ids)?;
-            let labels = self.rt.upload(&batch.labels)?;
-            let mask = self.rt.upload(&batch.attention_mask)?;
-            let mut args: Vec<&Buffer> = self.frozen.iter().collect();
-            args.extend(self.state[..n_lora].iter());
-            args.extend([&ids, &labels, &mask]);
-            let out = exe.execute(&[args])?;
-            let ce = out[0][0].to_host()?.to_f32()?;
-            let correct = out[0][1].to_host()?.to_f32()?;
+            let inputs = [
+                self.put("input_ids", &batch.input_ids)?,
+                self.put("labels", &batch.labels)?,
+                self.put("attention_mask", &batch.attention_mask)?,
+            ];
+            let args: Vec<Vec<&Buffer>> = (0..self.devices())
+                .map(|d| {
+                    self.frozen
+                        .iter()
+                        .chain(&self.state[..n_lora])
+                        .chain(&inputs)
+                        .map(|per| &per[d])
+                        .collect()
+                })
+                .collect();
+            let out = exe.execute(&args)?;
+            let gather = |k: usize| -> Result<Vec<f32>> {
+                let shards: Vec<HostTensor> = out
+                    .iter()
+                    .map(|o| o[k].to_host())
+                    .collect::<std::result::Result<_, _>>()?;
+                let dims = vec![batch.dims().0, batch.dims().1];
+                Ok(match &mesh {
+                    Some(m) => crate::sharding::unshard(&shards, &dims, &result_shardings[k], m),
+                    None => shards[0].clone(),
+                }
+                .to_f32()?)
+            };
+            let ce = gather(0)?;
+            let correct = gather(1)?;
             let lab = batch.labels.to_i32()?;
             let t = batch.dims().1 as usize;
             for r in 0..batch.dims().0 as usize {
@@ -337,11 +418,24 @@ impl Trainer {
     pub fn state_to_host(
         &self,
     ) -> Result<(BTreeMap<String, HostTensor>, BTreeMap<String, HostTensor>)> {
+        let mesh = self.spec.mesh.as_ref().map(|m| m.mesh());
+        let shardings = self.state_shardings();
         let named: Vec<(String, HostTensor)> = self
             .state_specs()
             .into_iter()
             .zip(&self.state)
-            .map(|((n, _), b)| Ok((n, b.to_host()?)))
+            .zip(&shardings)
+            .map(|(((n, shape), bufs), sh)| {
+                let shards: Vec<HostTensor> = bufs
+                    .iter()
+                    .map(|b| b.to_host())
+                    .collect::<std::result::Result<_, _>>()?;
+                let t = match &mesh {
+                    Some(m) => crate::sharding::unshard(&shards, &shape, sh, m),
+                    None => shards.into_iter().next().context("no shard")?,
+                };
+                Ok((n, t))
+            })
             .collect::<Result<_>>()?;
         let all = crate::runtime::from_program_layout(named);
         let (moments, lora): (BTreeMap<_, _>, BTreeMap<_, _>) =
@@ -423,6 +517,8 @@ pub struct TrainOptions {
     pub plot: bool,
     /// Stop this invocation after this many steps.
     pub stop_after: Option<u64>,
+    /// Device mesh and sharding rules (None: one device).
+    pub mesh: Option<crate::step::MeshPlan>,
 }
 
 /// Write `dir` as a complete directory or not at all: `fill` writes into a temp dir that is
@@ -957,6 +1053,7 @@ pub fn plan(
         compute_dtype: dtype,
         remat: opts.remat,
         microbatches: opts.microbatches,
+        mesh: opts.mesh.clone(),
     };
     let program = step::build_train_step(&spec)?;
     Ok((spec, program))

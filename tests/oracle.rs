@@ -46,6 +46,7 @@ fn spec_with(model_dir: &str, remat: Remat) -> StepSpec {
     StepSpec {
         remat,
         microbatches: 1,
+        mesh: None,
         model: LlamaConfig::load(&fixtures().join(model_dir)).unwrap(),
         lora: oracle_lora(),
         adam: AdamW {

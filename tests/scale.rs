@@ -40,6 +40,7 @@ fn spec(cfg: LlamaConfig, remat: Remat, batch: i64, seq: i64) -> StepSpec {
         compute_dtype: hlo::DType::F32,
         remat,
         microbatches: 1,
+        mesh: None,
     }
 }
 

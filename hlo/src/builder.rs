@@ -80,6 +80,13 @@ impl Builder {
         }
     }
 
+    /// Set the sharding of an existing parameter, keeping its other attributes.
+    pub fn set_param_sharding(&mut self, v: Value, sharding: Option<Sharding>) {
+        if let Some(p) = self.f.params.iter_mut().find(|p| p.value == v) {
+            p.attrs.sharding = sharding;
+        }
+    }
+
     pub fn shape(&self, v: Value) -> &Shape {
         self.f.shape(v)
     }

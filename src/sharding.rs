@@ -1,0 +1,380 @@
+//! Device meshes and sharding rules: every weight and input carries logical axis names
+//! (vocab, embed, q_heads, kv_heads, mlp, rank, layers, batch, length) and a rule table maps
+//! logical axes to mesh axes, as MaxText does. Host-side, tensors are split into the shard each
+//! device holds and reassembled from shards.
+
+use anyhow::{bail, Context, Result};
+use hlo::{Mesh, Sharding};
+use pjrt::HostTensor;
+use std::collections::BTreeMap;
+
+/// Parse `data=2,fsdp=4,tensor=1`. Axes of size 1 are dropped (they shard nothing).
+pub fn parse_mesh(s: &str) -> Result<Mesh> {
+    let mut axes = Vec::new();
+    for part in s.split(',').filter(|p| !p.trim().is_empty()) {
+        let (name, size) = part
+            .split_once('=')
+            .with_context(|| format!("--mesh: `{part}` is not axis=size"))?;
+        let size: i64 = size
+            .trim()
+            .parse()
+            .with_context(|| format!("--mesh: `{size}` is not a number"))?;
+        let name = name.trim();
+        if size < 1
+            || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+            || name.is_empty()
+        {
+            bail!("--mesh: bad axis `{part}`");
+        }
+        if axes.iter().any(|(n, _): &(String, i64)| n == name) {
+            bail!("--mesh: axis `{name}` given twice");
+        }
+        if size > 1 {
+            axes.push((name.to_string(), size));
+        }
+    }
+    Ok(Mesh { axes })
+}
+
+/// Logical axis -> mesh axes, in priority order.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Rules(pub BTreeMap<String, Vec<String>>);
+
+impl Default for Rules {
+    /// Llama defaults: tensor parallel over heads, MLP and vocab; FSDP over the first dim that
+    /// takes it (a projection's output dim, else the embedding dim), so that every weight, LoRA
+    /// matrix and optimizer moment is split over the FSDP axis; data (and FSDP) over the batch.
+    /// LoRA's rank and the layer axis are never sharded.
+    fn default() -> Self {
+        let mut m = BTreeMap::new();
+        for (logical, mesh) in [
+            ("batch", vec!["data", "fsdp"]),
+            ("embed", vec!["fsdp"]),
+            ("mlp", vec!["tensor", "fsdp"]),
+            ("q_heads", vec!["tensor", "fsdp"]),
+            ("kv_heads", vec!["tensor", "fsdp"]),
+            ("vocab", vec!["tensor", "fsdp"]),
+        ] {
+            m.insert(
+                logical.to_string(),
+                mesh.into_iter().map(String::from).collect(),
+            );
+        }
+        Rules(m)
+    }
+}
+
+impl Rules {
+    /// Defaults overridden by a rules file: one `logical = mesh_axis[,mesh_axis]` per line
+    /// (empty right side = replicated), `#` comments.
+    pub fn load(path: &std::path::Path) -> Result<Rules> {
+        let mut r = Rules::default();
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read {}", path.display()))?;
+        for (i, line) in text.lines().enumerate() {
+            let line = line.split('#').next().unwrap_or("").trim();
+            if line.is_empty() {
+                continue;
+            }
+            let (k, v) = line.split_once('=').with_context(|| {
+                format!(
+                    "{}:{}: expected `logical = mesh axes`",
+                    path.display(),
+                    i + 1
+                )
+            })?;
+            let axes: Vec<String> = v
+                .split(',')
+                .map(|a| a.trim().to_string())
+                .filter(|a| !a.is_empty())
+                .collect();
+            r.0.insert(k.trim().to_string(), axes);
+        }
+        Ok(r)
+    }
+
+    /// The sharding of a tensor with these logical axes and dims: each dim takes its rule's mesh
+    /// axes that exist, are unused by an earlier dim, and keep the dim divisible.
+    pub fn sharding(&self, logical: &[&str], dims: &[i64], mesh: &Mesh) -> Sharding {
+        let mut used: Vec<String> = Vec::new();
+        let mut out = Vec::new();
+        for (l, &d) in logical.iter().zip(dims) {
+            let mut axes = Vec::new();
+            let mut split = 1;
+            for a in self.0.get(*l).map(|v| v.as_slice()).unwrap_or(&[]) {
+                let Some(size) = mesh.axis_size(a) else {
+                    continue;
+                };
+                if used.contains(a) || d % (split * size) != 0 {
+                    continue;
+                }
+                split *= size;
+                axes.push(a.clone());
+                used.push(a.clone());
+            }
+            out.push(axes);
+        }
+        Sharding { dims: out }
+    }
+}
+
+/// The logical axes of a program argument, from its name and rank.
+pub fn logical_axes(name: &str, rank: usize) -> Vec<&'static str> {
+    let base = name
+        .trim_start_matches("exp_avg_sq.")
+        .trim_start_matches("exp_avg.");
+    let stacked = base.contains("layers.*.");
+    let (out_ax, in_ax) = if base.contains("q_proj") {
+        ("q_heads", "embed")
+    } else if base.contains("k_proj") || base.contains("v_proj") {
+        ("kv_heads", "embed")
+    } else if base.contains("o_proj") {
+        ("embed", "q_heads")
+    } else if base.contains("gate_proj") || base.contains("up_proj") {
+        ("mlp", "embed")
+    } else if base.contains("down_proj") {
+        ("embed", "mlp")
+    } else {
+        ("", "")
+    };
+    let mut axes: Vec<&'static str> = if base.contains("lora_A") {
+        vec!["rank", in_ax]
+    } else if base.contains("lora_B") {
+        vec![out_ax, "rank"]
+    } else if !out_ax.is_empty() {
+        vec![out_ax, in_ax]
+    } else if base.contains("embed_tokens") || base.starts_with("lm_head") {
+        vec!["vocab", "embed"]
+    } else if base.contains("norm") {
+        vec!["embed"]
+    } else if matches!(base, "input_ids" | "labels" | "attention_mask") {
+        vec!["batch", "length"]
+    } else {
+        vec!["none"; rank]
+    };
+    if stacked {
+        axes.insert(0, "layers");
+    }
+    axes.truncate(rank);
+    while axes.len() < rank {
+        axes.push("none");
+    }
+    axes
+}
+
+/// Mesh coordinates of partition `p` (row-major over the mesh axes, as Shardy numbers devices).
+pub fn coords(mesh: &Mesh, p: usize) -> BTreeMap<String, i64> {
+    let mut rest = p as i64;
+    let mut out = BTreeMap::new();
+    for (name, size) in mesh.axes.iter().rev() {
+        out.insert(name.clone(), rest % size);
+        rest /= size;
+    }
+    out
+}
+
+/// Start offsets and sizes of partition `p`'s shard of a tensor.
+pub fn shard_box(dims: &[i64], sharding: &Sharding, mesh: &Mesh, p: usize) -> (Vec<i64>, Vec<i64>) {
+    let c = coords(mesh, p);
+    let mut starts = Vec::new();
+    let mut sizes = Vec::new();
+    for (&d, axes) in dims.iter().zip(&sharding.dims) {
+        // The first axis listed is the most major part of the split.
+        let (mut index, mut parts) = (0, 1);
+        for a in axes {
+            let size = mesh.axis_size(a).unwrap_or(1);
+            index = index * size + c.get(a).copied().unwrap_or(0);
+            parts *= size;
+        }
+        let n = d / parts;
+        starts.push(index * n);
+        sizes.push(n);
+    }
+    (starts, sizes)
+}
+
+/// Copy the box (starts, sizes) out of a row-major tensor.
+pub fn slice(t: &HostTensor, starts: &[i64], sizes: &[i64]) -> HostTensor {
+    if sizes == t.dims.as_slice() {
+        return t.clone();
+    }
+    let es = t.ty.size_bytes();
+    let n: i64 = sizes.iter().product();
+    let mut out = Vec::with_capacity(n as usize * es);
+    copy_box(&t.dims, starts, sizes, es, &mut |src, len| {
+        out.extend_from_slice(&t.bytes[src..src + len])
+    });
+    HostTensor {
+        ty: t.ty,
+        dims: sizes.to_vec(),
+        bytes: out,
+    }
+}
+
+/// Write `part` into the box at `starts` of `full`.
+pub fn place(full: &mut HostTensor, part: &HostTensor, starts: &[i64]) {
+    let es = full.ty.size_bytes();
+    let mut offset = 0;
+    let dims = full.dims.clone();
+    let bytes = &mut full.bytes;
+    copy_box(&dims, starts, &part.dims, es, &mut |dst, len| {
+        bytes[dst..dst + len].copy_from_slice(&part.bytes[offset..offset + len]);
+        offset += len;
+    });
+}
+
+/// Visit the contiguous runs (byte offset in the full tensor, byte length) of a box, in order.
+fn copy_box(
+    dims: &[i64],
+    starts: &[i64],
+    sizes: &[i64],
+    es: usize,
+    f: &mut dyn FnMut(usize, usize),
+) {
+    let r = dims.len();
+    if r == 0 {
+        f(0, es);
+        return;
+    }
+    let mut strides = vec![1i64; r];
+    for i in (0..r - 1).rev() {
+        strides[i] = strides[i + 1] * dims[i + 1];
+    }
+    let run = sizes[r - 1] as usize * es;
+    let rows: i64 = sizes[..r - 1].iter().product();
+    let mut idx = vec![0i64; r - 1];
+    for _ in 0..rows {
+        let mut off = starts[r - 1];
+        for k in 0..r - 1 {
+            off += (starts[k] + idx[k]) * strides[k];
+        }
+        f(off as usize * es, run);
+        for k in (0..r - 1).rev() {
+            idx[k] += 1;
+            if idx[k] < sizes[k] {
+                break;
+            }
+            idx[k] = 0;
+        }
+    }
+}
+
+/// Reassemble a tensor from per-partition shards.
+pub fn unshard(
+    shards: &[HostTensor],
+    dims: &[i64],
+    sharding: &Sharding,
+    mesh: &Mesh,
+) -> HostTensor {
+    let first = &shards[0];
+    if first.dims == dims {
+        return first.clone();
+    }
+    let n: i64 = dims.iter().product();
+    let mut full = HostTensor {
+        ty: first.ty,
+        dims: dims.to_vec(),
+        bytes: vec![0; n as usize * first.ty.size_bytes()],
+    };
+    for (p, s) in shards.iter().enumerate() {
+        let (starts, _) = shard_box(dims, sharding, mesh, p);
+        place(&mut full, s, &starts);
+    }
+    full
+}
+
+/// xtrain's own per-device memory estimate of a training step: (argument bytes, temporaries).
+/// Arguments are exact (each tensor's shard). Temporaries, for looped layers: every layer's saved
+/// input (sharded over the batch), one layer's activations kept for its backward (attention
+/// scores in f32, the MLP's wide activations, the projections' outputs), and the logits with
+/// their softmax in f32. A guide, not a guarantee: XLA's figure from --check is the real one.
+pub fn estimate(spec: &crate::step::StepSpec, program: &crate::step::Program) -> (i64, i64) {
+    let args: i64 = program
+        .args
+        .iter()
+        .zip(&program.arg_shard_dims)
+        .map(|(a, d)| d.iter().product::<i64>() * a.dtype.size_bytes() as i64)
+        .sum();
+    let c = &spec.model;
+    let devices = spec.mesh.as_ref().map_or(1, |m| m.devices());
+    let batch_split = spec.mesh.as_ref().map_or(1, |m| {
+        let s = m.sharding("input_ids", &[spec.batch, spec.seq]);
+        s.dims[0]
+            .iter()
+            .filter_map(|a| m.mesh().axis_size(a))
+            .product::<i64>()
+    });
+    let tokens = spec.batch / spec.microbatches.max(1) * spec.seq / batch_split;
+    let act = spec.compute_dtype.size_bytes() as i64;
+    let q = c.num_attention_heads * c.head_dim;
+    let kv = c.num_key_value_heads * c.head_dim;
+    let tensor_split = (devices / batch_split).max(1);
+    let saved = if spec.remat.scan() {
+        c.num_hidden_layers * tokens * c.hidden_size * act
+    } else {
+        0
+    };
+    let per_layer = tokens * (4 * c.hidden_size + 2 * q + 2 * kv + 3 * c.intermediate_size) * act
+        / tensor_split
+        + 2 * tokens * spec.seq * c.num_attention_heads * 4 / tensor_split;
+    let layers = if spec.remat.scan() {
+        1
+    } else {
+        c.num_hidden_layers
+    };
+    let logits = 3 * tokens * c.vocab_size * 4 / tensor_split;
+    (args, saved + layers * per_layer + logits)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slices_and_places_round_trip() {
+        let t = HostTensor::from_f32(&(0..24).map(|v| v as f32).collect::<Vec<_>>(), &[2, 3, 4]);
+        let mesh = parse_mesh("a=2,b=2").unwrap();
+        let sh = Sharding {
+            dims: vec![vec![], vec![], vec!["a".into(), "b".into()]],
+        };
+        let shards: Vec<HostTensor> = (0..4)
+            .map(|p| {
+                let (s, z) = shard_box(&t.dims, &sh, &mesh, p);
+                slice(&t, &s, &z)
+            })
+            .collect();
+        assert_eq!(shards[1].dims, vec![2, 3, 1]);
+        assert_eq!(
+            shards[1].to_f32().unwrap(),
+            vec![1.0, 5.0, 9.0, 13.0, 17.0, 21.0]
+        );
+        assert_eq!(unshard(&shards, &t.dims, &sh, &mesh), t);
+    }
+
+    #[test]
+    fn rules_respect_divisibility_and_axis_reuse() {
+        let mesh = parse_mesh("data=2,fsdp=4,tensor=1").unwrap();
+        assert_eq!(mesh.axes.len(), 2, "size-1 axes are dropped");
+        let r = Rules::default();
+        // batch 2 cannot take data x fsdp = 8; it takes data only.
+        assert_eq!(
+            r.sharding(&["batch", "length"], &[2, 16], &mesh).dims,
+            vec![vec!["data".to_string()], vec![]]
+        );
+        assert_eq!(
+            r.sharding(&["batch", "length"], &[8, 16], &mesh).dims,
+            vec![vec!["data".to_string(), "fsdp".to_string()], vec![]]
+        );
+        assert_eq!(
+            logical_axes(
+                "base_model.model.model.layers.*.mlp.down_proj.lora_B.weight",
+                3
+            ),
+            vec!["layers", "embed", "rank"]
+        );
+        assert_eq!(
+            logical_axes("exp_avg.model.layers.0.self_attn.q_proj.weight", 2),
+            vec!["q_heads", "embed"]
+        );
+    }
+}

@@ -1,0 +1,139 @@
+//! The training step on 8 CPU devices under several meshes against 1 device.
+
+use std::path::{Path, PathBuf};
+use xtrain::config::LlamaConfig;
+use xtrain::lora::{LoraConfig, Target};
+use xtrain::optim::AdamW;
+use xtrain::runtime::Runtime;
+use xtrain::sharding::{parse_mesh, Rules};
+use xtrain::step::{self, MeshPlan, Remat, Role, StepSpec};
+use xtrain::train::{Batch, Trainer};
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-llama3")
+}
+
+fn spec(mesh: Option<&str>, remat: Remat) -> StepSpec {
+    StepSpec {
+        model: LlamaConfig::load(&fixtures().join("model")).unwrap(),
+        lora: LoraConfig {
+            r: 8,
+            alpha: 16.0,
+            dropout: 0.0,
+            targets: Target::ALL.to_vec(),
+        },
+        adam: AdamW::default(),
+        batch: 2,
+        seq: 16,
+        weight_dtype: hlo::DType::F32,
+        compute_dtype: hlo::DType::F32,
+        remat,
+        microbatches: 1,
+        mesh: mesh.map(|m| MeshPlan {
+            axes: parse_mesh(m).unwrap().axes,
+            rules: Rules::default(),
+        }),
+    }
+}
+
+/// Two steps on the oracle batch: (losses, grad norms, final LoRA weights by name).
+fn run(
+    mesh: Option<&str>,
+    remat: Remat,
+) -> (
+    Vec<f32>,
+    Vec<f32>,
+    std::collections::BTreeMap<String, Vec<f32>>,
+    i64,
+) {
+    let s = spec(mesh, remat);
+    let program = step::build_train_step(&s).unwrap();
+    let frozen: Vec<(String, Vec<i64>)> = program
+        .args
+        .iter()
+        .filter(|a| a.role == Role::Frozen)
+        .map(|a| (a.name.clone(), a.shape.clone()))
+        .collect();
+    let weights = xtrain::weights::load(
+        &fixtures().join("model"),
+        &s.model,
+        &frozen,
+        pjrt::ElementType::F32,
+        |_, _| {},
+    )
+    .unwrap();
+    let lora =
+        xtrain::peft::read_tensors(&fixtures().join("adapter_init"), &s.model, &s.lora).unwrap();
+    let rt = Runtime::open(Some("cpu"), Some(8)).unwrap();
+    let exe_args = {
+        let e = rt
+            .compile(&program, &pjrt::CompileOptions::default())
+            .unwrap();
+        e.memory_stats().unwrap().argument_bytes
+    };
+    let mut t = Trainer::new(rt, s, program, weights, &lora, false, false).unwrap();
+    let batch = Batch::from_safetensors(&fixtures().join("inputs.safetensors")).unwrap();
+    let (mut losses, mut norms) = (Vec::new(), Vec::new());
+    for _ in 0..2 {
+        let (l, g) = t.step(&batch, 1e-3).unwrap();
+        losses.push(l);
+        norms.push(g);
+    }
+    let (w, _) = t.state_to_host().unwrap();
+    (
+        losses,
+        norms,
+        w.into_iter()
+            .map(|(k, v)| (k, v.to_f32().unwrap()))
+            .collect(),
+        exe_args,
+    )
+}
+
+#[test]
+fn meshes_match_one_device() {
+    let (l1, g1, w1, args1) = run(None, Remat::Layer);
+    assert!((l1[0] - 6.63896).abs() < 1e-5);
+    for mesh in ["fsdp=8", "data=2,fsdp=2,tensor=2", "tensor=2"] {
+        let (l, g, w, args) = run(Some(mesh), Remat::Layer);
+        for (a, b) in l.iter().zip(&l1).chain(g.iter().zip(&g1)) {
+            assert!(
+                (a - b).abs() <= 1e-5,
+                "{mesh}: loss/grad norm {l:?} {g:?} vs {l1:?} {g1:?}"
+            );
+        }
+        for (name, v) in &w {
+            let d = v
+                .iter()
+                .zip(&w1[name])
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0f32, f32::max);
+            assert!(d <= 1e-5, "{mesh}: {name} differs by {d} (tolerance 1e-5)");
+        }
+        eprintln!("{mesh}: per-device argument bytes {args} (1 device: {args1})");
+        if mesh == "fsdp=8" {
+            // Every weight of the tiny model divides by 8 along its embed dim: 1/8 the bytes
+            // (the batch inputs and the two scalars are replicated and tiny).
+            assert!(
+                args * 8 <= args1 + 8 * 1024,
+                "fsdp=8 per-device arguments {args} vs {args1} on 1 device"
+            );
+        }
+    }
+}
+
+#[test]
+fn the_program_declares_the_mesh_and_shardings() {
+    let p = step::build_train_step(&spec(Some("data=2,fsdp=2,tensor=2"), Remat::Layer)).unwrap();
+    assert!(p
+        .text
+        .contains("sdy.mesh @mesh = <[\"data\"=2, \"fsdp\"=2, \"tensor\"=2]>"));
+    assert!(p.text.contains("mhlo.num_partitions = 8 : i32"));
+    // q_proj stacked [L, q_heads, embed]: layers replicated, heads on tensor then fsdp.
+    assert!(p.text.contains("%model.layers._.self_attn.q_proj.weight: tensor<2x64x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {\"tensor\", \"fsdp\"}, {}]>}"));
+    // LoRA A [L, r, embed]: the rank replicated, embed on fsdp; its moments sharded the same way.
+    assert!(p.text.contains("%base_model.model.model.layers._.self_attn.q_proj.lora_A.weight: tensor<2x8x64xf32> {tf.aliasing_output = 0 : i32, sdy.sharding = #sdy.sharding<@mesh, [{}, {}, {\"fsdp\"}]>}"));
+    assert!(p.text.contains("%exp_avg.base_model.model.model.layers._.self_attn.q_proj.lora_A.weight: tensor<2x8x64xf32> {tf.aliasing_output = 14 : i32, sdy.sharding = #sdy.sharding<@mesh, [{}, {}, {\"fsdp\"}]>}"));
+    assert!(p.text.contains("sdy.sharding_constraint"));
+    assert_eq!(p.partitions, 8);
+}
