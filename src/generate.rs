@@ -60,6 +60,7 @@ impl Forward {
             remat: Remat::Layer,
             microbatches: 1,
             mesh: None,
+            nf4: false,
         };
         let program = match kind {
             Kind::NextToken => step::build_next_token(&spec, adapter.is_some())?,

@@ -14,6 +14,7 @@ pub mod optim;
 pub mod peft;
 pub mod plot;
 pub mod program;
+pub mod quant;
 pub mod runtime;
 pub mod safetensors;
 pub mod sharding;

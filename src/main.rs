@@ -153,9 +153,21 @@ struct StepArgs {
     /// A file of `logical = mesh_axes` lines overriding the default sharding rules.
     #[arg(long)]
     sharding_rules: Option<PathBuf>,
+    /// Quantize the projections' base weights at load: nf4 (QLoRA's 4-bit NormalFloat, blocks
+    /// of 64, double-quantized scales), dequantized in the step right before each matmul.
+    #[arg(long)]
+    quant: Option<String>,
 }
 
 impl StepArgs {
+    fn nf4(&self) -> Result<bool> {
+        match self.quant.as_deref() {
+            None | Some("none") => Ok(false),
+            Some("nf4") => Ok(true),
+            Some(other) => bail!("--quant must be nf4 or none, got `{other}`"),
+        }
+    }
+
     fn mesh(&self) -> Result<Option<xtrain::step::MeshPlan>> {
         let Some(m) = &self.mesh else {
             return Ok(None);
@@ -202,6 +214,7 @@ impl StepArgs {
             remat: Remat::parse(&self.remat)?,
             microbatches: self.grad_accum,
             mesh: self.mesh()?,
+            nf4: self.nf4()?,
         })
     }
 }
@@ -436,6 +449,7 @@ fn train(a: TrainArgs, verbose: bool) -> Result<()> {
         plot: !a.no_plot,
         stop_after: a.stop_after,
         mesh: a.step.mesh()?,
+        nf4: a.step.nf4()?,
     };
     xtrain::train::run(&opts)
 }

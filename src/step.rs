@@ -111,6 +111,10 @@ pub struct StepSpec {
     /// The device mesh and sharding rules (None: one device).
     #[serde(default)]
     pub mesh: Option<MeshPlan>,
+    /// QLoRA: the projections' frozen weights as NF4 (4-bit NormalFloat, double-quantized
+    /// scales), dequantized inside the step right before each matmul.
+    #[serde(default)]
+    pub nf4: bool,
 }
 
 /// A device mesh and the logical-axis rules that place tensors on it.
@@ -274,6 +278,55 @@ pub fn frozen_args(cfg: &LlamaConfig, stacked: bool) -> Vec<(String, Vec<i64>)> 
     out
 }
 
+/// Whether a layer kind is a projection (NF4-quantizable).
+fn is_projection(kind: &str) -> bool {
+    kind.ends_with("_proj")
+}
+
+/// The parts an NF4 weight of `n` elements is passed as: (suffix, dims, dtype).
+pub fn nf4_parts(n: i64) -> Vec<(&'static str, Vec<i64>, DType)> {
+    let nb = n / crate::quant::BLOCK as i64;
+    let nsb = crate::quant::scale_blocks(n as usize) as i64;
+    vec![
+        ("nf4", vec![n / 2], DType::U8),
+        ("absmax_q", vec![nb], DType::S8),
+        ("absmax_scale", vec![nsb], DType::F32),
+        ("absmax_mean", vec![], DType::F32),
+    ]
+}
+
+/// The frozen arguments of a program with their element types: like [`frozen_args`], but each
+/// projection weight becomes its NF4 parts (`<name>.nf4`, `.absmax_q`, `.absmax_scale`,
+/// `.absmax_mean`) when `nf4`.
+pub fn frozen_args_typed(
+    cfg: &LlamaConfig,
+    stacked: bool,
+    nf4: bool,
+    dense: DType,
+) -> Vec<(String, Vec<i64>, DType)> {
+    let mut out = Vec::new();
+    for (name, shape) in frozen_args(cfg, stacked) {
+        let kind_is_proj =
+            name.starts_with("model.layers.") && is_projection(name.trim_end_matches(".weight"));
+        if nf4 && kind_is_proj {
+            let (lead, inner) = if stacked {
+                (vec![shape[0]], &shape[1..])
+            } else {
+                (vec![], &shape[..])
+            };
+            let n: i64 = inner.iter().product();
+            for (suffix, dims, dt) in nf4_parts(n) {
+                let mut d = lead.clone();
+                d.extend(dims);
+                out.push((format!("{name}.{suffix}"), d, dt));
+            }
+        } else {
+            out.push((name, shape, dense));
+        }
+    }
+    out
+}
+
 /// The name of layer `layer`'s slice of a stacked (`layers.*`) tensor.
 pub fn layer_name(stacked: &str, layer: i64) -> String {
     stacked.replace("layers.*.", &format!("layers.{layer}."))
@@ -375,12 +428,13 @@ fn add_model_params(
 ) -> ModelValues {
     let stacked = spec.remat.scan();
     let mut frozen = Vec::new();
-    for (name, shape) in frozen_args(&spec.model, stacked) {
-        frozen.push(b.param(&name, Shape::new(&shape, spec.weight_dtype)));
+    for (name, shape, dtype) in frozen_args_typed(&spec.model, stacked, spec.nf4, spec.weight_dtype)
+    {
+        frozen.push(b.param(&name, Shape::new(&shape, dtype)));
         args.push(TensorSpec {
             name,
             shape,
-            dtype: spec.weight_dtype,
+            dtype,
             role: Role::Frozen,
         });
     }
@@ -483,8 +537,57 @@ impl Layout<'_> {
         }
     }
 
-    fn layer_weights(w: &[Value]) -> LayerWeights {
-        LayerWeights {
+    /// How many argument values each of a layer's 9 weights takes (4 for an NF4 projection).
+    fn kind_sizes(&self) -> Vec<usize> {
+        layer_kinds(&self.spec.model)
+            .iter()
+            .map(|(k, _)| {
+                if self.spec.nf4 && is_projection(k) {
+                    4
+                } else {
+                    1
+                }
+            })
+            .collect()
+    }
+
+    /// The frozen values of the layer weights (all layers, or the stacked ones): between the
+    /// embedding and the final norm.
+    fn layer_values<'v>(&self, frozen: &'v [Value]) -> &'v [Value] {
+        let tail = if self.spec.model.tie_word_embeddings {
+            1
+        } else {
+            2
+        };
+        &frozen[1..frozen.len() - tail]
+    }
+
+    /// One layer's weights from its values (per-layer, not stacked), dequantizing NF4
+    /// projections right here, before their matmuls.
+    fn layer_weights(&self, b: &mut Builder, w: &[Value]) -> hlo::Result<LayerWeights> {
+        let mut dense = Vec::new();
+        let mut at = 0;
+        for ((kind, shape), n) in layer_kinds(&self.spec.model)
+            .into_iter()
+            .zip(self.kind_sizes())
+        {
+            let v = if n == 4 {
+                b.scoped(kind, |b| {
+                    crate::quant::dequantize_graph(
+                        b,
+                        &w[at..at + 4],
+                        &shape,
+                        self.spec.compute_dtype,
+                    )
+                })?
+            } else {
+                w[at]
+            };
+            dense.push(v);
+            at += n;
+        }
+        let w = dense;
+        Ok(LayerWeights {
             input_norm: w[0],
             q: w[1],
             k: w[2],
@@ -494,7 +597,7 @@ impl Layout<'_> {
             gate: w[6],
             up: w[7],
             down: w[8],
-        }
+        })
     }
 
     fn adapters(&self, lora: &[Value]) -> LayerAdapters {
@@ -528,10 +631,12 @@ impl Layout<'_> {
         mask: Value,
     ) -> hlo::Result<Value> {
         let (embed, norm, lm_head) = self.ends(&m.frozen);
-        let layers = m.frozen[1..1 + 9 * self.spec.model.num_hidden_layers as usize]
-            .chunks(9)
-            .map(Self::layer_weights)
-            .collect();
+        let per_layer: usize = self.kind_sizes().iter().sum();
+        let layers = self
+            .layer_values(&m.frozen)
+            .chunks(per_layer)
+            .map(|w| self.layer_weights(b, w))
+            .collect::<hlo::Result<_>>()?;
         let per_layer = 2 * self.spec.lora.targets.len();
         let lora: Vec<LayerAdapters> = if m.lora.is_empty() {
             Vec::new()
@@ -586,7 +691,7 @@ impl Layout<'_> {
             .iter()
             .map(|&s| layer_slice(b, s, i))
             .collect::<hlo::Result<_>>()?;
-        let lw = Self::layer_weights(&w);
+        let lw = b.scoped("layers", |b| self.layer_weights(b, &w))?;
         let lora_l: Vec<Value> = lora
             .iter()
             .map(|&s| layer_slice(b, s, i))
@@ -626,7 +731,7 @@ impl Layout<'_> {
         let model = self.model();
         let l = self.spec.model.num_hidden_layers;
         let (embed, norm, lm_head) = self.ends(&m.frozen);
-        let stacked = m.frozen[1..10].to_vec();
+        let stacked = self.layer_values(&m.frozen).to_vec();
         let h0 = model.embed(b, embed, ids)?;
         let h0 = self.constrain_batch(b, h0)?;
         let ctx = model.context(b, mask, self.spec.lora.scale())?;
@@ -824,9 +929,13 @@ impl Layout<'_> {
         if !self.spec.remat.scan() {
             let mut h = h0;
             let per_layer = 2 * self.spec.lora.targets.len();
+            let per_layer_w: usize = self.kind_sizes().iter().sum();
             let none = LayerAdapters::new();
             for l in 0..self.spec.model.num_hidden_layers as usize {
-                let lw = Self::layer_weights(&m.frozen[1 + 9 * l..10 + 9 * l]);
+                let lw = self.layer_weights(
+                    b,
+                    &self.layer_values(&m.frozen)[per_layer_w * l..per_layer_w * (l + 1)],
+                )?;
                 let adapters = if m.lora.is_empty() {
                     none.clone()
                 } else {
@@ -839,7 +948,7 @@ impl Layout<'_> {
             }
             return Ok(h);
         }
-        let stacked = m.frozen[1..10].to_vec();
+        let stacked = self.layer_values(&m.frozen).to_vec();
         let mut inv: Vec<Value> = stacked.iter().chain(&m.lora).copied().collect();
         inv.extend([ctx.rope.0, ctx.rope.1, ctx.mask]);
         let (ns, nl) = (stacked.len(), m.lora.len());

@@ -519,6 +519,8 @@ pub struct TrainOptions {
     pub stop_after: Option<u64>,
     /// Device mesh and sharding rules (None: one device).
     pub mesh: Option<crate::step::MeshPlan>,
+    /// QLoRA: NF4 base weights.
+    pub nf4: bool,
 }
 
 /// Write `dir` as a complete directory or not at all: `fill` writes into a temp dir that is
@@ -1054,6 +1056,7 @@ pub fn plan(
         remat: opts.remat,
         microbatches: opts.microbatches,
         mesh: opts.mesh.clone(),
+        nf4: opts.nf4,
     };
     let program = step::build_train_step(&spec)?;
     Ok((spec, program))

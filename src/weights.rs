@@ -49,22 +49,62 @@ pub fn load(
     let total = frozen_weights(cfg).len();
     let mut done = 0;
     let mut read = |name: &str| -> Result<HostTensor> {
-        let t =
-            convert(&files.read(name)?, dtype).with_context(|| format!("converting `{name}`"))?;
+        let t = files.read(name)?;
         done += 1;
         progress(done, total);
         Ok(t)
     };
-    args.iter()
-        .map(|(name, _)| {
-            if name.contains("layers.*.") {
-                let parts: Vec<HostTensor> = (0..cfg.num_hidden_layers)
-                    .map(|l| read(&crate::step::layer_name(name, l)))
-                    .collect::<Result<_>>()?;
-                crate::runtime::stack(&parts)
-            } else {
-                read(name)
+    // NF4 parts come four in a row per weight; quantize once and hand out the parts.
+    let mut quantized: Option<(String, Vec<HostTensor>)> = None;
+    let nf4_suffixes = ["nf4", "absmax_q", "absmax_scale", "absmax_mean"];
+    let mut out = Vec::new();
+    for (name, _) in args {
+        let (base, suffix) = name.rsplit_once('.').unwrap_or((name, ""));
+        if let Some(part) = nf4_suffixes.iter().position(|s| *s == suffix) {
+            if quantized.as_ref().is_none_or(|(b, _)| b != base) {
+                let layers: Vec<String> = if base.contains("layers.*.") {
+                    (0..cfg.num_hidden_layers)
+                        .map(|l| crate::step::layer_name(base, l))
+                        .collect()
+                } else {
+                    vec![base.to_string()]
+                };
+                let mut per_part: Vec<Vec<HostTensor>> = vec![Vec::new(); 4];
+                for l in &layers {
+                    let w = convert(&read(l)?, ElementType::F32)?.to_f32()?;
+                    let q = crate::quant::quantize(&w);
+                    per_part[0].push(HostTensor::from_u8(&q.packed, &[q.packed.len() as i64]));
+                    per_part[1].push(HostTensor::from_i8(&q.scales, &[q.scales.len() as i64]));
+                    per_part[2].push(HostTensor::from_f32(
+                        &q.scale_absmax,
+                        &[q.scale_absmax.len() as i64],
+                    ));
+                    per_part[3].push(HostTensor::from_f32(&[q.mean], &[]));
+                }
+                let parts = per_part
+                    .into_iter()
+                    .map(|p| {
+                        if base.contains("layers.*.") {
+                            crate::runtime::stack(&p)
+                        } else {
+                            Ok(p.into_iter().next().unwrap())
+                        }
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                quantized = Some((base.to_string(), parts));
             }
-        })
-        .collect()
+            out.push(quantized.as_ref().unwrap().1[part].clone());
+        } else if name.contains("layers.*.") {
+            let parts: Vec<HostTensor> = (0..cfg.num_hidden_layers)
+                .map(|l| {
+                    convert(&read(&crate::step::layer_name(name, l))?, dtype)
+                        .with_context(|| format!("converting `{name}`"))
+                })
+                .collect::<Result<_>>()?;
+            out.push(crate::runtime::stack(&parts)?);
+        } else {
+            out.push(convert(&read(name)?, dtype).with_context(|| format!("converting `{name}`"))?);
+        }
+    }
+    Ok(out)
 }

@@ -47,6 +47,7 @@ fn spec_with(model_dir: &str, remat: Remat) -> StepSpec {
         remat,
         microbatches: 1,
         mesh: None,
+        nf4: false,
         model: LlamaConfig::load(&fixtures().join(model_dir)).unwrap(),
         lora: oracle_lora(),
         adam: AdamW {

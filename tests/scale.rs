@@ -41,6 +41,7 @@ fn spec(cfg: LlamaConfig, remat: Remat, batch: i64, seq: i64) -> StepSpec {
         remat,
         microbatches: 1,
         mesh: None,
+        nf4: false,
     }
 }
 

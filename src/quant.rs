@@ -1,0 +1,174 @@
+//! QLoRA's 4-bit NormalFloat (NF4): weights quantized at load in blocks of 64 with an absmax
+//! scale per block, two 4-bit codes per byte; the scales themselves quantized to 8 bits in
+//! blocks of 256 (double quantization). The step dequantizes right before each matmul.
+//!
+//! Bytes per parameter: 0.5 (codes) + 1/64 (8-bit scales) + 4/(64*256) (their f32 scales)
+//! + 4/n (one f32 mean) ~= 0.516.
+
+use hlo::{Builder, DType, Literal, Result, Shape, Value};
+
+/// The 16 NF4 code values (QLoRA, Dettmers et al. 2023, Appendix E): quantiles of N(0, 1)
+/// normalised to [-1, 1], with an exact zero.
+pub const NF4: [f32; 16] = [
+    -1.0,
+    -0.696_192_8,
+    -0.525_073_05,
+    -0.394_917_5,
+    -0.284_441_38,
+    -0.184_773_43,
+    -0.091_050_036,
+    0.0,
+    0.079_580_3,
+    0.160_930_2,
+    0.246_112_3,
+    0.337_915_24,
+    0.440_709_83,
+    0.562_617,
+    0.722_956_84,
+    1.0,
+];
+
+pub const BLOCK: usize = 64;
+pub const SCALE_BLOCK: usize = 256;
+
+/// A quantized tensor of `n` values.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Nf4 {
+    /// Two codes per byte: the even element in the high nibble.
+    pub packed: Vec<u8>,
+    /// Per block of 64: its absmax, minus `mean`, as int8 of `scale_absmax / 127`.
+    pub scales: Vec<i8>,
+    /// Per block of 256 scales: their absmax (after subtracting the mean).
+    pub scale_absmax: Vec<f32>,
+    pub mean: f32,
+}
+
+pub fn blocks(n: usize) -> usize {
+    n / BLOCK
+}
+
+pub fn scale_blocks(n: usize) -> usize {
+    blocks(n).div_ceil(SCALE_BLOCK)
+}
+
+/// The nearest NF4 code of a value in [-1, 1] (ties to the lower code).
+pub fn nearest_code(x: f32) -> u8 {
+    let mut best = 0;
+    for k in 1..16 {
+        if (NF4[k] - x).abs() < (NF4[best] - x).abs() {
+            best = k;
+        }
+    }
+    best as u8
+}
+
+/// Quantize `w` (length a multiple of 64).
+pub fn quantize(w: &[f32]) -> Nf4 {
+    assert!(
+        w.len() % BLOCK == 0,
+        "NF4 needs a multiple of {BLOCK} values, got {}",
+        w.len()
+    );
+    let absmax: Vec<f32> = w
+        .chunks(BLOCK)
+        .map(|b| b.iter().fold(0f32, |m, &x| m.max(x.abs())))
+        .collect();
+    let mut codes = Vec::with_capacity(w.len());
+    for (b, &m) in w.chunks(BLOCK).zip(&absmax) {
+        let inv = if m > 0.0 { 1.0 / m } else { 0.0 };
+        codes.extend(b.iter().map(|&x| nearest_code(x * inv)));
+    }
+    let packed = codes.chunks(2).map(|c| (c[0] << 4) | c[1]).collect();
+    // Double quantization of the block scales.
+    let mean = absmax.iter().sum::<f32>() / absmax.len().max(1) as f32;
+    let centered: Vec<f32> = absmax.iter().map(|&s| s - mean).collect();
+    let scale_absmax: Vec<f32> = centered
+        .chunks(SCALE_BLOCK)
+        .map(|b| b.iter().fold(0f32, |m, &x| m.max(x.abs())))
+        .collect();
+    let scales = centered
+        .iter()
+        .enumerate()
+        .map(|(i, &s)| {
+            let a = scale_absmax[i / SCALE_BLOCK];
+            if a > 0.0 {
+                (s / a * 127.0).round().clamp(-127.0, 127.0) as i8
+            } else {
+                0
+            }
+        })
+        .collect();
+    Nf4 {
+        packed,
+        scales,
+        scale_absmax,
+        mean,
+    }
+}
+
+/// The block scales a quantized tensor decodes with.
+pub fn block_scales(q: &Nf4) -> Vec<f32> {
+    q.scales
+        .iter()
+        .enumerate()
+        .map(|(i, &c)| c as f32 * (q.scale_absmax[i / SCALE_BLOCK] / 127.0) + q.mean)
+        .collect()
+}
+
+/// Dequantize on the host (the same arithmetic as the graph).
+pub fn dequantize(q: &Nf4) -> Vec<f32> {
+    let scales = block_scales(q);
+    let mut out = Vec::with_capacity(q.packed.len() * 2);
+    for (i, &byte) in q.packed.iter().enumerate() {
+        let s = scales[(2 * i) / BLOCK];
+        out.push(NF4[(byte >> 4) as usize] * s);
+        out.push(NF4[(byte & 15) as usize] * s);
+    }
+    out
+}
+
+/// Dequantize in the graph: (packed u8 [n/2], scales s8 [n/64], scale absmax f32 [n/64/256
+/// rounded up], mean f32 []) -> a [dims] tensor of `dtype`.
+pub fn dequantize_graph(
+    b: &mut Builder,
+    parts: &[Value],
+    dims: &[i64],
+    dtype: DType,
+) -> Result<Value> {
+    let (packed, scales, scale_absmax, mean) = (parts[0], parts[1], parts[2], parts[3]);
+    let half = b.dims(packed)[0];
+    let n = half * 2;
+    let nb = n / BLOCK as i64;
+    let nsb = b.dims(scale_absmax)[0];
+    b.scoped("nf4", |b| {
+        // codes: high nibble first, then low
+        let four = b.full(4.0, Shape::new(&[half], DType::U8));
+        let fifteen = b.full(15.0, Shape::new(&[half], DType::U8));
+        let hi = b.shift_right_logical(packed, four)?;
+        let lo = b.and(packed, fifteen)?;
+        let hi = b.reshape(hi, &[half, 1])?;
+        let lo = b.reshape(lo, &[half, 1])?;
+        let codes = b.concatenate(&[hi, lo], 1)?;
+        let codes = b.reshape(codes, &[n])?;
+        let codes = b.convert(codes, DType::S32)?;
+        let table = b.constant(
+            Literal::Float(NF4.iter().map(|&v| v as f64).collect()),
+            Shape::new(&[16], DType::F32),
+        )?;
+        let values = b.take_rows(table, codes)?;
+        // block scales: int8 * (absmax of its 256-block / 127) + mean
+        let sa = b.broadcast_in_dim(scale_absmax, &[nsb, SCALE_BLOCK as i64], &[0])?;
+        let sa = b.reshape(sa, &[nsb * SCALE_BLOCK as i64])?;
+        let sa = b.slice_dim(sa, 0, 0, nb)?;
+        let sa = b.mul_scalar(sa, 1.0 / 127.0)?;
+        let s = b.convert(scales, DType::F32)?;
+        let s = b.mul(s, sa)?;
+        let m = b.broadcast_in_dim(mean, &[nb], &[])?;
+        let s = b.add(s, m)?;
+        let values = b.reshape(values, &[nb, BLOCK as i64])?;
+        let s = b.broadcast_in_dim(s, &[nb, BLOCK as i64], &[0])?;
+        let w = b.mul(values, s)?;
+        let w = b.reshape(w, dims)?;
+        b.convert(w, dtype)
+    })
+}

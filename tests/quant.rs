@@ -1,0 +1,256 @@
+//! NF4 (QLoRA): the quantizer against an independent reference, the in-graph dequantization
+//! against the host's, the compiled argument bytes per parameter, and SmolLM2's loss with NF4
+//! base weights against bf16.
+
+use pjrt::{CompileOptions, ElementType, HostTensor};
+use xtrain::quant::{self, NF4};
+use xtrain::runtime::Runtime;
+use xtrain::step::{self, Remat, Role, StepSpec};
+
+/// The NF4 values as the QLoRA paper lists them (Appendix E), typed in independently.
+const PAPER_NF4: [f64; 16] = [
+    -1.0,
+    -0.6961928009986877,
+    -0.5250730514526367,
+    -0.39491748809814453,
+    -0.28444138169288635,
+    -0.18477343022823334,
+    -0.09105003625154495,
+    0.0,
+    0.07958029955625534,
+    0.16093020141124725,
+    0.24611230194568634,
+    0.33791524171829224,
+    0.44070982933044434,
+    0.5626170039176941,
+    0.7229568362236023,
+    1.0,
+];
+
+fn test_weights(n: usize) -> Vec<f32> {
+    let mut s = 12345u64;
+    (0..n)
+        .map(|i| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let u = (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+            u * (1.0 + (i / 64 % 7) as f32) // blocks with different scales
+        })
+        .collect()
+}
+
+#[test]
+fn quantizer_matches_a_reference_of_the_algorithm() {
+    for (a, b) in NF4.iter().zip(PAPER_NF4) {
+        assert!((*a as f64 - b).abs() < 1e-7);
+    }
+    let w = test_weights(64 * 300);
+    let q = quant::quantize(&w);
+    assert_eq!(q.packed.len(), w.len() / 2);
+    // Reference: per block of 64, absmax; code = nearest normalised value (f64), packed hi/lo.
+    for (bi, block) in w.chunks(64).enumerate() {
+        let absmax = block.iter().fold(0f64, |m, &x| m.max((x as f64).abs()));
+        for (j, &x) in block.iter().enumerate() {
+            let xn = x as f64 / absmax;
+            let code = (0..16)
+                .min_by(|&a, &b| {
+                    (PAPER_NF4[a] - xn)
+                        .abs()
+                        .partial_cmp(&(PAPER_NF4[b] - xn).abs())
+                        .unwrap()
+                })
+                .unwrap();
+            let idx = bi * 64 + j;
+            let byte = q.packed[idx / 2];
+            let got = if idx % 2 == 0 { byte >> 4 } else { byte & 15 };
+            assert_eq!(got as usize, code, "block {bi} element {j}: {xn}");
+        }
+        // The double-quantized scale is within half an int8 step of the true absmax.
+        let step = q.scale_absmax[bi / 256] as f64 / 127.0;
+        let scale = quant::block_scales(&q)[bi] as f64;
+        assert!(
+            (scale - absmax).abs() <= step / 2.0 + 1e-6,
+            "block {bi}: scale {scale} vs absmax {absmax}"
+        );
+    }
+    // Dequantized error is bounded by half the widest NF4 gap times the block scale.
+    let d = quant::dequantize(&q);
+    for (bi, (x, y)) in w.chunks(64).zip(d.chunks(64)).enumerate() {
+        let absmax = x.iter().fold(0f32, |m, &v| m.max(v.abs()));
+        let err = x
+            .iter()
+            .zip(y)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(
+            err <= 0.16 * absmax + 0.01 * absmax,
+            "block {bi}: error {err} for absmax {absmax}"
+        );
+    }
+}
+
+#[test]
+fn graph_dequantization_equals_the_host() {
+    let w = test_weights(64 * 40);
+    let q = quant::quantize(&w);
+    let mut b = hlo::Builder::new("main");
+    let n = w.len() as i64;
+    let parts: Vec<hlo::Value> = step::nf4_parts(n)
+        .into_iter()
+        .enumerate()
+        .map(|(i, (_, dims, dt))| b.param(&format!("p{i}"), hlo::Shape::new(&dims, dt)))
+        .collect();
+    let y = quant::dequantize_graph(&mut b, &parts, &[40, 64], hlo::DType::F32).unwrap();
+    let text = hlo::Module::new("dq", b.finish(&[("w", y)])).to_text();
+    let rt = Runtime::open(Some("cpu"), Some(1)).unwrap();
+    let exe = rt
+        .client
+        .compile(&text, &CompileOptions::default())
+        .unwrap();
+    let host = [
+        HostTensor::from_u8(&q.packed, &[n / 2]),
+        HostTensor::from_i8(&q.scales, &[q.scales.len() as i64]),
+        HostTensor::from_f32(&q.scale_absmax, &[q.scale_absmax.len() as i64]),
+        HostTensor::from_f32(&[q.mean], &[]),
+    ];
+    let bufs: Vec<_> = host.iter().map(|t| rt.upload(t).unwrap()).collect();
+    let out = exe.execute(&[bufs.iter().collect()]).unwrap()[0][0]
+        .to_host()
+        .unwrap()
+        .to_f32()
+        .unwrap();
+    let want = quant::dequantize(&q);
+    let d = out
+        .iter()
+        .zip(&want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(d <= 1e-6, "graph vs host dequantization differ by {d}");
+}
+
+#[test]
+fn nf4_base_weights_take_about_half_a_byte_per_parameter() {
+    let (cfg, _) = xtrain::program::resolve_model_config("llama-3.1-8b").unwrap();
+    let spec = StepSpec {
+        model: cfg.clone(),
+        lora: xtrain::lora::LoraConfig {
+            r: 16,
+            alpha: 32.0,
+            dropout: 0.0,
+            targets: xtrain::lora::Target::ALL.to_vec(),
+        },
+        adam: xtrain::optim::AdamW::default(),
+        batch: 1,
+        seq: 128,
+        weight_dtype: hlo::DType::BF16,
+        compute_dtype: hlo::DType::BF16,
+        remat: Remat::Layer,
+        microbatches: 1,
+        mesh: None,
+        nf4: true,
+    };
+    let p = step::build_train_step(&spec).unwrap();
+    let rt = Runtime::open(Some("cpu"), Some(1)).unwrap();
+    let exe = rt.compile(&p, &CompileOptions::default()).unwrap();
+    let stats = exe.memory_stats().unwrap();
+    let bytes =
+        |a: &step::TensorSpec| a.shape.iter().product::<i64>() * a.dtype.size_bytes() as i64;
+    let total: i64 = p.args.iter().map(bytes).sum();
+    assert_eq!(
+        stats.argument_bytes, total,
+        "XLA's argument bytes are the manifest's"
+    );
+    let quantized: i64 = p
+        .args
+        .iter()
+        .filter(|a| a.role == Role::Frozen && a.name.contains("_proj.weight."))
+        .map(bytes)
+        .sum();
+    let projection_params: i64 = step::layer_kinds(&cfg)
+        .iter()
+        .filter(|(k, _)| k.ends_with("_proj"))
+        .map(|(_, s)| s.iter().product::<i64>())
+        .sum::<i64>()
+        * cfg.num_hidden_layers;
+    let per_param = quantized as f64 / projection_params as f64;
+    eprintln!("8B NF4 projections: {quantized} bytes for {projection_params} parameters = {per_param:.4} bytes/parameter");
+    assert!(
+        (0.51..=0.53).contains(&per_param),
+        "{per_param} bytes per parameter"
+    );
+}
+
+#[test]
+fn smollm2_loss_with_nf4_is_close_to_bf16() {
+    let dir = xtrain::assets::smollm2().unwrap();
+    let cfg = xtrain::config::LlamaConfig::load(&dir).unwrap();
+    let tok = xtrain::text::TextTokenizer::load(&dir).unwrap();
+    let ex = xtrain::data::Example::Text("The capital of France is Paris. The capital of Japan is Tokyo. The capital of Kenya is Nairobi.".into());
+    let t = xtrain::data::tokenize(&tok, &ex, false).unwrap();
+    let (rows, _) = xtrain::data::make_rows(&[t], 32, false, tok.pad_id, false).unwrap();
+    let batch = xtrain::data::batch(&[&rows[0]]);
+    let rt = Runtime::open(Some("cpu"), Some(1)).unwrap();
+    let mut losses = Vec::new();
+    for nf4 in [false, true] {
+        let spec = StepSpec {
+            model: cfg.clone(),
+            lora: xtrain::lora::LoraConfig {
+                r: 8,
+                alpha: 16.0,
+                dropout: 0.0,
+                targets: vec![xtrain::lora::Target::Q],
+            },
+            adam: xtrain::optim::AdamW::default(),
+            batch: 1,
+            seq: 32,
+            weight_dtype: hlo::DType::BF16,
+            compute_dtype: hlo::DType::BF16,
+            remat: Remat::Layer,
+            microbatches: 1,
+            mesh: None,
+            nf4,
+        };
+        let p = step::build_grad_program(&spec).unwrap();
+        let frozen: Vec<(String, Vec<i64>)> = p
+            .args
+            .iter()
+            .filter(|a| a.role == Role::Frozen)
+            .map(|a| (a.name.clone(), a.shape.clone()))
+            .collect();
+        let weights =
+            xtrain::weights::load(&dir, &cfg, &frozen, ElementType::BF16, |_, _| {}).unwrap();
+        let lora = xtrain::train::init_lora(&cfg, &spec.lora, 0); // B = 0: the base model's loss
+        let names: Vec<(String, Vec<i64>)> = p
+            .args
+            .iter()
+            .filter(|a| a.role == Role::Lora)
+            .map(|a| (a.name.clone(), a.shape.clone()))
+            .collect();
+        let lora =
+            xtrain::runtime::to_program_layout(&names, &lora, cfg.num_hidden_layers).unwrap();
+        let mut host = weights;
+        host.extend(lora);
+        host.extend([
+            batch.input_ids.clone(),
+            batch.labels.clone(),
+            batch.attention_mask.clone(),
+        ]);
+        let exe = rt.compile(&p, &CompileOptions::default()).unwrap();
+        let bufs: Vec<_> = host.iter().map(|t| rt.upload(t).unwrap()).collect();
+        let out = exe.execute(&[bufs.iter().collect()]).unwrap();
+        losses.push(out[0][0].to_host().unwrap().scalar_f32().unwrap());
+    }
+    eprintln!("SmolLM2 loss: bf16 {}, nf4 {}", losses[0], losses[1]);
+    assert!(
+        losses[0] < 3.0,
+        "the text is easy for the model: {}",
+        losses[0]
+    );
+    assert!(
+        (losses[0] - losses[1]).abs() <= 0.25,
+        "nf4 loss {} vs bf16 {} (tolerance 0.25)",
+        losses[1],
+        losses[0]
+    );
+}
