@@ -54,8 +54,8 @@ pub fn scale_blocks(n: usize) -> usize {
 /// The nearest NF4 code of a value in [-1, 1] (ties to the lower code).
 pub fn nearest_code(x: f32) -> u8 {
     let mut best = 0;
-    for k in 1..16 {
-        if (NF4[k] - x).abs() < (NF4[best] - x).abs() {
+    for (k, v) in NF4.iter().enumerate().skip(1) {
+        if (v - x).abs() < (NF4[best] - x).abs() {
             best = k;
         }
     }
@@ -65,7 +65,7 @@ pub fn nearest_code(x: f32) -> u8 {
 /// Quantize `w` (length a multiple of 64).
 pub fn quantize(w: &[f32]) -> Nf4 {
     assert!(
-        w.len() % BLOCK == 0,
+        w.len().is_multiple_of(BLOCK),
         "NF4 needs a multiple of {BLOCK} values, got {}",
         w.len()
     );
