@@ -33,6 +33,7 @@ fn spec(mesh: Option<&str>, remat: Remat) -> StepSpec {
             axes: parse_mesh(m).unwrap().axes,
             rules: Rules::default(),
         }),
+        nf4: false,
     }
 }
 
