@@ -66,6 +66,9 @@ fn expect(j: &Json, key: &str, ok: impl Fn(&Json) -> bool, what: &str) -> Result
 impl LlamaConfig {
     /// Read `config.json` from a model directory (or the file itself).
     pub fn load(path: &Path) -> Result<LlamaConfig> {
+        if !path.exists() {
+            bail!("model directory {} does not exist", path.display());
+        }
         let file = if path.is_dir() {
             path.join("config.json")
         } else {

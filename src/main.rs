@@ -321,6 +321,10 @@ struct TrainArgs {
     /// continue later with --resume.
     #[arg(long)]
     stop_after: Option<u64>,
+    /// On a non-finite loss or gradient, skip the step (its update is never applied) instead of
+    /// stopping.
+    #[arg(long)]
+    skip_nonfinite_steps: bool,
     /// Write a checkpoint (OUT/checkpoint-K) and the adapter (OUT/step-K) every K steps.
     #[arg(long, default_value_t = 0)]
     save_every: u64,
@@ -450,6 +454,7 @@ fn train(a: TrainArgs, verbose: bool) -> Result<()> {
         stop_after: a.stop_after,
         mesh: a.step.mesh()?,
         nf4: a.step.nf4()?,
+        skip_nonfinite: a.skip_nonfinite_steps,
     };
     xtrain::train::run(&opts)
 }

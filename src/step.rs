@@ -1056,7 +1056,26 @@ pub fn build_train_step(spec: &StepSpec) -> Result<Program> {
             v: moments[n + i],
         })
         .collect();
-    let (updated, grad_norm) = spec.adam.update(&mut b, &slots, step, lr)?;
+    let (mut updated, grad_norm) = spec.adam.update(&mut b, &slots, step, lr)?;
+    // A step whose loss or gradient is not finite changes nothing: the state stays the last
+    // good one, and the host decides whether to stop or go on.
+    let finite = b.scoped("finite_guard", |b| {
+        let inf = b.scalar(f64::INFINITY, DType::F32);
+        let la = b.abs(loss)?;
+        let ga = b.abs(grad_norm)?;
+        let l_ok = b.compare(la, inf, hlo::CmpDir::Lt)?;
+        let g_ok = b.compare(ga, inf, hlo::CmpDir::Lt)?;
+        let ok = b.and(l_ok, g_ok)?;
+        for (i, u) in updated.iter_mut().enumerate() {
+            let dims = b.dims(u.param).to_vec();
+            let okb = b.broadcast_in_dim(ok, &dims, &[])?;
+            u.param = b.select(okb, u.param, mv.lora[i])?;
+            u.m = b.select(okb, u.m, moments[i])?;
+            u.v = b.select(okb, u.v, moments[n + i])?;
+        }
+        Ok(())
+    });
+    finite?;
 
     // Results: params, then m, then v (each aliasing its input), then loss and grad norm.
     let mut results = Vec::new();

@@ -521,6 +521,8 @@ pub struct TrainOptions {
     pub mesh: Option<crate::step::MeshPlan>,
     /// QLoRA: NF4 base weights.
     pub nf4: bool,
+    /// On a non-finite loss or gradient: stop (false) or skip the step and go on (true).
+    pub skip_nonfinite: bool,
 }
 
 /// Write `dir` as a complete directory or not at all: `fill` writes into a temp dir that is
@@ -724,6 +726,12 @@ impl Progress {
 /// `xtrain train`: build (or load) the step, then train on the data, logging metrics,
 /// evaluating, checkpointing and exporting the adapter.
 pub fn run(opts: &TrainOptions) -> Result<()> {
+    // SIGINT/SIGTERM set a flag; the loop saves a checkpoint after the current step and exits.
+    let interrupted = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(sig, interrupted.clone())
+            .context("cannot install signal handlers")?;
+    }
     let cfg = LlamaConfig::load(&opts.model)?;
     // Fail before any work if the output dir cannot be written.
     std::fs::create_dir_all(&opts.out)
@@ -944,7 +952,19 @@ pub fn run(opts: &TrainOptions) -> Result<()> {
     let stop_at = opts
         .stop_after
         .map_or(total, |n| (state.step + n).min(total));
+    let mut recent: Vec<f32> = Vec::new();
     while state.step < stop_at {
+        if interrupted.load(std::sync::atomic::Ordering::SeqCst) {
+            let dir = opts.out.join(format!("checkpoint-{}", state.step));
+            save_checkpoint(&dir, &trainer, &state, &base)?;
+            eprintln!(
+                "\nxtrain: interrupted after step {}; saved {} (continue with --resume {})",
+                state.step,
+                dir.display(),
+                dir.display()
+            );
+            std::process::exit(130);
+        }
         let step = state.step + 1;
         let batch = source.next(opts.seed, &mut state.epoch, &mut state.position);
         let lr = schedule.at(step);
@@ -953,7 +973,35 @@ pub fn run(opts: &TrainOptions) -> Result<()> {
         let dt = t0.elapsed().as_secs_f64();
         state.step = step;
         if !loss.is_finite() || !grad_norm.is_finite() {
-            bail!("step {step}: the loss is {loss} and the gradient norm {grad_norm}; stopping (the last checkpoint is kept)");
+            // The step left the state as it was (see the program's finite guard).
+            writeln!(
+                metrics,
+                "{}",
+                serde_json::json!({"step": step, "nonfinite": true, "loss": loss.to_string(), "grad_norm": grad_norm.to_string()})
+            )?;
+            if !opts.skip_nonfinite {
+                state.step = step - 1;
+                let dir = opts.out.join(format!("checkpoint-{}", state.step));
+                save_checkpoint(&dir, &trainer, &state, &base)?;
+                bail!("step {step}: the loss is {loss} and the gradient norm {grad_norm}; stopped without applying it. The last good state is in {} (--skip-nonfinite-steps skips such steps instead)", dir.display());
+            }
+            eprintln!("xtrain: step {step}: non-finite loss {loss} / gradient norm {grad_norm}; step skipped");
+            continue;
+        }
+        if recent.len() >= 5 {
+            let mean = recent.iter().sum::<f32>() / recent.len() as f32;
+            if loss > 2.0 * mean + 1.0 {
+                eprintln!("xtrain: loss spike at step {step}: {loss:.4} against a recent mean of {mean:.4}");
+                writeln!(
+                    metrics,
+                    "{}",
+                    serde_json::json!({"step": step, "loss_spike": loss, "recent_mean": mean})
+                )?;
+            }
+        }
+        recent.push(loss);
+        if recent.len() > 20 {
+            recent.remove(0);
         }
         writeln!(
             metrics,
