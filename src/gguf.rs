@@ -192,16 +192,22 @@ impl Gguf {
         let align = meta
             .get("general.alignment")
             .and_then(|m| m.as_i64())
-            .unwrap_or(32)
-            .max(1) as usize;
+            .unwrap_or(32);
+        if !(1..=1 << 20).contains(&align) || (align & (align - 1)) != 0 {
+            bail!("general.alignment = {align} is not a power of two up to 1 MiB");
+        }
+        let align = align as usize;
         let start = c.pos.div_ceil(align) * align;
         let mut tensors = Vec::new();
         for (name, dims, ggml_type, offset) in infos {
+            let offset = (start as u64)
+                .checked_add(offset)
+                .with_context(|| format!("tensor `{name}`: offset overflows"))?;
             let info = TensorInfo {
                 name: name.clone(),
                 dims,
                 ggml_type,
-                offset: start as u64 + offset,
+                offset,
             };
             let (block, bytes, _) = type_layout(ggml_type).with_context(|| {
                 format!("tensor `{name}` has unsupported ggml type {ggml_type}")
@@ -214,9 +220,9 @@ impl Gguf {
             if n % block != 0 {
                 bail!("tensor `{name}`: {n} elements is not a multiple of the block size {block}");
             }
-            let end = info
-                .offset
-                .checked_add(n / block * bytes)
+            let end = (n / block)
+                .checked_mul(bytes)
+                .and_then(|len| info.offset.checked_add(len))
                 .context("tensor end overflows")?;
             if end > data.len() as u64 {
                 bail!(
