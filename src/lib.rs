@@ -2,6 +2,7 @@
 //! PJRT plugin. See README.md for the tour; `hlo` builds graphs, `pjrt` runs them.
 
 pub mod assets;
+pub mod bench;
 pub mod config;
 pub mod data;
 pub mod fsutil;

@@ -43,6 +43,9 @@ enum Command {
     },
     /// Generate text from a prompt, with or without a LoRA adapter.
     Generate(GenerateArgs),
+    /// Time the training step on random weights (`--init random`: no checkpoint needed) and
+    /// print the figures as JSON; --export writes the weights and batch for peer checks.
+    Bench(Box<BenchArgs>),
     /// Fold a LoRA adapter into the base weights and write a complete HF checkpoint.
     Merge {
         #[arg(long)]
@@ -52,6 +55,32 @@ enum Command {
         #[arg(long)]
         out: PathBuf,
     },
+}
+
+#[derive(Args)]
+struct BenchArgs {
+    /// A model directory's config or a preset (the standard workload is bench-512).
+    #[arg(long, default_value = "bench-512")]
+    model: String,
+    /// Weights: only `random` (no checkpoint).
+    #[arg(long, default_value = "random")]
+    init: String,
+    #[arg(long, default_value_t = 4)]
+    batch: i64,
+    #[arg(long, default_value_t = 256)]
+    seq: i64,
+    #[command(flatten)]
+    step: StepArgs,
+    /// Steps timed after the warm-up.
+    #[arg(long, default_value_t = 6)]
+    steps: usize,
+    #[arg(long, default_value_t = 2)]
+    warmup: usize,
+    /// Write the weights, LoRA and batch here (safetensors) for peer implementations.
+    #[arg(long)]
+    export: Option<PathBuf>,
+    #[arg(long)]
+    plugin: Option<String>,
 }
 
 #[derive(Args)]
@@ -519,6 +548,23 @@ fn generate(a: GenerateArgs) -> Result<()> {
     Ok(())
 }
 
+fn bench(a: BenchArgs) -> Result<()> {
+    if a.init != "random" {
+        bail!("--init must be random");
+    }
+    let (cfg, _) = xtrain::program::resolve_model_config(&a.model)?;
+    let spec = a.step.spec(cfg, a.batch, a.seq)?;
+    let r = xtrain::bench::run(
+        spec,
+        a.warmup,
+        a.steps,
+        a.export.as_deref(),
+        a.plugin.as_deref(),
+    )?;
+    println!("{}", serde_json::to_string(&r)?);
+    Ok(())
+}
+
 fn gib(b: i64) -> String {
     format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
 }
@@ -618,6 +664,7 @@ fn main() {
         Command::Compile(a) => compile(*a, cli.verbose),
         Command::ImportGguf { file, out } => import_gguf(&file, &out),
         Command::Generate(a) => generate(a),
+        Command::Bench(a) => bench(*a),
         Command::Merge {
             model,
             adapter,

@@ -26,6 +26,7 @@ pub const PRESETS: &[(&str, &str)] = &[
         "tiny-llama3",
         include_str!("../models/tiny-llama3/config.json"),
     ),
+    ("bench-512", include_str!("../models/bench-512/config.json")),
 ];
 
 /// A model named on the command line: a directory with config.json, or a preset name.

@@ -1,0 +1,149 @@
+"""The benchmark workload's LoRA training step in JAX: forward + backward of the LoRA parameters
+only + AdamW in one jax.jit, layers in lax.scan. Reads the weights and batch that
+`xtrain bench --export` wrote, prints the first step's loss (checked against xtrain's by
+tools/bench) and the timings as JSON.
+
+usage: jax_step.py EXPORT.safetensors --steps N --warmup W --lora-r R --lora-alpha A --targets q,v
+"""
+import argparse, json, struct, time
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def read_safetensors(path):
+    raw = open(path, "rb").read()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    kinds = {"F32": np.float32, "I32": np.int32, "I64": np.int64, "BF16": np.uint16}
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        a, b = info["data_offsets"]
+        out[name] = np.frombuffer(raw[8 + n + a:8 + n + b], dtype=kinds[info["dtype"]]).reshape(info["shape"])
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("export")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--lora-r", type=int, default=16)
+    p.add_argument("--lora-alpha", type=float, default=32)
+    p.add_argument("--targets", default="q,v")
+    p.add_argument("--config", required=True)
+    p.add_argument("--peak", action="store_true", help="also measure f32 matmul GFLOP/s")
+    a = p.parse_args()
+    cfg = json.load(open(a.config))
+    t = read_safetensors(a.export)
+    L, H = cfg["num_hidden_layers"], cfg["hidden_size"]
+    nh, nkv, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    eps, theta = cfg["rms_norm_eps"], cfg["rope_theta"]
+    targets = a.targets.split(",")
+    proj = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+            "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+    kinds = ["input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+             "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+    frozen = {k: jnp.stack([t[f"model.layers.{l}.{k}.weight"] for l in range(L)]) for k in kinds}
+    embed, norm, head = jnp.asarray(t["model.embed_tokens.weight"]), jnp.asarray(t["model.norm.weight"]), jnp.asarray(t["lm_head.weight"])
+    lora = {}
+    for tg in targets:
+        for w in "AB":
+            lora[f"{tg}_{w}"] = jnp.stack([t[f"base_model.model.model.layers.{l}.{proj[tg]}.lora_{w}.weight"] for l in range(L)])
+    ids, labels = jnp.asarray(t["input_ids"]), jnp.asarray(t["labels"])
+    B, T = ids.shape
+    scale = a.lora_alpha / a.lora_r
+
+    # llama3 RoPE frequencies, in f32 as transformers computes them
+    inv = 1.0 / (np.float32(theta) ** (np.arange(0, d, 2, dtype=np.float32) / np.float32(d)))
+    rs = cfg["rope_scaling"]
+    lo_w, hi_w = rs["original_max_position_embeddings"] / rs["low_freq_factor"], rs["original_max_position_embeddings"] / rs["high_freq_factor"]
+    wl = 2 * np.pi / inv
+    smooth = (rs["original_max_position_embeddings"] / wl - rs["low_freq_factor"]) / (rs["high_freq_factor"] - rs["low_freq_factor"])
+    inv = np.where(wl < hi_w, inv, np.where(wl > lo_w, inv / rs["factor"], (1 - smooth) * inv / rs["factor"] + smooth * inv)).astype(np.float32)
+    ang = np.arange(T, dtype=np.float32)[:, None] * inv[None, :]
+    ang = np.concatenate([ang, ang], -1)
+    cos, sin = jnp.asarray(np.cos(ang)), jnp.asarray(np.sin(ang))
+    causal = jnp.tril(jnp.ones((T, T), bool))
+
+    def rms(x, g):
+        return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + eps) * g
+
+    def rope(x):
+        x1, x2 = x[..., : d // 2], x[..., d // 2:]
+        return x * cos[:, None, :] + jnp.concatenate([-x2, x1], -1) * sin[:, None, :]
+
+    def layer(h, xs):
+        w, lw = xs
+
+        def lin(x, name, tg):
+            y = x @ w[name].T
+            if tg in targets:
+                y = y + scale * ((x @ lw[f"{tg}_A"].T) @ lw[f"{tg}_B"].T)
+            return y
+
+        x = rms(h, w["input_layernorm"])
+        q = rope(lin(x, "self_attn.q_proj", "q").reshape(B, T, nh, d))
+        k = rope(lin(x, "self_attn.k_proj", "k").reshape(B, T, nkv, d))
+        v = lin(x, "self_attn.v_proj", "v").reshape(B, T, nkv, d)
+        k = jnp.repeat(k, nh // nkv, axis=2)
+        v = jnp.repeat(v, nh // nkv, axis=2)
+        s = jnp.einsum("bthd,bshd->bhts", q, k) / np.sqrt(d)
+        s = jnp.where(causal, s, jnp.finfo(jnp.float32).min)
+        o = jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, -1), v).reshape(B, T, nh * d)
+        h = h + lin(o, "self_attn.o_proj", "o")
+        x = rms(h, w["post_attention_layernorm"])
+        m = jax.nn.silu(lin(x, "mlp.gate_proj", "gate")) * lin(x, "mlp.up_proj", "up")
+        return h + lin(m, "mlp.down_proj", "down"), None
+
+    def loss_fn(lora, frozen, ids, labels):
+        h = embed[ids]
+        h, _ = jax.lax.scan(layer, h, (frozen, lora))
+        logits = rms(h, norm) @ head.T
+        lp = jax.nn.log_softmax(logits[:, :-1], -1)
+        tgt = labels[:, 1:]
+        valid = tgt != -100
+        nll = -jnp.take_along_axis(lp, jnp.where(valid, tgt, 0)[..., None], -1)[..., 0]
+        return jnp.sum(nll * valid) / jnp.maximum(jnp.sum(valid), 1)
+
+    @jax.jit
+    def step(lora, m, v, t, frozen, ids, labels):
+        loss, g = jax.value_and_grad(loss_fn)(lora, frozen, ids, labels)
+        b1, b2, lr, e = 0.9, 0.999, 1e-4, 1e-8
+        m = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, m, g)
+        v = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, v, g)
+        upd = lambda p, m, v: p - lr / (1 - b1 ** t) * m / (jnp.sqrt(v) / jnp.sqrt(1 - b2 ** t) + e)
+        return jax.tree.map(upd, lora, m, v), m, v, loss
+
+    zeros = jax.tree.map(jnp.zeros_like, lora)
+    m, v = zeros, zeros
+    t0 = time.time()
+    compiled = step.lower(lora, m, v, 1.0, frozen, ids, labels).compile()
+    compile_s = time.time() - t0
+    times, first = [], None
+    for i in range(a.warmup + a.steps):
+        s0 = time.time()
+        lora, m, v, loss = compiled(lora, m, v, float(i + 1), frozen, ids, labels)
+        loss.block_until_ready()
+        if i == 0:
+            first = float(loss)
+        if i >= a.warmup:
+            times.append(time.time() - s0)
+    out = {"compile_s": compile_s, "step_s": times, "first_loss": first, "tokens_per_step": int(B * T)}
+    if a.peak:
+        n = 2048
+        x = jnp.ones((n, n), jnp.float32)
+        f = jax.jit(lambda x: x @ x)
+        f(x).block_until_ready()
+        best = min((lambda s: (f(x).block_until_ready(), time.time() - s)[1])(time.time()) for _ in range(5))
+        out["matmul_gflops"] = 2 * n ** 3 / best / 1e9
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
