@@ -129,14 +129,20 @@ pub struct Llama<'a> {
 
 /// `x W^T` for x [.., in] and W [out, in], accumulating in f32 whatever the operand type.
 fn linear(b: &mut Builder, x: Value, w: Value) -> Result<Value> {
-    let xr = b.rank(x) as i64;
+    // As one [tokens, in] x [in, out] GEMM: the batch and sequence dims folded together.
+    let xd = b.dims(x).to_vec();
+    let rows: i64 = xd[..xd.len() - 1].iter().product();
+    let x2 = b.reshape(x, &[rows, xd[xd.len() - 1]])?;
     let dims = DotDims {
-        lhs_contract: vec![xr - 1],
+        lhs_contract: vec![1],
         rhs_contract: vec![1],
         ..Default::default()
     };
     let out_type = b.dtype(x);
-    b.dot_general(x, w, dims, None, Some(out_type))
+    let y = b.dot_general(x2, w, dims, None, Some(out_type))?;
+    let mut yd = xd[..xd.len() - 1].to_vec();
+    yd.push(b.dims(w)[0]);
+    b.reshape(y, &yd)
 }
 
 impl Llama<'_> {

@@ -390,16 +390,29 @@ fn the_step_computes_no_gradient_of_a_frozen_weight() {
             )
         })
         .collect();
-    // Lines of the backward pass (their location ends in ".grad") must not produce a value with
-    // a frozen weight's type: no weight gradient is ever formed.
+    // A weight gradient is a product of two activations with the weight's type. No product in
+    // the backward pass (locations ending in ".grad") has a frozen weight's type unless one of
+    // its operands is a parameter (then it is an activation gradient through that parameter that
+    // happens to share the shape, like lm_head's [tokens, hidden] in this tiny model).
+    let param_names: Vec<String> = program
+        .args
+        .iter()
+        .map(|a| format!("%{}", a.name.replace('*', "_")))
+        .collect();
     let mut backward_lines = 0;
     for line in program.text.lines().filter(|l| l.contains(".grad\")")) {
         backward_lines += 1;
+        if !line.contains("stablehlo.dot_general") {
+            continue;
+        }
         let result_type = line.rsplit("-> ").next().unwrap_or(line);
+        let uses_weight = param_names
+            .iter()
+            .any(|n| line.contains(&format!("{n},")) || line.contains(&format!("{n} ")));
         for f in &frozen {
             assert!(
-                !result_type.starts_with(f.as_str()),
-                "backward produces a {f}: {line}"
+                uses_weight || !result_type.starts_with(f.as_str()),
+                "backward forms a {f} from activations: {line}"
             );
         }
     }
