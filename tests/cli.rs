@@ -162,3 +162,45 @@ fn a_mismatched_init_adapter_is_refused() {
     assert!(!err.contains("panicked"), "{err}");
     std::fs::remove_dir_all(&out).unwrap();
 }
+
+#[test]
+fn a_second_run_loads_the_compiled_step_from_the_cache() {
+    let f = fixtures();
+    let cache = tempdir("exe-cache");
+    let plugin = pjrt::discover::resolve_or_install(Some("cpu")).unwrap();
+    let run = |out: &str| {
+        let o = xtrain()
+            .env("XTRAIN_CACHE_DIR", &cache)
+            .args(["-v", "train", "--model"])
+            .arg(f.join("model"))
+            .arg("--data")
+            .arg(f.join("inputs.safetensors"))
+            .args([
+                "--steps",
+                "1",
+                "--lora-r",
+                "4",
+                "--log-every",
+                "0",
+                "--no-plot",
+                "--plugin",
+            ])
+            .arg(&plugin)
+            .arg("--out")
+            .arg(cache.join(out))
+            .output()
+            .unwrap();
+        assert!(o.status.success());
+        String::from_utf8_lossy(&o.stderr).to_string()
+    };
+    assert!(run("a").contains("xtrain: compiled the step"));
+    assert!(run("b").contains("xtrain: loaded the compiled step from the cache"));
+    let entries = std::fs::read_dir(cache.join("executables"))
+        .unwrap()
+        .count();
+    assert_eq!(
+        entries, 1,
+        "one executable, keyed by program, options and plugin"
+    );
+    std::fs::remove_dir_all(&cache).unwrap();
+}

@@ -608,3 +608,39 @@ fn unsafe_kill(pid: u32, sig: i32) {
         .unwrap();
     assert!(status.success());
 }
+
+#[test]
+fn a_plugin_with_an_old_pjrt_api_is_refused_naming_both_versions() {
+    // A shared object whose GetPjrtApi reports API 0.20: built here with the system C compiler.
+    let dir = tempdir("rel-oldapi");
+    let c = dir.join("old.c");
+    std::fs::write(
+        &c,
+        "#include <stddef.h>\n\
+         struct V { size_t s; void* e; int major; int minor; };\n\
+         struct Api { size_t struct_size; void* ext; struct V v; void* fns[8]; };\n\
+         static struct Api api = { sizeof(struct Api), 0, { sizeof(struct V), 0, 0, 20 }, {0} };\n\
+         const struct Api* GetPjrtApi(void) { return &api; }\n",
+    )
+    .unwrap();
+    let so = dir.join("libold_pjrt.so");
+    let ok = Command::new("cc")
+        .args(["-shared", "-fPIC", "-o"])
+        .arg(&so)
+        .arg(&c)
+        .status()
+        .expect("a C compiler (cc)")
+        .success();
+    assert!(ok);
+    let e = fails(&refs(&train_on(
+        &fixtures().join("model"),
+        &dir.join("out"),
+        &["--plugin", so.to_str().unwrap()],
+    )));
+    assert!(
+        e.contains("speaks PJRT C API 0.20, but xtrain needs 0.40 or newer"),
+        "{e}"
+    );
+    assert!(e.contains("(xtrain was written against 0.81)"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
