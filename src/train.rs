@@ -126,7 +126,8 @@ pub struct Trainer {
     pub spec: StepSpec,
     /// Threefry key for LoRA dropout, advanced every step.
     pub dropout_seed: u64,
-    eval_exe: Option<Executable>,
+    /// The evaluation program, compiled on first use, with its results' shardings.
+    eval_exe: Option<(Executable, Vec<hlo::Sharding>)>,
 }
 
 /// Loss and exact-match accuracy on held-out rows.
@@ -340,9 +341,9 @@ impl Trainer {
                 &CompileOptions::default(),
                 true,
             )?;
-            self.eval_exe = Some(exe);
+            self.eval_exe = Some((exe, program.result_shardings(&spec)));
         }
-        let exe = self.eval_exe.as_ref().unwrap();
+        let (exe, result_shardings) = self.eval_exe.as_ref().unwrap();
         let n_lora = self
             .program
             .args
@@ -350,13 +351,7 @@ impl Trainer {
             .filter(|a| a.role == Role::Lora)
             .count();
         let (mut total, mut count, mut rows, mut exact) = (0.0f64, 0.0f64, 0usize, 0usize);
-        let eval_spec = {
-            let mut s = self.spec.clone();
-            s.batch = batches[0].dims().0;
-            s
-        };
         let mesh = self.spec.mesh.as_ref().map(|m| m.mesh());
-        let result_shardings = step::build_eval(&eval_spec)?.result_shardings(&eval_spec);
         for batch in batches {
             let inputs = [
                 self.put("input_ids", &batch.input_ids)?,
