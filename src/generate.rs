@@ -61,6 +61,7 @@ impl Forward {
             microbatches: 1,
             mesh: None,
             nf4: false,
+            loss_chunk: None,
         };
         let program = match kind {
             Kind::NextToken => step::build_next_token(&spec, adapter.is_some())?,

@@ -182,6 +182,10 @@ struct StepArgs {
     /// A file of `logical = mesh_axes` lines overriding the default sharding rules.
     #[arg(long)]
     sharding_rules: Option<PathBuf>,
+    /// With looped layers, compute the loss and its gradient N positions at a time (less memory
+    /// for long sequences and large vocabularies on one device).
+    #[arg(long)]
+    loss_chunk: Option<i64>,
     /// Quantize the projections' base weights at load: nf4 (QLoRA's 4-bit NormalFloat, blocks
     /// of 64, double-quantized scales), dequantized in the step right before each matmul.
     #[arg(long)]
@@ -244,6 +248,7 @@ impl StepArgs {
             microbatches: self.grad_accum,
             mesh: self.mesh()?,
             nf4: self.nf4()?,
+            loss_chunk: self.loss_chunk,
         })
     }
 }
@@ -484,6 +489,7 @@ fn train(a: TrainArgs, verbose: bool) -> Result<()> {
         mesh: a.step.mesh()?,
         nf4: a.step.nf4()?,
         skip_nonfinite: a.skip_nonfinite_steps,
+        loss_chunk: a.step.loss_chunk,
     };
     xtrain::train::run(&opts)
 }

@@ -453,12 +453,28 @@ pub fn token_cross_entropy(
     logits: Value,
     labels: Value,
 ) -> Result<(Value, Value)> {
+    let targets = b.scoped("loss", |b| next_token_targets(b, labels))?;
+    cross_entropy_with_targets(b, logits, targets)
+}
+
+/// HF's shift: the target of position t is label t+1; the last position has none (-100).
+pub fn next_token_targets(b: &mut Builder, labels: Value) -> Result<Value> {
+    let t = b.dims(labels)[1];
+    let next = b.slice_dim(labels, 1, 1, t)?;
+    let ignore = b.scalar(-100.0, DType::S32);
+    b.pad(next, ignore, &[0, 0], &[0, 1], &[0, 0])
+}
+
+/// Cross entropy of logits [B, T, V] against already-shifted targets [B, T] (-100 = none):
+/// (CE [B, T] with ignored positions zero, valid [B, T] as 0/1 f32).
+pub fn cross_entropy_with_targets(
+    b: &mut Builder,
+    logits: Value,
+    targets: Value,
+) -> Result<(Value, Value)> {
     b.scoped("loss", |b| {
         let dims = b.dims(logits).to_vec();
         let (bs, t, v) = (dims[0], dims[1], dims[2]);
-        let next = b.slice_dim(labels, 1, 1, t)?;
-        let ignore = b.scalar(-100.0, DType::S32);
-        let targets = b.pad(next, ignore, &[0, 0], &[0, 1], &[0, 0])?;
         // log-sum-exp over the vocabulary
         let m = b.reduce_max(logits, &[2])?;
         let m = b.stop_gradient(m);

@@ -8,7 +8,7 @@
 //! ```
 //! plus optional clipping of the global gradient norm (torch's clip_grad_norm_).
 
-use hlo::{Builder, DType, Result, Value};
+use hlo::{Builder, CmpDir, DType, Result, Value};
 
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct AdamW {
@@ -69,9 +69,43 @@ impl AdamW {
         step: Value,
         lr: Value,
     ) -> Result<(Vec<Updated>, Value)> {
+        self.update_guarded(b, slots, step, lr, None)
+    }
+
+    /// [`AdamW::update`], and with `loss` given: when the loss or the gradient norm is not
+    /// finite, the update is the identity (parameters and moments unchanged). The guard selects
+    /// scalars and the gradient only, so XLA still updates the state in place.
+    pub fn update_guarded(
+        &self,
+        b: &mut Builder,
+        slots: &[Slot],
+        step: Value,
+        lr: Value,
+        loss: Option<Value>,
+    ) -> Result<(Vec<Updated>, Value)> {
         b.scoped("adamw", |b| {
             let grads: Vec<Value> = slots.iter().map(|s| s.grad).collect();
             let norm = global_norm(b, &grads)?;
+            let ok = match loss {
+                Some(l) => {
+                    let inf = b.scalar(f64::INFINITY, DType::F32);
+                    let la = b.abs(l)?;
+                    let l_ok = b.compare(la, inf, CmpDir::Lt)?;
+                    let n_ok = b.compare(norm, inf, CmpDir::Lt)?;
+                    Some(b.and(l_ok, n_ok)?)
+                }
+                None => None,
+            };
+            // `on_ok(a, b)`: a when the step is good, b when it is skipped.
+            let on_ok = |b: &mut Builder, good: Value, skipped: f64| -> Result<Value> {
+                match ok {
+                    Some(ok) => {
+                        let s = b.scalar(skipped, DType::F32);
+                        b.select(ok, good, s)
+                    }
+                    None => Ok(good),
+                }
+            };
             // clip_coef = min(1, max_norm / (norm + 1e-6))
             let clip = if self.max_grad_norm > 0.0 {
                 let n = b.add_scalar(norm, 1e-6)?;
@@ -91,18 +125,32 @@ impl AdamW {
             let bc1 = b.sub(one, b1t)?;
             let bc2 = b.sub(one, b2t)?;
             let step_size = b.div(lr, bc1)?;
+            let step_size = on_ok(b, step_size, 0.0)?;
             let sqrt_bc2 = b.sqrt(bc2)?;
             let decay = if self.weight_decay != 0.0 {
                 let lw = b.mul_scalar(lr, self.weight_decay)?;
-                Some(b.sub(one, lw)?)
+                let d = b.sub(one, lw)?;
+                Some(on_ok(b, d, 1.0)?)
             } else {
                 None
             };
+            let keep_m = on_ok(b, b1, 1.0)?;
+            let b1c = b.scalar(1.0 - self.beta1, DType::F32);
+            let take_m = on_ok(b, b1c, 0.0)?;
+            let keep_v = on_ok(b, b2, 1.0)?;
+            let b2c = b.scalar(1.0 - self.beta2, DType::F32);
+            let take_v = on_ok(b, b2c, 0.0)?;
             let mut out = Vec::new();
             for s in slots {
                 let dims = b.dims(s.param).to_vec();
                 let bcast = |b: &mut Builder, x: Value| b.broadcast_in_dim(x, &dims, &[]);
                 let mut g = s.grad;
+                if let Some(ok) = ok {
+                    // A non-finite gradient must not reach the moments, even multiplied by 0.
+                    let okb = bcast(b, ok)?;
+                    let zero = b.zeros_like(g);
+                    g = b.select(okb, g, zero)?;
+                }
                 if let Some(c) = clip {
                     let c = bcast(b, c)?;
                     g = b.mul(g, c)?;
@@ -112,12 +160,18 @@ impl AdamW {
                     let d = bcast(b, d)?;
                     p = b.mul(p, d)?;
                 }
-                let m1 = b.mul_scalar(s.m, self.beta1)?;
-                let m2 = b.mul_scalar(g, 1.0 - self.beta1)?;
+                let (km, tm, kv, tv) = (
+                    bcast(b, keep_m)?,
+                    bcast(b, take_m)?,
+                    bcast(b, keep_v)?,
+                    bcast(b, take_v)?,
+                );
+                let m1 = b.mul(s.m, km)?;
+                let m2 = b.mul(g, tm)?;
                 let m = b.add(m1, m2)?;
                 let gg = b.mul(g, g)?;
-                let v1 = b.mul_scalar(s.v, self.beta2)?;
-                let v2 = b.mul_scalar(gg, 1.0 - self.beta2)?;
+                let v1 = b.mul(s.v, kv)?;
+                let v2 = b.mul(gg, tv)?;
                 let v = b.add(v1, v2)?;
                 let sv = b.sqrt(v)?;
                 let sb = bcast(b, sqrt_bc2)?;

@@ -518,6 +518,8 @@ pub struct TrainOptions {
     pub nf4: bool,
     /// On a non-finite loss or gradient: stop (false) or skip the step and go on (true).
     pub skip_nonfinite: bool,
+    /// Compute the loss this many positions at a time (looped layers).
+    pub loss_chunk: Option<i64>,
 }
 
 /// Write `dir` as a complete directory or not at all: `fill` writes into a temp dir that is
@@ -1100,6 +1102,7 @@ pub fn plan(
         microbatches: opts.microbatches,
         mesh: opts.mesh.clone(),
         nf4: opts.nf4,
+        loss_chunk: opts.loss_chunk,
     };
     let program = step::build_train_step(&spec)?;
     Ok((spec, program))

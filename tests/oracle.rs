@@ -48,6 +48,7 @@ fn spec_with(model_dir: &str, remat: Remat) -> StepSpec {
         microbatches: 1,
         mesh: None,
         nf4: false,
+        loss_chunk: None,
         model: LlamaConfig::load(&fixtures().join(model_dir)).unwrap(),
         lora: oracle_lora(),
         adam: AdamW {
@@ -132,12 +133,10 @@ fn execute(program: &Program, host: &[HostTensor]) -> BTreeMap<String, HostTenso
     let exe = rt.compile(program, &CompileOptions::default()).unwrap();
     let bufs: Vec<_> = host.iter().map(|t| rt.upload(t).unwrap()).collect();
     let out = exe.execute(&[bufs.iter().collect()]).unwrap();
-    program
-        .results
-        .iter()
-        .zip(&out[0])
-        .map(|(r, b)| (r.name.clone(), b.to_host().unwrap()))
-        .collect()
+    per_layer(
+        program,
+        out[0].iter().map(|b| b.to_host().unwrap()).collect(),
+    )
 }
 
 fn adapter(dir: &str) -> BTreeMap<String, HostTensor> {
@@ -241,35 +240,47 @@ fn lora_logits_loss_and_all_28_gradients_match() {
     let loss = out["loss"].scalar_f32().unwrap();
     assert!((loss - 6.63896).abs() <= 1e-5, "LoRA loss {loss}");
 
-    let program = step::build_grad_program(&s).unwrap();
-    let out = execute(
-        &program,
-        &inputs(&program, "model", &init, &BTreeMap::new()),
-    );
-    let mut checked = 0;
-    for r in program
-        .results
-        .iter()
-        .filter(|r| r.name.starts_with("grad."))
-    {
-        let got = f32s(&out[&r.name]);
-        let want = f32s(&lo.read(&r.name).unwrap());
-        let diff: f32 = got
-            .iter()
-            .zip(&want)
-            .map(|(a, b)| (a - b) * (a - b))
-            .sum::<f32>()
-            .sqrt();
-        let norm: f32 = want.iter().map(|b| b * b).sum::<f32>().sqrt();
-        assert!(
-            diff / norm <= 1e-4,
-            "{}: relative error {} (tolerance 1e-4)",
-            r.name,
-            diff / norm
+    // The same gradients with layers unrolled, looped (both remat policies), and with the loss
+    // computed 4 positions at a time.
+    let _ = &s;
+    for (remat, chunk) in [
+        (Remat::None, None),
+        (Remat::Layer, None),
+        (Remat::SaveProj, None),
+        (Remat::Layer, Some(4)),
+    ] {
+        let mut sp = spec_with("model", remat);
+        sp.loss_chunk = chunk;
+        let program = step::build_grad_program(&sp).unwrap();
+        let out = execute(
+            &program,
+            &inputs(&program, "model", &init, &BTreeMap::new()),
         );
-        checked += 1;
+        let loss = out["loss"].scalar_f32().unwrap();
+        assert!(
+            (loss - 6.63896).abs() <= 1e-5,
+            "{remat:?} chunk {chunk:?}: loss {loss}"
+        );
+        let mut checked = 0;
+        for (name, t) in out.iter().filter(|(n, _)| n.starts_with("grad.")) {
+            let got = f32s(t);
+            let want = f32s(&lo.read(name).unwrap());
+            let diff: f32 = got
+                .iter()
+                .zip(&want)
+                .map(|(a, b)| (a - b) * (a - b))
+                .sum::<f32>()
+                .sqrt();
+            let norm: f32 = want.iter().map(|b| b * b).sum::<f32>().sqrt();
+            assert!(
+                diff / norm <= 1e-4,
+                "{remat:?} chunk {chunk:?} {name}: relative error {} (tolerance 1e-4)",
+                diff / norm
+            );
+            checked += 1;
+        }
+        assert_eq!(checked, 28, "{remat:?}");
     }
-    assert_eq!(checked, 28);
 }
 
 fn zeros_like_lora(init: &BTreeMap<String, HostTensor>) -> BTreeMap<String, HostTensor> {

@@ -42,6 +42,7 @@ fn spec(cfg: LlamaConfig, remat: Remat, batch: i64, seq: i64) -> StepSpec {
         microbatches: 1,
         mesh: None,
         nf4: false,
+        loss_chunk: None,
     }
 }
 

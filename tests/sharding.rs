@@ -34,6 +34,7 @@ fn spec(mesh: Option<&str>, remat: Remat) -> StepSpec {
             rules: Rules::default(),
         }),
         nf4: false,
+        loss_chunk: None,
     }
 }
 
