@@ -105,7 +105,16 @@ pub fn run(
     let frozen = crate::runtime::to_program_layout(&names, &weights, spec.model.num_hidden_layers)?;
     let rt = Runtime::open(plugin, Some(program.partitions))?;
     let t0 = Instant::now();
-    let mut trainer = Trainer::new(rt, spec.clone(), program, frozen, &lora, false, false)?;
+    let mut trainer = Trainer::new(
+        rt,
+        spec.clone(),
+        program,
+        frozen,
+        &lora,
+        &BTreeMap::new(),
+        false,
+        false,
+    )?;
     let compile_s = t0.elapsed().as_secs_f64();
     let mut times = Vec::new();
     let mut first_loss = f32::NAN;

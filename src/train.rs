@@ -140,14 +140,16 @@ pub struct EvalResult {
 
 impl Trainer {
     /// Compile `program` (through the executable cache), upload the frozen weights (in the
-    /// program's layout, see [`crate::weights::load`]) and the initial LoRA state (per-layer
-    /// PEFT names).
+    /// program's layout, see [`crate::weights::load`]) and the initial LoRA weights and AdamW
+    /// moments (per-layer PEFT names; missing moments start at zero).
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         rt: Runtime,
         spec: StepSpec,
         program: Program,
         weights: Vec<HostTensor>,
         lora: &BTreeMap<String, HostTensor>,
+        moments: &BTreeMap<String, HostTensor>,
         use_cache: bool,
         verbose: bool,
     ) -> Result<Trainer> {
@@ -202,7 +204,7 @@ impl Trainer {
             dropout_seed: 0,
             eval_exe: None,
         };
-        trainer.set_state(lora, &BTreeMap::new())?;
+        trainer.set_state(lora, moments)?;
         Ok(trainer)
     }
 
@@ -634,10 +636,11 @@ pub fn load_checkpoint(dir: &Path, cfg: &LlamaConfig, lora: &LoraConfig) -> Resu
 enum Source {
     /// One batch used for every step.
     Fixed(Batch),
-    /// Rows visited epoch by epoch in a seeded order.
+    /// Rows visited epoch by epoch in a seeded order (the current epoch's order cached).
     Rows {
         rows: Vec<crate::data::Row>,
         batch: usize,
+        order: Option<(u64, Vec<usize>)>,
     },
 }
 
@@ -645,25 +648,27 @@ impl Source {
     fn steps_per_epoch(&self) -> u64 {
         match self {
             Source::Fixed(_) => 1,
-            Source::Rows { rows, batch } => (rows.len() / batch).max(1) as u64,
+            Source::Rows { rows, batch, .. } => (rows.len() / batch).max(1) as u64,
         }
     }
 
     /// The batch at (epoch, position), and the position after it.
-    fn next(&self, seed: u64, epoch: &mut u64, position: &mut u64) -> Batch {
+    fn next(&mut self, seed: u64, epoch: &mut u64, position: &mut u64) -> Batch {
         match self {
             Source::Fixed(b) => b.clone(),
-            Source::Rows { rows, batch } => {
-                if *position as usize + batch > rows.len() {
+            Source::Rows { rows, batch, order } => {
+                if *position as usize + *batch > rows.len() {
                     *epoch += 1;
                     *position = 0;
                 }
-                let order = crate::data::epoch_order(rows.len(), seed, *epoch);
-                let picked: Vec<&crate::data::Row> = order
-                    [*position as usize..*position as usize + batch]
-                    .iter()
-                    .map(|&i| &rows[i])
-                    .collect();
+                // The shuffle of an epoch is computed once, not at every step.
+                if order.as_ref().is_none_or(|(e, _)| e != epoch) {
+                    *order = Some((*epoch, crate::data::epoch_order(rows.len(), seed, *epoch)));
+                }
+                let ord = &order.as_ref().unwrap().1;
+                let at = *position as usize;
+                let picked: Vec<&crate::data::Row> =
+                    ord[at..at + *batch].iter().map(|&i| &rows[i]).collect();
                 *position += *batch as u64;
                 crate::data::batch(&picked)
             }
@@ -739,7 +744,7 @@ pub fn run(opts: &TrainOptions) -> Result<()> {
     let _ = std::fs::remove_file(&probe);
 
     let is_batch_file = opts.data.extension().is_some_and(|e| e == "safetensors");
-    let (source, eval_batches, seq) = if is_batch_file {
+    let (mut source, eval_batches, seq) = if is_batch_file {
         let batch = Batch::from_safetensors(&opts.data)?;
         batch.check_vocab(cfg.vocab_size)?;
         let seq = batch.dims().1;
@@ -789,7 +794,15 @@ pub fn run(opts: &TrainOptions) -> Result<()> {
             })
             .collect();
         let eval_batches = mask_repeats(eval_batches, eval_rows.len(), b);
-        (Source::Rows { rows, batch: b }, eval_batches, seq as i64)
+        (
+            Source::Rows {
+                rows,
+                batch: b,
+                order: None,
+            },
+            eval_batches,
+            seq as i64,
+        )
     };
     let bs = match &source {
         Source::Fixed(b) => b.dims().0,
@@ -875,18 +888,20 @@ pub fn run(opts: &TrainOptions) -> Result<()> {
             t_load.elapsed().as_secs_f64()
         );
     }
-    let rt = Runtime::open(opts.plugin.as_deref(), Some(1))?;
+    // A CPU plugin gets as many virtual devices as the mesh needs; an accelerator plugin has
+    // what it has, and compiling checks that there are enough.
+    let rt = Runtime::open(opts.plugin.as_deref(), Some(program.partitions.max(1)))?;
     let mut trainer = Trainer::new(
         rt,
         spec,
         program,
         weights,
         &lora,
+        &moments,
         opts.use_cache,
         opts.verbose,
     )?;
     trainer.dropout_seed = opts.seed;
-    trainer.set_state(&lora, &moments)?;
     trainer.step = state.step;
 
     // metrics.jsonl: on resume keep the lines up to the checkpoint's step.

@@ -73,7 +73,17 @@ fn run(
             .unwrap();
         e.memory_stats().unwrap().argument_bytes
     };
-    let mut t = Trainer::new(rt, s, program, weights, &lora, false, false).unwrap();
+    let mut t = Trainer::new(
+        rt,
+        s,
+        program,
+        weights,
+        &lora,
+        &Default::default(),
+        false,
+        false,
+    )
+    .unwrap();
     let batch = Batch::from_safetensors(&fixtures().join("inputs.safetensors")).unwrap();
     let (mut losses, mut norms) = (Vec::new(), Vec::new());
     for _ in 0..2 {
@@ -138,4 +148,46 @@ fn the_program_declares_the_mesh_and_shardings() {
     assert!(p.text.contains("%exp_avg.base_model.model.model.layers._.self_attn.q_proj.lora_A.weight: tensor<2x8x64xf32> {tf.aliasing_output = 14 : i32, sdy.sharding = #sdy.sharding<@mesh, [{}, {}, {\"fsdp\"}]>}"));
     assert!(p.text.contains("sdy.sharding_constraint"));
     assert_eq!(p.partitions, 8);
+}
+
+#[test]
+fn xtrain_train_runs_on_a_mesh_from_the_command_line() {
+    let out = std::env::temp_dir().join(format!("xtrain-test-mesh-cli-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    let f = fixtures();
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_xtrain"))
+        .args(["train", "--model"])
+        .arg(f.join("model"))
+        .arg("--data")
+        .arg(f.join("inputs.safetensors"))
+        .arg("--init-adapter")
+        .arg(f.join("adapter_init"))
+        .args([
+            "--lora-r",
+            "8",
+            "--lora-alpha",
+            "16",
+            "--lr",
+            "1e-3",
+            "--steps",
+            "2",
+            "--mesh",
+            "data=2,fsdp=2",
+            "--log-every",
+            "0",
+            "--no-plot",
+            "--out",
+        ])
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let m = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let first: serde_json::Value = serde_json::from_str(m.lines().next().unwrap()).unwrap();
+    let loss = first["loss"].as_f64().unwrap();
+    assert!(
+        (loss - 6.63896).abs() <= 1e-4,
+        "4-device loss {loss} vs the reference 6.63896"
+    );
+    std::fs::remove_dir_all(&out).unwrap();
 }
