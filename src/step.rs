@@ -15,8 +15,8 @@
 use crate::config::LlamaConfig;
 use crate::lora::{LoraConfig, Target};
 use crate::model::{
-    layer_key, token_cross_entropy, BaseWeights, LayerAdapters, LayerContext, LayerWeights, Llama,
-    LoraPair, Numerics, Saves,
+    cross_entropy_loss_and_grad, layer_key, token_cross_entropy, BaseWeights, LayerAdapters,
+    LayerContext, LayerWeights, Llama, LoraPair, Numerics, Saves,
 };
 use crate::optim::{AdamW, Slot};
 use anyhow::{bail, Result};
@@ -730,8 +730,9 @@ impl Layout<'_> {
         let dropout = key.map(|k| (self.spec.lora.dropout, k));
         if !self.spec.remat.scan() {
             let logits = self.logits_unrolled(b, m, dropout, ids, mask)?;
-            let loss = self.loss(b, logits, labels, denom)?;
-            let grads = b.grad(loss, &m.lora)?;
+            let targets = crate::model::next_token_targets(b, labels)?;
+            let (loss, dlogits) = cross_entropy_loss_and_grad(b, logits, targets, denom)?;
+            let grads = b.vjp(&[(logits, dlogits)], &m.lora)?;
             return Ok((loss, grads));
         }
         let model = self.model();
@@ -796,8 +797,9 @@ impl Layout<'_> {
             }
             None => {
                 let logits = model.head(b, fwd[0], norm, lm_head)?;
-                let loss = self.loss(b, logits, labels, denom)?;
-                let dh = b.grad(loss, &[fwd[0]])?[0];
+                let targets = crate::model::next_token_targets(b, labels)?;
+                let (loss, dlogits) = cross_entropy_loss_and_grad(b, logits, targets, denom)?;
+                let dh = b.vjp(&[(logits, dlogits)], &[fwd[0]])?[0];
                 (loss, dh)
             }
         };
@@ -841,19 +843,6 @@ impl Layout<'_> {
         Ok((loss, bwd[1..].to_vec()))
     }
 
-    /// sum(CE) / denom.
-    fn loss(
-        &self,
-        b: &mut Builder,
-        logits: Value,
-        labels: Value,
-        denom: Value,
-    ) -> hlo::Result<Value> {
-        let (ce, _) = token_cross_entropy(b, logits, labels)?;
-        let total = b.sum_all(ce)?;
-        b.div(total, denom)
-    }
-
     /// The loss and its gradient with respect to the last hidden state, a chunk of the sequence
     /// at a time, so that the logits [B, T, V] (f32, and their softmax) never exist whole: each
     /// chunk's logits are computed, turned into its share of the loss and, straight away, into the
@@ -890,10 +879,8 @@ impl Layout<'_> {
                     let hc = bb.dynamic_slice(inv[0], &[zero, start, zero], &[bs, chunk, hd])?;
                     let tc = bb.dynamic_slice(inv[3], &[zero, start], &[bs, chunk])?;
                     let logits = self.model().head(bb, hc, inv[1], inv[2])?;
-                    let (ce, _) = crate::model::cross_entropy_with_targets(bb, logits, tc)?;
-                    let total = bb.sum_all(ce)?;
-                    let share = bb.div(total, inv[4])?;
-                    let g = bb.grad(share, &[hc])?[0];
+                    let (share, dlogits) = cross_entropy_loss_and_grad(bb, logits, tc, inv[4])?;
+                    let g = bb.vjp(&[(logits, dlogits)], &[hc])?[0];
                     let dh = bb.dynamic_update_slice(carry[1], g, &[zero, start, zero])?;
                     Ok(vec![bb.add(carry[0], share)?, dh])
                 },
