@@ -4,6 +4,10 @@ only + AdamW in one jax.jit, layers in lax.scan. Reads the weights and batch tha
 tools/bench) and the timings as JSON.
 
 usage: jax_step.py EXPORT.safetensors --steps N --warmup W --lora-r R --lora-alpha A --targets q,v
+                   [--dtype f32|bf16]
+
+bf16 is xtrain's mixed precision: bf16 frozen weights and activations (LoRA terms included),
+RMSNorm statistics, attention scores, softmax and the loss in f32, LoRA parameters and AdamW in f32.
 """
 import argparse, json, struct, time
 
@@ -18,7 +22,7 @@ def read_safetensors(path):
     raw = open(path, "rb").read()
     n = struct.unpack("<Q", raw[:8])[0]
     header = json.loads(raw[8:8 + n])
-    kinds = {"F32": np.float32, "I32": np.int32, "I64": np.int64, "BF16": np.uint16}
+    kinds = {"F32": np.float32, "I32": np.int32, "I64": np.int64, "BF16": jnp.bfloat16}
     out = {}
     for name, info in header.items():
         if name == "__metadata__":
@@ -37,6 +41,7 @@ def main():
     p.add_argument("--lora-alpha", type=float, default=32)
     p.add_argument("--targets", default="q,v")
     p.add_argument("--config", required=True)
+    p.add_argument("--dtype", choices=["f32", "bf16"], default="f32")
     p.add_argument("--peak", action="store_true", help="also measure f32 matmul GFLOP/s")
     a = p.parse_args()
     cfg = json.load(open(a.config))
@@ -45,12 +50,13 @@ def main():
     nh, nkv, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     eps, theta = cfg["rms_norm_eps"], cfg["rope_theta"]
     targets = a.targets.split(",")
+    cd = jnp.bfloat16 if a.dtype == "bf16" else jnp.float32  # the compute type
     proj = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
             "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
     kinds = ["input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
              "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
-    frozen = {k: jnp.stack([t[f"model.layers.{l}.{k}.weight"] for l in range(L)]) for k in kinds}
-    embed, norm, head = jnp.asarray(t["model.embed_tokens.weight"]), jnp.asarray(t["model.norm.weight"]), jnp.asarray(t["lm_head.weight"])
+    frozen = {k: jnp.stack([t[f"model.layers.{l}.{k}.weight"] for l in range(L)]).astype(cd) for k in kinds}
+    embed, norm, head = (jnp.asarray(t[n]).astype(cd) for n in ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"])
     lora = {}
     for tg in targets:
         for w in "AB":
@@ -68,11 +74,12 @@ def main():
     inv = np.where(wl < hi_w, inv, np.where(wl > lo_w, inv / rs["factor"], (1 - smooth) * inv / rs["factor"] + smooth * inv)).astype(np.float32)
     ang = np.arange(T, dtype=np.float32)[:, None] * inv[None, :]
     ang = np.concatenate([ang, ang], -1)
-    cos, sin = jnp.asarray(np.cos(ang)), jnp.asarray(np.sin(ang))
+    cos, sin = jnp.asarray(np.cos(ang)).astype(cd), jnp.asarray(np.sin(ang)).astype(cd)
     causal = jnp.tril(jnp.ones((T, T), bool))
 
     def rms(x, g):
-        return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + eps) * g
+        x = x.astype(jnp.float32)
+        return (x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + eps)).astype(cd) * g
 
     def rope(x):
         x1, x2 = x[..., : d // 2], x[..., d // 2:]
@@ -84,7 +91,7 @@ def main():
         def lin(x, name, tg):
             y = x @ w[name].T
             if tg in targets:
-                y = y + scale * ((x @ lw[f"{tg}_A"].T) @ lw[f"{tg}_B"].T)
+                y = y + scale * ((x @ lw[f"{tg}_A"].astype(cd).T) @ lw[f"{tg}_B"].astype(cd).T)
             return y
 
         x = rms(h, w["input_layernorm"])
@@ -93,9 +100,9 @@ def main():
         v = lin(x, "self_attn.v_proj", "v").reshape(B, T, nkv, d)
         k = jnp.repeat(k, nh // nkv, axis=2)
         v = jnp.repeat(v, nh // nkv, axis=2)
-        s = jnp.einsum("bthd,bshd->bhts", q, k) / np.sqrt(d)
+        s = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32) / np.sqrt(d)
         s = jnp.where(causal, s, jnp.finfo(jnp.float32).min)
-        o = jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, -1), v).reshape(B, T, nh * d)
+        o = jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, -1).astype(cd), v).reshape(B, T, nh * d)
         h = h + lin(o, "self_attn.o_proj", "o")
         x = rms(h, w["post_attention_layernorm"])
         m = jax.nn.silu(lin(x, "mlp.gate_proj", "gate")) * lin(x, "mlp.up_proj", "up")
@@ -104,7 +111,7 @@ def main():
     def loss_fn(lora, frozen, ids, labels):
         h = embed[ids]
         h, _ = jax.lax.scan(layer, h, (frozen, lora))
-        logits = rms(h, norm) @ head.T
+        logits = (rms(h, norm) @ head.T).astype(jnp.float32)
         lp = jax.nn.log_softmax(logits[:, :-1], -1)
         tgt = labels[:, 1:]
         valid = tgt != -100
