@@ -3,9 +3,10 @@
 
 use crate::lora::SplitMix;
 use crate::runtime::Runtime;
-use crate::step::{self, Role, StepSpec};
+use crate::step::{self, Program, Role, StepSpec};
 use crate::train::{Batch, Trainer};
 use anyhow::Result;
+use hlo::DType;
 use pjrt::HostTensor;
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -26,6 +27,77 @@ pub fn random_weights(spec: &StepSpec, seed: u64) -> BTreeMap<String, HostTensor
                     .collect()
             };
             (name, HostTensor::from_f32(&v, &shape))
+        })
+        .collect()
+}
+
+/// One uniform value in [-1, 1) per (stream, index): a stateless hash, so that any thread can
+/// fill any part of a tensor and the result does not depend on how the work was split.
+fn uniform_at(stream: u64, index: u64) -> f64 {
+    let mut z = stream
+        .wrapping_mul(0xD134_2543_DE82_EF95)
+        .wrapping_add(index.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    (z >> 11) as f64 / (1u64 << 52) as f64 - 1.0
+}
+
+/// Random frozen weights made directly in the program's layout and element types (stacked layers,
+/// bf16 when the program takes bf16), on all cores: what large models need. Llama 3.1 8B in bf16
+/// is 16 GB this way; the per-layer f32 tensors of [`random_weights`] would be 32 GB, stacked and
+/// converted after. Same distribution as [`random_weights`] (uniform, std ~0.02; norms 1), not the
+/// same values.
+pub fn random_program_weights(program: &Program, seed: u64) -> Result<Vec<HostTensor>> {
+    let threads = std::thread::available_parallelism().map_or(4, |n| n.get());
+    program
+        .args
+        .iter()
+        .enumerate()
+        .filter(|(_, a)| a.role == Role::Frozen)
+        .map(|(k, a)| {
+            let n: usize = a.shape.iter().product::<i64>() as usize;
+            let ty = crate::runtime::element_type(a.dtype);
+            let width = match a.dtype {
+                DType::F32 => 4,
+                DType::BF16 | DType::F16 => 2,
+                other => anyhow::bail!(
+                    "random weights: `{}` is {other:?}; only float weights can be made at random \
+                     (quantized programs take the host path)",
+                    a.name
+                ),
+            };
+            let norm = a.name.contains("norm");
+            let stream = seed ^ ((k as u64) << 40);
+            let mut bytes = vec![0u8; n * width];
+            let per = n.div_ceil(threads).max(1 << 16);
+            std::thread::scope(|scope| {
+                for (c, chunk) in bytes.chunks_mut(per * width).enumerate() {
+                    let dtype = a.dtype;
+                    scope.spawn(move || {
+                        let first = (c * per) as u64;
+                        for (j, out) in chunk.chunks_exact_mut(width).enumerate() {
+                            let v = if norm {
+                                1.0
+                            } else {
+                                (uniform_at(stream, first + j as u64) * 0.0346) as f32
+                            };
+                            match dtype {
+                                DType::F32 => out.copy_from_slice(&v.to_le_bytes()),
+                                DType::BF16 => {
+                                    out.copy_from_slice(&half::bf16::from_f32(v).to_le_bytes())
+                                }
+                                _ => out.copy_from_slice(&half::f16::from_f32(v).to_le_bytes()),
+                            }
+                        }
+                    });
+                }
+            });
+            Ok(HostTensor {
+                ty,
+                dims: a.shape.clone(),
+                bytes,
+            })
         })
         .collect()
 }
@@ -64,6 +136,11 @@ pub fn random_batch(spec: &StepSpec, seed: u64) -> Batch {
     }
 }
 
+/// Progress for the long parts of a large benchmark, on stderr (stdout carries the JSON result).
+fn progress(msg: &str) {
+    eprintln!("xtrain bench: {msg}");
+}
+
 /// What `xtrain bench` measured.
 #[derive(serde::Serialize)]
 pub struct BenchResult {
@@ -83,26 +160,37 @@ pub fn run(
     export: Option<&Path>,
     plugin: Option<&str>,
 ) -> Result<BenchResult> {
-    let weights = random_weights(&spec, 1);
     let lora = random_lora(&spec, 1);
     let batch = random_batch(&spec, 1);
-    if let Some(p) = export {
-        let mut all = weights.clone();
-        all.extend(lora.clone());
-        all.insert("input_ids".into(), batch.input_ids.clone());
-        all.insert("labels".into(), batch.labels.clone());
-        all.insert("attention_mask".into(), batch.attention_mask.clone());
-        crate::safetensors::write(p, &all, &BTreeMap::new())?;
-    }
     let program = step::build_train_step(&spec)?;
     let bytes = program.text.len();
-    let names: Vec<(String, Vec<i64>)> = program
-        .args
-        .iter()
-        .filter(|a| a.role == Role::Frozen)
-        .map(|a| (a.name.clone(), a.shape.clone()))
-        .collect();
-    let frozen = crate::runtime::to_program_layout(&names, &weights, spec.model.num_hidden_layers)?;
+    let t0 = Instant::now();
+    let frozen = if export.is_some() || spec.nf4 {
+        // Per-layer f32 weights under HF names: what peers read, and what the NF4 quantizer takes.
+        let weights = random_weights(&spec, 1);
+        if let Some(p) = export {
+            let mut all = weights.clone();
+            all.extend(lora.clone());
+            all.insert("input_ids".into(), batch.input_ids.clone());
+            all.insert("labels".into(), batch.labels.clone());
+            all.insert("attention_mask".into(), batch.attention_mask.clone());
+            crate::safetensors::write(p, &all, &BTreeMap::new())?;
+        }
+        let names: Vec<(String, Vec<i64>)> = program
+            .args
+            .iter()
+            .filter(|a| a.role == Role::Frozen)
+            .map(|a| (a.name.clone(), a.shape.clone()))
+            .collect();
+        crate::runtime::to_program_layout(&names, &weights, spec.model.num_hidden_layers)?
+    } else {
+        random_program_weights(&program, 1)?
+    };
+    progress(&format!(
+        "random weights: {:.2} GB in {:.1}s",
+        frozen.iter().map(|t| t.bytes.len()).sum::<usize>() as f64 / 1e9,
+        t0.elapsed().as_secs_f64()
+    ));
     let rt = Runtime::open(plugin, Some(program.partitions))?;
     let t0 = Instant::now();
     let mut trainer = Trainer::new(
@@ -116,6 +204,9 @@ pub fn run(
         false,
     )?;
     let compile_s = t0.elapsed().as_secs_f64();
+    progress(&format!(
+        "compiled and uploaded in {compile_s:.1}s; stepping"
+    ));
     let mut times = Vec::new();
     let mut first_loss = f32::NAN;
     for i in 0..warmup + steps {
@@ -124,9 +215,16 @@ pub fn run(
         if i == 0 {
             first_loss = loss;
         }
+        let took = t.elapsed().as_secs_f64();
         if i >= warmup {
-            times.push(t.elapsed().as_secs_f64());
+            times.push(took);
         }
+        let what = if i < warmup { "warm-up step" } else { "step" };
+        progress(&format!(
+            "{what} {}/{}: {took:.3}s, loss {loss:.4}",
+            i + 1,
+            warmup + steps
+        ));
     }
     Ok(BenchResult {
         compile_s,

@@ -187,11 +187,10 @@ impl Trainer {
                     a.shape
                 );
             }
-            frozen.push(rt.upload_sharded(
-                &convert(&t, element_type(a.dtype))?,
-                sh,
-                mesh.as_ref(),
-            )?);
+            // Converted only when the types differ: a large model's weights are not copied twice.
+            let want = element_type(a.dtype);
+            let t = if t.ty == want { t } else { convert(&t, want)? };
+            frozen.push(rt.upload_sharded(&t, sh, mesh.as_ref())?);
         }
         let mut trainer = Trainer {
             rt,

@@ -212,6 +212,7 @@ pub struct PJRT_Event_Args {
 
 pub const NAMED_VALUE_STRING: c_int = 0;
 pub const NAMED_VALUE_INT64: c_int = 1;
+pub const NAMED_VALUE_FLOAT: c_int = 3;
 pub const NAMED_VALUE_BOOL: c_int = 4;
 
 #[repr(C)]

@@ -260,3 +260,19 @@ fn executable_serializes_and_reloads() {
     let out = again.execute(&[vec![&x, &w, &b]]).unwrap();
     assert_eq!(out[0][0].to_host().unwrap().to_f32().unwrap(), vec![3.5; 4]);
 }
+
+#[test]
+fn float_create_options_are_passed() {
+    // The GPU plugins take `memory_fraction` as a float; the CPU plugin ignores options it does not
+    // know, so this checks that a float option is marshalled without upsetting the plugin.
+    // (A float given for one of the CPU plugin's own int64 options aborts the process inside the
+    // plugin with an uncatchable C++ exception, so that is not tried.)
+    let path = pjrt::discover::resolve_or_install(Some("cpu")).expect("CPU plugin");
+    let plugin = Plugin::load(&path).expect("load CPU plugin");
+    let options = ClientOptions {
+        int_options: vec![("cpu_device_count".into(), 2)],
+        float_options: vec![("memory_fraction".into(), 0.9)],
+    };
+    let client = plugin.client(&options).expect("client with a float option");
+    assert_eq!(client.devices().unwrap().len(), 2);
+}
