@@ -12,23 +12,46 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Instant;
 
-/// Random weights (uniform, std ~0.02; norms 1) under per-layer HF names.
+/// Random weights (uniform, std ~0.02; norms 1) under per-layer HF names: the same values as
+/// [`random_program_weights`] makes in the program's layout (layer l of a stacked tensor is
+/// elements l*n..(l+1)*n of its stream), so that an exported run and a timed run see one model.
 pub fn random_weights(spec: &StepSpec, seed: u64) -> BTreeMap<String, HostTensor> {
-    let mut rng = SplitMix(seed);
     step::frozen_weights(&spec.model)
         .into_iter()
         .map(|(name, shape)| {
             let n: i64 = shape.iter().product();
-            let v: Vec<f32> = if name.contains("norm") {
-                vec![1.0; n as usize]
-            } else {
-                (0..n)
-                    .map(|_| ((rng.next_f64() * 2.0 - 1.0) * 0.0346) as f32)
-                    .collect()
+            // model.layers.<l>.<rest> -> (model.layers.*.<rest>, l)
+            let (stacked, layer) = match name.strip_prefix("model.layers.") {
+                Some(rest) => {
+                    let (l, tail) = rest.split_once('.').expect("layer tensor name");
+                    (format!("model.layers.*.{tail}"), l.parse::<u64>().unwrap())
+                }
+                None => (name.clone(), 0),
             };
+            let stream = weight_stream(seed, &stacked);
+            let v: Vec<f32> = (0..n as u64)
+                .map(|i| weight_value(&name, stream, layer * n as u64 + i))
+                .collect();
             (name, HostTensor::from_f32(&v, &shape))
         })
         .collect()
+}
+
+/// Each weight tensor's random stream, from its (stacked) name.
+fn weight_stream(seed: u64, stacked_name: &str) -> u64 {
+    // FNV-1a of the name
+    let h = stacked_name.bytes().fold(0xCBF2_9CE4_8422_2325u64, |h, c| {
+        (h ^ c as u64).wrapping_mul(0x0100_0000_01B3)
+    });
+    seed ^ h
+}
+
+fn weight_value(name: &str, stream: u64, index: u64) -> f32 {
+    if name.contains("norm") {
+        1.0
+    } else {
+        (uniform_at(stream, index) * 0.0346) as f32
+    }
 }
 
 /// One uniform value in [-1, 1) per (stream, index): a stateless hash, so that any thread can
@@ -46,16 +69,14 @@ fn uniform_at(stream: u64, index: u64) -> f64 {
 /// Random frozen weights made directly in the program's layout and element types (stacked layers,
 /// bf16 when the program takes bf16), on all cores: what large models need. Llama 3.1 8B in bf16
 /// is 16 GB this way; the per-layer f32 tensors of [`random_weights`] would be 32 GB, stacked and
-/// converted after. Same distribution as [`random_weights`] (uniform, std ~0.02; norms 1), not the
-/// same values.
+/// converted after. The same values as [`random_weights`].
 pub fn random_program_weights(program: &Program, seed: u64) -> Result<Vec<HostTensor>> {
     let threads = std::thread::available_parallelism().map_or(4, |n| n.get());
     program
         .args
         .iter()
-        .enumerate()
-        .filter(|(_, a)| a.role == Role::Frozen)
-        .map(|(k, a)| {
+        .filter(|a| a.role == Role::Frozen)
+        .map(|a| {
             let n: usize = a.shape.iter().product::<i64>() as usize;
             let ty = crate::runtime::element_type(a.dtype);
             let width = match a.dtype {
@@ -67,8 +88,7 @@ pub fn random_program_weights(program: &Program, seed: u64) -> Result<Vec<HostTe
                     a.name
                 ),
             };
-            let norm = a.name.contains("norm");
-            let stream = seed ^ ((k as u64) << 40);
+            let stream = weight_stream(seed, &a.name);
             let mut bytes = vec![0u8; n * width];
             let per = n.div_ceil(threads).max(1 << 16);
             std::thread::scope(|scope| {
@@ -77,11 +97,7 @@ pub fn random_program_weights(program: &Program, seed: u64) -> Result<Vec<HostTe
                     scope.spawn(move || {
                         let first = (c * per) as u64;
                         for (j, out) in chunk.chunks_exact_mut(width).enumerate() {
-                            let v = if norm {
-                                1.0
-                            } else {
-                                (uniform_at(stream, first + j as u64) * 0.0346) as f32
-                            };
+                            let v = weight_value(&a.name, stream, first + j as u64);
                             match dtype {
                                 DType::F32 => out.copy_from_slice(&v.to_le_bytes()),
                                 DType::BF16 => {
