@@ -62,6 +62,7 @@ impl Forward {
             mesh: None,
             nf4: false,
             loss_chunk: None,
+            attention_block: None,
         };
         let program = match kind {
             Kind::NextToken => step::build_next_token(&spec, adapter.is_some())?,

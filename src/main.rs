@@ -186,6 +186,10 @@ struct StepArgs {
     /// for long sequences and large vocabularies on one device).
     #[arg(long)]
     loss_chunk: Option<i64>,
+    /// Query rows per block of causal attention (blocks wholly above the diagonal are not
+    /// computed); default 128 when the sequence is a longer multiple of 128, else no blocking.
+    #[arg(long)]
+    attention_block: Option<i64>,
     /// Quantize the projections' base weights at load: nf4 (QLoRA's 4-bit NormalFloat, blocks
     /// of 64, double-quantized scales), dequantized in the step right before each matmul.
     #[arg(long)]
@@ -249,6 +253,7 @@ impl StepArgs {
             mesh: self.mesh()?,
             nf4: self.nf4()?,
             loss_chunk: self.loss_chunk,
+            attention_block: self.attention_block,
         })
     }
 }
@@ -490,6 +495,7 @@ fn train(a: TrainArgs, verbose: bool) -> Result<()> {
         nf4: a.step.nf4()?,
         skip_nonfinite: a.skip_nonfinite_steps,
         loss_chunk: a.step.loss_chunk,
+        attention_block: a.step.attention_block,
     };
     xtrain::train::run(&opts)
 }

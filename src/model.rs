@@ -111,12 +111,15 @@ pub fn layer_key(b: &mut Builder, key: Value, layer: Value) -> Result<Value> {
 pub struct Numerics {
     /// Element type of activations and matmul operands (f32, or bf16 for mixed precision).
     pub compute: DType,
+    /// Query rows per causal attention block (see [`query_block`]); None: the default rule.
+    pub attention_block: Option<i64>,
 }
 
 impl Default for Numerics {
     fn default() -> Self {
         Numerics {
             compute: DType::F32,
+            attention_block: None,
         }
     }
 }
@@ -143,6 +146,55 @@ fn linear(b: &mut Builder, x: Value, w: Value) -> Result<Value> {
     let mut yd = xd[..xd.len() - 1].to_vec();
     yd.push(b.dims(w)[0]);
     b.reshape(y, &yd)
+}
+
+/// Query rows per attention block: the requested size when it divides the sequence, else 128
+/// when the sequence splits into several such blocks, else the whole sequence (one block,
+/// nothing skipped). Blocks of 128 measured best on the CPU benchmark (T = 256; see README).
+fn query_block(t: i64, requested: Option<i64>) -> i64 {
+    match requested {
+        Some(r) if r > 0 && r <= t && t % r == 0 => r,
+        Some(_) => t,
+        None if t > 128 && t % 128 == 0 => 128,
+        None => t,
+    }
+}
+
+/// softmax(q k^T / sqrt(D), masked) v for q [B, TQ, KV, G, D], k and v [B, S, KV, D] and the mask
+/// [B, TQ, S]: out [B, TQ, KV, G, D]. Scores and softmax in f32.
+fn attend(
+    b: &mut Builder,
+    q: Value,
+    k: Value,
+    v: Value,
+    mask: Value,
+    d: i64,
+    compute: DType,
+) -> Result<Value> {
+    // scores [B, KV, TQ, G, S] = q . k / sqrt(D)
+    let dims = DotDims {
+        lhs_batch: vec![0, 2],
+        rhs_batch: vec![0, 2],
+        lhs_contract: vec![4],
+        rhs_contract: vec![3],
+    };
+    let scores = b.dot_general(q, k, dims, None, Some(DType::F32))?;
+    let scores = b.mul_scalar(scores, 1.0 / (d as f64).sqrt())?;
+    let sd = b.dims(scores).to_vec();
+    let allowed = b.broadcast_in_dim(mask, &sd, &[0, 2, 4])?;
+    let blocked = b.full(f32::MIN as f64, Shape::new(&sd, DType::F32));
+    let scores = b.select(allowed, scores, blocked)?;
+    let probs = softmax_last(b, scores)?;
+    let probs = b.convert(probs, compute)?;
+    // out [B, KV, TQ, G, D] = probs . v
+    let dims = DotDims {
+        lhs_batch: vec![0, 1],
+        rhs_batch: vec![0, 2],
+        lhs_contract: vec![4],
+        rhs_contract: vec![1],
+    };
+    let out = b.dot_general(probs, v, dims, None, Some(compute))?;
+    b.transpose(out, &[0, 2, 1, 3, 4])
 }
 
 impl Llama<'_> {
@@ -362,30 +414,25 @@ impl Llama<'_> {
             let v = b.reshape(v, &[bs, t, kvh, d])?;
             let q = self.apply_rope(b, q, rope)?;
             let k = self.apply_rope(b, k, rope)?;
-            // scores [B, KV, T, G, S] = q . k / sqrt(D), in f32
-            let dims = DotDims {
-                lhs_batch: vec![0, 2],
-                rhs_batch: vec![0, 2],
-                lhs_contract: vec![4],
-                rhs_contract: vec![3],
+            // Causal: the queries of block i see keys 0..(i+1)*TB only, so the blocks above the
+            // diagonal, where every score is masked, are never computed (a quarter of the
+            // attention work at 2 blocks, nearly half at many).
+            let tb = query_block(t, self.num.attention_block);
+            let mut outs = Vec::new();
+            for i in 0..t / tb {
+                let (start, seen) = (i * tb, (i + 1) * tb);
+                let qi = b.slice_dim(q, 1, start, start + tb)?;
+                let ki = b.slice_dim(k, 1, 0, seen)?;
+                let vi = b.slice_dim(v, 1, 0, seen)?;
+                let mi = b.slice_dim(mask, 1, start, start + tb)?;
+                let mi = b.slice_dim(mi, 2, 0, seen)?;
+                outs.push(attend(b, qi, ki, vi, mi, d, self.num.compute)?);
+            }
+            let out = if outs.len() == 1 {
+                outs[0]
+            } else {
+                b.concatenate(&outs, 1)?
             };
-            let scores = b.dot_general(q, k, dims, None, Some(DType::F32))?;
-            let scores = b.mul_scalar(scores, 1.0 / (d as f64).sqrt())?;
-            let sd = b.dims(scores).to_vec();
-            let allowed = b.broadcast_in_dim(mask, &sd, &[0, 2, 4])?;
-            let blocked = b.full(f32::MIN as f64, Shape::new(&sd, DType::F32));
-            let scores = b.select(allowed, scores, blocked)?;
-            let probs = softmax_last(b, scores)?;
-            let probs = b.convert(probs, self.num.compute)?;
-            // out [B, KV, T, G, D] = probs . v
-            let dims = DotDims {
-                lhs_batch: vec![0, 1],
-                rhs_batch: vec![0, 2],
-                lhs_contract: vec![4],
-                rhs_contract: vec![1],
-            };
-            let out = b.dot_general(probs, v, dims, None, Some(self.num.compute))?;
-            let out = b.transpose(out, &[0, 2, 1, 3, 4])?;
             b.reshape(out, &[bs, t, c.num_attention_heads * d])
         })?;
         self.project(b, Target::O, attn, w.o, lora, ctx, saves)

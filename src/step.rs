@@ -121,6 +121,10 @@ pub struct StepSpec {
     /// worse, so it is off by default.
     #[serde(default)]
     pub loss_chunk: Option<i64>,
+    /// Query rows per causal attention block (blocks above the diagonal are skipped); None: 128
+    /// when the sequence is a multiple of 128 longer than that, else the whole sequence.
+    #[serde(default)]
+    pub attention_block: Option<i64>,
 }
 
 /// A device mesh and the logical-axis rules that place tensors on it.
@@ -529,6 +533,7 @@ impl Layout<'_> {
             cfg: &self.spec.model,
             num: Numerics {
                 compute: self.spec.compute_dtype,
+                attention_block: self.spec.attention_block,
             },
         }
     }
@@ -1048,6 +1053,14 @@ fn check_spec(spec: &StepSpec) -> Result<()> {
             spec.microbatches,
             spec.batch
         );
+    }
+    if let Some(r) = spec.attention_block {
+        if r < 1 || spec.seq % r != 0 {
+            bail!(
+                "--attention-block {r} must be a positive divisor of the sequence length {}",
+                spec.seq
+            );
+        }
     }
     Ok(())
 }

@@ -521,6 +521,7 @@ pub struct TrainOptions {
     pub skip_nonfinite: bool,
     /// Compute the loss this many positions at a time (looped layers).
     pub loss_chunk: Option<i64>,
+    pub attention_block: Option<i64>,
 }
 
 /// Write `dir` as a complete directory or not at all: `fill` writes into a temp dir that is
@@ -1117,6 +1118,7 @@ pub fn plan(
         mesh: opts.mesh.clone(),
         nf4: opts.nf4,
         loss_chunk: opts.loss_chunk,
+        attention_block: opts.attention_block,
     };
     let program = step::build_train_step(&spec)?;
     Ok((spec, program))

@@ -17,6 +17,7 @@ fn spec(dtype: hlo::DType) -> StepSpec {
         mesh: None,
         nf4: false,
         loss_chunk: None,
+        attention_block: None,
         model,
         lora: LoraConfig {
             r: 4,

@@ -49,6 +49,7 @@ fn spec_with(model_dir: &str, remat: Remat) -> StepSpec {
         mesh: None,
         nf4: false,
         loss_chunk: None,
+        attention_block: None,
         model: LlamaConfig::load(&fixtures().join(model_dir)).unwrap(),
         lora: oracle_lora(),
         adam: AdamW {
@@ -182,6 +183,21 @@ fn base_logits_and_loss_match() {
     let base = read("base_outputs.safetensors");
     let d = max_abs_diff(&f32s(&out["logits"]), &f32s(&base.read("logits").unwrap()));
     assert!(d <= 1e-4, "logits differ by {d} (tolerance 1e-4)");
+    // Causal attention in blocks of 4 and 8 query rows (blocks above the diagonal skipped).
+    for block in [4, 8] {
+        let mut s = spec("model");
+        s.attention_block = Some(block);
+        let blocked = step::build_forward(&s, false).unwrap();
+        let out = execute(
+            &blocked,
+            &inputs(&blocked, "model", &BTreeMap::new(), &BTreeMap::new()),
+        );
+        let d = max_abs_diff(&f32s(&out["logits"]), &f32s(&base.read("logits").unwrap()));
+        assert!(
+            d <= 1e-4,
+            "attention blocks of {block}: logits differ by {d} (tolerance 1e-4)"
+        );
+    }
     let loss = out["loss"].scalar_f32().unwrap();
     assert!(
         (loss - 6.649667).abs() <= 1e-5,
@@ -240,17 +256,20 @@ fn lora_logits_loss_and_all_28_gradients_match() {
     let loss = out["loss"].scalar_f32().unwrap();
     assert!((loss - 6.63896).abs() <= 1e-5, "LoRA loss {loss}");
 
-    // The same gradients with layers unrolled, looped (both remat policies), and with the loss
-    // computed 4 positions at a time.
+    // The same gradients with layers unrolled, looped (both remat policies), with the loss
+    // computed 4 positions at a time, and with causal attention in blocks of 4 query rows.
     let _ = &s;
-    for (remat, chunk) in [
-        (Remat::None, None),
-        (Remat::Layer, None),
-        (Remat::SaveProj, None),
-        (Remat::Layer, Some(4)),
+    for (remat, chunk, block) in [
+        (Remat::None, None, None),
+        (Remat::Layer, None, None),
+        (Remat::SaveProj, None, None),
+        (Remat::Layer, Some(4), None),
+        (Remat::None, None, Some(4)),
+        (Remat::SaveProj, None, Some(4)),
     ] {
         let mut sp = spec_with("model", remat);
         sp.loss_chunk = chunk;
+        sp.attention_block = block;
         let program = step::build_grad_program(&sp).unwrap();
         let out = execute(
             &program,
@@ -259,7 +278,7 @@ fn lora_logits_loss_and_all_28_gradients_match() {
         let loss = out["loss"].scalar_f32().unwrap();
         assert!(
             (loss - 6.63896).abs() <= 1e-5,
-            "{remat:?} chunk {chunk:?}: loss {loss}"
+            "{remat:?} chunk {chunk:?} block {block:?}: loss {loss}"
         );
         let mut checked = 0;
         for (name, t) in out.iter().filter(|(n, _)| n.starts_with("grad.")) {
@@ -274,7 +293,7 @@ fn lora_logits_loss_and_all_28_gradients_match() {
             let norm: f32 = want.iter().map(|b| b * b).sum::<f32>().sqrt();
             assert!(
                 diff / norm <= 1e-4,
-                "{remat:?} chunk {chunk:?} {name}: relative error {} (tolerance 1e-4)",
+                "{remat:?} chunk {chunk:?} block {block:?} {name}: relative error {} (tolerance 1e-4)",
                 diff / norm
             );
             checked += 1;

@@ -43,6 +43,7 @@ fn spec(cfg: LlamaConfig, remat: Remat, batch: i64, seq: i64) -> StepSpec {
         mesh: None,
         nf4: false,
         loss_chunk: None,
+        attention_block: None,
     }
 }
 

@@ -35,6 +35,7 @@ fn spec(mesh: Option<&str>, remat: Remat) -> StepSpec {
         }),
         nf4: false,
         loss_chunk: None,
+        attention_block: None,
     }
 }
 
