@@ -3,8 +3,10 @@ only + AdamW in one jax.jit, layers in lax.scan. Reads the weights and batch tha
 `xtrain bench --export` wrote, prints the first step's loss (checked against xtrain's by
 tools/bench) and the timings as JSON.
 
-usage: jax_step.py EXPORT.safetensors --steps N --warmup W --lora-r R --lora-alpha A --targets q,v
-                   [--dtype f32|bf16]
+usage: jax_step.py EXPORT.safetensors --config CONFIG.json --steps N --warmup W --lora-r R
+                   --lora-alpha A --targets q,v [--dtype f32|bf16] [--remat none|layer]
+       jax_step.py --random --batch B --seq T --config CONFIG.json ...   (weights made on the
+                   device, for models too large to export: tools/gpu-bench.sh)
 
 bf16 is xtrain's mixed precision: bf16 frozen weights and activations (LoRA terms included),
 RMSNorm statistics, attention scores, softmax and the loss in f32, LoRA parameters and AdamW in f32.
@@ -32,9 +34,38 @@ def read_safetensors(path):
     return out
 
 
+def random_inputs(cfg, targets, a, cd, d):
+    """Uniform weights (std ~0.02, norms 1) and LoRA (A ~ U(+-1/sqrt(in)), B ~ U(+-0.01)) made on
+    the device in the compute type, and random token ids: the same distributions as xtrain bench."""
+    L, H, F, V = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    shapes = {"self_attn.q_proj": (nh * d, H), "self_attn.k_proj": (nkv * d, H), "self_attn.v_proj": (nkv * d, H),
+              "self_attn.o_proj": (H, nh * d), "mlp.gate_proj": (F, H), "mlp.up_proj": (F, H), "mlp.down_proj": (H, F)}
+    keys = iter(jax.random.split(jax.random.PRNGKey(1), 64))
+    uniform = lambda shape, bound, dtype: jax.random.uniform(next(keys), shape, dtype, -bound, bound)
+    frozen = {k: uniform((L,) + s, 0.0346, cd) for k, s in shapes.items()}
+    frozen["input_layernorm"] = jnp.ones((L, H), cd)
+    frozen["post_attention_layernorm"] = jnp.ones((L, H), cd)
+    embed, head, norm = uniform((V, H), 0.0346, cd), uniform((V, H), 0.0346, cd), jnp.ones((H,), cd)
+    names = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+             "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+    lora = {}
+    for tg in targets:
+        out, inp = shapes[names[tg]]
+        lora[f"{tg}_A"] = uniform((L, a.lora_r, inp), 1.0 / np.sqrt(inp), jnp.float32)
+        lora[f"{tg}_B"] = uniform((L, out, a.lora_r), 0.01, jnp.float32)
+    ids = jax.random.randint(next(keys), (a.batch, a.seq), 0, V, jnp.int32)
+    return frozen, embed, norm, head, lora, ids, ids
+
+
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("export")
+    p.add_argument("export", nargs="?")
+    p.add_argument("--random", action="store_true", help="random weights and batch made on the device")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--remat", choices=["none", "layer"], default="none",
+                   help="layer: jax.checkpoint around the scanned layer (keep each layer's input)")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--lora-r", type=int, default=16)
@@ -45,23 +76,29 @@ def main():
     p.add_argument("--peak", action="store_true", help="also measure matmul GFLOP/s (2048^3, in --dtype)")
     a = p.parse_args()
     cfg = json.load(open(a.config))
-    t = read_safetensors(a.export)
+    if a.random == (a.export is not None):
+        p.error("give either an export file or --random")
     L, H = cfg["num_hidden_layers"], cfg["hidden_size"]
-    nh, nkv, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d = cfg.get("head_dim") or H // nh
     eps, theta = cfg["rms_norm_eps"], cfg["rope_theta"]
-    targets = a.targets.split(",")
+    targets = ["q", "k", "v", "o", "gate", "up", "down"] if a.targets == "all" else a.targets.split(",")
     cd = jnp.bfloat16 if a.dtype == "bf16" else jnp.float32  # the compute type
     proj = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
             "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
     kinds = ["input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
              "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
-    frozen = {k: jnp.stack([t[f"model.layers.{l}.{k}.weight"] for l in range(L)]).astype(cd) for k in kinds}
-    embed, norm, head = (jnp.asarray(t[n]).astype(cd) for n in ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"])
-    lora = {}
-    for tg in targets:
-        for w in "AB":
-            lora[f"{tg}_{w}"] = jnp.stack([t[f"base_model.model.model.layers.{l}.{proj[tg]}.lora_{w}.weight"] for l in range(L)])
-    ids, labels = jnp.asarray(t["input_ids"]), jnp.asarray(t["labels"])
+    if a.random:
+        frozen, embed, norm, head, lora, ids, labels = random_inputs(cfg, targets, a, cd, d)
+    else:
+        t = read_safetensors(a.export)
+        frozen = {k: jnp.stack([t[f"model.layers.{l}.{k}.weight"] for l in range(L)]).astype(cd) for k in kinds}
+        embed, norm, head = (jnp.asarray(t[n]).astype(cd) for n in ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"])
+        lora = {}
+        for tg in targets:
+            for w in "AB":
+                lora[f"{tg}_{w}"] = jnp.stack([t[f"base_model.model.model.layers.{l}.{proj[tg]}.lora_{w}.weight"] for l in range(L)])
+        ids, labels = jnp.asarray(t["input_ids"]), jnp.asarray(t["labels"])
     B, T = ids.shape
     scale = a.lora_alpha / a.lora_r
 
@@ -108,9 +145,11 @@ def main():
         m = jax.nn.silu(lin(x, "mlp.gate_proj", "gate")) * lin(x, "mlp.up_proj", "up")
         return h + lin(m, "mlp.down_proj", "down"), None
 
+    body = jax.checkpoint(layer) if a.remat == "layer" else layer
+
     def loss_fn(lora, frozen, ids, labels):
         h = embed[ids]
-        h, _ = jax.lax.scan(layer, h, (frozen, lora))
+        h, _ = jax.lax.scan(body, h, (frozen, lora))
         logits = (rms(h, norm) @ head.T).astype(jnp.float32)
         lp = jax.nn.log_softmax(logits[:, :-1], -1)
         tgt = labels[:, 1:]
