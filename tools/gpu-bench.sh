@@ -12,6 +12,8 @@
 #                 memory is tried, then smaller ones if it does not fit)
 #   --mem-gib G   device memory (default: nvidia-smi's figure)
 #   --plugin cpu  a dry run of this script on the CPU (with a small --model), JAX on CPU too
+# With about 15 minutes of GPU time, `--steps 3 --warmup 1` leaves room for the four compiles
+# (two memory probes, xtrain, JAX) of the 8B step.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -72,7 +74,8 @@ print(max(1, min(256, int((0.92 * mem - m1) / per_row) + 1)))")
   echo "   batch 1: $M1 GiB, batch 2: $M2 GiB -> $(python3 -c "print(f'{$M2 - $M1:.2f}')") GiB per row -> batch $BATCH"
 fi
 
-# Run one peer at the largest batch that works, from $2 down (x 3/4 each time it does not fit).
+# Run one peer at the largest batch that works, from $2 down (halving each time it does not fit:
+# every try costs a compile, and the GPU time is short).
 run_peer() {
   local name=$1 b=$2; shift 2
   while :; do
@@ -85,7 +88,7 @@ run_peer() {
       echo "gpu-bench: $name failed (not for memory); see above" >&2; return 1
     fi
     [ "$b" -gt 1 ] || { echo "gpu-bench: $name does not fit even at batch 1" >&2; return 1; }
-    b=$(( b * 3 / 4 )); [ "$b" -ge 1 ] || b=1
+    b=$(( b / 2 ))
   done
 }
 XB=$(run_peer xtrain "$BATCH" "$XTRAIN" bench "${STEP[@]}" --warmup "$WARMUP" --steps "$STEPS")
