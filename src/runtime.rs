@@ -173,7 +173,9 @@ impl Runtime {
         {
             o = o.with_override(
                 "xla_disable_hlo_passes",
-                pjrt::OptionValue::String("while-loop-invariant-code-motion,tree_reduction_rewriter".into()),
+                pjrt::OptionValue::String(
+                    "while-loop-invariant-code-motion,tree_reduction_rewriter".into(),
+                ),
             );
         }
         o
