@@ -11,7 +11,7 @@
 
 use crate::config::LlamaConfig;
 use crate::lora::Target;
-use hlo::{Builder, CmpDir, DType, DotDims, Result, Shape, Value};
+use hlo::{Builder, CmpDir, DType, DotDims, GatherDims, Result, Shape, Value};
 use std::collections::BTreeMap;
 
 /// The frozen weights of one decoder layer (HF layout: projections are [out, in]).
@@ -524,7 +524,7 @@ pub fn cross_entropy_loss_and_grad(
 ) -> Result<(Value, Value)> {
     b.scoped("loss", |b| {
         let dims = b.dims(logits).to_vec();
-        let (bs, t, v) = (dims[0], dims[1], dims[2]);
+        let (bs, t) = (dims[0], dims[1]);
         let rows = [bs, t];
         // log-sum-exp over the vocabulary
         let m = b.reduce_max(logits, &[2])?;
@@ -534,20 +534,29 @@ pub fn cross_entropy_loss_and_grad(
         let s = b.reduce_sum(e, &[2])?;
         let ls = b.log(s)?;
         let lse = b.add(ls, m)?;
-        // the target's logit: a gather of one scalar per position from the flattened logits
+        // the target's logit: a gather of one scalar per position, indexed (b, t, target) so that
+        // the logits keep their shape (flattening them would make a sharded program gather them
+        // whole onto every device)
         let minus100 = b.full(-100.0, Shape::new(&rows, DType::S32));
         let valid = b.compare(targets, minus100, CmpDir::Ne)?;
         let zero = b.zeros_like(targets);
         let safe = b.max(targets, zero)?;
-        let pos_b = b.iota(Shape::new(&rows, DType::S32), 0)?;
-        let pos_t = b.iota(Shape::new(&rows, DType::S32), 1)?;
-        let row = b.mul_scalar(pos_b, t as f64)?;
-        let row = b.add(row, pos_t)?;
-        let offset = b.mul_scalar(row, v as f64)?;
-        let flat_index = b.add(offset, safe)?;
-        let flat = b.reshape(logits, &[bs * t * v, 1])?;
-        let picked = b.take_rows(flat, flat_index)?;
-        let picked = b.reshape(picked, &rows)?;
+        let index_dims = [bs, t, 1];
+        let pos_b = b.iota(Shape::new(&index_dims, DType::S32), 0)?;
+        let pos_t = b.iota(Shape::new(&index_dims, DType::S32), 1)?;
+        let safe = b.reshape(safe, &index_dims)?;
+        let index = b.concatenate(&[pos_b, pos_t, safe], 2)?;
+        let picked = b.gather(
+            logits,
+            index,
+            GatherDims {
+                offset_dims: vec![],
+                collapsed_slice_dims: vec![0, 1, 2],
+                start_index_map: vec![0, 1, 2],
+                index_vector_dim: 2,
+            },
+            &[1, 1, 1],
+        )?;
         let ce = b.sub(lse, picked)?;
         let valid = b.convert(valid, DType::F32)?;
         let ce = b.mul(ce, valid)?;
