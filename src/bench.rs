@@ -192,12 +192,7 @@ pub fn run(
             all.insert("attention_mask".into(), batch.attention_mask.clone());
             crate::safetensors::write(p, &all, &BTreeMap::new())?;
         }
-        let names: Vec<(String, Vec<i64>)> = program
-            .args
-            .iter()
-            .filter(|a| a.role == Role::Frozen)
-            .map(|a| (a.name.clone(), a.shape.clone()))
-            .collect();
+        let names = program.frozen_shapes();
         crate::runtime::to_program_layout(&names, &weights, spec.model.num_hidden_layers)?
     } else {
         random_program_weights(&program, 1)?

@@ -70,12 +70,7 @@ impl Forward {
         };
         let (exe, _) =
             crate::program::compile_cached(rt, &program, &CompileOptions::default(), true)?;
-        let frozen: Vec<(String, Vec<i64>)> = program
-            .args
-            .iter()
-            .filter(|a| a.role == Role::Frozen)
-            .map(|a| (a.name.clone(), a.shape.clone()))
-            .collect();
+        let frozen = program.frozen_shapes();
         let weights =
             crate::weights::load(model_dir, cfg, &frozen, element_type(dtype), |_, _| {})?;
         let mut model_bufs: Vec<Buffer> = weights

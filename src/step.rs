@@ -164,6 +164,16 @@ pub struct Program {
 }
 
 impl Program {
+    /// (name, shape) of each frozen weight argument, in argument order: what the weight loaders
+    /// and random initialisers fill.
+    pub fn frozen_shapes(&self) -> Vec<(String, Vec<i64>)> {
+        self.args
+            .iter()
+            .filter(|a| a.role == Role::Frozen)
+            .map(|a| (a.name.clone(), a.shape.clone()))
+            .collect()
+    }
+
     pub fn new(
         text: String,
         args: Vec<TensorSpec>,

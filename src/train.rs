@@ -867,12 +867,7 @@ pub fn run(opts: &TrainOptions) -> Result<()> {
     };
     state.schedule = schedule.clone();
 
-    let frozen: Vec<(String, Vec<i64>)> = program
-        .args
-        .iter()
-        .filter(|a| a.role == Role::Frozen)
-        .map(|a| (a.name.clone(), a.shape.clone()))
-        .collect();
+    let frozen = program.frozen_shapes();
     let t_load = Instant::now();
     let weights = crate::weights::load(
         &opts.model,

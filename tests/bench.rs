@@ -25,13 +25,7 @@ fn spec(dtype: hlo::DType) -> StepSpec {
             dropout: 0.0,
             targets: vec![Target::Q, Target::V],
         },
-        adam: AdamW {
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-            weight_decay: 0.0,
-            max_grad_norm: 0.0,
-        },
+        adam: AdamW::default(),
         batch: 2,
         seq: 8,
         weight_dtype: dtype,
@@ -50,10 +44,7 @@ fn program_layout_weights_equal_the_exported_ones() {
             .iter()
             .filter(|a| a.role == Role::Frozen)
             .collect();
-        let names: Vec<(String, Vec<i64>)> = frozen
-            .iter()
-            .map(|a| (a.name.clone(), a.shape.clone()))
-            .collect();
+        let names = program.frozen_shapes();
         let per_layer = random_weights(&spec, 7);
         let slow = to_program_layout(&names, &per_layer, spec.model.num_hidden_layers).unwrap();
         assert_eq!(fast.len(), slow.len());

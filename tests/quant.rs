@@ -216,12 +216,7 @@ fn smollm2_loss_with_nf4_is_close_to_bf16() {
             attention_block: None,
         };
         let p = step::build_grad_program(&spec).unwrap();
-        let frozen: Vec<(String, Vec<i64>)> = p
-            .args
-            .iter()
-            .filter(|a| a.role == Role::Frozen)
-            .map(|a| (a.name.clone(), a.shape.clone()))
-            .collect();
+        let frozen = p.frozen_shapes();
         let weights =
             xtrain::weights::load(&dir, &cfg, &frozen, ElementType::BF16, |_, _| {}).unwrap();
         let lora = xtrain::train::init_lora(&cfg, &spec.lora, 0); // B = 0: the base model's loss

@@ -55,12 +55,7 @@ fn run(
     extra: &BTreeMap<String, HostTensor>,
 ) -> BTreeMap<String, HostTensor> {
     let rt = runtime();
-    let frozen: Vec<(String, Vec<i64>)> = program
-        .args
-        .iter()
-        .filter(|a| a.role == Role::Frozen)
-        .map(|a| (a.name.clone(), a.shape.clone()))
-        .collect();
+    let frozen = program.frozen_shapes();
     let wdt = if s.weight_dtype == hlo::DType::BF16 {
         ElementType::BF16
     } else {

@@ -6,7 +6,7 @@ use xtrain::lora::{LoraConfig, Target};
 use xtrain::optim::AdamW;
 use xtrain::runtime::Runtime;
 use xtrain::sharding::{parse_mesh, Rules};
-use xtrain::step::{self, MeshPlan, Remat, Role, StepSpec};
+use xtrain::step::{self, MeshPlan, Remat, StepSpec};
 use xtrain::train::{Batch, Trainer};
 
 fn fixtures() -> PathBuf {
@@ -51,12 +51,7 @@ fn run(
 ) {
     let s = spec(mesh, remat);
     let program = step::build_train_step(&s).unwrap();
-    let frozen: Vec<(String, Vec<i64>)> = program
-        .args
-        .iter()
-        .filter(|a| a.role == Role::Frozen)
-        .map(|a| (a.name.clone(), a.shape.clone()))
-        .collect();
+    let frozen = program.frozen_shapes();
     let weights = xtrain::weights::load(
         &fixtures().join("model"),
         &s.model,
