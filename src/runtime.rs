@@ -135,13 +135,13 @@ impl Runtime {
     /// of virtual devices.
     pub fn open(plugin: Option<&str>, cpu_devices: Option<i64>) -> Result<Runtime> {
         let path = pjrt::discover::resolve_or_install(plugin)?;
-        let cpu = path.to_string_lossy().contains("cpu");
+        let name = path.to_string_lossy();
+        let cpu = name.contains("cpu");
+        let gpu = name.contains("cuda") || name.contains("rocm");
         if cpu {
             keep_freed_host_memory();
         }
         let plugin = Plugin::load(&path)?;
-        let name = path.to_string_lossy();
-        let gpu = name.contains("cuda") || name.contains("rocm");
         let options = match cpu_devices {
             Some(n) if cpu => ClientOptions::cpu_device_count(n),
             _ if gpu => ClientOptions::gpu_memory_fraction(gpu_memory_fraction()?),
