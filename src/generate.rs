@@ -63,6 +63,7 @@ impl Forward {
             nf4: false,
             loss_chunk: None,
             attention_block: None,
+            wide_matmul_results: rt.prefers_wide_matmul_results(),
         };
         let program = match kind {
             Kind::NextToken => step::build_next_token(&spec, adapter.is_some())?,

@@ -190,6 +190,12 @@ struct StepArgs {
     /// computed); default 128 when the sequence is a longer multiple of 128, else no blocking.
     #[arg(long)]
     attention_block: Option<i64>,
+    /// With --dtype bf16, the type matmuls give their result in before it is rounded to bf16:
+    /// f32 (the accumulator: XLA CPU runs this form on the CPU's native bf16 GEMM), compute
+    /// (bf16, what a GPU's cuBLAS writes), or auto (f32 for a CPU plugin, else compute). The
+    /// numbers are the same; only the speed differs.
+    #[arg(long, default_value = "auto")]
+    matmul_result: String,
     /// Quantize the projections' base weights at load: nf4 (QLoRA's 4-bit NormalFloat, blocks
     /// of 64, double-quantized scales), dequantized in the step right before each matmul.
     #[arg(long)]
@@ -234,7 +240,13 @@ impl StepArgs {
         })
     }
 
-    fn spec(&self, model: xtrain::config::LlamaConfig, batch: i64, seq: i64) -> Result<StepSpec> {
+    fn spec(
+        &self,
+        model: xtrain::config::LlamaConfig,
+        batch: i64,
+        seq: i64,
+        plugin: Option<&str>,
+    ) -> Result<StepSpec> {
         let dtype = match self.dtype.as_str() {
             "f32" => hlo::DType::F32,
             "bf16" => hlo::DType::BF16,
@@ -254,6 +266,7 @@ impl StepArgs {
             nf4: self.nf4()?,
             loss_chunk: self.loss_chunk,
             attention_block: self.attention_block,
+            wide_matmul_results: xtrain::runtime::wide_matmul_results(&self.matmul_result, plugin)?,
         })
     }
 }
@@ -281,7 +294,8 @@ struct CompileArgs {
     /// With --check: write XLA's optimized HLO here.
     #[arg(long)]
     xla_dump: Option<PathBuf>,
-    /// PJRT plugin for --check.
+    /// PJRT plugin the program is for (cpu, cuda, rocm, tpu or a path; default $XTRAIN_PLUGIN or
+    /// cpu): --check compiles with it, and `--matmul-result auto` picks the matmul form for it.
     #[arg(long)]
     plugin: Option<String>,
 }
@@ -496,6 +510,7 @@ fn train(a: TrainArgs, verbose: bool) -> Result<()> {
         skip_nonfinite: a.skip_nonfinite_steps,
         loss_chunk: a.step.loss_chunk,
         attention_block: a.step.attention_block,
+        matmul_result: a.step.matmul_result,
     };
     xtrain::train::run(&opts)
 }
@@ -565,7 +580,7 @@ fn bench(a: BenchArgs) -> Result<()> {
         bail!("--init must be random");
     }
     let (cfg, _) = xtrain::program::resolve_model_config(&a.model)?;
-    let spec = a.step.spec(cfg, a.batch, a.seq)?;
+    let spec = a.step.spec(cfg, a.batch, a.seq, a.plugin.as_deref())?;
     let r = xtrain::bench::run(
         spec,
         a.warmup,
@@ -583,7 +598,7 @@ fn gib(b: i64) -> String {
 
 fn compile(a: CompileArgs, verbose: bool) -> Result<()> {
     let (cfg, _) = xtrain::program::resolve_model_config(&a.model)?;
-    let spec = a.step.spec(cfg, a.batch, a.seq)?;
+    let spec = a.step.spec(cfg, a.batch, a.seq, a.plugin.as_deref())?;
     let t0 = std::time::Instant::now();
     let program = xtrain::step::build_train_step(&spec)?;
     let build_s = t0.elapsed().as_secs_f64();

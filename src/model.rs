@@ -113,14 +113,28 @@ pub struct Numerics {
     pub compute: DType,
     /// Query rows per causal attention block (see [`query_block`]); None: the default rule.
     pub attention_block: Option<i64>,
+    /// Element type matmuls give their result in before it is rounded to `compute`: `compute`
+    /// itself, or f32 (the accumulator). The numbers are the same either way (products are
+    /// accumulated in f32 and rounded once); the form is for the backend: XLA CPU runs
+    /// bf16 x bf16 -> f32 on the CPU's native bf16 GEMM but converts both operands of a
+    /// bf16 -> bf16 product to f32 first, while a GPU's cuBLAS writes bf16 directly.
+    pub matmul_result: DType,
+}
+
+impl Numerics {
+    /// f32 or bf16 compute with matmul results in the compute type.
+    pub fn new(compute: DType) -> Numerics {
+        Numerics {
+            compute,
+            attention_block: None,
+            matmul_result: compute,
+        }
+    }
 }
 
 impl Default for Numerics {
     fn default() -> Self {
-        Numerics {
-            compute: DType::F32,
-            attention_block: None,
-        }
+        Numerics::new(DType::F32)
     }
 }
 
@@ -130,8 +144,9 @@ pub struct Llama<'a> {
     pub num: Numerics,
 }
 
-/// `x W^T` for x [.., in] and W [out, in], accumulating in f32 whatever the operand type.
-fn linear(b: &mut Builder, x: Value, w: Value) -> Result<Value> {
+/// `x W^T` for x [.., in] and W [out, in], accumulating in f32 whatever the operand type; the
+/// product is given in `result` and rounded to x's type (see [`Numerics::matmul_result`]).
+fn linear(b: &mut Builder, x: Value, w: Value, result: DType) -> Result<Value> {
     // As one [tokens, in] x [in, out] GEMM: the batch and sequence dims folded together.
     let xd = b.dims(x).to_vec();
     let rows: i64 = xd[..xd.len() - 1].iter().product();
@@ -141,8 +156,8 @@ fn linear(b: &mut Builder, x: Value, w: Value) -> Result<Value> {
         rhs_contract: vec![1],
         ..Default::default()
     };
-    let out_type = b.dtype(x);
-    let y = b.dot_general(x2, w, dims, None, Some(out_type))?;
+    let y = b.dot_general(x2, w, dims, None, Some(result))?;
+    let y = b.convert(y, b.dtype(x))?;
     let mut yd = xd[..xd.len() - 1].to_vec();
     yd.push(b.dims(w)[0]);
     b.reshape(y, &yd)
@@ -171,7 +186,7 @@ fn attend(
     v: Value,
     mask: Value,
     d: i64,
-    compute: DType,
+    num: Numerics,
 ) -> Result<Value> {
     // scores [B, KV, TQ, G, S] = q . k / sqrt(D)
     let dims = DotDims {
@@ -187,7 +202,7 @@ fn attend(
     let blocked = b.full(f32::MIN as f64, Shape::new(&sd, DType::F32));
     let scores = b.select(allowed, scores, blocked)?;
     let probs = softmax_last(b, scores)?;
-    let probs = b.convert(probs, compute)?;
+    let probs = b.convert(probs, num.compute)?;
     // out [B, KV, TQ, G, D] = probs . v
     let dims = DotDims {
         lhs_batch: vec![0, 1],
@@ -195,7 +210,8 @@ fn attend(
         lhs_contract: vec![4],
         rhs_contract: vec![1],
     };
-    let out = b.dot_general(probs, v, dims, None, Some(compute))?;
+    let out = b.dot_general(probs, v, dims, None, Some(num.matmul_result))?;
+    let out = b.convert(out, num.compute)?;
     b.transpose(out, &[0, 2, 1, 3, 4])
 }
 
@@ -249,7 +265,7 @@ impl Llama<'_> {
         let x = b.scoped("norm", |b| self.rms_norm(b, h, norm))?;
         b.scoped("lm_head", |b| {
             let head = b.convert(lm_head, self.num.compute)?;
-            let logits = linear(b, x, head)?;
+            let logits = linear(b, x, head, self.num.matmul_result)?;
             b.convert(logits, DType::F32)
         })
     }
@@ -370,7 +386,7 @@ impl Llama<'_> {
     ) -> Result<Value> {
         b.scoped(target.module(), |b| {
             let w = b.convert(w, self.num.compute)?;
-            let y = linear(b, x, w)?;
+            let y = linear(b, x, w, self.num.matmul_result)?;
             let y = saves.point(b, target.module(), y)?;
             let Some(pair) = lora.get(&target).copied() else {
                 return Ok(y);
@@ -385,8 +401,8 @@ impl Llama<'_> {
             };
             let a = b.convert(pair.a, self.num.compute)?;
             let bm = b.convert(pair.b, self.num.compute)?;
-            let xa = linear(b, x_in, a)?;
-            let xab = linear(b, xa, bm)?;
+            let xa = linear(b, x_in, a, self.num.matmul_result)?;
+            let xab = linear(b, xa, bm, self.num.matmul_result)?;
             let scaled = b.mul_scalar(xab, ctx.lora_scale)?;
             b.add(y, scaled)
         })
@@ -428,7 +444,7 @@ impl Llama<'_> {
                 let vi = b.slice_dim(v, 1, 0, seen)?;
                 let mi = b.slice_dim(mask, 1, start, start + tb)?;
                 let mi = b.slice_dim(mi, 2, 0, seen)?;
-                outs.push(attend(b, qi, ki, vi, mi, d, self.num.compute)?);
+                outs.push(attend(b, qi, ki, vi, mi, d, self.num)?);
             }
             let out = if outs.len() == 1 {
                 outs[0]

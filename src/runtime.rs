@@ -123,6 +123,28 @@ fn gpu_memory_fraction() -> Result<f32> {
     }
 }
 
+/// Whether bf16 matmuls should give their f32 accumulator (`StepSpec::wide_matmul_results`):
+/// `choice` is `auto` (yes for a CPU plugin, whose XLA runs that form on the CPU's bf16 GEMM
+/// and converts both operands of a bf16-result product to f32 instead: the 8-layer benchmark
+/// step 1.25 -> 0.79 s; no for GPUs, whose cuBLAS writes bf16 directly), `f32` or `compute`.
+/// `plugin` is named as for [`Runtime::open`]; nothing is loaded or installed to decide.
+pub fn wide_matmul_results(choice: &str, plugin: Option<&str>) -> Result<bool> {
+    match choice {
+        "f32" => Ok(true),
+        "compute" => Ok(false),
+        "auto" => {
+            let env = std::env::var("XTRAIN_PLUGIN").ok();
+            let name = plugin.or(env.as_deref()).unwrap_or("cpu");
+            let file = std::path::Path::new(name)
+                .file_name()
+                .map(|f| f.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            Ok(name == "cpu" || file.contains("cpu"))
+        }
+        other => bail!("--matmul-result must be auto, f32 or compute, got `{other}`"),
+    }
+}
+
 /// A PJRT client on one backend.
 pub struct Runtime {
     pub client: Client,
@@ -155,6 +177,12 @@ impl Runtime {
             bail!("the plugin {} reports no devices", path.display());
         }
         Ok(Runtime { client, devices })
+    }
+
+    /// Whether this backend wants bf16 matmuls to give their f32 accumulator (see
+    /// [`wide_matmul_results`]).
+    pub fn prefers_wide_matmul_results(&self) -> bool {
+        self.client.platform_name().unwrap_or_default() == "cpu"
     }
 
     /// The options xtrain compiles with on this backend, on top of the caller's.

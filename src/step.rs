@@ -125,6 +125,11 @@ pub struct StepSpec {
     /// when the sequence is a multiple of 128 longer than that, else the whole sequence.
     #[serde(default)]
     pub attention_block: Option<i64>,
+    /// bf16 matmuls give their f32 accumulator, rounded to bf16 right after, instead of a bf16
+    /// result: the same numbers, in the form XLA CPU runs on the CPU's native bf16 GEMM (see
+    /// [`crate::model::Numerics::matmul_result`]). Chosen by backend: on for CPU plugins.
+    #[serde(default)]
+    pub wide_matmul_results: bool,
 }
 
 /// A device mesh and the logical-axis rules that place tensors on it.
@@ -544,6 +549,11 @@ impl Layout<'_> {
             num: Numerics {
                 compute: self.spec.compute_dtype,
                 attention_block: self.spec.attention_block,
+                matmul_result: if self.spec.wide_matmul_results {
+                    DType::F32
+                } else {
+                    self.spec.compute_dtype
+                },
             },
         }
     }

@@ -522,6 +522,8 @@ pub struct TrainOptions {
     /// Compute the loss this many positions at a time (looped layers).
     pub loss_chunk: Option<i64>,
     pub attention_block: Option<i64>,
+    /// `--matmul-result`: auto, f32 or compute (see [`crate::runtime::wide_matmul_results`]).
+    pub matmul_result: String,
 }
 
 /// Write `dir` as a complete directory or not at all: `fill` writes into a temp dir that is
@@ -1114,6 +1116,10 @@ pub fn plan(
         nf4: opts.nf4,
         loss_chunk: opts.loss_chunk,
         attention_block: opts.attention_block,
+        wide_matmul_results: crate::runtime::wide_matmul_results(
+            &opts.matmul_result,
+            opts.plugin.as_deref(),
+        )?,
     };
     let program = step::build_train_step(&spec)?;
     Ok((spec, program))

@@ -18,6 +18,7 @@ fn spec(dtype: hlo::DType) -> StepSpec {
         nf4: false,
         loss_chunk: None,
         attention_block: None,
+        wide_matmul_results: false,
         model,
         lora: LoraConfig {
             r: 4,

@@ -50,6 +50,7 @@ fn spec_with(model_dir: &str, remat: Remat) -> StepSpec {
         nf4: false,
         loss_chunk: None,
         attention_block: None,
+        wide_matmul_results: false,
         model: LlamaConfig::load(&fixtures().join(model_dir)).unwrap(),
         lora: oracle_lora(),
         adam: AdamW {

@@ -151,6 +151,7 @@ fn nf4_base_weights_take_about_half_a_byte_per_parameter() {
         nf4: true,
         loss_chunk: None,
         attention_block: None,
+        wide_matmul_results: false,
     };
     let p = step::build_train_step(&spec).unwrap();
     let rt = Runtime::open(Some("cpu"), Some(1)).unwrap();
@@ -214,6 +215,7 @@ fn smollm2_loss_with_nf4_is_close_to_bf16() {
             nf4,
             loss_chunk: None,
             attention_block: None,
+            wide_matmul_results: false,
         };
         let p = step::build_grad_program(&spec).unwrap();
         let frozen = p.frozen_shapes();

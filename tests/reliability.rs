@@ -395,6 +395,19 @@ fn step_options_that_do_not_fit_the_batch() {
         e.contains("--grad-accum 2 must divide the batch size 3"),
         "{e}"
     );
+    let e = fails(&[
+        "compile",
+        "--model",
+        "tiny-llama3",
+        "--matmul-result",
+        "bf32",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(
+        e.contains("--matmul-result must be auto, f32 or compute, got `bf32`"),
+        "{e}"
+    );
     assert!(!out.exists(), "nothing is written for a refused step");
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -44,6 +44,7 @@ fn spec(cfg: LlamaConfig, remat: Remat, batch: i64, seq: i64) -> StepSpec {
         nf4: false,
         loss_chunk: None,
         attention_block: None,
+        wide_matmul_results: false,
     }
 }
 
@@ -246,6 +247,65 @@ fn bf16_loss_is_close_to_f32() {
         .iter()
         .filter(|(n, _)| n.starts_with("grad."))
         .all(|(_, t)| t.ty == ElementType::F32));
+}
+
+/// `wide_matmul_results` changes only the form of the bf16 program (each matmul gives its f32
+/// accumulator, rounded to bf16 right after, as XLA CPU's native bf16 GEMM wants), not its
+/// numbers: loss and every LoRA gradient match the bf16-result form. They cannot match to the
+/// bit, because the two forms run different GEMM kernels that sum in different orders and a
+/// bf16 rounding can land one unit apart; tolerances: loss 1e-3 relative, gradients 1e-2 of
+/// each tensor's largest magnitude (on this tiny model they came out identical here).
+#[test]
+fn bf16_wide_matmul_results_change_the_form_not_the_numbers() {
+    let batch = oracle_batch();
+    let mut narrow = spec(tiny(), Remat::Layer, 2, 16);
+    narrow.weight_dtype = hlo::DType::BF16;
+    narrow.compute_dtype = hlo::DType::BF16;
+    let mut wide = narrow.clone();
+    wide.wide_matmul_results = true;
+    let (pn, pw) = (
+        step::build_grad_program(&narrow).unwrap(),
+        step::build_grad_program(&wide).unwrap(),
+    );
+    // Every bf16 x bf16 product gives f32 in the wide form; the narrow form keeps bf16 results
+    // except the attention scores (f32 for the softmax) and their backward products.
+    let bf16_dots = |text: &str, result: &str| {
+        text.lines()
+            .filter(|l| l.contains("stablehlo.dot_general") && l.contains("xbf16>, tensor<"))
+            .filter(|l| l.split("-> ").nth(1).is_some_and(|r| r.contains(result)))
+            .count()
+    };
+    assert_eq!(
+        bf16_dots(&pw.text, "xbf16>"),
+        0,
+        "wide form has a bf16-result matmul"
+    );
+    assert!(bf16_dots(&pn.text, "xbf16>") > bf16_dots(&pn.text, "xf32>"));
+    let a = run(&pn, &narrow, &batch, &BTreeMap::new());
+    let b = run(&pw, &wide, &batch, &BTreeMap::new());
+    let (la, lb) = (
+        a["loss"].scalar_f32().unwrap(),
+        b["loss"].scalar_f32().unwrap(),
+    );
+    assert!(
+        (la - lb).abs() <= 1e-3 * la.abs(),
+        "loss: wide {lb} vs narrow {la} (tolerance 1e-3 relative)"
+    );
+    let mut grads = 0;
+    for (name, t) in a.iter().filter(|(n, _)| n.starts_with("grad.")) {
+        let (x, y) = (t.to_f32().unwrap(), b[name].to_f32().unwrap());
+        let scale = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let d = x
+            .iter()
+            .zip(&y)
+            .fold(0.0f32, |m, (p, q)| m.max((p - q).abs()));
+        assert!(
+            d <= 1e-2 * scale,
+            "{name}: wide vs narrow differ by {d}, largest magnitude {scale} (tolerance 1e-2 of it)"
+        );
+        grads += 1;
+    }
+    assert!(grads > 0, "the grad program gave no gradients");
 }
 
 #[test]

@@ -36,6 +36,7 @@ fn spec(mesh: Option<&str>, remat: Remat) -> StepSpec {
         nf4: false,
         loss_chunk: None,
         attention_block: None,
+        wide_matmul_results: false,
     }
 }
 

@@ -1099,16 +1099,10 @@ fn dot_operand_vjp(
     g_free_of_other: Vec<i64>,
     g_first: bool,
     precision: Option<Precision>,
+    result_type: DType,
 ) -> Result<Value> {
     let other_rank = b.rank(other);
     let other_free = free_dims(other_rank, other_batch, other_contract);
-    // A product accumulated in a wider type (bf16 x bf16 -> f32) has a wide cotangent: bring it
-    // to the operands' type so both sides of the backward product match.
-    let g = if b.dtype(g) != b.dtype(other) {
-        b.convert(g, b.dtype(other))?
-    } else {
-        g
-    };
     let nb = this_batch.len() as i64;
     let g_batch: Vec<i64> = (0..nb).collect();
     // Contract g's dims that belong to the other operand's free dims with those dims.
@@ -1119,7 +1113,7 @@ fn dot_operand_vjp(
             lhs_contract: g_free_of_other,
             rhs_contract: other_free,
         };
-        b.dot_general(g, other, dims, precision, Some(this_shape.dtype))?
+        b.dot_general(g, other, dims, precision, Some(result_type))?
     } else {
         let dims = DotDims {
             lhs_batch: other_batch.to_vec(),
@@ -1127,8 +1121,9 @@ fn dot_operand_vjp(
             lhs_contract: other_free,
             rhs_contract: g_free_of_other,
         };
-        b.dot_general(other, g, dims, precision, Some(this_shape.dtype))?
+        b.dot_general(other, g, dims, precision, Some(result_type))?
     };
+    let r = b.convert(r, this_shape.dtype)?;
     // r holds, after the batch dims, this operand's free dims (from g) and its contracting dims
     // (other's contracting dims, sorted by other's index), in an order that depends on g_first.
     let this_free = free_dims(this_shape.rank(), this_batch, this_contract);
@@ -1166,6 +1161,17 @@ fn dot_vjp(
 ) -> Result<Vec<Option<Value>>> {
     let (lhs, rhs) = (node.inputs[0], node.inputs[1]);
     let (ls, rs) = (b.shape(lhs).clone(), b.shape(rhs).clone());
+    // A product accumulated in a wider type (bf16 x bf16 -> f32) has a wide cotangent: round it
+    // to the operands' type once, so both sides of each backward product match, and let the
+    // backward products give their results in the wide type too, rounded to the operand's type
+    // after (the same numbers as a narrow result; the form a backend whose native bf16 GEMM
+    // writes f32, such as XLA CPU's, runs directly).
+    let result_type = if b.dtype(g).bits() > ls.dtype.bits() {
+        b.dtype(g)
+    } else {
+        ls.dtype
+    };
+    let g = b.convert(g, ls.dtype)?;
     let nb = dims.lhs_batch.len() as i64;
     let nlf = free_dims(ls.rank(), &dims.lhs_batch, &dims.lhs_contract).len() as i64;
     let nrf = free_dims(rs.rank(), &dims.rhs_batch, &dims.rhs_contract).len() as i64;
@@ -1180,6 +1186,7 @@ fn dot_vjp(
             (nb + nlf..nb + nlf + nrf).collect(),
             true,
             precision,
+            result_type,
         )?)
     } else {
         None
@@ -1195,6 +1202,7 @@ fn dot_vjp(
             (nb..nb + nlf).collect(),
             false,
             precision,
+            result_type,
         )?)
     } else {
         None

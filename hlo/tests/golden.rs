@@ -56,6 +56,42 @@ fn golden_tanh_grad() {
     );
 }
 
+/// A bf16 x bf16 product accumulated in f32 (mixed precision): its backward products take the
+/// f32 cotangent rounded to bf16 and give their result in f32 too, rounded to the operand's
+/// type after, the form XLA CPU runs on a native bf16 GEMM.
+#[test]
+fn golden_mixed_precision_dot_grad() {
+    let mut b = Builder::new("main");
+    let x = b.param("x", Shape::new(&[4, 3], DType::BF16));
+    let w = b.param("W", Shape::new(&[2, 3], DType::BF16));
+    let dims = DotDims {
+        lhs_contract: vec![1],
+        rhs_contract: vec![1],
+        ..Default::default()
+    };
+    let xw = b
+        .scoped("layer", |b| {
+            b.dot_general(x, w, dims, None, Some(DType::F32))
+        })
+        .unwrap();
+    let t = b.tanh(xw).unwrap();
+    let f = b.sum_all(t).unwrap();
+    let g = b.grad(f, &[x, w]).unwrap();
+    let text = Module::new("mixed", b.finish(&[("f", f), ("dx", g[0]), ("dW", g[1])])).to_text();
+    let backward: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("stablehlo.dot_general") && l.contains("layer.grad"))
+        .collect();
+    assert_eq!(backward.len(), 2, "{text}");
+    for l in backward {
+        assert!(
+            l.contains("xbf16>, tensor<") && l.ends_with("f32> loc(\"layer.grad\")"),
+            "{l}"
+        );
+    }
+    check_golden("mixed_precision_dot_grad", &text);
+}
+
 #[test]
 fn golden_remat_region() {
     let mut b = Builder::new("main");
