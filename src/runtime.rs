@@ -17,6 +17,7 @@ pub fn element_type(d: DType) -> ElementType {
         DType::S32 => ElementType::S32,
         DType::S64 => ElementType::S64,
         DType::U8 => ElementType::U8,
+        DType::U16 => ElementType::U16,
         DType::U32 => ElementType::U32,
         DType::U64 => ElementType::U64,
         DType::F16 => ElementType::F16,

@@ -9,6 +9,7 @@ pub enum DType {
     S32,
     S64,
     U8,
+    U16,
     U32,
     U64,
     F16,
@@ -26,6 +27,7 @@ impl DType {
             DType::S32 => "i32",
             DType::S64 => "i64",
             DType::U8 => "ui8",
+            DType::U16 => "ui16",
             DType::U32 => "ui32",
             DType::U64 => "ui64",
             DType::F16 => "f16",
@@ -44,7 +46,7 @@ impl DType {
     }
 
     pub fn is_unsigned_int(self) -> bool {
-        matches!(self, DType::U8 | DType::U32 | DType::U64)
+        matches!(self, DType::U8 | DType::U16 | DType::U32 | DType::U64)
     }
 
     pub fn is_int(self) -> bool {
@@ -54,7 +56,7 @@ impl DType {
     pub fn bits(self) -> usize {
         match self {
             DType::Pred | DType::S8 | DType::U8 => 8,
-            DType::F16 | DType::BF16 => 16,
+            DType::U16 | DType::F16 | DType::BF16 => 16,
             DType::S32 | DType::U32 | DType::F32 => 32,
             DType::S64 | DType::U64 | DType::F64 => 64,
         }
@@ -72,6 +74,7 @@ impl DType {
             "s32" | "i32" | "int32" => DType::S32,
             "s64" | "i64" | "int64" => DType::S64,
             "u8" | "ui8" | "uint8" => DType::U8,
+            "u16" | "ui16" | "uint16" => DType::U16,
             "u32" | "ui32" | "uint32" => DType::U32,
             "u64" | "ui64" | "uint64" => DType::U64,
             "f16" | "float16" | "half" => DType::F16,

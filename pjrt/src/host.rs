@@ -11,6 +11,7 @@ pub enum ElementType {
     S32,
     S64,
     U8,
+    U16,
     U32,
     U64,
     F16,
@@ -23,7 +24,7 @@ impl ElementType {
     pub fn size_bytes(self) -> usize {
         match self {
             ElementType::Pred | ElementType::S8 | ElementType::U8 => 1,
-            ElementType::F16 | ElementType::BF16 => 2,
+            ElementType::U16 | ElementType::F16 | ElementType::BF16 => 2,
             ElementType::S32 | ElementType::U32 | ElementType::F32 => 4,
             ElementType::S64 | ElementType::U64 | ElementType::F64 => 8,
         }
@@ -41,6 +42,7 @@ impl ElementType {
             ElementType::S32 => 4,
             ElementType::S64 => 5,
             ElementType::U8 => 6,
+            ElementType::U16 => 7,
             ElementType::U32 => 8,
             ElementType::U64 => 9,
             ElementType::F16 => 10,
@@ -57,6 +59,7 @@ impl ElementType {
             4 => ElementType::S32,
             5 => ElementType::S64,
             6 => ElementType::U8,
+            7 => ElementType::U16,
             8 => ElementType::U32,
             9 => ElementType::U64,
             10 => ElementType::F16,
