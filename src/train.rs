@@ -128,6 +128,8 @@ pub struct Trainer {
     pub dropout_seed: u64,
     /// The evaluation program, compiled on first use, with its results' shardings.
     eval_exe: Option<(Executable, Vec<hlo::Sharding>)>,
+    /// Seconds spent compiling the step (or loading it from the cache).
+    pub compile_s: f64,
 }
 
 /// Loss and exact-match accuracy on held-out rows.
@@ -156,6 +158,7 @@ impl Trainer {
         let t0 = Instant::now();
         let (exe, cached) =
             crate::program::compile_cached(&rt, &program, &CompileOptions::default(), use_cache)?;
+        let compile_s = t0.elapsed().as_secs_f64();
         if verbose {
             let how = if cached {
                 "loaded the compiled step from the cache"
@@ -163,8 +166,7 @@ impl Trainer {
                 "compiled the step"
             };
             eprintln!(
-                "xtrain: {how} in {:.2}s ({} bytes of StableHLO)",
-                t0.elapsed().as_secs_f64(),
+                "xtrain: {how} in {compile_s:.2}s ({} bytes of StableHLO)",
                 program.text.len()
             );
         }
@@ -202,6 +204,7 @@ impl Trainer {
             spec,
             dropout_seed: 0,
             eval_exe: None,
+            compile_s,
         };
         trainer.set_state(lora, moments)?;
         Ok(trainer)
