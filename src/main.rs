@@ -193,7 +193,7 @@ struct StepArgs {
     /// With --dtype bf16, the type matmuls give their result in before it is rounded to bf16:
     /// f32 (the accumulator: XLA CPU runs this form on the CPU's native bf16 GEMM), compute
     /// (bf16, what a GPU's cuBLAS writes), or auto (f32 for a CPU plugin, else compute). The
-    /// numbers are the same; only the speed differs.
+    /// arithmetic is the same (f32 accumulation, one rounding); the speed differs.
     #[arg(long, default_value = "auto")]
     matmul_result: String,
     /// Quantize the projections' base weights at load: nf4 (QLoRA's 4-bit NormalFloat, blocks

@@ -126,7 +126,7 @@ pub struct StepSpec {
     #[serde(default)]
     pub attention_block: Option<i64>,
     /// bf16 matmuls give their f32 accumulator, rounded to bf16 right after, instead of a bf16
-    /// result: the same numbers, in the form XLA CPU runs on the CPU's native bf16 GEMM (see
+    /// result: the same arithmetic, in the form XLA CPU runs on the CPU's native bf16 GEMM (see
     /// [`crate::model::Numerics::matmul_result`]). Chosen by backend: on for CPU plugins.
     #[serde(default)]
     pub wide_matmul_results: bool,

@@ -1164,7 +1164,7 @@ fn dot_vjp(
     // A product accumulated in a wider type (bf16 x bf16 -> f32) has a wide cotangent: round it
     // to the operands' type once, so both sides of each backward product match, and let the
     // backward products give their results in the wide type too, rounded to the operand's type
-    // after (the same numbers as a narrow result; the form a backend whose native bf16 GEMM
+    // after (the same arithmetic as a narrow result; the form a backend whose native bf16 GEMM
     // writes f32, such as XLA CPU's, runs directly).
     let result_type = if b.dtype(g).bits() > ls.dtype.bits() {
         b.dtype(g)
