@@ -1,7 +1,7 @@
 //! `xtrain bench`: time the training step on random weights (no checkpoint needed), and export
 //! the same weights and batch so that peer implementations can be checked against it.
 
-use crate::lora::SplitMix;
+use crate::lora::{SplitMix, Target};
 use crate::runtime::Runtime;
 use crate::step::{self, Program, Role, StepSpec};
 use crate::train::{Batch, Trainer};
@@ -164,10 +164,46 @@ pub struct BenchResult {
     pub compile_s: f64,
     /// Copying the weights and the LoRA state to the device(s).
     pub upload_s: f64,
+    /// [`model_flops_per_step`] of the benchmarked step.
+    pub model_flops_per_step: f64,
     pub step_s: Vec<f64>,
     pub first_loss: f32,
     pub tokens_per_step: i64,
     pub stablehlo_bytes: usize,
+}
+
+/// Model FLOPs of one training step, the count MFU and the benchmarks' FLOP/s use (work the step
+/// must do, no recomputation counted; a multiply-add is 2 FLOPs):
+/// - the frozen matmuls forward, `2 P` per token, and the activation gradients through them,
+///   another `2 P` (P = every projection's in x out, all layers, plus the LM head's hidden x
+///   vocab; the frozen weights get no gradients);
+/// - causal attention as full T x T (as is usual for MFU): `QK^T` and `PV` are `4 T d` per head
+///   and token forward, twice that backward;
+/// - LoRA: `2 r (in + out)` per token and adapted projection forward, twice that backward.
+pub fn model_flops_per_step(spec: &StepSpec) -> f64 {
+    let c = &spec.model;
+    let (l, t) = (c.num_hidden_layers as f64, spec.seq as f64);
+    let tokens = (spec.batch * spec.seq) as f64;
+    let per_layer: i64 = Target::ALL
+        .iter()
+        .map(|&tg| {
+            let (i, o) = step::projection_dims(c, tg);
+            i * o
+        })
+        .sum();
+    let p = l * per_layer as f64 + (c.hidden_size * c.vocab_size) as f64;
+    let attention = l * 4.0 * t * (c.num_attention_heads * c.head_dim) as f64;
+    let lora_per_layer: i64 = spec
+        .lora
+        .targets
+        .iter()
+        .map(|&tg| {
+            let (i, o) = step::projection_dims(c, tg);
+            spec.lora.r * (i + o)
+        })
+        .sum();
+    let lora = l * 2.0 * lora_per_layer as f64;
+    tokens * (4.0 * p + 3.0 * attention + 3.0 * lora)
 }
 
 /// Compile (no cache) and run `warmup + steps` steps; optionally write the weights, LoRA and
@@ -244,6 +280,7 @@ pub fn run(
     Ok(BenchResult {
         compile_s,
         upload_s,
+        model_flops_per_step: model_flops_per_step(&spec),
         step_s: times,
         first_loss,
         tokens_per_step: spec.batch * spec.seq,

@@ -98,20 +98,14 @@ JB=$(run_peer jax "$XB" python3 tools/peers/jax_step.py --random --config "$CONF
 python3 - "$WORK" "$CONFIG" "$SEQ" "$PEAK" "$XB" "$JB" "$PLUGIN" <<'PY'
 import json, statistics, sys
 work, config, T, peak, xb, jb, plugin = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]), sys.argv[7]
-c = json.load(open(config))
-H, F, V, L = c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["num_hidden_layers"]
-nh, nkv = c["num_attention_heads"], c["num_key_value_heads"]
-d = c.get("head_dim") or H // nh
-r = 16
-# Model FLOPs per token (no recomputation counted): forward 2*P and the activation gradients
+# Model FLOPs per token, as xtrain counts them for the step it ran (src/bench.rs,
+# model_flops_per_step; no recomputation counted): forward 2*P and the activation gradients
 # through the frozen weights 2*P (P = matmul weights incl. the LM head; no weight gradients),
-# attention 4*T*nh*d per layer forward and twice that backward (full T x T, as tools/bench),
-# LoRA 6*r*(in+out) per adapted projection.
-P = L * (H * nh * d + 2 * H * nkv * d + nh * d * H + 3 * H * F) + V * H
-attn = 12 * L * T * nh * d
-lora = 6 * r * L * ((H + nh * d) + 2 * (H + nkv * d) + (nh * d + H) + 3 * (H + F))
-per_token = 4 * P + attn + lora
-print(f"model FLOPs per token: 4*P + 12*L*T*heads*head_dim + LoRA = {per_token/1e9:.2f} GFLOP (P = {P/1e9:.3f}B, T = {T})")
+# attention 4*T*heads*head_dim per layer forward and twice that backward (full T x T), LoRA
+# 6*r*(in+out) per adapted projection. The JAX peer runs the same model, batch shape aside.
+xrun = json.load(open(f"{work}/xtrain.json"))
+per_token = xrun["model_flops_per_step"] / xrun["tokens_per_step"]
+print(f"model FLOPs per token: 4*P + 12*L*T*heads*head_dim + LoRA = {per_token/1e9:.2f} GFLOP (T = {T}; xtrain's model_flops_per_step)")
 print(f"peak: {peak:.0f} TFLOP/s dense bf16")
 rows = {}
 for name, b in [("xtrain", xb), ("JAX", jb)]:
