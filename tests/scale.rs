@@ -292,21 +292,35 @@ fn bf16_wide_matmul_results_change_the_form_not_the_numbers() {
         (la - lb).abs() <= 1e-3 * la.abs(),
         "loss: wide {lb} vs narrow {la} (tolerance 1e-3 relative)"
     );
-    let mut grads = 0;
-    for (name, t) in a.iter().filter(|(n, _)| n.starts_with("grad.")) {
-        let (x, y) = (t.to_f32().unwrap(), b[name].to_f32().unwrap());
+    assert_grads_close("wide vs narrow", &a, &b, 1e-2);
+}
+
+/// Every `grad.*` tensor (and the loss) of `got` within `tol` of the largest magnitude of the
+/// same tensor in `want`.
+fn assert_grads_close(
+    what: &str,
+    want: &BTreeMap<String, HostTensor>,
+    got: &BTreeMap<String, HostTensor>,
+    tol: f32,
+) {
+    let mut n = 0;
+    for (name, t) in want
+        .iter()
+        .filter(|(n, _)| n.starts_with("grad.") || *n == "loss")
+    {
+        let (x, y) = (t.to_f32().unwrap(), got[name].to_f32().unwrap());
         let scale = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
         let d = x
             .iter()
             .zip(&y)
             .fold(0.0f32, |m, (p, q)| m.max((p - q).abs()));
         assert!(
-            d <= 1e-2 * scale,
-            "{name}: wide vs narrow differ by {d}, largest magnitude {scale} (tolerance 1e-2 of it)"
+            d <= tol * scale,
+            "{what} {name}: differs by {d}, largest magnitude {scale} (tolerance {tol} of it)"
         );
-        grads += 1;
+        n += 1;
     }
-    assert!(grads > 0, "the grad program gave no gradients");
+    assert!(n > 1, "{what}: no gradients compared");
 }
 
 /// In bf16 the looped step keeps its per-layer stacks (layer inputs, saved projections, the
@@ -332,36 +346,13 @@ fn bf16_layer_stacks_as_bits_keep_the_numbers() {
         let out = run(&program, s, &batch, &BTreeMap::new());
         (program.text, out)
     };
-    let compare = |what: &str,
-                   want: &BTreeMap<String, HostTensor>,
-                   got: &BTreeMap<String, HostTensor>,
-                   tol: f32| {
-        let mut n = 0;
-        for (name, t) in want
-            .iter()
-            .filter(|(n, _)| n.starts_with("grad.") || *n == "loss")
-        {
-            let (x, y) = (t.to_f32().unwrap(), got[name].to_f32().unwrap());
-            let scale = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-            let d = x
-                .iter()
-                .zip(&y)
-                .fold(0.0f32, |m, (p, q)| m.max((p - q).abs()));
-            assert!(
-                d <= tol * scale,
-                "{what} {name}: differs by {d}, largest magnitude {scale} (tolerance {tol} of it)"
-            );
-            n += 1;
-        }
-        assert!(n > 1, "{what}: nothing compared");
-    };
     let (_, unrolled) = grads(&bf16(Remat::None, None));
     let (text, layer) = grads(&bf16(Remat::Layer, None));
     assert!(text.contains("xui16>"), "remat layer: no u16 stack");
-    compare("remat layer vs unrolled", &unrolled, &layer, 5e-2);
+    assert_grads_close("remat layer vs unrolled", &unrolled, &layer, 5e-2);
     for (remat, chunk) in [(Remat::SaveProj, None), (Remat::Layer, Some(8))] {
         let (_, got) = grads(&bf16(remat, chunk));
-        compare(
+        assert_grads_close(
             &format!("{remat:?} chunk {chunk:?} vs remat layer"),
             &layer,
             &got,
