@@ -80,6 +80,17 @@ pub struct TensorSpec {
     pub role: Role,
 }
 
+impl TensorSpec {
+    pub fn new(name: impl Into<String>, shape: Vec<i64>, dtype: DType, role: Role) -> TensorSpec {
+        TensorSpec {
+            name: name.into(),
+            shape,
+            dtype,
+            role,
+        }
+    }
+}
+
 fn ser_dtype<S: serde::Serializer>(d: &DType, s: S) -> std::result::Result<S::Ok, S::Error> {
     s.serialize_str(d.mlir())
 }
@@ -456,23 +467,13 @@ fn add_model_params(
     for (name, shape, dtype) in frozen_args_typed(&spec.model, stacked, spec.nf4, spec.weight_dtype)
     {
         frozen.push(b.param(&name, Shape::new(&shape, dtype)));
-        args.push(TensorSpec {
-            name,
-            shape,
-            dtype,
-            role: Role::Frozen,
-        });
+        args.push(TensorSpec::new(name, shape, dtype, Role::Frozen));
     }
     let mut lora = Vec::new();
     if with_lora {
         for t in lora_args(&spec.model, &spec.lora, stacked) {
             lora.push(b.param(&t.name, Shape::new(&t.shape, DType::F32)));
-            args.push(TensorSpec {
-                name: t.name,
-                shape: t.shape,
-                dtype: DType::F32,
-                role: Role::Lora,
-            });
+            args.push(TensorSpec::new(t.name, t.shape, DType::F32, Role::Lora));
         }
     }
     ModelValues { frozen, lora }
@@ -485,12 +486,7 @@ fn add_batch_params(
 ) -> (Value, Value, Value) {
     let shape = vec![spec.batch, spec.seq];
     let mut p = |name: &str, role| {
-        args.push(TensorSpec {
-            name: name.into(),
-            shape: shape.clone(),
-            dtype: DType::S32,
-            role,
-        });
+        args.push(TensorSpec::new(name, shape.clone(), DType::S32, role));
         b.param(name, Shape::new(&shape, DType::S32))
     };
     (
@@ -501,12 +497,7 @@ fn add_batch_params(
 }
 
 fn scalar_param(b: &mut Builder, name: &str, role: Role, args: &mut Vec<TensorSpec>) -> Value {
-    args.push(TensorSpec {
-        name: name.into(),
-        shape: vec![],
-        dtype: DType::F32,
-        role,
-    });
+    args.push(TensorSpec::new(name, vec![], DType::F32, role));
     b.param(name, Shape::scalar(DType::F32))
 }
 
@@ -1145,24 +1136,19 @@ pub fn build_train_step(spec: &StepSpec) -> Result<Program> {
         for src in &lora_args {
             let name = format!("{prefix}.{}", src.name);
             moments.push(b.param(&name, Shape::new(&src.shape, DType::F32)));
-            args.push(TensorSpec {
-                name,
-                shape: src.shape.clone(),
-                dtype: DType::F32,
-                role,
-            });
+            args.push(TensorSpec::new(name, src.shape.clone(), DType::F32, role));
         }
     }
     let step = scalar_param(&mut b, "step", Role::Step, &mut args);
     let lr = scalar_param(&mut b, "lr", Role::LearningRate, &mut args);
     let (ids, labels, mask) = add_batch_params(&mut b, spec, &mut args);
     let key = if spec.lora.dropout > 0.0 {
-        args.push(TensorSpec {
-            name: "dropout_key".into(),
-            shape: vec![2],
-            dtype: DType::U64,
-            role: Role::DropoutKey,
-        });
+        args.push(TensorSpec::new(
+            "dropout_key",
+            vec![2],
+            DType::U64,
+            Role::DropoutKey,
+        ));
         Some(b.param("dropout_key", Shape::new(&[2], DType::U64)))
     } else {
         None
@@ -1211,12 +1197,7 @@ pub fn build_train_step(spec: &StepSpec) -> Result<Program> {
         ("loss", loss, Role::Loss),
         ("grad_norm", grad_norm, Role::GradNorm),
     ] {
-        results.push(TensorSpec {
-            name: name.into(),
-            shape: vec![],
-            dtype: DType::F32,
-            role,
-        });
+        results.push(TensorSpec::new(name, vec![], DType::F32, role));
         outs.push((name.into(), v));
     }
     let text = finish_module("xtrain_train_step", b, spec, &args, &results, &outs);
@@ -1237,24 +1218,9 @@ pub fn build_forward(spec: &StepSpec, with_lora: bool) -> Result<Program> {
     let loss = b.div(total, denom)?;
     let (bs, t, v) = (spec.batch, spec.seq, spec.model.vocab_size);
     let results = vec![
-        TensorSpec {
-            name: "logits".into(),
-            shape: vec![bs, t, v],
-            dtype: DType::F32,
-            role: Role::Logits,
-        },
-        TensorSpec {
-            name: "token_loss".into(),
-            shape: vec![bs, t],
-            dtype: DType::F32,
-            role: Role::TokenLoss,
-        },
-        TensorSpec {
-            name: "loss".into(),
-            shape: vec![],
-            dtype: DType::F32,
-            role: Role::Loss,
-        },
+        TensorSpec::new("logits", vec![bs, t, v], DType::F32, Role::Logits),
+        TensorSpec::new("token_loss", vec![bs, t], DType::F32, Role::TokenLoss),
+        TensorSpec::new("loss", vec![], DType::F32, Role::Loss),
     ];
     let outs = vec![
         ("logits".to_string(), logits),
@@ -1275,21 +1241,16 @@ pub fn build_grad_program(spec: &StepSpec) -> Result<Program> {
     let (ids, labels, mask) = add_batch_params(&mut b, spec, &mut args);
     let layout = Layout { spec };
     let (loss, grads) = layout.batch_loss_and_grads(&mut b, &mv, ids, labels, mask, None)?;
-    let mut results = vec![TensorSpec {
-        name: "loss".into(),
-        shape: vec![],
-        dtype: DType::F32,
-        role: Role::Loss,
-    }];
+    let mut results = vec![TensorSpec::new("loss", vec![], DType::F32, Role::Loss)];
     let mut outs = vec![("loss".to_string(), loss)];
     for (a, g) in args.iter().filter(|a| a.role == Role::Lora).zip(&grads) {
         let name = format!("grad.{}", a.name);
-        results.push(TensorSpec {
-            name: name.clone(),
-            shape: a.shape.clone(),
-            dtype: DType::F32,
-            role: Role::Lora,
-        });
+        results.push(TensorSpec::new(
+            name.clone(),
+            a.shape.clone(),
+            DType::F32,
+            Role::Lora,
+        ));
         outs.push((name, *g));
     }
     let text = finish_module("xtrain_grads", b, spec, &args, &results, &outs);
@@ -1304,26 +1265,26 @@ pub fn build_next_token(spec: &StepSpec, with_lora: bool) -> Result<Program> {
     let mv = add_model_params(&mut b, spec, with_lora, &mut args);
     let shape = vec![spec.batch, spec.seq];
     let ids = b.param("input_ids", Shape::new(&shape, DType::S32));
-    args.push(TensorSpec {
-        name: "input_ids".into(),
-        shape: shape.clone(),
-        dtype: DType::S32,
-        role: Role::InputIds,
-    });
+    args.push(TensorSpec::new(
+        "input_ids",
+        shape.clone(),
+        DType::S32,
+        Role::InputIds,
+    ));
     let mask = b.param("attention_mask", Shape::new(&shape, DType::S32));
-    args.push(TensorSpec {
-        name: "attention_mask".into(),
-        shape: shape.clone(),
-        dtype: DType::S32,
-        role: Role::AttentionMask,
-    });
+    args.push(TensorSpec::new(
+        "attention_mask",
+        shape.clone(),
+        DType::S32,
+        Role::AttentionMask,
+    ));
     let pos = b.param("positions", Shape::new(&[spec.batch], DType::S32));
-    args.push(TensorSpec {
-        name: "positions".into(),
-        shape: vec![spec.batch],
-        dtype: DType::S32,
-        role: Role::Step,
-    });
+    args.push(TensorSpec::new(
+        "positions",
+        vec![spec.batch],
+        DType::S32,
+        Role::Step,
+    ));
     let layout = Layout { spec };
     let h = layout.hidden(&mut b, &mv, ids, mask)?;
     // Pick h[b, positions[b], :] with a one-hot contraction over T.
@@ -1343,12 +1304,12 @@ pub fn build_next_token(spec: &StepSpec, with_lora: bool) -> Result<Program> {
     let (_, norm, lm_head) = layout.ends(&mv.frozen);
     let logits = layout.model().head(&mut b, picked, norm, lm_head)?;
     let logits = b.reshape(logits, &[spec.batch, spec.model.vocab_size])?;
-    let results = vec![TensorSpec {
-        name: "logits".into(),
-        shape: vec![spec.batch, spec.model.vocab_size],
-        dtype: DType::F32,
-        role: Role::Logits,
-    }];
+    let results = vec![TensorSpec::new(
+        "logits",
+        vec![spec.batch, spec.model.vocab_size],
+        DType::F32,
+        Role::Logits,
+    )];
     let text = finish_module(
         "xtrain_next_token",
         b,
@@ -1390,18 +1351,8 @@ pub fn build_eval(spec: &StepSpec) -> Result<Program> {
     })?;
     let (bs, t) = (spec.batch, spec.seq);
     let results = vec![
-        TensorSpec {
-            name: "token_loss".into(),
-            shape: vec![bs, t],
-            dtype: DType::F32,
-            role: Role::TokenLoss,
-        },
-        TensorSpec {
-            name: "token_correct".into(),
-            shape: vec![bs, t],
-            dtype: DType::F32,
-            role: Role::TokenLoss,
-        },
+        TensorSpec::new("token_loss", vec![bs, t], DType::F32, Role::TokenLoss),
+        TensorSpec::new("token_correct", vec![bs, t], DType::F32, Role::TokenLoss),
     ];
     let outs = vec![
         ("token_loss".to_string(), ce),
