@@ -685,6 +685,17 @@ fn compile(a: CompileArgs, verbose: bool) -> Result<()> {
 fn main() {
     let cli = Cli::parse();
     pjrt::set_verbose(cli.verbose);
+    // Before any command starts threads (weights are made and read on all cores).
+    let runs_on = match &cli.command {
+        Command::Train(a) => Some(a.plugin.as_deref()),
+        Command::Compile(a) => Some(a.plugin.as_deref()),
+        Command::Generate(a) => Some(a.plugin.as_deref()),
+        Command::Bench(a) => Some(a.plugin.as_deref()),
+        _ => None,
+    };
+    if let Some(plugin) = runs_on {
+        xtrain::runtime::prepare_host_memory(plugin);
+    }
     let result = match cli.command {
         Command::Plugins { action } => plugins(action),
         Command::Train(a) => train(*a, cli.verbose),

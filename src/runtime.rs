@@ -94,8 +94,12 @@ pub fn expected_inputs(program: &Program) -> Vec<(ElementType, Vec<i64>)> {
 /// on free, so every step page-faults its temporaries in again: 120k faults (470 MB of zeroed
 /// pages) per step on the benchmark workload, about 0.1 s of 1.3 s. One arena that never unmaps
 /// or trims keeps those pages for the next step (31k faults per step; `tools/bench` shows the
-/// time). Must run before the plugin starts its threads. The memory is kept, not leaked: the next
-/// step reuses it, and the high-water mark is what XLA's figures already say the step needs.
+/// time). Must run before the plugin starts its threads, and before any other threads have
+/// made arenas of their own: `xtrain bench` makes its random weights on all cores first, and
+/// with the policy set only when the plugin was opened, the step page-faulted 200k times again
+/// (f32; bf16 55k). [`prepare_host_memory`] sets it at the start of a command. The memory is
+/// kept, not leaked: the next step reuses it, and the high-water mark is what XLA's figures
+/// already say the step needs.
 fn keep_freed_host_memory() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {
@@ -133,16 +137,28 @@ pub fn wide_matmul_results(choice: &str, plugin: Option<&str>) -> Result<bool> {
     match choice {
         "f32" => Ok(true),
         "compute" => Ok(false),
-        "auto" => {
-            let env = std::env::var("XTRAIN_PLUGIN").ok();
-            let name = plugin.or(env.as_deref()).unwrap_or("cpu");
-            let file = std::path::Path::new(name)
-                .file_name()
-                .map(|f| f.to_string_lossy().into_owned())
-                .unwrap_or_default();
-            Ok(name == "cpu" || file.contains("cpu"))
-        }
+        "auto" => Ok(names_cpu_plugin(plugin)),
         other => bail!("--matmul-result must be auto, f32 or compute, got `{other}`"),
+    }
+}
+
+/// Whether `plugin` (as named for [`Runtime::open`], `$XTRAIN_PLUGIN` or else `cpu`) is the CPU
+/// plugin, by its name alone: nothing is loaded or installed.
+fn names_cpu_plugin(plugin: Option<&str>) -> bool {
+    let env = std::env::var("XTRAIN_PLUGIN").ok();
+    let name = plugin.or(env.as_deref()).unwrap_or("cpu");
+    let file = std::path::Path::new(name)
+        .file_name()
+        .map(|f| f.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    name == "cpu" || file.contains("cpu")
+}
+
+/// Call first thing in a command that will run on `plugin`, before it starts any threads: for
+/// the CPU plugin, sets the allocation policy its steps need (see `keep_freed_host_memory`).
+pub fn prepare_host_memory(plugin: Option<&str>) {
+    if names_cpu_plugin(plugin) {
+        keep_freed_host_memory();
     }
 }
 
