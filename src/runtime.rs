@@ -370,3 +370,35 @@ pub fn from_program_layout(named: Vec<(String, HostTensor)>) -> BTreeMap<String,
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `--matmul-result auto` is decided from the plugin's name alone: the f32-result form for
+    /// the CPU plugin (by name or by its file), the bf16-result form for accelerators.
+    #[test]
+    fn auto_matmul_result_follows_the_plugin_name() {
+        for (plugin, wide) in [
+            ("cpu", true),
+            ("/root/.cache/xtrain/plugins/cpu/xla_cpu_pjrt.so", true),
+            ("cuda", false),
+            ("rocm", false),
+            ("tpu", false),
+            (
+                "/site-packages/jax_plugins/xla_cuda13/xla_cuda_plugin.so",
+                false,
+            ),
+        ] {
+            assert_eq!(
+                wide_matmul_results("auto", Some(plugin)).unwrap(),
+                wide,
+                "{plugin}"
+            );
+            assert!(wide_matmul_results("f32", Some(plugin)).unwrap());
+            assert!(!wide_matmul_results("compute", Some(plugin)).unwrap());
+        }
+        let e = wide_matmul_results("bf16", Some("cpu")).unwrap_err();
+        assert!(e.to_string().contains("auto, f32 or compute"), "{e}");
+    }
+}
