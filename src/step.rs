@@ -529,21 +529,13 @@ fn stack_type(dtype: DType) -> DType {
 /// Layer `i` of a stack kept in [`stack_type`]`(dtype)`, as `dtype`.
 fn layer_slice_as(b: &mut Builder, stacked: Value, i: Value, dtype: DType) -> hlo::Result<Value> {
     let s = layer_slice(b, stacked, i)?;
-    if b.dtype(s) == dtype {
-        Ok(s)
-    } else {
-        b.bitcast_convert(s, dtype)
-    }
+    b.bitcast_convert(s, dtype)
 }
 
 /// Write `v` [...] into layer `i` of a stacked tensor [L, ...] (a stack of bits, see
 /// [`stack_type`], takes `v`'s bits).
 fn layer_update(b: &mut Builder, stacked: Value, v: Value, i: Value) -> hlo::Result<Value> {
-    let v = if b.dtype(v) == b.dtype(stacked) {
-        v
-    } else {
-        b.bitcast_convert(v, b.dtype(stacked))?
-    };
+    let v = b.bitcast_convert(v, b.dtype(stacked))?;
     let mut dims = vec![1];
     dims.extend_from_slice(b.dims(v));
     let v = b.reshape(v, &dims)?;
@@ -929,21 +921,13 @@ impl Layout<'_> {
                     let logits = self.model().head(bb, hc, inv[1], inv[2])?;
                     let (share, dlogits) = cross_entropy_loss_and_grad(bb, logits, tc, inv[4])?;
                     let g = bb.vjp(&[(logits, dlogits)], &[hc])?[0];
-                    let g = if bb.dtype(g) == bb.dtype(carry[1]) {
-                        g
-                    } else {
-                        bb.bitcast_convert(g, bb.dtype(carry[1]))?
-                    };
+                    let g = bb.bitcast_convert(g, bb.dtype(carry[1]))?;
                     let dh = bb.dynamic_update_slice(carry[1], g, &[zero, start, zero])?;
                     Ok(vec![bb.add(carry[0], share)?, dh])
                 },
             )
         })?;
-        let dh = if b.dtype(out[1]) == b.dtype(h) {
-            out[1]
-        } else {
-            b.bitcast_convert(out[1], b.dtype(h))?
-        };
+        let dh = b.bitcast_convert(out[1], b.dtype(h))?;
         Ok((out[0], dh))
     }
 

@@ -257,9 +257,13 @@ impl Builder {
         Ok(self.push1(Op::Convert, vec![x], s.with_dtype(dtype)))
     }
 
-    /// Reinterpret the bits as another element type of the same width.
+    /// Reinterpret the bits as another element type of the same width (`x` itself when it
+    /// already has that type, as [`Builder::convert`]).
     pub fn bitcast_convert(&mut self, x: Value, dtype: DType) -> Result<Value> {
         let s = self.shape(x).clone();
+        if s.dtype == dtype {
+            return Ok(x);
+        }
         if s.dtype.bits() != dtype.bits() {
             return err(
                 "bitcast_convert",
