@@ -3,9 +3,8 @@
 
 use crate::config::LlamaConfig;
 use crate::lora::{LoraConfig, SplitMix, Target};
-use crate::optim::AdamW;
 use crate::runtime::{convert, element_type, Runtime};
-use crate::step::{self, Remat, Role, StepSpec};
+use crate::step::{self, Role, StepSpec};
 use anyhow::{Context, Result};
 use pjrt::{Buffer, CompileOptions, ElementType, Executable, HostTensor};
 use std::collections::BTreeMap;
@@ -50,20 +49,8 @@ impl Forward {
             targets: vec![Target::Q],
         });
         let spec = StepSpec {
-            model: cfg.clone(),
-            lora,
-            adam: AdamW::default(),
-            batch,
-            seq,
-            weight_dtype: dtype,
-            compute_dtype: dtype,
-            remat: Remat::Layer,
-            microbatches: 1,
-            mesh: None,
-            nf4: false,
-            loss_chunk: None,
-            attention_block: None,
             wide_matmul_results: rt.prefers_wide_matmul_results(),
+            ..StepSpec::new(cfg.clone(), lora, batch, seq, dtype)
         };
         let program = match kind {
             Kind::NextToken => step::build_next_token(&spec, adapter.is_some())?,

@@ -143,6 +143,31 @@ pub struct StepSpec {
     pub wide_matmul_results: bool,
 }
 
+impl StepSpec {
+    /// One device, remat per layer, AdamW's defaults, no gradient accumulation, quantization,
+    /// loss chunks or attention-block override, matmul results in the compute type: the plain
+    /// step, for callers that set only what they need on top
+    /// (`StepSpec { remat: Remat::None, ..StepSpec::new(..) }`).
+    pub fn new(model: LlamaConfig, lora: LoraConfig, batch: i64, seq: i64, dtype: DType) -> Self {
+        StepSpec {
+            model,
+            lora,
+            adam: AdamW::default(),
+            batch,
+            seq,
+            weight_dtype: dtype,
+            compute_dtype: dtype,
+            remat: Remat::Layer,
+            microbatches: 1,
+            mesh: None,
+            nf4: false,
+            loss_chunk: None,
+            attention_block: None,
+            wide_matmul_results: false,
+        }
+    }
+}
+
 /// A device mesh and the logical-axis rules that place tensors on it.
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct MeshPlan {

@@ -5,33 +5,18 @@
 use pjrt::ElementType;
 use xtrain::bench::{random_program_weights, random_weights};
 use xtrain::lora::{LoraConfig, Target};
-use xtrain::optim::AdamW;
 use xtrain::runtime::{convert, to_program_layout};
 use xtrain::step::{build_train_step, Remat, Role, StepSpec};
 
 fn spec(dtype: hlo::DType) -> StepSpec {
     let (model, _) = xtrain::program::resolve_model_config("tiny-llama3").unwrap();
-    StepSpec {
-        remat: Remat::Layer,
-        microbatches: 1,
-        mesh: None,
-        nf4: false,
-        loss_chunk: None,
-        attention_block: None,
-        wide_matmul_results: false,
-        model,
-        lora: LoraConfig {
-            r: 4,
-            alpha: 8.0,
-            dropout: 0.0,
-            targets: vec![Target::Q, Target::V],
-        },
-        adam: AdamW::default(),
-        batch: 2,
-        seq: 8,
-        weight_dtype: dtype,
-        compute_dtype: dtype,
-    }
+    let lora = LoraConfig {
+        r: 4,
+        alpha: 8.0,
+        dropout: 0.0,
+        targets: vec![Target::Q, Target::V],
+    };
+    StepSpec::new(model, lora, 2, 8, dtype)
 }
 
 #[test]

@@ -43,16 +43,10 @@ fn spec(model_dir: &str) -> StepSpec {
 }
 
 fn spec_with(model_dir: &str, remat: Remat) -> StepSpec {
+    let model = LlamaConfig::load(&fixtures().join(model_dir)).unwrap();
     StepSpec {
         remat,
-        microbatches: 1,
-        mesh: None,
-        nf4: false,
-        loss_chunk: None,
-        attention_block: None,
-        wide_matmul_results: false,
-        model: LlamaConfig::load(&fixtures().join(model_dir)).unwrap(),
-        lora: oracle_lora(),
+        // The oracle's AdamW, written out: its conventions, not whatever our defaults become.
         adam: AdamW {
             beta1: 0.9,
             beta2: 0.999,
@@ -60,10 +54,7 @@ fn spec_with(model_dir: &str, remat: Remat) -> StepSpec {
             weight_decay: 0.0,
             max_grad_norm: 0.0,
         },
-        batch: 2,
-        seq: 16,
-        weight_dtype: hlo::DType::F32,
-        compute_dtype: hlo::DType::F32,
+        ..StepSpec::new(model, oracle_lora(), 2, 16, hlo::DType::F32)
     }
 }
 

@@ -5,7 +5,7 @@
 use pjrt::{CompileOptions, ElementType, HostTensor};
 use xtrain::quant::{self, NF4};
 use xtrain::runtime::Runtime;
-use xtrain::step::{self, Remat, Role, StepSpec};
+use xtrain::step::{self, Role, StepSpec};
 
 /// The NF4 values as the QLoRA paper lists them (Appendix E), typed in independently.
 const PAPER_NF4: [f64; 16] = [
@@ -132,26 +132,15 @@ fn graph_dequantization_equals_the_host() {
 #[test]
 fn nf4_base_weights_take_about_half_a_byte_per_parameter() {
     let (cfg, _) = xtrain::program::resolve_model_config("llama-3.1-8b").unwrap();
+    let lora = xtrain::lora::LoraConfig {
+        r: 16,
+        alpha: 32.0,
+        dropout: 0.0,
+        targets: xtrain::lora::Target::ALL.to_vec(),
+    };
     let spec = StepSpec {
-        model: cfg.clone(),
-        lora: xtrain::lora::LoraConfig {
-            r: 16,
-            alpha: 32.0,
-            dropout: 0.0,
-            targets: xtrain::lora::Target::ALL.to_vec(),
-        },
-        adam: xtrain::optim::AdamW::default(),
-        batch: 1,
-        seq: 128,
-        weight_dtype: hlo::DType::BF16,
-        compute_dtype: hlo::DType::BF16,
-        remat: Remat::Layer,
-        microbatches: 1,
-        mesh: None,
         nf4: true,
-        loss_chunk: None,
-        attention_block: None,
-        wide_matmul_results: false,
+        ..StepSpec::new(cfg.clone(), lora, 1, 128, hlo::DType::BF16)
     };
     let p = step::build_train_step(&spec).unwrap();
     let rt = Runtime::open(Some("cpu"), Some(1)).unwrap();
@@ -196,26 +185,15 @@ fn smollm2_loss_with_nf4_is_close_to_bf16() {
     let rt = Runtime::open(Some("cpu"), Some(1)).unwrap();
     let mut losses = Vec::new();
     for nf4 in [false, true] {
+        let lora = xtrain::lora::LoraConfig {
+            r: 8,
+            alpha: 16.0,
+            dropout: 0.0,
+            targets: vec![xtrain::lora::Target::Q],
+        };
         let spec = StepSpec {
-            model: cfg.clone(),
-            lora: xtrain::lora::LoraConfig {
-                r: 8,
-                alpha: 16.0,
-                dropout: 0.0,
-                targets: vec![xtrain::lora::Target::Q],
-            },
-            adam: xtrain::optim::AdamW::default(),
-            batch: 1,
-            seq: 32,
-            weight_dtype: hlo::DType::BF16,
-            compute_dtype: hlo::DType::BF16,
-            remat: Remat::Layer,
-            microbatches: 1,
-            mesh: None,
             nf4,
-            loss_chunk: None,
-            attention_block: None,
-            wide_matmul_results: false,
+            ..StepSpec::new(cfg.clone(), lora, 1, 32, hlo::DType::BF16)
         };
         let p = step::build_grad_program(&spec).unwrap();
         let frozen = p.frozen_shapes();

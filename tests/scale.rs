@@ -6,7 +6,6 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use xtrain::config::LlamaConfig;
 use xtrain::lora::{LoraConfig, Target};
-use xtrain::optim::AdamW;
 use xtrain::runtime::{convert, Runtime};
 use xtrain::safetensors::SafeTensors;
 use xtrain::step::{self, Program, Remat, Role, StepSpec};
@@ -25,26 +24,15 @@ fn tiny() -> LlamaConfig {
 }
 
 fn spec(cfg: LlamaConfig, remat: Remat, batch: i64, seq: i64) -> StepSpec {
+    let lora = LoraConfig {
+        r: 8,
+        alpha: 16.0,
+        dropout: 0.0,
+        targets: Target::ALL.to_vec(),
+    };
     StepSpec {
-        model: cfg,
-        lora: LoraConfig {
-            r: 8,
-            alpha: 16.0,
-            dropout: 0.0,
-            targets: Target::ALL.to_vec(),
-        },
-        adam: AdamW::default(),
-        batch,
-        seq,
-        weight_dtype: hlo::DType::F32,
-        compute_dtype: hlo::DType::F32,
         remat,
-        microbatches: 1,
-        mesh: None,
-        nf4: false,
-        loss_chunk: None,
-        attention_block: None,
-        wide_matmul_results: false,
+        ..StepSpec::new(cfg, lora, batch, seq, hlo::DType::F32)
     }
 }
 

@@ -3,7 +3,6 @@
 use std::path::{Path, PathBuf};
 use xtrain::config::LlamaConfig;
 use xtrain::lora::{LoraConfig, Target};
-use xtrain::optim::AdamW;
 use xtrain::runtime::Runtime;
 use xtrain::sharding::{parse_mesh, Rules};
 use xtrain::step::{self, MeshPlan, Remat, StepSpec};
@@ -14,29 +13,20 @@ fn fixtures() -> PathBuf {
 }
 
 fn spec(mesh: Option<&str>, remat: Remat) -> StepSpec {
+    let model = LlamaConfig::load(&fixtures().join("model")).unwrap();
+    let lora = LoraConfig {
+        r: 8,
+        alpha: 16.0,
+        dropout: 0.0,
+        targets: Target::ALL.to_vec(),
+    };
     StepSpec {
-        model: LlamaConfig::load(&fixtures().join("model")).unwrap(),
-        lora: LoraConfig {
-            r: 8,
-            alpha: 16.0,
-            dropout: 0.0,
-            targets: Target::ALL.to_vec(),
-        },
-        adam: AdamW::default(),
-        batch: 2,
-        seq: 16,
-        weight_dtype: hlo::DType::F32,
-        compute_dtype: hlo::DType::F32,
         remat,
-        microbatches: 1,
         mesh: mesh.map(|m| MeshPlan {
             axes: parse_mesh(m).unwrap().axes,
             rules: Rules::default(),
         }),
-        nf4: false,
-        loss_chunk: None,
-        attention_block: None,
-        wide_matmul_results: false,
+        ..StepSpec::new(model, lora, 2, 16, hlo::DType::F32)
     }
 }
 
