@@ -365,49 +365,26 @@ fn out_of_range_tokens_bad_adapters_and_program_dirs() {
 fn step_options_that_do_not_fit_the_batch() {
     let dir = tempdir("rel-step-options");
     let out = dir.join("prog");
-    let e = fails(&[
-        "compile",
-        "--model",
-        "tiny-llama3",
-        "--seq",
-        "48",
-        "--attention-block",
-        "32",
-        "--out",
-        out.to_str().unwrap(),
-    ]);
-    assert!(
-        e.contains("--attention-block 32 must be a positive divisor of the sequence length 48"),
-        "{e}"
-    );
-    let e = fails(&[
-        "compile",
-        "--model",
-        "tiny-llama3",
-        "--batch",
-        "3",
-        "--grad-accum",
-        "2",
-        "--out",
-        out.to_str().unwrap(),
-    ]);
-    assert!(
-        e.contains("--grad-accum 2 must divide the batch size 3"),
-        "{e}"
-    );
-    let e = fails(&[
-        "compile",
-        "--model",
-        "tiny-llama3",
-        "--matmul-result",
-        "bf32",
-        "--out",
-        out.to_str().unwrap(),
-    ]);
-    assert!(
-        e.contains("--matmul-result must be auto, f32 or compute, got `bf32`"),
-        "{e}"
-    );
+    for (options, message) in [
+        (
+            &["--seq", "48", "--attention-block", "32"][..],
+            "--attention-block 32 must be a positive divisor of the sequence length 48",
+        ),
+        (
+            &["--batch", "3", "--grad-accum", "2"][..],
+            "--grad-accum 2 must divide the batch size 3",
+        ),
+        (
+            &["--matmul-result", "bf32"][..],
+            "--matmul-result must be auto, f32 or compute, got `bf32`",
+        ),
+    ] {
+        let mut args = vec!["compile", "--model", "tiny-llama3"];
+        args.extend(options);
+        args.extend(["--out", out.to_str().unwrap()]);
+        let e = fails(&args);
+        assert!(e.contains(message), "{options:?}: {e}");
+    }
     assert!(!out.exists(), "nothing is written for a refused step");
     std::fs::remove_dir_all(&dir).unwrap();
 }
