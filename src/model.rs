@@ -116,9 +116,9 @@ pub struct Numerics {
     /// Element type matmuls give their result in before it is rounded to `compute`: `compute`
     /// itself, or f32 (the accumulator). The arithmetic is the same either way (products are
     /// accumulated in f32 and rounded once; kernels may sum in another order); the form is for
-    /// the backend: XLA CPU runs
-    /// bf16 x bf16 -> f32 on the CPU's native bf16 GEMM but converts both operands of a
-    /// bf16 -> bf16 product to f32 first, while a GPU's cuBLAS writes bf16 directly.
+    /// the backend: XLA CPU runs bf16 x bf16 -> f32 on the CPU's native bf16 GEMM but converts
+    /// both operands of a bf16 -> bf16 product to f32 first, while a GPU's cuBLAS writes bf16
+    /// directly.
     pub matmul_result: DType,
 }
 

@@ -175,7 +175,9 @@ impl Runtime {
     pub fn open(plugin: Option<&str>, cpu_devices: Option<i64>) -> Result<Runtime> {
         let path = pjrt::discover::resolve_or_install(plugin)?;
         let name = path.to_string_lossy();
-        let cpu = name.contains("cpu");
+        // The same rule by name as `xtrain`'s commands use before they start (the policy must be
+        // set before the plugin's threads exist, so its platform name comes too late).
+        let cpu = names_cpu_plugin(Some(&name));
         let gpu = name.contains("cuda") || name.contains("rocm");
         if cpu {
             keep_freed_host_memory();
