@@ -63,6 +63,7 @@ impl Builder {
         let active = |v: Value| depends[v.index()] && reaches[v.index()];
 
         let mut ct: HashMap<Value, Value> = HashMap::new();
+        let mut bands: HashMap<Value, Vec<Band>> = HashMap::new();
         for &(y, g) in seeds {
             if self.shape(y) != self.shape(g) {
                 return err(
@@ -86,6 +87,14 @@ impl Builder {
                 if !node.outputs.iter().any(|&o| active(o)) {
                     continue;
                 }
+                // Bands fold into this node's output cotangents under the node's own name.
+                self.scope = vec![match &node.loc {
+                    Some(l) => format!("{l}.grad"),
+                    None => "grad".to_string(),
+                }];
+                for &o in &node.outputs {
+                    settle_bands(self, &mut ct, &mut bands, o)?;
+                }
                 let cts: Vec<Option<Value>> =
                     node.outputs.iter().map(|o| ct.get(o).copied()).collect();
                 if cts.iter().all(|c| c.is_none()) {
@@ -95,10 +104,6 @@ impl Builder {
                 if !needs.iter().any(|&n| n) {
                     continue;
                 }
-                self.scope = vec![match &node.loc {
-                    Some(l) => format!("{l}.grad"),
-                    None => "grad".to_string(),
-                }];
                 let view = match node.remat {
                     Some(r) => {
                         if let std::collections::hash_map::Entry::Vacant(slot) = recomputed.entry(r)
@@ -116,6 +121,13 @@ impl Builder {
                     }
                     None => node.clone(),
                 };
+                if let (Some((dim, start)), Some(g)) = (band_of(self, &view), cts[0]) {
+                    bands
+                        .entry(node.inputs[0])
+                        .or_default()
+                        .push(Band { dim, start, g });
+                    continue;
+                }
                 let grads = crate::ops::vjp(self, &view, &cts, &needs)?;
                 for ((&input, g), need) in node.inputs.iter().zip(grads).zip(&needs) {
                     if let (Some(g), true) = (g, *need) {
@@ -128,6 +140,9 @@ impl Builder {
         self.remat = saved_remat;
         self.scope = saved_scope;
         result?;
+        for &w in wrt {
+            settle_bands(self, &mut ct, &mut bands, w)?;
+        }
         Ok(wrt
             .iter()
             .map(|w| match ct.get(w) {
@@ -185,5 +200,88 @@ fn accumulate(b: &mut Builder, ct: &mut HashMap<Value, Value>, v: Value, g: Valu
         None => g,
     };
     ct.insert(v, total);
+    Ok(())
+}
+
+/// The cotangent of a stride-1 slice that cuts `x` along one dim only: rows `start..` of `dim`.
+/// These are kept apart until `x`'s cotangent is complete, because pieces that tile `x` (query
+/// blocks, the halves of RoPE) are then one concatenation instead of a zero-padded copy of `x`
+/// per piece summed together.
+struct Band {
+    dim: usize,
+    start: i64,
+    g: Value,
+}
+
+/// `(dim, start)` when `node` is a stride-1 slice that cuts its operand along one dim only.
+fn band_of(b: &Builder, node: &Node) -> Option<(usize, i64)> {
+    let crate::graph::Op::Slice {
+        start,
+        limit,
+        strides,
+    } = &node.op
+    else {
+        return None;
+    };
+    let x = b.dims(node.inputs[0]);
+    if strides.iter().any(|&s| s != 1) {
+        return None;
+    }
+    let cut: Vec<usize> = (0..x.len())
+        .filter(|&i| start[i] != 0 || limit[i] != x[i])
+        .collect();
+    match cut[..] {
+        [dim] => Some((dim, start[dim])),
+        _ => None,
+    }
+}
+
+/// Fold the bands recorded for `x` into its cotangent: bands along one dim that do not overlap
+/// become one concatenation (zeros in the gaps); otherwise each is padded to `x`'s shape and
+/// added, as the slice's vjp rule does.
+fn settle_bands(
+    b: &mut Builder,
+    ct: &mut HashMap<Value, Value>,
+    bands: &mut HashMap<Value, Vec<Band>>,
+    x: Value,
+) -> Result<()> {
+    let Some(mut pieces) = bands.remove(&x) else {
+        return Ok(());
+    };
+    pieces.sort_by_key(|p| p.start);
+    let dim = pieces[0].dim;
+    let len = |b: &Builder, p: &Band| b.dims(p.g)[p.dim];
+    let disjoint = pieces.iter().all(|p| p.dim == dim)
+        && pieces
+            .windows(2)
+            .all(|w| w[0].start + len(b, &w[0]) <= w[1].start);
+    let shape = b.shape(x).clone();
+    if pieces.len() > 1 && disjoint {
+        let mut parts = Vec::new();
+        let mut at = 0;
+        let gap = |b: &mut Builder, n: i64| {
+            let mut d = shape.dims.clone();
+            d[dim] = n;
+            b.zeros(shape.with_dims(&d))
+        };
+        for p in &pieces {
+            if p.start > at {
+                parts.push(gap(b, p.start - at));
+            }
+            parts.push(p.g);
+            at = p.start + len(b, p);
+        }
+        if at < shape.dims[dim] {
+            parts.push(gap(b, shape.dims[dim] - at));
+        }
+        let whole = b.concatenate(&parts, dim as i64)?;
+        return accumulate(b, ct, x, whole);
+    }
+    for p in pieces {
+        let mut start = vec![0; shape.rank()];
+        start[p.dim] = p.start;
+        let padded = crate::ops::slice_vjp(b, &shape, p.g, &start, &vec![1; shape.rank()])?;
+        accumulate(b, ct, x, padded)?;
+    }
     Ok(())
 }

@@ -759,7 +759,7 @@ fn unbroadcast(b: &mut Builder, g: Value, operand: &Shape, dims: &[i64]) -> Resu
     b.reshape(t, &operand.dims)
 }
 
-fn slice_vjp(
+pub(crate) fn slice_vjp(
     b: &mut Builder,
     x: &Shape,
     g: Value,

@@ -98,6 +98,41 @@ fn shape_ops() {
         TOL,
         |b, p| b.transpose(p[0], &[2, 0, 1]),
     );
+    // Cotangents of slices along one dim are gathered before they are summed: pieces that tile
+    // the operand become a concatenation (with zeros where no piece reads), overlapping pieces
+    // are padded and added. Each case against finite differences.
+    check_vjp(
+        "slices tiling a dim, one gap",
+        &[rand(18, &[7, 3], -1.0, 1.0)],
+        &[0],
+        TOL,
+        |b, p| {
+            let a = b.slice_dim(p[0], 0, 0, 2)?;
+            let c = b.slice_dim(p[0], 0, 3, 7)?;
+            let a2 = b.mul(a, a)?;
+            let c3 = b.mul_scalar(c, 3.0)?;
+            b.concatenate(&[c3, a2], 0)
+        },
+    );
+    check_vjp(
+        "overlapping slices and a direct use",
+        &[rand(19, &[6, 4], -1.0, 1.0)],
+        &[0],
+        TOL,
+        |b, p| {
+            let a = b.slice_dim(p[0], 1, 0, 2)?;
+            let c = b.slice_dim(p[0], 1, 1, 4)?;
+            let d = b.slice_dim(p[0], 0, 2, 4)?;
+            let ac = b.mul(a, a)?;
+            let sa = b.sum_all(ac)?;
+            let sc = b.sum_all(c)?;
+            let sd = b.sum_all(d)?;
+            let sx = b.sum_all(p[0])?;
+            let t = b.add(sa, sc)?;
+            let t = b.add(t, sd)?;
+            b.mul(t, sx)
+        },
+    );
     check_vjp(
         "slice strided",
         &[rand(12, &[5, 6], -1.0, 1.0)],
