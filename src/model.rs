@@ -402,10 +402,14 @@ impl Llama<'_> {
             };
             let a = b.convert(pair.a, self.num.compute)?;
             let bm = b.convert(pair.b, self.num.compute)?;
+            // PEFT scales the adapter's output, (x A^T B^T) * s; scaling the rank-r activation
+            // instead is the same product (exactly so in bf16 when s is a power of two, as it is
+            // for the usual alpha = 2r) at r/out of the work, and it leaves the projection's
+            // output cotangent with one consumer form fewer in the backward pass.
             let xa = linear(b, x_in, a, self.num.matmul_result)?;
+            let xa = b.mul_scalar(xa, ctx.lora_scale)?;
             let xab = linear(b, xa, bm, self.num.matmul_result)?;
-            let scaled = b.mul_scalar(xab, ctx.lora_scale)?;
-            b.add(y, scaled)
+            b.add(y, xab)
         })
     }
 
