@@ -472,10 +472,13 @@ impl Llama<'_> {
     ) -> Result<Value> {
         let gate = self.project(b, Target::Gate, x, w.gate, lora, ctx, saves)?;
         let up = self.project(b, Target::Up, x, w.up, lora, ctx, saves)?;
-        // silu(g) = g * sigmoid(g)
+        // silu(g) = g * sigmoid(g), one op in the compute type as torch's silu is: computed in
+        // f32 and rounded once (rounding the sigmoid too would add an error HF does not have)
         let act = b.scoped("mlp", |b| {
-            let s = b.logistic(gate)?;
-            let silu = b.mul(gate, s)?;
+            let g32 = b.convert(gate, DType::F32)?;
+            let s = b.logistic(g32)?;
+            let silu = b.mul(g32, s)?;
+            let silu = b.convert(silu, self.num.compute)?;
             b.mul(silu, up)
         })?;
         self.project(b, Target::Down, act, w.down, lora, ctx, saves)
