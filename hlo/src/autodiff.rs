@@ -6,6 +6,11 @@
 //! [`Builder::remat`] are recomputed from their region's inputs, passed through an
 //! `optimization_barrier` together with the incoming cotangent, so the recomputation happens
 //! in the backward pass and is not merged with the forward copy.
+//!
+//! Cotangents that reach a value through slices along one of its dims are gathered until the
+//! value's cotangent is complete: slices that tile it (blocks, halves) then give one
+//! concatenation rather than a zero-padded full-size copy per slice summed, which XLA would
+//! otherwise recompute inside every consumer.
 
 use crate::builder::{err, Builder, Result};
 use crate::graph::{Node, Value};

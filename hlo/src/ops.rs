@@ -1522,6 +1522,8 @@ pub(crate) fn vjp(
             }
             vec![Some(b.transpose(first, &inv)?)]
         }
+        // Slices along one dim do not come here from `vjp`: autodiff gathers their cotangents
+        // per operand and concatenates those that tile it (`settle_bands` in autodiff.rs).
         Op::Slice { start, strides, .. } => {
             let s = b.shape(node.inputs[0]).clone();
             vec![Some(slice_vjp(b, &s, first, start, strides)?)]
