@@ -53,6 +53,12 @@ else
   JAX_PLATFORMS=$PLUGIN
 fi
 export JAX_PLATFORMS XLA_PYTHON_CLIENT_MEM_FRACTION=0.92
+# The JAX peer runs on the machine's python3 (the GPU machine has JAX installed there), or on
+# tools/bench's venv when it has JAX (the CPU dry run here), or on $PYTHON.
+PY=${PYTHON:-python3}
+if [ -z "${PYTHON:-}" ] && ! python3 -c "import jax" 2>/dev/null && [ -x tools/.venv/bin/python ]; then
+  PY=tools/.venv/bin/python
+fi
 
 # XLA's figure for the whole step at one batch size: arguments + outputs not aliased + temporaries
 probe() {
@@ -92,7 +98,7 @@ run_peer() {
   done
 }
 XB=$(run_peer xtrain "$BATCH" "$XTRAIN" bench "${STEP[@]}" --warmup "$WARMUP" --steps "$STEPS")
-JB=$(run_peer jax "$XB" python3 tools/peers/jax_step.py --random --config "$CONFIG" --seq "$SEQ" \
+JB=$(run_peer jax "$XB" "$PY" tools/peers/jax_step.py --random --config "$CONFIG" --seq "$SEQ" \
      --dtype bf16 --targets all --remat layer --lora-r 16 --lora-alpha 32 --warmup "$WARMUP" --steps "$STEPS")
 
 python3 - "$WORK" "$CONFIG" "$SEQ" "$PEAK" "$XB" "$JB" "$PLUGIN" <<'PY'
@@ -106,7 +112,7 @@ work, config, T, peak, xb, jb, plugin = sys.argv[1], sys.argv[2], int(sys.argv[3
 xrun = json.load(open(f"{work}/xtrain.json"))
 per_token = xrun["model_flops_per_step"] / xrun["tokens_per_step"]
 print(f"model FLOPs per token: 4*P + 12*L*T*heads*head_dim + LoRA = {per_token/1e9:.2f} GFLOP (T = {T}; xtrain's model_flops_per_step)")
-print(f"peak: {peak:.0f} TFLOP/s dense bf16")
+print(f"peak: {peak:g} TFLOP/s dense bf16")
 rows = {}
 for name, b in [("xtrain", xb), ("JAX", jb)]:
     run = json.load(open(f"{work}/{name.lower()}.json"))
