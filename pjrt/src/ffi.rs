@@ -20,6 +20,7 @@ pub enum PJRT_Event {}
 pub enum PJRT_Executable {}
 pub enum PJRT_LoadedExecutable {}
 pub enum PJRT_SerializedExecutable {}
+pub enum PJRT_TopologyDescription {}
 
 /// Every API entry takes one pointer to its argument struct and returns an error or null.
 pub type ApiFn = Option<unsafe extern "C" fn(*mut c_void) -> *mut PJRT_Error>;
@@ -212,6 +213,7 @@ pub struct PJRT_Event_Args {
 
 pub const NAMED_VALUE_STRING: c_int = 0;
 pub const NAMED_VALUE_INT64: c_int = 1;
+pub const NAMED_VALUE_INT64_LIST: c_int = 2;
 pub const NAMED_VALUE_FLOAT: c_int = 3;
 pub const NAMED_VALUE_BOOL: c_int = 4;
 
@@ -523,4 +525,90 @@ pub struct PJRT_Executable_OptimizedProgram_Args {
     pub extension_start: *mut c_void,
     pub executable: *mut PJRT_Executable,
     pub program: *mut PJRT_Program,
+}
+
+#[repr(C)]
+pub struct PJRT_DeviceDescription_ProcessIndex_Args {
+    pub struct_size: usize,
+    pub extension_start: *mut c_void,
+    pub device_description: *mut PJRT_DeviceDescription,
+    pub process_index: c_int,
+}
+
+#[repr(C)]
+pub struct PJRT_DeviceDescription_Attributes_Args {
+    pub struct_size: usize,
+    pub extension_start: *mut c_void,
+    pub device_description: *mut PJRT_DeviceDescription,
+    pub num_attributes: usize,
+    pub attributes: *const PJRT_NamedValue,
+}
+
+#[repr(C)]
+pub struct PJRT_TopologyDescription_Create_Args {
+    pub struct_size: usize,
+    pub extension_start: *mut c_void,
+    pub topology_name: *const c_char,
+    pub topology_name_size: usize,
+    pub create_options: *const PJRT_NamedValue,
+    pub num_options: usize,
+    pub topology: *mut PJRT_TopologyDescription,
+}
+
+/// `PJRT_TopologyDescription_Destroy_Args`.
+#[repr(C)]
+pub struct PJRT_TopologyDescription_Destroy_Args {
+    pub struct_size: usize,
+    pub extension_start: *mut c_void,
+    pub topology: *mut PJRT_TopologyDescription,
+}
+
+/// `PJRT_TopologyDescription_PlatformName_Args`, `..._PlatformVersion_Args`: a topology, then an
+/// out string and its length.
+#[repr(C)]
+pub struct PJRT_TopologyDescription_Str_Args {
+    pub struct_size: usize,
+    pub extension_start: *mut c_void,
+    pub topology: *mut PJRT_TopologyDescription,
+    pub ptr: *const c_char,
+    pub len: usize,
+}
+
+#[repr(C)]
+pub struct PJRT_TopologyDescription_GetDeviceDescriptions_Args {
+    pub struct_size: usize,
+    pub extension_start: *mut c_void,
+    pub topology: *mut PJRT_TopologyDescription,
+    pub descriptions: *const *mut PJRT_DeviceDescription,
+    pub num_descriptions: usize,
+}
+
+#[repr(C)]
+pub struct PJRT_TopologyDescription_Attributes_Args {
+    pub struct_size: usize,
+    pub extension_start: *mut c_void,
+    pub topology: *mut PJRT_TopologyDescription,
+    pub attributes: *const PJRT_NamedValue,
+    pub num_attributes: usize,
+}
+
+#[repr(C)]
+pub struct PJRT_Compile_Args {
+    pub struct_size: usize,
+    pub extension_start: *mut c_void,
+    pub topology: *const PJRT_TopologyDescription,
+    pub program: *const PJRT_Program,
+    pub compile_options: *const c_char,
+    pub compile_options_size: usize,
+    pub client: *mut PJRT_Client,
+    pub executable: *mut PJRT_Executable,
+}
+
+#[repr(C)]
+pub struct PJRT_Executable_GetCostAnalysis_Args {
+    pub struct_size: usize,
+    pub extension_start: *mut c_void,
+    pub executable: *mut PJRT_Executable,
+    pub num_properties: usize,
+    pub properties: *const PJRT_NamedValue,
 }

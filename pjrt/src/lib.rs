@@ -17,11 +17,13 @@ mod host;
 pub mod options;
 
 pub use host::{ElementType, HostTensor};
+pub use named::Value;
 pub use options::{CompileOptions, OptionValue};
+pub use topology::{DeviceDescription, MemoryStats, Topology, UnloadedExecutable};
 
 use ffi::*;
 use std::collections::HashMap;
-use std::ffi::{c_char, c_void, CString};
+use std::ffi::{c_char, c_void};
 use std::path::{Path, PathBuf};
 use std::ptr::null_mut;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -111,6 +113,10 @@ macro_rules! args {
         a
     }};
 }
+
+// After the macros, which they use.
+mod named;
+mod topology;
 
 static LOADED: OnceLock<Mutex<HashMap<PathBuf, Arc<Plugin>>>> = OnceLock::new();
 
@@ -218,35 +224,7 @@ impl Plugin {
 
     /// Create a client. Each client owns its devices; most programs want one per process.
     pub fn client(self: &Arc<Self>, options: &ClientOptions) -> Result<Client> {
-        // (name, type, the 8-byte union: an int64, or a float in its low 4 bytes)
-        let raw: Vec<(&str, std::os::raw::c_int, u64)> = options
-            .int_options
-            .iter()
-            .map(|(k, v)| (k.as_str(), NAMED_VALUE_INT64, *v as u64))
-            .chain(
-                options
-                    .float_options
-                    .iter()
-                    .map(|(k, v)| (k.as_str(), NAMED_VALUE_FLOAT, v.to_bits() as u64)),
-            )
-            .collect();
-        let names: Vec<CString> = raw
-            .iter()
-            .map(|(k, _, _)| CString::new(*k).unwrap())
-            .collect();
-        let values: Vec<PJRT_NamedValue> = raw
-            .iter()
-            .zip(&names)
-            .map(|((k, ty, v), name)| PJRT_NamedValue {
-                struct_size: struct_size!(PJRT_NamedValue, value_size),
-                extension_start: null_mut(),
-                name: name.as_ptr(),
-                name_size: k.len(),
-                type_: *ty,
-                value: *v,
-                value_size: 1,
-            })
-            .collect();
+        let values = named::NamedValues::new(&options.options);
         let mut a = args!(
             PJRT_Client_Create_Args,
             kv_try_get_user_arg {
@@ -286,7 +264,7 @@ fn error_code_name(code: i32) -> &'static str {
     NAMES.get(code as usize).copied().unwrap_or("UNKNOWN")
 }
 
-unsafe fn str_from(ptr: *const c_char, len: usize) -> String {
+pub(crate) unsafe fn str_from(ptr: *const c_char, len: usize) -> String {
     if ptr.is_null() {
         return String::new();
     }
@@ -297,16 +275,14 @@ unsafe fn str_from(ptr: *const c_char, len: usize) -> String {
 /// Options for `PJRT_Client_Create`, e.g. `cpu_device_count` for the CPU plugin.
 #[derive(Clone, Debug, Default)]
 pub struct ClientOptions {
-    pub int_options: Vec<(String, i64)>,
-    pub float_options: Vec<(String, f32)>,
+    pub options: Vec<(String, Value)>,
 }
 
 impl ClientOptions {
     /// The CPU plugin's number of virtual devices (default 4).
     pub fn cpu_device_count(n: i64) -> Self {
         ClientOptions {
-            int_options: vec![("cpu_device_count".into(), n)],
-            float_options: Vec::new(),
+            options: vec![("cpu_device_count".into(), Value::Int(n))],
         }
     }
 
@@ -314,8 +290,7 @@ impl ClientOptions {
     /// which leaves a quarter of the GPU unused by a training step).
     pub fn gpu_memory_fraction(fraction: f32) -> Self {
         ClientOptions {
-            int_options: Vec::new(),
-            float_options: vec![("memory_fraction".into(), fraction)],
+            options: vec![("memory_fraction".into(), Value::Float(fraction))],
         }
     }
 }
@@ -504,28 +479,7 @@ impl Device {
             device_description { device: self.raw }
         );
         call!(self.p(), Device_GetDescription, &mut g)?;
-        let desc = g.device_description;
-        let mut id = args!(
-            PJRT_DeviceDescription_Id_Args,
-            id {
-                device_description: desc
-            }
-        );
-        call!(self.p(), DeviceDescription_Id, &mut id)?;
-        let mut kind = args!(
-            PJRT_DeviceDescription_Str_Args,
-            len {
-                device_description: desc
-            }
-        );
-        call!(self.p(), DeviceDescription_Kind, &mut kind)?;
-        let mut text = args!(
-            PJRT_DeviceDescription_Str_Args,
-            len {
-                device_description: desc
-            }
-        );
-        call!(self.p(), DeviceDescription_ToString, &mut text)?;
+        let desc = self.p().describe(g.device_description)?;
         let mut stats = args!(
             PJRT_Device_MemoryStats_Args,
             peak_pool_bytes_is_set { device: self.raw }
@@ -535,9 +489,9 @@ impl Device {
             _ => None,
         };
         Ok(DeviceInfo {
-            id: id.id,
-            kind: unsafe { str_from(kind.ptr, kind.len) },
-            description: unsafe { str_from(text.ptr, text.len) },
+            id: desc.id,
+            kind: desc.kind,
+            description: desc.description,
             memory_bytes,
         })
     }
@@ -649,26 +603,6 @@ impl Buffer {
     }
 }
 
-/// XLA's compiled memory figures for one device, in bytes.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct MemoryStats {
-    pub argument_bytes: i64,
-    pub output_bytes: i64,
-    /// Output bytes that reuse (alias) donated argument buffers.
-    pub alias_bytes: i64,
-    pub temp_bytes: i64,
-    pub generated_code_bytes: i64,
-    /// Peak device memory where the plugin computes it (0 otherwise).
-    pub peak_bytes: i64,
-}
-
-impl MemoryStats {
-    /// Arguments + outputs not aliased to arguments + temporaries: what one step keeps live.
-    pub fn total_bytes(&self) -> i64 {
-        self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
-    }
-}
-
 /// A compiled, loaded program.
 pub struct Executable {
     client: Arc<ClientInner>,
@@ -693,30 +627,14 @@ impl Drop for Executable {
     }
 }
 
-/// The unloaded executable behind a loaded one; destroyed after use.
-struct RawExecutable<'a> {
-    plugin: &'a Plugin,
-    raw: *mut PJRT_Executable,
-}
-
-impl Drop for RawExecutable<'_> {
-    fn drop(&mut self) {
-        let mut a = args!(
-            PJRT_Handle_Args,
-            handle {
-                handle: self.raw as *mut c_void
-            }
-        );
-        let _ = (|| call!(self.plugin, Executable_Destroy, &mut a))();
-    }
-}
-
 impl Executable {
     fn p(&self) -> &Plugin {
         &self.client.plugin
     }
 
-    fn raw_executable(&self) -> Result<RawExecutable<'_>> {
+    /// The unloaded executable behind this one (a new handle, destroyed when dropped): its
+    /// memory figures, cost analysis, optimized program and serialized form.
+    pub fn unloaded(&self) -> Result<UnloadedExecutable> {
         let mut a = args!(
             PJRT_LoadedExecutable_GetExecutable_Args,
             executable {
@@ -724,10 +642,10 @@ impl Executable {
             }
         );
         call!(self.p(), LoadedExecutable_GetExecutable, &mut a)?;
-        Ok(RawExecutable {
-            plugin: self.p(),
-            raw: a.executable,
-        })
+        Ok(UnloadedExecutable::from_raw(
+            self.client.plugin.clone(),
+            a.executable,
+        ))
     }
 
     /// Declare the per-device argument types and dims; [`Executable::execute`] then rejects
@@ -762,55 +680,17 @@ impl Executable {
 
     /// Number of outputs per device.
     pub fn num_outputs(&self) -> Result<usize> {
-        let exe = self.raw_executable()?;
-        let mut a = args!(
-            PJRT_Handle_Word_Args,
-            value {
-                handle: exe.raw as *mut c_void
-            }
-        );
-        call!(self.p(), Executable_NumOutputs, &mut a)?;
-        Ok(a.value as usize)
+        self.unloaded()?.num_outputs()
     }
 
     /// XLA's memory figures for one device of this executable.
     pub fn memory_stats(&self) -> Result<MemoryStats> {
-        let exe = self.raw_executable()?;
-        let mut a = args!(
-            PJRT_Executable_GetCompiledMemoryStats_Args,
-            peak_memory_in_bytes {
-                executable: exe.raw,
-            }
-        );
-        call!(self.p(), Executable_GetCompiledMemoryStats, &mut a)?;
-        Ok(MemoryStats {
-            argument_bytes: a.argument_size_in_bytes,
-            output_bytes: a.output_size_in_bytes,
-            alias_bytes: a.alias_size_in_bytes,
-            temp_bytes: a.temp_size_in_bytes,
-            generated_code_bytes: a.generated_code_size_in_bytes,
-            peak_bytes: a.peak_memory_in_bytes,
-        })
+        self.unloaded()?.memory_stats()
     }
 
     /// The plugin's serialized form, loadable with [`Client::deserialize`] by the same plugin build.
     pub fn serialize(&self) -> Result<Vec<u8>> {
-        let exe = self.raw_executable()?;
-        let mut a = args!(
-            PJRT_Executable_Serialize_Args,
-            serialized_executable_deleter {
-                executable: exe.raw,
-            }
-        );
-        call!(self.p(), Executable_Serialize, &mut a)?;
-        let bytes = unsafe {
-            std::slice::from_raw_parts(a.serialized_bytes as *const u8, a.serialized_bytes_size)
-        }
-        .to_vec();
-        if let Some(deleter) = a.serialized_executable_deleter {
-            unsafe { deleter(a.serialized_executable) };
-        }
-        Ok(bytes)
+        self.unloaded()?.serialize()
     }
 
     /// Run on every device the program was compiled for. `args[d]` are device d's arguments, in

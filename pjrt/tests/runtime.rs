@@ -270,8 +270,10 @@ fn float_create_options_are_passed() {
     let path = pjrt::discover::resolve_or_install(Some("cpu")).expect("CPU plugin");
     let plugin = Plugin::load(&path).expect("load CPU plugin");
     let options = ClientOptions {
-        int_options: vec![("cpu_device_count".into(), 2)],
-        float_options: vec![("memory_fraction".into(), 0.9)],
+        options: vec![
+            ("cpu_device_count".into(), pjrt::Value::Int(2)),
+            ("memory_fraction".into(), pjrt::Value::Float(0.9)),
+        ],
     };
     let client = plugin.client(&options).expect("client with a float option");
     assert_eq!(client.devices().unwrap().len(), 2);
