@@ -21,6 +21,7 @@ pub enum PJRT_Executable {}
 pub enum PJRT_LoadedExecutable {}
 pub enum PJRT_SerializedExecutable {}
 pub enum PJRT_TopologyDescription {}
+pub enum PJRT_Memory {}
 
 /// Every API entry takes one pointer to its argument struct and returns an error or null.
 pub type ApiFn = Option<unsafe extern "C" fn(*mut c_void) -> *mut PJRT_Error>;
@@ -611,4 +612,39 @@ pub struct PJRT_Executable_GetCostAnalysis_Args {
     pub executable: *mut PJRT_Executable,
     pub num_properties: usize,
     pub properties: *const PJRT_NamedValue,
+}
+
+/// `PJRT_Device_AddressableMemories_Args`.
+#[repr(C)]
+pub struct PJRT_Device_AddressableMemories_Args {
+    pub struct_size: usize,
+    pub extension_start: *mut c_void,
+    pub device: *mut PJRT_Device,
+    pub memories: *const *mut PJRT_Memory,
+    pub num_memories: usize,
+}
+
+#[repr(C)]
+pub struct PJRT_Device_DefaultMemory_Args {
+    pub struct_size: usize,
+    pub extension_start: *mut c_void,
+    pub device: *mut PJRT_Device,
+    pub memory: *mut PJRT_Memory,
+}
+
+#[repr(C)]
+pub struct PJRT_Memory_Kind_Args {
+    pub struct_size: usize,
+    pub extension_start: *mut c_void,
+    pub memory: *mut PJRT_Memory,
+    pub kind: *const c_char,
+    pub kind_size: usize,
+}
+
+#[repr(C)]
+pub struct PJRT_Buffer_Memory_Args {
+    pub struct_size: usize,
+    pub extension_start: *mut c_void,
+    pub buffer: *mut PJRT_Buffer,
+    pub memory: *mut PJRT_Memory,
 }

@@ -435,6 +435,20 @@ impl Client {
 
     /// Copy a host tensor to `device`. The host data may be freed when this returns.
     pub fn to_device(&self, host: &HostTensor, device: &Device) -> Result<Buffer> {
+        self.upload(host, device.raw, null_mut())
+    }
+
+    /// Copy a host tensor into a memory space (e.g. a device's `pinned_host` memory).
+    pub fn to_memory(&self, host: &HostTensor, memory: &Memory) -> Result<Buffer> {
+        self.upload(host, null_mut(), memory.raw)
+    }
+
+    fn upload(
+        &self,
+        host: &HostTensor,
+        device: *mut PJRT_Device,
+        memory: *mut PJRT_Memory,
+    ) -> Result<Buffer> {
         let expected = host.ty.byte_size(host.element_count());
         if host.bytes.len() != expected {
             return Err(Error::Invalid(format!(
@@ -453,7 +467,8 @@ impl Client {
                 dims: host.dims.as_ptr(),
                 num_dims: host.dims.len(),
                 host_buffer_semantics: HOST_BUFFER_IMMUTABLE_ONLY_DURING_CALL,
-                device: device.raw,
+                device: device,
+                memory: memory as *mut c_void,
             }
         );
         call!(self.p(), Client_BufferFromHostBuffer, &mut a)?;
@@ -498,6 +513,57 @@ impl Device {
 
     pub fn id(&self) -> Result<i32> {
         Ok(self.info()?.id)
+    }
+
+    /// The memories this device can address (device memory, and on plugins that have them host
+    /// memory spaces such as `pinned_host` and `unpinned_host`).
+    pub fn memories(&self) -> Result<Vec<Memory>> {
+        let mut a = args!(
+            PJRT_Device_AddressableMemories_Args,
+            num_memories { device: self.raw }
+        );
+        call!(self.p(), Device_AddressableMemories, &mut a)?;
+        if a.memories.is_null() {
+            return Ok(Vec::new());
+        }
+        let raws = unsafe { std::slice::from_raw_parts(a.memories, a.num_memories) };
+        Ok(raws
+            .iter()
+            .map(|&raw| Memory {
+                client: self.client.clone(),
+                raw,
+            })
+            .collect())
+    }
+
+    /// The memory this device's buffers live in unless told otherwise.
+    pub fn default_memory(&self) -> Result<Memory> {
+        let mut a = args!(PJRT_Device_DefaultMemory_Args, memory { device: self.raw });
+        call!(self.p(), Device_DefaultMemory, &mut a)?;
+        Ok(Memory {
+            client: self.client.clone(),
+            raw: a.memory,
+        })
+    }
+}
+
+/// A memory space of a device (its own memory, or host memory it can address).
+#[derive(Clone)]
+pub struct Memory {
+    client: Arc<ClientInner>,
+    raw: *mut PJRT_Memory,
+}
+
+unsafe impl Send for Memory {}
+unsafe impl Sync for Memory {}
+
+impl Memory {
+    /// The memory's kind, as XLA's memory-kind annotations name it: `device`, `pinned_host`,
+    /// `unpinned_host`, ...
+    pub fn kind(&self) -> Result<String> {
+        let mut a = args!(PJRT_Memory_Kind_Args, kind_size { memory: self.raw });
+        call!(&self.client.plugin, Memory_Kind, &mut a)?;
+        Ok(unsafe { str_from(a.kind, a.kind_size) })
     }
 }
 
@@ -562,6 +628,16 @@ impl Buffer {
         let mut a = args!(PJRT_Buffer_Dimensions_Args, num_dims { buffer: self.raw });
         call!(self.p(), Buffer_Dimensions, &mut a)?;
         Ok(unsafe { std::slice::from_raw_parts(a.dims, a.num_dims) }.to_vec())
+    }
+
+    /// The memory space this buffer lives in.
+    pub fn memory(&self) -> Result<Memory> {
+        let mut a = args!(PJRT_Buffer_Memory_Args, memory { buffer: self.raw });
+        call!(self.p(), Buffer_Memory, &mut a)?;
+        Ok(Memory {
+            client: self.client.clone(),
+            raw: a.memory,
+        })
     }
 
     pub fn is_deleted(&self) -> Result<bool> {
