@@ -27,6 +27,8 @@ pub struct Builder {
     pub(crate) scope: Vec<String>,
     pub(crate) remat: Option<u32>,
     next_remat: u32,
+    /// Emit [`Builder::fori_loop`] bodies inline, once per iteration, instead of a while loop.
+    pub(crate) unroll_loops: bool,
 }
 
 impl Builder {
@@ -43,7 +45,17 @@ impl Builder {
             scope: Vec::new(),
             remat: None,
             next_remat: 0,
+            unroll_loops: false,
         }
+    }
+
+    /// Unroll every [`Builder::fori_loop`] built from now on: the body is emitted once per
+    /// iteration with a constant index, each iteration's carry and invariants passing through an
+    /// `optimization_barrier` as a loop boundary would (so XLA cannot merge work across
+    /// iterations, e.g. a backward loop's recomputation with the forward pass). The same
+    /// computation as the loop, for compilers whose cost analysis counts a loop body once.
+    pub fn unroll_loops(&mut self, unroll: bool) {
+        self.unroll_loops = unroll;
     }
 
     /// The function built so far (for inspection; values stay valid).

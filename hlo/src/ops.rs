@@ -1346,13 +1346,34 @@ impl Builder {
     /// `for i in 0..n { carry = body(i, carry, invariants) }` as a `stablehlo.while`. The body
     /// gets its own builder (regions are self-contained), the loop index (s32 scalar), the carry
     /// and the invariants; it returns the new carry (same types). Returns the final carry.
+    /// With [`Builder::unroll_loops`] the body is emitted inline once per iteration instead.
     pub fn fori_loop(
         &mut self,
         n: i64,
         init: &[Value],
         invariants: &[Value],
-        body: impl FnOnce(&mut Builder, Value, &[Value], &[Value]) -> Result<Vec<Value>>,
+        mut body: impl FnMut(&mut Builder, Value, &[Value], &[Value]) -> Result<Vec<Value>>,
     ) -> Result<Vec<Value>> {
+        if self.unroll_loops {
+            let nc = init.len();
+            let mut carry = init.to_vec();
+            for k in 0..n {
+                let state: Vec<Value> = carry.iter().chain(invariants).copied().collect();
+                let state = self.optimization_barrier(&state);
+                let i = self.scalar(k as f64, DType::S32);
+                carry = body(self, i, &state[..nc], &state[nc..])?;
+                if carry.len() != nc {
+                    return err(
+                        "while",
+                        format!(
+                            "loop body returned {} values for a carry of {nc}",
+                            carry.len()
+                        ),
+                    );
+                }
+            }
+            return Ok(carry);
+        }
         let counter = Shape::scalar(DType::S32);
         let state_types: Vec<Shape> = std::iter::once(counter.clone())
             .chain(

@@ -651,3 +651,39 @@ fn fori_loop_sums_rows_with_dynamic_slices() {
     });
     assert_eq!(got.to_f32().unwrap(), vec![18.0, 22.0, 26.0]);
 }
+
+#[test]
+fn unrolled_fori_loop_computes_what_the_loop_does_without_a_while() {
+    // carry = tanh(carry * xs[i]) over 3 rows: order matters, so a wrong unrolling shows.
+    let xs: Vec<f32> = (0..9).map(|v| 0.1 * v as f32 - 0.3).collect(); // 3 rows of 3
+    let build = |unroll: bool| {
+        move |b: &mut Builder, p: &[Value]| {
+            b.unroll_loops(unroll);
+            let one = b.full(1.5, Shape::new(&[1, 3], DType::F32));
+            let out = b.fori_loop(3, &[one], &[p[0]], |b, i, carry, inv| {
+                let z = b.scalar(0.0, DType::S32);
+                let row = b.dynamic_slice(inv[0], &[i, z], &[1, 3])?;
+                let m = b.mul(carry[0], row)?;
+                Ok(vec![b.tanh(m)?])
+            })?;
+            Ok(out[0])
+        }
+    };
+    let looped = run_f32(&[&[3, 3]], std::slice::from_ref(&xs), build(false));
+    let unrolled = run_f32(&[&[3, 3]], std::slice::from_ref(&xs), build(true));
+    let mut want = [1.5f32; 3];
+    for r in 0..3 {
+        for c in 0..3 {
+            want[c] = (want[c] * xs[r * 3 + c]).tanh();
+        }
+    }
+    close(&looped.to_f32().unwrap(), &want, 1e-6);
+    assert_eq!(looped.to_f32().unwrap(), unrolled.to_f32().unwrap());
+    // And the unrolled text has no while loop.
+    let mut b = Builder::new("main");
+    let p = b.param("p0", Shape::new(&[3, 3], DType::F32));
+    let y = build(true)(&mut b, &[p]).unwrap();
+    let text = hlo::Module::new("m", b.finish(&[("y", y)])).to_text();
+    assert!(!text.contains("stablehlo.while"), "{text}");
+    assert_eq!(text.matches("optimization_barrier").count(), 3, "{text}");
+}
