@@ -58,51 +58,9 @@ def random_inputs(cfg, targets, a, cd, d):
     return frozen, embed, norm, head, lora, ids, ids
 
 
-def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("export", nargs="?")
-    p.add_argument("--random", action="store_true", help="random weights and batch made on the device")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--remat", choices=["none", "layer"], default="none",
-                   help="layer: jax.checkpoint around the scanned layer (keep each layer's input)")
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--lora-r", type=int, default=16)
-    p.add_argument("--lora-alpha", type=float, default=32)
-    p.add_argument("--targets", default="q,v")
-    p.add_argument("--config", required=True)
-    p.add_argument("--dtype", choices=["f32", "bf16"], default="f32")
-    p.add_argument("--peak", action="store_true", help="also measure matmul GFLOP/s (2048^3, in --dtype)")
-    a = p.parse_args()
-    cfg = json.load(open(a.config))
-    if a.random == (a.export is not None):
-        p.error("give either an export file or --random")
-    L, H = cfg["num_hidden_layers"], cfg["hidden_size"]
-    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    d = cfg.get("head_dim") or H // nh
-    eps, theta = cfg["rms_norm_eps"], cfg["rope_theta"]
-    targets = ["q", "k", "v", "o", "gate", "up", "down"] if a.targets == "all" else a.targets.split(",")
-    cd = jnp.bfloat16 if a.dtype == "bf16" else jnp.float32  # the compute type
-    proj = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
-            "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
-    kinds = ["input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-             "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
-    if a.random:
-        frozen, embed, norm, head, lora, ids, labels = random_inputs(cfg, targets, a, cd, d)
-    else:
-        t = read_safetensors(a.export)
-        frozen = {k: jnp.stack([t[f"model.layers.{l}.{k}.weight"] for l in range(L)]).astype(cd) for k in kinds}
-        embed, norm, head = (jnp.asarray(t[n]).astype(cd) for n in ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"])
-        lora = {}
-        for tg in targets:
-            for w in "AB":
-                lora[f"{tg}_{w}"] = jnp.stack([t[f"base_model.model.model.layers.{l}.{proj[tg]}.lora_{w}.weight"] for l in range(L)])
-        ids, labels = jnp.asarray(t["input_ids"]), jnp.asarray(t["labels"])
-    B, T = ids.shape
-    scale = a.lora_alpha / a.lora_r
-
-    # llama3 RoPE frequencies, in f32 as transformers computes them
+def rope_tables(cfg, d, T, cd):
+    """llama3 RoPE frequencies, in f32 as transformers computes them; cos and sin [T, d]."""
+    theta = cfg["rope_theta"]
     inv = 1.0 / (np.float32(theta) ** (np.arange(0, d, 2, dtype=np.float32) / np.float32(d)))
     rs = cfg["rope_scaling"]
     lo_w, hi_w = rs["original_max_position_embeddings"] / rs["low_freq_factor"], rs["original_max_position_embeddings"] / rs["high_freq_factor"]
@@ -111,7 +69,20 @@ def main():
     inv = np.where(wl < hi_w, inv, np.where(wl > lo_w, inv / rs["factor"], (1 - smooth) * inv / rs["factor"] + smooth * inv)).astype(np.float32)
     ang = np.arange(T, dtype=np.float32)[:, None] * inv[None, :]
     ang = np.concatenate([ang, ang], -1)
-    cos, sin = jnp.asarray(np.cos(ang)).astype(cd), jnp.asarray(np.sin(ang)).astype(cd)
+    return jnp.asarray(np.cos(ang)).astype(cd), jnp.asarray(np.sin(ang)).astype(cd)
+
+
+def make_step(cfg, a, B, T, cd, targets, unroll=False):
+    """The training step as a function of every weight: (lora, m, v, t, frozen, ends, ids, labels)
+    -> (lora, m, v, loss), ends = (embed, norm, head). Layers in lax.scan, or a Python loop when
+    `unroll` (for compilers whose cost analysis counts a loop body once); remat per layer with
+    --remat layer (jax.checkpoint, which keeps the recomputation apart in an unrolled program)."""
+    H = cfg["hidden_size"]
+    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d = cfg.get("head_dim") or H // nh
+    eps = cfg["rms_norm_eps"]
+    scale = a.lora_alpha / a.lora_r
+    cos, sin = rope_tables(cfg, d, T, cd)
     causal = jnp.tril(jnp.ones((T, T), bool))
 
     def rms(x, g):
@@ -147,9 +118,14 @@ def main():
 
     body = jax.checkpoint(layer) if a.remat == "layer" else layer
 
-    def loss_fn(lora, frozen, ids, labels):
+    def loss_fn(lora, frozen, ends, ids, labels):
+        embed, norm, head = ends
         h = embed[ids]
-        h, _ = jax.lax.scan(body, h, (frozen, lora))
+        if unroll:
+            for l in range(cfg["num_hidden_layers"]):
+                h, _ = body(h, jax.tree.map(lambda x: x[l], (frozen, lora)))
+        else:
+            h, _ = jax.lax.scan(body, h, (frozen, lora))
         logits = (rms(h, norm) @ head.T).astype(jnp.float32)
         lp = jax.nn.log_softmax(logits[:, :-1], -1)
         tgt = labels[:, 1:]
@@ -157,24 +133,147 @@ def main():
         nll = -jnp.take_along_axis(lp, jnp.where(valid, tgt, 0)[..., None], -1)[..., 0]
         return jnp.sum(nll * valid) / jnp.maximum(jnp.sum(valid), 1)
 
-    @jax.jit
-    def step(lora, m, v, t, frozen, ids, labels):
-        loss, g = jax.value_and_grad(loss_fn)(lora, frozen, ids, labels)
+    def step(lora, m, v, t, frozen, ends, ids, labels):
+        loss, g = jax.value_and_grad(loss_fn)(lora, frozen, ends, ids, labels)
         b1, b2, lr, e = 0.9, 0.999, 1e-4, 1e-8
         m = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, m, g)
         v = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, v, g)
         upd = lambda p, m, v: p - lr / (1 - b1 ** t) * m / (jnp.sqrt(v) / jnp.sqrt(1 - b2 ** t) + e)
         return jax.tree.map(upd, lora, m, v), m, v, loss
 
+    return step
+
+
+PROJ = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+        "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+KINDS = ["input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+         "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+
+
+def aot(a, cfg, targets, cd):
+    """Compile the step for an absent TPU slice or GPU (the target's plugin, no device) and print
+    the compiler's figures: memory per device, and for TPUs its cost analysis."""
+    from jax.experimental import topologies
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    platform, device, count = a.aot.split(":", 2)
+    if platform == "tpu":
+        topo = topologies.get_topology_desc(topology_name=f"{device}:{count}", platform="tpu",
+                                            **({"chips_per_host_bounds": [1, 1, 1]} if count in ("1x1", "1x1x1") else {}))
+    else:
+        hosts, per_host = (count.split("x") + [None])[:2] if "x" in count else ("1", count)
+        topo = topologies.get_topology_desc(platform=platform, topology_name="",
+                                            target_config=open(a.target_config).read(),
+                                            topology=f"1x{hosts}x{per_host}")
+    devices = np.array(topo.devices)
+    n = len(devices)
+    mesh = Mesh(devices, ("fsdp",))
+    L, H, F, V = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d = cfg.get("head_dim") or H // nh
+    B, T = a.batch, a.seq
+    shapes = {"self_attn.q_proj": (nh * d, H), "self_attn.k_proj": (nkv * d, H), "self_attn.v_proj": (nkv * d, H),
+              "self_attn.o_proj": (H, nh * d), "mlp.gate_proj": (F, H), "mlp.up_proj": (F, H), "mlp.down_proj": (H, F)}
+
+    def fsdp(shape, dtype, skip=0):
+        """Abstract array sharded over the chips along its first dim (after `skip`) that they divide."""
+        spec = [None] * len(shape)
+        for i in range(skip, len(shape)):
+            if shape[i] % n == 0 and shape[i] >= n:
+                spec[i] = "fsdp"
+                break
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P(*spec)))
+
+    frozen = {k: fsdp((L,) + s, cd, skip=1) for k, s in shapes.items()}
+    frozen["input_layernorm"] = fsdp((L, H), cd, skip=1)
+    frozen["post_attention_layernorm"] = fsdp((L, H), cd, skip=1)
+    ends = (fsdp((V, H), cd), fsdp((H,), cd), fsdp((V, H), cd))
+    lora = {}
+    for tg in targets:
+        out, inp = shapes[PROJ[tg]]
+        lora[f"{tg}_A"] = fsdp((L, a.lora_r, inp), jnp.float32, skip=1)
+        lora[f"{tg}_B"] = fsdp((L, out, a.lora_r), jnp.float32, skip=1)
+    ids = fsdp((B, T), jnp.int32)
+    t = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(mesh, P()))
+    step = make_step(cfg, a, B, T, cd, targets, unroll=a.unroll)
+    lora_s = jax.tree.map(lambda x: x.sharding, lora)
+    jitted = jax.jit(step, donate_argnums=(0, 1, 2),
+                     out_shardings=(lora_s, lora_s, lora_s, NamedSharding(mesh, P())))
+    t0 = time.time()
+    compiled = jitted.lower(lora, lora, lora, t, frozen, ends, ids, ids).compile()
+    compile_s = time.time() - t0
+    mem = compiled.memory_analysis()
+    out = {"target": a.aot, "devices": n, "layers": L, "batch": B, "seq": T, "compile_s": compile_s,
+           "memory": {k: getattr(mem, k) for k in dir(mem) if k.endswith("_in_bytes")}}
+    try:
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, list) else cost
+        out["cost"] = {k: float(v) for k, v in cost.items() if "{" not in k}
+    except Exception as e:  # the GPU compilers have none
+        out["cost_error"] = str(e)
+    if a.hlo_out:
+        open(a.hlo_out, "w").write(compiled.as_text())
+    print(json.dumps(out))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("export", nargs="?")
+    p.add_argument("--random", action="store_true", help="random weights and batch made on the device")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--remat", choices=["none", "layer"], default="none",
+                   help="layer: jax.checkpoint around the scanned layer (keep each layer's input)")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--lora-r", type=int, default=16)
+    p.add_argument("--lora-alpha", type=float, default=32)
+    p.add_argument("--targets", default="q,v")
+    p.add_argument("--config", required=True)
+    p.add_argument("--dtype", choices=["f32", "bf16"], default="f32")
+    p.add_argument("--peak", action="store_true", help="also measure matmul GFLOP/s (2048^3, in --dtype)")
+    p.add_argument("--aot", metavar="TARGET",
+                   help="compile for absent hardware instead of running: tpu:<gen>:<chips> (libtpu from "
+                        "TPU_LIBRARY_PATH) or cuda|rocm:<name>:<count> with --target-config; FSDP over all devices")
+    p.add_argument("--target-config", help="with --aot cuda|rocm: the GPU description (GpuTargetConfigProto text)")
+    p.add_argument("--layers", type=int, help="with --aot: override the config's number of layers")
+    p.add_argument("--unroll", action="store_true", help="with --aot: layers as a Python loop, not lax.scan")
+    p.add_argument("--hlo-out", help="with --aot: write the optimized HLO text here")
+    a = p.parse_args()
+    cfg = json.load(open(a.config))
+    if a.layers:
+        cfg["num_hidden_layers"] = a.layers
+    targets = ["q", "k", "v", "o", "gate", "up", "down"] if a.targets == "all" else a.targets.split(",")
+    cd = jnp.bfloat16 if a.dtype == "bf16" else jnp.float32  # the compute type
+    if a.aot:
+        return aot(a, cfg, targets, cd)
+    if a.random == (a.export is not None):
+        p.error("give either an export file or --random")
+    L, H = cfg["num_hidden_layers"], cfg["hidden_size"]
+    d = cfg.get("head_dim") or H // cfg["num_attention_heads"]
+    if a.random:
+        frozen, embed, norm, head, lora, ids, labels = random_inputs(cfg, targets, a, cd, d)
+    else:
+        t = read_safetensors(a.export)
+        frozen = {k: jnp.stack([t[f"model.layers.{l}.{k}.weight"] for l in range(L)]).astype(cd) for k in KINDS}
+        embed, norm, head = (jnp.asarray(t[n]).astype(cd) for n in ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"])
+        lora = {}
+        for tg in targets:
+            for w in "AB":
+                lora[f"{tg}_{w}"] = jnp.stack([t[f"base_model.model.model.layers.{l}.{PROJ[tg]}.lora_{w}.weight"] for l in range(L)])
+        ids, labels = jnp.asarray(t["input_ids"]), jnp.asarray(t["labels"])
+    B, T = ids.shape
+    ends = (embed, norm, head)
+    step = jax.jit(make_step(cfg, a, B, T, cd, targets))
+
     zeros = jax.tree.map(jnp.zeros_like, lora)
     m, v = zeros, zeros
     t0 = time.time()
-    compiled = step.lower(lora, m, v, 1.0, frozen, ids, labels).compile()
+    compiled = step.lower(lora, m, v, 1.0, frozen, ends, ids, labels).compile()
     compile_s = time.time() - t0
     times, first = [], None
     for i in range(a.warmup + a.steps):
         s0 = time.time()
-        lora, m, v, loss = compiled(lora, m, v, float(i + 1), frozen, ids, labels)
+        lora, m, v, loss = compiled(lora, m, v, float(i + 1), frozen, ends, ids, labels)
         loss.block_until_ready()
         if i == 0:
             first = float(loss)
