@@ -5,10 +5,10 @@
 
 use hlo::DType;
 use sha2::{Digest, Sha256};
-use xtrain::lora::{LoraConfig, Target};
-use xtrain::program::resolve_model_config;
-use xtrain::sharding::{parse_mesh, Rules};
-use xtrain::step::{self, MeshPlan, Remat, StepSpec};
+use xtrain::formats::program_dir::resolve_model_config;
+use xtrain::model::lora::{LoraConfig, Target};
+use xtrain::program::sharding::{parse_mesh, Rules};
+use xtrain::program::step::{self, MeshPlan, Remat, StepSpec};
 
 fn sha(text: &str) -> String {
     Sha256::digest(text.as_bytes())

@@ -3,9 +3,9 @@
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
-use xtrain::lora::{LoraConfig, Target};
-use xtrain::optim::AdamW;
-use xtrain::step::{Remat, StepSpec};
+use xtrain::model::lora::{LoraConfig, Target};
+use xtrain::model::optim::AdamW;
+use xtrain::program::step::{Remat, StepSpec};
 
 #[derive(Parser)]
 #[command(
@@ -211,19 +211,19 @@ impl StepArgs {
         }
     }
 
-    fn mesh(&self) -> Result<Option<xtrain::step::MeshPlan>> {
+    fn mesh(&self) -> Result<Option<xtrain::program::step::MeshPlan>> {
         let Some(m) = &self.mesh else {
             return Ok(None);
         };
-        let mesh = xtrain::sharding::parse_mesh(m)?;
+        let mesh = xtrain::program::sharding::parse_mesh(m)?;
         if mesh.axes.is_empty() {
             return Ok(None);
         }
         let rules = match &self.sharding_rules {
-            Some(p) => xtrain::sharding::Rules::load(p)?,
-            None => xtrain::sharding::Rules::default(),
+            Some(p) => xtrain::program::sharding::Rules::load(p)?,
+            None => xtrain::program::sharding::Rules::default(),
         };
-        Ok(Some(xtrain::step::MeshPlan {
+        Ok(Some(xtrain::program::step::MeshPlan {
             axes: mesh.axes,
             rules,
         }))
@@ -242,7 +242,7 @@ impl StepArgs {
 
     fn spec(
         &self,
-        model: xtrain::config::LlamaConfig,
+        model: xtrain::model::config::LlamaConfig,
         batch: i64,
         seq: i64,
         plugin: Option<&str>,
@@ -266,7 +266,10 @@ impl StepArgs {
             nf4: self.nf4()?,
             loss_chunk: self.loss_chunk,
             attention_block: self.attention_block,
-            wide_matmul_results: xtrain::runtime::wide_matmul_results(&self.matmul_result, plugin)?,
+            wide_matmul_results: xtrain::device::runtime::wide_matmul_results(
+                &self.matmul_result,
+                plugin,
+            )?,
         })
     }
 }
@@ -518,7 +521,7 @@ fn train(a: TrainArgs, verbose: bool) -> Result<()> {
 fn import_gguf(file: &std::path::Path, out: &std::path::Path) -> Result<()> {
     let t0 = std::time::Instant::now();
     let mut shown = 0;
-    xtrain::gguf::import(file, out, |done, total| {
+    xtrain::formats::gguf::import(file, out, |done, total| {
         let pct = done * 100 / total.max(1);
         if pct >= shown + 10 || done == total {
             shown = pct;
@@ -534,13 +537,13 @@ fn import_gguf(file: &std::path::Path, out: &std::path::Path) -> Result<()> {
 }
 
 fn generate(a: GenerateArgs) -> Result<()> {
-    let cfg = xtrain::config::LlamaConfig::load(&a.model)?;
-    let tok = xtrain::text::TextTokenizer::load(&a.model)?;
+    let cfg = xtrain::model::config::LlamaConfig::load(&a.model)?;
+    let tok = xtrain::data::text::TextTokenizer::load(&a.model)?;
     let text = if a.raw {
         a.prompt.clone()
     } else {
         tok.render_chat(
-            &[xtrain::text::Message {
+            &[xtrain::data::text::Message {
                 role: "user".into(),
                 content: a.prompt.clone(),
             }],
@@ -549,21 +552,21 @@ fn generate(a: GenerateArgs) -> Result<()> {
     };
     let ids = tok.encode(&text)?;
     let adapter = match &a.adapter {
-        Some(d) => Some(xtrain::generate::load_adapter(d, &cfg)?),
+        Some(d) => Some(xtrain::device::generate::load_adapter(d, &cfg)?),
         None => None,
     };
-    let rt = xtrain::runtime::Runtime::open(a.plugin.as_deref(), Some(1))?;
-    let f = xtrain::generate::Forward::new(
+    let rt = xtrain::device::runtime::Runtime::open(a.plugin.as_deref(), Some(1))?;
+    let f = xtrain::device::generate::Forward::new(
         &rt,
         &cfg,
         &a.model,
         adapter.as_ref().map(|(c, t)| (c, t)),
-        xtrain::generate::Kind::NextToken,
+        xtrain::device::generate::Kind::NextToken,
         1,
         a.context,
         hlo::DType::F32,
     )?;
-    let out = xtrain::generate::generate(
+    let out = xtrain::device::generate::generate(
         &f,
         &ids,
         a.max_new_tokens,
@@ -579,9 +582,9 @@ fn bench(a: BenchArgs) -> Result<()> {
     if a.init != "random" {
         bail!("--init must be random");
     }
-    let (cfg, _) = xtrain::program::resolve_model_config(&a.model)?;
+    let (cfg, _) = xtrain::formats::program_dir::resolve_model_config(&a.model)?;
     let spec = a.step.spec(cfg, a.batch, a.seq, a.plugin.as_deref())?;
-    let r = xtrain::bench::run(
+    let r = xtrain::train::bench::run(
         spec,
         a.warmup,
         a.steps,
@@ -597,12 +600,12 @@ fn gib(b: i64) -> String {
 }
 
 fn compile(a: CompileArgs, verbose: bool) -> Result<()> {
-    let (cfg, _) = xtrain::program::resolve_model_config(&a.model)?;
+    let (cfg, _) = xtrain::formats::program_dir::resolve_model_config(&a.model)?;
     let spec = a.step.spec(cfg, a.batch, a.seq, a.plugin.as_deref())?;
     let t0 = std::time::Instant::now();
-    let program = xtrain::step::build_train_step(&spec)?;
+    let program = xtrain::program::step::build_train_step(&spec)?;
     let build_s = t0.elapsed().as_secs_f64();
-    let manifest = xtrain::program::write_dir(&a.out, &program, &spec)?;
+    let manifest = xtrain::formats::program_dir::write_dir(&a.out, &program, &spec)?;
     let arg_bytes: i64 = manifest.args.iter().map(|t| t.bytes).sum();
     println!(
         "wrote {} ({} bytes of StableHLO, {} arguments, built in {:.3}s) and manifest.json",
@@ -622,7 +625,7 @@ fn compile(a: CompileArgs, verbose: bool) -> Result<()> {
     if let Some(m) = &spec.mesh {
         let order: Vec<String> = (0..m.devices() as usize)
             .map(|p| {
-                let c = xtrain::sharding::coords(&m.mesh(), p);
+                let c = xtrain::program::sharding::coords(&m.mesh(), p);
                 let coords: Vec<String> = m
                     .axes
                     .iter()
@@ -637,13 +640,13 @@ fn compile(a: CompileArgs, verbose: bool) -> Result<()> {
             m.devices(),
             order.join("; ")
         );
-        let est = xtrain::sharding::estimate(&spec, &program);
+        let est = xtrain::program::sharding::estimate(&spec, &program);
         println!("xtrain's estimate per device: arguments {}, temporaries ~{} (saved layer inputs and one layer's working set)", gib(est.0), gib(est.1));
     } else {
-        let est = xtrain::sharding::estimate(&spec, &program);
+        let est = xtrain::program::sharding::estimate(&spec, &program);
         println!("xtrain's estimate: arguments {}, temporaries ~{} (saved layer inputs and one layer's working set)", gib(est.0), gib(est.1));
     }
-    let rt = xtrain::runtime::Runtime::open(a.plugin.as_deref(), Some(program.partitions))?;
+    let rt = xtrain::device::runtime::Runtime::open(a.plugin.as_deref(), Some(program.partitions))?;
     let mut options = pjrt::CompileOptions::default();
     if let Some(dir) = &a.xla_dump {
         std::fs::create_dir_all(dir)?;
@@ -694,7 +697,7 @@ fn main() {
         _ => None,
     };
     if let Some(plugin) = runs_on {
-        xtrain::runtime::prepare_host_memory(plugin);
+        xtrain::device::runtime::prepare_host_memory(plugin);
     }
     let result = match cli.command {
         Command::Plugins { action } => plugins(action),
@@ -707,7 +710,7 @@ fn main() {
             model,
             adapter,
             out,
-        } => xtrain::merge::merge(&model, &adapter, &out)
+        } => xtrain::formats::merge::merge(&model, &adapter, &out)
             .map(|_| println!("wrote {}", out.display())),
     };
     if let Err(e) = result {

@@ -5,12 +5,12 @@ use pjrt::{CompileOptions, ElementType, HostTensor};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
-use xtrain::config::LlamaConfig;
-use xtrain::lora::{LoraConfig, Target};
-use xtrain::optim::AdamW;
-use xtrain::runtime::{convert, Runtime};
-use xtrain::safetensors::SafeTensors;
-use xtrain::step::{self, Program, Remat, Role, StepSpec};
+use xtrain::device::runtime::{convert, Runtime};
+use xtrain::formats::safetensors::SafeTensors;
+use xtrain::model::config::LlamaConfig;
+use xtrain::model::lora::{LoraConfig, Target};
+use xtrain::model::optim::AdamW;
+use xtrain::program::step::{self, Program, Remat, Role, StepSpec};
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-llama3")
@@ -75,7 +75,7 @@ fn inputs(
             .map(|a| (a.name.clone(), a.shape.clone()))
             .collect()
     };
-    let weights = xtrain::weights::load(
+    let weights = xtrain::formats::weights::load(
         &fixtures().join(model_dir),
         &s.model,
         &names(Role::Frozen),
@@ -92,7 +92,8 @@ fn inputs(
         .map(|a| (a.name.clone(), a.shape.clone()))
         .collect();
     let state =
-        xtrain::runtime::to_program_layout(&state_names, &all, s.model.num_hidden_layers).unwrap();
+        xtrain::device::runtime::to_program_layout(&state_names, &all, s.model.num_hidden_layers)
+            .unwrap();
     let batch = read("inputs.safetensors");
     let (mut w, mut st) = (weights.into_iter(), state.into_iter());
     program
@@ -111,7 +112,7 @@ fn inputs(
 
 /// Results by name, stacked (`layers.*`) results split back into per-layer names.
 fn per_layer(program: &Program, out: Vec<HostTensor>) -> BTreeMap<String, HostTensor> {
-    xtrain::runtime::from_program_layout(
+    xtrain::device::runtime::from_program_layout(
         program
             .results
             .iter()
@@ -134,7 +135,7 @@ fn execute(program: &Program, host: &[HostTensor]) -> BTreeMap<String, HostTenso
 
 fn adapter(dir: &str) -> BTreeMap<String, HostTensor> {
     let s = spec("model");
-    xtrain::peft::read_tensors(&fixtures().join(dir), &s.model, &oracle_lora()).unwrap()
+    xtrain::formats::peft::read_tensors(&fixtures().join(dir), &s.model, &oracle_lora()).unwrap()
 }
 
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {

@@ -3,9 +3,9 @@
 //! base weights against bf16.
 
 use pjrt::{CompileOptions, ElementType, HostTensor};
-use xtrain::quant::{self, NF4};
-use xtrain::runtime::Runtime;
-use xtrain::step::{self, Role, StepSpec};
+use xtrain::device::runtime::Runtime;
+use xtrain::model::quant::{self, NF4};
+use xtrain::program::step::{self, Role, StepSpec};
 
 /// The NF4 values as the QLoRA paper lists them (Appendix E), typed in independently.
 const PAPER_NF4: [f64; 16] = [
@@ -131,12 +131,12 @@ fn graph_dequantization_equals_the_host() {
 
 #[test]
 fn nf4_base_weights_take_about_half_a_byte_per_parameter() {
-    let (cfg, _) = xtrain::program::resolve_model_config("llama-3.1-8b").unwrap();
-    let lora = xtrain::lora::LoraConfig {
+    let (cfg, _) = xtrain::formats::program_dir::resolve_model_config("llama-3.1-8b").unwrap();
+    let lora = xtrain::model::lora::LoraConfig {
         r: 16,
         alpha: 32.0,
         dropout: 0.0,
-        targets: xtrain::lora::Target::ALL.to_vec(),
+        targets: xtrain::model::lora::Target::ALL.to_vec(),
     };
     let spec = StepSpec {
         nf4: true,
@@ -175,9 +175,9 @@ fn nf4_base_weights_take_about_half_a_byte_per_parameter() {
 
 #[test]
 fn smollm2_loss_with_nf4_is_close_to_bf16() {
-    let dir = xtrain::assets::smollm2().unwrap();
-    let cfg = xtrain::config::LlamaConfig::load(&dir).unwrap();
-    let tok = xtrain::text::TextTokenizer::load(&dir).unwrap();
+    let dir = xtrain::formats::assets::smollm2().unwrap();
+    let cfg = xtrain::model::config::LlamaConfig::load(&dir).unwrap();
+    let tok = xtrain::data::text::TextTokenizer::load(&dir).unwrap();
     let ex = xtrain::data::Example::Text("The capital of France is Paris. The capital of Japan is Tokyo. The capital of Kenya is Nairobi.".into());
     let t = xtrain::data::tokenize(&tok, &ex, false).unwrap();
     let (rows, _) = xtrain::data::make_rows(&[t], 32, false, tok.pad_id, false).unwrap();
@@ -185,11 +185,11 @@ fn smollm2_loss_with_nf4_is_close_to_bf16() {
     let rt = Runtime::open(Some("cpu"), Some(1)).unwrap();
     let mut losses = Vec::new();
     for nf4 in [false, true] {
-        let lora = xtrain::lora::LoraConfig {
+        let lora = xtrain::model::lora::LoraConfig {
             r: 8,
             alpha: 16.0,
             dropout: 0.0,
-            targets: vec![xtrain::lora::Target::Q],
+            targets: vec![xtrain::model::lora::Target::Q],
         };
         let spec = StepSpec {
             nf4,
@@ -198,7 +198,8 @@ fn smollm2_loss_with_nf4_is_close_to_bf16() {
         let p = step::build_grad_program(&spec).unwrap();
         let frozen = p.frozen_shapes();
         let weights =
-            xtrain::weights::load(&dir, &cfg, &frozen, ElementType::BF16, |_, _| {}).unwrap();
+            xtrain::formats::weights::load(&dir, &cfg, &frozen, ElementType::BF16, |_, _| {})
+                .unwrap();
         let lora = xtrain::train::init_lora(&cfg, &spec.lora, 0); // B = 0: the base model's loss
         let names: Vec<(String, Vec<i64>)> = p
             .args
@@ -206,8 +207,8 @@ fn smollm2_loss_with_nf4_is_close_to_bf16() {
             .filter(|a| a.role == Role::Lora)
             .map(|a| (a.name.clone(), a.shape.clone()))
             .collect();
-        let lora =
-            xtrain::runtime::to_program_layout(&names, &lora, cfg.num_hidden_layers).unwrap();
+        let lora = xtrain::device::runtime::to_program_layout(&names, &lora, cfg.num_hidden_layers)
+            .unwrap();
         let mut host = weights;
         host.extend(lora);
         host.extend([

@@ -116,8 +116,10 @@ fn bad_safetensors() {
     assert!(e.contains("header is not valid JSON"), "{e}");
 
     // A tensor with the wrong shape, and one missing: rewrite the file.
-    let st = xtrain::safetensors::SafeTensors::open(&fixtures().join("model/model.safetensors"))
-        .unwrap();
+    let st = xtrain::formats::safetensors::SafeTensors::open(
+        &fixtures().join("model/model.safetensors"),
+    )
+    .unwrap();
     let mut all: std::collections::BTreeMap<String, pjrt::HostTensor> = st
         .tensors
         .keys()
@@ -129,12 +131,14 @@ fn bad_safetensors() {
         "model.layers.1.mlp.up_proj.weight".into(),
         pjrt::HostTensor::from_f32(&vec![0.0; 64 * 64], &[64, 64]),
     );
-    xtrain::safetensors::write(&m.join("model.safetensors"), &wrong, &Default::default()).unwrap();
+    xtrain::formats::safetensors::write(&m.join("model.safetensors"), &wrong, &Default::default())
+        .unwrap();
     let e = fails(&refs(&train_on(&m, &out, &[])));
     assert!(e.contains("tensor `model.layers.1.mlp.up_proj.weight` has shape [64, 64] but the config needs [128, 64]"), "{e}");
     let m = tiny_dir(&dir, "missing");
     all.remove("model.norm.weight");
-    xtrain::safetensors::write(&m.join("model.safetensors"), &all, &Default::default()).unwrap();
+    xtrain::formats::safetensors::write(&m.join("model.safetensors"), &all, &Default::default())
+        .unwrap();
     let e = fails(&refs(&train_on(&m, &out, &[])));
     assert!(
         e.contains("the checkpoint has no tensor `model.norm.weight`"),
@@ -255,7 +259,8 @@ fn out_of_range_tokens_bad_adapters_and_program_dirs() {
     let out = dir.join("out");
     // Token ids beyond the vocabulary.
     let st =
-        xtrain::safetensors::SafeTensors::open(&fixtures().join("inputs.safetensors")).unwrap();
+        xtrain::formats::safetensors::SafeTensors::open(&fixtures().join("inputs.safetensors"))
+            .unwrap();
     let mut t: std::collections::BTreeMap<String, pjrt::HostTensor> = st
         .tensors
         .keys()
@@ -268,7 +273,7 @@ fn out_of_range_tokens_bad_adapters_and_program_dirs() {
         pjrt::HostTensor::from_i64(&ids, &[2, 16]),
     );
     let data = dir.join("oob.safetensors");
-    xtrain::safetensors::write(&data, &t, &Default::default()).unwrap();
+    xtrain::formats::safetensors::write(&data, &t, &Default::default()).unwrap();
     let model = fixtures().join("model");
     let mut a = train_on(&model, &out, &[]);
     a[4] = data.to_str().unwrap().into();
@@ -299,7 +304,8 @@ fn out_of_range_tokens_bad_adapters_and_program_dirs() {
     )
     .unwrap();
     let ast =
-        xtrain::safetensors::SafeTensors::open(&init.join("adapter_model.safetensors")).unwrap();
+        xtrain::formats::safetensors::SafeTensors::open(&init.join("adapter_model.safetensors"))
+            .unwrap();
     let mut at: std::collections::BTreeMap<String, pjrt::HostTensor> = ast
         .tensors
         .keys()
@@ -309,7 +315,7 @@ fn out_of_range_tokens_bad_adapters_and_program_dirs() {
         "base_model.model.model.layers.0.mlp.up_proj.lora_B.weight".into(),
         pjrt::HostTensor::from_f32(&vec![0.0; 64 * 8], &[64, 8]),
     );
-    xtrain::safetensors::write(
+    xtrain::formats::safetensors::write(
         &bad.join("adapter_model.safetensors"),
         &at,
         &Default::default(),

@@ -4,11 +4,11 @@ use pjrt::{CompileOptions, ElementType, HostTensor};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
-use xtrain::config::LlamaConfig;
-use xtrain::lora::{LoraConfig, Target};
-use xtrain::runtime::{convert, Runtime};
-use xtrain::safetensors::SafeTensors;
-use xtrain::step::{self, Program, Remat, Role, StepSpec};
+use xtrain::device::runtime::{convert, Runtime};
+use xtrain::formats::safetensors::SafeTensors;
+use xtrain::model::config::LlamaConfig;
+use xtrain::model::lora::{LoraConfig, Target};
+use xtrain::program::step::{self, Program, Remat, Role, StepSpec};
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-llama3")
@@ -50,11 +50,17 @@ fn run(
     } else {
         ElementType::F32
     };
-    let weights =
-        xtrain::weights::load(&fixtures().join("model"), &s.model, &frozen, wdt, |_, _| {})
-            .unwrap();
+    let weights = xtrain::formats::weights::load(
+        &fixtures().join("model"),
+        &s.model,
+        &frozen,
+        wdt,
+        |_, _| {},
+    )
+    .unwrap();
     let lora =
-        xtrain::peft::read_tensors(&fixtures().join("adapter_init"), &s.model, &s.lora).unwrap();
+        xtrain::formats::peft::read_tensors(&fixtures().join("adapter_init"), &s.model, &s.lora)
+            .unwrap();
     let mut all = lora.clone();
     for (n, t) in &lora {
         let z = HostTensor::from_f32(&vec![0.0; t.element_count()], &t.dims);
@@ -67,8 +73,8 @@ fn run(
         .filter(|a| matches!(a.role, Role::Lora | Role::AdamM | Role::AdamV))
         .map(|a| (a.name.clone(), a.shape.clone()))
         .collect();
-    let state =
-        xtrain::runtime::to_program_layout(&names, &all, s.model.num_hidden_layers).unwrap();
+    let state = xtrain::device::runtime::to_program_layout(&names, &all, s.model.num_hidden_layers)
+        .unwrap();
     let (mut w, mut st) = (weights.into_iter(), state.into_iter());
     let host: Vec<HostTensor> = program
         .args
@@ -85,7 +91,7 @@ fn run(
     let exe = rt.compile(program, &CompileOptions::default()).unwrap();
     let bufs: Vec<_> = host.iter().map(|t| rt.upload(t).unwrap()).collect();
     let out = exe.execute(&[bufs.iter().collect()]).unwrap();
-    xtrain::runtime::from_program_layout(
+    xtrain::device::runtime::from_program_layout(
         program
             .results
             .iter()

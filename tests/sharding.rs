@@ -1,11 +1,11 @@
 //! The training step on 8 CPU devices under several meshes against 1 device.
 
 use std::path::{Path, PathBuf};
-use xtrain::config::LlamaConfig;
-use xtrain::lora::{LoraConfig, Target};
-use xtrain::runtime::Runtime;
-use xtrain::sharding::{parse_mesh, Rules};
-use xtrain::step::{self, MeshPlan, Remat, StepSpec};
+use xtrain::device::runtime::Runtime;
+use xtrain::model::config::LlamaConfig;
+use xtrain::model::lora::{LoraConfig, Target};
+use xtrain::program::sharding::{parse_mesh, Rules};
+use xtrain::program::step::{self, MeshPlan, Remat, StepSpec};
 use xtrain::train::{Batch, Trainer};
 
 fn fixtures() -> PathBuf {
@@ -43,7 +43,7 @@ fn run(
     let s = spec(mesh, remat);
     let program = step::build_train_step(&s).unwrap();
     let frozen = program.frozen_shapes();
-    let weights = xtrain::weights::load(
+    let weights = xtrain::formats::weights::load(
         &fixtures().join("model"),
         &s.model,
         &frozen,
@@ -52,7 +52,8 @@ fn run(
     )
     .unwrap();
     let lora =
-        xtrain::peft::read_tensors(&fixtures().join("adapter_init"), &s.model, &s.lora).unwrap();
+        xtrain::formats::peft::read_tensors(&fixtures().join("adapter_init"), &s.model, &s.lora)
+            .unwrap();
     let rt = Runtime::open(Some("cpu"), Some(8)).unwrap();
     let exe_args = {
         let e = rt

@@ -1,8 +1,8 @@
 //! Program directories (`train_step.mlir` + `manifest.json`), model presets, and the on-disk
 //! cache of compiled executables.
 
-use crate::config::LlamaConfig;
-use crate::step::{Program, StepSpec, TensorSpec};
+use crate::model::config::LlamaConfig;
+use crate::program::step::{Program, StepSpec, TensorSpec};
 use anyhow::{bail, Context, Result};
 use pjrt::{CompileOptions, Executable};
 use sha2::{Digest, Sha256};
@@ -12,21 +12,24 @@ use std::path::{Path, PathBuf};
 pub const PRESETS: &[(&str, &str)] = &[
     (
         "llama-3.1-8b",
-        include_str!("../models/llama-3.1-8b/config.json"),
+        include_str!("../../models/llama-3.1-8b/config.json"),
     ),
     (
         "llama-3.1-70b",
-        include_str!("../models/llama-3.1-70b/config.json"),
+        include_str!("../../models/llama-3.1-70b/config.json"),
     ),
     (
         "llama-3.1-405b",
-        include_str!("../models/llama-3.1-405b/config.json"),
+        include_str!("../../models/llama-3.1-405b/config.json"),
     ),
     (
         "tiny-llama3",
-        include_str!("../models/tiny-llama3/config.json"),
+        include_str!("../../models/tiny-llama3/config.json"),
     ),
-    ("bench-512", include_str!("../models/bench-512/config.json")),
+    (
+        "bench-512",
+        include_str!("../../models/bench-512/config.json"),
+    ),
 ];
 
 /// A model named on the command line: a directory with config.json, or a preset name.
@@ -71,7 +74,7 @@ pub struct TensorSpecOwned {
     pub name: String,
     pub shape: Vec<i64>,
     pub dtype: String,
-    pub role: crate::step::Role,
+    pub role: crate::program::step::Role,
     pub bytes: i64,
 }
 
@@ -112,8 +115,11 @@ pub fn write_dir(dir: &Path, program: &Program, spec: &StepSpec) -> Result<Manif
         args: program.args.iter().map(Into::into).collect(),
         results: program.results.iter().map(Into::into).collect(),
     };
-    crate::fsutil::write_bytes_atomic(&dir.join("train_step.mlir"), program.text.as_bytes())?;
-    crate::fsutil::write_bytes_atomic(
+    crate::formats::atomic::write_bytes_atomic(
+        &dir.join("train_step.mlir"),
+        program.text.as_bytes(),
+    )?;
+    crate::formats::atomic::write_bytes_atomic(
         &dir.join("manifest.json"),
         serde_json::to_string_pretty(&manifest)?.as_bytes(),
     )?;
@@ -163,7 +169,7 @@ pub fn read_dir(dir: &Path) -> Result<(Program, StepSpec)> {
 /// options and the plugin (path, API version, platform version), so a second run loads the
 /// serialized executable instead of compiling. Returns (executable, loaded from cache).
 pub fn compile_cached(
-    rt: &crate::runtime::Runtime,
+    rt: &crate::device::runtime::Runtime,
     program: &Program,
     options: &CompileOptions,
     use_cache: bool,
@@ -185,7 +191,7 @@ pub fn compile_cached(
     let path = pjrt::discover::cache_dir()
         .join("executables")
         .join(format!("{key}.pjrt"));
-    let expected = crate::runtime::expected_inputs(program);
+    let expected = crate::device::runtime::expected_inputs(program);
     if use_cache {
         if let Ok(bytes) = std::fs::read(&path) {
             if let Ok(mut exe) = rt.client.deserialize(&bytes) {
@@ -199,7 +205,7 @@ pub fn compile_cached(
         if let Ok(bytes) = exe.serialize() {
             let _ = std::fs::create_dir_all(path.parent().unwrap());
             // A cache that cannot be written only costs a recompile next time.
-            let _ = crate::fsutil::write_bytes_atomic(&path, &bytes);
+            let _ = crate::formats::atomic::write_bytes_atomic(&path, &bytes);
         }
     }
     Ok((exe, false))

@@ -1,6 +1,6 @@
 //! The device side: a PJRT client, compiled programs, host <-> device tensors.
 
-use crate::step::Program;
+use crate::program::step::Program;
 use anyhow::{bail, Context, Result};
 use half::{bf16, f16};
 use hlo::DType;
@@ -274,8 +274,9 @@ impl Runtime {
         };
         (0..mesh.device_count() as usize)
             .map(|p| {
-                let (starts, sizes) = crate::sharding::shard_box(&t.dims, sharding, mesh, p);
-                let shard = crate::sharding::slice(t, &starts, &sizes);
+                let (starts, sizes) =
+                    crate::program::sharding::shard_box(&t.dims, sharding, mesh, p);
+                let shard = crate::program::sharding::slice(t, &starts, &sizes);
                 Ok(self.client.to_device(&shard, &self.devices[p])?)
             })
             .collect()
@@ -336,7 +337,7 @@ pub fn to_program_layout(
             let t = if name.contains("layers.*.") {
                 let parts: Vec<HostTensor> = (0..layers)
                     .map(|l| {
-                        let n = crate::step::layer_name(name, l);
+                        let n = crate::program::step::layer_name(name, l);
                         per_layer
                             .get(&n)
                             .cloned()
@@ -364,7 +365,7 @@ pub fn from_program_layout(named: Vec<(String, HostTensor)>) -> BTreeMap<String,
     for (name, t) in named {
         if name.contains("layers.*.") {
             for (l, part) in unstack(&t).into_iter().enumerate() {
-                out.insert(crate::step::layer_name(&name, l as i64), part);
+                out.insert(crate::program::step::layer_name(&name, l as i64), part);
             }
         } else {
             out.insert(name, t);

@@ -2,9 +2,9 @@
 //! complete Hugging Face checkpoint (weights in the base model's dtype, config and tokenizer
 //! files copied).
 
-use crate::config::LlamaConfig;
-use crate::runtime::convert;
-use crate::safetensors::{SafeTensors, WeightFiles};
+use crate::device::runtime::convert;
+use crate::formats::safetensors::{SafeTensors, WeightFiles};
+use crate::model::config::LlamaConfig;
 use anyhow::{Context, Result};
 use pjrt::HostTensor;
 use std::collections::BTreeMap;
@@ -38,9 +38,9 @@ pub fn merged(
 
 pub fn merge(model: &Path, adapter: &Path, out: &Path) -> Result<()> {
     let cfg = LlamaConfig::load(model)?;
-    let (lora, tensors) = crate::generate::load_adapter(adapter, &cfg)?;
+    let (lora, tensors) = crate::device::generate::load_adapter(adapter, &cfg)?;
     let files = WeightFiles::open(model)?;
-    crate::weights::check(&files, &cfg)?;
+    crate::formats::weights::check(&files, &cfg)?;
     let scale = lora.scale() as f32;
     let mut merged_tensors: BTreeMap<String, HostTensor> = BTreeMap::new();
     for name in files.names() {
@@ -73,7 +73,7 @@ pub fn merge(model: &Path, adapter: &Path, out: &Path) -> Result<()> {
     crate::train::write_dir_atomic(out, |tmp| {
         let mut meta = BTreeMap::new();
         meta.insert("format".to_string(), "pt".to_string());
-        crate::safetensors::write(&tmp.join("model.safetensors"), &merged_tensors, &meta)?;
+        crate::formats::safetensors::write(&tmp.join("model.safetensors"), &merged_tensors, &meta)?;
         for f in [
             "config.json",
             "generation_config.json",

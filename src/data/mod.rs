@@ -3,8 +3,10 @@
 //! with the loss on the response tokens only (by default), packed or padded into fixed-length
 //! rows, shuffled with a seed.
 
-use crate::lora::SplitMix;
-use crate::text::{Message, TextTokenizer};
+pub mod text;
+
+use crate::data::text::{Message, TextTokenizer};
+use crate::model::lora::SplitMix;
 use crate::train::Batch;
 use anyhow::{bail, Context, Result};
 use pjrt::HostTensor;

@@ -1,9 +1,9 @@
 //! Loading a checkpoint's frozen weights, each checked against the config by name and shape.
 
-use crate::config::LlamaConfig;
-use crate::runtime::convert;
-use crate::safetensors::WeightFiles;
-use crate::step::frozen_weights;
+use crate::device::runtime::convert;
+use crate::formats::safetensors::WeightFiles;
+use crate::model::config::LlamaConfig;
+use crate::program::step::frozen_weights;
 use anyhow::{bail, Context, Result};
 use pjrt::{ElementType, HostTensor};
 use std::path::Path;
@@ -64,7 +64,7 @@ pub fn load(
             if quantized.as_ref().is_none_or(|(b, _)| b != base) {
                 let layers: Vec<String> = if base.contains("layers.*.") {
                     (0..cfg.num_hidden_layers)
-                        .map(|l| crate::step::layer_name(base, l))
+                        .map(|l| crate::program::step::layer_name(base, l))
                         .collect()
                 } else {
                     vec![base.to_string()]
@@ -72,7 +72,7 @@ pub fn load(
                 let mut per_part: Vec<Vec<HostTensor>> = vec![Vec::new(); 4];
                 for l in &layers {
                     let w = convert(&read(l)?, ElementType::F32)?.to_f32()?;
-                    let q = crate::quant::quantize(&w);
+                    let q = crate::model::quant::quantize(&w);
                     per_part[0].push(HostTensor::from_u8(&q.packed, &[q.packed.len() as i64]));
                     per_part[1].push(HostTensor::from_i8(&q.scales, &[q.scales.len() as i64]));
                     per_part[2].push(HostTensor::from_f32(
@@ -85,7 +85,7 @@ pub fn load(
                     .into_iter()
                     .map(|p| {
                         if base.contains("layers.*.") {
-                            crate::runtime::stack(&p)
+                            crate::device::runtime::stack(&p)
                         } else {
                             Ok(p.into_iter().next().unwrap())
                         }
@@ -97,11 +97,11 @@ pub fn load(
         } else if name.contains("layers.*.") {
             let parts: Vec<HostTensor> = (0..cfg.num_hidden_layers)
                 .map(|l| {
-                    convert(&read(&crate::step::layer_name(name, l))?, dtype)
+                    convert(&read(&crate::program::step::layer_name(name, l))?, dtype)
                         .with_context(|| format!("converting `{name}`"))
                 })
                 .collect::<Result<_>>()?;
-            out.push(crate::runtime::stack(&parts)?);
+            out.push(crate::device::runtime::stack(&parts)?);
         } else {
             out.push(convert(&read(name)?, dtype).with_context(|| format!("converting `{name}`"))?);
         }

@@ -12,13 +12,13 @@
 //! outputs); the backward loop recomputes each layer from them and applies its vjp. Program size
 //! does not grow with depth.
 
-use crate::config::LlamaConfig;
-use crate::lora::{LoraConfig, Target};
-use crate::model::{
+use crate::model::config::LlamaConfig;
+use crate::model::llama::{
     cross_entropy_loss_and_grad, layer_key, token_cross_entropy, BaseWeights, LayerAdapters,
     LayerContext, LayerWeights, Llama, LoraPair, Numerics, Saves,
 };
-use crate::optim::{AdamW, Slot};
+use crate::model::lora::{LoraConfig, Target};
+use crate::model::optim::{AdamW, Slot};
 use anyhow::{bail, Result};
 use hlo::{Builder, DType, Module, ParamAttrs, Shape, Value};
 use std::collections::BTreeMap;
@@ -138,7 +138,7 @@ pub struct StepSpec {
     pub attention_block: Option<i64>,
     /// bf16 matmuls give their f32 accumulator, rounded to bf16 right after, instead of a bf16
     /// result: the same arithmetic, in the form XLA CPU runs on the CPU's native bf16 GEMM (see
-    /// [`crate::model::Numerics::matmul_result`]). Chosen by backend: on for CPU plugins.
+    /// [`crate::model::llama::Numerics::matmul_result`]). Chosen by backend: on for CPU plugins.
     #[serde(default)]
     pub wide_matmul_results: bool,
 }
@@ -172,7 +172,7 @@ impl StepSpec {
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct MeshPlan {
     pub axes: Vec<(String, i64)>,
-    pub rules: crate::sharding::Rules,
+    pub rules: crate::program::sharding::Rules,
 }
 
 impl MeshPlan {
@@ -188,7 +188,7 @@ impl MeshPlan {
 
     /// The sharding of a tensor named `name` (its logical axes come from the name).
     pub fn sharding(&self, name: &str, shape: &[i64]) -> hlo::Sharding {
-        let axes = crate::sharding::logical_axes(name, shape.len());
+        let axes = crate::program::sharding::logical_axes(name, shape.len());
         self.rules.sharding(&axes, shape, &self.mesh())
     }
 }
@@ -346,8 +346,8 @@ fn is_projection(kind: &str) -> bool {
 
 /// The parts an NF4 weight of `n` elements is passed as: (suffix, dims, dtype).
 pub fn nf4_parts(n: i64) -> Vec<(&'static str, Vec<i64>, DType)> {
-    let nb = n / crate::quant::BLOCK as i64;
-    let nsb = crate::quant::scale_blocks(n as usize) as i64;
+    let nb = n / crate::model::quant::BLOCK as i64;
+    let nsb = crate::model::quant::scale_blocks(n as usize) as i64;
     vec![
         ("nf4", vec![n / 2], DType::U8),
         ("absmax_q", vec![nb], DType::S8),
@@ -641,7 +641,7 @@ impl Layout<'_> {
         {
             let v = if n == 4 {
                 b.scoped(kind, |b| {
-                    crate::quant::dequantize_graph(
+                    crate::model::quant::dequantize_graph(
                         b,
                         &w[at..at + 4],
                         &shape,
@@ -792,7 +792,7 @@ impl Layout<'_> {
         let dropout = key.map(|k| (self.spec.lora.dropout, k));
         if !self.spec.remat.scan() {
             let logits = self.logits_unrolled(b, m, dropout, ids, mask)?;
-            let targets = crate::model::next_token_targets(b, labels)?;
+            let targets = crate::model::llama::next_token_targets(b, labels)?;
             let (loss, dlogits) = cross_entropy_loss_and_grad(b, logits, targets, denom)?;
             let grads = b.vjp(&[(logits, dlogits)], &m.lora)?;
             return Ok((loss, grads));
@@ -865,7 +865,7 @@ impl Layout<'_> {
             }
             None => {
                 let logits = model.head(b, fwd[0], norm, lm_head)?;
-                let targets = crate::model::next_token_targets(b, labels)?;
+                let targets = crate::model::llama::next_token_targets(b, labels)?;
                 let (loss, dlogits) = cross_entropy_loss_and_grad(b, logits, targets, denom)?;
                 let dh = b.vjp(&[(logits, dlogits)], &[fwd[0]])?[0];
                 (loss, dh)
@@ -933,7 +933,7 @@ impl Layout<'_> {
         } else {
             t
         };
-        let targets = crate::model::next_token_targets(b, labels)?;
+        let targets = crate::model::llama::next_token_targets(b, labels)?;
         let loss0 = b.scalar(0.0, DType::F32);
         // dh is written a chunk at a time: kept as bits, as a layer stack is (see stack_type).
         let dh0 = b.zeros(Shape::new(&[bs, t, hd], stack_type(b.dtype(h))));

@@ -489,7 +489,7 @@ pub fn hf_tokenizer(g: &Gguf) -> Result<(Json, Json)> {
 pub fn import(path: &Path, out: &Path, mut progress: impl FnMut(usize, usize)) -> Result<()> {
     let g = Gguf::open(path)?;
     let config = hf_config(&g)?;
-    let cfg = crate::config::LlamaConfig::from_json(&config)?;
+    let cfg = crate::model::config::LlamaConfig::from_json(&config)?;
     let (heads, kv) = (
         cfg.num_attention_heads as usize,
         cfg.num_key_value_heads as usize,
@@ -513,23 +513,23 @@ pub fn import(path: &Path, out: &Path, mut progress: impl FnMut(usize, usize)) -
         tensors.insert(name, HostTensor::from_f32(&values, &dims));
         progress(i + 1, total);
     }
-    let files = crate::step::frozen_weights(&cfg);
+    let files = crate::program::step::frozen_weights(&cfg);
     if let Some((missing, _)) = files.iter().find(|(n, _)| !tensors.contains_key(n)) {
         bail!("{}: no tensor for `{missing}`", path.display());
     }
     let mut meta = BTreeMap::new();
     meta.insert("format".to_string(), "pt".to_string());
-    crate::safetensors::write(&out.join("model.safetensors"), &tensors, &meta)?;
-    crate::fsutil::write_bytes_atomic(
+    crate::formats::safetensors::write(&out.join("model.safetensors"), &tensors, &meta)?;
+    crate::formats::atomic::write_bytes_atomic(
         &out.join("config.json"),
         serde_json::to_string_pretty(&config)?.as_bytes(),
     )?;
     let (tokenizer, tconfig) = hf_tokenizer(&g)?;
-    crate::fsutil::write_bytes_atomic(
+    crate::formats::atomic::write_bytes_atomic(
         &out.join("tokenizer.json"),
         serde_json::to_string(&tokenizer)?.as_bytes(),
     )?;
-    crate::fsutil::write_bytes_atomic(
+    crate::formats::atomic::write_bytes_atomic(
         &out.join("tokenizer_config.json"),
         serde_json::to_string_pretty(&tconfig)?.as_bytes(),
     )?;

@@ -208,7 +208,7 @@ pub fn write(
     while text.len() % 8 != 0 {
         text.push(b' ');
     }
-    crate::fsutil::write_atomic(path, |f| {
+    crate::formats::atomic::write_atomic(path, |f| {
         f.write_all(&(text.len() as u64).to_le_bytes())?;
         f.write_all(&text)?;
         for t in tensors.values() {

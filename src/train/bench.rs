@@ -1,9 +1,9 @@
 //! `xtrain bench`: time the training step on random weights (no checkpoint needed), and export
 //! the same weights and batch so that peer implementations can be checked against it.
 
-use crate::lora::{SplitMix, Target};
-use crate::runtime::Runtime;
-use crate::step::{self, Program, Role, StepSpec};
+use crate::device::runtime::Runtime;
+use crate::model::lora::{SplitMix, Target};
+use crate::program::step::{self, Program, Role, StepSpec};
 use crate::train::{Batch, Trainer};
 use anyhow::Result;
 use hlo::DType;
@@ -78,7 +78,7 @@ pub fn random_program_weights(program: &Program, seed: u64) -> Result<Vec<HostTe
         .filter(|a| a.role == Role::Frozen)
         .map(|a| {
             let n: usize = a.shape.iter().product::<i64>() as usize;
-            let ty = crate::runtime::element_type(a.dtype);
+            let ty = crate::device::runtime::element_type(a.dtype);
             let width = match a.dtype {
                 DType::F32 => 4,
                 DType::BF16 | DType::F16 => 2,
@@ -229,10 +229,10 @@ pub fn run(
             all.insert("input_ids".into(), batch.input_ids.clone());
             all.insert("labels".into(), batch.labels.clone());
             all.insert("attention_mask".into(), batch.attention_mask.clone());
-            crate::safetensors::write(p, &all, &BTreeMap::new())?;
+            crate::formats::safetensors::write(p, &all, &BTreeMap::new())?;
         }
         let names = program.frozen_shapes();
-        crate::runtime::to_program_layout(&names, &weights, spec.model.num_hidden_layers)?
+        crate::device::runtime::to_program_layout(&names, &weights, spec.model.num_hidden_layers)?
     } else {
         random_program_weights(&program, 1)?
     };

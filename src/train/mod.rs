@@ -1,12 +1,15 @@
 //! The training loop: compile the step once, upload the frozen weights once, then feed batches,
 //! log metrics and write PEFT adapters.
 
-use crate::config::LlamaConfig;
-use crate::lora::{kaiming_uniform, LoraConfig, SplitMix};
-use crate::optim::AdamW;
-use crate::runtime::{convert, element_type, Runtime};
-use crate::safetensors::SafeTensors;
-use crate::step::{self, Program, Role, StepSpec};
+pub mod bench;
+pub mod plot;
+
+use crate::device::runtime::{convert, element_type, Runtime};
+use crate::formats::safetensors::SafeTensors;
+use crate::model::config::LlamaConfig;
+use crate::model::lora::{kaiming_uniform, LoraConfig, SplitMix};
+use crate::model::optim::AdamW;
+use crate::program::step::{self, Program, Role, StepSpec};
 use anyhow::{bail, Context, Result};
 use pjrt::{Buffer, CompileOptions, ElementType, Executable, HostTensor};
 use std::collections::BTreeMap;
@@ -142,7 +145,7 @@ pub struct EvalResult {
 
 impl Trainer {
     /// Compile `program` (through the executable cache), upload the frozen weights (in the
-    /// program's layout, see [`crate::weights::load`]) and the initial LoRA weights and AdamW
+    /// program's layout, see [`crate::formats::weights::load`]) and the initial LoRA weights and AdamW
     /// moments (per-layer PEFT names; missing moments start at zero).
     #[allow(clippy::too_many_arguments)]
     pub fn new(
@@ -156,8 +159,12 @@ impl Trainer {
         verbose: bool,
     ) -> Result<Trainer> {
         let t0 = Instant::now();
-        let (exe, cached) =
-            crate::program::compile_cached(&rt, &program, &CompileOptions::default(), use_cache)?;
+        let (exe, cached) = crate::formats::program_dir::compile_cached(
+            &rt,
+            &program,
+            &CompileOptions::default(),
+            use_cache,
+        )?;
         let compile_s = t0.elapsed().as_secs_f64();
         if verbose {
             let how = if cached {
@@ -239,7 +246,7 @@ impl Trainer {
                 all.insert(name, v);
             }
         }
-        let tensors = crate::runtime::to_program_layout(
+        let tensors = crate::device::runtime::to_program_layout(
             &self.state_specs(),
             &all,
             self.spec.model.num_hidden_layers,
@@ -339,7 +346,7 @@ impl Trainer {
             spec.batch = batches[0].dims().0;
             spec.microbatches = 1;
             let program = step::build_eval(&spec)?;
-            let (exe, _) = crate::program::compile_cached(
+            let (exe, _) = crate::formats::program_dir::compile_cached(
                 &self.rt,
                 &program,
                 &CompileOptions::default(),
@@ -380,7 +387,9 @@ impl Trainer {
                     .collect::<std::result::Result<_, _>>()?;
                 let dims = vec![batch.dims().0, batch.dims().1];
                 Ok(match &mesh {
-                    Some(m) => crate::sharding::unshard(&shards, &dims, &result_shardings[k], m),
+                    Some(m) => {
+                        crate::program::sharding::unshard(&shards, &dims, &result_shardings[k], m)
+                    }
                     None => shards[0].clone(),
                 }
                 .to_f32()?)
@@ -430,13 +439,13 @@ impl Trainer {
                     .map(|b| b.to_host())
                     .collect::<std::result::Result<_, _>>()?;
                 let t = match &mesh {
-                    Some(m) => crate::sharding::unshard(&shards, &shape, sh, m),
+                    Some(m) => crate::program::sharding::unshard(&shards, &shape, sh, m),
                     None => shards.into_iter().next().context("no shard")?,
                 };
                 Ok((n, t))
             })
             .collect::<Result<_>>()?;
-        let all = crate::runtime::from_program_layout(named);
+        let all = crate::device::runtime::from_program_layout(named);
         let (moments, lora): (BTreeMap<_, _>, BTreeMap<_, _>) =
             all.into_iter().partition(|(n, _)| n.starts_with("exp_avg"));
         Ok((lora, moments))
@@ -491,7 +500,7 @@ pub struct TrainOptions {
     pub lora: LoraConfig,
     /// "f32" or "bf16".
     pub dtype: String,
-    pub remat: crate::step::Remat,
+    pub remat: crate::program::step::Remat,
     pub microbatches: i64,
     /// A program dir from `xtrain compile` to run instead of building the step.
     pub program: Option<PathBuf>,
@@ -517,7 +526,7 @@ pub struct TrainOptions {
     /// Stop this invocation after this many steps.
     pub stop_after: Option<u64>,
     /// Device mesh and sharding rules (None: one device).
-    pub mesh: Option<crate::step::MeshPlan>,
+    pub mesh: Option<crate::program::step::MeshPlan>,
     /// QLoRA: NF4 base weights.
     pub nf4: bool,
     /// On a non-finite loss or gradient: stop (false) or skip the step and go on (true).
@@ -525,7 +534,7 @@ pub struct TrainOptions {
     /// Compute the loss this many positions at a time (looped layers).
     pub loss_chunk: Option<i64>,
     pub attention_block: Option<i64>,
-    /// `--matmul-result`: auto, f32 or compute (see [`crate::runtime::wide_matmul_results`]).
+    /// `--matmul-result`: auto, f32 or compute (see [`crate::device::runtime::wide_matmul_results`]).
     pub matmul_result: String,
 }
 
@@ -563,7 +572,9 @@ pub fn save_adapter(
     tensors: &BTreeMap<String, HostTensor>,
     base: &str,
 ) -> Result<()> {
-    write_dir_atomic(dir, |tmp| crate::peft::write(tmp, lora, tensors, base))
+    write_dir_atomic(dir, |tmp| {
+        crate::formats::peft::write(tmp, lora, tensors, base)
+    })
 }
 
 /// Where training stands, saved with each checkpoint.
@@ -593,13 +604,13 @@ pub fn save_checkpoint(
 ) -> Result<()> {
     let (lora, moments) = trainer.state_to_host()?;
     write_dir_atomic(dir, |tmp| {
-        crate::peft::write(tmp, &trainer.spec.lora, &lora, base)?;
-        crate::safetensors::write(
+        crate::formats::peft::write(tmp, &trainer.spec.lora, &lora, base)?;
+        crate::formats::safetensors::write(
             &tmp.join("optimizer.safetensors"),
             &moments,
             &BTreeMap::new(),
         )?;
-        crate::fsutil::write_bytes_atomic(
+        crate::formats::atomic::write_bytes_atomic(
             &tmp.join("trainer_state.json"),
             serde_json::to_string_pretty(state)?.as_bytes(),
         )
@@ -617,7 +628,7 @@ pub fn load_checkpoint(dir: &Path, cfg: &LlamaConfig, lora: &LoraConfig) -> Resu
             )
         })?)
         .with_context(|| format!("{} is not a trainer state", state_path.display()))?;
-    let c = crate::peft::read_config(dir)?;
+    let c = crate::formats::peft::read_config(dir)?;
     if c.r != lora.r || c.targets != lora.targets {
         bail!(
             "checkpoint {} has LoRA r={} on {:?}; this run uses r={} on {:?}",
@@ -628,7 +639,7 @@ pub fn load_checkpoint(dir: &Path, cfg: &LlamaConfig, lora: &LoraConfig) -> Resu
             lora.targets
         );
     }
-    let weights = crate::peft::read_tensors(dir, cfg, lora)?;
+    let weights = crate::formats::peft::read_tensors(dir, cfg, lora)?;
     let opt = SafeTensors::open(&dir.join("optimizer.safetensors"))?;
     let mut moments = BTreeMap::new();
     for name in opt.tensors.keys() {
@@ -683,7 +694,7 @@ impl Source {
 
 fn read_rows(
     path: &Path,
-    tok: &crate::text::TextTokenizer,
+    tok: &crate::data::text::TextTokenizer,
     opts: &TrainOptions,
 ) -> Result<Vec<crate::data::Tokenized>> {
     let report = crate::data::read_jsonl(path, opts.skip_bad_lines)?;
@@ -755,7 +766,7 @@ pub fn run(opts: &TrainOptions) -> Result<()> {
         let seq = batch.dims().1;
         (Source::Fixed(batch), Vec::new(), seq)
     } else {
-        let tok = crate::text::TextTokenizer::load(&opts.model)?;
+        let tok = crate::data::text::TextTokenizer::load(&opts.model)?;
         if tok.vocab_size() as i64 > cfg.vocab_size {
             bail!(
                 "the tokenizer has {} tokens but the model's vocabulary is {}",
@@ -843,7 +854,7 @@ pub fn run(opts: &TrainOptions) -> Result<()> {
         None => {
             let w = match &opts.init_adapter {
                 Some(dir) => {
-                    let c = crate::peft::read_config(dir)?;
+                    let c = crate::formats::peft::read_config(dir)?;
                     if c.r != lora_cfg.r
                         || c.targets != lora_cfg.targets
                         || (c.alpha - lora_cfg.alpha).abs() > 1e-9
@@ -853,7 +864,7 @@ pub fn run(opts: &TrainOptions) -> Result<()> {
                             dir.display(), c.r, c.alpha, c.targets, lora_cfg.r, lora_cfg.alpha, lora_cfg.targets
                         );
                     }
-                    crate::peft::read_tensors(dir, &cfg, &lora_cfg)?
+                    crate::formats::peft::read_tensors(dir, &cfg, &lora_cfg)?
                 }
                 None => init_lora(&cfg, &lora_cfg, opts.seed),
             };
@@ -874,7 +885,7 @@ pub fn run(opts: &TrainOptions) -> Result<()> {
 
     let frozen = program.frozen_shapes();
     let t_load = Instant::now();
-    let weights = crate::weights::load(
+    let weights = crate::formats::weights::load(
         &opts.model,
         &cfg,
         &frozen,
@@ -1053,7 +1064,7 @@ pub fn run(opts: &TrainOptions) -> Result<()> {
     save_adapter(&opts.out.join("adapter"), &lora_cfg, &lora_now, &base)?;
     if opts.plot {
         let path = opts.out.join("loss.png");
-        crate::plot::loss_curve(&path, &history)?;
+        crate::train::plot::loss_curve(&path, &history)?;
         eprintln!("xtrain: loss curve in {}", path.display());
     }
     Ok(())
@@ -1082,7 +1093,7 @@ pub fn plan(
     seq: i64,
 ) -> Result<(StepSpec, Program)> {
     if let Some(dir) = &opts.program {
-        let (program, spec) = crate::program::read_dir(dir)?;
+        let (program, spec) = crate::formats::program_dir::read_dir(dir)?;
         if &spec.model != cfg {
             bail!(
                 "program dir {} was built for another model (its config differs from {})",
@@ -1119,7 +1130,7 @@ pub fn plan(
         nf4: opts.nf4,
         loss_chunk: opts.loss_chunk,
         attention_block: opts.attention_block,
-        wide_matmul_results: crate::runtime::wide_matmul_results(
+        wide_matmul_results: crate::device::runtime::wide_matmul_results(
             &opts.matmul_result,
             opts.plugin.as_deref(),
         )?,

@@ -1,11 +1,11 @@
 //! PEFT LoRA adapters on disk: `adapter_config.json` + `adapter_model.safetensors`, with PEFT's
 //! tensor names, loadable by `peft.PeftModel.from_pretrained`.
 
-use crate::config::LlamaConfig;
-use crate::lora::{LoraConfig, Target};
-use crate::runtime::convert;
-use crate::safetensors::{self, SafeTensors};
-use crate::step::lora_tensors;
+use crate::device::runtime::convert;
+use crate::formats::safetensors::{self, SafeTensors};
+use crate::model::config::LlamaConfig;
+use crate::model::lora::{LoraConfig, Target};
+use crate::program::step::lora_tensors;
 use anyhow::{bail, Context, Result};
 use pjrt::{ElementType, HostTensor};
 use std::collections::BTreeMap;
@@ -131,7 +131,7 @@ pub fn write(
     let mut meta = BTreeMap::new();
     meta.insert("format".to_string(), "pt".to_string());
     safetensors::write(&dir.join("adapter_model.safetensors"), tensors, &meta)?;
-    crate::fsutil::write_bytes_atomic(
+    crate::formats::atomic::write_bytes_atomic(
         &dir.join("adapter_config.json"),
         serde_json::to_string_pretty(&config)?.as_bytes(),
     )

@@ -1,10 +1,10 @@
 //! Generation and evaluation with a model (and optionally a LoRA adapter): greedy or sampled
 //! decoding, loss and exact-match accuracy on prompt/answer pairs.
 
-use crate::config::LlamaConfig;
-use crate::lora::{LoraConfig, SplitMix, Target};
-use crate::runtime::{convert, element_type, Runtime};
-use crate::step::{self, Role, StepSpec};
+use crate::device::runtime::{convert, element_type, Runtime};
+use crate::model::config::LlamaConfig;
+use crate::model::lora::{LoraConfig, SplitMix, Target};
+use crate::program::step::{self, Role, StepSpec};
 use anyhow::{Context, Result};
 use pjrt::{Buffer, CompileOptions, ElementType, Executable, HostTensor};
 use std::collections::BTreeMap;
@@ -56,11 +56,15 @@ impl Forward {
             Kind::NextToken => step::build_next_token(&spec, adapter.is_some())?,
             Kind::Full => step::build_forward(&spec, adapter.is_some())?,
         };
-        let (exe, _) =
-            crate::program::compile_cached(rt, &program, &CompileOptions::default(), true)?;
+        let (exe, _) = crate::formats::program_dir::compile_cached(
+            rt,
+            &program,
+            &CompileOptions::default(),
+            true,
+        )?;
         let frozen = program.frozen_shapes();
         let weights =
-            crate::weights::load(model_dir, cfg, &frozen, element_type(dtype), |_, _| {})?;
+            crate::formats::weights::load(model_dir, cfg, &frozen, element_type(dtype), |_, _| {})?;
         let mut model_bufs: Vec<Buffer> = weights
             .iter()
             .map(|t| rt.upload(t))
@@ -72,7 +76,9 @@ impl Forward {
                 .filter(|a| a.role == Role::Lora)
                 .map(|a| (a.name.clone(), a.shape.clone()))
                 .collect();
-            for t in crate::runtime::to_program_layout(&names, tensors, cfg.num_hidden_layers)? {
+            for t in
+                crate::device::runtime::to_program_layout(&names, tensors, cfg.num_hidden_layers)?
+            {
                 model_bufs.push(rt.upload(&convert(&t, ElementType::F32)?)?);
             }
         }
@@ -196,8 +202,8 @@ pub fn load_adapter(
     dir: &Path,
     cfg: &LlamaConfig,
 ) -> Result<(LoraConfig, BTreeMap<String, HostTensor>)> {
-    let c = crate::peft::read_config(dir)?;
-    let t = crate::peft::read_tensors(dir, cfg, &c)
+    let c = crate::formats::peft::read_config(dir)?;
+    let t = crate::formats::peft::read_tensors(dir, cfg, &c)
         .with_context(|| format!("adapter {}", dir.display()))?;
     Ok((c, t))
 }

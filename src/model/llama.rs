@@ -9,8 +9,8 @@
 //! ```
 //! Every projection `x W^T` may carry a LoRA term `(alpha/r) dropout(x) A^T B^T`.
 
-use crate::config::LlamaConfig;
-use crate::lora::Target;
+use crate::model::config::LlamaConfig;
+use crate::model::lora::Target;
 use hlo::{Builder, CmpDir, DType, DotDims, GatherDims, Result, Shape, Value};
 use std::collections::BTreeMap;
 

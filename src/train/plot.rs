@@ -164,5 +164,5 @@ pub fn loss_curve(path: &Path, points: &[(u64, f64, Option<f64>)]) -> Result<()>
         let data: Vec<u8> = c.px.iter().flatten().copied().collect();
         w.write_image_data(&data).context("png data")?;
     }
-    crate::fsutil::write_bytes_atomic(path, &bytes)
+    crate::formats::atomic::write_bytes_atomic(path, &bytes)
 }

@@ -66,7 +66,7 @@ pub fn smollm2() -> Result<PathBuf> {
         .join("models")
         .join(format!(".smollm2-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&staged);
-    crate::gguf::import(&gguf, &staged, |_, _| {})?;
+    crate::formats::gguf::import(&gguf, &staged, |_, _| {})?;
     if std::fs::rename(&staged, &dir).is_err() {
         // Another process imported it first.
         let _ = std::fs::remove_dir_all(&staged);

@@ -1,0 +1,4 @@
+//! Programs on a PJRT plugin's devices.
+
+pub mod generate;
+pub mod runtime;

@@ -1,0 +1,4 @@
+//! The training step and its sibling programs as StableHLO.
+
+pub mod sharding;
+pub mod step;
