@@ -5,8 +5,8 @@
 
 use hlo::DType;
 use sha2::{Digest, Sha256};
-use xtrain::formats::program_dir::resolve_model_config;
 use xtrain::model::lora::{LoraConfig, Target};
+use xtrain::model::presets::resolve_model_config;
 use xtrain::program::sharding::{parse_mesh, Rules};
 use xtrain::program::step::{self, MeshPlan, Remat, StepSpec};
 

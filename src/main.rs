@@ -582,7 +582,7 @@ fn bench(a: BenchArgs) -> Result<()> {
     if a.init != "random" {
         bail!("--init must be random");
     }
-    let (cfg, _) = xtrain::formats::program_dir::resolve_model_config(&a.model)?;
+    let (cfg, _) = xtrain::model::presets::resolve_model_config(&a.model)?;
     let spec = a.step.spec(cfg, a.batch, a.seq, a.plugin.as_deref())?;
     let r = xtrain::train::bench::run(
         spec,
@@ -600,7 +600,7 @@ fn gib(b: i64) -> String {
 }
 
 fn compile(a: CompileArgs, verbose: bool) -> Result<()> {
-    let (cfg, _) = xtrain::formats::program_dir::resolve_model_config(&a.model)?;
+    let (cfg, _) = xtrain::model::presets::resolve_model_config(&a.model)?;
     let spec = a.step.spec(cfg, a.batch, a.seq, a.plugin.as_deref())?;
     let t0 = std::time::Instant::now();
     let program = xtrain::program::step::build_train_step(&spec)?;

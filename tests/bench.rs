@@ -9,7 +9,7 @@ use xtrain::program::step::{build_train_step, Remat, Role, StepSpec};
 use xtrain::train::bench::{random_program_weights, random_weights};
 
 fn spec(dtype: hlo::DType) -> StepSpec {
-    let (model, _) = xtrain::formats::program_dir::resolve_model_config("tiny-llama3").unwrap();
+    let (model, _) = xtrain::model::presets::resolve_model_config("tiny-llama3").unwrap();
     let lora = LoraConfig {
         r: 4,
         alpha: 8.0,
@@ -111,7 +111,7 @@ fn dot_flops(text: &str) -> f64 {
 /// at 2048 tokens with LoRA r=16 on every projection.
 #[test]
 fn model_flops_match_the_programs_matmuls() {
-    let (bench512, _) = xtrain::formats::program_dir::resolve_model_config("bench-512").unwrap();
+    let (bench512, _) = xtrain::model::presets::resolve_model_config("bench-512").unwrap();
     let mut s = spec(hlo::DType::F32);
     s.model = bench512;
     s.lora.r = 16;
@@ -128,7 +128,7 @@ fn model_flops_match_the_programs_matmuls() {
         "program matmuls {counted:.4e} vs formula {formula:.4e}: {rel:+.4}"
     );
 
-    let (l8b, _) = xtrain::formats::program_dir::resolve_model_config("llama-3.1-8b").unwrap();
+    let (l8b, _) = xtrain::model::presets::resolve_model_config("llama-3.1-8b").unwrap();
     let mut s8 = spec(hlo::DType::BF16);
     s8.model = l8b;
     s8.lora.r = 16;

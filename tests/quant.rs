@@ -96,7 +96,7 @@ fn graph_dequantization_equals_the_host() {
     let q = quant::quantize(&w);
     let mut b = hlo::Builder::new("main");
     let n = w.len() as i64;
-    let parts: Vec<hlo::Value> = step::nf4_parts(n)
+    let parts: Vec<hlo::Value> = xtrain::model::tensors::nf4_parts(n)
         .into_iter()
         .enumerate()
         .map(|(i, (_, dims, dt))| b.param(&format!("p{i}"), hlo::Shape::new(&dims, dt)))
@@ -131,7 +131,7 @@ fn graph_dequantization_equals_the_host() {
 
 #[test]
 fn nf4_base_weights_take_about_half_a_byte_per_parameter() {
-    let (cfg, _) = xtrain::formats::program_dir::resolve_model_config("llama-3.1-8b").unwrap();
+    let (cfg, _) = xtrain::model::presets::resolve_model_config("llama-3.1-8b").unwrap();
     let lora = xtrain::model::lora::LoraConfig {
         r: 16,
         alpha: 32.0,
@@ -159,7 +159,7 @@ fn nf4_base_weights_take_about_half_a_byte_per_parameter() {
         .filter(|a| a.role == Role::Frozen && a.name.contains("_proj.weight."))
         .map(bytes)
         .sum();
-    let projection_params: i64 = step::layer_kinds(&cfg)
+    let projection_params: i64 = xtrain::model::tensors::layer_kinds(&cfg)
         .iter()
         .filter(|(k, _)| k.ends_with("_proj"))
         .map(|(_, s)| s.iter().product::<i64>())

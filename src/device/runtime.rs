@@ -337,7 +337,7 @@ pub fn to_program_layout(
             let t = if name.contains("layers.*.") {
                 let parts: Vec<HostTensor> = (0..layers)
                     .map(|l| {
-                        let n = crate::program::step::layer_name(name, l);
+                        let n = crate::model::tensors::layer_name(name, l);
                         per_layer
                             .get(&n)
                             .cloned()
@@ -365,7 +365,7 @@ pub fn from_program_layout(named: Vec<(String, HostTensor)>) -> BTreeMap<String,
     for (name, t) in named {
         if name.contains("layers.*.") {
             for (l, part) in unstack(&t).into_iter().enumerate() {
-                out.insert(crate::program::step::layer_name(&name, l as i64), part);
+                out.insert(crate::model::tensors::layer_name(&name, l as i64), part);
             }
         } else {
             out.insert(name, t);

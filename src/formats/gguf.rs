@@ -513,7 +513,7 @@ pub fn import(path: &Path, out: &Path, mut progress: impl FnMut(usize, usize)) -
         tensors.insert(name, HostTensor::from_f32(&values, &dims));
         progress(i + 1, total);
     }
-    let files = crate::program::step::frozen_weights(&cfg);
+    let files = crate::model::tensors::frozen_weights(&cfg);
     if let Some((missing, _)) = files.iter().find(|(n, _)| !tensors.contains_key(n)) {
         bail!("{}: no tensor for `{missing}`", path.display());
     }

@@ -5,7 +5,7 @@ use crate::device::runtime::convert;
 use crate::formats::safetensors::{self, SafeTensors};
 use crate::model::config::LlamaConfig;
 use crate::model::lora::{LoraConfig, Target};
-use crate::program::step::lora_tensors;
+use crate::model::tensors::lora_tensors;
 use anyhow::{bail, Context, Result};
 use pjrt::{ElementType, HostTensor};
 use std::collections::BTreeMap;

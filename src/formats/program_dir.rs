@@ -1,53 +1,11 @@
 //! Program directories (`train_step.mlir` + `manifest.json`), model presets, and the on-disk
 //! cache of compiled executables.
 
-use crate::model::config::LlamaConfig;
 use crate::program::step::{Program, StepSpec, TensorSpec};
 use anyhow::{bail, Context, Result};
 use pjrt::{CompileOptions, Executable};
 use sha2::{Digest, Sha256};
-use std::path::{Path, PathBuf};
-
-/// Configs built into the binary, so `--model llama-3.1-405b` works anywhere.
-pub const PRESETS: &[(&str, &str)] = &[
-    (
-        "llama-3.1-8b",
-        include_str!("../../models/llama-3.1-8b/config.json"),
-    ),
-    (
-        "llama-3.1-70b",
-        include_str!("../../models/llama-3.1-70b/config.json"),
-    ),
-    (
-        "llama-3.1-405b",
-        include_str!("../../models/llama-3.1-405b/config.json"),
-    ),
-    (
-        "tiny-llama3",
-        include_str!("../../models/tiny-llama3/config.json"),
-    ),
-    (
-        "bench-512",
-        include_str!("../../models/bench-512/config.json"),
-    ),
-];
-
-/// A model named on the command line: a directory with config.json, or a preset name.
-pub fn resolve_model_config(model: &str) -> Result<(LlamaConfig, Option<PathBuf>)> {
-    let p = Path::new(model);
-    if p.is_dir() || p.is_file() {
-        return Ok((LlamaConfig::load(p)?, p.is_dir().then(|| p.to_path_buf())));
-    }
-    if let Some((_, text)) = PRESETS.iter().find(|(n, _)| *n == model) {
-        let json: serde_json::Value = serde_json::from_str(text)?;
-        return Ok((LlamaConfig::from_json(&json)?, None));
-    }
-    let names: Vec<&str> = PRESETS.iter().map(|(n, _)| *n).collect();
-    bail!(
-        "--model {model}: no such directory, and not a preset (presets: {})",
-        names.join(", ")
-    )
-}
+use std::path::Path;
 
 pub fn sha256_hex(bytes: &[u8]) -> String {
     Sha256::digest(bytes)

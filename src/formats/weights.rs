@@ -3,7 +3,7 @@
 use crate::device::runtime::convert;
 use crate::formats::safetensors::WeightFiles;
 use crate::model::config::LlamaConfig;
-use crate::program::step::frozen_weights;
+use crate::model::tensors::frozen_weights;
 use anyhow::{bail, Context, Result};
 use pjrt::{ElementType, HostTensor};
 use std::path::Path;
@@ -64,7 +64,7 @@ pub fn load(
             if quantized.as_ref().is_none_or(|(b, _)| b != base) {
                 let layers: Vec<String> = if base.contains("layers.*.") {
                     (0..cfg.num_hidden_layers)
-                        .map(|l| crate::program::step::layer_name(base, l))
+                        .map(|l| crate::model::tensors::layer_name(base, l))
                         .collect()
                 } else {
                     vec![base.to_string()]
@@ -97,7 +97,7 @@ pub fn load(
         } else if name.contains("layers.*.") {
             let parts: Vec<HostTensor> = (0..cfg.num_hidden_layers)
                 .map(|l| {
-                    convert(&read(&crate::program::step::layer_name(name, l))?, dtype)
+                    convert(&read(&crate::model::tensors::layer_name(name, l))?, dtype)
                         .with_context(|| format!("converting `{name}`"))
                 })
                 .collect::<Result<_>>()?;

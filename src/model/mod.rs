@@ -3,5 +3,8 @@
 pub mod config;
 pub mod llama;
 pub mod lora;
+pub mod loss;
 pub mod optim;
+pub mod presets;
 pub mod quant;
+pub mod tensors;

@@ -14,11 +14,15 @@
 
 use crate::model::config::LlamaConfig;
 use crate::model::llama::{
-    cross_entropy_loss_and_grad, layer_key, token_cross_entropy, BaseWeights, LayerAdapters,
-    LayerContext, LayerWeights, Llama, LoraPair, Numerics, Saves,
+    layer_key, BaseWeights, LayerAdapters, LayerContext, LayerWeights, Llama, LoraPair, Numerics,
+    Saves,
 };
 use crate::model::lora::{LoraConfig, Target};
+use crate::model::loss::{cross_entropy_loss_and_grad, next_token_targets, token_cross_entropy};
 use crate::model::optim::{AdamW, Slot};
+use crate::model::tensors::{
+    frozen_args_typed, is_projection, layer_kinds, lora_args, projection_dims,
+};
 use anyhow::{bail, Result};
 use hlo::{Builder, DType, Module, ParamAttrs, Shape, Value};
 use std::collections::BTreeMap;
@@ -289,175 +293,6 @@ fn finish_module(
         Some(m) => module.with_mesh(m.mesh()).to_text(),
         None => module.to_text(),
     }
-}
-
-/// The frozen tensors of one layer: HF name suffix (`self_attn.q_proj`) and shape.
-pub fn layer_kinds(cfg: &LlamaConfig) -> Vec<(&'static str, Vec<i64>)> {
-    let (h, f) = (cfg.hidden_size, cfg.intermediate_size);
-    let q = cfg.num_attention_heads * cfg.head_dim;
-    let kv = cfg.num_key_value_heads * cfg.head_dim;
-    vec![
-        ("input_layernorm", vec![h]),
-        ("self_attn.q_proj", vec![q, h]),
-        ("self_attn.k_proj", vec![kv, h]),
-        ("self_attn.v_proj", vec![kv, h]),
-        ("self_attn.o_proj", vec![h, q]),
-        ("post_attention_layernorm", vec![h]),
-        ("mlp.gate_proj", vec![f, h]),
-        ("mlp.up_proj", vec![f, h]),
-        ("mlp.down_proj", vec![h, f]),
-    ]
-}
-
-/// The frozen weights a Llama checkpoint must contain, with their shapes (HF names).
-pub fn frozen_weights(cfg: &LlamaConfig) -> Vec<(String, Vec<i64>)> {
-    frozen_args(cfg, false)
-}
-
-/// The frozen weights as a program takes them: per layer, or stacked as `model.layers.*.<kind>`
-/// with a leading layer axis.
-pub fn frozen_args(cfg: &LlamaConfig, stacked: bool) -> Vec<(String, Vec<i64>)> {
-    let (h, v, l) = (cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers);
-    let mut out = vec![("model.embed_tokens.weight".to_string(), vec![v, h])];
-    if stacked {
-        for (kind, shape) in layer_kinds(cfg) {
-            let mut s = vec![l];
-            s.extend(shape);
-            out.push((format!("model.layers.*.{kind}.weight"), s));
-        }
-    } else {
-        for layer in 0..l {
-            for (kind, shape) in layer_kinds(cfg) {
-                out.push((format!("model.layers.{layer}.{kind}.weight"), shape));
-            }
-        }
-    }
-    out.push(("model.norm.weight".to_string(), vec![h]));
-    if !cfg.tie_word_embeddings {
-        out.push(("lm_head.weight".to_string(), vec![v, h]));
-    }
-    out
-}
-
-/// Whether a layer kind is a projection (NF4-quantizable).
-fn is_projection(kind: &str) -> bool {
-    kind.ends_with("_proj")
-}
-
-/// The parts an NF4 weight of `n` elements is passed as: (suffix, dims, dtype).
-pub fn nf4_parts(n: i64) -> Vec<(&'static str, Vec<i64>, DType)> {
-    let nb = n / crate::model::quant::BLOCK as i64;
-    let nsb = crate::model::quant::scale_blocks(n as usize) as i64;
-    vec![
-        ("nf4", vec![n / 2], DType::U8),
-        ("absmax_q", vec![nb], DType::S8),
-        ("absmax_scale", vec![nsb], DType::F32),
-        ("absmax_mean", vec![], DType::F32),
-    ]
-}
-
-/// The frozen arguments of a program with their element types: like [`frozen_args`], but each
-/// projection weight becomes its NF4 parts (`<name>.nf4`, `.absmax_q`, `.absmax_scale`,
-/// `.absmax_mean`) when `nf4`.
-pub fn frozen_args_typed(
-    cfg: &LlamaConfig,
-    stacked: bool,
-    nf4: bool,
-    dense: DType,
-) -> Vec<(String, Vec<i64>, DType)> {
-    let mut out = Vec::new();
-    for (name, shape) in frozen_args(cfg, stacked) {
-        let kind_is_proj =
-            name.starts_with("model.layers.") && is_projection(name.trim_end_matches(".weight"));
-        if nf4 && kind_is_proj {
-            let (lead, inner) = if stacked {
-                (vec![shape[0]], &shape[1..])
-            } else {
-                (vec![], &shape[..])
-            };
-            let n: i64 = inner.iter().product();
-            for (suffix, dims, dt) in nf4_parts(n) {
-                let mut d = lead.clone();
-                d.extend(dims);
-                out.push((format!("{name}.{suffix}"), d, dt));
-            }
-        } else {
-            out.push((name, shape, dense));
-        }
-    }
-    out
-}
-
-/// The name of layer `layer`'s slice of a stacked (`layers.*`) tensor.
-pub fn layer_name(stacked: &str, layer: i64) -> String {
-    stacked.replace("layers.*.", &format!("layers.{layer}."))
-}
-
-/// (in, out) features of a projection.
-pub fn projection_dims(cfg: &LlamaConfig, t: Target) -> (i64, i64) {
-    let (h, f) = (cfg.hidden_size, cfg.intermediate_size);
-    let q = cfg.num_attention_heads * cfg.head_dim;
-    let kv = cfg.num_key_value_heads * cfg.head_dim;
-    match t {
-        Target::Q => (h, q),
-        Target::K | Target::V => (h, kv),
-        Target::O => (q, h),
-        Target::Gate | Target::Up => (h, f),
-        Target::Down => (f, h),
-    }
-}
-
-/// One LoRA tensor: where it sits and its PEFT name and shape.
-#[derive(Clone, Debug)]
-pub struct LoraTensor {
-    /// The layer, or None for a stacked tensor holding every layer.
-    pub layer: Option<i64>,
-    pub target: Target,
-    /// "A" or "B"
-    pub which: &'static str,
-    pub name: String,
-    pub shape: Vec<i64>,
-}
-
-/// Every LoRA tensor of a PEFT adapter, per layer (layer, target, A then B).
-pub fn lora_tensors(cfg: &LlamaConfig, lora: &LoraConfig) -> Vec<LoraTensor> {
-    lora_args(cfg, lora, false)
-}
-
-/// The LoRA tensors as a program takes them: per layer, or stacked per target (`layers.*`).
-pub fn lora_args(cfg: &LlamaConfig, lora: &LoraConfig, stacked: bool) -> Vec<LoraTensor> {
-    let mut out = Vec::new();
-    let layers: Vec<Option<i64>> = if stacked {
-        vec![None]
-    } else {
-        (0..cfg.num_hidden_layers).map(Some).collect()
-    };
-    for layer in layers {
-        for &target in &lora.targets {
-            let (i, o) = projection_dims(cfg, target);
-            for (which, shape) in [("A", vec![lora.r, i]), ("B", vec![o, lora.r])] {
-                let (name, shape) = match layer {
-                    Some(l) => (target.peft_name(l, which), shape),
-                    None => {
-                        let mut s = vec![cfg.num_hidden_layers];
-                        s.extend(shape);
-                        (
-                            target.peft_name(0, which).replace("layers.0.", "layers.*."),
-                            s,
-                        )
-                    }
-                };
-                out.push(LoraTensor {
-                    layer,
-                    target,
-                    which,
-                    name,
-                    shape,
-                });
-            }
-        }
-    }
-    out
 }
 
 /// Frozen weights and LoRA values of a program, in argument order.
@@ -792,7 +627,7 @@ impl Layout<'_> {
         let dropout = key.map(|k| (self.spec.lora.dropout, k));
         if !self.spec.remat.scan() {
             let logits = self.logits_unrolled(b, m, dropout, ids, mask)?;
-            let targets = crate::model::llama::next_token_targets(b, labels)?;
+            let targets = next_token_targets(b, labels)?;
             let (loss, dlogits) = cross_entropy_loss_and_grad(b, logits, targets, denom)?;
             let grads = b.vjp(&[(logits, dlogits)], &m.lora)?;
             return Ok((loss, grads));
@@ -865,7 +700,7 @@ impl Layout<'_> {
             }
             None => {
                 let logits = model.head(b, fwd[0], norm, lm_head)?;
-                let targets = crate::model::llama::next_token_targets(b, labels)?;
+                let targets = next_token_targets(b, labels)?;
                 let (loss, dlogits) = cross_entropy_loss_and_grad(b, logits, targets, denom)?;
                 let dh = b.vjp(&[(logits, dlogits)], &[fwd[0]])?[0];
                 (loss, dh)
@@ -933,7 +768,7 @@ impl Layout<'_> {
         } else {
             t
         };
-        let targets = crate::model::llama::next_token_targets(b, labels)?;
+        let targets = next_token_targets(b, labels)?;
         let loss0 = b.scalar(0.0, DType::F32);
         // dh is written a chunk at a time: kept as bits, as a layer stack is (see stack_type).
         let dh0 = b.zeros(Shape::new(&[bs, t, hd], stack_type(b.dtype(h))));

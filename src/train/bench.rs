@@ -16,7 +16,7 @@ use std::time::Instant;
 /// [`random_program_weights`] makes in the program's layout (layer l of a stacked tensor is
 /// elements l*n..(l+1)*n of its stream), so that an exported run and a timed run see one model.
 pub fn random_weights(spec: &StepSpec, seed: u64) -> BTreeMap<String, HostTensor> {
-    step::frozen_weights(&spec.model)
+    crate::model::tensors::frozen_weights(&spec.model)
         .into_iter()
         .map(|(name, shape)| {
             let n: i64 = shape.iter().product();
@@ -121,7 +121,7 @@ pub fn random_program_weights(program: &Program, seed: u64) -> Result<Vec<HostTe
 /// LoRA weights with nonzero B (so every gradient is nonzero and the peers' check means something).
 pub fn random_lora(spec: &StepSpec, seed: u64) -> BTreeMap<String, HostTensor> {
     let mut rng = SplitMix(seed ^ 0xB);
-    step::lora_tensors(&spec.model, &spec.lora)
+    crate::model::tensors::lora_tensors(&spec.model, &spec.lora)
         .into_iter()
         .map(|t| {
             let n: i64 = t.shape.iter().product();
@@ -187,7 +187,7 @@ pub fn model_flops_per_step(spec: &StepSpec) -> f64 {
     let per_layer: i64 = Target::ALL
         .iter()
         .map(|&tg| {
-            let (i, o) = step::projection_dims(c, tg);
+            let (i, o) = crate::model::tensors::projection_dims(c, tg);
             i * o
         })
         .sum();
@@ -198,7 +198,7 @@ pub fn model_flops_per_step(spec: &StepSpec) -> f64 {
         .targets
         .iter()
         .map(|&tg| {
-            let (i, o) = step::projection_dims(c, tg);
+            let (i, o) = crate::model::tensors::projection_dims(c, tg);
             spec.lora.r * (i + o)
         })
         .sum();

@@ -102,7 +102,7 @@ impl Batch {
 /// Fresh LoRA weights: A Kaiming-uniform as PEFT, B zeros.
 pub fn init_lora(cfg: &LlamaConfig, lora: &LoraConfig, seed: u64) -> BTreeMap<String, HostTensor> {
     let mut rng = SplitMix(seed);
-    step::lora_tensors(cfg, lora)
+    crate::model::tensors::lora_tensors(cfg, lora)
         .into_iter()
         .map(|t| {
             let values = if t.which == "A" {
@@ -233,7 +233,7 @@ impl Trainer {
         moments: &BTreeMap<String, HostTensor>,
     ) -> Result<()> {
         let mut all = lora.clone();
-        for t in step::lora_tensors(&self.spec.model, &self.spec.lora) {
+        for t in crate::model::tensors::lora_tensors(&self.spec.model, &self.spec.lora) {
             for prefix in ["exp_avg", "exp_avg_sq"] {
                 let name = format!("{prefix}.{}", t.name);
                 let v = match moments.get(&name) {
