@@ -8,7 +8,7 @@ use sha2::{Digest, Sha256};
 use xtrain::model::lora::{LoraConfig, Target};
 use xtrain::model::presets::resolve_model_config;
 use xtrain::program::sharding::{parse_mesh, Rules};
-use xtrain::program::step::{self, MeshPlan, Remat, StepSpec};
+use xtrain::program::{self, MeshPlan, Remat, StepSpec};
 
 fn sha(text: &str) -> String {
     Sha256::digest(text.as_bytes())
@@ -89,22 +89,22 @@ fn main() -> anyhow::Result<()> {
     for (name, spec) in &specs {
         println!(
             "{name}/train_step {}",
-            sha(&step::build_train_step(spec)?.text)
+            sha(&program::build_train_step(spec)?.text)
         );
         println!(
             "{name}/grads {}",
-            sha(&step::build_grad_program(spec)?.text)
+            sha(&program::build_grad_program(spec)?.text)
         );
-        println!("{name}/eval {}", sha(&step::build_eval(spec)?.text));
+        println!("{name}/eval {}", sha(&program::build_eval(spec)?.text));
         for with_lora in [false, true] {
             let l = if with_lora { "lora" } else { "base" };
             println!(
                 "{name}/forward-{l} {}",
-                sha(&step::build_forward(spec, with_lora)?.text)
+                sha(&program::build_forward(spec, with_lora)?.text)
             );
             println!(
                 "{name}/next_token-{l} {}",
-                sha(&step::build_next_token(spec, with_lora)?.text)
+                sha(&program::build_next_token(spec, with_lora)?.text)
             );
         }
     }

@@ -5,7 +5,7 @@ use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
 use xtrain::model::lora::{LoraConfig, Target};
 use xtrain::model::optim::AdamW;
-use xtrain::program::step::{Remat, StepSpec};
+use xtrain::program::{Remat, StepSpec};
 
 #[derive(Parser)]
 #[command(
@@ -211,7 +211,7 @@ impl StepArgs {
         }
     }
 
-    fn mesh(&self) -> Result<Option<xtrain::program::step::MeshPlan>> {
+    fn mesh(&self) -> Result<Option<xtrain::program::MeshPlan>> {
         let Some(m) = &self.mesh else {
             return Ok(None);
         };
@@ -223,7 +223,7 @@ impl StepArgs {
             Some(p) => xtrain::program::sharding::Rules::load(p)?,
             None => xtrain::program::sharding::Rules::default(),
         };
-        Ok(Some(xtrain::program::step::MeshPlan {
+        Ok(Some(xtrain::program::MeshPlan {
             axes: mesh.axes,
             rules,
         }))
@@ -603,7 +603,7 @@ fn compile(a: CompileArgs, verbose: bool) -> Result<()> {
     let (cfg, _) = xtrain::model::presets::resolve_model_config(&a.model)?;
     let spec = a.step.spec(cfg, a.batch, a.seq, a.plugin.as_deref())?;
     let t0 = std::time::Instant::now();
-    let program = xtrain::program::step::build_train_step(&spec)?;
+    let program = xtrain::program::build_train_step(&spec)?;
     let build_s = t0.elapsed().as_secs_f64();
     let manifest = xtrain::formats::program_dir::write_dir(&a.out, &program, &spec)?;
     let arg_bytes: i64 = manifest.args.iter().map(|t| t.bytes).sum();

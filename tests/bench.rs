@@ -5,7 +5,7 @@
 use pjrt::ElementType;
 use xtrain::device::runtime::{convert, to_program_layout};
 use xtrain::model::lora::{LoraConfig, Target};
-use xtrain::program::step::{build_train_step, Remat, Role, StepSpec};
+use xtrain::program::{build_train_step, Remat, Role, StepSpec};
 use xtrain::train::bench::{random_program_weights, random_weights};
 
 fn spec(dtype: hlo::DType) -> StepSpec {

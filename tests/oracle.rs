@@ -10,7 +10,7 @@ use xtrain::formats::safetensors::SafeTensors;
 use xtrain::model::config::LlamaConfig;
 use xtrain::model::lora::{LoraConfig, Target};
 use xtrain::model::optim::AdamW;
-use xtrain::program::step::{self, Program, Remat, Role, StepSpec};
+use xtrain::program::{self, Program, Remat, Role, StepSpec};
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-llama3")
@@ -168,7 +168,7 @@ fn rope_frequencies_match_transformers() {
 
 #[test]
 fn base_logits_and_loss_match() {
-    let program = step::build_forward(&spec("model"), false).unwrap();
+    let program = program::build_forward(&spec("model"), false).unwrap();
     let out = execute(
         &program,
         &inputs(&program, "model", &BTreeMap::new(), &BTreeMap::new()),
@@ -180,7 +180,7 @@ fn base_logits_and_loss_match() {
     for block in [4, 8] {
         let mut s = spec("model");
         s.attention_block = Some(block);
-        let blocked = step::build_forward(&s, false).unwrap();
+        let blocked = program::build_forward(&s, false).unwrap();
         let out = execute(
             &blocked,
             &inputs(&blocked, "model", &BTreeMap::new(), &BTreeMap::new()),
@@ -209,7 +209,7 @@ fn base_logits_and_loss_match() {
 
 #[test]
 fn sharded_and_bf16_checkpoints() {
-    let program = step::build_forward(&spec("model"), false).unwrap();
+    let program = program::build_forward(&spec("model"), false).unwrap();
     let base = read("base_outputs.safetensors");
     let out = execute(
         &program,
@@ -238,7 +238,7 @@ fn sharded_and_bf16_checkpoints() {
 fn lora_logits_loss_and_all_28_gradients_match() {
     let s = spec("model");
     let init = adapter("adapter_init");
-    let program = step::build_forward(&s, true).unwrap();
+    let program = program::build_forward(&s, true).unwrap();
     let out = execute(
         &program,
         &inputs(&program, "model", &init, &BTreeMap::new()),
@@ -263,7 +263,7 @@ fn lora_logits_loss_and_all_28_gradients_match() {
         let mut sp = spec_with("model", remat);
         sp.loss_chunk = chunk;
         sp.attention_block = block;
-        let program = step::build_grad_program(&sp).unwrap();
+        let program = program::build_grad_program(&sp).unwrap();
         let out = execute(
             &program,
             &inputs(&program, "model", &init, &BTreeMap::new()),
@@ -314,7 +314,7 @@ fn three_adamw_steps_match_torch() {
 }
 
 fn three_adamw_steps(remat: Remat) {
-    let program = step::build_train_step(&spec_with("model", remat)).unwrap();
+    let program = program::build_train_step(&spec_with("model", remat)).unwrap();
     let rt = runtime();
     let exe = rt.compile(&program, &CompileOptions::default()).unwrap();
     let init = adapter("adapter_init");
@@ -397,7 +397,7 @@ fn three_adamw_steps(remat: Remat) {
 #[test]
 fn the_step_computes_no_gradient_of_a_frozen_weight() {
     let s = spec("model");
-    let program = step::build_train_step(&s).unwrap();
+    let program = program::build_train_step(&s).unwrap();
     let frozen: Vec<String> = program
         .args
         .iter()

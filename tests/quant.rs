@@ -5,7 +5,7 @@
 use pjrt::{CompileOptions, ElementType, HostTensor};
 use xtrain::device::runtime::Runtime;
 use xtrain::model::quant::{self, NF4};
-use xtrain::program::step::{self, Role, StepSpec};
+use xtrain::program::{self, Role, StepSpec};
 
 /// The NF4 values as the QLoRA paper lists them (Appendix E), typed in independently.
 const PAPER_NF4: [f64; 16] = [
@@ -142,12 +142,12 @@ fn nf4_base_weights_take_about_half_a_byte_per_parameter() {
         nf4: true,
         ..StepSpec::new(cfg.clone(), lora, 1, 128, hlo::DType::BF16)
     };
-    let p = step::build_train_step(&spec).unwrap();
+    let p = program::build_train_step(&spec).unwrap();
     let rt = Runtime::open(Some("cpu"), Some(1)).unwrap();
     let exe = rt.compile(&p, &CompileOptions::default()).unwrap();
     let stats = exe.memory_stats().unwrap();
     let bytes =
-        |a: &step::TensorSpec| a.shape.iter().product::<i64>() * a.dtype.size_bytes() as i64;
+        |a: &program::TensorSpec| a.shape.iter().product::<i64>() * a.dtype.size_bytes() as i64;
     let total: i64 = p.args.iter().map(bytes).sum();
     assert_eq!(
         stats.argument_bytes, total,
@@ -195,7 +195,7 @@ fn smollm2_loss_with_nf4_is_close_to_bf16() {
             nf4,
             ..StepSpec::new(cfg.clone(), lora, 1, 32, hlo::DType::BF16)
         };
-        let p = step::build_grad_program(&spec).unwrap();
+        let p = program::build_grad_program(&spec).unwrap();
         let frozen = p.frozen_shapes();
         let weights =
             xtrain::formats::weights::load(&dir, &cfg, &frozen, ElementType::BF16, |_, _| {})

@@ -8,7 +8,7 @@ use xtrain::device::runtime::{convert, Runtime};
 use xtrain::formats::safetensors::SafeTensors;
 use xtrain::model::config::LlamaConfig;
 use xtrain::model::lora::{LoraConfig, Target};
-use xtrain::program::step::{self, Program, Remat, Role, StepSpec};
+use xtrain::program::{self, Program, Remat, Role, StepSpec};
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-llama3")
@@ -121,11 +121,11 @@ fn looped_program_size_does_not_grow_with_depth() {
     let mut c32 = tiny();
     c32.num_hidden_layers = 32;
     for remat in [Remat::Layer, Remat::SaveProj] {
-        let a = step::build_train_step(&spec(c2.clone(), remat, 2, 16))
+        let a = program::build_train_step(&spec(c2.clone(), remat, 2, 16))
             .unwrap()
             .text
             .len() as f64;
-        let b = step::build_train_step(&spec(c32.clone(), remat, 2, 16))
+        let b = program::build_train_step(&spec(c32.clone(), remat, 2, 16))
             .unwrap()
             .text
             .len() as f64;
@@ -135,11 +135,11 @@ fn looped_program_size_does_not_grow_with_depth() {
         );
     }
     // Unrolled, it does grow.
-    let a = step::build_train_step(&spec(c2, Remat::None, 2, 16))
+    let a = program::build_train_step(&spec(c2, Remat::None, 2, 16))
         .unwrap()
         .text
         .len();
-    let b = step::build_train_step(&spec(c32, Remat::None, 2, 16))
+    let b = program::build_train_step(&spec(c32, Remat::None, 2, 16))
         .unwrap()
         .text
         .len();
@@ -154,7 +154,7 @@ fn remat_layer_lowers_compiled_temp_memory() {
     let rt = runtime();
     let mut temps = Vec::new();
     for remat in [Remat::None, Remat::SaveProj, Remat::Layer] {
-        let p = step::build_train_step(&spec(cfg.clone(), remat, 4, 128)).unwrap();
+        let p = program::build_train_step(&spec(cfg.clone(), remat, 4, 128)).unwrap();
         let exe = rt.compile(&p, &CompileOptions::default()).unwrap();
         let m = exe.memory_stats().unwrap();
         eprintln!(
@@ -182,13 +182,13 @@ fn gradient_accumulation_equals_one_big_batch() {
     let mut two = one.clone();
     two.microbatches = 2;
     let a = run(
-        &step::build_train_step(&one).unwrap(),
+        &program::build_train_step(&one).unwrap(),
         &one,
         &batch,
         &step_extra(),
     );
     let b = run(
-        &step::build_train_step(&two).unwrap(),
+        &program::build_train_step(&two).unwrap(),
         &two,
         &batch,
         &step_extra(),
@@ -217,13 +217,13 @@ fn bf16_loss_is_close_to_f32() {
     bf.weight_dtype = hlo::DType::BF16;
     bf.compute_dtype = hlo::DType::BF16;
     let a = run(
-        &step::build_grad_program(&f32_spec).unwrap(),
+        &program::build_grad_program(&f32_spec).unwrap(),
         &f32_spec,
         &batch,
         &BTreeMap::new(),
     );
     let b = run(
-        &step::build_grad_program(&bf).unwrap(),
+        &program::build_grad_program(&bf).unwrap(),
         &bf,
         &batch,
         &BTreeMap::new(),
@@ -259,8 +259,8 @@ fn bf16_wide_matmul_results_change_the_form_not_the_numbers() {
     let mut wide = narrow.clone();
     wide.wide_matmul_results = true;
     let (pn, pw) = (
-        step::build_grad_program(&narrow).unwrap(),
-        step::build_grad_program(&wide).unwrap(),
+        program::build_grad_program(&narrow).unwrap(),
+        program::build_grad_program(&wide).unwrap(),
     );
     // Every bf16 x bf16 product gives f32 in the wide form; the narrow form keeps bf16 results
     // except the attention scores (f32 for the softmax) and their backward products.
@@ -336,7 +336,7 @@ fn bf16_layer_stacks_as_bits_keep_the_numbers() {
         s
     };
     let grads = |s: &StepSpec| {
-        let program = step::build_grad_program(s).unwrap();
+        let program = program::build_grad_program(s).unwrap();
         let out = run(&program, s, &batch, &BTreeMap::new());
         (program.text, out)
     };
@@ -374,7 +374,7 @@ fn dropout_is_deterministic_and_the_same_unrolled_or_looped() {
     for remat in [Remat::None, Remat::Layer, Remat::Layer] {
         let mut s = spec(tiny(), remat, 2, 16);
         s.lora.dropout = 0.1;
-        let out = run(&step::build_train_step(&s).unwrap(), &s, &batch, &extra);
+        let out = run(&program::build_train_step(&s).unwrap(), &s, &batch, &extra);
         losses.push((
             out["loss"].scalar_f32().unwrap(),
             out["grad_norm"].scalar_f32().unwrap(),

@@ -5,7 +5,7 @@ use xtrain::device::runtime::Runtime;
 use xtrain::model::config::LlamaConfig;
 use xtrain::model::lora::{LoraConfig, Target};
 use xtrain::program::sharding::{parse_mesh, Rules};
-use xtrain::program::step::{self, MeshPlan, Remat, StepSpec};
+use xtrain::program::{self, MeshPlan, Remat, StepSpec};
 use xtrain::train::{Batch, Trainer};
 
 fn fixtures() -> PathBuf {
@@ -41,7 +41,7 @@ fn run(
     i64,
 ) {
     let s = spec(mesh, remat);
-    let program = step::build_train_step(&s).unwrap();
+    let program = program::build_train_step(&s).unwrap();
     let frozen = program.frozen_shapes();
     let weights = xtrain::formats::weights::load(
         &fixtures().join("model"),
@@ -124,7 +124,7 @@ fn meshes_match_one_device() {
 
 #[test]
 fn the_program_declares_the_mesh_and_shardings() {
-    let p = step::build_train_step(&spec(Some("data=2,fsdp=2,tensor=2"), Remat::Layer)).unwrap();
+    let p = program::build_train_step(&spec(Some("data=2,fsdp=2,tensor=2"), Remat::Layer)).unwrap();
     assert!(p
         .text
         .contains("sdy.mesh @mesh = <[\"data\"=2, \"fsdp\"=2, \"tensor\"=2]>"));

@@ -4,7 +4,7 @@
 use crate::device::runtime::{convert, element_type, Runtime};
 use crate::model::config::LlamaConfig;
 use crate::model::lora::{LoraConfig, SplitMix, Target};
-use crate::program::step::{self, Role, StepSpec};
+use crate::program::{self, Role, StepSpec};
 use anyhow::{Context, Result};
 use pjrt::{Buffer, CompileOptions, ElementType, Executable, HostTensor};
 use std::collections::BTreeMap;
@@ -13,7 +13,7 @@ use std::path::Path;
 /// A compiled forward program with the model's weights on the device.
 pub struct Forward {
     pub spec: StepSpec,
-    pub program: step::Program,
+    pub program: program::Program,
     exe: Executable,
     model_bufs: Vec<Buffer>,
     rt_client: pjrt::Client,
@@ -53,8 +53,8 @@ impl Forward {
             ..StepSpec::new(cfg.clone(), lora, batch, seq, dtype)
         };
         let program = match kind {
-            Kind::NextToken => step::build_next_token(&spec, adapter.is_some())?,
-            Kind::Full => step::build_forward(&spec, adapter.is_some())?,
+            Kind::NextToken => program::build_next_token(&spec, adapter.is_some())?,
+            Kind::Full => program::build_forward(&spec, adapter.is_some())?,
         };
         let (exe, _) = crate::formats::program_dir::compile_cached(
             rt,

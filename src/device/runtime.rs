@@ -1,6 +1,6 @@
 //! The device side: a PJRT client, compiled programs, host <-> device tensors.
 
-use crate::program::step::Program;
+use crate::program::Program;
 use anyhow::{bail, Context, Result};
 use half::{bf16, f16};
 use hlo::DType;

@@ -1,7 +1,7 @@
 //! Program directories (`train_step.mlir` + `manifest.json`), model presets, and the on-disk
 //! cache of compiled executables.
 
-use crate::program::step::{Program, StepSpec, TensorSpec};
+use crate::program::{Program, StepSpec, TensorSpec};
 use anyhow::{bail, Context, Result};
 use pjrt::{CompileOptions, Executable};
 use sha2::{Digest, Sha256};
@@ -32,7 +32,7 @@ pub struct TensorSpecOwned {
     pub name: String,
     pub shape: Vec<i64>,
     pub dtype: String,
-    pub role: crate::program::step::Role,
+    pub role: crate::program::Role,
     pub bytes: i64,
 }
 

@@ -1,4 +1,26 @@
-//! The training step and its sibling programs as StableHLO.
+//! The whole training step as one StableHLO function:
+//! forward + backward (LoRA parameters only) + AdamW, with the LoRA parameters and optimizer
+//! moments donated and returned updated, plus the loss and the gradient norm.
+//!
+//! Argument order (each named in the program and in the manifest):
+//! frozen weights (HF names) | LoRA A/B (PEFT names) | exp_avg.* | exp_avg_sq.* | step | lr |
+//! input_ids | labels | attention_mask | [dropout_key]
+//!
+//! Layers are either unrolled (`--remat none`: XLA keeps every intermediate) or looped
+//! (`stablehlo.while` over weights stacked along a leading layer axis, named `layers.*`): the
+//! forward loop keeps each layer's input (and, with `save-proj`, the frozen projections'
+//! outputs); the backward loop recomputes each layer from them and applies its vjp. Program size
+//! does not grow with depth.
 
+mod build;
+mod layout;
+mod passes;
 pub mod sharding;
-pub mod step;
+mod signature;
+mod spec;
+
+pub use build::{
+    build_eval, build_forward, build_grad_program, build_next_token, build_train_step,
+};
+pub use signature::{Program, Role, TensorSpec};
+pub use spec::{MeshPlan, Remat, StepSpec};

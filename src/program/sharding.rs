@@ -289,8 +289,8 @@ pub fn unshard(
 /// scores in f32, the MLP's wide activations, the projections' outputs), and the logits with
 /// their softmax in f32. A guide, not a guarantee: XLA's figure from --check is the real one.
 pub fn estimate(
-    spec: &crate::program::step::StepSpec,
-    program: &crate::program::step::Program,
+    spec: &crate::program::StepSpec,
+    program: &crate::program::Program,
 ) -> (i64, i64) {
     let args: i64 = program
         .args

@@ -3,7 +3,7 @@
 
 use crate::device::runtime::Runtime;
 use crate::model::lora::{SplitMix, Target};
-use crate::program::step::{self, Program, Role, StepSpec};
+use crate::program::{self, Program, Role, StepSpec};
 use crate::train::{Batch, Trainer};
 use anyhow::Result;
 use hlo::DType;
@@ -217,7 +217,7 @@ pub fn run(
 ) -> Result<BenchResult> {
     let lora = random_lora(&spec, 1);
     let batch = random_batch(&spec, 1);
-    let program = step::build_train_step(&spec)?;
+    let program = program::build_train_step(&spec)?;
     let bytes = program.text.len();
     let t0 = Instant::now();
     let frozen = if export.is_some() || spec.nf4 {

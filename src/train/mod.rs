@@ -9,7 +9,7 @@ use crate::formats::safetensors::SafeTensors;
 use crate::model::config::LlamaConfig;
 use crate::model::lora::{kaiming_uniform, LoraConfig, SplitMix};
 use crate::model::optim::AdamW;
-use crate::program::step::{self, Program, Role, StepSpec};
+use crate::program::{self, Program, Role, StepSpec};
 use anyhow::{bail, Context, Result};
 use pjrt::{Buffer, CompileOptions, ElementType, Executable, HostTensor};
 use std::collections::BTreeMap;
@@ -345,7 +345,7 @@ impl Trainer {
             let mut spec = self.spec.clone();
             spec.batch = batches[0].dims().0;
             spec.microbatches = 1;
-            let program = step::build_eval(&spec)?;
+            let program = program::build_eval(&spec)?;
             let (exe, _) = crate::formats::program_dir::compile_cached(
                 &self.rt,
                 &program,
@@ -500,7 +500,7 @@ pub struct TrainOptions {
     pub lora: LoraConfig,
     /// "f32" or "bf16".
     pub dtype: String,
-    pub remat: crate::program::step::Remat,
+    pub remat: crate::program::Remat,
     pub microbatches: i64,
     /// A program dir from `xtrain compile` to run instead of building the step.
     pub program: Option<PathBuf>,
@@ -526,7 +526,7 @@ pub struct TrainOptions {
     /// Stop this invocation after this many steps.
     pub stop_after: Option<u64>,
     /// Device mesh and sharding rules (None: one device).
-    pub mesh: Option<crate::program::step::MeshPlan>,
+    pub mesh: Option<crate::program::MeshPlan>,
     /// QLoRA: NF4 base weights.
     pub nf4: bool,
     /// On a non-finite loss or gradient: stop (false) or skip the step and go on (true).
@@ -1135,6 +1135,6 @@ pub fn plan(
             opts.plugin.as_deref(),
         )?,
     };
-    let program = step::build_train_step(&spec)?;
+    let program = program::build_train_step(&spec)?;
     Ok((spec, program))
 }
