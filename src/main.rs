@@ -552,7 +552,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
     };
     let ids = tok.encode(&text)?;
     let adapter = match &a.adapter {
-        Some(d) => Some(xtrain::device::generate::load_adapter(d, &cfg)?),
+        Some(d) => Some(xtrain::formats::peft::load_adapter(d, &cfg)?),
         None => None,
     };
     let rt = xtrain::device::runtime::Runtime::open(a.plugin.as_deref(), Some(1))?;

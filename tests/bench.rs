@@ -3,7 +3,7 @@
 //! peers are checked against belongs to the model that is timed.
 
 use pjrt::ElementType;
-use xtrain::device::runtime::{convert, to_program_layout};
+use xtrain::formats::host::{convert, to_program_layout};
 use xtrain::model::lora::{LoraConfig, Target};
 use xtrain::program::{build_train_step, Remat, Role, StepSpec};
 use xtrain::train::bench::{random_program_weights, random_weights};
@@ -35,7 +35,7 @@ fn program_layout_weights_equal_the_exported_ones() {
         let slow = to_program_layout(&names, &per_layer, spec.model.num_hidden_layers).unwrap();
         assert_eq!(fast.len(), slow.len());
         for ((a, f), s) in frozen.iter().zip(&fast).zip(&slow) {
-            let want = xtrain::device::runtime::element_type(a.dtype);
+            let want = xtrain::formats::host::element_type(a.dtype);
             let s = convert(s, want).unwrap();
             assert_eq!(f.ty, want, "{}", a.name);
             assert_eq!(f.dims, s.dims, "{}", a.name);

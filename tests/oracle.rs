@@ -5,7 +5,8 @@ use pjrt::{CompileOptions, ElementType, HostTensor};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
-use xtrain::device::runtime::{convert, Runtime};
+use xtrain::device::runtime::Runtime;
+use xtrain::formats::host::convert;
 use xtrain::formats::safetensors::SafeTensors;
 use xtrain::model::config::LlamaConfig;
 use xtrain::model::lora::{LoraConfig, Target};
@@ -92,7 +93,7 @@ fn inputs(
         .map(|a| (a.name.clone(), a.shape.clone()))
         .collect();
     let state =
-        xtrain::device::runtime::to_program_layout(&state_names, &all, s.model.num_hidden_layers)
+        xtrain::formats::host::to_program_layout(&state_names, &all, s.model.num_hidden_layers)
             .unwrap();
     let batch = read("inputs.safetensors");
     let (mut w, mut st) = (weights.into_iter(), state.into_iter());
@@ -112,7 +113,7 @@ fn inputs(
 
 /// Results by name, stacked (`layers.*`) results split back into per-layer names.
 fn per_layer(program: &Program, out: Vec<HostTensor>) -> BTreeMap<String, HostTensor> {
-    xtrain::device::runtime::from_program_layout(
+    xtrain::formats::host::from_program_layout(
         program
             .results
             .iter()

@@ -200,15 +200,15 @@ fn smollm2_loss_with_nf4_is_close_to_bf16() {
         let weights =
             xtrain::formats::weights::load(&dir, &cfg, &frozen, ElementType::BF16, |_, _| {})
                 .unwrap();
-        let lora = xtrain::train::init_lora(&cfg, &spec.lora, 0); // B = 0: the base model's loss
+        let lora = xtrain::formats::peft::init_lora(&cfg, &spec.lora, 0); // B = 0: the base model's loss
         let names: Vec<(String, Vec<i64>)> = p
             .args
             .iter()
             .filter(|a| a.role == Role::Lora)
             .map(|a| (a.name.clone(), a.shape.clone()))
             .collect();
-        let lora = xtrain::device::runtime::to_program_layout(&names, &lora, cfg.num_hidden_layers)
-            .unwrap();
+        let lora =
+            xtrain::formats::host::to_program_layout(&names, &lora, cfg.num_hidden_layers).unwrap();
         let mut host = weights;
         host.extend(lora);
         host.extend([

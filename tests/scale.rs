@@ -4,7 +4,8 @@ use pjrt::{CompileOptions, ElementType, HostTensor};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
-use xtrain::device::runtime::{convert, Runtime};
+use xtrain::device::runtime::Runtime;
+use xtrain::formats::host::convert;
 use xtrain::formats::safetensors::SafeTensors;
 use xtrain::model::config::LlamaConfig;
 use xtrain::model::lora::{LoraConfig, Target};
@@ -73,8 +74,8 @@ fn run(
         .filter(|a| matches!(a.role, Role::Lora | Role::AdamM | Role::AdamV))
         .map(|a| (a.name.clone(), a.shape.clone()))
         .collect();
-    let state = xtrain::device::runtime::to_program_layout(&names, &all, s.model.num_hidden_layers)
-        .unwrap();
+    let state =
+        xtrain::formats::host::to_program_layout(&names, &all, s.model.num_hidden_layers).unwrap();
     let (mut w, mut st) = (weights.into_iter(), state.into_iter());
     let host: Vec<HostTensor> = program
         .args
@@ -91,7 +92,7 @@ fn run(
     let exe = rt.compile(program, &CompileOptions::default()).unwrap();
     let bufs: Vec<_> = host.iter().map(|t| rt.upload(t).unwrap()).collect();
     let out = exe.execute(&[bufs.iter().collect()]).unwrap();
-    xtrain::device::runtime::from_program_layout(
+    xtrain::formats::host::from_program_layout(
         program
             .results
             .iter()

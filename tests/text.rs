@@ -275,7 +275,7 @@ fn peft_export_names_and_shapes_and_merge_equals_adapter_logits() {
     assert!(merged.join("tokenizer.json").is_file());
     let cfg = xtrain::model::config::LlamaConfig::load(&model).unwrap();
     let rt = xtrain::device::runtime::Runtime::open(Some("cpu"), Some(1)).unwrap();
-    let (lc, lt) = xtrain::device::generate::load_adapter(&adapter, &cfg).unwrap();
+    let (lc, lt) = xtrain::formats::peft::load_adapter(&adapter, &cfg).unwrap();
     let kind = xtrain::device::generate::Kind::Full;
     let with_adapter = xtrain::device::generate::Forward::new(
         &rt,

@@ -1,11 +1,12 @@
 //! Generation and evaluation with a model (and optionally a LoRA adapter): greedy or sampled
 //! decoding, loss and exact-match accuracy on prompt/answer pairs.
 
-use crate::device::runtime::{convert, element_type, Runtime};
+use crate::device::runtime::Runtime;
+use crate::formats::host::{convert, element_type};
 use crate::model::config::LlamaConfig;
 use crate::model::lora::{LoraConfig, SplitMix, Target};
 use crate::program::{self, Role, StepSpec};
-use anyhow::{Context, Result};
+use anyhow::Result;
 use pjrt::{Buffer, CompileOptions, ElementType, Executable, HostTensor};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -77,7 +78,7 @@ impl Forward {
                 .map(|a| (a.name.clone(), a.shape.clone()))
                 .collect();
             for t in
-                crate::device::runtime::to_program_layout(&names, tensors, cfg.num_hidden_layers)?
+                crate::formats::host::to_program_layout(&names, tensors, cfg.num_hidden_layers)?
             {
                 model_bufs.push(rt.upload(&convert(&t, ElementType::F32)?)?);
             }
@@ -195,15 +196,4 @@ fn pick(logits: &[f32], temperature: f64, rng: &mut SplitMix) -> u32 {
         }
     }
     argmax()
-}
-
-/// Load an adapter dir (config + tensors) for a model.
-pub fn load_adapter(
-    dir: &Path,
-    cfg: &LlamaConfig,
-) -> Result<(LoraConfig, BTreeMap<String, HostTensor>)> {
-    let c = crate::formats::peft::read_config(dir)?;
-    let t = crate::formats::peft::read_tensors(dir, cfg, &c)
-        .with_context(|| format!("adapter {}", dir.display()))?;
-    Ok((c, t))
 }

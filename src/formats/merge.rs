@@ -2,7 +2,7 @@
 //! complete Hugging Face checkpoint (weights in the base model's dtype, config and tokenizer
 //! files copied).
 
-use crate::device::runtime::convert;
+use crate::formats::host::convert;
 use crate::formats::safetensors::{SafeTensors, WeightFiles};
 use crate::model::config::LlamaConfig;
 use anyhow::{Context, Result};
@@ -38,7 +38,7 @@ pub fn merged(
 
 pub fn merge(model: &Path, adapter: &Path, out: &Path) -> Result<()> {
     let cfg = LlamaConfig::load(model)?;
-    let (lora, tensors) = crate::device::generate::load_adapter(adapter, &cfg)?;
+    let (lora, tensors) = crate::formats::peft::load_adapter(adapter, &cfg)?;
     let files = WeightFiles::open(model)?;
     crate::formats::weights::check(&files, &cfg)?;
     let scale = lora.scale() as f32;
@@ -70,7 +70,7 @@ pub fn merge(model: &Path, adapter: &Path, out: &Path) -> Result<()> {
             merged_tensors.insert(wname, t);
         }
     }
-    crate::train::write_dir_atomic(out, |tmp| {
+    crate::formats::atomic::write_dir_atomic(out, |tmp| {
         let mut meta = BTreeMap::new();
         meta.insert("format".to_string(), "pt".to_string());
         crate::formats::safetensors::write(&tmp.join("model.safetensors"), &merged_tensors, &meta)?;

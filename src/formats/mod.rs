@@ -3,6 +3,7 @@
 pub mod assets;
 pub mod atomic;
 pub mod gguf;
+pub mod host;
 pub mod merge;
 pub mod peft;
 pub mod program_dir;

@@ -1,10 +1,11 @@
 //! PEFT LoRA adapters on disk: `adapter_config.json` + `adapter_model.safetensors`, with PEFT's
-//! tensor names, loadable by `peft.PeftModel.from_pretrained`.
+//! tensor names, loadable by `peft.PeftModel.from_pretrained`; and a fresh adapter, initialised as
+//! PEFT initialises one.
 
-use crate::device::runtime::convert;
+use crate::formats::host::convert;
 use crate::formats::safetensors::{self, SafeTensors};
 use crate::model::config::LlamaConfig;
-use crate::model::lora::{LoraConfig, Target};
+use crate::model::lora::{kaiming_uniform, LoraConfig, SplitMix, Target};
 use crate::model::tensors::lora_tensors;
 use anyhow::{bail, Context, Result};
 use pjrt::{ElementType, HostTensor};
@@ -135,4 +136,30 @@ pub fn write(
         &dir.join("adapter_config.json"),
         serde_json::to_string_pretty(&config)?.as_bytes(),
     )
+}
+
+/// Load an adapter dir (config + tensors) for a model.
+pub fn load_adapter(
+    dir: &Path,
+    cfg: &LlamaConfig,
+) -> Result<(LoraConfig, BTreeMap<String, HostTensor>)> {
+    let c = read_config(dir)?;
+    let t = read_tensors(dir, cfg, &c).with_context(|| format!("adapter {}", dir.display()))?;
+    Ok((c, t))
+}
+
+/// Fresh LoRA weights: A Kaiming-uniform as PEFT, B zeros.
+pub fn init_lora(cfg: &LlamaConfig, lora: &LoraConfig, seed: u64) -> BTreeMap<String, HostTensor> {
+    let mut rng = SplitMix(seed);
+    lora_tensors(cfg, lora)
+        .into_iter()
+        .map(|t| {
+            let values = if t.which == "A" {
+                kaiming_uniform(&mut rng, t.shape[0], t.shape[1])
+            } else {
+                vec![0.0; (t.shape[0] * t.shape[1]) as usize]
+            };
+            (t.name, HostTensor::from_f32(&values, &t.shape))
+        })
+        .collect()
 }

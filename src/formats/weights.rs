@@ -1,6 +1,6 @@
 //! Loading a checkpoint's frozen weights, each checked against the config by name and shape.
 
-use crate::device::runtime::convert;
+use crate::formats::host::convert;
 use crate::formats::safetensors::WeightFiles;
 use crate::model::config::LlamaConfig;
 use crate::model::tensors::frozen_weights;
@@ -85,7 +85,7 @@ pub fn load(
                     .into_iter()
                     .map(|p| {
                         if base.contains("layers.*.") {
-                            crate::device::runtime::stack(&p)
+                            crate::formats::host::stack(&p)
                         } else {
                             Ok(p.into_iter().next().unwrap())
                         }
@@ -101,7 +101,7 @@ pub fn load(
                         .with_context(|| format!("converting `{name}`"))
                 })
                 .collect::<Result<_>>()?;
-            out.push(crate::device::runtime::stack(&parts)?);
+            out.push(crate::formats::host::stack(&parts)?);
         } else {
             out.push(convert(&read(name)?, dtype).with_context(|| format!("converting `{name}`"))?);
         }

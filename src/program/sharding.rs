@@ -288,10 +288,7 @@ pub fn unshard(
 /// input (sharded over the batch), one layer's activations kept for its backward (attention
 /// scores in f32, the MLP's wide activations, the projections' outputs), and the logits with
 /// their softmax in f32. A guide, not a guarantee: XLA's figure from --check is the real one.
-pub fn estimate(
-    spec: &crate::program::StepSpec,
-    program: &crate::program::Program,
-) -> (i64, i64) {
+pub fn estimate(spec: &crate::program::StepSpec, program: &crate::program::Program) -> (i64, i64) {
     let args: i64 = program
         .args
         .iter()

@@ -78,7 +78,7 @@ pub fn random_program_weights(program: &Program, seed: u64) -> Result<Vec<HostTe
         .filter(|a| a.role == Role::Frozen)
         .map(|a| {
             let n: usize = a.shape.iter().product::<i64>() as usize;
-            let ty = crate::device::runtime::element_type(a.dtype);
+            let ty = crate::formats::host::element_type(a.dtype);
             let width = match a.dtype {
                 DType::F32 => 4,
                 DType::BF16 | DType::F16 => 2,
@@ -232,7 +232,7 @@ pub fn run(
             crate::formats::safetensors::write(p, &all, &BTreeMap::new())?;
         }
         let names = program.frozen_shapes();
-        crate::device::runtime::to_program_layout(&names, &weights, spec.model.num_hidden_layers)?
+        crate::formats::host::to_program_layout(&names, &weights, spec.model.num_hidden_layers)?
     } else {
         random_program_weights(&program, 1)?
     };

@@ -4,10 +4,13 @@
 pub mod bench;
 pub mod plot;
 
-use crate::device::runtime::{convert, element_type, Runtime};
+use crate::device::runtime::Runtime;
+use crate::formats::atomic::write_dir_atomic;
+use crate::formats::host::{convert, element_type};
+use crate::formats::peft::init_lora;
 use crate::formats::safetensors::SafeTensors;
 use crate::model::config::LlamaConfig;
-use crate::model::lora::{kaiming_uniform, LoraConfig, SplitMix};
+use crate::model::lora::LoraConfig;
 use crate::model::optim::AdamW;
 use crate::program::{self, Program, Role, StepSpec};
 use anyhow::{bail, Context, Result};
@@ -97,22 +100,6 @@ impl Batch {
         }
         Ok(())
     }
-}
-
-/// Fresh LoRA weights: A Kaiming-uniform as PEFT, B zeros.
-pub fn init_lora(cfg: &LlamaConfig, lora: &LoraConfig, seed: u64) -> BTreeMap<String, HostTensor> {
-    let mut rng = SplitMix(seed);
-    crate::model::tensors::lora_tensors(cfg, lora)
-        .into_iter()
-        .map(|t| {
-            let values = if t.which == "A" {
-                kaiming_uniform(&mut rng, t.shape[0], t.shape[1])
-            } else {
-                vec![0.0; (t.shape[0] * t.shape[1]) as usize]
-            };
-            (t.name, HostTensor::from_f32(&values, &t.shape))
-        })
-        .collect()
 }
 
 /// A compiled training step with its state on the device.
@@ -246,7 +233,7 @@ impl Trainer {
                 all.insert(name, v);
             }
         }
-        let tensors = crate::device::runtime::to_program_layout(
+        let tensors = crate::formats::host::to_program_layout(
             &self.state_specs(),
             &all,
             self.spec.model.num_hidden_layers,
@@ -445,7 +432,7 @@ impl Trainer {
                 Ok((n, t))
             })
             .collect::<Result<_>>()?;
-        let all = crate::device::runtime::from_program_layout(named);
+        let all = crate::formats::host::from_program_layout(named);
         let (moments, lora): (BTreeMap<_, _>, BTreeMap<_, _>) =
             all.into_iter().partition(|(n, _)| n.starts_with("exp_avg"));
         Ok((lora, moments))
@@ -536,33 +523,6 @@ pub struct TrainOptions {
     pub attention_block: Option<i64>,
     /// `--matmul-result`: auto, f32 or compute (see [`crate::device::runtime::wide_matmul_results`]).
     pub matmul_result: String,
-}
-
-/// Write `dir` as a complete directory or not at all: `fill` writes into a temp dir that is
-/// renamed into place (replacing an older `dir`).
-pub fn write_dir_atomic(dir: &Path, fill: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
-    let parent = dir.parent().unwrap_or(Path::new("."));
-    let name = dir
-        .file_name()
-        .context("directory has no name")?
-        .to_string_lossy();
-    let tmp = parent.join(format!(".{name}.tmp-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&tmp);
-    std::fs::create_dir_all(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
-    if let Err(e) = fill(&tmp) {
-        let _ = std::fs::remove_dir_all(&tmp);
-        return Err(e);
-    }
-    if dir.exists() {
-        std::fs::remove_dir_all(dir)
-            .with_context(|| format!("cannot replace {}", dir.display()))?;
-    }
-    std::fs::rename(&tmp, dir)
-        .with_context(|| format!("cannot move {} into place", dir.display()))?;
-    if let Ok(d) = std::fs::File::open(parent) {
-        let _ = d.sync_all();
-    }
-    Ok(())
 }
 
 /// Write an adapter directory (complete or not at all).
