@@ -473,7 +473,7 @@ fn train(a: TrainArgs, verbose: bool) -> Result<()> {
             a.schedule
         );
     }
-    let opts = xtrain::train::TrainOptions {
+    let opts = xtrain::train::options::TrainOptions {
         model: a.model,
         data: a.data,
         init_adapter: a.init_adapter,

@@ -1,12 +1,13 @@
 //! The training step on 8 CPU devices under several meshes against 1 device.
 
 use std::path::{Path, PathBuf};
+use xtrain::data::Batch;
 use xtrain::device::runtime::Runtime;
+use xtrain::device::trainer::Trainer;
 use xtrain::model::config::LlamaConfig;
 use xtrain::model::lora::{LoraConfig, Target};
 use xtrain::program::sharding::{parse_mesh, Rules};
 use xtrain::program::{self, MeshPlan, Remat, StepSpec};
-use xtrain::train::{Batch, Trainer};
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-llama3")

@@ -2,3 +2,4 @@
 
 pub mod generate;
 pub mod runtime;
+pub mod trainer;

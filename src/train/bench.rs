@@ -1,10 +1,11 @@
 //! `xtrain bench`: time the training step on random weights (no checkpoint needed), and export
 //! the same weights and batch so that peer implementations can be checked against it.
 
+use crate::data::Batch;
 use crate::device::runtime::Runtime;
+use crate::device::trainer::Trainer;
 use crate::model::lora::{SplitMix, Target};
 use crate::program::{self, Program, Role, StepSpec};
-use crate::train::{Batch, Trainer};
 use anyhow::Result;
 use hlo::DType;
 use pjrt::HostTensor;
