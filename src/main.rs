@@ -266,7 +266,7 @@ impl StepArgs {
             nf4: self.nf4()?,
             loss_chunk: self.loss_chunk,
             attention_block: self.attention_block,
-            wide_matmul_results: xtrain::device::runtime::wide_matmul_results(
+            wide_matmul_results: xtrain::device::platform::wide_matmul_results(
                 &self.matmul_result,
                 plugin,
             )?,
@@ -697,7 +697,7 @@ fn main() {
         _ => None,
     };
     if let Some(plugin) = runs_on {
-        xtrain::device::runtime::prepare_host_memory(plugin);
+        xtrain::device::platform::prepare_host_memory(plugin);
     }
     let result = match cli.command {
         Command::Plugins { action } => plugins(action),

@@ -4,10 +4,10 @@
 use crate::data::batch::Batch;
 use crate::data::examples::{read_jsonl, tokenize, Tokenized};
 use crate::data::rows::{epoch_order, Row};
+use crate::data::text::TextTokenizer;
 use anyhow::Result;
 use pjrt::HostTensor;
 use std::path::Path;
-use crate::data::text::TextTokenizer;
 
 /// Where the batches come from.
 pub enum Source {

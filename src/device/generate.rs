@@ -57,12 +57,8 @@ impl Forward {
             Kind::NextToken => program::build_next_token(&spec, adapter.is_some())?,
             Kind::Full => program::build_forward(&spec, adapter.is_some())?,
         };
-        let (exe, _) = crate::formats::program_dir::compile_cached(
-            rt,
-            &program,
-            &CompileOptions::default(),
-            true,
-        )?;
+        let (exe, _) =
+            crate::device::cache::compile_cached(rt, &program, &CompileOptions::default(), true)?;
         let frozen = program.frozen_shapes();
         let weights =
             crate::formats::weights::load(model_dir, cfg, &frozen, element_type(dtype), |_, _| {})?;

@@ -55,7 +55,7 @@ impl Trainer {
         verbose: bool,
     ) -> Result<Trainer> {
         let t0 = Instant::now();
-        let (exe, cached) = crate::formats::program_dir::compile_cached(
+        let (exe, cached) = crate::device::cache::compile_cached(
             &rt,
             &program,
             &CompileOptions::default(),
@@ -242,7 +242,7 @@ impl Trainer {
             spec.batch = batches[0].dims().0;
             spec.microbatches = 1;
             let program = program::build_eval(&spec)?;
-            let (exe, _) = crate::formats::program_dir::compile_cached(
+            let (exe, _) = crate::device::cache::compile_cached(
                 &self.rt,
                 &program,
                 &CompileOptions::default(),
@@ -284,7 +284,7 @@ impl Trainer {
                 let dims = vec![batch.dims().0, batch.dims().1];
                 Ok(match &mesh {
                     Some(m) => {
-                        crate::program::sharding::unshard(&shards, &dims, &result_shardings[k], m)
+                        crate::device::shards::unshard(&shards, &dims, &result_shardings[k], m)
                     }
                     None => shards[0].clone(),
                 }
@@ -335,7 +335,7 @@ impl Trainer {
                     .map(|b| b.to_host())
                     .collect::<std::result::Result<_, _>>()?;
                 let t = match &mesh {
-                    Some(m) => crate::program::sharding::unshard(&shards, &shape, sh, m),
+                    Some(m) => crate::device::shards::unshard(&shards, &shape, sh, m),
                     None => shards.into_iter().next().context("no shard")?,
                 };
                 Ok((n, t))

@@ -402,7 +402,7 @@ pub fn plan(
         nf4: opts.nf4,
         loss_chunk: opts.loss_chunk,
         attention_block: opts.attention_block,
-        wide_matmul_results: crate::device::runtime::wide_matmul_results(
+        wide_matmul_results: crate::device::platform::wide_matmul_results(
             &opts.matmul_result,
             opts.plugin.as_deref(),
         )?,

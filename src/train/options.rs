@@ -55,6 +55,6 @@ pub struct TrainOptions {
     /// Compute the loss this many positions at a time (looped layers).
     pub loss_chunk: Option<i64>,
     pub attention_block: Option<i64>,
-    /// `--matmul-result`: auto, f32 or compute (see [`crate::device::runtime::wide_matmul_results`]).
+    /// `--matmul-result`: auto, f32 or compute (see [`crate::device::platform::wide_matmul_results`]).
     pub matmul_result: String,
 }
