@@ -5,7 +5,7 @@ use clap::Args;
 use std::path::PathBuf;
 use xtrain::model::lora::{LoraConfig, Target};
 use xtrain::model::optim::AdamW;
-use xtrain::program::{Remat, StepSpec};
+use xtrain::program::{Remat, StepOptions};
 
 #[derive(Args)]
 pub struct LoraArgs {
@@ -129,36 +129,20 @@ impl StepArgs {
         })
     }
 
-    pub fn spec(
-        &self,
-        model: xtrain::model::config::LlamaConfig,
-        batch: i64,
-        seq: i64,
-        plugin: Option<&str>,
-    ) -> Result<StepSpec> {
-        let dtype = match self.dtype.as_str() {
-            "f32" => hlo::DType::F32,
-            "bf16" => hlo::DType::BF16,
-            other => bail!("--dtype must be f32 or bf16, got `{other}`"),
-        };
-        Ok(StepSpec {
-            model,
+    /// The step options these flags give (the dtype and the matmul form are checked when the
+    /// spec is made from them).
+    pub fn options(&self) -> Result<StepOptions> {
+        Ok(StepOptions {
             lora: self.lora.config()?,
             adam: self.adam()?,
-            batch,
-            seq,
-            weight_dtype: dtype,
-            compute_dtype: dtype,
+            dtype: self.dtype.clone(),
             remat: Remat::parse(&self.remat)?,
             microbatches: self.grad_accum,
             mesh: self.mesh()?,
             nf4: self.nf4()?,
             loss_chunk: self.loss_chunk,
             attention_block: self.attention_block,
-            wide_matmul_results: xtrain::device::platform::wide_matmul_results(
-                &self.matmul_result,
-                plugin,
-            )?,
+            matmul_result: self.matmul_result.clone(),
         })
     }
 }

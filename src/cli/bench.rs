@@ -4,6 +4,7 @@ use crate::cli::args::StepArgs;
 use anyhow::{bail, Result};
 use clap::Args;
 use std::path::PathBuf;
+use xtrain::device::platform::named_platform;
 
 #[derive(Args)]
 pub struct BenchArgs {
@@ -36,7 +37,8 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         bail!("--init must be random");
     }
     let (cfg, _) = xtrain::model::presets::resolve_model_config(&a.model)?;
-    let spec = a.step.spec(cfg, a.batch, a.seq, a.plugin.as_deref())?;
+    let platform = named_platform(a.plugin.as_deref());
+    let spec = a.step.options()?.spec(cfg, a.batch, a.seq, platform)?;
     let r = xtrain::train::bench::run(
         spec,
         a.warmup,

@@ -5,6 +5,7 @@ use crate::cli::args::StepArgs;
 use anyhow::Result;
 use clap::Args;
 use std::path::PathBuf;
+use xtrain::device::platform::named_platform;
 
 #[derive(Args)]
 pub struct CompileArgs {
@@ -41,7 +42,8 @@ fn gib(b: i64) -> String {
 
 pub fn compile(a: CompileArgs, verbose: bool) -> Result<()> {
     let (cfg, _) = xtrain::model::presets::resolve_model_config(&a.model)?;
-    let spec = a.step.spec(cfg, a.batch, a.seq, a.plugin.as_deref())?;
+    let platform = named_platform(a.plugin.as_deref());
+    let spec = a.step.options()?.spec(cfg, a.batch, a.seq, platform)?;
     let t0 = std::time::Instant::now();
     let program = xtrain::program::build_train_step(&spec)?;
     let build_s = t0.elapsed().as_secs_f64();

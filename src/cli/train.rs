@@ -1,10 +1,11 @@
-//! `xtrain train`: the flags, turned into [`TrainOptions`].
+//! `xtrain train`: the flags, turned into [`TrainOptions`] for [`xtrain::train::run`].
 
 use crate::cli::args::StepArgs;
 use anyhow::{bail, Result};
 use clap::Args;
 use std::path::PathBuf;
-use xtrain::program::Remat;
+use xtrain::data::DataOptions;
+use xtrain::train::options::TrainOptions;
 
 #[derive(Args)]
 pub struct TrainArgs {
@@ -111,9 +112,20 @@ pub fn train(a: TrainArgs, verbose: bool) -> Result<()> {
             a.schedule
         );
     }
-    let opts = xtrain::train::options::TrainOptions {
+    let opts = TrainOptions {
+        data: DataOptions {
+            path: a.data,
+            batch_size: a.batch_size,
+            seq: a.seq,
+            pack: !a.no_pack,
+            train_on_prompt: a.train_on_prompt,
+            skip_bad_lines: a.skip_bad_lines,
+            strict_length: a.strict_length,
+            eval_fraction: a.eval_fraction,
+            eval_data: a.eval_data,
+        },
+        step: a.step.options()?,
         model: a.model,
-        data: a.data,
         init_adapter: a.init_adapter,
         steps: a.steps,
         epochs: a.epochs,
@@ -121,21 +133,8 @@ pub fn train(a: TrainArgs, verbose: bool) -> Result<()> {
         warmup: a.warmup,
         schedule: a.schedule,
         min_lr_ratio: a.min_lr_ratio,
-        adam: a.step.adam()?,
-        lora: a.step.lora.config()?,
-        dtype: a.step.dtype.clone(),
-        remat: Remat::parse(&a.step.remat)?,
-        microbatches: a.step.grad_accum,
         program: a.program,
         use_cache: !a.no_cache,
-        batch_size: a.batch_size,
-        seq: a.seq,
-        pack: !a.no_pack,
-        train_on_prompt: a.train_on_prompt,
-        skip_bad_lines: a.skip_bad_lines,
-        strict_length: a.strict_length,
-        eval_fraction: a.eval_fraction,
-        eval_data: a.eval_data,
         eval_every: a.eval_every,
         save_every: a.save_every,
         resume: a.resume,
@@ -146,12 +145,7 @@ pub fn train(a: TrainArgs, verbose: bool) -> Result<()> {
         log_every: a.log_every,
         plot: !a.no_plot,
         stop_after: a.stop_after,
-        mesh: a.step.mesh()?,
-        nf4: a.step.nf4()?,
         skip_nonfinite: a.skip_nonfinite_steps,
-        loss_chunk: a.step.loss_chunk,
-        attention_block: a.step.attention_block,
-        matmul_result: a.step.matmul_result,
     };
     xtrain::train::run(&opts)
 }

@@ -13,4 +13,4 @@ pub mod text;
 pub use batch::{batch, Batch};
 pub use examples::{read_jsonl, tokenize, Example, ReadReport, Tokenized};
 pub use rows::{epoch_order, make_rows, split_eval, Row, RowReport};
-pub use source::{mask_repeats, read_rows, Source};
+pub use source::{load, DataOptions, Source, TrainingData};

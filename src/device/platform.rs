@@ -44,36 +44,33 @@ pub(super) fn gpu_memory_fraction() -> Result<f32> {
     }
 }
 
-/// Whether bf16 matmuls should give their f32 accumulator (`StepSpec::wide_matmul_results`):
-/// `choice` is `auto` (yes for a CPU plugin, whose XLA runs that form on the CPU's bf16 GEMM
-/// and converts both operands of a bf16-result product to f32 instead: the 8-layer benchmark
-/// step 1.25 -> 0.79 s; no for GPUs, whose cuBLAS writes bf16 directly), `f32` or `compute`.
-/// `plugin` is named as for [`Runtime::open`](crate::device::runtime::Runtime::open); nothing is loaded or installed to decide.
-pub fn wide_matmul_results(choice: &str, plugin: Option<&str>) -> Result<bool> {
-    match choice {
-        "f32" => Ok(true),
-        "compute" => Ok(false),
-        "auto" => Ok(names_cpu_plugin(plugin)),
-        other => bail!("--matmul-result must be auto, f32 or compute, got `{other}`"),
-    }
-}
-
-/// Whether `plugin` (as named for [`Runtime::open`](crate::device::runtime::Runtime::open), `$XTRAIN_PLUGIN` or else `cpu`) is the CPU
-/// plugin, by its name alone: nothing is loaded or installed.
-pub(super) fn names_cpu_plugin(plugin: Option<&str>) -> bool {
+/// The platform (PJRT's name: `cpu`, `cuda`, `rocm`, `tpu`) of the plugin `plugin` names, as
+/// named for [`Runtime::open`](crate::device::runtime::Runtime::open) (`$XTRAIN_PLUGIN` or else
+/// `cpu` when None), from the name alone: one of those names is that platform, and a path is
+/// the first of them its file name contains (`xla_cpu_pjrt.so`: cpu; `xla_cuda_plugin.so`: cuda),
+/// else "unknown". Nothing is loaded or installed.
+pub fn named_platform(plugin: Option<&str>) -> &'static str {
+    const PLATFORMS: [&str; 4] = ["cpu", "cuda", "rocm", "tpu"];
     let env = std::env::var("XTRAIN_PLUGIN").ok();
     let name = plugin.or(env.as_deref()).unwrap_or("cpu");
+    if let Some(p) = PLATFORMS.iter().find(|p| **p == name) {
+        return p;
+    }
     let file = std::path::Path::new(name)
         .file_name()
         .map(|f| f.to_string_lossy().into_owned())
         .unwrap_or_default();
-    name == "cpu" || file.contains("cpu")
+    PLATFORMS
+        .iter()
+        .find(|p| file.contains(*p))
+        .copied()
+        .unwrap_or("unknown")
 }
 
 /// Call first thing in a command that will run on `plugin`, before it starts any threads: for
 /// the CPU plugin, sets the allocation policy its steps need (see `keep_freed_host_memory`).
 pub fn prepare_host_memory(plugin: Option<&str>) {
-    if names_cpu_plugin(plugin) {
+    if named_platform(plugin) == "cpu" {
         keep_freed_host_memory();
     }
 }
@@ -86,6 +83,7 @@ mod tests {
     /// the CPU plugin (by name or by its file), the bf16-result form for accelerators.
     #[test]
     fn auto_matmul_result_follows_the_plugin_name() {
+        use crate::program::wide_matmul_results;
         for (plugin, wide) in [
             ("cpu", true),
             ("/root/.cache/xtrain/plugins/cpu/xla_cpu_pjrt.so", true),
@@ -97,15 +95,16 @@ mod tests {
                 false,
             ),
         ] {
+            let platform = named_platform(Some(plugin));
             assert_eq!(
-                wide_matmul_results("auto", Some(plugin)).unwrap(),
+                wide_matmul_results("auto", platform).unwrap(),
                 wide,
                 "{plugin}"
             );
-            assert!(wide_matmul_results("f32", Some(plugin)).unwrap());
-            assert!(!wide_matmul_results("compute", Some(plugin)).unwrap());
+            assert!(wide_matmul_results("f32", platform).unwrap());
+            assert!(!wide_matmul_results("compute", platform).unwrap());
         }
-        let e = wide_matmul_results("bf16", Some("cpu")).unwrap_err();
+        let e = wide_matmul_results("bf16", "cpu").unwrap_err();
         assert!(e.to_string().contains("auto, f32 or compute"), "{e}");
     }
 }

@@ -1,6 +1,6 @@
 //! The device side: a PJRT client, compiled programs, host <-> device tensors.
 
-use crate::device::platform::{gpu_memory_fraction, keep_freed_host_memory, names_cpu_plugin};
+use crate::device::platform::{gpu_memory_fraction, keep_freed_host_memory, named_platform};
 use crate::formats::host::element_type;
 use crate::program::Program;
 use anyhow::{bail, Context, Result};
@@ -34,7 +34,7 @@ impl Runtime {
         let name = path.to_string_lossy();
         // The same rule by name as `xtrain`'s commands use before they start (the policy must be
         // set before the plugin's threads exist, so its platform name comes too late).
-        let cpu = names_cpu_plugin(Some(&name));
+        let cpu = named_platform(Some(&name)) == "cpu";
         let gpu = name.contains("cuda") || name.contains("rocm");
         if cpu {
             keep_freed_host_memory();
@@ -56,7 +56,7 @@ impl Runtime {
     }
 
     /// Whether this backend wants bf16 matmuls to give their f32 accumulator (see
-    /// [`wide_matmul_results`]).
+    /// [`crate::program::wide_matmul_results`]).
     pub fn prefers_wide_matmul_results(&self) -> bool {
         self.client.platform_name().unwrap_or_default() == "cpu"
     }

@@ -23,4 +23,4 @@ pub use build::{
     build_eval, build_forward, build_grad_program, build_next_token, build_train_step,
 };
 pub use signature::{Program, Role, TensorSpec};
-pub use spec::{MeshPlan, Remat, StepSpec};
+pub use spec::{wide_matmul_results, MeshPlan, Remat, StepOptions, StepSpec};

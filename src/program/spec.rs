@@ -1,5 +1,7 @@
 //! What a program is built for: the model, LoRA, optimizer constants, batch shape, numerics,
-//! remat policy, gradient accumulation and device mesh ([`StepSpec`]), checked before building.
+//! remat policy, gradient accumulation and device mesh ([`StepSpec`]), checked before building;
+//! and the same settings as the user gives them, before the model, the batch shape and the
+//! platform are known ([`StepOptions`]).
 
 use crate::model::config::LlamaConfig;
 use crate::model::lora::LoraConfig;
@@ -147,4 +149,75 @@ pub(super) fn check_spec(spec: &StepSpec) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The step's settings as the command line gives them, before the model, the batch shape and the
+/// platform the program is for are known: [`StepOptions::spec`] completes them into a
+/// [`StepSpec`].
+#[derive(Clone, Debug)]
+pub struct StepOptions {
+    pub lora: LoraConfig,
+    pub adam: AdamW,
+    /// `--dtype`: "f32" or "bf16" (weights, activations and matmuls).
+    pub dtype: String,
+    pub remat: Remat,
+    /// Gradient accumulation: microbatches per step.
+    pub microbatches: i64,
+    /// Device mesh and sharding rules (None: one device).
+    pub mesh: Option<MeshPlan>,
+    /// QLoRA: NF4 base weights.
+    pub nf4: bool,
+    /// Compute the loss this many positions at a time (looped layers).
+    pub loss_chunk: Option<i64>,
+    pub attention_block: Option<i64>,
+    /// `--matmul-result`: auto, f32 or compute (see [`wide_matmul_results`]).
+    pub matmul_result: String,
+}
+
+impl StepOptions {
+    /// The spec of the step for `model`, batches of `batch` x `seq` tokens, built for a plugin on
+    /// `platform` (PJRT's platform name: cpu, cuda, rocm, tpu).
+    pub fn spec(
+        &self,
+        model: LlamaConfig,
+        batch: i64,
+        seq: i64,
+        platform: &str,
+    ) -> Result<StepSpec> {
+        let dtype = match self.dtype.as_str() {
+            "f32" => DType::F32,
+            "bf16" => DType::BF16,
+            other => bail!("--dtype must be f32 or bf16, got `{other}`"),
+        };
+        Ok(StepSpec {
+            model,
+            lora: self.lora.clone(),
+            adam: self.adam.clone(),
+            batch,
+            seq,
+            weight_dtype: dtype,
+            compute_dtype: dtype,
+            remat: self.remat,
+            microbatches: self.microbatches,
+            mesh: self.mesh.clone(),
+            nf4: self.nf4,
+            loss_chunk: self.loss_chunk,
+            attention_block: self.attention_block,
+            wide_matmul_results: wide_matmul_results(&self.matmul_result, platform)?,
+        })
+    }
+}
+
+/// Whether bf16 matmuls give their f32 accumulator ([`StepSpec::wide_matmul_results`]) on a plugin
+/// whose platform is `platform`: `choice` is `auto` (yes on `cpu`, whose XLA runs that form on the
+/// CPU's bf16 GEMM and converts both operands of a bf16-result product to f32 instead: the
+/// 8-layer benchmark step 1.25 -> 0.79 s; no elsewhere: a GPU's cuBLAS writes bf16 directly),
+/// `f32` or `compute`. The one rule for `--matmul-result`, whichever command builds the program.
+pub fn wide_matmul_results(choice: &str, platform: &str) -> Result<bool> {
+    match choice {
+        "f32" => Ok(true),
+        "compute" => Ok(false),
+        "auto" => Ok(platform == "cpu"),
+        other => bail!("--matmul-result must be auto, f32 or compute, got `{other}`"),
+    }
 }

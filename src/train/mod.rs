@@ -1,5 +1,11 @@
-//! The training loop: compile the step once, upload the frozen weights once, then feed batches,
-//! log metrics and write PEFT adapters.
+//! Recipes: `xtrain train` ([`run`]), a fine-tuning run a person can read top to bottom, and
+//! `xtrain bench` ([`bench`]). A run loads the model's config, reads the data, plans the step
+//! (or takes a compiled program dir), decides where training starts (fresh, an initial adapter,
+//! or a checkpoint), loads the frozen weights, compiles and uploads, then loops: step, log,
+//! evaluate, checkpoint; and saves the adapter and the loss curve at the end.
+//!
+//! May use everything below it: `device` (the trainer on the plugin), `data`, `formats`,
+//! `program`, `model`. Only the command line uses it.
 
 pub mod bench;
 pub mod checkpoint;
@@ -8,351 +14,86 @@ pub mod options;
 pub mod plot;
 pub mod schedule;
 
-use crate::data::{mask_repeats, read_rows, Batch, Row, Source};
+use crate::data::{Batch, Source, TrainingData};
+use crate::device::platform::named_platform;
 use crate::device::runtime::Runtime;
-use crate::device::trainer::{EvalResult, Trainer};
+use crate::device::trainer::Trainer;
 use crate::formats::host::element_type;
 use crate::formats::peft::init_lora;
 use crate::model::config::LlamaConfig;
+use crate::model::lora::LoraConfig;
 use crate::program::{self, Program, StepSpec};
-use crate::train::checkpoint::{load_checkpoint, save_adapter, save_checkpoint, TrainerState};
-use crate::train::log::Progress;
+use crate::train::checkpoint::{
+    load_checkpoint, save_adapter, save_checkpoint, Checkpoint, TrainerState,
+};
+use crate::train::log::{Metrics, Progress};
 use crate::train::options::TrainOptions;
 use crate::train::schedule::Schedule;
 use anyhow::{bail, Context, Result};
+use pjrt::HostTensor;
 use std::collections::BTreeMap;
-use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Instant;
 
 /// `xtrain train`: build (or load) the step, then train on the data, logging metrics,
 /// evaluating, checkpointing and exporting the adapter.
 pub fn run(opts: &TrainOptions) -> Result<()> {
-    // SIGINT/SIGTERM set a flag; the loop saves a checkpoint after the current step and exits.
-    let interrupted = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let interrupted = stop_on_signals()?;
+    let cfg = LlamaConfig::load(&opts.model)?;
+    check_out_dir(&opts.out)?;
+    let data = crate::data::load(&opts.data, &opts.model, &cfg)?;
+    let (spec, program) = plan(opts, &cfg, data.batch, data.seq)?;
+    let schedule = schedule(opts, &data.source);
+    let (lora, moments, state) = starting_point(opts, &cfg, &spec.lora, &schedule)?;
+    let weights = load_weights(opts, &cfg, &spec, &program)?;
+    let trainer = compile_and_upload(opts, spec, program, weights, &lora, &moments, &state)?;
+    let TrainingData {
+        source,
+        eval_batches,
+        batch,
+        seq,
+    } = data;
+    let tokens_per_step = batch * seq;
+    let resumed_at = opts.resume.is_some().then_some(state.step);
+    let mut run = Run {
+        opts,
+        metrics: Metrics::open(&opts.out, resumed_at, tokens_per_step)?,
+        tokens_per_step,
+        trainer,
+        state,
+        source,
+        eval_batches,
+        base: opts.model.to_string_lossy().to_string(),
+    };
+    if run.state.step == 0 {
+        run.evaluate(0)?;
+    }
+    run.train(&interrupted)?;
+    run.evaluate(run.state.step)?;
+    run.save()
+}
+
+/// SIGINT/SIGTERM set the returned flag; the loop saves a checkpoint after the current step and
+/// exits.
+fn stop_on_signals() -> Result<Arc<AtomicBool>> {
+    let interrupted = Arc::new(AtomicBool::new(false));
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
         signal_hook::flag::register(sig, interrupted.clone())
             .context("cannot install signal handlers")?;
     }
-    let cfg = LlamaConfig::load(&opts.model)?;
-    // Fail before any work if the output dir cannot be written.
-    std::fs::create_dir_all(&opts.out)
-        .with_context(|| format!("cannot create output dir {}", opts.out.display()))?;
-    let probe = opts.out.join(".xtrain-write-test");
+    Ok(interrupted)
+}
+
+/// Fail before any work if the output dir cannot be written.
+fn check_out_dir(out: &Path) -> Result<()> {
+    std::fs::create_dir_all(out)
+        .with_context(|| format!("cannot create output dir {}", out.display()))?;
+    let probe = out.join(".xtrain-write-test");
     std::fs::write(&probe, b"ok")
-        .with_context(|| format!("output dir {} is not writable", opts.out.display()))?;
+        .with_context(|| format!("output dir {} is not writable", out.display()))?;
     let _ = std::fs::remove_file(&probe);
-
-    let is_batch_file = opts.data.extension().is_some_and(|e| e == "safetensors");
-    let (mut source, eval_batches, seq) = if is_batch_file {
-        let batch = Batch::from_safetensors(&opts.data)?;
-        batch.check_vocab(cfg.vocab_size)?;
-        let seq = batch.dims().1;
-        (Source::Fixed(batch), Vec::new(), seq)
-    } else {
-        let tok = crate::data::text::TextTokenizer::load(&opts.model)?;
-        if tok.vocab_size() as i64 > cfg.vocab_size {
-            bail!(
-                "the tokenizer has {} tokens but the model's vocabulary is {}",
-                tok.vocab_size(),
-                cfg.vocab_size
-            );
-        }
-        let examples = read_rows(&opts.data, &tok, opts.skip_bad_lines, opts.train_on_prompt)?;
-        let (train_ex, eval_ex) = match &opts.eval_data {
-            Some(p) => (
-                examples,
-                read_rows(p, &tok, opts.skip_bad_lines, opts.train_on_prompt)?,
-            ),
-            None => crate::data::split_eval(&examples, opts.eval_fraction),
-        };
-        let seq = opts.seq as usize;
-        let (rows, report) =
-            crate::data::make_rows(&train_ex, seq, opts.pack, tok.pad_id, opts.strict_length)?;
-        if report.truncated > 0 {
-            eprintln!(
-                "xtrain: truncated {} examples to --seq {seq}",
-                report.truncated
-            );
-        }
-        if rows.len() < opts.batch_size as usize {
-            bail!(
-                "{} gives {} rows of {seq} tokens, fewer than one batch of {}",
-                opts.data.display(),
-                rows.len(),
-                opts.batch_size
-            );
-        }
-        // Eval rows are never packed, so that each row is one example (accuracy is per example).
-        let (eval_rows, _) = crate::data::make_rows(&eval_ex, seq, false, tok.pad_id, false)?;
-        let b = opts.batch_size as usize;
-        let eval_batches: Vec<Batch> = eval_rows
-            .chunks(b)
-            .map(|c| {
-                let mut refs: Vec<&Row> = c.iter().collect();
-                while refs.len() < b {
-                    refs.push(&c[0]); // pad the last batch by repeating; repeated rows are skipped below
-                }
-                crate::data::batch(&refs)
-            })
-            .collect();
-        let eval_batches = mask_repeats(eval_batches, eval_rows.len(), b);
-        (
-            Source::Rows {
-                rows,
-                batch: b,
-                order: None,
-            },
-            eval_batches,
-            seq as i64,
-        )
-    };
-    let bs = match &source {
-        Source::Fixed(b) => b.dims().0,
-        Source::Rows { batch, .. } => *batch as i64,
-    };
-    let (spec, program) = plan(opts, &cfg, bs, seq)?;
-    let lora_cfg = spec.lora.clone();
-    let total = if opts.steps > 0 {
-        opts.steps
-    } else {
-        source.steps_per_epoch() * opts.epochs.max(1)
-    };
-    let schedule = Schedule {
-        lr: opts.lr,
-        warmup: opts.warmup,
-        kind: opts.schedule.clone(),
-        min_ratio: opts.min_lr_ratio,
-        total,
-    };
-
-    let (lora, moments, mut state) = match &opts.resume {
-        Some(dir) => {
-            let (w, m, st) = load_checkpoint(dir, &cfg, &lora_cfg)?;
-            if st.seed != opts.seed {
-                bail!(
-                    "checkpoint {} was trained with --seed {}; resume with the same seed",
-                    dir.display(),
-                    st.seed
-                );
-            }
-            (w, m, st)
-        }
-        None => {
-            let w = match &opts.init_adapter {
-                Some(dir) => {
-                    let c = crate::formats::peft::read_config(dir)?;
-                    if c.r != lora_cfg.r
-                        || c.targets != lora_cfg.targets
-                        || (c.alpha - lora_cfg.alpha).abs() > 1e-9
-                    {
-                        bail!(
-                            "--init-adapter {} has r={}, alpha={}, targets {:?}, but the flags ask for r={}, alpha={}, targets {:?}",
-                            dir.display(), c.r, c.alpha, c.targets, lora_cfg.r, lora_cfg.alpha, lora_cfg.targets
-                        );
-                    }
-                    crate::formats::peft::read_tensors(dir, &cfg, &lora_cfg)?
-                }
-                None => init_lora(&cfg, &lora_cfg, opts.seed),
-            };
-            (
-                w,
-                BTreeMap::new(),
-                TrainerState {
-                    step: 0,
-                    epoch: 0,
-                    position: 0,
-                    seed: opts.seed,
-                    schedule: schedule.clone(),
-                },
-            )
-        }
-    };
-    state.schedule = schedule.clone();
-
-    let frozen = program.frozen_shapes();
-    let t_load = Instant::now();
-    let weights = crate::formats::weights::load(
-        &opts.model,
-        &cfg,
-        &frozen,
-        element_type(spec.weight_dtype),
-        |_, _| {},
-    )?;
-    if opts.verbose {
-        eprintln!(
-            "xtrain: loaded {} weight tensors in {:.1}s",
-            frozen.len(),
-            t_load.elapsed().as_secs_f64()
-        );
-    }
-    // A CPU plugin gets as many virtual devices as the mesh needs; an accelerator plugin has
-    // what it has, and compiling checks that there are enough.
-    let rt = Runtime::open(opts.plugin.as_deref(), Some(program.partitions.max(1)))?;
-    let mut trainer = Trainer::new(
-        rt,
-        spec,
-        program,
-        weights,
-        &lora,
-        &moments,
-        opts.use_cache,
-        opts.verbose,
-    )?;
-    trainer.dropout_seed = opts.seed;
-    trainer.step = state.step;
-
-    // metrics.jsonl: on resume keep the lines up to the checkpoint's step.
-    let metrics_path = opts.out.join("metrics.jsonl");
-    let mut kept = String::new();
-    if opts.resume.is_some() {
-        if let Ok(old) = std::fs::read_to_string(&metrics_path) {
-            for line in old.lines() {
-                let v: serde_json::Value = serde_json::from_str(line).unwrap_or_default();
-                if v.get("step")
-                    .and_then(|s| s.as_u64())
-                    .is_some_and(|s| s <= state.step)
-                {
-                    kept.push_str(line);
-                    kept.push('\n');
-                }
-            }
-        }
-    }
-    std::fs::write(&metrics_path, &kept)
-        .with_context(|| format!("cannot write {}", metrics_path.display()))?;
-    let mut metrics = std::fs::OpenOptions::new()
-        .append(true)
-        .open(&metrics_path)?;
-    let base = opts.model.to_string_lossy().to_string();
-    let mut history: Vec<(u64, f64, Option<f64>)> = Vec::new();
-
-    let log_eval = |trainer: &mut Trainer,
-                    metrics: &mut std::fs::File,
-                    step: u64|
-     -> Result<Option<EvalResult>> {
-        if eval_batches.is_empty() {
-            return Ok(None);
-        }
-        let r = trainer.evaluate(&eval_batches)?;
-        writeln!(
-            metrics,
-            "{}",
-            serde_json::json!({"step": step, "eval_loss": r.loss, "eval_accuracy": r.accuracy, "eval_rows": r.rows})
-        )?;
-        eprintln!(
-            "eval at step {step}: loss {:.4}, exact-match accuracy {:.1}% of {} rows",
-            r.loss,
-            100.0 * r.accuracy,
-            r.rows
-        );
-        Ok(Some(r))
-    };
-    if state.step == 0 {
-        if let Some(r) = log_eval(&mut trainer, &mut metrics, 0)? {
-            history.push((0, f64::NAN, Some(r.loss)));
-        }
-    }
-    let progress = Progress {
-        start: Instant::now(),
-        tty: true,
-        first_step: state.step + 1,
-    };
-    let tokens_per_step = bs * seq;
-    let stop_at = opts
-        .stop_after
-        .map_or(total, |n| (state.step + n).min(total));
-    let mut recent: Vec<f32> = Vec::new();
-    while state.step < stop_at {
-        if interrupted.load(std::sync::atomic::Ordering::SeqCst) {
-            let dir = opts.out.join(format!("checkpoint-{}", state.step));
-            save_checkpoint(&dir, &trainer, &state, &base)?;
-            eprintln!(
-                "\nxtrain: interrupted after step {}; saved {} (continue with --resume {})",
-                state.step,
-                dir.display(),
-                dir.display()
-            );
-            std::process::exit(130);
-        }
-        let step = state.step + 1;
-        let batch = source.next(opts.seed, &mut state.epoch, &mut state.position);
-        let lr = schedule.at(step);
-        let t0 = Instant::now();
-        let (loss, grad_norm) = trainer.step(&batch, lr)?;
-        let dt = t0.elapsed().as_secs_f64();
-        state.step = step;
-        if !loss.is_finite() || !grad_norm.is_finite() {
-            // The step left the state as it was (see the program's finite guard).
-            writeln!(
-                metrics,
-                "{}",
-                serde_json::json!({"step": step, "nonfinite": true, "loss": loss.to_string(), "grad_norm": grad_norm.to_string()})
-            )?;
-            if !opts.skip_nonfinite {
-                state.step = step - 1;
-                let dir = opts.out.join(format!("checkpoint-{}", state.step));
-                save_checkpoint(&dir, &trainer, &state, &base)?;
-                bail!("step {step}: the loss is {loss} and the gradient norm {grad_norm}; stopped without applying it. The last good state is in {} (--skip-nonfinite-steps skips such steps instead)", dir.display());
-            }
-            eprintln!("xtrain: step {step}: non-finite loss {loss} / gradient norm {grad_norm}; step skipped");
-            continue;
-        }
-        if recent.len() >= 5 {
-            let mean = recent.iter().sum::<f32>() / recent.len() as f32;
-            if loss > 2.0 * mean + 1.0 {
-                eprintln!("xtrain: loss spike at step {step}: {loss:.4} against a recent mean of {mean:.4}");
-                writeln!(
-                    metrics,
-                    "{}",
-                    serde_json::json!({"step": step, "loss_spike": loss, "recent_mean": mean})
-                )?;
-            }
-        }
-        recent.push(loss);
-        if recent.len() > 20 {
-            recent.remove(0);
-        }
-        writeln!(
-            metrics,
-            "{}",
-            serde_json::json!({"step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "epoch": state.epoch, "tokens": tokens_per_step, "step_time_s": dt})
-        )?;
-        metrics.flush()?;
-        history.push((step, loss as f64, None));
-        if opts.log_every > 0 && (step % opts.log_every == 0 || step == total) {
-            progress.show(step, total, loss, tokens_per_step as f64 / dt, lr);
-        }
-        if opts.eval_every > 0 && step % opts.eval_every == 0 && step != total {
-            if let Some(r) = log_eval(&mut trainer, &mut metrics, step)? {
-                history.push((step, f64::NAN, Some(r.loss)));
-            }
-        }
-        if opts.save_every > 0 && step % opts.save_every == 0 {
-            save_checkpoint(
-                &opts.out.join(format!("checkpoint-{step}")),
-                &trainer,
-                &state,
-                &base,
-            )?;
-            let (lora_now, _) = trainer.state_to_host()?;
-            save_adapter(
-                &opts.out.join(format!("step-{step}")),
-                &lora_cfg,
-                &lora_now,
-                &base,
-            )?;
-        }
-    }
-    if let Some(r) = log_eval(&mut trainer, &mut metrics, state.step)? {
-        history.push((state.step, f64::NAN, Some(r.loss)));
-    }
-    let (lora_now, _) = trainer.state_to_host()?;
-    save_adapter(&opts.out.join("adapter"), &lora_cfg, &lora_now, &base)?;
-    if opts.plot {
-        let path = opts.out.join("loss.png");
-        crate::train::plot::loss_curve(&path, &history)?;
-        eprintln!("xtrain: loss curve in {}", path.display());
-    }
     Ok(())
 }
 
@@ -383,30 +124,266 @@ pub fn plan(
         }
         return Ok((spec, program));
     }
-    let dtype = match opts.dtype.as_str() {
-        "f32" => hlo::DType::F32,
-        "bf16" => hlo::DType::BF16,
-        other => bail!("--dtype must be f32 or bf16, got `{other}`"),
-    };
-    let spec = StepSpec {
-        model: cfg.clone(),
-        lora: opts.lora.clone(),
-        adam: opts.adam.clone(),
-        batch,
-        seq,
-        weight_dtype: dtype,
-        compute_dtype: dtype,
-        remat: opts.remat,
-        microbatches: opts.microbatches,
-        mesh: opts.mesh.clone(),
-        nf4: opts.nf4,
-        loss_chunk: opts.loss_chunk,
-        attention_block: opts.attention_block,
-        wide_matmul_results: crate::device::platform::wide_matmul_results(
-            &opts.matmul_result,
-            opts.plugin.as_deref(),
-        )?,
-    };
+    let platform = named_platform(opts.plugin.as_deref());
+    let spec = opts.step.spec(cfg.clone(), batch, seq, platform)?;
     let program = program::build_train_step(&spec)?;
     Ok((spec, program))
+}
+
+/// The learning-rate schedule over the run's steps (`--steps`, or `--epochs` over the data).
+fn schedule(opts: &TrainOptions, source: &Source) -> Schedule {
+    let total = if opts.steps > 0 {
+        opts.steps
+    } else {
+        source.steps_per_epoch() * opts.epochs.max(1)
+    };
+    Schedule {
+        lr: opts.lr,
+        warmup: opts.warmup,
+        kind: opts.schedule.clone(),
+        min_ratio: opts.min_lr_ratio,
+        total,
+    }
+}
+
+/// Where training starts: a checkpoint (`--resume`, trained with the same seed), or step 0 with
+/// the adapter of `--init-adapter` (which must be the one the flags describe) or a fresh one.
+fn starting_point(
+    opts: &TrainOptions,
+    cfg: &LlamaConfig,
+    lora_cfg: &LoraConfig,
+    schedule: &Schedule,
+) -> Result<Checkpoint> {
+    let (lora, moments, mut state) = match &opts.resume {
+        Some(dir) => {
+            let (w, m, st) = load_checkpoint(dir, cfg, lora_cfg)?;
+            if st.seed != opts.seed {
+                bail!(
+                    "checkpoint {} was trained with --seed {}; resume with the same seed",
+                    dir.display(),
+                    st.seed
+                );
+            }
+            (w, m, st)
+        }
+        None => {
+            let w = match &opts.init_adapter {
+                Some(dir) => initial_adapter(dir, cfg, lora_cfg)?,
+                None => init_lora(cfg, lora_cfg, opts.seed),
+            };
+            (
+                w,
+                BTreeMap::new(),
+                TrainerState {
+                    step: 0,
+                    epoch: 0,
+                    position: 0,
+                    seed: opts.seed,
+                    schedule: schedule.clone(),
+                },
+            )
+        }
+    };
+    state.schedule = schedule.clone();
+    Ok((lora, moments, state))
+}
+
+/// The tensors of `--init-adapter`, refused unless its rank, alpha and targets are the flags'.
+fn initial_adapter(
+    dir: &Path,
+    cfg: &LlamaConfig,
+    lora_cfg: &LoraConfig,
+) -> Result<BTreeMap<String, HostTensor>> {
+    let c = crate::formats::peft::read_config(dir)?;
+    if c.r != lora_cfg.r || c.targets != lora_cfg.targets || (c.alpha - lora_cfg.alpha).abs() > 1e-9
+    {
+        bail!(
+            "--init-adapter {} has r={}, alpha={}, targets {:?}, but the flags ask for r={}, alpha={}, targets {:?}",
+            dir.display(), c.r, c.alpha, c.targets, lora_cfg.r, lora_cfg.alpha, lora_cfg.targets
+        );
+    }
+    crate::formats::peft::read_tensors(dir, cfg, lora_cfg)
+}
+
+/// The frozen weights from the checkpoint, in the program's layout and element type.
+fn load_weights(
+    opts: &TrainOptions,
+    cfg: &LlamaConfig,
+    spec: &StepSpec,
+    program: &Program,
+) -> Result<Vec<HostTensor>> {
+    let frozen = program.frozen_shapes();
+    let t_load = Instant::now();
+    let weights = crate::formats::weights::load(
+        &opts.model,
+        cfg,
+        &frozen,
+        element_type(spec.weight_dtype),
+        |_, _| {},
+    )?;
+    if opts.verbose {
+        eprintln!(
+            "xtrain: loaded {} weight tensors in {:.1}s",
+            frozen.len(),
+            t_load.elapsed().as_secs_f64()
+        );
+    }
+    Ok(weights)
+}
+
+/// Open the plugin, compile the step (or load it from the cache) and upload the weights and the
+/// starting state.
+fn compile_and_upload(
+    opts: &TrainOptions,
+    spec: StepSpec,
+    program: Program,
+    weights: Vec<HostTensor>,
+    lora: &BTreeMap<String, HostTensor>,
+    moments: &BTreeMap<String, HostTensor>,
+    state: &TrainerState,
+) -> Result<Trainer> {
+    // A CPU plugin gets as many virtual devices as the mesh needs; an accelerator plugin has
+    // what it has, and compiling checks that there are enough.
+    let rt = Runtime::open(opts.plugin.as_deref(), Some(program.partitions.max(1)))?;
+    let mut trainer = Trainer::new(
+        rt,
+        spec,
+        program,
+        weights,
+        lora,
+        moments,
+        opts.use_cache,
+        opts.verbose,
+    )?;
+    trainer.dropout_seed = opts.seed;
+    trainer.step = state.step;
+    Ok(trainer)
+}
+
+/// A run under way: the trainer, where training stands, the data, and what it writes.
+struct Run<'a> {
+    opts: &'a TrainOptions,
+    trainer: Trainer,
+    state: TrainerState,
+    source: Source,
+    eval_batches: Vec<Batch>,
+    metrics: Metrics,
+    /// The base model as adapters name it.
+    base: String,
+    tokens_per_step: i64,
+}
+
+impl Run<'_> {
+    /// The loop: one optimizer step per batch until the last step (or `--stop-after`), with
+    /// progress, evaluation and checkpoints as asked. A signal ends it after the current step
+    /// with a checkpoint (exit code 130).
+    fn train(&mut self, interrupted: &AtomicBool) -> Result<()> {
+        let progress = Progress {
+            start: Instant::now(),
+            tty: true,
+            first_step: self.state.step + 1,
+        };
+        let total = self.state.schedule.total;
+        let stop_at = self
+            .opts
+            .stop_after
+            .map_or(total, |n| (self.state.step + n).min(total));
+        while self.state.step < stop_at {
+            if interrupted.load(Ordering::SeqCst) {
+                let dir = self.save_checkpoint()?;
+                eprintln!(
+                    "\nxtrain: interrupted after step {}; saved {} (continue with --resume {})",
+                    self.state.step,
+                    dir.display(),
+                    dir.display()
+                );
+                std::process::exit(130);
+            }
+            self.step(&progress)?;
+        }
+        Ok(())
+    }
+
+    /// One step: run it on the next batch, then log it, evaluate and checkpoint as asked. A step
+    /// whose loss or gradient is not finite changed nothing (the program's finite guard): it is
+    /// skipped with `--skip-nonfinite-steps`, else the run stops with the last good state saved.
+    fn step(&mut self, progress: &Progress) -> Result<()> {
+        let opts = self.opts;
+        let total = self.state.schedule.total;
+        let step = self.state.step + 1;
+        let batch = self
+            .source
+            .next(opts.seed, &mut self.state.epoch, &mut self.state.position);
+        let lr = self.state.schedule.at(step);
+        let t0 = Instant::now();
+        let (loss, grad_norm) = self.trainer.step(&batch, lr)?;
+        let dt = t0.elapsed().as_secs_f64();
+        self.state.step = step;
+        if !loss.is_finite() || !grad_norm.is_finite() {
+            self.metrics.nonfinite(step, loss, grad_norm)?;
+            if !opts.skip_nonfinite {
+                self.state.step = step - 1;
+                let dir = self.save_checkpoint()?;
+                bail!("step {step}: the loss is {loss} and the gradient norm {grad_norm}; stopped without applying it. The last good state is in {} (--skip-nonfinite-steps skips such steps instead)", dir.display());
+            }
+            eprintln!("xtrain: step {step}: non-finite loss {loss} / gradient norm {grad_norm}; step skipped");
+            return Ok(());
+        }
+        self.metrics
+            .step(step, loss, grad_norm, lr, self.state.epoch, dt)?;
+        if opts.log_every > 0 && (step.is_multiple_of(opts.log_every) || step == total) {
+            let tokens_per_s = self.tokens_per_step as f64 / dt;
+            progress.show(step, total, loss, tokens_per_s, lr);
+        }
+        if opts.eval_every > 0 && step.is_multiple_of(opts.eval_every) && step != total {
+            self.evaluate(step)?;
+        }
+        if opts.save_every > 0 && step.is_multiple_of(opts.save_every) {
+            self.save_checkpoint()?;
+            let (lora_now, _) = self.trainer.state_to_host()?;
+            save_adapter(
+                &opts.out.join(format!("step-{step}")),
+                &self.trainer.spec.lora,
+                &lora_now,
+                &self.base,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Loss and exact-match accuracy on the held-out batches (if any), logged at `step`.
+    fn evaluate(&mut self, step: u64) -> Result<()> {
+        if self.eval_batches.is_empty() {
+            return Ok(());
+        }
+        let r = self.trainer.evaluate(&self.eval_batches)?;
+        self.metrics.eval(step, &r)
+    }
+
+    /// `OUT/checkpoint-<step>` for the current step.
+    fn save_checkpoint(&self) -> Result<PathBuf> {
+        let dir = self
+            .opts
+            .out
+            .join(format!("checkpoint-{}", self.state.step));
+        save_checkpoint(&dir, &self.trainer, &self.state, &self.base)?;
+        Ok(dir)
+    }
+
+    /// The trained adapter in `OUT/adapter`, and the loss curve in `OUT/loss.png`.
+    fn save(&self) -> Result<()> {
+        let (lora_now, _) = self.trainer.state_to_host()?;
+        save_adapter(
+            &self.opts.out.join("adapter"),
+            &self.trainer.spec.lora,
+            &lora_now,
+            &self.base,
+        )?;
+        if self.opts.plot {
+            let path = self.opts.out.join("loss.png");
+            crate::train::plot::loss_curve(&path, &self.metrics.history)?;
+            eprintln!("xtrain: loss curve in {}", path.display());
+        }
+        Ok(())
+    }
 }
