@@ -1,13 +1,13 @@
 //! The argument layout: which program argument is which weight of the model. [`Layout`] maps
 //! the flat list of parameter values (frozen weights per layer or stacked, NF4 parts, LoRA A/B)
-//! onto the model's structure, and the helpers here declare those parameters and read and write
-//! one layer of a stacked tensor.
+//! onto the model's structure (the parameters are declared in that order by
+//! [`ProgramBuilder::model_params`](super::build::ProgramBuilder::model_params)), and the helpers
+//! here read and write one layer of a stacked tensor.
 
 use crate::model::llama::{LayerAdapters, LayerContext, LayerWeights, Llama, LoraPair, Numerics};
-use crate::model::tensors::{frozen_args_typed, is_projection, layer_kinds, lora_args};
-use crate::program::signature::{Role, TensorSpec};
+use crate::model::tensors::{is_projection, layer_kinds};
 use crate::program::spec::StepSpec;
-use hlo::{Builder, DType, Shape, Value};
+use hlo::{Builder, DType, Value};
 
 /// Frozen weights and LoRA values of a program, in argument order.
 #[derive(Clone)]
@@ -28,56 +28,6 @@ impl ModelValues {
             lora: flat[n..n + self.lora.len()].to_vec(),
         }
     }
-}
-
-pub(super) fn add_model_params(
-    b: &mut Builder,
-    spec: &StepSpec,
-    with_lora: bool,
-    args: &mut Vec<TensorSpec>,
-) -> ModelValues {
-    let stacked = spec.remat.scan();
-    let mut frozen = Vec::new();
-    for (name, shape, dtype) in frozen_args_typed(&spec.model, stacked, spec.nf4, spec.weight_dtype)
-    {
-        frozen.push(b.param(&name, Shape::new(&shape, dtype)));
-        args.push(TensorSpec::new(name, shape, dtype, Role::Frozen));
-    }
-    let mut lora = Vec::new();
-    if with_lora {
-        for t in lora_args(&spec.model, &spec.lora, stacked) {
-            lora.push(b.param(&t.name, Shape::new(&t.shape, DType::F32)));
-            args.push(TensorSpec::new(t.name, t.shape, DType::F32, Role::Lora));
-        }
-    }
-    ModelValues { frozen, lora }
-}
-
-pub(super) fn add_batch_params(
-    b: &mut Builder,
-    spec: &StepSpec,
-    args: &mut Vec<TensorSpec>,
-) -> (Value, Value, Value) {
-    let shape = vec![spec.batch, spec.seq];
-    let mut p = |name: &str, role| {
-        args.push(TensorSpec::new(name, shape.clone(), DType::S32, role));
-        b.param(name, Shape::new(&shape, DType::S32))
-    };
-    (
-        p("input_ids", Role::InputIds),
-        p("labels", Role::Labels),
-        p("attention_mask", Role::AttentionMask),
-    )
-}
-
-pub(super) fn scalar_param(
-    b: &mut Builder,
-    name: &str,
-    role: Role,
-    args: &mut Vec<TensorSpec>,
-) -> Value {
-    args.push(TensorSpec::new(name, vec![], DType::F32, role));
-    b.param(name, Shape::scalar(DType::F32))
 }
 
 /// Slice layer `i` out of a stacked tensor [L, ...] -> [...].
