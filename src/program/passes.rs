@@ -13,6 +13,16 @@ use crate::program::spec::Remat;
 use hlo::{Builder, DType, Shape, Value};
 use std::collections::BTreeMap;
 
+/// The invariants both layer loops are given (see [`Layout::loop_invariants`]): the values, and
+/// how many of them are stacked weights and stacked LoRA tensors, and whether a dropout key
+/// follows the RoPE tables and the mask.
+struct LoopInputs {
+    values: Vec<Value>,
+    stacked: usize,
+    lora: usize,
+    dropout: bool,
+}
+
 impl Layout<'_> {
     /// Logits with layers unrolled over per-layer weights.
     fn logits_unrolled(
@@ -123,16 +133,76 @@ impl Layout<'_> {
             return Ok((loss, grads));
         }
         let model = self.model();
-        let l = self.spec.model.num_hidden_layers;
         let (embed, norm, lm_head) = self.ends(&m.frozen);
-        let stacked = self.layer_values(&m.frozen).to_vec();
         let h0 = model.embed(b, embed, ids)?;
         let h0 = self.constrain_batch(b, h0)?;
         let ctx = model.context(b, mask, self.spec.lora.scale())?;
+        let (fwd, inv) = self.forward_loop(b, m, h0, &ctx, key)?;
+        let (loss, dh) = match self.spec.loss_chunk {
+            Some(chunk) => {
+                self.chunked_loss_and_dh(b, fwd[0], norm, lm_head, labels, denom, chunk)?
+            }
+            None => {
+                let logits = model.head(b, fwd[0], norm, lm_head)?;
+                let targets = next_token_targets(b, labels)?;
+                let (loss, dlogits) = cross_entropy_loss_and_grad(b, logits, targets, denom)?;
+                let dh = b.vjp(&[(logits, dlogits)], &[fwd[0]])?[0];
+                (loss, dh)
+            }
+        };
+        let grads = self.backward_loop(b, m, &fwd, &inv, dh)?;
+        Ok((loss, grads))
+    }
+
+    /// The loop invariants of both layer loops, as they are passed: the stacked weights, the
+    /// stacked LoRA tensors, the RoPE tables and the mask, and the dropout key if there is one.
+    fn loop_invariants(
+        &self,
+        m: &ModelValues,
+        ctx: &LayerContext,
+        key: Option<Value>,
+    ) -> LoopInputs {
+        let stacked = self.layer_values(&m.frozen);
+        let mut values: Vec<Value> = stacked.iter().chain(&m.lora).copied().collect();
+        values.extend([ctx.rope.0, ctx.rope.1, ctx.mask]);
+        values.extend(key);
+        LoopInputs {
+            values,
+            stacked: stacked.len(),
+            lora: m.lora.len(),
+            dropout: key.is_some(),
+        }
+    }
+
+    /// A loop body's view of the invariants passed as [`LoopInputs`].
+    fn unpack(&self, at: &LoopInputs, inv: &[Value]) -> LoopInvariants {
+        let (ns, nl) = (at.stacked, at.lora);
+        let c = LayerContext {
+            rope: (inv[ns + nl], inv[ns + nl + 1]),
+            mask: inv[ns + nl + 2],
+            lora_scale: self.spec.lora.scale(),
+            dropout: None,
+        };
+        let d = at
+            .dropout
+            .then(|| (self.spec.lora.dropout, inv[ns + nl + 3]));
+        (inv[..ns].to_vec(), inv[ns..ns + nl].to_vec(), c, d)
+    }
+
+    /// The forward loop over the stacked layers from the embedded input `h0`. Its carry, and what
+    /// it returns: the last hidden state, every layer's input [L, B, T, H] and (with `save-proj`)
+    /// every layer's frozen projection outputs [L, B, T, out], stacks kept as [`stack_type`].
+    fn forward_loop(
+        &self,
+        b: &mut Builder,
+        m: &ModelValues,
+        h0: Value,
+        ctx: &LayerContext,
+        key: Option<Value>,
+    ) -> hlo::Result<(Vec<Value>, LoopInputs)> {
+        let l = self.spec.model.num_hidden_layers;
         let (bs, t, hd) = (b.dims(h0)[0], b.dims(h0)[1], b.dims(h0)[2]);
         let saved_names = self.saved_names();
-
-        // Forward loop: carry (h, layer inputs [L,B,T,H], saved projections [L,B,T,out]...).
         let compute = self.spec.compute_dtype;
         // Every slot of a stack is written before it is read, so the fill does not matter; each
         // stack gets its own (0, 1, 2, ...) because XLA would otherwise merge the equal fills into
@@ -146,22 +216,9 @@ impl Layout<'_> {
             let fill = (i + 1) as f64;
             carry.push(b.full(fill, Shape::new(&[l, bs, t, out], stack_type(compute))));
         }
-        let mut inv: Vec<Value> = stacked.iter().chain(&m.lora).copied().collect();
-        inv.extend([ctx.rope.0, ctx.rope.1, ctx.mask]);
-        inv.extend(key);
-        let (ns, nl) = (stacked.len(), m.lora.len());
-        let unpack = |inv: &[Value]| -> LoopInvariants {
-            let c = LayerContext {
-                rope: (inv[ns + nl], inv[ns + nl + 1]),
-                mask: inv[ns + nl + 2],
-                lora_scale: self.spec.lora.scale(),
-                dropout: None,
-            };
-            let d = key.map(|_| (self.spec.lora.dropout, inv[ns + nl + 3]));
-            (inv[..ns].to_vec(), inv[ns..ns + nl].to_vec(), c, d)
-        };
-        let fwd = b.fori_loop(l, &carry, &inv, |bb, i, carry, inv| {
-            let (stacked, lora, ctx, dropout) = unpack(inv);
+        let at = self.loop_invariants(m, ctx, key);
+        let fwd = b.fori_loop(l, &carry, &at.values, |bb, i, carry, inv| {
+            let (stacked, lora, ctx, dropout) = self.unpack(&at, inv);
             let mut recorded = Vec::new();
             let (h, _) = self.layer_in_loop(
                 bb,
@@ -184,26 +241,30 @@ impl Layout<'_> {
             }
             Ok(next)
         })?;
-        let (loss, dh) = match self.spec.loss_chunk {
-            Some(chunk) => {
-                self.chunked_loss_and_dh(b, fwd[0], norm, lm_head, labels, denom, chunk)?
-            }
-            None => {
-                let logits = model.head(b, fwd[0], norm, lm_head)?;
-                let targets = next_token_targets(b, labels)?;
-                let (loss, dlogits) = cross_entropy_loss_and_grad(b, logits, targets, denom)?;
-                let dh = b.vjp(&[(logits, dlogits)], &[fwd[0]])?[0];
-                (loss, dh)
-            }
-        };
+        Ok((fwd, at))
+    }
 
-        // Backward loop, last layer first: carry (dh, gradient stacks); recompute, then vjp.
+    /// The backward loop, last layer first: from the forward loop's stacks `fwd` and the
+    /// gradient `dh` of the last hidden state, recompute each layer (substituting the saved
+    /// projections) and apply its vjp; the carry is (dh, the LoRA gradient stacks). Returns the
+    /// gradients in LoRA argument order.
+    fn backward_loop(
+        &self,
+        b: &mut Builder,
+        m: &ModelValues,
+        fwd: &[Value],
+        at: &LoopInputs,
+        dh: Value,
+    ) -> hlo::Result<Vec<Value>> {
+        let l = self.spec.model.num_hidden_layers;
+        let compute = self.spec.compute_dtype;
+        let saved_names = self.saved_names();
         let mut carry = vec![dh];
         for &v in &m.lora {
             carry.push(b.zeros_like(v));
         }
         let mut binv = fwd[1..].to_vec();
-        binv.extend(&inv);
+        binv.extend(&at.values);
         let nsaved = fwd.len() - 1;
         let bwd = b.fori_loop(l, &carry, &binv, |bb, i, carry, binv| {
             let last = bb.scalar((l - 1) as f64, DType::S32);
@@ -214,7 +275,7 @@ impl Layout<'_> {
                 let v = layer_slice_as(bb, binv[1 + k], idx, compute)?;
                 saved.insert(name.to_string(), v);
             }
-            let (stacked, lora, ctx, dropout) = unpack(&binv[nsaved..]);
+            let (stacked, lora, ctx, dropout) = self.unpack(at, &binv[nsaved..]);
             let (h_out, lora_l) = self.layer_in_loop(
                 bb,
                 idx,
@@ -234,7 +295,7 @@ impl Layout<'_> {
             }
             Ok(next)
         })?;
-        Ok((loss, bwd[1..].to_vec()))
+        Ok(bwd[1..].to_vec())
     }
 
     /// The loss and its gradient with respect to the last hidden state, a chunk of the sequence
