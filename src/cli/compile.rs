@@ -82,11 +82,6 @@ pub fn compile(a: CompileArgs, verbose: bool) -> Result<()> {
             m.devices(),
             order.join("; ")
         );
-        let est = xtrain::program::sharding::estimate(&spec, &program);
-        println!("xtrain's estimate per device: arguments {}, temporaries ~{} (saved layer inputs and one layer's working set)", gib(est.0), gib(est.1));
-    } else {
-        let est = xtrain::program::sharding::estimate(&spec, &program);
-        println!("xtrain's estimate: arguments {}, temporaries ~{} (saved layer inputs and one layer's working set)", gib(est.0), gib(est.1));
     }
     let rt = xtrain::device::runtime::Runtime::open(a.plugin.as_deref(), Some(program.partitions))?;
     let mut options = pjrt::CompileOptions::default();

@@ -192,49 +192,6 @@ pub fn shard_box(dims: &[i64], sharding: &Sharding, mesh: &Mesh, p: usize) -> (V
     (starts, sizes)
 }
 
-/// xtrain's own per-device memory estimate of a training step: (argument bytes, temporaries).
-/// Arguments are exact (each tensor's shard). Temporaries, for looped layers: every layer's saved
-/// input (sharded over the batch), one layer's activations kept for its backward (attention
-/// scores in f32, the MLP's wide activations, the projections' outputs), and the logits with
-/// their softmax in f32. A guide, not a guarantee: XLA's figure from --check is the real one.
-pub fn estimate(spec: &crate::program::StepSpec, program: &crate::program::Program) -> (i64, i64) {
-    let args: i64 = program
-        .args
-        .iter()
-        .zip(&program.arg_shard_dims)
-        .map(|(a, d)| d.iter().product::<i64>() * a.dtype.size_bytes() as i64)
-        .sum();
-    let c = &spec.model;
-    let devices = spec.mesh.as_ref().map_or(1, |m| m.devices());
-    let batch_split = spec.mesh.as_ref().map_or(1, |m| {
-        let s = m.sharding("input_ids", &[spec.batch, spec.seq]);
-        s.dims[0]
-            .iter()
-            .filter_map(|a| m.mesh().axis_size(a))
-            .product::<i64>()
-    });
-    let tokens = spec.batch / spec.microbatches.max(1) * spec.seq / batch_split;
-    let act = spec.compute_dtype.size_bytes() as i64;
-    let q = c.num_attention_heads * c.head_dim;
-    let kv = c.num_key_value_heads * c.head_dim;
-    let tensor_split = (devices / batch_split).max(1);
-    let saved = if spec.remat.scan() {
-        c.num_hidden_layers * tokens * c.hidden_size * act
-    } else {
-        0
-    };
-    let per_layer = tokens * (4 * c.hidden_size + 2 * q + 2 * kv + 3 * c.intermediate_size) * act
-        / tensor_split
-        + 2 * tokens * spec.seq * c.num_attention_heads * 4 / tensor_split;
-    let layers = if spec.remat.scan() {
-        1
-    } else {
-        c.num_hidden_layers
-    };
-    let logits = 3 * tokens * c.vocab_size * 4 / tensor_split;
-    (args, saved + layers * per_layer + logits)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
