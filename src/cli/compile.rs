@@ -6,6 +6,7 @@ use anyhow::Result;
 use clap::Args;
 use std::path::PathBuf;
 use xtrain::device::platform::named_platform;
+use xtrain::program::{MeshPlan, Program};
 
 #[derive(Args)]
 pub struct CompileArgs {
@@ -65,24 +66,34 @@ pub fn compile(a: CompileArgs, verbose: bool) -> Result<()> {
         return Ok(());
     }
     if let Some(m) = &spec.mesh {
-        let order: Vec<String> = (0..m.devices() as usize)
-            .map(|p| {
-                let c = xtrain::program::sharding::coords(&m.mesh(), p);
-                let coords: Vec<String> = m
-                    .axes
-                    .iter()
-                    .map(|(n, _)| format!("{n}={}", c[n]))
-                    .collect();
-                format!("device {p}: {}", coords.join(" "))
-            })
-            .collect();
-        println!(
-            "mesh {:?}, {} devices; {}",
-            m.axes,
-            m.devices(),
-            order.join("; ")
-        );
+        print_device_order(m);
     }
+    check(&a, &program, verbose)
+}
+
+/// The mesh and which device sits where on it.
+fn print_device_order(m: &MeshPlan) {
+    let order: Vec<String> = (0..m.devices() as usize)
+        .map(|p| {
+            let c = xtrain::program::sharding::coords(&m.mesh(), p);
+            let coords: Vec<String> = m
+                .axes
+                .iter()
+                .map(|(n, _)| format!("{n}={}", c[n]))
+                .collect();
+            format!("device {p}: {}", coords.join(" "))
+        })
+        .collect();
+    println!(
+        "mesh {:?}, {} devices; {}",
+        m.axes,
+        m.devices(),
+        order.join("; ")
+    );
+}
+
+/// `--check`: compile the program with the plugin and print XLA's figures per device.
+fn check(a: &CompileArgs, program: &Program, verbose: bool) -> Result<()> {
     let rt = xtrain::device::runtime::Runtime::open(a.plugin.as_deref(), Some(program.partitions))?;
     let mut options = pjrt::CompileOptions::default();
     if let Some(dir) = &a.xla_dump {
@@ -94,7 +105,7 @@ pub fn compile(a: CompileArgs, verbose: bool) -> Result<()> {
         options = options.with_override("xla_dump_hlo_as_text", pjrt::OptionValue::Bool(true));
     }
     let t0 = std::time::Instant::now();
-    let exe = rt.compile(&program, &options)?;
+    let exe = rt.compile(program, &options)?;
     let compile_s = t0.elapsed().as_secs_f64();
     let m = exe.memory_stats()?;
     if verbose {
