@@ -4,7 +4,7 @@ use crate::cli::args::StepArgs;
 use anyhow::{bail, Result};
 use clap::Args;
 use std::path::PathBuf;
-use xtrain::device::platform::named_platform;
+use xtrain::device::runtime::Runtime;
 
 #[derive(Args)]
 pub struct BenchArgs {
@@ -37,15 +37,11 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         bail!("--init must be random");
     }
     let (cfg, _) = xtrain::model::presets::resolve_model_config(&a.model)?;
-    let platform = named_platform(a.plugin.as_deref());
-    let spec = a.step.options()?.spec(cfg, a.batch, a.seq, platform)?;
-    let r = xtrain::train::bench::run(
-        spec,
-        a.warmup,
-        a.steps,
-        a.export.as_deref(),
-        a.plugin.as_deref(),
-    )?;
+    let options = a.step.options()?;
+    let devices = options.mesh.as_ref().map_or(1, |m| m.devices());
+    let rt = Runtime::open(a.plugin.as_deref(), Some(devices))?;
+    let spec = options.spec(cfg, a.batch, a.seq, &rt.platform())?;
+    let r = xtrain::train::bench::run(rt, spec, a.warmup, a.steps, a.export.as_deref())?;
     println!("{}", serde_json::to_string(&r)?);
     Ok(())
 }

@@ -50,7 +50,7 @@ impl Forward {
             targets: vec![Target::Q],
         });
         let spec = StepSpec {
-            wide_matmul_results: rt.prefers_wide_matmul_results(),
+            wide_matmul_results: crate::program::wide_matmul_results("auto", &rt.platform())?,
             ..StepSpec::new(cfg.clone(), lora, batch, seq, dtype)
         };
         let program = match kind {

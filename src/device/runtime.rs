@@ -55,10 +55,10 @@ impl Runtime {
         Ok(Runtime { client, devices })
     }
 
-    /// Whether this backend wants bf16 matmuls to give their f32 accumulator (see
-    /// [`crate::program::wide_matmul_results`]).
-    pub fn prefers_wide_matmul_results(&self) -> bool {
-        self.client.platform_name().unwrap_or_default() == "cpu"
+    /// The platform the plugin reports (PJRT's name: `cpu`, `cuda`, `rocm`, `tpu`): what
+    /// `--matmul-result auto` goes by (see [`crate::program::wide_matmul_results`]).
+    pub fn platform(&self) -> String {
+        self.client.platform_name().unwrap_or_default()
     }
 
     /// The options xtrain compiles with on this backend, on top of the caller's.
@@ -72,9 +72,7 @@ impl Runtime {
     /// (same loss to the last bit there; the oracle tests pass), so it is off too.
     pub fn options(&self, base: &CompileOptions) -> CompileOptions {
         let mut o = base.clone();
-        if self.client.platform_name().unwrap_or_default() == "cpu"
-            && !o.overrides.contains_key("xla_disable_hlo_passes")
-        {
+        if self.platform() == "cpu" && !o.overrides.contains_key("xla_disable_hlo_passes") {
             o = o.with_override(
                 "xla_disable_hlo_passes",
                 pjrt::OptionValue::String(

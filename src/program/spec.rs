@@ -212,7 +212,9 @@ impl StepOptions {
 /// whose platform is `platform`: `choice` is `auto` (yes on `cpu`, whose XLA runs that form on the
 /// CPU's bf16 GEMM and converts both operands of a bf16-result product to f32 instead: the
 /// 8-layer benchmark step 1.25 -> 0.79 s; no elsewhere: a GPU's cuBLAS writes bf16 directly),
-/// `f32` or `compute`. The one rule for `--matmul-result`, whichever command builds the program.
+/// `f32` or `compute`. The one rule for `--matmul-result`, whichever command builds the program;
+/// the platform is the one the opened plugin reports (`train`, `bench`, `generate`), or, for
+/// `compile`, which opens none, the one its `--plugin` names.
 pub fn wide_matmul_results(choice: &str, platform: &str) -> Result<bool> {
     match choice {
         "f32" => Ok(true),

@@ -207,14 +207,14 @@ pub fn model_flops_per_step(spec: &StepSpec) -> f64 {
     tokens * (4.0 * p + 3.0 * attention + 3.0 * lora)
 }
 
-/// Compile (no cache) and run `warmup + steps` steps; optionally write the weights, LoRA and
-/// batch to `export` (safetensors, HF/PEFT names) for peers.
+/// Compile (no cache) on `rt` and run `warmup + steps` steps; optionally write the weights, LoRA
+/// and batch to `export` (safetensors, HF/PEFT names) for peers.
 pub fn run(
+    rt: Runtime,
     spec: StepSpec,
     warmup: usize,
     steps: usize,
     export: Option<&Path>,
-    plugin: Option<&str>,
 ) -> Result<BenchResult> {
     let lora = random_lora(&spec, 1);
     let batch = random_batch(&spec, 1);
@@ -242,7 +242,6 @@ pub fn run(
         frozen.iter().map(|t| t.bytes.len()).sum::<usize>() as f64 / 1e9,
         t0.elapsed().as_secs_f64()
     ));
-    let rt = Runtime::open(plugin, Some(program.partitions))?;
     let t0 = Instant::now();
     let mut trainer = Trainer::new(
         rt,

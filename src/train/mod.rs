@@ -15,7 +15,6 @@ pub mod plot;
 pub mod schedule;
 
 use crate::data::{Batch, Source, TrainingData};
-use crate::device::platform::named_platform;
 use crate::device::runtime::Runtime;
 use crate::device::trainer::Trainer;
 use crate::formats::host::element_type;
@@ -44,11 +43,12 @@ pub fn run(opts: &TrainOptions) -> Result<()> {
     let cfg = LlamaConfig::load(&opts.model)?;
     check_out_dir(&opts.out)?;
     let data = crate::data::load(&opts.data, &opts.model, &cfg)?;
-    let (spec, program) = plan(opts, &cfg, data.batch, data.seq)?;
+    let (rt, spec, program) = plan(opts, &cfg, data.batch, data.seq)?;
     let schedule = schedule(opts, &data.source);
-    let (lora, moments, state) = starting_point(opts, &cfg, &spec.lora, &schedule)?;
+    let start = starting_point(opts, &cfg, &spec.lora, &schedule)?;
     let weights = load_weights(opts, &cfg, &spec, &program)?;
-    let trainer = compile_and_upload(opts, spec, program, weights, &lora, &moments, &state)?;
+    let trainer = compile_and_upload(opts, rt, spec, program, weights, &start)?;
+    let (_, _, state) = start;
     let TrainingData {
         source,
         eval_batches,
@@ -97,14 +97,17 @@ fn check_out_dir(out: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Build the step spec for a model and batch shape from the options, or take it from a program
-/// dir (checking that the program was built for this model and batch).
+/// Open the plugin and plan the step: take it from a program dir (checking that it was built for
+/// this model and batch), or build it for the plugin's platform. A CPU plugin gets as many
+/// virtual devices as the mesh needs; an accelerator plugin has what it has, and compiling
+/// checks that there are enough.
 pub fn plan(
     opts: &TrainOptions,
     cfg: &LlamaConfig,
     batch: i64,
     seq: i64,
-) -> Result<(StepSpec, Program)> {
+) -> Result<(Runtime, StepSpec, Program)> {
+    let open = |devices: i64| Runtime::open(opts.plugin.as_deref(), Some(devices.max(1)));
     if let Some(dir) = &opts.program {
         let (program, spec) = crate::formats::program_dir::read_dir(dir)?;
         if &spec.model != cfg {
@@ -122,12 +125,13 @@ pub fn plan(
                 spec.seq
             );
         }
-        return Ok((spec, program));
+        let rt = open(program.partitions)?;
+        return Ok((rt, spec, program));
     }
-    let platform = named_platform(opts.plugin.as_deref());
-    let spec = opts.step.spec(cfg.clone(), batch, seq, platform)?;
+    let rt = open(opts.step.mesh.as_ref().map_or(1, |m| m.devices()))?;
+    let spec = opts.step.spec(cfg.clone(), batch, seq, &rt.platform())?;
     let program = program::build_train_step(&spec)?;
-    Ok((spec, program))
+    Ok((rt, spec, program))
 }
 
 /// The learning-rate schedule over the run's steps (`--steps`, or `--epochs` over the data).
@@ -231,20 +235,15 @@ fn load_weights(
     Ok(weights)
 }
 
-/// Open the plugin, compile the step (or load it from the cache) and upload the weights and the
-/// starting state.
+/// Compile the step (or load it from the cache) and upload the weights and the starting state.
 fn compile_and_upload(
     opts: &TrainOptions,
+    rt: Runtime,
     spec: StepSpec,
     program: Program,
     weights: Vec<HostTensor>,
-    lora: &BTreeMap<String, HostTensor>,
-    moments: &BTreeMap<String, HostTensor>,
-    state: &TrainerState,
+    (lora, moments, state): &Checkpoint,
 ) -> Result<Trainer> {
-    // A CPU plugin gets as many virtual devices as the mesh needs; an accelerator plugin has
-    // what it has, and compiling checks that there are enough.
-    let rt = Runtime::open(opts.plugin.as_deref(), Some(program.partitions.max(1)))?;
     let mut trainer = Trainer::new(
         rt,
         spec,
