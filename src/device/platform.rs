@@ -45,13 +45,13 @@ pub(super) fn gpu_memory_fraction() -> Result<f32> {
 }
 
 /// The platform (PJRT's name: `cpu`, `cuda`, `rocm`, `tpu`) of the plugin `plugin` names, as
-/// named for [`Runtime::open`](crate::device::runtime::Runtime::open) (`$XTRAIN_PLUGIN` or else
+/// named for `Runtime::open` (`$XTRAIN_PLUGIN` or else
 /// `cpu` when None), from the name alone: one of those names is that platform, and a path is
 /// the first of them its file name contains (`xla_cpu_pjrt.so`: cpu; `xla_cuda_plugin.so`: cuda),
 /// else "unknown". Nothing is loaded or installed: what `xtrain compile` builds for (it writes a
 /// program for a plugin that need not be on this machine), and how the CPU plugin's needs are
 /// known before its client exists. Commands that open the plugin ask it
-/// ([`Runtime::platform`](crate::device::runtime::Runtime::platform)).
+/// (`Runtime::platform`).
 pub fn named_platform(plugin: Option<&str>) -> &'static str {
     const PLATFORMS: [&str; 4] = ["cpu", "cuda", "rocm", "tpu"];
     let env = std::env::var("XTRAIN_PLUGIN").ok();

@@ -1,7 +1,7 @@
 //! The argument layout: which program argument is which weight of the model. [`Layout`] maps
 //! the flat list of parameter values (frozen weights per layer or stacked, NF4 parts, LoRA A/B)
 //! onto the model's structure (the parameters are declared in that order by
-//! [`ProgramBuilder::model_params`](super::build::ProgramBuilder::model_params)), and the helpers
+//! `ProgramBuilder::model_params`), and the helpers
 //! here read and write one layer of a stacked tensor.
 
 use crate::model::llama::{LayerAdapters, LayerContext, LayerWeights, Llama, LoraPair, Numerics};

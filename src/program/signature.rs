@@ -1,7 +1,7 @@
 //! What a built program is: its StableHLO text and its signature, every argument and result
 //! named, shaped, typed and given a role (what the runner feeds it or reads from it).
 
-use crate::program::spec::StepSpec;
+use crate::program::spec::{de_dtype, ser_dtype, StepSpec};
 use hlo::DType;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -42,20 +42,6 @@ impl TensorSpec {
             role,
         }
     }
-}
-
-pub(super) fn ser_dtype<S: serde::Serializer>(
-    d: &DType,
-    s: S,
-) -> std::result::Result<S::Ok, S::Error> {
-    s.serialize_str(d.mlir())
-}
-
-pub(super) fn de_dtype<'de, D: serde::Deserializer<'de>>(
-    d: D,
-) -> std::result::Result<DType, D::Error> {
-    let s: String = serde::Deserialize::deserialize(d)?;
-    DType::parse(&s).ok_or_else(|| serde::de::Error::custom(format!("unknown element type `{s}`")))
 }
 
 /// A built program: its text and its signature.

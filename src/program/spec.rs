@@ -6,7 +6,6 @@
 use crate::model::config::LlamaConfig;
 use crate::model::lora::LoraConfig;
 use crate::model::optim::AdamW;
-use crate::program::signature::{de_dtype, ser_dtype};
 use anyhow::{bail, Result};
 use hlo::DType;
 
@@ -222,4 +221,19 @@ pub fn wide_matmul_results(choice: &str, platform: &str) -> Result<bool> {
         "auto" => Ok(platform == "cpu"),
         other => bail!("--matmul-result must be auto, f32 or compute, got `{other}`"),
     }
+}
+
+/// Element types in specs and manifests are written as MLIR names (`f32`, `bf16`, `ui8`).
+pub(super) fn ser_dtype<S: serde::Serializer>(
+    d: &DType,
+    s: S,
+) -> std::result::Result<S::Ok, S::Error> {
+    s.serialize_str(d.mlir())
+}
+
+pub(super) fn de_dtype<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> std::result::Result<DType, D::Error> {
+    let s: String = serde::Deserialize::deserialize(d)?;
+    DType::parse(&s).ok_or_else(|| serde::de::Error::custom(format!("unknown element type `{s}`")))
 }
