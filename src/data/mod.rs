@@ -2,7 +2,8 @@
 //! `{"messages":[{"role","content"}]}` rows, rendered with the model's chat template, tokenized,
 //! with the loss on the response tokens only (by default), packed or padded into fixed-length
 //! rows, shuffled with a seed, and cut into batches; or one pre-tokenized batch from a
-//! safetensors file.
+//! safetensors file. [`load`] is the data stage of a run. It may use `formats` and `model`; its
+//! API is what this file exports, the files behind it are its stages.
 
 mod batch;
 mod examples;

@@ -1,6 +1,10 @@
-//! The whole training step as one StableHLO function:
-//! forward + backward (LoRA parameters only) + AdamW, with the LoRA parameters and optimizer
-//! moments donated and returned updated, plus the loss and the gradient norm.
+//! The programs, as StableHLO text: the whole training step as one function (forward, backward
+//! through the LoRA parameters only, AdamW, with the LoRA parameters and moments donated and
+//! returned updated, plus the loss and the gradient norm), and its siblings for gradients,
+//! forward, evaluation and the next token. It owns what a program is built for ([`StepSpec`]),
+//! its signature ([`Program`]), the argument layout, the sharding rules and the builders. It may
+//! use `model` and `hlo`; it never reads files or touches a device, so the text is the same for
+//! every backend.
 //!
 //! Argument order (each named in the program and in the manifest):
 //! frozen weights (HF names) | LoRA A/B (PEFT names) | exp_avg.* | exp_avg_sq.* | step | lr |

@@ -1,11 +1,10 @@
 //! Recipes: `xtrain train` ([`run`]), a fine-tuning run a person can read top to bottom, and
-//! `xtrain bench` ([`bench`]). A run loads the model's config, reads the data, plans the step
-//! (or takes a compiled program dir), decides where training starts (fresh, an initial adapter,
-//! or a checkpoint), loads the frozen weights, compiles and uploads, then loops: step, log,
-//! evaluate, checkpoint; and saves the adapter and the loss curve at the end.
-//!
-//! May use everything below it: `device` (the trainer on the plugin), `data`, `formats`,
-//! `program`, `model`. Only the command line uses it.
+//! `xtrain bench` ([`bench`](mod@bench)). A run loads the model's config, reads the data, plans the step
+//! (or takes a compiled program dir) for the plugin, decides where training starts (fresh, an
+//! initial adapter, or a checkpoint), loads the frozen weights, compiles and uploads, then loops:
+//! step, log, evaluate, checkpoint; and saves the adapter and the loss curve at the end. It owns
+//! the run's options, schedule, checkpoints, metrics and plot. It may use everything below it
+//! (`device`, `data`, `formats`, `program`, `model`); only the command line uses it.
 
 pub mod bench;
 pub mod checkpoint;
