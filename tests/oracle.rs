@@ -1,9 +1,10 @@
 //! The Llama 3.1 + LoRA + AdamW step against Hugging Face transformers + PEFT
 //! (tests/fixtures/tiny-llama3, see its manifest.json). f32 throughout.
 
+mod common;
+use common::fixtures;
 use pjrt::{CompileOptions, ElementType, HostTensor};
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use xtrain::device::runtime::Runtime;
 use xtrain::formats::host::convert;
@@ -12,10 +13,6 @@ use xtrain::model::config::LlamaConfig;
 use xtrain::model::lora::{LoraConfig, Target};
 use xtrain::model::optim::AdamW;
 use xtrain::program::{self, Program, Remat, Role, StepSpec};
-
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-llama3")
-}
 
 fn runtime() -> &'static Runtime {
     static RT: OnceLock<Runtime> = OnceLock::new();

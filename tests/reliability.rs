@@ -7,16 +7,6 @@ use common::*;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-/// Run xtrain expecting failure; returns stderr.
-fn fails(args: &[&str]) -> String {
-    let o = xtrain(args);
-    let err = String::from_utf8_lossy(&o.stderr).to_string();
-    assert!(!o.status.success(), "expected a failure: {args:?}\n{err}");
-    assert!(!err.contains("panicked"), "{err}");
-    assert!(err.starts_with("error: "), "{err}");
-    err
-}
-
 fn tiny_dir(dir: &Path, name: &str) -> PathBuf {
     let m = dir.join(name);
     std::fs::create_dir_all(&m).unwrap();
@@ -49,10 +39,6 @@ fn train_on(model: &Path, out: &Path, extra: &[&str]) -> Vec<String> {
     }
     v.extend(extra.iter().map(|s| s.to_string()));
     v
-}
-
-fn refs(v: &[String]) -> Vec<&str> {
-    v.iter().map(|s| s.as_str()).collect()
 }
 
 #[test]
@@ -472,16 +458,7 @@ fn a_nonfinite_loss_stops_with_the_last_good_state_or_is_skipped() {
 }
 
 fn text_run(model: &Path, data: &Path, out: &Path, extra: &[&str]) -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_xtrain"));
-    c.args([
-        "train",
-        "--model",
-        model.to_str().unwrap(),
-        "--data",
-        data.to_str().unwrap(),
-        "--out",
-        out.to_str().unwrap(),
-    ]);
+    let mut c = train_cmd(model, data, out);
     c.args([
         "--steps",
         "60",

@@ -1,8 +1,9 @@
 //! Layers as loops, remat policies, gradient accumulation, bf16 mixed precision, dropout.
 
+mod common;
+use common::fixtures;
 use pjrt::{CompileOptions, ElementType, HostTensor};
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use xtrain::device::runtime::Runtime;
 use xtrain::formats::host::convert;
@@ -10,10 +11,6 @@ use xtrain::formats::safetensors::SafeTensors;
 use xtrain::model::config::LlamaConfig;
 use xtrain::model::lora::{LoraConfig, Target};
 use xtrain::program::{self, Program, Remat, Role, StepSpec};
-
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-llama3")
-}
 
 fn runtime() -> &'static Runtime {
     static RT: OnceLock<Runtime> = OnceLock::new();

@@ -1,6 +1,7 @@
 //! The training step on 8 CPU devices under several meshes against 1 device.
 
-use std::path::{Path, PathBuf};
+mod common;
+use common::*;
 use xtrain::data::Batch;
 use xtrain::device::runtime::Runtime;
 use xtrain::device::trainer::Trainer;
@@ -8,10 +9,6 @@ use xtrain::model::config::LlamaConfig;
 use xtrain::model::lora::{LoraConfig, Target};
 use xtrain::program::sharding::{parse_mesh, Rules};
 use xtrain::program::{self, MeshPlan, Remat, StepSpec};
-
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-llama3")
-}
 
 fn spec(mesh: Option<&str>, remat: Remat) -> StepSpec {
     let model = LlamaConfig::load(&fixtures().join("model")).unwrap();
@@ -141,14 +138,9 @@ fn the_program_declares_the_mesh_and_shardings() {
 
 #[test]
 fn xtrain_train_runs_on_a_mesh_from_the_command_line() {
-    let out = std::env::temp_dir().join(format!("xtrain-test-mesh-cli-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&out);
+    let out = tempdir("mesh-cli");
     let f = fixtures();
-    let o = std::process::Command::new(env!("CARGO_BIN_EXE_xtrain"))
-        .args(["train", "--model"])
-        .arg(f.join("model"))
-        .arg("--data")
-        .arg(f.join("inputs.safetensors"))
+    let o = train_cmd(&f.join("model"), &f.join("inputs.safetensors"), &out)
         .arg("--init-adapter")
         .arg(f.join("adapter_init"))
         .args([
@@ -165,9 +157,7 @@ fn xtrain_train_runs_on_a_mesh_from_the_command_line() {
             "--log-every",
             "0",
             "--no-plot",
-            "--out",
         ])
-        .arg(&out)
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
