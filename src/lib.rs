@@ -1,25 +1,19 @@
 //! xtrain: the Llama 3.1 LoRA training step compiled as one StableHLO program and run on any
-//! PJRT plugin. See README.md for the tour; `hlo` builds graphs, `pjrt` runs them.
+//! PJRT plugin. `hlo` builds graphs, `pjrt` runs them; this crate's folders are the pipeline's
+//! stages, each using only those listed before it (docs/architecture.md is the map):
+//!
+//! - [`model`]: the config, the tensors' names, the Llama graph, LoRA, NF4, AdamW;
+//! - [`program`]: the training step and its sibling programs as StableHLO text;
+//! - [`formats`]: files on disk (safetensors, checkpoints, adapters, GGUF, program dirs);
+//! - [`data`]: JSONL examples to tokenized rows to batches;
+//! - [`device`]: a PJRT plugin, compiled programs, the trainer's state on the devices;
+//! - [`train`]: the recipes that put them together (`xtrain train`, `xtrain bench`).
+//!
+//! The command line (`src/cli`) is the binary's, on top of all of them.
 
-pub mod assets;
-pub mod bench;
-pub mod config;
 pub mod data;
-pub mod fsutil;
-pub mod generate;
-pub mod gguf;
-pub mod lora;
-pub mod merge;
+pub mod device;
+pub mod formats;
 pub mod model;
-pub mod optim;
-pub mod peft;
-pub mod plot;
 pub mod program;
-pub mod quant;
-pub mod runtime;
-pub mod safetensors;
-pub mod sharding;
-pub mod step;
-pub mod text;
 pub mod train;
-pub mod weights;

@@ -3,13 +3,13 @@
 //! peers are checked against belongs to the model that is timed.
 
 use pjrt::ElementType;
-use xtrain::bench::{random_program_weights, random_weights};
-use xtrain::lora::{LoraConfig, Target};
-use xtrain::runtime::{convert, to_program_layout};
-use xtrain::step::{build_train_step, Remat, Role, StepSpec};
+use xtrain::formats::host::{convert, to_program_layout};
+use xtrain::model::lora::{LoraConfig, Target};
+use xtrain::program::{build_train_step, Remat, Role, StepSpec};
+use xtrain::train::bench::{random_program_weights, random_weights};
 
 fn spec(dtype: hlo::DType) -> StepSpec {
-    let (model, _) = xtrain::program::resolve_model_config("tiny-llama3").unwrap();
+    let (model, _) = xtrain::model::presets::resolve_model_config("tiny-llama3").unwrap();
     let lora = LoraConfig {
         r: 4,
         alpha: 8.0,
@@ -35,7 +35,7 @@ fn program_layout_weights_equal_the_exported_ones() {
         let slow = to_program_layout(&names, &per_layer, spec.model.num_hidden_layers).unwrap();
         assert_eq!(fast.len(), slow.len());
         for ((a, f), s) in frozen.iter().zip(&fast).zip(&slow) {
-            let want = xtrain::runtime::element_type(a.dtype);
+            let want = xtrain::formats::host::element_type(a.dtype);
             let s = convert(s, want).unwrap();
             assert_eq!(f.ty, want, "{}", a.name);
             assert_eq!(f.dims, s.dims, "{}", a.name);
@@ -111,13 +111,13 @@ fn dot_flops(text: &str) -> f64 {
 /// at 2048 tokens with LoRA r=16 on every projection.
 #[test]
 fn model_flops_match_the_programs_matmuls() {
-    let (bench512, _) = xtrain::program::resolve_model_config("bench-512").unwrap();
+    let (bench512, _) = xtrain::model::presets::resolve_model_config("bench-512").unwrap();
     let mut s = spec(hlo::DType::F32);
     s.model = bench512;
     s.lora.r = 16;
     s.batch = 4;
     s.seq = 256;
-    let formula = xtrain::bench::model_flops_per_step(&s);
+    let formula = xtrain::train::bench::model_flops_per_step(&s);
     assert!((formula / 1e9 - 180.1).abs() < 0.05, "{formula}");
     s.remat = Remat::None;
     s.attention_block = Some(256);
@@ -128,13 +128,13 @@ fn model_flops_match_the_programs_matmuls() {
         "program matmuls {counted:.4e} vs formula {formula:.4e}: {rel:+.4}"
     );
 
-    let (l8b, _) = xtrain::program::resolve_model_config("llama-3.1-8b").unwrap();
+    let (l8b, _) = xtrain::model::presets::resolve_model_config("llama-3.1-8b").unwrap();
     let mut s8 = spec(hlo::DType::BF16);
     s8.model = l8b;
     s8.lora.r = 16;
     s8.lora.targets = Target::ALL.to_vec();
     s8.batch = 1;
     s8.seq = 2048;
-    let per_token = xtrain::bench::model_flops_per_step(&s8) / 2048.0;
+    let per_token = xtrain::train::bench::model_flops_per_step(&s8) / 2048.0;
     assert!((per_token / 1e9 - 33.49).abs() < 0.01, "{per_token}");
 }

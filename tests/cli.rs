@@ -1,33 +1,14 @@
 //! `xtrain` from the command line, as a user runs it.
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
-use xtrain::safetensors::SafeTensors;
-
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-llama3")
-}
-
-fn xtrain() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_xtrain"))
-}
-
-fn tempdir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("xtrain-test-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
+mod common;
+use common::*;
+use xtrain::formats::safetensors::SafeTensors;
 
 #[test]
 fn train_reproduces_the_oracle_losses_and_adapter_step3() {
     let f = fixtures();
     let out = tempdir("oracle-train");
-    let status = xtrain()
-        .args(["train", "--model"])
-        .arg(f.join("model"))
-        .arg("--data")
-        .arg(f.join("inputs.safetensors"))
+    let status = train_cmd(&f.join("model"), &f.join("inputs.safetensors"), &out)
         .arg("--init-adapter")
         .arg(f.join("adapter_init"))
         .args([
@@ -51,9 +32,7 @@ fn train_reproduces_the_oracle_losses_and_adapter_step3() {
             "q,k,v,o,gate,up,down",
             "--save-every",
             "3",
-            "--out",
         ])
-        .arg(&out)
         .status()
         .unwrap();
     assert!(status.success());
@@ -122,7 +101,7 @@ fn train_reproduces_the_oracle_losses_and_adapter_step3() {
 
 #[test]
 fn plugins_lists_the_cpu_plugin_with_version_and_devices() {
-    let out = xtrain().arg("plugins").output().unwrap();
+    let out = xtrain(&["plugins"]);
     assert!(out.status.success());
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("cpu ("), "{text}");
@@ -134,23 +113,10 @@ fn plugins_lists_the_cpu_plugin_with_version_and_devices() {
 fn a_mismatched_init_adapter_is_refused() {
     let f = fixtures();
     let out = tempdir("mismatch");
-    let o = xtrain()
-        .args(["train", "--model"])
-        .arg(f.join("model"))
-        .arg("--data")
-        .arg(f.join("inputs.safetensors"))
+    let o = train_cmd(&f.join("model"), &f.join("inputs.safetensors"), &out)
         .arg("--init-adapter")
         .arg(f.join("adapter_init"))
-        .args([
-            "--lora-r",
-            "4",
-            "--lora-alpha",
-            "16",
-            "--steps",
-            "1",
-            "--out",
-        ])
-        .arg(&out)
+        .args(["--lora-r", "4", "--lora-alpha", "16", "--steps", "1"])
         .output()
         .unwrap();
     assert!(!o.status.success());
@@ -169,27 +135,26 @@ fn a_second_run_loads_the_compiled_step_from_the_cache() {
     let cache = tempdir("exe-cache");
     let plugin = pjrt::discover::resolve_or_install(Some("cpu")).unwrap();
     let run = |out: &str| {
-        let o = xtrain()
-            .env("XTRAIN_CACHE_DIR", &cache)
-            .args(["-v", "train", "--model"])
-            .arg(f.join("model"))
-            .arg("--data")
-            .arg(f.join("inputs.safetensors"))
-            .args([
-                "--steps",
-                "1",
-                "--lora-r",
-                "4",
-                "--log-every",
-                "0",
-                "--no-plot",
-                "--plugin",
-            ])
-            .arg(&plugin)
-            .arg("--out")
-            .arg(cache.join(out))
-            .output()
-            .unwrap();
+        let o = train_cmd(
+            &f.join("model"),
+            &f.join("inputs.safetensors"),
+            &cache.join(out),
+        )
+        .env("XTRAIN_CACHE_DIR", &cache)
+        .args([
+            "-v",
+            "--steps",
+            "1",
+            "--lora-r",
+            "4",
+            "--log-every",
+            "0",
+            "--no-plot",
+            "--plugin",
+        ])
+        .arg(&plugin)
+        .output()
+        .unwrap();
         assert!(o.status.success());
         String::from_utf8_lossy(&o.stderr).to_string()
     };

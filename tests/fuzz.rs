@@ -75,7 +75,7 @@ fn config_parser() {
         let m = mutate(&mut rng, &good);
         no_panic("config.json", case, || {
             if let Ok(j) = serde_json::from_slice::<serde_json::Value>(&m) {
-                let _ = xtrain::config::LlamaConfig::from_json(&j);
+                let _ = xtrain::model::config::LlamaConfig::from_json(&j);
             }
         });
     }
@@ -91,7 +91,7 @@ fn safetensors_header_reader() {
         let m = mutate(&mut rng, &good);
         std::fs::write(&path, &m).unwrap();
         no_panic("safetensors", case, || {
-            if let Ok(st) = xtrain::safetensors::SafeTensors::open(&path) {
+            if let Ok(st) = xtrain::formats::safetensors::SafeTensors::open(&path) {
                 for name in st.tensors.keys() {
                     let _ = st.read(name);
                 }
@@ -154,7 +154,7 @@ fn small_gguf() -> Vec<u8> {
 #[test]
 fn gguf_reader() {
     let good = small_gguf();
-    let g = xtrain::gguf::Gguf::parse(good.clone()).expect("the seed file is valid");
+    let g = xtrain::formats::gguf::Gguf::parse(good.clone()).expect("the seed file is valid");
     assert_eq!(
         g.dequantize(g.tensor("output_norm.weight").unwrap())
             .unwrap(),
@@ -169,12 +169,12 @@ fn gguf_reader() {
     for case in 0..iters(4000) {
         let m = mutate(&mut rng, &good);
         no_panic("gguf", case, || {
-            if let Ok(g) = xtrain::gguf::Gguf::parse(m) {
+            if let Ok(g) = xtrain::formats::gguf::Gguf::parse(m) {
                 for t in &g.tensors {
                     let _ = g.dequantize(t);
                 }
-                let _ = xtrain::gguf::hf_config(&g);
-                let _ = xtrain::gguf::hf_tokenizer(&g);
+                let _ = xtrain::formats::gguf::hf_config(&g);
+                let _ = xtrain::formats::gguf::hf_tokenizer(&g);
             }
         });
     }
@@ -184,7 +184,7 @@ fn gguf_reader() {
 fn jsonl_data_pipeline() {
     let dir = tempdir("fuzz-jsonl");
     let model = tiny_text_model(&dir);
-    let tok = xtrain::text::TextTokenizer::load(&model).unwrap();
+    let tok = xtrain::data::text::TextTokenizer::load(&model).unwrap();
     let good = concat!(
         "{\"text\": \"hello world\"}\n",
         "{\"instruction\": \"Add\", \"input\": \"1 2\", \"output\": \"3\"}\n",

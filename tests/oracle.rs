@@ -1,20 +1,18 @@
 //! The Llama 3.1 + LoRA + AdamW step against Hugging Face transformers + PEFT
 //! (tests/fixtures/tiny-llama3, see its manifest.json). f32 throughout.
 
+mod common;
+use common::fixtures;
 use pjrt::{CompileOptions, ElementType, HostTensor};
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
-use xtrain::config::LlamaConfig;
-use xtrain::lora::{LoraConfig, Target};
-use xtrain::optim::AdamW;
-use xtrain::runtime::{convert, Runtime};
-use xtrain::safetensors::SafeTensors;
-use xtrain::step::{self, Program, Remat, Role, StepSpec};
-
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-llama3")
-}
+use xtrain::device::runtime::Runtime;
+use xtrain::formats::host::convert;
+use xtrain::formats::safetensors::SafeTensors;
+use xtrain::model::config::LlamaConfig;
+use xtrain::model::lora::{LoraConfig, Target};
+use xtrain::model::optim::AdamW;
+use xtrain::program::{self, Program, Remat, Role, StepSpec};
 
 fn runtime() -> &'static Runtime {
     static RT: OnceLock<Runtime> = OnceLock::new();
@@ -75,7 +73,7 @@ fn inputs(
             .map(|a| (a.name.clone(), a.shape.clone()))
             .collect()
     };
-    let weights = xtrain::weights::load(
+    let weights = xtrain::formats::weights::load(
         &fixtures().join(model_dir),
         &s.model,
         &names(Role::Frozen),
@@ -92,7 +90,8 @@ fn inputs(
         .map(|a| (a.name.clone(), a.shape.clone()))
         .collect();
     let state =
-        xtrain::runtime::to_program_layout(&state_names, &all, s.model.num_hidden_layers).unwrap();
+        xtrain::formats::host::to_program_layout(&state_names, &all, s.model.num_hidden_layers)
+            .unwrap();
     let batch = read("inputs.safetensors");
     let (mut w, mut st) = (weights.into_iter(), state.into_iter());
     program
@@ -111,7 +110,7 @@ fn inputs(
 
 /// Results by name, stacked (`layers.*`) results split back into per-layer names.
 fn per_layer(program: &Program, out: Vec<HostTensor>) -> BTreeMap<String, HostTensor> {
-    xtrain::runtime::from_program_layout(
+    xtrain::formats::host::from_program_layout(
         program
             .results
             .iter()
@@ -134,7 +133,7 @@ fn execute(program: &Program, host: &[HostTensor]) -> BTreeMap<String, HostTenso
 
 fn adapter(dir: &str) -> BTreeMap<String, HostTensor> {
     let s = spec("model");
-    xtrain::peft::read_tensors(&fixtures().join(dir), &s.model, &oracle_lora()).unwrap()
+    xtrain::formats::peft::read_tensors(&fixtures().join(dir), &s.model, &oracle_lora()).unwrap()
 }
 
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
@@ -167,7 +166,7 @@ fn rope_frequencies_match_transformers() {
 
 #[test]
 fn base_logits_and_loss_match() {
-    let program = step::build_forward(&spec("model"), false).unwrap();
+    let program = program::build_forward(&spec("model"), false).unwrap();
     let out = execute(
         &program,
         &inputs(&program, "model", &BTreeMap::new(), &BTreeMap::new()),
@@ -179,7 +178,7 @@ fn base_logits_and_loss_match() {
     for block in [4, 8] {
         let mut s = spec("model");
         s.attention_block = Some(block);
-        let blocked = step::build_forward(&s, false).unwrap();
+        let blocked = program::build_forward(&s, false).unwrap();
         let out = execute(
             &blocked,
             &inputs(&blocked, "model", &BTreeMap::new(), &BTreeMap::new()),
@@ -208,7 +207,7 @@ fn base_logits_and_loss_match() {
 
 #[test]
 fn sharded_and_bf16_checkpoints() {
-    let program = step::build_forward(&spec("model"), false).unwrap();
+    let program = program::build_forward(&spec("model"), false).unwrap();
     let base = read("base_outputs.safetensors");
     let out = execute(
         &program,
@@ -237,7 +236,7 @@ fn sharded_and_bf16_checkpoints() {
 fn lora_logits_loss_and_all_28_gradients_match() {
     let s = spec("model");
     let init = adapter("adapter_init");
-    let program = step::build_forward(&s, true).unwrap();
+    let program = program::build_forward(&s, true).unwrap();
     let out = execute(
         &program,
         &inputs(&program, "model", &init, &BTreeMap::new()),
@@ -262,7 +261,7 @@ fn lora_logits_loss_and_all_28_gradients_match() {
         let mut sp = spec_with("model", remat);
         sp.loss_chunk = chunk;
         sp.attention_block = block;
-        let program = step::build_grad_program(&sp).unwrap();
+        let program = program::build_grad_program(&sp).unwrap();
         let out = execute(
             &program,
             &inputs(&program, "model", &init, &BTreeMap::new()),
@@ -313,7 +312,7 @@ fn three_adamw_steps_match_torch() {
 }
 
 fn three_adamw_steps(remat: Remat) {
-    let program = step::build_train_step(&spec_with("model", remat)).unwrap();
+    let program = program::build_train_step(&spec_with("model", remat)).unwrap();
     let rt = runtime();
     let exe = rt.compile(&program, &CompileOptions::default()).unwrap();
     let init = adapter("adapter_init");
@@ -396,7 +395,7 @@ fn three_adamw_steps(remat: Remat) {
 #[test]
 fn the_step_computes_no_gradient_of_a_frozen_weight() {
     let s = spec("model");
-    let program = step::build_train_step(&s).unwrap();
+    let program = program::build_train_step(&s).unwrap();
     let frozen: Vec<String> = program
         .args
         .iter()

@@ -3,9 +3,9 @@
 //! base weights against bf16.
 
 use pjrt::{CompileOptions, ElementType, HostTensor};
-use xtrain::quant::{self, NF4};
-use xtrain::runtime::Runtime;
-use xtrain::step::{self, Role, StepSpec};
+use xtrain::device::runtime::Runtime;
+use xtrain::model::quant::{self, NF4};
+use xtrain::program::{self, Role, StepSpec};
 
 /// The NF4 values as the QLoRA paper lists them (Appendix E), typed in independently.
 const PAPER_NF4: [f64; 16] = [
@@ -96,7 +96,7 @@ fn graph_dequantization_equals_the_host() {
     let q = quant::quantize(&w);
     let mut b = hlo::Builder::new("main");
     let n = w.len() as i64;
-    let parts: Vec<hlo::Value> = step::nf4_parts(n)
+    let parts: Vec<hlo::Value> = xtrain::model::tensors::nf4_parts(n)
         .into_iter()
         .enumerate()
         .map(|(i, (_, dims, dt))| b.param(&format!("p{i}"), hlo::Shape::new(&dims, dt)))
@@ -131,23 +131,23 @@ fn graph_dequantization_equals_the_host() {
 
 #[test]
 fn nf4_base_weights_take_about_half_a_byte_per_parameter() {
-    let (cfg, _) = xtrain::program::resolve_model_config("llama-3.1-8b").unwrap();
-    let lora = xtrain::lora::LoraConfig {
+    let (cfg, _) = xtrain::model::presets::resolve_model_config("llama-3.1-8b").unwrap();
+    let lora = xtrain::model::lora::LoraConfig {
         r: 16,
         alpha: 32.0,
         dropout: 0.0,
-        targets: xtrain::lora::Target::ALL.to_vec(),
+        targets: xtrain::model::lora::Target::ALL.to_vec(),
     };
     let spec = StepSpec {
         nf4: true,
         ..StepSpec::new(cfg.clone(), lora, 1, 128, hlo::DType::BF16)
     };
-    let p = step::build_train_step(&spec).unwrap();
+    let p = program::build_train_step(&spec).unwrap();
     let rt = Runtime::open(Some("cpu"), Some(1)).unwrap();
     let exe = rt.compile(&p, &CompileOptions::default()).unwrap();
     let stats = exe.memory_stats().unwrap();
     let bytes =
-        |a: &step::TensorSpec| a.shape.iter().product::<i64>() * a.dtype.size_bytes() as i64;
+        |a: &program::TensorSpec| a.shape.iter().product::<i64>() * a.dtype.size_bytes() as i64;
     let total: i64 = p.args.iter().map(bytes).sum();
     assert_eq!(
         stats.argument_bytes, total,
@@ -159,7 +159,7 @@ fn nf4_base_weights_take_about_half_a_byte_per_parameter() {
         .filter(|a| a.role == Role::Frozen && a.name.contains("_proj.weight."))
         .map(bytes)
         .sum();
-    let projection_params: i64 = step::layer_kinds(&cfg)
+    let projection_params: i64 = xtrain::model::tensors::layer_kinds(&cfg)
         .iter()
         .filter(|(k, _)| k.ends_with("_proj"))
         .map(|(_, s)| s.iter().product::<i64>())
@@ -175,9 +175,9 @@ fn nf4_base_weights_take_about_half_a_byte_per_parameter() {
 
 #[test]
 fn smollm2_loss_with_nf4_is_close_to_bf16() {
-    let dir = xtrain::assets::smollm2().unwrap();
-    let cfg = xtrain::config::LlamaConfig::load(&dir).unwrap();
-    let tok = xtrain::text::TextTokenizer::load(&dir).unwrap();
+    let dir = xtrain::formats::assets::smollm2().unwrap();
+    let cfg = xtrain::model::config::LlamaConfig::load(&dir).unwrap();
+    let tok = xtrain::data::text::TextTokenizer::load(&dir).unwrap();
     let ex = xtrain::data::Example::Text("The capital of France is Paris. The capital of Japan is Tokyo. The capital of Kenya is Nairobi.".into());
     let t = xtrain::data::tokenize(&tok, &ex, false).unwrap();
     let (rows, _) = xtrain::data::make_rows(&[t], 32, false, tok.pad_id, false).unwrap();
@@ -185,21 +185,22 @@ fn smollm2_loss_with_nf4_is_close_to_bf16() {
     let rt = Runtime::open(Some("cpu"), Some(1)).unwrap();
     let mut losses = Vec::new();
     for nf4 in [false, true] {
-        let lora = xtrain::lora::LoraConfig {
+        let lora = xtrain::model::lora::LoraConfig {
             r: 8,
             alpha: 16.0,
             dropout: 0.0,
-            targets: vec![xtrain::lora::Target::Q],
+            targets: vec![xtrain::model::lora::Target::Q],
         };
         let spec = StepSpec {
             nf4,
             ..StepSpec::new(cfg.clone(), lora, 1, 32, hlo::DType::BF16)
         };
-        let p = step::build_grad_program(&spec).unwrap();
+        let p = program::build_grad_program(&spec).unwrap();
         let frozen = p.frozen_shapes();
         let weights =
-            xtrain::weights::load(&dir, &cfg, &frozen, ElementType::BF16, |_, _| {}).unwrap();
-        let lora = xtrain::train::init_lora(&cfg, &spec.lora, 0); // B = 0: the base model's loss
+            xtrain::formats::weights::load(&dir, &cfg, &frozen, ElementType::BF16, |_, _| {})
+                .unwrap();
+        let lora = xtrain::formats::peft::init_lora(&cfg, &spec.lora, 0); // B = 0: the base model's loss
         let names: Vec<(String, Vec<i64>)> = p
             .args
             .iter()
@@ -207,7 +208,7 @@ fn smollm2_loss_with_nf4_is_close_to_bf16() {
             .map(|a| (a.name.clone(), a.shape.clone()))
             .collect();
         let lora =
-            xtrain::runtime::to_program_layout(&names, &lora, cfg.num_hidden_layers).unwrap();
+            xtrain::formats::host::to_program_layout(&names, &lora, cfg.num_hidden_layers).unwrap();
         let mut host = weights;
         host.extend(lora);
         host.extend([

@@ -7,16 +7,6 @@ use common::*;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-/// Run xtrain expecting failure; returns stderr.
-fn fails(args: &[&str]) -> String {
-    let o = xtrain(args);
-    let err = String::from_utf8_lossy(&o.stderr).to_string();
-    assert!(!o.status.success(), "expected a failure: {args:?}\n{err}");
-    assert!(!err.contains("panicked"), "{err}");
-    assert!(err.starts_with("error: "), "{err}");
-    err
-}
-
 fn tiny_dir(dir: &Path, name: &str) -> PathBuf {
     let m = dir.join(name);
     std::fs::create_dir_all(&m).unwrap();
@@ -49,10 +39,6 @@ fn train_on(model: &Path, out: &Path, extra: &[&str]) -> Vec<String> {
     }
     v.extend(extra.iter().map(|s| s.to_string()));
     v
-}
-
-fn refs(v: &[String]) -> Vec<&str> {
-    v.iter().map(|s| s.as_str()).collect()
 }
 
 #[test]
@@ -116,8 +102,10 @@ fn bad_safetensors() {
     assert!(e.contains("header is not valid JSON"), "{e}");
 
     // A tensor with the wrong shape, and one missing: rewrite the file.
-    let st = xtrain::safetensors::SafeTensors::open(&fixtures().join("model/model.safetensors"))
-        .unwrap();
+    let st = xtrain::formats::safetensors::SafeTensors::open(
+        &fixtures().join("model/model.safetensors"),
+    )
+    .unwrap();
     let mut all: std::collections::BTreeMap<String, pjrt::HostTensor> = st
         .tensors
         .keys()
@@ -129,12 +117,14 @@ fn bad_safetensors() {
         "model.layers.1.mlp.up_proj.weight".into(),
         pjrt::HostTensor::from_f32(&vec![0.0; 64 * 64], &[64, 64]),
     );
-    xtrain::safetensors::write(&m.join("model.safetensors"), &wrong, &Default::default()).unwrap();
+    xtrain::formats::safetensors::write(&m.join("model.safetensors"), &wrong, &Default::default())
+        .unwrap();
     let e = fails(&refs(&train_on(&m, &out, &[])));
     assert!(e.contains("tensor `model.layers.1.mlp.up_proj.weight` has shape [64, 64] but the config needs [128, 64]"), "{e}");
     let m = tiny_dir(&dir, "missing");
     all.remove("model.norm.weight");
-    xtrain::safetensors::write(&m.join("model.safetensors"), &all, &Default::default()).unwrap();
+    xtrain::formats::safetensors::write(&m.join("model.safetensors"), &all, &Default::default())
+        .unwrap();
     let e = fails(&refs(&train_on(&m, &out, &[])));
     assert!(
         e.contains("the checkpoint has no tensor `model.norm.weight`"),
@@ -255,7 +245,8 @@ fn out_of_range_tokens_bad_adapters_and_program_dirs() {
     let out = dir.join("out");
     // Token ids beyond the vocabulary.
     let st =
-        xtrain::safetensors::SafeTensors::open(&fixtures().join("inputs.safetensors")).unwrap();
+        xtrain::formats::safetensors::SafeTensors::open(&fixtures().join("inputs.safetensors"))
+            .unwrap();
     let mut t: std::collections::BTreeMap<String, pjrt::HostTensor> = st
         .tensors
         .keys()
@@ -268,7 +259,7 @@ fn out_of_range_tokens_bad_adapters_and_program_dirs() {
         pjrt::HostTensor::from_i64(&ids, &[2, 16]),
     );
     let data = dir.join("oob.safetensors");
-    xtrain::safetensors::write(&data, &t, &Default::default()).unwrap();
+    xtrain::formats::safetensors::write(&data, &t, &Default::default()).unwrap();
     let model = fixtures().join("model");
     let mut a = train_on(&model, &out, &[]);
     a[4] = data.to_str().unwrap().into();
@@ -299,7 +290,8 @@ fn out_of_range_tokens_bad_adapters_and_program_dirs() {
     )
     .unwrap();
     let ast =
-        xtrain::safetensors::SafeTensors::open(&init.join("adapter_model.safetensors")).unwrap();
+        xtrain::formats::safetensors::SafeTensors::open(&init.join("adapter_model.safetensors"))
+            .unwrap();
     let mut at: std::collections::BTreeMap<String, pjrt::HostTensor> = ast
         .tensors
         .keys()
@@ -309,7 +301,7 @@ fn out_of_range_tokens_bad_adapters_and_program_dirs() {
         "base_model.model.model.layers.0.mlp.up_proj.lora_B.weight".into(),
         pjrt::HostTensor::from_f32(&vec![0.0; 64 * 8], &[64, 8]),
     );
-    xtrain::safetensors::write(
+    xtrain::formats::safetensors::write(
         &bad.join("adapter_model.safetensors"),
         &at,
         &Default::default(),
@@ -466,16 +458,7 @@ fn a_nonfinite_loss_stops_with_the_last_good_state_or_is_skipped() {
 }
 
 fn text_run(model: &Path, data: &Path, out: &Path, extra: &[&str]) -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_xtrain"));
-    c.args([
-        "train",
-        "--model",
-        model.to_str().unwrap(),
-        "--data",
-        data.to_str().unwrap(),
-        "--out",
-        out.to_str().unwrap(),
-    ]);
+    let mut c = train_cmd(model, data, out);
     c.args([
         "--steps",
         "60",

@@ -1,18 +1,16 @@
 //! Layers as loops, remat policies, gradient accumulation, bf16 mixed precision, dropout.
 
+mod common;
+use common::fixtures;
 use pjrt::{CompileOptions, ElementType, HostTensor};
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
-use xtrain::config::LlamaConfig;
-use xtrain::lora::{LoraConfig, Target};
-use xtrain::runtime::{convert, Runtime};
-use xtrain::safetensors::SafeTensors;
-use xtrain::step::{self, Program, Remat, Role, StepSpec};
-
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-llama3")
-}
+use xtrain::device::runtime::Runtime;
+use xtrain::formats::host::convert;
+use xtrain::formats::safetensors::SafeTensors;
+use xtrain::model::config::LlamaConfig;
+use xtrain::model::lora::{LoraConfig, Target};
+use xtrain::program::{self, Program, Remat, Role, StepSpec};
 
 fn runtime() -> &'static Runtime {
     static RT: OnceLock<Runtime> = OnceLock::new();
@@ -50,11 +48,17 @@ fn run(
     } else {
         ElementType::F32
     };
-    let weights =
-        xtrain::weights::load(&fixtures().join("model"), &s.model, &frozen, wdt, |_, _| {})
-            .unwrap();
+    let weights = xtrain::formats::weights::load(
+        &fixtures().join("model"),
+        &s.model,
+        &frozen,
+        wdt,
+        |_, _| {},
+    )
+    .unwrap();
     let lora =
-        xtrain::peft::read_tensors(&fixtures().join("adapter_init"), &s.model, &s.lora).unwrap();
+        xtrain::formats::peft::read_tensors(&fixtures().join("adapter_init"), &s.model, &s.lora)
+            .unwrap();
     let mut all = lora.clone();
     for (n, t) in &lora {
         let z = HostTensor::from_f32(&vec![0.0; t.element_count()], &t.dims);
@@ -68,7 +72,7 @@ fn run(
         .map(|a| (a.name.clone(), a.shape.clone()))
         .collect();
     let state =
-        xtrain::runtime::to_program_layout(&names, &all, s.model.num_hidden_layers).unwrap();
+        xtrain::formats::host::to_program_layout(&names, &all, s.model.num_hidden_layers).unwrap();
     let (mut w, mut st) = (weights.into_iter(), state.into_iter());
     let host: Vec<HostTensor> = program
         .args
@@ -85,7 +89,7 @@ fn run(
     let exe = rt.compile(program, &CompileOptions::default()).unwrap();
     let bufs: Vec<_> = host.iter().map(|t| rt.upload(t).unwrap()).collect();
     let out = exe.execute(&[bufs.iter().collect()]).unwrap();
-    xtrain::runtime::from_program_layout(
+    xtrain::formats::host::from_program_layout(
         program
             .results
             .iter()
@@ -115,11 +119,11 @@ fn looped_program_size_does_not_grow_with_depth() {
     let mut c32 = tiny();
     c32.num_hidden_layers = 32;
     for remat in [Remat::Layer, Remat::SaveProj] {
-        let a = step::build_train_step(&spec(c2.clone(), remat, 2, 16))
+        let a = program::build_train_step(&spec(c2.clone(), remat, 2, 16))
             .unwrap()
             .text
             .len() as f64;
-        let b = step::build_train_step(&spec(c32.clone(), remat, 2, 16))
+        let b = program::build_train_step(&spec(c32.clone(), remat, 2, 16))
             .unwrap()
             .text
             .len() as f64;
@@ -129,11 +133,11 @@ fn looped_program_size_does_not_grow_with_depth() {
         );
     }
     // Unrolled, it does grow.
-    let a = step::build_train_step(&spec(c2, Remat::None, 2, 16))
+    let a = program::build_train_step(&spec(c2, Remat::None, 2, 16))
         .unwrap()
         .text
         .len();
-    let b = step::build_train_step(&spec(c32, Remat::None, 2, 16))
+    let b = program::build_train_step(&spec(c32, Remat::None, 2, 16))
         .unwrap()
         .text
         .len();
@@ -148,7 +152,7 @@ fn remat_layer_lowers_compiled_temp_memory() {
     let rt = runtime();
     let mut temps = Vec::new();
     for remat in [Remat::None, Remat::SaveProj, Remat::Layer] {
-        let p = step::build_train_step(&spec(cfg.clone(), remat, 4, 128)).unwrap();
+        let p = program::build_train_step(&spec(cfg.clone(), remat, 4, 128)).unwrap();
         let exe = rt.compile(&p, &CompileOptions::default()).unwrap();
         let m = exe.memory_stats().unwrap();
         eprintln!(
@@ -176,13 +180,13 @@ fn gradient_accumulation_equals_one_big_batch() {
     let mut two = one.clone();
     two.microbatches = 2;
     let a = run(
-        &step::build_train_step(&one).unwrap(),
+        &program::build_train_step(&one).unwrap(),
         &one,
         &batch,
         &step_extra(),
     );
     let b = run(
-        &step::build_train_step(&two).unwrap(),
+        &program::build_train_step(&two).unwrap(),
         &two,
         &batch,
         &step_extra(),
@@ -211,13 +215,13 @@ fn bf16_loss_is_close_to_f32() {
     bf.weight_dtype = hlo::DType::BF16;
     bf.compute_dtype = hlo::DType::BF16;
     let a = run(
-        &step::build_grad_program(&f32_spec).unwrap(),
+        &program::build_grad_program(&f32_spec).unwrap(),
         &f32_spec,
         &batch,
         &BTreeMap::new(),
     );
     let b = run(
-        &step::build_grad_program(&bf).unwrap(),
+        &program::build_grad_program(&bf).unwrap(),
         &bf,
         &batch,
         &BTreeMap::new(),
@@ -253,8 +257,8 @@ fn bf16_wide_matmul_results_change_the_form_not_the_numbers() {
     let mut wide = narrow.clone();
     wide.wide_matmul_results = true;
     let (pn, pw) = (
-        step::build_grad_program(&narrow).unwrap(),
-        step::build_grad_program(&wide).unwrap(),
+        program::build_grad_program(&narrow).unwrap(),
+        program::build_grad_program(&wide).unwrap(),
     );
     // Every bf16 x bf16 product gives f32 in the wide form; the narrow form keeps bf16 results
     // except the attention scores (f32 for the softmax) and their backward products.
@@ -330,7 +334,7 @@ fn bf16_layer_stacks_as_bits_keep_the_numbers() {
         s
     };
     let grads = |s: &StepSpec| {
-        let program = step::build_grad_program(s).unwrap();
+        let program = program::build_grad_program(s).unwrap();
         let out = run(&program, s, &batch, &BTreeMap::new());
         (program.text, out)
     };
@@ -368,7 +372,7 @@ fn dropout_is_deterministic_and_the_same_unrolled_or_looped() {
     for remat in [Remat::None, Remat::Layer, Remat::Layer] {
         let mut s = spec(tiny(), remat, 2, 16);
         s.lora.dropout = 0.1;
-        let out = run(&step::build_train_step(&s).unwrap(), &s, &batch, &extra);
+        let out = run(&program::build_train_step(&s).unwrap(), &s, &batch, &extra);
         losses.push((
             out["loss"].scalar_f32().unwrap(),
             out["grad_norm"].scalar_f32().unwrap(),

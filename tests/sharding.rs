@@ -1,16 +1,14 @@
 //! The training step on 8 CPU devices under several meshes against 1 device.
 
-use std::path::{Path, PathBuf};
-use xtrain::config::LlamaConfig;
-use xtrain::lora::{LoraConfig, Target};
-use xtrain::runtime::Runtime;
-use xtrain::sharding::{parse_mesh, Rules};
-use xtrain::step::{self, MeshPlan, Remat, StepSpec};
-use xtrain::train::{Batch, Trainer};
-
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-llama3")
-}
+mod common;
+use common::*;
+use xtrain::data::Batch;
+use xtrain::device::runtime::Runtime;
+use xtrain::device::trainer::Trainer;
+use xtrain::model::config::LlamaConfig;
+use xtrain::model::lora::{LoraConfig, Target};
+use xtrain::program::sharding::{parse_mesh, Rules};
+use xtrain::program::{self, MeshPlan, Remat, StepSpec};
 
 fn spec(mesh: Option<&str>, remat: Remat) -> StepSpec {
     let model = LlamaConfig::load(&fixtures().join("model")).unwrap();
@@ -41,9 +39,9 @@ fn run(
     i64,
 ) {
     let s = spec(mesh, remat);
-    let program = step::build_train_step(&s).unwrap();
+    let program = program::build_train_step(&s).unwrap();
     let frozen = program.frozen_shapes();
-    let weights = xtrain::weights::load(
+    let weights = xtrain::formats::weights::load(
         &fixtures().join("model"),
         &s.model,
         &frozen,
@@ -52,7 +50,8 @@ fn run(
     )
     .unwrap();
     let lora =
-        xtrain::peft::read_tensors(&fixtures().join("adapter_init"), &s.model, &s.lora).unwrap();
+        xtrain::formats::peft::read_tensors(&fixtures().join("adapter_init"), &s.model, &s.lora)
+            .unwrap();
     let rt = Runtime::open(Some("cpu"), Some(8)).unwrap();
     let exe_args = {
         let e = rt
@@ -123,7 +122,7 @@ fn meshes_match_one_device() {
 
 #[test]
 fn the_program_declares_the_mesh_and_shardings() {
-    let p = step::build_train_step(&spec(Some("data=2,fsdp=2,tensor=2"), Remat::Layer)).unwrap();
+    let p = program::build_train_step(&spec(Some("data=2,fsdp=2,tensor=2"), Remat::Layer)).unwrap();
     assert!(p
         .text
         .contains("sdy.mesh @mesh = <[\"data\"=2, \"fsdp\"=2, \"tensor\"=2]>"));
@@ -139,14 +138,9 @@ fn the_program_declares_the_mesh_and_shardings() {
 
 #[test]
 fn xtrain_train_runs_on_a_mesh_from_the_command_line() {
-    let out = std::env::temp_dir().join(format!("xtrain-test-mesh-cli-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&out);
+    let out = tempdir("mesh-cli");
     let f = fixtures();
-    let o = std::process::Command::new(env!("CARGO_BIN_EXE_xtrain"))
-        .args(["train", "--model"])
-        .arg(f.join("model"))
-        .arg("--data")
-        .arg(f.join("inputs.safetensors"))
+    let o = train_cmd(&f.join("model"), &f.join("inputs.safetensors"), &out)
         .arg("--init-adapter")
         .arg(f.join("adapter_init"))
         .args([
@@ -163,9 +157,7 @@ fn xtrain_train_runs_on_a_mesh_from_the_command_line() {
             "--log-every",
             "0",
             "--no-plot",
-            "--out",
         ])
-        .arg(&out)
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));

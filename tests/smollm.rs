@@ -3,17 +3,17 @@
 
 use std::path::PathBuf;
 use std::sync::OnceLock;
-use xtrain::text::{Message, TextTokenizer};
+use xtrain::data::text::{Message, TextTokenizer};
 
 fn model() -> &'static PathBuf {
     static M: OnceLock<PathBuf> = OnceLock::new();
-    M.get_or_init(|| xtrain::assets::smollm2().expect("fetch and import SmolLM2"))
+    M.get_or_init(|| xtrain::formats::assets::smollm2().expect("fetch and import SmolLM2"))
 }
 
 #[test]
 fn imported_gguf_answers_the_reference_question() {
     let dir = model();
-    let cfg = xtrain::config::LlamaConfig::load(dir).unwrap();
+    let cfg = xtrain::model::config::LlamaConfig::load(dir).unwrap();
     assert_eq!(
         (
             cfg.num_hidden_layers,
@@ -39,19 +39,19 @@ fn imported_gguf_answers_the_reference_question() {
         "ChatML from the GGUF's template: {prompt:?}"
     );
     let ids = tok.encode(&prompt).unwrap();
-    let rt = xtrain::runtime::Runtime::open(Some("cpu"), Some(1)).unwrap();
-    let f = xtrain::generate::Forward::new(
+    let rt = xtrain::device::runtime::Runtime::open(Some("cpu"), Some(1)).unwrap();
+    let f = xtrain::device::generate::Forward::new(
         &rt,
         &cfg,
         dir,
         None,
-        xtrain::generate::Kind::NextToken,
+        xtrain::device::generate::Kind::NextToken,
         1,
         64,
         hlo::DType::F32,
     )
     .unwrap();
-    let out = xtrain::generate::generate(&f, &ids, 12, 0.0, 0, tok.eos_id).unwrap();
+    let out = xtrain::device::generate::generate(&f, &ids, 12, 0.0, 0, tok.eos_id).unwrap();
     assert_eq!(tok.decode(&out).unwrap(), "The capital of France is Paris.");
 }
 

@@ -3,8 +3,8 @@
 
 mod common;
 use common::*;
+use xtrain::data::text::{Message, TextTokenizer};
 use xtrain::data::{self, Example};
-use xtrain::text::{Message, TextTokenizer};
 
 fn bytes(s: &str) -> Vec<u32> {
     s.bytes().map(|b| b as u32).collect()
@@ -249,7 +249,8 @@ fn peft_export_names_and_shapes_and_merge_equals_adapter_logits() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let adapter = out.join("adapter");
     let st =
-        xtrain::safetensors::SafeTensors::open(&adapter.join("adapter_model.safetensors")).unwrap();
+        xtrain::formats::safetensors::SafeTensors::open(&adapter.join("adapter_model.safetensors"))
+            .unwrap();
     assert_eq!(st.tensors.len(), 2 * 7 * 2, "2 layers x 7 targets x (A, B)");
     let a = &st.tensors["base_model.model.model.layers.1.self_attn.k_proj.lora_A.weight"];
     let b = &st.tensors["base_model.model.model.layers.1.self_attn.k_proj.lora_B.weight"];
@@ -272,11 +273,11 @@ fn peft_export_names_and_shapes_and_merge_equals_adapter_logits() {
     ]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert!(merged.join("tokenizer.json").is_file());
-    let cfg = xtrain::config::LlamaConfig::load(&model).unwrap();
-    let rt = xtrain::runtime::Runtime::open(Some("cpu"), Some(1)).unwrap();
-    let (lc, lt) = xtrain::generate::load_adapter(&adapter, &cfg).unwrap();
-    let kind = xtrain::generate::Kind::Full;
-    let with_adapter = xtrain::generate::Forward::new(
+    let cfg = xtrain::model::config::LlamaConfig::load(&model).unwrap();
+    let rt = xtrain::device::runtime::Runtime::open(Some("cpu"), Some(1)).unwrap();
+    let (lc, lt) = xtrain::formats::peft::load_adapter(&adapter, &cfg).unwrap();
+    let kind = xtrain::device::generate::Kind::Full;
+    let with_adapter = xtrain::device::generate::Forward::new(
         &rt,
         &cfg,
         &model,
@@ -287,9 +288,17 @@ fn peft_export_names_and_shapes_and_merge_equals_adapter_logits() {
         hlo::DType::F32,
     )
     .unwrap();
-    let merged_fwd =
-        xtrain::generate::Forward::new(&rt, &cfg, &merged, None, kind, 1, 16, hlo::DType::F32)
-            .unwrap();
+    let merged_fwd = xtrain::device::generate::Forward::new(
+        &rt,
+        &cfg,
+        &merged,
+        None,
+        kind,
+        1,
+        16,
+        hlo::DType::F32,
+    )
+    .unwrap();
     let ids: Vec<i32> = (0..16).map(|i| i * 31 % 500).collect();
     let t = |v: &[i32]| pjrt::HostTensor::from_i32(v, &[1, 16]);
     let (l1, _) = with_adapter.full(&t(&ids), &t(&ids), &t(&[1; 16])).unwrap();

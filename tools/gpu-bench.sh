@@ -104,7 +104,7 @@ JB=$(run_peer jax "$XB" "$PY" tools/peers/jax_step.py --random --config "$CONFIG
 python3 - "$WORK" "$CONFIG" "$SEQ" "$PEAK" "$XB" "$JB" "$PLUGIN" <<'PY'
 import json, statistics, sys
 work, config, T, peak, xb, jb, plugin = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]), sys.argv[7]
-# Model FLOPs per token, as xtrain counts them for the step it ran (src/bench.rs,
+# Model FLOPs per token, as xtrain counts them for the step it ran (src/train/bench.rs,
 # model_flops_per_step; no recomputation counted): forward 2*P and the activation gradients
 # through the frozen weights 2*P (P = matmul weights incl. the LM head; no weight gradients),
 # attention 4*T*heads*head_dim per layer forward and twice that backward (full T x T), LoRA

@@ -1,4 +1,5 @@
-//! Shared test helpers: temp dirs, the tiny model with a byte-level tokenizer, running xtrain.
+//! Shared test helpers: the fixtures, temp dirs, the tiny model with a byte-level tokenizer, and
+//! xtrain's command lines (run as a user runs it).
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
@@ -15,11 +16,43 @@ pub fn tempdir(name: &str) -> PathBuf {
     d
 }
 
-pub fn xtrain(args: &[&str]) -> Output {
+/// `xtrain`, to add arguments, environment variables and pipes to.
+pub fn xtrain_cmd() -> Command {
     Command::new(env!("CARGO_BIN_EXE_xtrain"))
-        .args(args)
-        .output()
-        .unwrap()
+}
+
+/// `xtrain train --model MODEL --data DATA --out OUT`, to add the run's other flags to.
+pub fn train_cmd(model: &Path, data: &Path, out: &Path) -> Command {
+    let mut c = xtrain_cmd();
+    c.arg("train")
+        .arg("--model")
+        .arg(model)
+        .arg("--data")
+        .arg(data)
+        .arg("--out")
+        .arg(out);
+    c
+}
+
+/// Run xtrain with `args` and wait for it.
+pub fn xtrain(args: &[&str]) -> Output {
+    xtrain_cmd().args(args).output().unwrap()
+}
+
+/// Run xtrain expecting failure; returns stderr, checked to start with `error: ` and to hold no
+/// panic.
+pub fn fails(args: &[&str]) -> String {
+    let o = xtrain(args);
+    let err = String::from_utf8_lossy(&o.stderr).to_string();
+    assert!(!o.status.success(), "expected a failure: {args:?}\n{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(err.starts_with("error: "), "{err}");
+    err
+}
+
+/// Owned arguments as the `&str`s [`xtrain`] and [`fails`] take.
+pub fn refs(v: &[String]) -> Vec<&str> {
+    v.iter().map(|s| s.as_str()).collect()
 }
 
 /// GPT-2's reversible byte -> printable char map (so every byte is one token).

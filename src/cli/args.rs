@@ -1,0 +1,165 @@
+//! The flags that shape the step program, shared by `train`, `compile` and `bench`.
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use std::path::PathBuf;
+use xtrain::model::lora::{LoraConfig, Target};
+use xtrain::model::optim::AdamW;
+use xtrain::program::{Remat, StepOptions};
+
+#[derive(Args)]
+pub struct LoraArgs {
+    /// LoRA rank r.
+    #[arg(long, default_value_t = 16)]
+    pub lora_r: i64,
+    /// LoRA alpha (scale = alpha / r).
+    #[arg(long, default_value_t = 32.0)]
+    pub lora_alpha: f64,
+    /// LoRA dropout probability on the adapter's input.
+    #[arg(long, default_value_t = 0.0)]
+    pub lora_dropout: f64,
+    /// Projections to adapt, among q,k,v,o,gate,up,down.
+    #[arg(long, default_value = "q,k,v,o,gate,up,down")]
+    pub lora_targets: String,
+}
+
+impl LoraArgs {
+    pub fn config(&self) -> Result<LoraConfig> {
+        let c = LoraConfig {
+            r: self.lora_r,
+            alpha: self.lora_alpha,
+            dropout: self.lora_dropout,
+            targets: Target::parse_list(&self.lora_targets)?,
+        };
+        c.validate()?;
+        Ok(c)
+    }
+}
+
+/// What shapes the step program: numerics, optimizer constants, remat, accumulation.
+#[derive(Args)]
+pub struct StepArgs {
+    /// AdamW betas, as b1,b2.
+    #[arg(long, default_value = "0.9,0.999")]
+    pub betas: String,
+    /// AdamW epsilon (added after the bias-corrected square root, as torch does).
+    #[arg(long, default_value_t = 1e-8)]
+    pub eps: f64,
+    /// Decoupled weight decay.
+    #[arg(long, default_value_t = 0.0)]
+    pub weight_decay: f64,
+    /// Clip the global gradient norm to this (0 = off).
+    #[arg(long, default_value_t = 0.0)]
+    pub max_grad_norm: f64,
+    #[command(flatten)]
+    pub lora: LoraArgs,
+    /// Precision: f32, or bf16 (bf16 weights and matmuls; f32 norms, softmax, loss, LoRA
+    /// master weights and optimizer state).
+    #[arg(long, default_value = "f32")]
+    pub dtype: String,
+    /// What the backward pass recomputes: none (layers unrolled, everything kept), layer (keep
+    /// each layer's input), save-proj (also keep the frozen projections' outputs).
+    #[arg(long, default_value = "layer")]
+    pub remat: String,
+    /// Gradient accumulation: split each batch into this many microbatches inside the step.
+    #[arg(long, default_value_t = 1)]
+    pub grad_accum: i64,
+    /// Device mesh, e.g. data=2,fsdp=4,tensor=1 (axes of size 1 are no-ops; devices are
+    /// numbered row-major over the axes in this order).
+    #[arg(long)]
+    pub mesh: Option<String>,
+    /// A file of `logical = mesh_axes` lines overriding the default sharding rules.
+    #[arg(long)]
+    pub sharding_rules: Option<PathBuf>,
+    /// With looped layers, compute the loss and its gradient N positions at a time (less memory
+    /// for long sequences and large vocabularies on one device).
+    #[arg(long)]
+    pub loss_chunk: Option<i64>,
+    /// Query rows per block of causal attention (blocks wholly above the diagonal are not
+    /// computed); default 128 when the sequence is a longer multiple of 128, else no blocking.
+    #[arg(long)]
+    pub attention_block: Option<i64>,
+    /// With --dtype bf16, the type matmuls give their result in before it is rounded to bf16:
+    /// f32 (the accumulator: XLA CPU runs this form on the CPU's native bf16 GEMM), compute
+    /// (bf16, what a GPU's cuBLAS writes), or auto (f32 for a CPU plugin, else compute). The
+    /// arithmetic is the same (f32 accumulation, one rounding); the speed differs.
+    #[arg(long, default_value = "auto")]
+    pub matmul_result: String,
+    /// Quantize the projections' base weights at load: nf4 (QLoRA's 4-bit NormalFloat, blocks
+    /// of 64, double-quantized scales), dequantized in the step right before each matmul.
+    #[arg(long)]
+    pub quant: Option<String>,
+}
+
+impl StepArgs {
+    pub fn nf4(&self) -> Result<bool> {
+        match self.quant.as_deref() {
+            None | Some("none") => Ok(false),
+            Some("nf4") => Ok(true),
+            Some(other) => bail!("--quant must be nf4 or none, got `{other}`"),
+        }
+    }
+
+    pub fn mesh(&self) -> Result<Option<xtrain::program::MeshPlan>> {
+        let Some(m) = &self.mesh else {
+            return Ok(None);
+        };
+        let mesh = xtrain::program::sharding::parse_mesh(m)?;
+        if mesh.axes.is_empty() {
+            return Ok(None);
+        }
+        let rules = match &self.sharding_rules {
+            Some(p) => xtrain::program::sharding::Rules::load(p)?,
+            None => xtrain::program::sharding::Rules::default(),
+        };
+        Ok(Some(xtrain::program::MeshPlan {
+            axes: mesh.axes,
+            rules,
+        }))
+    }
+
+    pub fn adam(&self) -> Result<AdamW> {
+        let (beta1, beta2) = parse_betas(&self.betas)?;
+        Ok(AdamW {
+            beta1,
+            beta2,
+            eps: self.eps,
+            weight_decay: self.weight_decay,
+            max_grad_norm: self.max_grad_norm,
+        })
+    }
+
+    /// The step options these flags give (the dtype and the matmul form are checked when the
+    /// spec is made from them).
+    pub fn options(&self) -> Result<StepOptions> {
+        Ok(StepOptions {
+            lora: self.lora.config()?,
+            adam: self.adam()?,
+            dtype: self.dtype.clone(),
+            remat: Remat::parse(&self.remat)?,
+            microbatches: self.grad_accum,
+            mesh: self.mesh()?,
+            nf4: self.nf4()?,
+            loss_chunk: self.loss_chunk,
+            attention_block: self.attention_block,
+            matmul_result: self.matmul_result.clone(),
+        })
+    }
+}
+
+fn parse_betas(s: &str) -> Result<(f64, f64)> {
+    let parts: Vec<&str> = s.split(',').collect();
+    if parts.len() != 2 {
+        bail!("--betas must be two numbers like 0.9,0.999, got `{s}`");
+    }
+    let p = |x: &str| {
+        x.trim()
+            .parse::<f64>()
+            .with_context(|| format!("--betas: `{x}` is not a number"))
+    };
+    let (b1, b2) = (p(parts[0])?, p(parts[1])?);
+    if !(0.0..1.0).contains(&b1) || !(0.0..1.0).contains(&b2) {
+        bail!("--betas must each be in [0, 1), got {b1},{b2}");
+    }
+    Ok((b1, b2))
+}

@@ -1,0 +1,76 @@
+//! `xtrain generate`: a prompt in, the model's continuation out.
+
+use anyhow::Result;
+use clap::Args;
+use std::path::PathBuf;
+
+#[derive(Args)]
+pub struct GenerateArgs {
+    /// Hugging Face model directory (with tokenizer.json).
+    #[arg(long)]
+    pub model: PathBuf,
+    /// A PEFT adapter directory to apply.
+    #[arg(long)]
+    pub adapter: Option<PathBuf>,
+    /// The user message (rendered with the model's chat template unless --raw).
+    #[arg(long)]
+    pub prompt: String,
+    /// Use the prompt as raw text, without the chat template.
+    #[arg(long)]
+    pub raw: bool,
+    /// Maximum new tokens.
+    #[arg(long, default_value_t = 64)]
+    pub max_new_tokens: usize,
+    /// Sampling temperature (0 = greedy).
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f64,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Context length of the compiled program (prompt + new tokens must fit).
+    #[arg(long, default_value_t = 256)]
+    pub context: i64,
+    #[arg(long)]
+    pub plugin: Option<String>,
+}
+
+pub fn generate(a: GenerateArgs) -> Result<()> {
+    let cfg = xtrain::model::config::LlamaConfig::load(&a.model)?;
+    let tok = xtrain::data::text::TextTokenizer::load(&a.model)?;
+    let text = if a.raw {
+        a.prompt.clone()
+    } else {
+        tok.render_chat(
+            &[xtrain::data::text::Message {
+                role: "user".into(),
+                content: a.prompt.clone(),
+            }],
+            true,
+        )?
+    };
+    let ids = tok.encode(&text)?;
+    let adapter = match &a.adapter {
+        Some(d) => Some(xtrain::formats::peft::load_adapter(d, &cfg)?),
+        None => None,
+    };
+    let rt = xtrain::device::runtime::Runtime::open(a.plugin.as_deref(), Some(1))?;
+    let f = xtrain::device::generate::Forward::new(
+        &rt,
+        &cfg,
+        &a.model,
+        adapter.as_ref().map(|(c, t)| (c, t)),
+        xtrain::device::generate::Kind::NextToken,
+        1,
+        a.context,
+        hlo::DType::F32,
+    )?;
+    let out = xtrain::device::generate::generate(
+        &f,
+        &ids,
+        a.max_new_tokens,
+        a.temperature,
+        a.seed,
+        tok.eos_id,
+    )?;
+    println!("{}", tok.decode(&out)?);
+    Ok(())
+}

@@ -1,0 +1,100 @@
+//! The `xtrain` command line: the argument structs (clap) and one function per command that
+//! turns its arguments into the library's options and calls the stage that does the work. No
+//! work is done here beyond printing what a command reports. May use the whole library; nothing
+//! in the library uses it.
+
+mod args;
+mod bench;
+mod compile;
+mod convert;
+mod generate;
+mod plugins;
+mod train;
+
+use clap::{Parser, Subcommand};
+use std::path::PathBuf;
+
+#[derive(Parser)]
+#[command(
+    name = "xtrain",
+    version,
+    about = "Fine-tune Llama 3.1 with LoRA as one compiled StableHLO program on any PJRT backend"
+)]
+struct Cli {
+    /// Say more (also XLA's own logs).
+    #[arg(short, long, global = true)]
+    verbose: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// List the PJRT plugins found on this machine, or install one.
+    Plugins {
+        #[command(subcommand)]
+        action: Option<plugins::PluginAction>,
+    },
+    /// Train LoRA adapters.
+    Train(Box<train::TrainArgs>),
+    /// Build the training step program (StableHLO + manifest) without weights; --check also
+    /// compiles it and prints XLA's memory figures.
+    Compile(Box<compile::CompileArgs>),
+    /// Convert a llama.cpp GGUF file into a Hugging Face model directory.
+    ImportGguf {
+        /// The .gguf file.
+        file: PathBuf,
+        /// Output model directory.
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Generate text from a prompt, with or without a LoRA adapter.
+    Generate(generate::GenerateArgs),
+    /// Time the training step on random weights (`--init random`: no checkpoint needed) and
+    /// print the figures as JSON; --export writes the weights and batch for peer checks.
+    Bench(Box<bench::BenchArgs>),
+    /// Fold a LoRA adapter into the base weights and write a complete HF checkpoint.
+    Merge {
+        #[arg(long)]
+        model: PathBuf,
+        #[arg(long)]
+        adapter: PathBuf,
+        #[arg(long)]
+        out: PathBuf,
+    },
+}
+
+/// Parse the command line and run the command; an error is printed as `error: ...` with exit code 1.
+pub fn main() {
+    let cli = Cli::parse();
+    pjrt::set_verbose(cli.verbose);
+    // Before any command starts threads (weights are made and read on all cores).
+    let runs_on = match &cli.command {
+        Command::Train(a) => Some(a.plugin.as_deref()),
+        Command::Compile(a) => Some(a.plugin.as_deref()),
+        Command::Generate(a) => Some(a.plugin.as_deref()),
+        Command::Bench(a) => Some(a.plugin.as_deref()),
+        _ => None,
+    };
+    if let Some(plugin) = runs_on {
+        xtrain::device::platform::prepare_host_memory(plugin);
+    }
+    let result = match cli.command {
+        Command::Plugins { action } => plugins::plugins(action),
+        Command::Train(a) => train::train(*a, cli.verbose),
+        Command::Compile(a) => compile::compile(*a, cli.verbose),
+        Command::ImportGguf { file, out } => convert::import_gguf(&file, &out),
+        Command::Generate(a) => generate::generate(a),
+        Command::Bench(a) => bench::bench(*a),
+        Command::Merge {
+            model,
+            adapter,
+            out,
+        } => xtrain::formats::merge::merge(&model, &adapter, &out)
+            .map(|_| println!("wrote {}", out.display())),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}

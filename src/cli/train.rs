@@ -1,0 +1,151 @@
+//! `xtrain train`: the flags, turned into [`TrainOptions`] for [`xtrain::train::run`].
+
+use crate::cli::args::StepArgs;
+use anyhow::{bail, Result};
+use clap::Args;
+use std::path::PathBuf;
+use xtrain::data::DataOptions;
+use xtrain::train::options::TrainOptions;
+
+#[derive(Args)]
+pub struct TrainArgs {
+    /// Hugging Face model directory (config.json + safetensors [+ tokenizer.json for text]).
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Training data: a .jsonl file ({"text"}, alpaca {"instruction","input","output"} or chat
+    /// {"messages"} rows), or a .safetensors file with one pre-tokenized batch (input_ids,
+    /// labels, attention_mask) used for every step.
+    #[arg(long)]
+    pub data: PathBuf,
+    /// Start from this PEFT adapter instead of a fresh one.
+    #[arg(long)]
+    pub init_adapter: Option<PathBuf>,
+    /// Continue from a checkpoint dir (OUT/checkpoint-N): adapter, optimizer state, step, data
+    /// position. The run continues exactly as if it had not stopped.
+    #[arg(long)]
+    pub resume: Option<PathBuf>,
+    /// Number of optimizer steps (0 = --epochs over the data).
+    #[arg(long, default_value_t = 0)]
+    pub steps: u64,
+    /// Passes over the data when --steps is 0.
+    #[arg(long, default_value_t = 1)]
+    pub epochs: u64,
+    /// Peak learning rate.
+    #[arg(long, default_value_t = 2e-4)]
+    pub lr: f64,
+    /// Linear warmup steps.
+    #[arg(long, default_value_t = 0)]
+    pub warmup: u64,
+    /// Learning-rate decay after warmup: constant, linear or cosine.
+    #[arg(long, default_value = "constant")]
+    pub schedule: String,
+    /// The learning rate at the last step, as a fraction of --lr (linear/cosine).
+    #[arg(long, default_value_t = 0.0)]
+    pub min_lr_ratio: f64,
+    #[command(flatten)]
+    pub step: StepArgs,
+    /// Rows per step (JSONL data).
+    #[arg(long, default_value_t = 8)]
+    pub batch_size: i64,
+    /// Tokens per row (JSONL data).
+    #[arg(long, default_value_t = 512)]
+    pub seq: i64,
+    /// Pad each example to its own row instead of packing several per row.
+    #[arg(long)]
+    pub no_pack: bool,
+    /// Also put the loss on the prompt tokens (default: response tokens only).
+    #[arg(long)]
+    pub train_on_prompt: bool,
+    /// Skip JSONL lines that are not valid examples (counted) instead of stopping.
+    #[arg(long)]
+    pub skip_bad_lines: bool,
+    /// Stop on an example longer than --seq instead of truncating it.
+    #[arg(long)]
+    pub strict_length: bool,
+    /// Hold out this fraction of the examples for evaluation (ignored with --eval-data).
+    #[arg(long, default_value_t = 0.0)]
+    pub eval_fraction: f64,
+    /// A separate JSONL file to evaluate on.
+    #[arg(long)]
+    pub eval_data: Option<PathBuf>,
+    /// Evaluate every N steps (and at the start and the end).
+    #[arg(long, default_value_t = 0)]
+    pub eval_every: u64,
+    /// Run a program directory from `xtrain compile` instead of building the step here.
+    #[arg(long)]
+    pub program: Option<PathBuf>,
+    /// Compile even if a cached executable exists.
+    #[arg(long)]
+    pub no_cache: bool,
+    /// Stop this invocation after N steps (checkpoints as usual), e.g. to time-box a session and
+    /// continue later with --resume.
+    #[arg(long)]
+    pub stop_after: Option<u64>,
+    /// On a non-finite loss or gradient, skip the step (its update is never applied) instead of
+    /// stopping.
+    #[arg(long)]
+    pub skip_nonfinite_steps: bool,
+    /// Write a checkpoint (OUT/checkpoint-K) and the adapter (OUT/step-K) every K steps.
+    #[arg(long, default_value_t = 0)]
+    pub save_every: u64,
+    /// Print progress every N steps (0 = never).
+    #[arg(long, default_value_t = 1)]
+    pub log_every: u64,
+    /// Do not draw OUT/loss.png.
+    #[arg(long)]
+    pub no_plot: bool,
+    /// Output directory (metrics.jsonl, checkpoints, adapters, loss.png).
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Seed for LoRA initialisation, data order and dropout.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// PJRT plugin: cpu, cuda, rocm, tpu or a path to a plugin .so (default: $XTRAIN_PLUGIN or cpu).
+    #[arg(long)]
+    pub plugin: Option<String>,
+}
+
+pub fn train(a: TrainArgs, verbose: bool) -> Result<()> {
+    if !["constant", "linear", "cosine"].contains(&a.schedule.as_str()) {
+        bail!(
+            "--schedule must be constant, linear or cosine, got `{}`",
+            a.schedule
+        );
+    }
+    let opts = TrainOptions {
+        data: DataOptions {
+            path: a.data,
+            batch_size: a.batch_size,
+            seq: a.seq,
+            pack: !a.no_pack,
+            train_on_prompt: a.train_on_prompt,
+            skip_bad_lines: a.skip_bad_lines,
+            strict_length: a.strict_length,
+            eval_fraction: a.eval_fraction,
+            eval_data: a.eval_data,
+        },
+        step: a.step.options()?,
+        model: a.model,
+        init_adapter: a.init_adapter,
+        steps: a.steps,
+        epochs: a.epochs,
+        lr: a.lr,
+        warmup: a.warmup,
+        schedule: a.schedule,
+        min_lr_ratio: a.min_lr_ratio,
+        program: a.program,
+        use_cache: !a.no_cache,
+        eval_every: a.eval_every,
+        save_every: a.save_every,
+        resume: a.resume,
+        out: a.out,
+        seed: a.seed,
+        plugin: a.plugin,
+        verbose,
+        log_every: a.log_every,
+        plot: !a.no_plot,
+        stop_after: a.stop_after,
+        skip_nonfinite: a.skip_nonfinite_steps,
+    };
+    xtrain::train::run(&opts)
+}

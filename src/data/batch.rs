@@ -1,0 +1,105 @@
+//! A batch as the programs take it: input_ids, labels and attention_mask, each s32 [B, T].
+
+use crate::data::rows::Row;
+use crate::formats::host::convert;
+use crate::formats::safetensors::SafeTensors;
+use anyhow::{bail, Context, Result};
+use pjrt::{ElementType, HostTensor};
+use std::path::Path;
+
+/// One batch: input_ids, labels, attention_mask, each s32 [B, T].
+#[derive(Clone, Debug)]
+pub struct Batch {
+    pub input_ids: HostTensor,
+    pub labels: HostTensor,
+    pub attention_mask: HostTensor,
+}
+
+impl Batch {
+    pub fn dims(&self) -> (i64, i64) {
+        (self.input_ids.dims[0], self.input_ids.dims[1])
+    }
+
+    /// Tokens that carry a loss (labels != -100, excluding the first position).
+    pub fn target_tokens(&self) -> i64 {
+        let labels = self.labels.to_i32().unwrap_or_default();
+        let t = self.dims().1 as usize;
+        labels
+            .iter()
+            .enumerate()
+            .filter(|(i, &l)| i % t != 0 && l != -100)
+            .count() as i64
+    }
+
+    /// Read a pre-tokenized batch (`input_ids`, `labels`, optional `attention_mask`) from a
+    /// safetensors file; integer types are converted to s32.
+    pub fn from_safetensors(path: &Path) -> Result<Batch> {
+        let st = SafeTensors::open(path)?;
+        let get = |name: &str| -> Result<HostTensor> {
+            let t = st.read(name)?;
+            if t.dims.len() != 2 {
+                bail!(
+                    "{}: `{name}` must be [batch, seq], found {:?}",
+                    path.display(),
+                    t.dims
+                );
+            }
+            convert(&t, ElementType::S32).with_context(|| format!("{}: `{name}`", path.display()))
+        };
+        let input_ids = get("input_ids")?;
+        let labels = if st.tensors.contains_key("labels") {
+            get("labels")?
+        } else {
+            input_ids.clone()
+        };
+        let attention_mask = if st.tensors.contains_key("attention_mask") {
+            get("attention_mask")?
+        } else {
+            HostTensor::from_i32(&vec![1; input_ids.element_count()], &input_ids.dims)
+        };
+        for (name, t) in [("labels", &labels), ("attention_mask", &attention_mask)] {
+            if t.dims != input_ids.dims {
+                bail!(
+                    "{}: `{name}` is {:?} but `input_ids` is {:?}",
+                    path.display(),
+                    t.dims,
+                    input_ids.dims
+                );
+            }
+        }
+        Ok(Batch {
+            input_ids,
+            labels,
+            attention_mask,
+        })
+    }
+
+    /// Check token ids against the vocabulary.
+    pub fn check_vocab(&self, vocab: i64) -> Result<()> {
+        let ids = self.input_ids.to_i32()?;
+        if let Some((i, &bad)) = ids
+            .iter()
+            .enumerate()
+            .find(|(_, &id)| id < 0 || id as i64 >= vocab)
+        {
+            let t = self.dims().1 as usize;
+            bail!("token id {bad} at batch row {}, position {} is outside the vocabulary (0..{vocab})", i / t, i % t);
+        }
+        Ok(())
+    }
+}
+
+/// Stack rows into a batch.
+pub fn batch(rows: &[&Row]) -> Batch {
+    let (b, t) = (rows.len() as i64, rows[0].ids.len() as i64);
+    let cat = |f: fn(&Row) -> &Vec<i32>| {
+        rows.iter()
+            .flat_map(|r| f(r).iter().copied())
+            .collect::<Vec<i32>>()
+    };
+    Batch {
+        input_ids: HostTensor::from_i32(&cat(|r| &r.ids), &[b, t]),
+        labels: HostTensor::from_i32(&cat(|r| &r.labels), &[b, t]),
+        attention_mask: HostTensor::from_i32(&cat(|r| &r.mask), &[b, t]),
+    }
+}

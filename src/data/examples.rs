@@ -1,0 +1,151 @@
+//! Examples: JSONL lines read into text or conversations, then rendered with the chat template
+//! and tokenized, with a loss mask.
+
+use crate::data::text::{Message, TextTokenizer};
+use anyhow::{bail, Context, Result};
+use std::path::Path;
+
+/// One training example as read from a file.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Example {
+    /// Plain text: the loss is on every token.
+    Text(String),
+    /// A conversation: the loss is on the last assistant message.
+    Chat(Vec<Message>),
+}
+
+/// What reading a file found.
+pub struct ReadReport {
+    pub examples: Vec<Example>,
+    /// (line number, reason) of each line skipped with --skip-bad-lines.
+    pub skipped: Vec<(usize, String)>,
+}
+
+fn parse_line(v: &serde_json::Value) -> std::result::Result<Example, String> {
+    let obj = v.as_object().ok_or("not a JSON object")?;
+    let s = |k: &str| obj.get(k).and_then(|x| x.as_str());
+    if let Some(messages) = obj.get("messages") {
+        let arr = messages.as_array().ok_or("`messages` is not a list")?;
+        let mut out = Vec::new();
+        for (i, m) in arr.iter().enumerate() {
+            let role = m
+                .get("role")
+                .and_then(|r| r.as_str())
+                .ok_or(format!("message {i} has no string `role`"))?;
+            let content = m
+                .get("content")
+                .and_then(|r| r.as_str())
+                .ok_or(format!("message {i} has no string `content`"))?;
+            out.push(Message {
+                role: role.into(),
+                content: content.into(),
+            });
+        }
+        if !out.iter().any(|m| m.role == "assistant") {
+            return Err("no assistant message to learn".into());
+        }
+        return Ok(Example::Chat(out));
+    }
+    if let (Some(instruction), Some(output)) = (s("instruction"), s("output")) {
+        let user = match s("input") {
+            Some(i) if !i.trim().is_empty() => format!("{instruction}\n\n{i}"),
+            _ => instruction.to_string(),
+        };
+        return Ok(Example::Chat(vec![
+            Message {
+                role: "user".into(),
+                content: user,
+            },
+            Message {
+                role: "assistant".into(),
+                content: output.into(),
+            },
+        ]));
+    }
+    if let Some(t) = s("text") {
+        return Ok(Example::Text(t.into()));
+    }
+    Err("expected `text`, `instruction` + `output`, or `messages`".into())
+}
+
+/// Read a JSONL file. A bad line is an error naming the file and line, unless `skip_bad`.
+pub fn read_jsonl(path: &Path, skip_bad: bool) -> Result<ReadReport> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let mut examples = Vec::new();
+    let mut skipped = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        let n = i + 1;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let parsed = serde_json::from_str::<serde_json::Value>(line)
+            .map_err(|e| format!("not valid JSON ({e})"))
+            .and_then(|v| parse_line(&v));
+        match parsed {
+            Ok(ex) => examples.push(ex),
+            Err(reason) if skip_bad => skipped.push((n, reason)),
+            Err(reason) => bail!(
+                "{}:{n}: {reason} (pass --skip-bad-lines to skip such lines)",
+                path.display()
+            ),
+        }
+    }
+    if examples.is_empty() {
+        bail!("{}: no usable examples", path.display());
+    }
+    Ok(ReadReport { examples, skipped })
+}
+
+/// Token ids and labels (-100 where there is no loss) of one example.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Tokenized {
+    pub ids: Vec<u32>,
+    pub labels: Vec<i32>,
+}
+
+/// Tokenize an example. For chats, the prompt (everything before the last assistant message,
+/// with the template's generation prompt) gets label -100 unless `train_on_prompt`.
+pub fn tokenize(tok: &TextTokenizer, ex: &Example, train_on_prompt: bool) -> Result<Tokenized> {
+    match ex {
+        Example::Text(t) => {
+            let mut ids = Vec::new();
+            if let Some(bos) = tok.bos.as_deref().filter(|_| !t.is_empty()) {
+                ids.extend(tok.encode(bos)?);
+            }
+            ids.extend(tok.encode(t)?);
+            ids.extend(tok.eos_id);
+            let labels = ids.iter().map(|&i| i as i32).collect();
+            Ok(Tokenized { ids, labels })
+        }
+        Example::Chat(messages) => {
+            let last = messages
+                .iter()
+                .rposition(|m| m.role == "assistant")
+                .context("no assistant message")?;
+            let prompt = tok.render_chat(&messages[..last], true)?;
+            let full = tok.render_chat(&messages[..=last], false)?;
+            let prompt_ids = tok.encode(&prompt)?;
+            let ids = tok.encode(&full)?;
+            // The prompt's tokens are a prefix of the full text's (the template ends the prompt
+            // with special tokens, where BPE cannot merge across); count what matches.
+            let n_prompt = prompt_ids
+                .iter()
+                .zip(&ids)
+                .take_while(|(a, b)| a == b)
+                .count();
+            let labels = ids
+                .iter()
+                .enumerate()
+                .map(|(i, &id)| {
+                    if i < n_prompt && !train_on_prompt {
+                        -100
+                    } else {
+                        id as i32
+                    }
+                })
+                .collect();
+            Ok(Tokenized { ids, labels })
+        }
+    }
+}

@@ -1,0 +1,196 @@
+//! Where a run's batches come from: one fixed batch, or rows visited epoch by epoch in a seeded
+//! order; and the held-out rows cut into evaluation batches. [`load`] is the data stage of
+//! `xtrain train`.
+
+use crate::data::batch::Batch;
+use crate::data::examples::{read_jsonl, tokenize, Tokenized};
+use crate::data::rows::{epoch_order, make_rows, split_eval, Row};
+use crate::data::text::TextTokenizer;
+use crate::model::config::LlamaConfig;
+use anyhow::{bail, Result};
+use pjrt::HostTensor;
+use std::path::{Path, PathBuf};
+
+/// How `xtrain train` reads its data.
+pub struct DataOptions {
+    /// `.safetensors` (one pre-tokenized batch used for every step) or `.jsonl` (text data).
+    pub path: PathBuf,
+    /// Rows per step and tokens per row (JSONL data).
+    pub batch_size: i64,
+    pub seq: i64,
+    pub pack: bool,
+    pub train_on_prompt: bool,
+    pub skip_bad_lines: bool,
+    pub strict_length: bool,
+    pub eval_fraction: f64,
+    pub eval_data: Option<PathBuf>,
+}
+
+/// A run's data: where its batches come from, the evaluation batches, and the batch shape.
+pub struct TrainingData {
+    pub source: Source,
+    pub eval_batches: Vec<Batch>,
+    /// Rows per batch and tokens per row.
+    pub batch: i64,
+    pub seq: i64,
+}
+
+/// Read the training data for a model (its directory holds the tokenizer for text data): a
+/// pre-tokenized batch file, or JSONL examples made into rows, with held-out evaluation batches.
+pub fn load(opts: &DataOptions, model_dir: &Path, cfg: &LlamaConfig) -> Result<TrainingData> {
+    let is_batch_file = opts.path.extension().is_some_and(|e| e == "safetensors");
+    if is_batch_file {
+        let batch = Batch::from_safetensors(&opts.path)?;
+        batch.check_vocab(cfg.vocab_size)?;
+        let (rows, seq) = batch.dims();
+        return Ok(TrainingData {
+            source: Source::Fixed(batch),
+            eval_batches: Vec::new(),
+            batch: rows,
+            seq,
+        });
+    }
+    let tok = TextTokenizer::load(model_dir)?;
+    if tok.vocab_size() as i64 > cfg.vocab_size {
+        bail!(
+            "the tokenizer has {} tokens but the model's vocabulary is {}",
+            tok.vocab_size(),
+            cfg.vocab_size
+        );
+    }
+    let examples = read_rows(&opts.path, &tok, opts.skip_bad_lines, opts.train_on_prompt)?;
+    let (train_ex, eval_ex) = match &opts.eval_data {
+        Some(p) => (
+            examples,
+            read_rows(p, &tok, opts.skip_bad_lines, opts.train_on_prompt)?,
+        ),
+        None => split_eval(&examples, opts.eval_fraction),
+    };
+    let seq = opts.seq as usize;
+    let (rows, report) = make_rows(&train_ex, seq, opts.pack, tok.pad_id, opts.strict_length)?;
+    if report.truncated > 0 {
+        eprintln!(
+            "xtrain: truncated {} examples to --seq {seq}",
+            report.truncated
+        );
+    }
+    if rows.len() < opts.batch_size as usize {
+        bail!(
+            "{} gives {} rows of {seq} tokens, fewer than one batch of {}",
+            opts.path.display(),
+            rows.len(),
+            opts.batch_size
+        );
+    }
+    // Eval rows are never packed, so that each row is one example (accuracy is per example).
+    let (eval_rows, _) = make_rows(&eval_ex, seq, false, tok.pad_id, false)?;
+    let b = opts.batch_size as usize;
+    Ok(TrainingData {
+        source: Source::Rows {
+            rows,
+            batch: b,
+            order: None,
+        },
+        eval_batches: eval_batches(&eval_rows, b),
+        batch: b as i64,
+        seq: seq as i64,
+    })
+}
+
+/// Held-out rows in batches of `b`, the last one padded by repeating its first row (the repeats'
+/// labels are turned off, see [`mask_repeats`]).
+fn eval_batches(eval_rows: &[Row], b: usize) -> Vec<Batch> {
+    let batches: Vec<Batch> = eval_rows
+        .chunks(b)
+        .map(|c| {
+            let mut refs: Vec<&Row> = c.iter().collect();
+            while refs.len() < b {
+                refs.push(&c[0]); // pad the last batch by repeating; repeated rows are skipped below
+            }
+            crate::data::batch(&refs)
+        })
+        .collect();
+    mask_repeats(batches, eval_rows.len(), b)
+}
+
+/// Where the batches come from.
+pub enum Source {
+    /// One batch used for every step.
+    Fixed(Batch),
+    /// Rows visited epoch by epoch in a seeded order (the current epoch's order cached).
+    Rows {
+        rows: Vec<Row>,
+        batch: usize,
+        order: Option<(u64, Vec<usize>)>,
+    },
+}
+
+impl Source {
+    pub fn steps_per_epoch(&self) -> u64 {
+        match self {
+            Source::Fixed(_) => 1,
+            Source::Rows { rows, batch, .. } => (rows.len() / batch).max(1) as u64,
+        }
+    }
+
+    /// The batch at (epoch, position), and the position after it.
+    pub fn next(&mut self, seed: u64, epoch: &mut u64, position: &mut u64) -> Batch {
+        match self {
+            Source::Fixed(b) => b.clone(),
+            Source::Rows { rows, batch, order } => {
+                if *position as usize + *batch > rows.len() {
+                    *epoch += 1;
+                    *position = 0;
+                }
+                // The shuffle of an epoch is computed once, not at every step.
+                if order.as_ref().is_none_or(|(e, _)| e != epoch) {
+                    *order = Some((*epoch, epoch_order(rows.len(), seed, *epoch)));
+                }
+                let ord = &order.as_ref().unwrap().1;
+                let at = *position as usize;
+                let picked: Vec<&Row> = ord[at..at + *batch].iter().map(|&i| &rows[i]).collect();
+                *position += *batch as u64;
+                crate::data::batch(&picked)
+            }
+        }
+    }
+}
+
+/// Read a JSONL file's examples and tokenize them (bad lines skipped and reported when
+/// `skip_bad_lines`; the loss on the prompt too when `train_on_prompt`).
+fn read_rows(
+    path: &Path,
+    tok: &TextTokenizer,
+    skip_bad_lines: bool,
+    train_on_prompt: bool,
+) -> Result<Vec<Tokenized>> {
+    let report = read_jsonl(path, skip_bad_lines)?;
+    if !report.skipped.is_empty() {
+        eprintln!(
+            "xtrain: skipped {} bad lines of {} (first: line {}: {})",
+            report.skipped.len(),
+            path.display(),
+            report.skipped[0].0,
+            report.skipped[0].1
+        );
+    }
+    report
+        .examples
+        .iter()
+        .map(|e| tokenize(tok, e, train_on_prompt))
+        .collect()
+}
+
+/// Eval batches padded by repeating rows: turn the repeats' labels off so they do not count.
+fn mask_repeats(mut batches: Vec<Batch>, real_rows: usize, b: usize) -> Vec<Batch> {
+    if let Some(last) = batches.last_mut() {
+        let real_in_last = real_rows - (real_rows.saturating_sub(1) / b) * b;
+        let t = last.dims().1 as usize;
+        let mut labels = last.labels.to_i32().unwrap_or_default();
+        for l in labels.iter_mut().skip(real_in_last * t) {
+            *l = -100;
+        }
+        last.labels = HostTensor::from_i32(&labels, &last.labels.dims);
+    }
+    batches
+}

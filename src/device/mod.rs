@@ -1,0 +1,14 @@
+//! Programs on a PJRT plugin's devices: opening a plugin (and what differs per platform),
+//! compiling through the executable cache, host tensors to and from each device's shard, and the
+//! two stateful users of compiled programs: the [`trainer::Trainer`] (a training step with its
+//! weights and state on the devices, and evaluation on them) and [`generate::Forward`] (forward
+//! and next-token programs, and decoding with them). It may use `program`, `formats`, `data`
+//! and `model`. Plugins, clients and buffers are reached only from here: elsewhere `pjrt` gives
+//! just its host tensor type (and xtrain's cache directory).
+
+pub mod cache;
+pub mod generate;
+pub mod platform;
+pub mod runtime;
+pub mod shards;
+pub mod trainer;

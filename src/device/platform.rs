@@ -1,0 +1,113 @@
+//! What xtrain does differently per backend, decided before or as a plugin is opened: the CPU
+//! plugin's host memory policy, the GPU plugins' memory fraction, and the matmul form of
+//! `--matmul-result auto`.
+
+use anyhow::{bail, Result};
+
+/// On the CPU plugin, device memory is the process's heap, and XLA allocates each execution's
+/// temporaries (hundreds of MB for a training step) with malloc and frees them after it. glibc
+/// serves blocks that large with fresh mmaps, and the worker threads' own arenas give memory back
+/// on free, so every step page-faults its temporaries in again: 120k faults (470 MB of zeroed
+/// pages) per step on the benchmark workload, about 0.1 s of 1.3 s. One arena that never unmaps
+/// or trims keeps those pages for the next step (31k faults per step; `tools/bench` shows the
+/// time). Must run before the plugin starts its threads, and before any other threads have
+/// made arenas of their own: `xtrain bench` makes its random weights on all cores first, and
+/// with the policy set only when the plugin was opened, the step page-faulted 200k times again
+/// (f32; bf16 55k). [`prepare_host_memory`] sets it at the start of a command. The memory is
+/// kept, not leaked: the next step reuses it, and the high-water mark is what XLA's figures
+/// already say the step needs.
+pub(super) fn keep_freed_host_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        static ONCE: std::sync::Once = std::sync::Once::new();
+        ONCE.call_once(|| {
+            // SAFETY: mallopt only changes glibc's allocation policy; it is called once, before
+            // the plugin's threads exist, and its failure (a 0 return) leaves the defaults.
+            unsafe {
+                libc::mallopt(libc::M_ARENA_MAX, 1);
+                libc::mallopt(libc::M_MMAP_MAX, 0);
+                libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
+            }
+        });
+    }
+}
+
+/// The share of GPU memory the CUDA/ROCm plugins may use: 0.9 (theirs is 0.75), or
+/// `$XTRAIN_GPU_MEMORY_FRACTION`.
+pub(super) fn gpu_memory_fraction() -> Result<f32> {
+    match std::env::var("XTRAIN_GPU_MEMORY_FRACTION") {
+        Err(_) => Ok(0.9),
+        Ok(v) => match v.trim().parse::<f32>() {
+            Ok(f) if f > 0.0 && f <= 1.0 => Ok(f),
+            _ => bail!("XTRAIN_GPU_MEMORY_FRACTION must be a number in (0, 1], got `{v}`"),
+        },
+    }
+}
+
+/// The platform (PJRT's name: `cpu`, `cuda`, `rocm`, `tpu`) of the plugin `plugin` names, as
+/// named for `Runtime::open` (`$XTRAIN_PLUGIN` or else
+/// `cpu` when None), from the name alone: one of those names is that platform, and a path is
+/// the first of them its file name contains (`xla_cpu_pjrt.so`: cpu; `xla_cuda_plugin.so`: cuda),
+/// else "unknown". Nothing is loaded or installed: what `xtrain compile` builds for (it writes a
+/// program for a plugin that need not be on this machine), and how the CPU plugin's needs are
+/// known before its client exists. Commands that open the plugin ask it
+/// (`Runtime::platform`).
+pub fn named_platform(plugin: Option<&str>) -> &'static str {
+    const PLATFORMS: [&str; 4] = ["cpu", "cuda", "rocm", "tpu"];
+    let env = std::env::var("XTRAIN_PLUGIN").ok();
+    let name = plugin.or(env.as_deref()).unwrap_or("cpu");
+    if let Some(p) = PLATFORMS.iter().find(|p| **p == name) {
+        return p;
+    }
+    let file = std::path::Path::new(name)
+        .file_name()
+        .map(|f| f.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    PLATFORMS
+        .iter()
+        .find(|p| file.contains(*p))
+        .copied()
+        .unwrap_or("unknown")
+}
+
+/// Call first thing in a command that will run on `plugin`, before it starts any threads: for
+/// the CPU plugin, sets the allocation policy its steps need (see `keep_freed_host_memory`).
+pub fn prepare_host_memory(plugin: Option<&str>) {
+    if named_platform(plugin) == "cpu" {
+        keep_freed_host_memory();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `--matmul-result auto` is decided from the plugin's name alone: the f32-result form for
+    /// the CPU plugin (by name or by its file), the bf16-result form for accelerators.
+    #[test]
+    fn auto_matmul_result_follows_the_plugin_name() {
+        use crate::program::wide_matmul_results;
+        for (plugin, wide) in [
+            ("cpu", true),
+            ("/root/.cache/xtrain/plugins/cpu/xla_cpu_pjrt.so", true),
+            ("cuda", false),
+            ("rocm", false),
+            ("tpu", false),
+            (
+                "/site-packages/jax_plugins/xla_cuda13/xla_cuda_plugin.so",
+                false,
+            ),
+        ] {
+            let platform = named_platform(Some(plugin));
+            assert_eq!(
+                wide_matmul_results("auto", platform).unwrap(),
+                wide,
+                "{plugin}"
+            );
+            assert!(wide_matmul_results("f32", platform).unwrap());
+            assert!(!wide_matmul_results("compute", platform).unwrap());
+        }
+        let e = wide_matmul_results("bf16", "cpu").unwrap_err();
+        assert!(e.to_string().contains("auto, f32 or compute"), "{e}");
+    }
+}

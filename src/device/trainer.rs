@@ -1,0 +1,349 @@
+//! A compiled training step with its state on the device: the frozen weights uploaded once, the
+//! LoRA weights and AdamW moments donated to each step and returned updated, evaluation on the
+//! same buffers, and the state read back for checkpoints.
+
+use crate::data::Batch;
+use crate::device::runtime::Runtime;
+use crate::formats::host::{convert, element_type};
+use crate::program::{self, Program, Role, StepSpec};
+use anyhow::{bail, Context, Result};
+use pjrt::{Buffer, CompileOptions, ElementType, Executable, HostTensor};
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+/// A compiled training step with its state on the device.
+pub struct Trainer {
+    pub rt: Runtime,
+    pub program: Program,
+    exe: Executable,
+    /// Per argument, one buffer per device (its shard).
+    frozen: Vec<Vec<Buffer>>,
+    /// LoRA params, then m, then v, in program order (the donated part); per device.
+    state: Vec<Vec<Buffer>>,
+    /// Number of optimizer steps taken.
+    pub step: u64,
+    pub spec: StepSpec,
+    /// Threefry key for LoRA dropout, advanced every step.
+    pub dropout_seed: u64,
+    /// The evaluation program, compiled on first use, with its results' shardings.
+    eval_exe: Option<(Executable, Vec<hlo::Sharding>)>,
+    /// Seconds spent compiling the step (or loading it from the cache).
+    pub compile_s: f64,
+}
+
+/// Loss and exact-match accuracy on held-out rows.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+pub struct EvalResult {
+    pub loss: f64,
+    pub accuracy: f64,
+    pub rows: usize,
+}
+
+impl Trainer {
+    /// Compile `program` (through the executable cache), upload the frozen weights (in the
+    /// program's layout, see [`crate::formats::weights::load`]) and the initial LoRA weights and AdamW
+    /// moments (per-layer PEFT names; missing moments start at zero).
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        rt: Runtime,
+        spec: StepSpec,
+        program: Program,
+        weights: Vec<HostTensor>,
+        lora: &BTreeMap<String, HostTensor>,
+        moments: &BTreeMap<String, HostTensor>,
+        use_cache: bool,
+        verbose: bool,
+    ) -> Result<Trainer> {
+        let t0 = Instant::now();
+        let (exe, cached) = crate::device::cache::compile_cached(
+            &rt,
+            &program,
+            &CompileOptions::default(),
+            use_cache,
+        )?;
+        let compile_s = t0.elapsed().as_secs_f64();
+        if verbose {
+            let how = if cached {
+                "loaded the compiled step from the cache"
+            } else {
+                "compiled the step"
+            };
+            eprintln!(
+                "xtrain: {how} in {compile_s:.2}s ({} bytes of StableHLO)",
+                program.text.len()
+            );
+        }
+        let mesh = spec.mesh.as_ref().map(|m| m.mesh());
+        let shardings = program.arg_shardings(&spec);
+        let mut frozen = Vec::new();
+        let mut w = weights.into_iter();
+        for (a, sh) in program
+            .args
+            .iter()
+            .zip(&shardings)
+            .filter(|(a, _)| a.role == Role::Frozen)
+        {
+            let t = w.next().context("fewer weights than the program takes")?;
+            if t.dims != a.shape {
+                bail!(
+                    "weight `{}` is {:?}, the program takes {:?}",
+                    a.name,
+                    t.dims,
+                    a.shape
+                );
+            }
+            // Converted only when the types differ: a large model's weights are not copied twice.
+            let want = element_type(a.dtype);
+            let t = if t.ty == want { t } else { convert(&t, want)? };
+            frozen.push(rt.upload_sharded(&t, sh, mesh.as_ref())?);
+        }
+        let mut trainer = Trainer {
+            rt,
+            program,
+            exe,
+            frozen,
+            state: Vec::new(),
+            step: 0,
+            spec,
+            dropout_seed: 0,
+            eval_exe: None,
+            compile_s,
+        };
+        trainer.set_state(lora, moments)?;
+        Ok(trainer)
+    }
+
+    fn state_specs(&self) -> Vec<(String, Vec<i64>)> {
+        self.program
+            .args
+            .iter()
+            .filter(|a| matches!(a.role, Role::Lora | Role::AdamM | Role::AdamV))
+            .map(|a| (a.name.clone(), a.shape.clone()))
+            .collect()
+    }
+
+    /// Replace the LoRA weights and moments (per-layer names; missing moments start at zero).
+    pub fn set_state(
+        &mut self,
+        lora: &BTreeMap<String, HostTensor>,
+        moments: &BTreeMap<String, HostTensor>,
+    ) -> Result<()> {
+        let mut all = lora.clone();
+        for t in crate::model::tensors::lora_tensors(&self.spec.model, &self.spec.lora) {
+            for prefix in ["exp_avg", "exp_avg_sq"] {
+                let name = format!("{prefix}.{}", t.name);
+                let v = match moments.get(&name) {
+                    Some(v) => v.clone(),
+                    None => HostTensor::from_f32(
+                        &vec![0.0; t.shape.iter().product::<i64>() as usize],
+                        &t.shape,
+                    ),
+                };
+                all.insert(name, v);
+            }
+        }
+        let tensors = crate::formats::host::to_program_layout(
+            &self.state_specs(),
+            &all,
+            self.spec.model.num_hidden_layers,
+        )?;
+        let shardings = self.state_shardings();
+        let mesh = self.spec.mesh.as_ref().map(|m| m.mesh());
+        self.state = tensors
+            .iter()
+            .zip(&shardings)
+            .map(|(t, sh)| {
+                self.rt
+                    .upload_sharded(&convert(t, ElementType::F32)?, sh, mesh.as_ref())
+            })
+            .collect::<Result<_>>()?;
+        Ok(())
+    }
+
+    fn state_shardings(&self) -> Vec<hlo::Sharding> {
+        self.program
+            .args
+            .iter()
+            .zip(self.program.arg_shardings(&self.spec))
+            .filter(|(a, _)| matches!(a.role, Role::Lora | Role::AdamM | Role::AdamV))
+            .map(|(_, s)| s)
+            .collect()
+    }
+
+    /// Upload a per-step input (replicated or sharded by its name) to every device.
+    fn put(&self, name: &str, t: &HostTensor) -> Result<Vec<Buffer>> {
+        match &self.spec.mesh {
+            Some(m) => self
+                .rt
+                .upload_sharded(t, &m.sharding(name, &t.dims), Some(&m.mesh())),
+            None => Ok(vec![self.rt.upload(t)?]),
+        }
+    }
+
+    fn devices(&self) -> usize {
+        self.program.partitions as usize
+    }
+
+    /// One optimizer step at learning rate `lr`. Returns (loss before the update, grad norm).
+    pub fn step(&mut self, batch: &Batch, lr: f64) -> Result<(f32, f32)> {
+        let t = self.step + 1;
+        let mut inputs = vec![
+            self.put("step", &HostTensor::from_f32(&[t as f32], &[]))?,
+            self.put("lr", &HostTensor::from_f32(&[lr as f32], &[]))?,
+            self.put("input_ids", &batch.input_ids)?,
+            self.put("labels", &batch.labels)?,
+            self.put("attention_mask", &batch.attention_mask)?,
+        ];
+        if self.spec.lora.dropout > 0.0 {
+            let k = [self.dropout_seed, t << 20];
+            inputs.push(self.put(
+                "dropout_key",
+                &HostTensor {
+                    ty: ElementType::U64,
+                    dims: vec![2],
+                    bytes: k.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                },
+            )?);
+        }
+        let args: Vec<Vec<&Buffer>> = (0..self.devices())
+            .map(|d| {
+                self.frozen
+                    .iter()
+                    .chain(&self.state)
+                    .chain(&inputs)
+                    .map(|per_device| &per_device[d])
+                    .collect()
+            })
+            .collect();
+        let out = self.exe.execute(&args)?;
+        let n_state = self.state.len();
+        // Loss and grad norm are replicated: read device 0's.
+        let loss = out[0][n_state].to_host()?.scalar_f32()?;
+        let grad_norm = out[0][n_state + 1].to_host()?.scalar_f32()?;
+        let mut per_arg: Vec<Vec<Buffer>> = (0..n_state).map(|_| Vec::new()).collect();
+        for device_out in out {
+            for (k, b) in device_out.into_iter().take(n_state).enumerate() {
+                per_arg[k].push(b);
+            }
+        }
+        self.state = per_arg;
+        self.step = t;
+        Ok((loss, grad_norm))
+    }
+
+    /// Mean loss over `batches` (summed CE / valid targets) and the fraction of rows whose every
+    /// target token is the argmax prediction (what greedy decoding would reproduce exactly).
+    pub fn evaluate(&mut self, batches: &[Batch]) -> Result<EvalResult> {
+        if batches.is_empty() {
+            bail!("no evaluation batches");
+        }
+        if self.eval_exe.is_none() {
+            let mut spec = self.spec.clone();
+            spec.batch = batches[0].dims().0;
+            spec.microbatches = 1;
+            let program = program::build_eval(&spec)?;
+            let (exe, _) = crate::device::cache::compile_cached(
+                &self.rt,
+                &program,
+                &CompileOptions::default(),
+                true,
+            )?;
+            self.eval_exe = Some((exe, program.result_shardings(&spec)));
+        }
+        let (exe, result_shardings) = self.eval_exe.as_ref().unwrap();
+        let n_lora = self
+            .program
+            .args
+            .iter()
+            .filter(|a| a.role == Role::Lora)
+            .count();
+        let (mut total, mut count, mut rows, mut exact) = (0.0f64, 0.0f64, 0usize, 0usize);
+        let mesh = self.spec.mesh.as_ref().map(|m| m.mesh());
+        for batch in batches {
+            let inputs = [
+                self.put("input_ids", &batch.input_ids)?,
+                self.put("labels", &batch.labels)?,
+                self.put("attention_mask", &batch.attention_mask)?,
+            ];
+            let args: Vec<Vec<&Buffer>> = (0..self.devices())
+                .map(|d| {
+                    self.frozen
+                        .iter()
+                        .chain(&self.state[..n_lora])
+                        .chain(&inputs)
+                        .map(|per| &per[d])
+                        .collect()
+                })
+                .collect();
+            let out = exe.execute(&args)?;
+            let gather = |k: usize| -> Result<Vec<f32>> {
+                let shards: Vec<HostTensor> = out
+                    .iter()
+                    .map(|o| o[k].to_host())
+                    .collect::<std::result::Result<_, _>>()?;
+                let dims = vec![batch.dims().0, batch.dims().1];
+                Ok(match &mesh {
+                    Some(m) => {
+                        crate::device::shards::unshard(&shards, &dims, &result_shardings[k], m)
+                    }
+                    None => shards[0].clone(),
+                }
+                .to_f32()?)
+            };
+            let ce = gather(0)?;
+            let correct = gather(1)?;
+            let lab = batch.labels.to_i32()?;
+            let t = batch.dims().1 as usize;
+            for r in 0..batch.dims().0 as usize {
+                let mut all = true;
+                let mut any = false;
+                for p in 0..t - 1 {
+                    if lab[r * t + p + 1] != -100 {
+                        any = true;
+                        total += ce[r * t + p] as f64;
+                        count += 1.0;
+                        all &= correct[r * t + p] > 0.5;
+                    }
+                }
+                if any {
+                    rows += 1;
+                    exact += all as usize;
+                }
+            }
+        }
+        Ok(EvalResult {
+            loss: total / count.max(1.0),
+            accuracy: exact as f64 / rows.max(1) as f64,
+            rows,
+        })
+    }
+
+    /// The current LoRA weights (per-layer PEFT names) and AdamW moments, on the host.
+    pub fn state_to_host(
+        &self,
+    ) -> Result<(BTreeMap<String, HostTensor>, BTreeMap<String, HostTensor>)> {
+        let mesh = self.spec.mesh.as_ref().map(|m| m.mesh());
+        let shardings = self.state_shardings();
+        let named: Vec<(String, HostTensor)> = self
+            .state_specs()
+            .into_iter()
+            .zip(&self.state)
+            .zip(&shardings)
+            .map(|(((n, shape), bufs), sh)| {
+                let shards: Vec<HostTensor> = bufs
+                    .iter()
+                    .map(|b| b.to_host())
+                    .collect::<std::result::Result<_, _>>()?;
+                let t = match &mesh {
+                    Some(m) => crate::device::shards::unshard(&shards, &shape, sh, m),
+                    None => shards.into_iter().next().context("no shard")?,
+                };
+                Ok((n, t))
+            })
+            .collect::<Result<_>>()?;
+        let all = crate::formats::host::from_program_layout(named);
+        let (moments, lora): (BTreeMap<_, _>, BTreeMap<_, _>) =
+            all.into_iter().partition(|(n, _)| n.starts_with("exp_avg"));
+        Ok((lora, moments))
+    }
+}

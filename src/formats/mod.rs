@@ -1,0 +1,16 @@
+//! What xtrain reads and writes on disk, and host tensors in the forms those files and the
+//! programs want: safetensors, Hugging Face checkpoints (frozen weights loaded in a program's
+//! layout, NF4-quantized when asked), PEFT adapters, GGUF import, merged checkpoints, program
+//! directories (`train_step.mlir` + `manifest.json`), and every write atomic (a temp file or
+//! directory renamed into place). It may use `program` (for the manifest's spec and signature)
+//! and `model`; it knows nothing of devices or training.
+
+pub mod assets;
+pub mod atomic;
+pub mod gguf;
+pub mod host;
+pub mod merge;
+pub mod peft;
+pub mod program_dir;
+pub mod safetensors;
+pub mod weights;

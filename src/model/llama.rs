@@ -1,0 +1,519 @@
+//! The Llama 3.1 forward pass and loss, as a graph. Written to read like the equations:
+//!
+//! ```text
+//! h_0   = E[ids]
+//! a_l   = h_l + Attn_l(RMSNorm(h_l; g_l))          (GQA, RoPE, causal + padding mask)
+//! h_l+1 = a_l + W_down(silu(W_gate x) * W_up x),   x = RMSNorm(a_l; g'_l)
+//! logits = RMSNorm(h_L; g) W_head^T
+//! loss  = sum_valid CE(logits[t], label[t+1]) / #valid      (HF: over the whole batch)
+//! ```
+//! Every projection `x W^T` may carry a LoRA term `(alpha/r) dropout(x) A^T B^T`.
+
+use crate::model::config::LlamaConfig;
+use crate::model::lora::Target;
+use hlo::{Builder, CmpDir, DType, DotDims, Result, Shape, Value};
+use std::collections::BTreeMap;
+
+/// The frozen weights of one decoder layer (HF layout: projections are [out, in]).
+#[derive(Clone, Debug)]
+pub struct LayerWeights {
+    pub input_norm: Value,
+    pub q: Value,
+    pub k: Value,
+    pub v: Value,
+    pub o: Value,
+    pub post_norm: Value,
+    pub gate: Value,
+    pub up: Value,
+    pub down: Value,
+}
+
+impl LayerWeights {
+    pub fn projection(&self, t: Target) -> Value {
+        match t {
+            Target::Q => self.q,
+            Target::K => self.k,
+            Target::V => self.v,
+            Target::O => self.o,
+            Target::Gate => self.gate,
+            Target::Up => self.up,
+            Target::Down => self.down,
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct BaseWeights {
+    pub embed: Value,
+    pub layers: Vec<LayerWeights>,
+    pub norm: Value,
+    /// The embedding itself when embeddings are tied.
+    pub lm_head: Value,
+}
+
+/// One LoRA adapter pair: A [r, in], B [out, r].
+#[derive(Clone, Copy, Debug)]
+pub struct LoraPair {
+    pub a: Value,
+    pub b: Value,
+}
+
+/// One layer's adapters, by target.
+pub type LayerAdapters = BTreeMap<Target, LoraPair>;
+
+/// What a layer shares with the others: RoPE tables, the attention mask, LoRA's scale, dropout.
+#[derive(Clone, Debug)]
+pub struct LayerContext {
+    pub rope: (Value, Value),
+    pub mask: Value,
+    pub lora_scale: f64,
+    /// (probability, this layer's RNG state `tensor<2xui64>`) when LoRA dropout is on; the state
+    /// advances through the layer's projections.
+    pub dropout: Option<(f64, Value)>,
+}
+
+/// Named intermediates a remat policy keeps from the forward pass (the frozen projections'
+/// outputs): recorded in the forward pass, substituted when the backward pass recomputes.
+pub enum Saves<'a> {
+    Off,
+    Record(&'a mut Vec<(String, Value)>),
+    Use(&'a BTreeMap<String, Value>),
+}
+
+impl Saves<'_> {
+    fn point(&mut self, b: &mut Builder, name: &str, v: Value) -> Result<Value> {
+        match self {
+            Saves::Off => Ok(v),
+            Saves::Record(list) => {
+                list.push((name.to_string(), v));
+                Ok(v)
+            }
+            Saves::Use(map) => match map.get(name) {
+                Some(&saved) => b.use_saved(v, saved),
+                None => Ok(v),
+            },
+        }
+    }
+}
+
+/// The per-layer RNG state for dropout: the step's key with the layer index added to its second
+/// word, so a layer draws the same masks when it is recomputed.
+pub fn layer_key(b: &mut Builder, key: Value, layer: Value) -> Result<Value> {
+    let l = b.convert(layer, DType::U64)?;
+    let l = b.reshape(l, &[1])?;
+    let zero = b.zeros(Shape::new(&[1], DType::U64));
+    let offset = b.concatenate(&[zero, l], 0)?;
+    b.add(key, offset)
+}
+
+/// Numerics of the forward pass.
+#[derive(Clone, Copy, Debug)]
+pub struct Numerics {
+    /// Element type of activations and matmul operands (f32, or bf16 for mixed precision).
+    pub compute: DType,
+    /// Query rows per causal attention block (see [`query_block`]); None: the default rule.
+    pub attention_block: Option<i64>,
+    /// Element type matmuls give their result in before it is rounded to `compute`: `compute`
+    /// itself, or f32 (the accumulator). The arithmetic is the same either way (products are
+    /// accumulated in f32 and rounded once; kernels may sum in another order); the form is for
+    /// the backend: XLA CPU runs bf16 x bf16 -> f32 on the CPU's native bf16 GEMM but converts
+    /// both operands of a bf16 -> bf16 product to f32 first, while a GPU's cuBLAS writes bf16
+    /// directly.
+    pub matmul_result: DType,
+}
+
+impl Numerics {
+    /// f32 or bf16 compute with matmul results in the compute type.
+    pub fn new(compute: DType) -> Numerics {
+        Numerics {
+            compute,
+            attention_block: None,
+            matmul_result: compute,
+        }
+    }
+}
+
+impl Default for Numerics {
+    fn default() -> Self {
+        Numerics::new(DType::F32)
+    }
+}
+
+/// Builds the forward pass of one model config into a builder.
+pub struct Llama<'a> {
+    pub cfg: &'a LlamaConfig,
+    pub num: Numerics,
+}
+
+/// `x W^T` for x [.., in] and W [out, in], accumulating in f32 whatever the operand type; the
+/// product is given in `result` and rounded to x's type (see [`Numerics::matmul_result`]).
+fn linear(b: &mut Builder, x: Value, w: Value, result: DType) -> Result<Value> {
+    // As one [tokens, in] x [in, out] GEMM: the batch and sequence dims folded together.
+    let xd = b.dims(x).to_vec();
+    let rows: i64 = xd[..xd.len() - 1].iter().product();
+    let x2 = b.reshape(x, &[rows, xd[xd.len() - 1]])?;
+    let dims = DotDims {
+        lhs_contract: vec![1],
+        rhs_contract: vec![1],
+        ..Default::default()
+    };
+    let y = b.dot_general(x2, w, dims, None, Some(result))?;
+    let y = b.convert(y, b.dtype(x))?;
+    let mut yd = xd[..xd.len() - 1].to_vec();
+    yd.push(b.dims(w)[0]);
+    b.reshape(y, &yd)
+}
+
+/// Query rows per attention block: the requested size when it divides the sequence; else, for a
+/// sequence that is a multiple of 128 longer than that, blocks of 128 rows but at most 8 blocks
+/// (T/8 rows beyond T = 1024: 8 blocks skip 7/16 of the scores, and more blocks mostly add
+/// program size and compile time); else the whole sequence (one block, nothing skipped).
+/// Measured on the CPU: seq 1024 2.05 s -> 1.54 s per step with blocks of 128; seq 256 neutral.
+fn query_block(t: i64, requested: Option<i64>) -> i64 {
+    match requested {
+        Some(r) if r > 0 && r <= t && t % r == 0 => r,
+        Some(_) => t,
+        None if t > 128 && t % 128 == 0 => (t / 8).max(128),
+        None => t,
+    }
+}
+
+/// softmax(q k^T / sqrt(D), masked) v for q [B, TQ, KV, G, D], k and v [B, S, KV, D] and the mask
+/// [B, TQ, S]: out [B, TQ, KV, G, D]. Scores and softmax in f32.
+fn attend(
+    b: &mut Builder,
+    q: Value,
+    k: Value,
+    v: Value,
+    mask: Value,
+    d: i64,
+    num: Numerics,
+) -> Result<Value> {
+    // scores [B, KV, TQ, G, S] = q . k / sqrt(D)
+    let dims = DotDims {
+        lhs_batch: vec![0, 2],
+        rhs_batch: vec![0, 2],
+        lhs_contract: vec![4],
+        rhs_contract: vec![3],
+    };
+    let scores = b.dot_general(q, k, dims, None, Some(DType::F32))?;
+    let scores = b.mul_scalar(scores, 1.0 / (d as f64).sqrt())?;
+    let sd = b.dims(scores).to_vec();
+    let allowed = b.broadcast_in_dim(mask, &sd, &[0, 2, 4])?;
+    let blocked = b.full(f32::MIN as f64, Shape::new(&sd, DType::F32));
+    let scores = b.select(allowed, scores, blocked)?;
+    let probs = softmax_last(b, scores)?;
+    let probs = b.convert(probs, num.compute)?;
+    // out [B, KV, TQ, G, D] = probs . v
+    let dims = DotDims {
+        lhs_batch: vec![0, 1],
+        rhs_batch: vec![0, 2],
+        lhs_contract: vec![4],
+        rhs_contract: vec![1],
+    };
+    let out = b.dot_general(probs, v, dims, None, Some(num.matmul_result))?;
+    let out = b.convert(out, num.compute)?;
+    b.transpose(out, &[0, 2, 1, 3, 4])
+}
+
+impl Llama<'_> {
+    /// h_0 = E[ids]: [B, T, H] in the compute type.
+    pub fn embed(&self, b: &mut Builder, embed: Value, ids: Value) -> Result<Value> {
+        b.scoped("embed", |b| {
+            let e = b.convert(embed, self.num.compute)?;
+            b.take_rows(e, ids)
+        })
+    }
+
+    /// RoPE tables for T positions and the [B, T, S] attention mask.
+    pub fn context(
+        &self,
+        b: &mut Builder,
+        attention_mask: Value,
+        lora_scale: f64,
+    ) -> Result<LayerContext> {
+        let t = b.dims(attention_mask)[1];
+        let rope = b.scoped("rope", |b| self.rope_tables(b, t))?;
+        let mask = b.scoped("mask", |b| self.attention_mask(b, attention_mask))?;
+        Ok(LayerContext {
+            rope,
+            mask,
+            lora_scale,
+            dropout: None,
+        })
+    }
+
+    /// One decoder layer: h + Attn(norm(h)), then + MLP(norm(.)).
+    pub fn layer(
+        &self,
+        b: &mut Builder,
+        h: Value,
+        w: &LayerWeights,
+        lora: &LayerAdapters,
+        ctx: &mut LayerContext,
+        saves: &mut Saves,
+    ) -> Result<Value> {
+        let x = b.scoped("input_norm", |b| self.rms_norm(b, h, w.input_norm))?;
+        let attn = self.attention(b, x, w, lora, ctx, saves)?;
+        let h = b.add(h, attn)?;
+        let x = b.scoped("post_norm", |b| self.rms_norm(b, h, w.post_norm))?;
+        let mlp = self.mlp(b, x, w, lora, ctx, saves)?;
+        b.add(h, mlp)
+    }
+
+    /// logits = norm(h) W_head^T, in f32.
+    pub fn head(&self, b: &mut Builder, h: Value, norm: Value, lm_head: Value) -> Result<Value> {
+        let x = b.scoped("norm", |b| self.rms_norm(b, h, norm))?;
+        b.scoped("lm_head", |b| {
+            let head = b.convert(lm_head, self.num.compute)?;
+            let logits = linear(b, x, head, self.num.matmul_result)?;
+            b.convert(logits, DType::F32)
+        })
+    }
+
+    /// Logits [B, T, V] (f32) for token ids [B, T] (s32) and a padding mask [B, T] (s32, 1 =
+    /// real token), layers unrolled. `dropout_key` turns on LoRA dropout.
+    #[allow(clippy::too_many_arguments)]
+    pub fn logits(
+        &self,
+        b: &mut Builder,
+        w: &BaseWeights,
+        lora: &[LayerAdapters],
+        lora_scale: f64,
+        dropout: Option<(f64, Value)>,
+        ids: Value,
+        attention_mask: Value,
+    ) -> Result<Value> {
+        let mut h = self.embed(b, w.embed, ids)?;
+        let mut ctx = self.context(b, attention_mask, lora_scale)?;
+        let none = LayerAdapters::new();
+        for (l, lw) in w.layers.iter().enumerate() {
+            b.push_scope(&format!("layers.{l}"));
+            if let Some((p, key)) = dropout {
+                let idx = b.scalar(l as f64, DType::S32);
+                ctx.dropout = Some((p, layer_key(b, key, idx)?));
+            }
+            h = self.layer(
+                b,
+                h,
+                lw,
+                lora.get(l).unwrap_or(&none),
+                &mut ctx,
+                &mut Saves::Off,
+            )?;
+            b.pop_scope();
+        }
+        self.head(b, h, w.norm, w.lm_head)
+    }
+
+    /// RMSNorm in f32: `g * x / sqrt(mean(x^2) + eps)`, back in the compute type.
+    fn rms_norm(&self, b: &mut Builder, x: Value, g: Value) -> Result<Value> {
+        let dims = b.dims(x).to_vec();
+        let last = dims.len() as i64 - 1;
+        let x32 = b.convert(x, DType::F32)?;
+        let sq = b.mul(x32, x32)?;
+        let sum = b.reduce_sum(sq, &[last])?;
+        let mean = b.mul_scalar(sum, 1.0 / dims[last as usize] as f64)?;
+        let var = b.add_scalar(mean, self.cfg.rms_norm_eps)?;
+        let inv = b.rsqrt(var)?;
+        let inv = b.broadcast_in_dim(inv, &dims, &(0..last).collect::<Vec<_>>())?;
+        let normed = b.mul(x32, inv)?;
+        // HF casts back to the activation type before scaling by the weight.
+        let normed = b.convert(normed, self.num.compute)?;
+        let g = b.convert(g, self.num.compute)?;
+        let g = b.broadcast_in_dim(g, &dims, &[last])?;
+        b.mul(normed, g)
+    }
+
+    /// cos and sin tables [T, D] for positions 0..T, in the split-half layout.
+    fn rope_tables(&self, b: &mut Builder, t: i64) -> Result<(Value, Value)> {
+        let inv = self.cfg.rope_inv_freq();
+        let half = inv.len() as i64;
+        let inv = b.constant(
+            hlo::Literal::Float(inv.iter().map(|&f| f as f64).collect()),
+            Shape::new(&[half], DType::F32),
+        )?;
+        let pos = b.iota(Shape::new(&[t, half], DType::F32), 0)?;
+        let inv = b.broadcast_in_dim(inv, &[t, half], &[1])?;
+        let freqs = b.mul(pos, inv)?;
+        let angles = b.concatenate(&[freqs, freqs], 1)?;
+        let cos = b.cos(angles)?;
+        let sin = b.sin(angles)?;
+        Ok((
+            b.convert(cos, self.num.compute)?,
+            b.convert(sin, self.num.compute)?,
+        ))
+    }
+
+    /// x * cos + rotate_half(x) * sin, for x [B, T, ..heads.., D].
+    fn apply_rope(&self, b: &mut Builder, x: Value, (cos, sin): (Value, Value)) -> Result<Value> {
+        let dims = b.dims(x).to_vec();
+        let r = dims.len();
+        let d = dims[r - 1];
+        let x1 = b.slice_dim(x, r - 1, 0, d / 2)?;
+        let x2 = b.slice_dim(x, r - 1, d / 2, d)?;
+        let neg_x2 = b.neg(x2)?;
+        let rotated = b.concatenate(&[neg_x2, x1], r as i64 - 1)?;
+        let cos = b.broadcast_in_dim(cos, &dims, &[1, r as i64 - 1])?;
+        let sin = b.broadcast_in_dim(sin, &dims, &[1, r as i64 - 1])?;
+        let a = b.mul(x, cos)?;
+        let c = b.mul(rotated, sin)?;
+        b.add(a, c)
+    }
+
+    /// Which key positions each query may attend to: [B, T, S] booleans, causal and not padding.
+    fn attention_mask(&self, b: &mut Builder, attention_mask: Value) -> Result<Value> {
+        let (bs, t) = (b.dims(attention_mask)[0], b.dims(attention_mask)[1]);
+        let q_pos = b.iota(Shape::new(&[bs, t, t], DType::S32), 1)?;
+        let k_pos = b.iota(Shape::new(&[bs, t, t], DType::S32), 2)?;
+        let causal = b.compare(k_pos, q_pos, CmpDir::Le)?;
+        let zero = b.zeros_like(attention_mask);
+        let real = b.compare(attention_mask, zero, CmpDir::Ne)?;
+        let real = b.broadcast_in_dim(real, &[bs, t, t], &[0, 2])?;
+        b.and(causal, real)
+    }
+
+    /// `x W^T` plus the layer's LoRA term for `target` when there is one.
+    #[allow(clippy::too_many_arguments)]
+    fn project(
+        &self,
+        b: &mut Builder,
+        target: Target,
+        x: Value,
+        w: Value,
+        lora: &LayerAdapters,
+        ctx: &mut LayerContext,
+        saves: &mut Saves,
+    ) -> Result<Value> {
+        b.scoped(target.module(), |b| {
+            let w = b.convert(w, self.num.compute)?;
+            let y = linear(b, x, w, self.num.matmul_result)?;
+            let y = saves.point(b, target.module(), y)?;
+            let Some(pair) = lora.get(&target).copied() else {
+                return Ok(y);
+            };
+            let x_in = match &mut ctx.dropout {
+                Some((p, state)) => {
+                    let (next, kept) = dropout(b, x, *p, *state)?;
+                    *state = next;
+                    kept
+                }
+                None => x,
+            };
+            let a = b.convert(pair.a, self.num.compute)?;
+            let bm = b.convert(pair.b, self.num.compute)?;
+            // PEFT scales the adapter's output, (x A^T B^T) * s; scaling the rank-r activation
+            // instead is the same product (exactly so in bf16 when s is a power of two, as it is
+            // for the usual alpha = 2r) at r/out of the work, and it leaves the projection's
+            // output cotangent with one consumer form fewer in the backward pass.
+            let xa = linear(b, x_in, a, self.num.matmul_result)?;
+            let xa = b.mul_scalar(xa, ctx.lora_scale)?;
+            let xab = linear(b, xa, bm, self.num.matmul_result)?;
+            b.add(y, xab)
+        })
+    }
+
+    fn attention(
+        &self,
+        b: &mut Builder,
+        x: Value,
+        w: &LayerWeights,
+        lora: &LayerAdapters,
+        ctx: &mut LayerContext,
+        saves: &mut Saves,
+    ) -> Result<Value> {
+        let (rope, mask) = (ctx.rope, ctx.mask);
+        let c = self.cfg;
+        let (bs, t) = (b.dims(x)[0], b.dims(x)[1]);
+        let (kvh, d) = (c.num_key_value_heads, c.head_dim);
+        let g = c.num_attention_heads / kvh;
+        let q = self.project(b, Target::Q, x, w.q, lora, ctx, saves)?;
+        let k = self.project(b, Target::K, x, w.k, lora, ctx, saves)?;
+        let v = self.project(b, Target::V, x, w.v, lora, ctx, saves)?;
+        let attn = b.scoped("attn", |b| {
+            // Query head j = kv * G + g uses kv head j / G, as HF's repeat_kv does.
+            let q = b.reshape(q, &[bs, t, kvh, g, d])?;
+            let k = b.reshape(k, &[bs, t, kvh, d])?;
+            let v = b.reshape(v, &[bs, t, kvh, d])?;
+            let q = self.apply_rope(b, q, rope)?;
+            let k = self.apply_rope(b, k, rope)?;
+            // Causal: the queries of block i see keys 0..(i+1)*TB only, so the blocks above the
+            // diagonal, where every score is masked, are never computed (a quarter of the
+            // attention work at 2 blocks, nearly half at many).
+            let tb = query_block(t, self.num.attention_block);
+            let mut outs = Vec::new();
+            for i in 0..t / tb {
+                let (start, seen) = (i * tb, (i + 1) * tb);
+                let qi = b.slice_dim(q, 1, start, start + tb)?;
+                let ki = b.slice_dim(k, 1, 0, seen)?;
+                let vi = b.slice_dim(v, 1, 0, seen)?;
+                let mi = b.slice_dim(mask, 1, start, start + tb)?;
+                let mi = b.slice_dim(mi, 2, 0, seen)?;
+                outs.push(attend(b, qi, ki, vi, mi, d, self.num)?);
+            }
+            let out = if outs.len() == 1 {
+                outs[0]
+            } else {
+                b.concatenate(&outs, 1)?
+            };
+            b.reshape(out, &[bs, t, c.num_attention_heads * d])
+        })?;
+        self.project(b, Target::O, attn, w.o, lora, ctx, saves)
+    }
+
+    fn mlp(
+        &self,
+        b: &mut Builder,
+        x: Value,
+        w: &LayerWeights,
+        lora: &LayerAdapters,
+        ctx: &mut LayerContext,
+        saves: &mut Saves,
+    ) -> Result<Value> {
+        let gate = self.project(b, Target::Gate, x, w.gate, lora, ctx, saves)?;
+        let up = self.project(b, Target::Up, x, w.up, lora, ctx, saves)?;
+        // silu(g) = g * sigmoid(g), one op in the compute type as torch's silu is: computed in
+        // f32 and rounded once (rounding the sigmoid too would add an error HF does not have)
+        let act = b.scoped("mlp", |b| {
+            let g32 = b.convert(gate, DType::F32)?;
+            let s = b.logistic(g32)?;
+            let silu = b.mul(g32, s)?;
+            let silu = b.convert(silu, self.num.compute)?;
+            b.mul(silu, up)
+        })?;
+        self.project(b, Target::Down, act, w.down, lora, ctx, saves)
+    }
+}
+
+/// Softmax over the last dim (f32), shifted by the max, which gets no gradient (the result does
+/// not depend on it).
+pub fn softmax_last(b: &mut Builder, x: Value) -> Result<Value> {
+    let dims = b.dims(x).to_vec();
+    let last = dims.len() as i64 - 1;
+    let keep: Vec<i64> = (0..last).collect();
+    let m = b.reduce_max(x, &[last])?;
+    let m = b.stop_gradient(m);
+    let m = b.broadcast_in_dim(m, &dims, &keep)?;
+    let shifted = b.sub(x, m)?;
+    let e = b.exp(shifted)?;
+    let s = b.reduce_sum(e, &[last])?;
+    let s = b.broadcast_in_dim(s, &dims, &keep)?;
+    b.div(e, s)
+}
+
+/// Inverted dropout on x: keep each element with probability 1-p and scale by 1/(1-p).
+/// Returns the advanced RNG state and the result.
+fn dropout(b: &mut Builder, x: Value, p: f64, state: Value) -> Result<(Value, Value)> {
+    let s = b.shape(x).clone();
+    let (next, bits) = b.rng_bit_generator(state, s.with_dtype(DType::U32))?;
+    // Uniform in [0, 1) from the top 24 bits.
+    let eight = b.full(8.0, s.with_dtype(DType::U32));
+    let top = b.shift_right_logical(bits, eight)?;
+    let u = b.convert(top, DType::F32)?;
+    let u = b.mul_scalar(u, 1.0 / (1u32 << 24) as f64)?;
+    let thresh = b.full(p, s.with_dtype(DType::F32));
+    let keep = b.compare(u, thresh, CmpDir::Ge)?;
+    let scaled = b.mul_scalar(x, 1.0 / (1.0 - p))?;
+    let zero = b.zeros_like(x);
+    Ok((next, b.select(keep, scaled, zero)?))
+}

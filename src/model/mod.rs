@@ -1,0 +1,15 @@
+//! The model being fine-tuned, as equations and names: the Llama 3.1 configuration (a checkpoint's
+//! `config.json` or a built-in preset), the names and shapes of its tensors and of a LoRA
+//! adapter's (per layer, or stacked over layers), the forward pass and the loss as `hlo` graphs,
+//! LoRA's definition, NF4 quantization and AdamW. It knows nothing of a program's argument order,
+//! files of weights or devices: it may use `hlo` only, and everything else in the crate builds
+//! on it.
+
+pub mod config;
+pub mod llama;
+pub mod lora;
+pub mod loss;
+pub mod optim;
+pub mod presets;
+pub mod quant;
+pub mod tensors;

@@ -1,0 +1,499 @@
+//! The step's math over a [`Layout`]: the forward pass (layers unrolled, or a loop over stacked
+//! layers that keeps each layer's input), the backward loop that recomputes each layer and
+//! applies its vjp, the loss in chunks, and the microbatch loop of gradient accumulation.
+
+use crate::model::llama::{layer_key, BaseWeights, LayerAdapters, LayerContext, Saves};
+use crate::model::lora::Target;
+use crate::model::loss::{cross_entropy_loss_and_grad, next_token_targets};
+use crate::model::tensors::projection_dims;
+use crate::program::layout::{
+    layer_slice, layer_slice_as, layer_update, stack_type, Layout, LoopInvariants, ModelValues,
+};
+use crate::program::spec::Remat;
+use hlo::{Builder, DType, Shape, Value};
+use std::collections::BTreeMap;
+
+/// The invariants both layer loops are given (see [`Layout::loop_invariants`]): the values, and
+/// how many of them are stacked weights and stacked LoRA tensors, and whether a dropout key
+/// follows the RoPE tables and the mask.
+struct LoopInputs {
+    values: Vec<Value>,
+    stacked: usize,
+    lora: usize,
+    dropout: bool,
+}
+
+impl Layout<'_> {
+    /// Logits with layers unrolled over per-layer weights.
+    fn logits_unrolled(
+        &self,
+        b: &mut Builder,
+        m: &ModelValues,
+        dropout: Option<(f64, Value)>,
+        ids: Value,
+        mask: Value,
+    ) -> hlo::Result<Value> {
+        let (embed, norm, lm_head) = self.ends(&m.frozen);
+        let per_layer: usize = self.kind_sizes().iter().sum();
+        let layers = self
+            .layer_values(&m.frozen)
+            .chunks(per_layer)
+            .map(|w| self.layer_weights(b, w))
+            .collect::<hlo::Result<_>>()?;
+        let per_layer = 2 * self.spec.lora.targets.len();
+        let lora: Vec<LayerAdapters> = if m.lora.is_empty() {
+            Vec::new()
+        } else {
+            m.lora.chunks(per_layer).map(|c| self.adapters(c)).collect()
+        };
+        let w = BaseWeights {
+            embed,
+            layers,
+            norm,
+            lm_head,
+        };
+        self.model()
+            .logits(b, &w, &lora, self.spec.lora.scale(), dropout, ids, mask)
+    }
+
+    /// Pin the batch dim of an activation [B, T, ...] to the mesh's batch sharding (a hint for
+    /// the partitioner where the embedding gather would otherwise leave it guessing).
+    fn constrain_batch(&self, b: &mut Builder, x: Value) -> hlo::Result<Value> {
+        let Some(m) = &self.spec.mesh else {
+            return Ok(x);
+        };
+        let dims = b.dims(x).to_vec();
+        let mut logical = vec!["batch"];
+        logical.extend(std::iter::repeat_n("none", dims.len() - 1));
+        let sh = m.rules.sharding(&logical, &dims, &m.mesh());
+        b.sharding_constraint(x, sh)
+    }
+
+    /// The names a remat policy saves in the forward loop.
+    fn saved_names(&self) -> Vec<&'static str> {
+        match self.spec.remat {
+            Remat::SaveProj => Target::ALL.iter().map(|t| t.module()).collect(),
+            _ => Vec::new(),
+        }
+    }
+
+    /// Run layer `i` (a loop index) of the stacked model inside a loop body.
+    #[allow(clippy::too_many_arguments)]
+    fn layer_in_loop(
+        &self,
+        b: &mut Builder,
+        i: Value,
+        h: Value,
+        stacked: &[Value],
+        lora: &[Value],
+        ctx: &LayerContext,
+        dropout: Option<(f64, Value)>,
+        saves: &mut Saves,
+    ) -> hlo::Result<(Value, Vec<Value>)> {
+        let w: Vec<Value> = stacked
+            .iter()
+            .map(|&s| layer_slice(b, s, i))
+            .collect::<hlo::Result<_>>()?;
+        let lw = b.scoped("layers", |b| self.layer_weights(b, &w))?;
+        let lora_l: Vec<Value> = lora
+            .iter()
+            .map(|&s| layer_slice(b, s, i))
+            .collect::<hlo::Result<_>>()?;
+        let adapters = self.adapters(&lora_l);
+        let mut ctx = ctx.clone();
+        if let Some((p, key)) = dropout {
+            ctx.dropout = Some((p, layer_key(b, key, i)?));
+        }
+        let out = b.scoped("layers", |b| {
+            self.model().layer(b, h, &lw, &adapters, &mut ctx, saves)
+        })?;
+        Ok((out, lora_l))
+    }
+
+    /// Forward and backward for one (micro)batch: (loss share, gradients in LoRA arg order).
+    /// `denom` is the number of valid targets in the whole batch, so that microbatch losses and
+    /// gradients add up to those of the whole batch.
+    #[allow(clippy::too_many_arguments)]
+    fn loss_and_grads(
+        &self,
+        b: &mut Builder,
+        m: &ModelValues,
+        ids: Value,
+        labels: Value,
+        mask: Value,
+        key: Option<Value>,
+        denom: Value,
+    ) -> hlo::Result<(Value, Vec<Value>)> {
+        let dropout = key.map(|k| (self.spec.lora.dropout, k));
+        if !self.spec.remat.scan() {
+            let logits = self.logits_unrolled(b, m, dropout, ids, mask)?;
+            let targets = next_token_targets(b, labels)?;
+            let (loss, dlogits) = cross_entropy_loss_and_grad(b, logits, targets, denom)?;
+            let grads = b.vjp(&[(logits, dlogits)], &m.lora)?;
+            return Ok((loss, grads));
+        }
+        let model = self.model();
+        let (embed, norm, lm_head) = self.ends(&m.frozen);
+        let h0 = model.embed(b, embed, ids)?;
+        let h0 = self.constrain_batch(b, h0)?;
+        let ctx = model.context(b, mask, self.spec.lora.scale())?;
+        let (fwd, inv) = self.forward_loop(b, m, h0, &ctx, key)?;
+        let (loss, dh) = match self.spec.loss_chunk {
+            Some(chunk) => {
+                self.chunked_loss_and_dh(b, fwd[0], norm, lm_head, labels, denom, chunk)?
+            }
+            None => {
+                let logits = model.head(b, fwd[0], norm, lm_head)?;
+                let targets = next_token_targets(b, labels)?;
+                let (loss, dlogits) = cross_entropy_loss_and_grad(b, logits, targets, denom)?;
+                let dh = b.vjp(&[(logits, dlogits)], &[fwd[0]])?[0];
+                (loss, dh)
+            }
+        };
+        let grads = self.backward_loop(b, m, &fwd, &inv, dh)?;
+        Ok((loss, grads))
+    }
+
+    /// The loop invariants of both layer loops, as they are passed: the stacked weights, the
+    /// stacked LoRA tensors, the RoPE tables and the mask, and the dropout key if there is one.
+    fn loop_invariants(
+        &self,
+        m: &ModelValues,
+        ctx: &LayerContext,
+        key: Option<Value>,
+    ) -> LoopInputs {
+        let stacked = self.layer_values(&m.frozen);
+        let mut values: Vec<Value> = stacked.iter().chain(&m.lora).copied().collect();
+        values.extend([ctx.rope.0, ctx.rope.1, ctx.mask]);
+        values.extend(key);
+        LoopInputs {
+            values,
+            stacked: stacked.len(),
+            lora: m.lora.len(),
+            dropout: key.is_some(),
+        }
+    }
+
+    /// A loop body's view of the invariants passed as [`LoopInputs`].
+    fn unpack(&self, at: &LoopInputs, inv: &[Value]) -> LoopInvariants {
+        let (ns, nl) = (at.stacked, at.lora);
+        let c = LayerContext {
+            rope: (inv[ns + nl], inv[ns + nl + 1]),
+            mask: inv[ns + nl + 2],
+            lora_scale: self.spec.lora.scale(),
+            dropout: None,
+        };
+        let d = at
+            .dropout
+            .then(|| (self.spec.lora.dropout, inv[ns + nl + 3]));
+        (inv[..ns].to_vec(), inv[ns..ns + nl].to_vec(), c, d)
+    }
+
+    /// The forward loop over the stacked layers from the embedded input `h0`. Its carry, and what
+    /// it returns: the last hidden state, every layer's input [L, B, T, H] and (with `save-proj`)
+    /// every layer's frozen projection outputs [L, B, T, out], stacks kept as [`stack_type`].
+    fn forward_loop(
+        &self,
+        b: &mut Builder,
+        m: &ModelValues,
+        h0: Value,
+        ctx: &LayerContext,
+        key: Option<Value>,
+    ) -> hlo::Result<(Vec<Value>, LoopInputs)> {
+        let l = self.spec.model.num_hidden_layers;
+        let (bs, t, hd) = (b.dims(h0)[0], b.dims(h0)[1], b.dims(h0)[2]);
+        let saved_names = self.saved_names();
+        let compute = self.spec.compute_dtype;
+        // Every slot of a stack is written before it is read, so the fill does not matter; each
+        // stack gets its own (0, 1, 2, ...) because XLA would otherwise merge the equal fills into
+        // one broadcast and copy it into every stack of that shape before the loop (a full copy
+        // of each: ~90 MB per f32 step on the benchmark).
+        let inputs0 = b.full(0.0, Shape::new(&[l, bs, t, hd], stack_type(compute)));
+        let mut carry = vec![h0, inputs0];
+        for (i, name) in saved_names.iter().enumerate() {
+            let target = Target::ALL.iter().find(|x| x.module() == *name).unwrap();
+            let out = projection_dims(&self.spec.model, *target).1;
+            let fill = (i + 1) as f64;
+            carry.push(b.full(fill, Shape::new(&[l, bs, t, out], stack_type(compute))));
+        }
+        let at = self.loop_invariants(m, ctx, key);
+        let fwd = b.fori_loop(l, &carry, &at.values, |bb, i, carry, inv| {
+            let (stacked, lora, ctx, dropout) = self.unpack(&at, inv);
+            let mut recorded = Vec::new();
+            let (h, _) = self.layer_in_loop(
+                bb,
+                i,
+                carry[0],
+                &stacked,
+                &lora,
+                &ctx,
+                dropout,
+                &mut Saves::Record(&mut recorded),
+            )?;
+            let mut next = vec![h, layer_update(bb, carry[1], carry[0], i)?];
+            for (k, name) in saved_names.iter().enumerate() {
+                let v = recorded
+                    .iter()
+                    .find(|(n, _)| n == name)
+                    .map(|(_, v)| *v)
+                    .expect("projection recorded");
+                next.push(layer_update(bb, carry[2 + k], v, i)?);
+            }
+            Ok(next)
+        })?;
+        Ok((fwd, at))
+    }
+
+    /// The backward loop, last layer first: from the forward loop's stacks `fwd` and the
+    /// gradient `dh` of the last hidden state, recompute each layer (substituting the saved
+    /// projections) and apply its vjp; the carry is (dh, the LoRA gradient stacks). Returns the
+    /// gradients in LoRA argument order.
+    fn backward_loop(
+        &self,
+        b: &mut Builder,
+        m: &ModelValues,
+        fwd: &[Value],
+        at: &LoopInputs,
+        dh: Value,
+    ) -> hlo::Result<Vec<Value>> {
+        let l = self.spec.model.num_hidden_layers;
+        let compute = self.spec.compute_dtype;
+        let saved_names = self.saved_names();
+        let mut carry = vec![dh];
+        for &v in &m.lora {
+            carry.push(b.zeros_like(v));
+        }
+        let mut binv = fwd[1..].to_vec();
+        binv.extend(&at.values);
+        let nsaved = fwd.len() - 1;
+        let bwd = b.fori_loop(l, &carry, &binv, |bb, i, carry, binv| {
+            let last = bb.scalar((l - 1) as f64, DType::S32);
+            let idx = bb.sub(last, i)?;
+            let h_in = layer_slice_as(bb, binv[0], idx, compute)?;
+            let mut saved = BTreeMap::new();
+            for (k, name) in saved_names.iter().enumerate() {
+                let v = layer_slice_as(bb, binv[1 + k], idx, compute)?;
+                saved.insert(name.to_string(), v);
+            }
+            let (stacked, lora, ctx, dropout) = self.unpack(at, &binv[nsaved..]);
+            let (h_out, lora_l) = self.layer_in_loop(
+                bb,
+                idx,
+                h_in,
+                &stacked,
+                &lora,
+                &ctx,
+                dropout,
+                &mut Saves::Use(&saved),
+            )?;
+            let mut wrt = vec![h_in];
+            wrt.extend(&lora_l);
+            let g = bb.vjp(&[(h_out, carry[0])], &wrt)?;
+            let mut next = vec![g[0]];
+            for (k, &gk) in g[1..].iter().enumerate() {
+                next.push(layer_update(bb, carry[1 + k], gk, idx)?);
+            }
+            Ok(next)
+        })?;
+        Ok(bwd[1..].to_vec())
+    }
+
+    /// The loss and its gradient with respect to the last hidden state, a chunk of the sequence
+    /// at a time, so that the logits [B, T, V] (f32, and their softmax) never exist whole: each
+    /// chunk's logits are computed, turned into its share of the loss and, straight away, into the
+    /// gradient of that share (the loss's own cotangent is 1), then dropped.
+    #[allow(clippy::too_many_arguments)]
+    fn chunked_loss_and_dh(
+        &self,
+        b: &mut Builder,
+        h: Value,
+        norm: Value,
+        lm_head: Value,
+        labels: Value,
+        denom: Value,
+        chunk: i64,
+    ) -> hlo::Result<(Value, Value)> {
+        let (bs, t, hd) = (b.dims(h)[0], b.dims(h)[1], b.dims(h)[2]);
+        let chunk = if chunk > 0 && t % chunk == 0 {
+            chunk
+        } else {
+            t
+        };
+        let targets = next_token_targets(b, labels)?;
+        let loss0 = b.scalar(0.0, DType::F32);
+        // dh is written a chunk at a time: kept as bits, as a layer stack is (see stack_type).
+        let dh0 = b.zeros(Shape::new(&[bs, t, hd], stack_type(b.dtype(h))));
+        let out = b.scoped("loss_chunks", |b| {
+            b.fori_loop(
+                t / chunk,
+                &[loss0, dh0],
+                &[h, norm, lm_head, targets, denom],
+                |bb, i, carry, inv| {
+                    let c = bb.scalar(chunk as f64, DType::S32);
+                    let start = bb.mul(i, c)?;
+                    let zero = bb.scalar(0.0, DType::S32);
+                    let hc = bb.dynamic_slice(inv[0], &[zero, start, zero], &[bs, chunk, hd])?;
+                    let tc = bb.dynamic_slice(inv[3], &[zero, start], &[bs, chunk])?;
+                    let logits = self.model().head(bb, hc, inv[1], inv[2])?;
+                    let (share, dlogits) = cross_entropy_loss_and_grad(bb, logits, tc, inv[4])?;
+                    let g = bb.vjp(&[(logits, dlogits)], &[hc])?[0];
+                    let g = bb.bitcast_convert(g, bb.dtype(carry[1]))?;
+                    let dh = bb.dynamic_update_slice(carry[1], g, &[zero, start, zero])?;
+                    Ok(vec![bb.add(carry[0], share)?, dh])
+                },
+            )
+        })?;
+        let dh = b.bitcast_convert(out[1], b.dtype(h))?;
+        Ok((out[0], dh))
+    }
+
+    /// max(1, number of valid targets): labels[:, 1:] != -100.
+    pub(super) fn denominator(&self, b: &mut Builder, labels: Value) -> hlo::Result<Value> {
+        let t = b.dims(labels)[1];
+        let next = b.slice_dim(labels, 1, 1, t)?;
+        let ignore = b.full(-100.0, b.shape(next).clone());
+        let valid = b.compare(next, ignore, hlo::CmpDir::Ne)?;
+        let valid = b.convert(valid, DType::F32)?;
+        let count = b.sum_all(valid)?;
+        let one = b.scalar(1.0, DType::F32);
+        b.max(count, one)
+    }
+
+    /// Loss and gradients of the whole batch, looping over microbatches when there are several.
+    pub(super) fn batch_loss_and_grads(
+        &self,
+        b: &mut Builder,
+        m: &ModelValues,
+        ids: Value,
+        labels: Value,
+        mask: Value,
+        key: Option<Value>,
+    ) -> hlo::Result<(Value, Vec<Value>)> {
+        let denom = self.denominator(b, labels)?;
+        let micro = self.spec.microbatches;
+        if micro <= 1 {
+            return self.loss_and_grads(b, m, ids, labels, mask, key, denom);
+        }
+        let rows = self.spec.batch / micro;
+        let t = self.spec.seq;
+        let mut carry = vec![b.scalar(0.0, DType::F32)];
+        for &v in &m.lora {
+            carry.push(b.zeros_like(v));
+        }
+        let mut inv = m.flat();
+        inv.extend([ids, labels, mask, denom]);
+        inv.extend(key);
+        let nm = m.frozen.len() + m.lora.len();
+        let out = b.fori_loop(micro, &carry, &inv, |bb, i, carry, inv| {
+            let mv = m.rebind(&inv[..nm]);
+            let r = bb.scalar(rows as f64, DType::S32);
+            let start = bb.mul(i, r)?;
+            let zero = bb.scalar(0.0, DType::S32);
+            let slice =
+                |bb: &mut Builder, x: Value| bb.dynamic_slice(x, &[start, zero], &[rows, t]);
+            let (ids, labels, mask) = (
+                slice(bb, inv[nm])?,
+                slice(bb, inv[nm + 1])?,
+                slice(bb, inv[nm + 2])?,
+            );
+            // Each microbatch draws its own dropout masks: offset the key's first word.
+            let key = match key {
+                Some(_) => {
+                    let k = inv[nm + 4];
+                    let mi = bb.convert(i, DType::U64)?;
+                    let mi = bb.reshape(mi, &[1])?;
+                    let z = bb.zeros(Shape::new(&[1], DType::U64));
+                    let off = bb.concatenate(&[mi, z], 0)?;
+                    Some(bb.add(k, off)?)
+                }
+                None => None,
+            };
+            let (loss, grads) =
+                self.loss_and_grads(bb, &mv, ids, labels, mask, key, inv[nm + 3])?;
+            let mut next = vec![bb.add(carry[0], loss)?];
+            for (k, g) in grads.into_iter().enumerate() {
+                next.push(bb.add(carry[1 + k], g)?);
+            }
+            Ok(next)
+        })?;
+        Ok((out[0], out[1..].to_vec()))
+    }
+
+    /// The last hidden state h_L [B, T, H] (layers looped when the spec loops them).
+    pub(super) fn hidden(
+        &self,
+        b: &mut Builder,
+        m: &ModelValues,
+        ids: Value,
+        mask: Value,
+    ) -> hlo::Result<Value> {
+        let model = self.model();
+        let (embed, _, _) = self.ends(&m.frozen);
+        let h0 = model.embed(b, embed, ids)?;
+        let ctx = model.context(b, mask, self.spec.lora.scale())?;
+        if !self.spec.remat.scan() {
+            let mut h = h0;
+            let per_layer = 2 * self.spec.lora.targets.len();
+            let per_layer_w: usize = self.kind_sizes().iter().sum();
+            let none = LayerAdapters::new();
+            for l in 0..self.spec.model.num_hidden_layers as usize {
+                let lw = self.layer_weights(
+                    b,
+                    &self.layer_values(&m.frozen)[per_layer_w * l..per_layer_w * (l + 1)],
+                )?;
+                let adapters = if m.lora.is_empty() {
+                    none.clone()
+                } else {
+                    self.adapters(&m.lora[per_layer * l..per_layer * (l + 1)])
+                };
+                let mut c = ctx.clone();
+                h = b.scoped(&format!("layers.{l}"), |b| {
+                    model.layer(b, h, &lw, &adapters, &mut c, &mut Saves::Off)
+                })?;
+            }
+            return Ok(h);
+        }
+        let stacked = self.layer_values(&m.frozen).to_vec();
+        let mut inv: Vec<Value> = stacked.iter().chain(&m.lora).copied().collect();
+        inv.extend([ctx.rope.0, ctx.rope.1, ctx.mask]);
+        let (ns, nl) = (stacked.len(), m.lora.len());
+        let out = b.fori_loop(
+            self.spec.model.num_hidden_layers,
+            &[h0],
+            &inv,
+            |bb, i, carry, inv| {
+                let c = LayerContext {
+                    rope: (inv[ns + nl], inv[ns + nl + 1]),
+                    mask: inv[ns + nl + 2],
+                    lora_scale: self.spec.lora.scale(),
+                    dropout: None,
+                };
+                let (h, _) = self.layer_in_loop(
+                    bb,
+                    i,
+                    carry[0],
+                    &inv[..ns],
+                    &inv[ns..ns + nl],
+                    &c,
+                    None,
+                    &mut Saves::Off,
+                )?;
+                Ok(vec![h])
+            },
+        )?;
+        Ok(out[0])
+    }
+
+    /// Logits for a forward-only program.
+    pub(super) fn logits(
+        &self,
+        b: &mut Builder,
+        m: &ModelValues,
+        ids: Value,
+        mask: Value,
+    ) -> hlo::Result<Value> {
+        let h = self.hidden(b, m, ids, mask)?;
+        let (_, norm, lm_head) = self.ends(&m.frozen);
+        self.model().head(b, h, norm, lm_head)
+    }
+}

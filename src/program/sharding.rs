@@ -1,0 +1,225 @@
+//! Device meshes and sharding rules: every weight and input carries logical axis names
+//! (vocab, embed, q_heads, kv_heads, mlp, rank, layers, batch, length) and a rule table maps
+//! logical axes to mesh axes, as MaxText does. Host-side, tensors are split into the shard each
+//! device holds and reassembled from shards.
+
+use anyhow::{bail, Context, Result};
+use hlo::{Mesh, Sharding};
+use std::collections::BTreeMap;
+
+/// Parse `data=2,fsdp=4,tensor=1`. Axes of size 1 are dropped (they shard nothing).
+pub fn parse_mesh(s: &str) -> Result<Mesh> {
+    let mut axes = Vec::new();
+    for part in s.split(',').filter(|p| !p.trim().is_empty()) {
+        let (name, size) = part
+            .split_once('=')
+            .with_context(|| format!("--mesh: `{part}` is not axis=size"))?;
+        let size: i64 = size
+            .trim()
+            .parse()
+            .with_context(|| format!("--mesh: `{size}` is not a number"))?;
+        let name = name.trim();
+        if size < 1
+            || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+            || name.is_empty()
+        {
+            bail!("--mesh: bad axis `{part}`");
+        }
+        if axes.iter().any(|(n, _): &(String, i64)| n == name) {
+            bail!("--mesh: axis `{name}` given twice");
+        }
+        if size > 1 {
+            axes.push((name.to_string(), size));
+        }
+    }
+    Ok(Mesh { axes })
+}
+
+/// Logical axis -> mesh axes, in priority order.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Rules(pub BTreeMap<String, Vec<String>>);
+
+impl Default for Rules {
+    /// Llama defaults: tensor parallel over heads, MLP and vocab; FSDP over the first dim that
+    /// takes it (a projection's output dim, else the embedding dim), so that every weight, LoRA
+    /// matrix and optimizer moment is split over the FSDP axis; data (and FSDP) over the batch.
+    /// LoRA's rank and the layer axis are never sharded.
+    fn default() -> Self {
+        let mut m = BTreeMap::new();
+        for (logical, mesh) in [
+            ("batch", vec!["data", "fsdp"]),
+            ("embed", vec!["fsdp"]),
+            ("mlp", vec!["tensor", "fsdp"]),
+            ("q_heads", vec!["tensor", "fsdp"]),
+            ("kv_heads", vec!["tensor", "fsdp"]),
+            ("vocab", vec!["tensor", "fsdp"]),
+        ] {
+            m.insert(
+                logical.to_string(),
+                mesh.into_iter().map(String::from).collect(),
+            );
+        }
+        Rules(m)
+    }
+}
+
+impl Rules {
+    /// Defaults overridden by a rules file: one `logical = mesh_axis[,mesh_axis]` per line
+    /// (empty right side = replicated), `#` comments.
+    pub fn load(path: &std::path::Path) -> Result<Rules> {
+        let mut r = Rules::default();
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read {}", path.display()))?;
+        for (i, line) in text.lines().enumerate() {
+            let line = line.split('#').next().unwrap_or("").trim();
+            if line.is_empty() {
+                continue;
+            }
+            let (k, v) = line.split_once('=').with_context(|| {
+                format!(
+                    "{}:{}: expected `logical = mesh axes`",
+                    path.display(),
+                    i + 1
+                )
+            })?;
+            let axes: Vec<String> = v
+                .split(',')
+                .map(|a| a.trim().to_string())
+                .filter(|a| !a.is_empty())
+                .collect();
+            r.0.insert(k.trim().to_string(), axes);
+        }
+        Ok(r)
+    }
+
+    /// The sharding of a tensor with these logical axes and dims: each dim takes its rule's mesh
+    /// axes that exist, are unused by an earlier dim, and keep the dim divisible.
+    pub fn sharding(&self, logical: &[&str], dims: &[i64], mesh: &Mesh) -> Sharding {
+        let mut used: Vec<String> = Vec::new();
+        let mut out = Vec::new();
+        for (l, &d) in logical.iter().zip(dims) {
+            let mut axes = Vec::new();
+            let mut split = 1;
+            for a in self.0.get(*l).map(|v| v.as_slice()).unwrap_or(&[]) {
+                let Some(size) = mesh.axis_size(a) else {
+                    continue;
+                };
+                if used.contains(a) || d % (split * size) != 0 {
+                    continue;
+                }
+                split *= size;
+                axes.push(a.clone());
+                used.push(a.clone());
+            }
+            out.push(axes);
+        }
+        Sharding { dims: out }
+    }
+}
+
+/// The logical axes of a program argument, from its name and rank.
+pub fn logical_axes(name: &str, rank: usize) -> Vec<&'static str> {
+    let base = name
+        .trim_start_matches("exp_avg_sq.")
+        .trim_start_matches("exp_avg.");
+    let stacked = base.contains("layers.*.");
+    let (out_ax, in_ax) = if base.contains("q_proj") {
+        ("q_heads", "embed")
+    } else if base.contains("k_proj") || base.contains("v_proj") {
+        ("kv_heads", "embed")
+    } else if base.contains("o_proj") {
+        ("embed", "q_heads")
+    } else if base.contains("gate_proj") || base.contains("up_proj") {
+        ("mlp", "embed")
+    } else if base.contains("down_proj") {
+        ("embed", "mlp")
+    } else {
+        ("", "")
+    };
+    let mut axes: Vec<&'static str> = if base.contains("lora_A") {
+        vec!["rank", in_ax]
+    } else if base.contains("lora_B") {
+        vec![out_ax, "rank"]
+    } else if !out_ax.is_empty() {
+        vec![out_ax, in_ax]
+    } else if base.contains("embed_tokens") || base.starts_with("lm_head") {
+        vec!["vocab", "embed"]
+    } else if base.contains("norm") {
+        vec!["embed"]
+    } else if matches!(base, "input_ids" | "labels" | "attention_mask") {
+        vec!["batch", "length"]
+    } else {
+        vec!["none"; rank]
+    };
+    if stacked {
+        axes.insert(0, "layers");
+    }
+    axes.truncate(rank);
+    while axes.len() < rank {
+        axes.push("none");
+    }
+    axes
+}
+
+/// Mesh coordinates of partition `p` (row-major over the mesh axes, as Shardy numbers devices).
+pub fn coords(mesh: &Mesh, p: usize) -> BTreeMap<String, i64> {
+    let mut rest = p as i64;
+    let mut out = BTreeMap::new();
+    for (name, size) in mesh.axes.iter().rev() {
+        out.insert(name.clone(), rest % size);
+        rest /= size;
+    }
+    out
+}
+
+/// Start offsets and sizes of partition `p`'s shard of a tensor.
+pub fn shard_box(dims: &[i64], sharding: &Sharding, mesh: &Mesh, p: usize) -> (Vec<i64>, Vec<i64>) {
+    let c = coords(mesh, p);
+    let mut starts = Vec::new();
+    let mut sizes = Vec::new();
+    for (&d, axes) in dims.iter().zip(&sharding.dims) {
+        // The first axis listed is the most major part of the split.
+        let (mut index, mut parts) = (0, 1);
+        for a in axes {
+            let size = mesh.axis_size(a).unwrap_or(1);
+            index = index * size + c.get(a).copied().unwrap_or(0);
+            parts *= size;
+        }
+        let n = d / parts;
+        starts.push(index * n);
+        sizes.push(n);
+    }
+    (starts, sizes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rules_respect_divisibility_and_axis_reuse() {
+        let mesh = parse_mesh("data=2,fsdp=4,tensor=1").unwrap();
+        assert_eq!(mesh.axes.len(), 2, "size-1 axes are dropped");
+        let r = Rules::default();
+        // batch 2 cannot take data x fsdp = 8; it takes data only.
+        assert_eq!(
+            r.sharding(&["batch", "length"], &[2, 16], &mesh).dims,
+            vec![vec!["data".to_string()], vec![]]
+        );
+        assert_eq!(
+            r.sharding(&["batch", "length"], &[8, 16], &mesh).dims,
+            vec![vec!["data".to_string(), "fsdp".to_string()], vec![]]
+        );
+        assert_eq!(
+            logical_axes(
+                "base_model.model.model.layers.*.mlp.down_proj.lora_B.weight",
+                3
+            ),
+            vec!["layers", "embed", "rank"]
+        );
+        assert_eq!(
+            logical_axes("exp_avg.model.layers.0.self_attn.q_proj.weight", 2),
+            vec!["q_heads", "embed"]
+        );
+    }
+}

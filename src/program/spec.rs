@@ -1,0 +1,239 @@
+//! What a program is built for: the model, LoRA, optimizer constants, batch shape, numerics,
+//! remat policy, gradient accumulation and device mesh ([`StepSpec`]), checked before building;
+//! and the same settings as the user gives them, before the model, the batch shape and the
+//! platform are known ([`StepOptions`]).
+
+use crate::model::config::LlamaConfig;
+use crate::model::lora::LoraConfig;
+use crate::model::optim::AdamW;
+use anyhow::{bail, Result};
+use hlo::DType;
+
+/// How much of the forward pass the backward pass recomputes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Remat {
+    /// Layers unrolled, every intermediate kept (program size grows with depth).
+    None,
+    /// Layers looped; each layer's input kept, the rest recomputed in the backward loop.
+    Layer,
+    /// Layers looped; each layer's input and its frozen projections' outputs kept.
+    SaveProj,
+}
+
+impl Remat {
+    pub fn parse(s: &str) -> Result<Remat> {
+        Ok(match s {
+            "none" => Remat::None,
+            "layer" => Remat::Layer,
+            "save-proj" => Remat::SaveProj,
+            _ => bail!("--remat must be none, layer or save-proj, got `{s}`"),
+        })
+    }
+
+    /// Whether layers are a loop over stacked weights.
+    pub fn scan(self) -> bool {
+        self != Remat::None
+    }
+}
+
+/// What the program is built for.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct StepSpec {
+    pub model: LlamaConfig,
+    pub lora: LoraConfig,
+    pub adam: AdamW,
+    /// Rows of the batch the step takes (all microbatches together).
+    pub batch: i64,
+    pub seq: i64,
+    /// Element type of the frozen weights as the program takes them.
+    #[serde(serialize_with = "ser_dtype", deserialize_with = "de_dtype")]
+    pub weight_dtype: DType,
+    /// Element type of activations and matmuls.
+    #[serde(serialize_with = "ser_dtype", deserialize_with = "de_dtype")]
+    pub compute_dtype: DType,
+    pub remat: Remat,
+    /// Gradient accumulation: the batch is split into this many microbatches, looped inside
+    /// the step, with one optimizer update.
+    pub microbatches: i64,
+    /// The device mesh and sharding rules (None: one device).
+    #[serde(default)]
+    pub mesh: Option<MeshPlan>,
+    /// QLoRA: the projections' frozen weights as NF4 (4-bit NormalFloat, double-quantized
+    /// scales), dequantized inside the step right before each matmul.
+    #[serde(default)]
+    pub nf4: bool,
+    /// With looped layers, compute the loss and its gradient this many positions at a time, so
+    /// the [B, T, V] logits never exist whole (None: all at once). On one device this lowers the
+    /// 8B step's temporaries (5.60 -> 4.32 GiB at 2048 tokens); with a mesh it measured slightly
+    /// worse, so it is off by default.
+    #[serde(default)]
+    pub loss_chunk: Option<i64>,
+    /// Query rows per causal attention block (blocks above the diagonal are skipped); None: 128
+    /// when the sequence is a multiple of 128 longer than that, else the whole sequence.
+    #[serde(default)]
+    pub attention_block: Option<i64>,
+    /// bf16 matmuls give their f32 accumulator, rounded to bf16 right after, instead of a bf16
+    /// result: the same arithmetic, in the form XLA CPU runs on the CPU's native bf16 GEMM (see
+    /// [`crate::model::llama::Numerics::matmul_result`]). Chosen by backend: on for CPU plugins.
+    #[serde(default)]
+    pub wide_matmul_results: bool,
+}
+
+impl StepSpec {
+    /// One device, remat per layer, AdamW's defaults, no gradient accumulation, quantization,
+    /// loss chunks or attention-block override, matmul results in the compute type: the plain
+    /// step, for callers that set only what they need on top
+    /// (`StepSpec { remat: Remat::None, ..StepSpec::new(..) }`).
+    pub fn new(model: LlamaConfig, lora: LoraConfig, batch: i64, seq: i64, dtype: DType) -> Self {
+        StepSpec {
+            model,
+            lora,
+            adam: AdamW::default(),
+            batch,
+            seq,
+            weight_dtype: dtype,
+            compute_dtype: dtype,
+            remat: Remat::Layer,
+            microbatches: 1,
+            mesh: None,
+            nf4: false,
+            loss_chunk: None,
+            attention_block: None,
+            wide_matmul_results: false,
+        }
+    }
+}
+
+/// A device mesh and the logical-axis rules that place tensors on it.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct MeshPlan {
+    pub axes: Vec<(String, i64)>,
+    pub rules: crate::program::sharding::Rules,
+}
+
+impl MeshPlan {
+    pub fn mesh(&self) -> hlo::Mesh {
+        hlo::Mesh {
+            axes: self.axes.clone(),
+        }
+    }
+
+    pub fn devices(&self) -> i64 {
+        self.mesh().device_count()
+    }
+
+    /// The sharding of a tensor named `name` (its logical axes come from the name).
+    pub fn sharding(&self, name: &str, shape: &[i64]) -> hlo::Sharding {
+        let axes = crate::program::sharding::logical_axes(name, shape.len());
+        self.rules.sharding(&axes, shape, &self.mesh())
+    }
+}
+
+pub(super) fn check_spec(spec: &StepSpec) -> Result<()> {
+    spec.lora.validate()?;
+    if spec.microbatches < 1 || spec.batch % spec.microbatches != 0 {
+        bail!(
+            "--grad-accum {} must divide the batch size {}",
+            spec.microbatches,
+            spec.batch
+        );
+    }
+    if let Some(r) = spec.attention_block {
+        if r < 1 || spec.seq % r != 0 {
+            bail!(
+                "--attention-block {r} must be a positive divisor of the sequence length {}",
+                spec.seq
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The step's settings as the command line gives them, before the model, the batch shape and the
+/// platform the program is for are known: [`StepOptions::spec`] completes them into a
+/// [`StepSpec`].
+#[derive(Clone, Debug)]
+pub struct StepOptions {
+    pub lora: LoraConfig,
+    pub adam: AdamW,
+    /// `--dtype`: "f32" or "bf16" (weights, activations and matmuls).
+    pub dtype: String,
+    pub remat: Remat,
+    /// Gradient accumulation: microbatches per step.
+    pub microbatches: i64,
+    /// Device mesh and sharding rules (None: one device).
+    pub mesh: Option<MeshPlan>,
+    /// QLoRA: NF4 base weights.
+    pub nf4: bool,
+    /// Compute the loss this many positions at a time (looped layers).
+    pub loss_chunk: Option<i64>,
+    pub attention_block: Option<i64>,
+    /// `--matmul-result`: auto, f32 or compute (see [`wide_matmul_results`]).
+    pub matmul_result: String,
+}
+
+impl StepOptions {
+    /// The spec of the step for `model`, batches of `batch` x `seq` tokens, built for a plugin on
+    /// `platform` (PJRT's platform name: cpu, cuda, rocm, tpu).
+    pub fn spec(
+        &self,
+        model: LlamaConfig,
+        batch: i64,
+        seq: i64,
+        platform: &str,
+    ) -> Result<StepSpec> {
+        let dtype = match self.dtype.as_str() {
+            "f32" => DType::F32,
+            "bf16" => DType::BF16,
+            other => bail!("--dtype must be f32 or bf16, got `{other}`"),
+        };
+        Ok(StepSpec {
+            model,
+            lora: self.lora.clone(),
+            adam: self.adam.clone(),
+            batch,
+            seq,
+            weight_dtype: dtype,
+            compute_dtype: dtype,
+            remat: self.remat,
+            microbatches: self.microbatches,
+            mesh: self.mesh.clone(),
+            nf4: self.nf4,
+            loss_chunk: self.loss_chunk,
+            attention_block: self.attention_block,
+            wide_matmul_results: wide_matmul_results(&self.matmul_result, platform)?,
+        })
+    }
+}
+
+/// Whether bf16 matmuls give their f32 accumulator ([`StepSpec::wide_matmul_results`]) on a plugin
+/// whose platform is `platform`: `choice` is `auto` (yes on `cpu`, whose XLA runs that form on the
+/// CPU's bf16 GEMM and converts both operands of a bf16-result product to f32 instead: the
+/// 8-layer benchmark step 1.25 -> 0.79 s; no elsewhere: a GPU's cuBLAS writes bf16 directly),
+/// `f32` or `compute`. The one rule for `--matmul-result`, whichever command builds the program;
+/// the platform is the one the opened plugin reports (`train`, `bench`, `generate`), or, for
+/// `compile`, which opens none, the one its `--plugin` names.
+pub fn wide_matmul_results(choice: &str, platform: &str) -> Result<bool> {
+    match choice {
+        "f32" => Ok(true),
+        "compute" => Ok(false),
+        "auto" => Ok(platform == "cpu"),
+        other => bail!("--matmul-result must be auto, f32 or compute, got `{other}`"),
+    }
+}
+
+/// Element types in specs and manifests are written as MLIR names (`f32`, `bf16`, `ui8`).
+pub(super) fn ser_dtype<S: serde::Serializer>(
+    d: &DType,
+    s: S,
+) -> std::result::Result<S::Ok, S::Error> {
+    s.serialize_str(d.mlir())
+}
+
+pub(super) fn de_dtype<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> std::result::Result<DType, D::Error> {
+    let s: String = serde::Deserialize::deserialize(d)?;
+    DType::parse(&s).ok_or_else(|| serde::de::Error::custom(format!("unknown element type `{s}`")))
+}

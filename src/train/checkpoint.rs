@@ -1,0 +1,95 @@
+//! Checkpoints and adapters on disk: each written as a whole directory or not at all.
+
+use crate::device::trainer::Trainer;
+use crate::formats::atomic::write_dir_atomic;
+use crate::formats::safetensors::SafeTensors;
+use crate::model::config::LlamaConfig;
+use crate::model::lora::LoraConfig;
+use crate::train::schedule::Schedule;
+use anyhow::{bail, Context, Result};
+use pjrt::HostTensor;
+use std::collections::BTreeMap;
+use std::path::Path;
+
+/// Write an adapter directory (complete or not at all).
+pub fn save_adapter(
+    dir: &Path,
+    lora: &LoraConfig,
+    tensors: &BTreeMap<String, HostTensor>,
+    base: &str,
+) -> Result<()> {
+    write_dir_atomic(dir, |tmp| {
+        crate::formats::peft::write(tmp, lora, tensors, base)
+    })
+}
+
+/// Where training stands, saved with each checkpoint.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct TrainerState {
+    pub step: u64,
+    pub epoch: u64,
+    /// Index into the epoch's row order of the next row to use.
+    pub position: u64,
+    pub seed: u64,
+    pub schedule: Schedule,
+}
+
+/// A checkpoint as loaded: LoRA weights, AdamW moments (both per-layer names) and the state.
+pub type Checkpoint = (
+    BTreeMap<String, HostTensor>,
+    BTreeMap<String, HostTensor>,
+    TrainerState,
+);
+
+/// A checkpoint: adapter + AdamW moments + trainer state, in one directory written atomically.
+pub fn save_checkpoint(
+    dir: &Path,
+    trainer: &Trainer,
+    state: &TrainerState,
+    base: &str,
+) -> Result<()> {
+    let (lora, moments) = trainer.state_to_host()?;
+    write_dir_atomic(dir, |tmp| {
+        crate::formats::peft::write(tmp, &trainer.spec.lora, &lora, base)?;
+        crate::formats::safetensors::write(
+            &tmp.join("optimizer.safetensors"),
+            &moments,
+            &BTreeMap::new(),
+        )?;
+        crate::formats::atomic::write_bytes_atomic(
+            &tmp.join("trainer_state.json"),
+            serde_json::to_string_pretty(state)?.as_bytes(),
+        )
+    })
+}
+
+pub fn load_checkpoint(dir: &Path, cfg: &LlamaConfig, lora: &LoraConfig) -> Result<Checkpoint> {
+    let state_path = dir.join("trainer_state.json");
+    let state: TrainerState =
+        serde_json::from_str(&std::fs::read_to_string(&state_path).with_context(|| {
+            format!(
+                "cannot read {} (is {} a checkpoint?)",
+                state_path.display(),
+                dir.display()
+            )
+        })?)
+        .with_context(|| format!("{} is not a trainer state", state_path.display()))?;
+    let c = crate::formats::peft::read_config(dir)?;
+    if c.r != lora.r || c.targets != lora.targets {
+        bail!(
+            "checkpoint {} has LoRA r={} on {:?}; this run uses r={} on {:?}",
+            dir.display(),
+            c.r,
+            c.targets,
+            lora.r,
+            lora.targets
+        );
+    }
+    let weights = crate::formats::peft::read_tensors(dir, cfg, lora)?;
+    let opt = SafeTensors::open(&dir.join("optimizer.safetensors"))?;
+    let mut moments = BTreeMap::new();
+    for name in opt.tensors.keys() {
+        moments.insert(name.clone(), opt.read(name)?);
+    }
+    Ok((weights, moments, state))
+}

@@ -1,0 +1,146 @@
+//! What a run tells the person watching it: `metrics.jsonl` (one JSON object per step, evaluation,
+//! skipped step or loss spike) with the history the loss curve is drawn from, and the progress
+//! line on stderr.
+
+use crate::device::trainer::EvalResult;
+use anyhow::{Context, Result};
+use std::io::Write;
+use std::path::Path;
+use std::time::Instant;
+
+/// `OUT/metrics.jsonl`, appended to as the run goes.
+pub struct Metrics {
+    file: std::fs::File,
+    /// Tokens per step, written with each step's line.
+    tokens_per_step: i64,
+    /// (step, train loss or NaN, eval loss): what the loss curve is drawn from.
+    pub history: Vec<(u64, f64, Option<f64>)>,
+    /// The last (up to 20) losses, to notice a spike.
+    recent: Vec<f32>,
+}
+
+impl Metrics {
+    /// Start `out/metrics.jsonl`: empty, or on a resume from step `resumed_at`, with the lines of
+    /// the earlier run up to that step.
+    pub fn open(out: &Path, resumed_at: Option<u64>, tokens_per_step: i64) -> Result<Metrics> {
+        let metrics_path = out.join("metrics.jsonl");
+        let mut kept = String::new();
+        if let Some(step) = resumed_at {
+            if let Ok(old) = std::fs::read_to_string(&metrics_path) {
+                for line in old.lines() {
+                    let v: serde_json::Value = serde_json::from_str(line).unwrap_or_default();
+                    if v.get("step")
+                        .and_then(|s| s.as_u64())
+                        .is_some_and(|s| s <= step)
+                    {
+                        kept.push_str(line);
+                        kept.push('\n');
+                    }
+                }
+            }
+        }
+        std::fs::write(&metrics_path, &kept)
+            .with_context(|| format!("cannot write {}", metrics_path.display()))?;
+        let file = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&metrics_path)?;
+        Ok(Metrics {
+            file,
+            tokens_per_step,
+            history: Vec::new(),
+            recent: Vec::new(),
+        })
+    }
+
+    /// An evaluation at `step`: its line, a line on stderr, and a point of the curve.
+    pub fn eval(&mut self, step: u64, r: &EvalResult) -> Result<()> {
+        writeln!(
+            self.file,
+            "{}",
+            serde_json::json!({"step": step, "eval_loss": r.loss, "eval_accuracy": r.accuracy, "eval_rows": r.rows})
+        )?;
+        eprintln!(
+            "eval at step {step}: loss {:.4}, exact-match accuracy {:.1}% of {} rows",
+            r.loss,
+            100.0 * r.accuracy,
+            r.rows
+        );
+        self.history.push((step, f64::NAN, Some(r.loss)));
+        Ok(())
+    }
+
+    /// A step whose loss or gradient norm was not finite (and was not applied).
+    pub fn nonfinite(&mut self, step: u64, loss: f32, grad_norm: f32) -> Result<()> {
+        writeln!(
+            self.file,
+            "{}",
+            serde_json::json!({"step": step, "nonfinite": true, "loss": loss.to_string(), "grad_norm": grad_norm.to_string()})
+        )?;
+        Ok(())
+    }
+
+    /// A step taken: a loss spike against the recent mean is reported first, then the step's
+    /// line (flushed) and its point of the curve.
+    pub fn step(
+        &mut self,
+        step: u64,
+        loss: f32,
+        grad_norm: f32,
+        lr: f64,
+        epoch: u64,
+        step_time_s: f64,
+    ) -> Result<()> {
+        if self.recent.len() >= 5 {
+            let mean = self.recent.iter().sum::<f32>() / self.recent.len() as f32;
+            if loss > 2.0 * mean + 1.0 {
+                eprintln!("xtrain: loss spike at step {step}: {loss:.4} against a recent mean of {mean:.4}");
+                writeln!(
+                    self.file,
+                    "{}",
+                    serde_json::json!({"step": step, "loss_spike": loss, "recent_mean": mean})
+                )?;
+            }
+        }
+        self.recent.push(loss);
+        if self.recent.len() > 20 {
+            self.recent.remove(0);
+        }
+        let tokens = self.tokens_per_step;
+        let dt = step_time_s;
+        writeln!(
+            self.file,
+            "{}",
+            serde_json::json!({"step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "epoch": epoch, "tokens": tokens, "step_time_s": dt})
+        )?;
+        self.file.flush()?;
+        self.history.push((step, loss as f64, None));
+        Ok(())
+    }
+}
+
+/// The progress line: step, loss, tokens/s, ETA. Rewritten in place on a terminal.
+pub struct Progress {
+    pub start: Instant,
+    pub tty: bool,
+    pub first_step: u64,
+}
+
+impl Progress {
+    pub fn show(&self, step: u64, total: u64, loss: f32, tokens_per_s: f64, lr: f64) {
+        use std::io::IsTerminal;
+        let done = (step - self.first_step + 1) as f64;
+        let eta = self.start.elapsed().as_secs_f64() / done * (total - step) as f64;
+        let width = 24;
+        let filled = (step as usize * width) / total.max(1) as usize;
+        let bar: String = "#".repeat(filled) + &".".repeat(width - filled);
+        let line = format!("[{bar}] step {step}/{total} loss {loss:.4} lr {lr:.2e} {tokens_per_s:.0} tok/s eta {eta:.0}s");
+        if self.tty && std::io::stderr().is_terminal() {
+            eprint!("\r{line}");
+            if step == total {
+                eprintln!();
+            }
+        } else {
+            eprintln!("{line}");
+        }
+    }
+}
