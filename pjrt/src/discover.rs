@@ -269,6 +269,9 @@ pub fn resolve_or_install(spec: Option<&str>) -> Result<PathBuf, DiscoverError> 
 /// Install a known plugin into the cache, saying so on stderr first (it downloads 60-300 MB).
 pub fn install_announced(name: &str) -> Result<PathBuf, DiscoverError> {
     let known = known(name)?;
+    if cached_path(known).is_file() {
+        return Ok(cached_path(known));
+    }
     let wheels: Vec<&str> = known.install.iter().map(|w| w.requirement).collect();
     eprintln!(
         "xtrain: installing the {} PJRT plugin ({}) into {} (once)",

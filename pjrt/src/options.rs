@@ -27,6 +27,9 @@ pub struct ExecutableBuildOptionsProto {
     pub use_spmd_partitioning: bool,
     #[prost(message, optional, tag = "9")]
     pub device_assignment: Option<DeviceAssignmentProto>,
+    /// Let the partitioner choose the outputs' shardings (per output; one `true` applies to all).
+    #[prost(bool, repeated, tag = "12")]
+    pub allow_spmd_sharding_propagation_to_output: Vec<bool>,
     #[prost(bool, tag = "19")]
     pub use_shardy_partitioner: bool,
 }
@@ -76,6 +79,9 @@ pub struct CompileOptions {
     pub spmd: bool,
     /// Device ids, one per partition, in partition order. Empty: the plugin's default assignment.
     pub device_ids: Vec<i64>,
+    /// Let the partitioner choose the shardings of outputs the program leaves open (JAX sets
+    /// this; without it such outputs come back replicated).
+    pub propagate_output_shardings: bool,
     /// XLA debug option overrides, e.g. `("xla_dump_to", String("/tmp/dump"))`.
     pub overrides: BTreeMap<String, OptionValue>,
 }
@@ -87,6 +93,7 @@ impl Default for CompileOptions {
             num_partitions: 1,
             spmd: false,
             device_ids: Vec::new(),
+            propagate_output_shardings: false,
             overrides: BTreeMap::new(),
         }
     }
@@ -131,6 +138,11 @@ impl CompileOptions {
                 num_partitions: self.num_partitions.max(1),
                 use_spmd_partitioning: self.spmd,
                 device_assignment,
+                allow_spmd_sharding_propagation_to_output: if self.propagate_output_shardings {
+                    vec![true]
+                } else {
+                    Vec::new()
+                },
                 use_shardy_partitioner: self.spmd,
             }),
             env_option_overrides: self

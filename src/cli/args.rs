@@ -108,14 +108,18 @@ impl StepArgs {
         if mesh.axes.is_empty() {
             return Ok(None);
         }
-        let rules = match &self.sharding_rules {
-            Some(p) => xtrain::program::sharding::Rules::load(p)?,
-            None => xtrain::program::sharding::Rules::default(),
-        };
         Ok(Some(xtrain::program::MeshPlan {
             axes: mesh.axes,
-            rules,
+            rules: self.rules()?,
         }))
+    }
+
+    /// The sharding rules: `--sharding-rules`, else the defaults.
+    pub fn rules(&self) -> Result<xtrain::program::sharding::Rules> {
+        match &self.sharding_rules {
+            Some(p) => xtrain::program::sharding::Rules::load(p),
+            None => Ok(xtrain::program::sharding::Rules::default()),
+        }
     }
 
     pub fn adam(&self) -> Result<AdamW> {

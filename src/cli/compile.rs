@@ -1,12 +1,16 @@
 //! `xtrain compile`: build the step program and write its directory; with `--check`, compile it
-//! and print XLA's memory figures.
+//! (with this machine's plugin, or for `--target` hardware that need not be here) and print the
+//! compiler's memory figures.
 
 use crate::cli::args::StepArgs;
-use anyhow::Result;
+use anyhow::{bail, Result};
 use clap::Args;
 use std::path::PathBuf;
+use xtrain::device::aot::{TargetBuild, TargetDevices};
 use xtrain::device::platform::named_platform;
-use xtrain::program::{MeshPlan, Program};
+use xtrain::device::target::{Platform, Target};
+use xtrain::formats::program_dir::{self, Build, Manifest, MemoryFigures, StepEstimate};
+use xtrain::program::{MeshPlan, Program, StepSpec};
 
 #[derive(Args)]
 pub struct CompileArgs {
@@ -35,20 +39,84 @@ pub struct CompileArgs {
     /// cpu): --check compiles with it, and `--matmul-result auto` picks the matmul form for it.
     #[arg(long)]
     pub plugin: Option<String>,
+    /// Hardware to compile for, which need not be here: tpu:<generation>:<chips> (tpu:v5p:2x2x1,
+    /// tpu:v5e:2x2, tpu:v6e:16x16), cuda:<gpu>:<count> or rocm:<gpu>:<count> with <count> per
+    /// host or <hosts>x<per host> (cuda:h100:8, cuda:h100:2x8, rocm:mi300x:8). Without --mesh the
+    /// mesh is FSDP over all its devices.
+    #[arg(long)]
+    pub target: Option<String>,
+    /// With a cuda: or rocm: --target: describe the GPU with this file (XLA's
+    /// GpuTargetConfigProto in text form) instead of a built-in description.
+    #[arg(long)]
+    pub target_config: Option<PathBuf>,
 }
 
+/// Bytes in GiB, or MiB / KiB for small programs (the tiny test model), so no figure reads 0.00.
 fn gib(b: i64) -> String {
-    format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
+    let x = b as f64;
+    if x.abs() >= (1u64 << 30) as f64 / 100.0 {
+        format!("{:.2} GiB", x / (1u64 << 30) as f64)
+    } else if x.abs() >= (1u64 << 20) as f64 / 100.0 {
+        format!("{:.2} MiB", x / (1u64 << 20) as f64)
+    } else {
+        format!("{:.2} KiB", x / 1024.0)
+    }
+}
+
+/// Seconds, or milliseconds / microseconds for small ones.
+fn secs(s: f64) -> String {
+    if s >= 1.0 {
+        format!("{s:.3} s")
+    } else if s >= 1e-3 {
+        format!("{:.3} ms", s * 1e3)
+    } else {
+        format!("{:.2} us", s * 1e6)
+    }
 }
 
 pub fn compile(a: CompileArgs, verbose: bool) -> Result<()> {
     let (cfg, _) = xtrain::model::presets::resolve_model_config(&a.model)?;
-    let platform = named_platform(a.plugin.as_deref());
-    let spec = a.step.options()?.spec(cfg, a.batch, a.seq, platform)?;
+    if a.target_config.is_some() && a.target.is_none() {
+        bail!("--target-config describes the GPU of a --target; give --target cuda:<name>:<count> or rocm:<name>:<count> too");
+    }
+    let target = match &a.target {
+        Some(t) => Some(TargetDevices::open(
+            &Target::parse(t, a.target_config.as_deref())?,
+            a.plugin.as_deref(),
+            verbose,
+        )?),
+        None => None,
+    };
+    let mut options = a.step.options()?;
+    let platform = match &target {
+        Some(t) => t.target.platform.plugin(),
+        None => named_platform(a.plugin.as_deref()),
+    };
+    if let Some(t) = &target {
+        let n = t.devices.len() as i64;
+        match &options.mesh {
+            None if n > 1 => {
+                options.mesh = Some(MeshPlan {
+                    axes: vec![("fsdp".into(), n)],
+                    rules: a.step.rules()?,
+                })
+            }
+            None => {}
+            Some(m) if m.devices() != n => bail!(
+                "--mesh {} has {} devices but --target {} has {n}; give a mesh of {n} devices \
+                 (or leave --mesh out: fsdp={n})",
+                a.step.mesh.as_deref().unwrap_or_default(),
+                m.devices(),
+                t.target.spec
+            ),
+            Some(_) => {}
+        }
+    }
+    let spec = options.spec(cfg, a.batch, a.seq, platform)?;
     let t0 = std::time::Instant::now();
     let program = xtrain::program::build_train_step(&spec)?;
     let build_s = t0.elapsed().as_secs_f64();
-    let manifest = xtrain::formats::program_dir::write_dir(&a.out, &program, &spec)?;
+    let mut manifest = program_dir::write_dir(&a.out, &program, &spec)?;
     let arg_bytes: i64 = manifest.args.iter().map(|t| t.bytes).sum();
     println!(
         "wrote {} ({} bytes of StableHLO, {} arguments, built in {:.3}s) and manifest.json",
@@ -62,13 +130,44 @@ pub fn compile(a: CompileArgs, verbose: bool) -> Result<()> {
         gib(arg_bytes),
         spec.model.param_count()
     );
-    if !a.check {
-        return Ok(());
+    if let Some(t) = &target {
+        print_target(t);
     }
     if let Some(m) = &spec.mesh {
         print_device_order(m);
     }
-    check(&a, &program, verbose)
+    if !a.check {
+        return Ok(());
+    }
+    match &target {
+        Some(t) => check_target(&a, t, &spec, &program, &mut manifest),
+        None => check(&a, &program, &mut manifest, verbose),
+    }
+}
+
+/// What the target is, as its plugin describes it.
+fn print_target(t: &TargetDevices) {
+    let memory = t
+        .memory_per_device()
+        .map(|b| format!(", {} each", gib(b)))
+        .unwrap_or_default();
+    // libtpu's version names the chip and its build; the GPU plugins' repeat the device kind.
+    let version = t.platform_version.lines().next().unwrap_or_default();
+    let version = if version == t.device_kind() || version.is_empty() {
+        String::new()
+    } else {
+        format!(" {version}")
+    };
+    println!(
+        "target {}: {} x {} on {} host(s){memory} ({} plugin{version}, PJRT C API {}.{})",
+        t.target.spec,
+        t.devices.len(),
+        t.device_kind(),
+        t.hosts(),
+        t.target.platform.plugin(),
+        t.plugin.api_version().0,
+        t.plugin.api_version().1,
+    );
 }
 
 /// The mesh and which device sits where on it.
@@ -84,16 +183,59 @@ fn print_device_order(m: &MeshPlan) {
             format!("device {p}: {}", coords.join(" "))
         })
         .collect();
+    if order.len() <= 16 {
+        println!(
+            "mesh {:?}, {} devices; {}",
+            m.axes,
+            m.devices(),
+            order.join("; ")
+        );
+    } else {
+        println!(
+            "mesh {:?}, {} devices, numbered row-major over the axes in this order",
+            m.axes,
+            m.devices()
+        );
+    }
+}
+
+/// Per-device figures, the same lines for every plugin.
+fn print_memory(m: &pjrt::MemoryStats, available: Option<i64>) {
     println!(
-        "mesh {:?}, {} devices; {}",
-        m.axes,
-        m.devices(),
-        order.join("; ")
+        "per device: arguments {}, outputs {} ({} aliased to arguments), temporaries {}, code {}",
+        gib(m.argument_bytes),
+        gib(m.output_bytes),
+        gib(m.alias_bytes),
+        gib(m.temp_bytes),
+        gib(m.generated_code_bytes)
+    );
+    if m.host_total_bytes() > 0 {
+        println!(
+            "per device in host memory: arguments {}, outputs {}, temporaries {}: {}",
+            gib(m.host_argument_bytes),
+            gib(m.host_output_bytes),
+            gib(m.host_temp_bytes),
+            gib(m.host_total_bytes())
+        );
+    }
+    let fits = match available {
+        Some(have) if m.total_bytes() <= have => format!(" of {}: fits", gib(have)),
+        Some(have) => format!(
+            " of {}: does not fit ({} over)",
+            gib(have),
+            gib(m.total_bytes() - have)
+        ),
+        None => String::new(),
+    };
+    println!(
+        "per device total (arguments + non-aliased outputs + temporaries): {}{fits}",
+        gib(m.total_bytes())
     );
 }
 
-/// `--check`: compile the program with the plugin and print XLA's figures per device.
-fn check(a: &CompileArgs, program: &Program, verbose: bool) -> Result<()> {
+/// `--check` without a target: compile the program with this machine's plugin, and keep the
+/// executable in the program dir for `train --program` on this machine.
+fn check(a: &CompileArgs, program: &Program, manifest: &mut Manifest, verbose: bool) -> Result<()> {
     let rt = xtrain::device::runtime::Runtime::open(a.plugin.as_deref(), Some(program.partitions))?;
     let mut options = pjrt::CompileOptions::default();
     if let Some(dir) = &a.xla_dump {
@@ -115,20 +257,194 @@ fn check(a: &CompileArgs, program: &Program, verbose: bool) -> Result<()> {
         "XLA compile: {compile_s:.2}s on {}",
         rt.client.platform_name()?
     );
+    let info = rt.devices[0].info()?;
+    print_memory(&m, info.memory_bytes);
+    let build = TargetBuild {
+        stats: m,
+        compile_s,
+        cost: None,
+        optimized_hlo: None,
+        memory_report: None,
+        executable: exe.serialize()?,
+    };
+    let by = Compiler {
+        target: a.plugin.clone().unwrap_or_else(|| rt.platform()),
+        platform: rt.platform(),
+        platform_version: rt.client.platform_version()?,
+        plugin: rt.client.plugin(),
+        device_kind: info.kind,
+        devices: program.partitions,
+        hosts: 1,
+        memory_per_device: info.memory_bytes,
+    };
+    record(&a.out, by, &build, None, manifest)?;
     println!(
-        "per device: arguments {}, outputs {} ({} aliased to arguments), temporaries {}, code {}",
-        gib(m.argument_bytes),
-        gib(m.output_bytes),
-        gib(m.alias_bytes),
-        gib(m.temp_bytes),
-        gib(m.generated_code_bytes)
-    );
-    println!(
-        "per device total (arguments + non-aliased outputs + temporaries): {}",
-        gib(m.total_bytes())
+        "wrote {} ({} bytes) for `xtrain train --program` on this machine",
+        a.out.join(program_dir::EXECUTABLE_FILE).display(),
+        build.executable.len()
     );
     if let Some(dir) = &a.xla_dump {
         println!("XLA's HLO dumps: {}", dir.display());
     }
     Ok(())
+}
+
+/// `--check --target`: compile for the target with its plugin, print the compiler's figures (and
+/// for TPUs its cost analysis and a whole-step estimate), and add the build to the program dir.
+fn check_target(
+    a: &CompileArgs,
+    t: &TargetDevices,
+    spec: &StepSpec,
+    program: &Program,
+    manifest: &mut Manifest,
+) -> Result<()> {
+    eprintln!(
+        "xtrain: compiling for {} with the {} plugin (no device needed)",
+        t.target.spec,
+        t.target.platform.plugin()
+    );
+    let build = t.compile(program, a.xla_dump.as_deref())?;
+    println!(
+        "XLA compile for {}: {:.2}s ({} compiler)",
+        t.target.spec,
+        build.compile_s,
+        t.target.platform.plugin()
+    );
+    print_memory(&build.stats, t.memory_per_device());
+    let mut estimate = None;
+    if let Some(cost) = &build.cost {
+        let get = |k: &str| cost.iter().find(|(n, _)| n == k).map(|(_, v)| *v);
+        println!(
+            "TPU cost analysis per device, the step as compiled (the layer loop's body counted \
+             once): {:.4} TFLOP, {:.4} GB accessed, optimal_seconds {}",
+            get("flops").unwrap_or(0.0) / 1e12,
+            get("bytes accessed").unwrap_or(0.0) / 1e9,
+            secs(get("optimal_seconds").unwrap_or(0.0))
+        );
+    }
+    if t.target.platform == Platform::Tpu {
+        estimate = Some(print_estimate(t, spec)?);
+    }
+    let by = Compiler {
+        target: t.target.spec.clone(),
+        platform: t.target.platform.plugin().into(),
+        platform_version: t.platform_version.clone(),
+        plugin: &t.plugin,
+        device_kind: t.device_kind().into(),
+        devices: t.devices.len() as i64,
+        hosts: t.hosts(),
+        memory_per_device: t.memory_per_device(),
+    };
+    record(&a.out, by, &build, estimate, manifest)?;
+    println!(
+        "wrote {} ({} bytes), {}{} and the build in manifest.json",
+        a.out.join(program_dir::EXECUTABLE_FILE).display(),
+        build.executable.len(),
+        program_dir::OPTIMIZED_HLO_FILE,
+        if build.memory_report.is_some() {
+            format!(", {}", program_dir::MEMORY_REPORT_FILE)
+        } else {
+            String::new()
+        }
+    );
+    if let Some(dir) = &a.xla_dump {
+        println!("XLA's dumps: {}", dir.display());
+    }
+    Ok(())
+}
+
+/// The TPU compiler's estimate of the whole step, from unrolled 1- and 2-layer steps.
+fn print_estimate(t: &TargetDevices, spec: &StepSpec) -> Result<StepEstimate> {
+    eprintln!("xtrain: estimating the step from unrolled 1- and 2-layer steps");
+    let e = t.estimate(spec)?;
+    let tokens = (spec.batch * spec.seq) as f64;
+    let model_flops = xtrain::train::bench::model_flops_per_step(spec);
+    let devices = t.devices.len() as f64;
+    let mfu = t
+        .peak_bf16_tflops_per_device()
+        .map(|peak| model_flops / (e.seconds * devices * peak * 1e12));
+    println!(
+        "estimated step, by the TPU compiler's cost model (optimal_seconds of unrolled 1- and \
+         2-layer steps, extrapolated to {} layers; an estimate, not a measurement): {} per step, \
+         {:.4} TFLOP and {:.3} GB accessed per device, {:.0} tokens/s{}",
+        e.layers,
+        secs(e.seconds),
+        e.flops / 1e12,
+        e.bytes_accessed / 1e9,
+        tokens / e.seconds,
+        match (mfu, t.target.peak_bf16_tflops_per_chip) {
+            (Some(m), Some(peak)) => format!(
+                ", estimated MFU {:.1}% (model FLOPs {:.4} TFLOP per step; peak {peak} TFLOP/s bf16 per chip)",
+                100.0 * m,
+                model_flops / 1e12
+            ),
+            _ => String::new(),
+        }
+    );
+    Ok(StepEstimate {
+        seconds: e.seconds,
+        flops_per_device: e.flops,
+        bytes_accessed_per_device: e.bytes_accessed,
+        tokens_per_s: tokens / e.seconds,
+        mfu,
+    })
+}
+
+/// Who compiled a build, for its manifest record.
+struct Compiler<'a> {
+    target: String,
+    platform: String,
+    platform_version: String,
+    plugin: &'a pjrt::Plugin,
+    device_kind: String,
+    devices: i64,
+    hosts: i64,
+    memory_per_device: Option<i64>,
+}
+
+/// Add the build to the program dir: the executable, the optimized HLO and memory report when
+/// the compiler dumped them, and the record in manifest.json.
+fn record(
+    out: &std::path::Path,
+    by: Compiler,
+    build: &TargetBuild,
+    estimate: Option<StepEstimate>,
+    manifest: &mut Manifest,
+) -> Result<()> {
+    let m = &build.stats;
+    let (major, minor) = by.plugin.api_version();
+    let record = Build {
+        target: by.target,
+        platform: by.platform,
+        platform_version: by.platform_version,
+        plugin_api: format!("{major}.{minor}"),
+        plugin: by.plugin.path().display().to_string(),
+        device_kind: by.device_kind,
+        devices: by.devices,
+        hosts: by.hosts,
+        memory_per_device: by.memory_per_device,
+        compile_s: build.compile_s,
+        per_device: MemoryFigures {
+            argument_bytes: m.argument_bytes,
+            output_bytes: m.output_bytes,
+            alias_bytes: m.alias_bytes,
+            temp_bytes: m.temp_bytes,
+            generated_code_bytes: m.generated_code_bytes,
+            total_bytes: m.total_bytes(),
+            host_argument_bytes: m.host_argument_bytes,
+            host_temp_bytes: m.host_temp_bytes,
+            host_total_bytes: m.host_total_bytes(),
+        },
+        cost: build.cost.as_ref().map(|c| c.iter().cloned().collect()),
+        estimate,
+        executable_sha256: program_dir::sha256_hex(&build.executable),
+    };
+    program_dir::write_build(
+        out,
+        manifest,
+        record,
+        &build.executable,
+        build.optimized_hlo.as_deref(),
+        build.memory_report.as_deref(),
+    )
 }

@@ -80,7 +80,7 @@ pub fn main() {
         xtrain::device::platform::prepare_host_memory(plugin);
     }
     let result = match cli.command {
-        Command::Plugins { action } => plugins::plugins(action),
+        Command::Plugins { action } => plugins::plugins(action, cli.verbose),
         Command::Train(a) => train::train(*a, cli.verbose),
         Command::Compile(a) => compile::compile(*a, cli.verbose),
         Command::ImportGguf { file, out } => convert::import_gguf(&file, &out),

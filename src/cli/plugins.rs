@@ -1,20 +1,22 @@
-//! `xtrain plugins`: list the PJRT plugins found here, or install the CPU one.
+//! `xtrain plugins`: list the PJRT plugins found here, or install one into xtrain's cache.
 
 use anyhow::{bail, Result};
 use clap::Subcommand;
 
 #[derive(Subcommand)]
 pub enum PluginAction {
-    /// Install a plugin into xtrain's cache (only `cpu` is installable: the xla-cpu-pjrt wheel).
+    /// Install a plugin into xtrain's cache from its pinned pip wheels: cpu (xla-cpu-pjrt), tpu
+    /// (libtpu), cuda (jax-cuda13-pjrt with NVIDIA's ptxas and libdevice, to compile for absent
+    /// GPUs), rocm (jax-rocm7-pjrt; it loads on hosts with ROCm 7).
     Install { name: String },
 }
 
-pub fn plugins(action: Option<PluginAction>) -> Result<()> {
+pub fn plugins(action: Option<PluginAction>, verbose: bool) -> Result<()> {
     if let Some(PluginAction::Install { name }) = action {
-        if name != "cpu" {
-            bail!("only the CPU plugin can be installed by xtrain; for `{name}` install its wheel with pip (see README)");
+        if !pjrt::discover::KNOWN.iter().any(|k| k.name == name) {
+            bail!("unknown plugin `{name}`: xtrain installs cpu, tpu, cuda or rocm");
         }
-        let path = pjrt::discover::install_cpu()?;
+        let path = pjrt::discover::install_announced(&name)?;
         println!("installed {}", path.display());
         return Ok(());
     }
@@ -25,17 +27,30 @@ pub fn plugins(action: Option<PluginAction>) -> Result<()> {
     }
     for f in found {
         println!("{} ({}): {}", f.name, f.source, f.path.display());
-        match pjrt::Plugin::load(&f.path) {
+        let no_tpu = f.name == "tpu" && !xtrain::device::platform::has_tpu_devices();
+        if no_tpu {
+            xtrain::device::platform::prepare_libtpu_env(verbose);
+        }
+        let loaded =
+            xtrain::device::platform::quiet_unless(verbose, || pjrt::Plugin::load(&f.path));
+        match loaded {
             Err(e) => println!("  cannot load: {e}"),
             Ok(p) => {
                 let (major, minor) = p.api_version();
                 println!("  PJRT C API {major}.{minor}");
-                match p.client(&pjrt::ClientOptions::default()) {
+                if no_tpu {
+                    println!("  no TPU on this machine (no /dev/accel*): it compiles for absent TPUs (`xtrain compile --target tpu:...`)");
+                    continue;
+                }
+                let client = xtrain::device::platform::quiet_unless(verbose, || {
+                    p.client(&pjrt::ClientOptions::default())
+                });
+                match client {
                     Err(e) => println!("  no client: {e}"),
                     Ok(c) => {
                         let devices = c.devices().unwrap_or_default();
                         println!(
-                            "  platform {} {}, {} devices",
+                            "  platform {} (version {}), {} devices",
                             c.platform_name().unwrap_or_default(),
                             c.platform_version().unwrap_or_default(),
                             devices.len()

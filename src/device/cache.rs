@@ -1,4 +1,5 @@
-//! The on-disk cache of compiled executables.
+//! The on-disk cache of compiled executables, and the executables `xtrain compile --check`
+//! leaves in a program dir.
 
 use crate::device::runtime::{expected_inputs, Runtime};
 use crate::program::Program;
@@ -33,6 +34,24 @@ pub fn compile_cached(
         .join("executables")
         .join(format!("{key}.pjrt"));
     let expected = expected_inputs(program);
+    if let Some(p) = &rt.prebuilt {
+        if p.program_sha256 == crate::formats::program_dir::sha256_hex(program.text.as_bytes()) {
+            match rt.client.deserialize(&p.executable) {
+                Ok(mut exe) => {
+                    eprintln!(
+                        "xtrain: loaded the step compiled by `xtrain compile` for {} ({})",
+                        p.target, p.file
+                    );
+                    exe.expect_inputs(expected);
+                    return Ok((exe, true));
+                }
+                Err(e) => eprintln!(
+                    "xtrain: recompiling the step: the plugin cannot load {}: {e}",
+                    p.file
+                ),
+            }
+        }
+    }
     if use_cache {
         if let Ok(bytes) = std::fs::read(&path) {
             if let Ok(mut exe) = rt.client.deserialize(&bytes) {
@@ -50,4 +69,42 @@ pub fn compile_cached(
         }
     }
     Ok((exe, false))
+}
+
+/// A program dir's executable, for the program whose text has `program_sha256`.
+pub struct Prebuilt {
+    pub program_sha256: String,
+    pub executable: Vec<u8>,
+    /// What it was compiled for (`cuda:h100:8`), and the file, for messages.
+    pub target: String,
+    pub file: String,
+}
+
+/// Whether a program dir's build was compiled for this runtime's plugin and devices: the same
+/// platform, plugin API version and device kind, and no more devices than there are. `Err` says
+/// why not, naming both sides.
+pub fn matches(rt: &Runtime, build: &crate::formats::program_dir::Build) -> Result<(), String> {
+    let platform = rt.platform();
+    let (major, minor) = rt.client.plugin().api_version();
+    let api = format!("{major}.{minor}");
+    let kind = rt.devices[0]
+        .info()
+        .map(|i| i.kind)
+        .unwrap_or_else(|_| "?".into());
+    let here = format!(
+        "this machine has {} x {kind} on the {platform} plugin (PJRT C API {api})",
+        rt.devices.len()
+    );
+    let there = format!(
+        "its executable is for {} ({} x {} on the {} plugin, PJRT C API {})",
+        build.target, build.devices, build.device_kind, build.platform, build.plugin_api
+    );
+    if platform != build.platform
+        || api != build.plugin_api
+        || kind != build.device_kind
+        || (rt.devices.len() as i64) < build.devices
+    {
+        return Err(format!("{there}, but {here}"));
+    }
+    Ok(())
 }

@@ -78,6 +78,67 @@ pub fn prepare_host_memory(plugin: Option<&str>) {
     }
 }
 
+/// Run `f` with the process's stderr sent to /dev/null unless `verbose`: the GPU plugins log a
+/// few lines while they load (absl's "before InitializeLog" warning, "Could not find cuda
+/// drivers") whatever `TF_CPP_MIN_LOG_LEVEL` says, and a deviceless compile expects no driver.
+/// Their errors come back as PJRT errors, which are printed as usual.
+pub fn quiet_unless<T>(verbose: bool, f: impl FnOnce() -> T) -> T {
+    if verbose {
+        return f();
+    }
+    // SAFETY: plain descriptor juggling on fd 2; the saved descriptor is restored and closed
+    // whatever `f` returns (a panic inside `f` would leave stderr silenced, but `f` is a load).
+    unsafe {
+        let saved = libc::dup(2);
+        let null = libc::open(c"/dev/null".as_ptr(), libc::O_WRONLY);
+        if saved < 0 || null < 0 {
+            return f();
+        }
+        libc::dup2(null, 2);
+        libc::close(null);
+        let out = f();
+        libc::dup2(saved, 2);
+        libc::close(saved);
+        out
+    }
+}
+
+/// Whether this machine has TPU chips (a TPU VM exposes them as `/dev/accel*` or through VFIO).
+/// Without them, libtpu asked for a client spends ~30 s per setting querying a cloud metadata
+/// server that is not there; it is then only good for compiling for absent TPUs.
+pub fn has_tpu_devices() -> bool {
+    let any = |dir: &str, prefix: &str| {
+        std::fs::read_dir(dir)
+            .map(|d| {
+                d.flatten()
+                    .any(|e| e.file_name().to_string_lossy().starts_with(prefix))
+            })
+            .unwrap_or(false)
+    };
+    any("/dev", "accel") || any("/dev/vfio", "")
+}
+
+/// libtpu, compiling for a TPU that is not here, must not ask the cloud metadata server for the
+/// machine's TPU (it retries each key for ~29 s) and logs to files and stderr unless told; any
+/// accelerator type silences it (it need not match the target). Values the user set win.
+pub fn prepare_libtpu_env(verbose: bool) {
+    let mut vars = vec![
+        ("TPU_SKIP_MDS_QUERY", "1"),
+        ("TPU_ACCELERATOR_TYPE", "v5p-8"),
+        ("TPU_WORKER_HOSTNAMES", "localhost"),
+    ];
+    if !verbose {
+        vars.push(("TPU_LOG_DIR", "disabled"));
+        vars.push(("TPU_STDERR_LOG_LEVEL", "3"));
+        vars.push(("TPU_MIN_LOG_LEVEL", "3"));
+    }
+    for (k, v) in vars {
+        if std::env::var_os(k).is_none() {
+            std::env::set_var(k, v);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

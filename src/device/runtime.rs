@@ -23,6 +23,9 @@ pub fn expected_inputs(program: &Program) -> Vec<(ElementType, Vec<i64>)> {
 pub struct Runtime {
     pub client: Client,
     pub devices: Vec<Device>,
+    /// An executable compiled ahead of time for this plugin and these devices (a program dir's
+    /// build, see [`crate::device::cache::Prebuilt`]), used instead of compiling its program.
+    pub prebuilt: Option<crate::device::cache::Prebuilt>,
 }
 
 impl Runtime {
@@ -39,6 +42,14 @@ impl Runtime {
         if cpu {
             keep_freed_host_memory();
         }
+        if named_platform(Some(&name)) == "tpu" && !crate::device::platform::has_tpu_devices() {
+            bail!(
+                "the TPU plugin {} needs TPU chips to run on, and this machine has none (no \
+                 /dev/accel*); compile for a TPU that is not here with `xtrain compile --target \
+                 tpu:<generation>:<chips> --check`",
+                path.display()
+            );
+        }
         let plugin = Plugin::load(&path)?;
         let options = match cpu_devices {
             Some(n) if cpu => ClientOptions::cpu_device_count(n),
@@ -52,7 +63,11 @@ impl Runtime {
         if devices.is_empty() {
             bail!("the plugin {} reports no devices", path.display());
         }
-        Ok(Runtime { client, devices })
+        Ok(Runtime {
+            client,
+            devices,
+            prebuilt: None,
+        })
     }
 
     /// The platform the plugin reports (PJRT's name: `cpu`, `cuda`, `rocm`, `tpu`): what

@@ -23,7 +23,76 @@ pub struct Manifest {
     pub spec: StepSpec,
     pub args: Vec<TensorSpecOwned>,
     pub results: Vec<TensorSpecOwned>,
+    /// The compiled executable beside the program, when `xtrain compile --check` made one, and
+    /// what it was compiled for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub build: Option<Build>,
 }
+
+/// A compiled executable of a program dir (`train_step.executable`): which plugin and devices it
+/// was compiled for, and the compiler's figures for it.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct Build {
+    /// `--target` as given (`cuda:h100:8`), or the plugin's name for the machine's own devices.
+    pub target: String,
+    /// PJRT's platform name: cpu, cuda, rocm, tpu.
+    pub platform: String,
+    pub platform_version: String,
+    /// The PJRT C API version of the plugin that compiled it (a serialized executable loads only
+    /// into the same plugin build).
+    pub plugin_api: String,
+    pub plugin: String,
+    /// The devices' kind, as a client on them reports it (`NVIDIA H100 80GB HBM3`).
+    pub device_kind: String,
+    pub devices: i64,
+    pub hosts: i64,
+    /// Device memory per device where the plugin describes it.
+    pub memory_per_device: Option<i64>,
+    pub compile_s: f64,
+    /// XLA's compiled memory figures, per device.
+    pub per_device: MemoryFigures,
+    /// The compiler's cost analysis of the program as compiled (TPU only; a loop body is
+    /// counted once).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cost: Option<std::collections::BTreeMap<String, f64>>,
+    /// The whole step estimated from unrolled 1- and 2-layer steps (TPU only): an estimate by the
+    /// compiler's cost model, not a measurement.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub estimate: Option<StepEstimate>,
+    pub executable_sha256: String,
+}
+
+/// Bytes per device, as the compiler reports them.
+#[derive(Clone, Copy, Debug, Default, serde::Serialize, serde::Deserialize)]
+pub struct MemoryFigures {
+    pub argument_bytes: i64,
+    pub output_bytes: i64,
+    pub alias_bytes: i64,
+    pub temp_bytes: i64,
+    pub generated_code_bytes: i64,
+    /// Arguments + outputs not aliased to arguments + temporaries, in device memory.
+    pub total_bytes: i64,
+    pub host_argument_bytes: i64,
+    pub host_temp_bytes: i64,
+    /// The same sum over host memory.
+    pub host_total_bytes: i64,
+}
+
+/// A TPU compiler's whole-step estimate (see `device::aot::Estimate`).
+#[derive(Clone, Copy, Debug, serde::Serialize, serde::Deserialize)]
+pub struct StepEstimate {
+    pub seconds: f64,
+    pub flops_per_device: f64,
+    pub bytes_accessed_per_device: f64,
+    pub tokens_per_s: f64,
+    /// Model FLOPs / (seconds x devices x peak bf16 per device), when the peak is known.
+    pub mfu: Option<f64>,
+}
+
+/// The files a build adds to a program dir.
+pub const EXECUTABLE_FILE: &str = "train_step.executable";
+pub const OPTIMIZED_HLO_FILE: &str = "train_step.optimized.txt";
+pub const MEMORY_REPORT_FILE: &str = "train_step.memory.txt";
 
 /// [`TensorSpec`] in a form that round-trips through JSON.
 #[derive(Clone, serde::Serialize, serde::Deserialize)]
@@ -71,7 +140,12 @@ pub fn write_dir(dir: &Path, program: &Program, spec: &StepSpec) -> Result<Manif
         spec: spec.clone(),
         args: program.args.iter().map(Into::into).collect(),
         results: program.results.iter().map(Into::into).collect(),
+        build: None,
     };
+    // A build of an earlier program in this dir is not this program's.
+    for stale in [EXECUTABLE_FILE, OPTIMIZED_HLO_FILE, MEMORY_REPORT_FILE] {
+        let _ = std::fs::remove_file(dir.join(stale));
+    }
     crate::formats::atomic::write_bytes_atomic(
         &dir.join("train_step.mlir"),
         program.text.as_bytes(),
@@ -83,8 +157,52 @@ pub fn write_dir(dir: &Path, program: &Program, spec: &StepSpec) -> Result<Manif
     Ok(manifest)
 }
 
-/// Read a program directory, checking the program text against the manifest's hash.
-pub fn read_dir(dir: &Path) -> Result<(Program, StepSpec)> {
+/// Add a build to a program dir written by [`write_dir`]: the executable (and the optimized HLO
+/// and memory report when there are some), then the manifest that names it, each atomically.
+pub fn write_build(
+    dir: &Path,
+    manifest: &mut Manifest,
+    build: Build,
+    executable: &[u8],
+    optimized_hlo: Option<&str>,
+    memory_report: Option<&str>,
+) -> Result<()> {
+    use crate::formats::atomic::write_bytes_atomic;
+    write_bytes_atomic(&dir.join(EXECUTABLE_FILE), executable)?;
+    if let Some(text) = optimized_hlo {
+        write_bytes_atomic(&dir.join(OPTIMIZED_HLO_FILE), text.as_bytes())?;
+    }
+    if let Some(text) = memory_report {
+        write_bytes_atomic(&dir.join(MEMORY_REPORT_FILE), text.as_bytes())?;
+    }
+    manifest.build = Some(build);
+    write_bytes_atomic(
+        &dir.join("manifest.json"),
+        serde_json::to_string_pretty(&manifest)?.as_bytes(),
+    )
+}
+
+/// A program dir's compiled executable and what it was compiled for, if it has one whose bytes
+/// match the manifest.
+pub fn read_build(dir: &Path) -> Result<Option<(Build, Vec<u8>)>> {
+    let m = read_manifest(dir)?;
+    let Some(build) = m.build else {
+        return Ok(None);
+    };
+    let path = dir.join(EXECUTABLE_FILE);
+    let bytes = std::fs::read(&path).with_context(|| format!("cannot read {}", path.display()))?;
+    let hash = sha256_hex(&bytes);
+    if hash != build.executable_sha256 {
+        bail!(
+            "{} does not match its manifest (sha256 {hash}, manifest says {})",
+            path.display(),
+            build.executable_sha256
+        );
+    }
+    Ok(Some((build, bytes)))
+}
+
+fn read_manifest(dir: &Path) -> Result<Manifest> {
     let mpath = dir.join("manifest.json");
     let text = std::fs::read_to_string(&mpath).with_context(|| {
         format!(
@@ -102,6 +220,12 @@ pub fn read_dir(dir: &Path) -> Result<(Program, StepSpec)> {
             m.format
         );
     }
+    Ok(m)
+}
+
+/// Read a program directory, checking the program text against the manifest's hash.
+pub fn read_dir(dir: &Path) -> Result<(Program, StepSpec)> {
+    let m = read_manifest(dir)?;
     let ppath = dir.join("train_step.mlir");
     let program = std::fs::read_to_string(&ppath)
         .with_context(|| format!("cannot read {}", ppath.display()))?;

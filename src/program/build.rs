@@ -130,8 +130,20 @@ impl<'s> ProgramBuilder<'s> {
 
 /// The training step program.
 pub fn build_train_step(spec: &StepSpec) -> Result<Program> {
+    train_step(spec, false)
+}
+
+/// The training step with every loop (layers, microbatches) unrolled: the same computation,
+/// recomputation included, for compilers whose cost analysis counts a loop body once (TPU's).
+/// Meant for models of one or two layers (`device::aot` estimates a step from them).
+pub fn build_train_step_unrolled(spec: &StepSpec) -> Result<Program> {
+    train_step(spec, true)
+}
+
+fn train_step(spec: &StepSpec, unroll_loops: bool) -> Result<Program> {
     check_spec(spec)?;
     let mut p = ProgramBuilder::new(spec, "train_step");
+    p.b.unroll_loops(unroll_loops);
     let mv = p.model_params(true);
     let lora_args: Vec<TensorSpec> = p
         .args

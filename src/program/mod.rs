@@ -25,6 +25,7 @@ mod spec;
 
 pub use build::{
     build_eval, build_forward, build_grad_program, build_next_token, build_train_step,
+    build_train_step_unrolled,
 };
 pub use signature::{Program, Role, TensorSpec};
 pub use spec::{wide_matmul_results, MeshPlan, Remat, StepOptions, StepSpec};

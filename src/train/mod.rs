@@ -96,6 +96,34 @@ fn check_out_dir(out: &Path) -> Result<()> {
     Ok(())
 }
 
+/// The executable a program dir holds, if it was compiled for this plugin and these devices;
+/// otherwise the step is compiled here, and the reason is said.
+fn prebuilt(
+    rt: &Runtime,
+    dir: &std::path::Path,
+    program: &Program,
+) -> Result<Option<crate::device::cache::Prebuilt>> {
+    let Some((build, executable)) = crate::formats::program_dir::read_build(dir)? else {
+        return Ok(None);
+    };
+    if let Err(why) = crate::device::cache::matches(rt, &build) {
+        eprintln!(
+            "xtrain: compiling the step of {} here: {why}",
+            dir.display()
+        );
+        return Ok(None);
+    }
+    Ok(Some(crate::device::cache::Prebuilt {
+        program_sha256: crate::formats::program_dir::sha256_hex(program.text.as_bytes()),
+        executable,
+        target: build.target,
+        file: dir
+            .join(crate::formats::program_dir::EXECUTABLE_FILE)
+            .display()
+            .to_string(),
+    }))
+}
+
 /// Open the plugin and plan the step: take it from a program dir (checking that it was built for
 /// this model and batch), or build it for the plugin's platform. A CPU plugin gets as many
 /// virtual devices as the mesh needs; an accelerator plugin has what it has, and compiling
@@ -124,7 +152,8 @@ pub fn plan(
                 spec.seq
             );
         }
-        let rt = open(program.partitions)?;
+        let mut rt = open(program.partitions)?;
+        rt.prebuilt = prebuilt(&rt, dir, &program)?;
         return Ok((rt, spec, program));
     }
     let rt = open(opts.step.mesh.as_ref().map_or(1, |m| m.devices()))?;

@@ -1,0 +1,345 @@
+//! Compiling for a [`Target`] that is not here: its plugin describes the devices (a topology),
+//! compiles the program on that description with no client, and reports the compiler's own
+//! figures (memory per device, host memory, for TPUs its cost analysis) and the serialized
+//! executable that a client on the real hardware loads (`train --program`). The facts this rests
+//! on (call sequence, options, traps) are in `../shared/notes/aot.md` and README's "Targets".
+
+use crate::device::target::{Platform, Target};
+use crate::program::{Program, StepSpec};
+use anyhow::{bail, Context, Result};
+use pjrt::{CompileOptions, DeviceDescription, MemoryStats, OptionValue, Plugin, Topology, Value};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// A target's plugin and its description of the target's devices.
+pub struct TargetDevices {
+    pub target: Target,
+    pub plugin: Arc<Plugin>,
+    topology: Topology,
+    pub devices: Vec<DeviceDescription>,
+    pub platform_version: String,
+}
+
+/// What compiling a program for a target gave.
+pub struct TargetBuild {
+    pub stats: MemoryStats,
+    pub compile_s: f64,
+    /// The compiler's cost analysis, per device (TPU only): `flops`, `bytes accessed`,
+    /// `optimal_seconds`, ...
+    pub cost: Option<Vec<(String, f64)>>,
+    /// The optimized HLO as text, and XLA's memory-usage report, from the compiler's dump.
+    pub optimized_hlo: Option<String>,
+    pub memory_report: Option<String>,
+    pub executable: Vec<u8>,
+}
+
+/// The plugin file for a target: `--plugin` if given (it must be of the target's platform),
+/// else the known plugin of that name, installed into the cache on first use.
+fn plugin_path(target: &Target, plugin: Option<&str>) -> Result<PathBuf> {
+    let want = target.platform.plugin();
+    if let Some(p) = plugin {
+        let named = crate::device::platform::named_platform(Some(p));
+        if named != want && named != "unknown" {
+            bail!(
+                "--target {} is compiled by the {want} plugin, but --plugin {p} is a {named} plugin; \
+                 drop --plugin or give a {want} one",
+                target.spec
+            );
+        }
+        return Ok(pjrt::discover::resolve(Some(p))?);
+    }
+    match pjrt::discover::resolve(Some(want)) {
+        Ok(p) => Ok(p),
+        Err(pjrt::discover::DiscoverError::NotFound { .. }) => {
+            Ok(pjrt::discover::install_announced(want)?)
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+impl TargetDevices {
+    /// Load the target's plugin and describe its devices.
+    pub fn open(target: &Target, plugin: Option<&str>, verbose: bool) -> Result<TargetDevices> {
+        let path = plugin_path(target, plugin)?;
+        if target.platform == Platform::Tpu {
+            crate::device::platform::prepare_libtpu_env(verbose);
+        }
+        let plugin = crate::device::platform::quiet_unless(verbose, || Plugin::load(&path))
+            .map_err(|e| match target.platform {
+                Platform::Rocm if e.to_string().contains("cannot open shared object") => {
+                    anyhow::anyhow!(
+                "{e}\nThe ROCm plugin links the ROCm 7 runtime libraries (libamdhip64.so.7, \
+                 librocprofiler-sdk.so.1, ...), which a ROCm host has in /opt/rocm/lib and PyPI \
+                 does not ship. Compile for ROCm on a machine with ROCm 7 installed (xtrain's own \
+                 tests use stand-ins built by tools/rocm-standins instead)."
+            )
+                }
+                _ => e.into(),
+            })?;
+        if target.platform == Platform::Cuda {
+            let missing = pjrt::discover::missing_cuda_tools(plugin.path(), None);
+            if !missing.is_empty() {
+                let list: Vec<String> = missing
+                    .iter()
+                    .map(|(p, wheel)| format!("{} (from the {wheel} wheel)", p.display()))
+                    .collect();
+                bail!(
+                    "compiling for a CUDA GPU that is not here needs NVIDIA's ptxas and libdevice \
+                     beside the plugin; missing: {}. Run `xtrain plugins install cuda`, which \
+                     fetches them, or pip-install those wheels next to the plugin",
+                    list.join(", ")
+                );
+            }
+        }
+        let topology = plugin
+            .topology(&target.topology_name, &target.create_options)
+            .map_err(|e| match target.platform {
+                Platform::Tpu => anyhow::anyhow!(
+                    "libtpu refused the TPU topology `{}` (--target {}): {e}\nxtrain wants \
+                     tpu:<generation>:<chips>, the chips as libtpu lays out slices: 2 or 3 sizes \
+                     that its hosts of 2x2 chips divide (tpu:v5e:2x2, tpu:v5e:4x4, tpu:v5p:2x2x1, \
+                     tpu:v5p:4x4x4, tpu:v6e:16x16), or one chip (tpu:v5e:1x1)",
+                    target.topology_name,
+                    target.spec
+                ),
+                _ => anyhow::anyhow!(
+                    "the {} plugin refused the target {}: {e}",
+                    target.platform.plugin(),
+                    target.spec
+                ),
+            })?;
+        let platform = topology.platform_name()?;
+        let want = match target.platform {
+            Platform::Tpu => "tpu",
+            Platform::Cuda => "cuda",
+            Platform::Rocm => "rocm",
+        };
+        if platform != want {
+            bail!(
+                "the plugin {} is a {platform} plugin; --target {} needs a {want} one",
+                path.display(),
+                target.spec
+            );
+        }
+        let devices = topology.devices()?;
+        if devices.is_empty() {
+            bail!("the {want} plugin describes no devices for {}", target.spec);
+        }
+        let platform_version = topology.platform_version().unwrap_or_default();
+        Ok(TargetDevices {
+            target: target.clone(),
+            plugin,
+            topology,
+            devices,
+            platform_version,
+        })
+    }
+
+    /// Hosts (processes) the devices are spread over.
+    pub fn hosts(&self) -> i64 {
+        self.devices
+            .iter()
+            .map(|d| d.process_index as i64)
+            .max()
+            .unwrap_or(0)
+            + 1
+    }
+
+    pub fn device_kind(&self) -> &str {
+        &self.devices[0].kind
+    }
+
+    /// Memory per device as the plugin describes it.
+    pub fn memory_per_device(&self) -> Option<i64> {
+        self.devices[0]
+            .attributes
+            .iter()
+            .find(|(k, _)| k == "device_memory_bytes_limit")
+            .and_then(|(_, v)| match v {
+                Value::Int(b) => Some(*b),
+                _ => None,
+            })
+    }
+
+    /// Dense bf16 throughput per device (a TPU chip may hold two devices), TFLOP/s.
+    pub fn peak_bf16_tflops_per_device(&self) -> Option<f64> {
+        let per_chip = self.target.peak_bf16_tflops_per_chip?;
+        Some(per_chip * self.target.chips as f64 / self.devices.len() as f64)
+    }
+
+    /// Compile `program` for every device of the target. `dump` keeps XLA's dumps there (else
+    /// they go to a temporary directory, read for the optimized HLO and removed).
+    pub fn compile(&self, program: &Program, dump: Option<&Path>) -> Result<TargetBuild> {
+        let n = self.devices.len() as i64;
+        if program.partitions != n {
+            bail!(
+                "the program is for {} device(s) (its mesh) but --target {} has {n}; use a mesh \
+                 of {n} devices (without --mesh: fsdp={n})",
+                program.partitions,
+                self.target.spec
+            );
+        }
+        let temp;
+        let dump_dir = match dump {
+            Some(d) => {
+                std::fs::create_dir_all(d)
+                    .with_context(|| format!("cannot create {}", d.display()))?;
+                d.to_path_buf()
+            }
+            None => {
+                temp = TempDir::new()?;
+                temp.0.clone()
+            }
+        };
+        let options = self.options(&dump_dir);
+        let t0 = Instant::now();
+        let exe = self
+            .topology
+            .compile(&program.text, &options)
+            .with_context(|| {
+                format!(
+                    "the {} compiler could not compile the program for {}",
+                    self.target.platform.plugin(),
+                    self.target.spec
+                )
+            })?;
+        let compile_s = t0.elapsed().as_secs_f64();
+        let stats = exe.memory_stats()?;
+        let cost = exe.cost_analysis().ok().map(|c| {
+            c.into_iter()
+                .filter(|(k, _)| !k.contains('{'))
+                .filter_map(|(k, v)| v.as_f64().map(|x| (k, x)))
+                .collect()
+        });
+        let executable = exe.serialize()?;
+        let (optimized_hlo, memory_report) = read_dump(&dump_dir);
+        Ok(TargetBuild {
+            stats,
+            compile_s,
+            cost,
+            optimized_hlo,
+            memory_report,
+            executable,
+        })
+    }
+
+    /// Compile options for the whole target: one partition per device in the topology's order
+    /// (libtpu crashed on a 64-chip slice without an explicit assignment), outputs' shardings
+    /// left to the partitioner where the program leaves them open, and XLA's dumps as text.
+    fn options(&self, dump_dir: &Path) -> CompileOptions {
+        let ids: Vec<i64> = self.devices.iter().map(|d| d.id as i64).collect();
+        let mut o = if ids.len() > 1 {
+            CompileOptions::spmd(ids)
+        } else {
+            CompileOptions::default()
+        };
+        o.propagate_output_shardings = true;
+        o.with_override(
+            "xla_dump_to",
+            OptionValue::String(dump_dir.to_string_lossy().into()),
+        )
+        .with_override("xla_dump_hlo_as_text", OptionValue::Bool(true))
+    }
+}
+
+/// A TPU compiler's estimate of a looped step, which its cost analysis cannot give directly: it
+/// counts a loop body once. Built from unrolled programs of the same step with 1 and 2 layers:
+/// c(L) = c(1) + (L - 1) (c(2) - c(1)).
+pub struct Estimate {
+    pub layers: i64,
+    pub seconds: f64,
+    pub flops: f64,
+    pub bytes_accessed: f64,
+}
+
+impl TargetDevices {
+    /// Estimate the whole step's time, FLOPs and bytes per device from unrolled 1- and 2-layer
+    /// versions of `spec` (TPU targets: the only compiler here with a cost analysis).
+    pub fn estimate(&self, spec: &StepSpec) -> Result<Estimate> {
+        let mut costs = Vec::new();
+        for layers in [1, 2] {
+            let mut small = spec.clone();
+            small.model.num_hidden_layers = layers;
+            let program = crate::program::build_train_step_unrolled(&small)?;
+            let build = self.compile(&program, None)?;
+            let cost = build
+                .cost
+                .context("the compiler gave no cost analysis for the unrolled step")?;
+            let get = |k: &str| {
+                cost.iter()
+                    .find(|(n, _)| n == k)
+                    .map(|(_, v)| *v)
+                    .with_context(|| format!("the cost analysis has no `{k}`"))
+            };
+            costs.push((
+                get("optimal_seconds")?,
+                get("flops")?,
+                get("bytes accessed")?,
+            ));
+        }
+        let l = spec.model.num_hidden_layers;
+        let at = |f: fn(&(f64, f64, f64)) -> f64| {
+            f(&costs[0]) + (l - 1) as f64 * (f(&costs[1]) - f(&costs[0]))
+        };
+        Ok(Estimate {
+            layers: l,
+            seconds: at(|c| c.0),
+            flops: at(|c| c.1),
+            bytes_accessed: at(|c| c.2),
+        })
+    }
+}
+
+/// The optimized module and its memory report from an XLA dump directory: the largest
+/// `*after_optimizations.txt` (the step; small helper modules are dumped too).
+fn read_dump(dir: &Path) -> (Option<String>, Option<String>) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return (None, None);
+    };
+    let mut best: Option<(u64, PathBuf)> = None;
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.ends_with("after_optimizations.txt") {
+            let size = e.metadata().map(|m| m.len()).unwrap_or(0);
+            if best.as_ref().is_none_or(|(s, _)| size > *s) {
+                best = Some((size, e.path()));
+            }
+        }
+    }
+    let Some((_, path)) = best else {
+        return (None, None);
+    };
+    let report = PathBuf::from(path.to_string_lossy().replace(
+        "after_optimizations.txt",
+        "after_optimizations-memory-usage-report.txt",
+    ));
+    (
+        std::fs::read_to_string(&path).ok(),
+        std::fs::read_to_string(report).ok(),
+    )
+}
+
+/// A temporary directory removed on drop.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new() -> Result<TempDir> {
+        let d = std::env::temp_dir().join(format!(
+            "xtrain-aot-{}-{}",
+            std::process::id(),
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos())
+                .unwrap_or(0)
+        ));
+        std::fs::create_dir_all(&d).with_context(|| format!("cannot create {}", d.display()))?;
+        Ok(TempDir(d))
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
