@@ -118,6 +118,7 @@ pub fn compile(a: CompileArgs, verbose: bool) -> Result<()> {
     let build_s = t0.elapsed().as_secs_f64();
     let mut manifest = program_dir::write_dir(&a.out, &program, &spec)?;
     let arg_bytes: i64 = manifest.args.iter().map(|t| t.bytes).sum();
+    let per_device: i64 = manifest.args.iter().map(|t| t.bytes_per_device()).sum();
     println!(
         "wrote {} ({} bytes of StableHLO, {} arguments, built in {:.3}s) and manifest.json",
         a.out.join("train_step.mlir").display(),
@@ -125,8 +126,13 @@ pub fn compile(a: CompileArgs, verbose: bool) -> Result<()> {
         program.args.len(),
         build_s
     );
+    let sharded = if per_device != arg_bytes {
+        format!(", {} per device", gib(per_device))
+    } else {
+        String::new()
+    };
     println!(
-        "arguments: {} ({} parameters in the base model)",
+        "arguments: {}{sharded} ({} parameters in the base model)",
         gib(arg_bytes),
         spec.model.param_count()
     );

@@ -102,6 +102,11 @@ pub struct TensorSpecOwned {
     pub dtype: String,
     pub role: crate::program::Role,
     pub bytes: i64,
+    /// Each device's shard of it, when the mesh splits it (shape and bytes per device).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_shape: Option<Vec<i64>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_bytes: Option<i64>,
 }
 
 impl From<&TensorSpec> for TensorSpecOwned {
@@ -112,7 +117,27 @@ impl From<&TensorSpec> for TensorSpecOwned {
             dtype: t.dtype.mlir().to_string(),
             role: t.role,
             bytes: t.shape.iter().product::<i64>() * t.dtype.size_bytes() as i64,
+            device_shape: None,
+            device_bytes: None,
         }
+    }
+}
+
+impl TensorSpecOwned {
+    /// The argument with each device's shard shape, where that differs from its whole shape.
+    fn sharded(t: &TensorSpec, device_shape: &[i64]) -> Self {
+        let mut out = TensorSpecOwned::from(t);
+        if device_shape != t.shape.as_slice() {
+            out.device_bytes =
+                Some(device_shape.iter().product::<i64>() * t.dtype.size_bytes() as i64);
+            out.device_shape = Some(device_shape.to_vec());
+        }
+        out
+    }
+
+    /// Bytes each device holds of it.
+    pub fn bytes_per_device(&self) -> i64 {
+        self.device_bytes.unwrap_or(self.bytes)
     }
 }
 
@@ -138,7 +163,12 @@ pub fn write_dir(dir: &Path, program: &Program, spec: &StepSpec) -> Result<Manif
         xtrain_version: env!("CARGO_PKG_VERSION").into(),
         program_sha256: sha256_hex(program.text.as_bytes()),
         spec: spec.clone(),
-        args: program.args.iter().map(Into::into).collect(),
+        args: program
+            .args
+            .iter()
+            .zip(&program.arg_shard_dims)
+            .map(|(a, d)| TensorSpecOwned::sharded(a, d))
+            .collect(),
         results: program.results.iter().map(Into::into).collect(),
         build: None,
     };
