@@ -29,6 +29,7 @@ fn plugin(name: &str) -> Arc<Plugin> {
         std::env::set_var("TPU_ACCELERATOR_TYPE", "v5p-8");
         std::env::set_var("TPU_WORKER_HOSTNAMES", "localhost");
         std::env::set_var("TPU_LOG_DIR", "disabled");
+        std::env::set_var("ALLOW_MULTIPLE_LIBTPU_LOAD", "1");
     }
     let path = pjrt::discover::resolve(Some(name))
         .or_else(|_| pjrt::discover::install_announced(name))

@@ -126,6 +126,9 @@ pub fn prepare_libtpu_env(verbose: bool) {
         ("TPU_SKIP_MDS_QUERY", "1"),
         ("TPU_ACCELERATOR_TYPE", "v5p-8"),
         ("TPU_WORKER_HOSTNAMES", "localhost"),
+        // libtpu takes /tmp/libtpu_lockfile so that one process owns the chips; with none to
+        // own, two compiles at once (or a test run) must not fail on it.
+        ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1"),
     ];
     if !verbose {
         vars.push(("TPU_LOG_DIR", "disabled"));

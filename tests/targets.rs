@@ -1,0 +1,403 @@
+//! `xtrain compile --target`: the tiny model's step compiled by the real TPU, CUDA and ROCm
+//! compilers for devices that are not here (plugins fetched into the cache on first use), and
+//! what the program dir then holds; bad targets; `train --program` with a program dir's
+//! executable.
+
+mod common;
+use common::*;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use xtrain::formats::program_dir::Manifest;
+
+fn manifest(dir: &Path) -> Manifest {
+    serde_json::from_str(&std::fs::read_to_string(dir.join("manifest.json")).unwrap()).unwrap()
+}
+
+/// Compile the tiny model's bf16 step (batch 4 x 64) for `target`, checking it succeeds.
+fn compile_for(target: &str, dir: &Path, env: &[(&str, &Path)]) -> String {
+    let mut c = xtrain_cmd();
+    c.args([
+        "compile",
+        "--model",
+        "tiny-llama3",
+        "--batch",
+        "4",
+        "--seq",
+        "64",
+    ])
+    .args(["--dtype", "bf16", "--check", "--target", target, "--out"])
+    .arg(dir);
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    let o = c.output().unwrap();
+    let out = String::from_utf8_lossy(&o.stdout).to_string();
+    let err = String::from_utf8_lossy(&o.stderr).to_string();
+    assert!(o.status.success(), "{target}: {out}\n{err}");
+    out
+}
+
+/// The entry parameters of an optimized HLO module as (dims, bytes in the compiled layout):
+/// `bf16[2,16,64]{2,1,0:T(8,128)(2,1)}` is 2 x 16 x 64 stored in tiles of 8 x 128 over its two
+/// most minor dims (TPU layouts; GPU layouts have no tiles), so 2 x 16 x 128 bf16 values.
+fn entry_params(hlo: &str) -> Vec<(Vec<i64>, i64)> {
+    let start = hlo.find("entry_computation_layout={(").unwrap() + 27;
+    let (mut depth, mut params, mut cur) = (0, Vec::new(), String::new());
+    for c in hlo[start..].chars() {
+        match c {
+            '(' | '{' | '[' => depth += 1,
+            ')' | '}' | ']' if depth == 0 => break,
+            ')' | '}' | ']' => depth -= 1,
+            _ => {}
+        }
+        if c == ',' && depth == 0 {
+            params.push(std::mem::take(&mut cur));
+        } else {
+            cur.push(c);
+        }
+    }
+    params.push(cur);
+    params
+        .iter()
+        .map(|p| {
+            let p = p.split("*/").last().unwrap().trim();
+            let (ty, rest) = p.split_once('[').unwrap();
+            let (dims, layout) = rest.split_once(']').unwrap();
+            let dims: Vec<i64> = dims
+                .split(',')
+                .filter(|d| !d.is_empty())
+                .map(|d| d.parse().unwrap())
+                .collect();
+            let size = match ty {
+                "pred" | "s8" | "u8" => 1,
+                "bf16" | "f16" | "s16" | "u16" => 2,
+                "f32" | "s32" | "u32" => 4,
+                "f64" | "s64" | "u64" => 8,
+                other => panic!("element type {other}"),
+            };
+            let layout = layout.trim_start_matches('{').trim_end_matches('}');
+            let (order, tiles) = layout.split_once(':').unwrap_or((layout, ""));
+            let order: Vec<usize> = order
+                .split(',')
+                .filter(|d| !d.is_empty())
+                .map(|d| d.parse().unwrap())
+                .collect();
+            let tile: Vec<i64> = tiles
+                .strip_prefix("T(")
+                .and_then(|t| t.split(')').next())
+                .map(|t| t.split(',').map(|x| x.parse().unwrap()).collect())
+                .unwrap_or_default();
+            let mut padded = dims.clone();
+            let elements = if dims.is_empty() {
+                tile.last().copied().unwrap_or(1)
+            } else {
+                for (k, t) in tile.iter().rev().enumerate() {
+                    if let Some(&axis) = order.get(k) {
+                        padded[axis] = (padded[axis] + t - 1) / t * t;
+                    }
+                }
+                padded.iter().product()
+            };
+            (dims, elements * size)
+        })
+        .collect()
+}
+
+/// What every target's build must show: the compiler's per-device arguments are the manifest's
+/// sharded shapes, and their bytes its figure (on TPUs after padding to the layout's tiles, on
+/// GPUs exactly the manifest's sharded sizes); the optimized program holds the collectives FSDP
+/// needs (weights gathered, gradients reduced); the executable is the one the manifest names.
+fn check_build(dir: &Path, devices: i64, platform: &str) {
+    let m = manifest(dir);
+    let build = m.build.as_ref().expect("a build in manifest.json");
+    assert_eq!(build.devices, devices);
+    assert_eq!(build.platform, platform);
+    let sharded: i64 = m.args.iter().map(|a| a.bytes_per_device()).sum();
+    let whole: i64 = m.args.iter().map(|a| a.bytes).sum();
+    assert!(
+        sharded * devices >= whole && sharded < whole,
+        "{sharded} of {whole}"
+    );
+    let hlo = std::fs::read_to_string(dir.join("train_step.optimized.txt")).unwrap();
+    let params = entry_params(&hlo);
+    let shapes: Vec<Vec<i64>> = m
+        .args
+        .iter()
+        .map(|a| a.device_shape.clone().unwrap_or(a.shape.clone()))
+        .collect();
+    let compiled: Vec<Vec<i64>> = params.iter().map(|(d, _)| d.clone()).collect();
+    assert_eq!(compiled, shapes, "{dir:?}");
+    let laid_out: i64 = params.iter().map(|(_, b)| b).sum();
+    assert_eq!(build.per_device.argument_bytes, laid_out, "{dir:?}");
+    if platform != "tpu" {
+        assert_eq!(build.per_device.argument_bytes, sharded, "{dir:?}");
+    }
+    assert!(hlo.contains("all-gather"), "no all-gather in {dir:?}");
+    assert!(
+        hlo.contains("reduce-scatter") || hlo.contains("all-reduce"),
+        "no gradient reduction in {dir:?}"
+    );
+    let exe = std::fs::read(dir.join("train_step.executable")).unwrap();
+    assert!(exe.len() > 10_000, "{} bytes", exe.len());
+    assert_eq!(
+        xtrain::formats::program_dir::sha256_hex(&exe),
+        build.executable_sha256
+    );
+}
+
+#[test]
+fn tiny_step_compiles_for_a_tpu_v5e_slice() {
+    let dir = tempdir("target-tpu");
+    let out = compile_for("tpu:v5e:2x2", &dir, &[]);
+    assert!(
+        out.contains("target tpu:v5e:2x2: 4 x TPU v5 lite on 1 host(s)"),
+        "{out}"
+    );
+    assert!(out.contains(r#"mesh [("fsdp", 4)]"#), "{out}");
+    assert!(out.contains(": fits"), "{out}");
+    assert!(out.contains("an estimate, not a measurement"), "{out}");
+    check_build(&dir, 4, "tpu");
+    let build = manifest(&dir).build.unwrap();
+    let cost = build.cost.unwrap();
+    assert!(
+        cost["flops"] > 0.0 && cost["optimal_seconds"] > 0.0,
+        "{cost:?}"
+    );
+    // The estimate is of the whole (looped) step: more work than the loop body counted once.
+    let e = build.estimate.unwrap();
+    assert!(e.flops_per_device > cost["flops"], "{e:?} vs {cost:?}");
+    assert!(e.seconds > 0.0 && e.mfu.unwrap() > 0.0);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn tiny_step_compiles_for_two_absent_h100s() {
+    let dir = tempdir("target-cuda");
+    let out = compile_for("cuda:h100:2", &dir, &[]);
+    assert!(out.contains("2 x NVIDIA H100 80GB HBM3"), "{out}");
+    assert!(out.contains("79.65 GiB each"), "{out}");
+    check_build(&dir, 2, "cuda");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Stand-ins for the ROCm 7 runtime libraries the ROCm plugin links (a ROCm host has the real
+/// ones in /opt/rocm/lib), built once per test run by tools/rocm-standins.
+fn rocm_standins() -> PathBuf {
+    let plugin = pjrt::discover::resolve(Some("rocm"))
+        .or_else(|_| pjrt::discover::install_announced("rocm"))
+        .expect("the ROCm plugin");
+    let dir = tempdir("rocm-standins");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tools/rocm-standins");
+    let o = Command::new(script)
+        .arg(&plugin)
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "tools/rocm-standins: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    dir
+}
+
+#[test]
+fn tiny_step_compiles_for_two_absent_mi300x() {
+    let libs = rocm_standins();
+    let dir = tempdir("target-rocm");
+    let out = compile_for("rocm:mi300x:2", &dir, &[("LD_LIBRARY_PATH", &libs)]);
+    assert!(out.contains("2 x AMD Instinct MI300X"), "{out}");
+    check_build(&dir, 2, "rocm");
+    // Without the runtime libraries, the error says what is missing and where a ROCm host has it.
+    let e = fails(&[
+        "compile",
+        "--model",
+        "tiny-llama3",
+        "--target",
+        "rocm:mi300x:2",
+        "--out",
+        dir.join("again").to_str().unwrap(),
+    ]);
+    assert!(
+        e.contains("ROCm 7 runtime libraries") && e.contains("/opt/rocm/lib"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+    std::fs::remove_dir_all(&libs).unwrap();
+}
+
+#[test]
+fn bad_targets_are_refused_with_what_would_work() {
+    let dir = tempdir("target-bad");
+    let out = dir.join("p");
+    let compile = |extra: &[&str]| {
+        let mut a = vec![
+            "compile",
+            "--model",
+            "tiny-llama3",
+            "--seq",
+            "64",
+            "--out",
+            out.to_str().unwrap(),
+        ];
+        a.extend_from_slice(extra);
+        fails(&a)
+    };
+    // Unknown names list the known ones.
+    let e = compile(&["--target", "cuda:h1000:8"]);
+    assert!(
+        e.contains("no built-in description of a cuda GPU `h1000`"),
+        "{e}"
+    );
+    assert!(
+        e.contains("cuda:h100:<count>") && e.contains("tpu:v5p:<chips>"),
+        "{e}"
+    );
+    let e = compile(&["--target", "tpu:v7:2x2"]);
+    assert!(e.contains("unknown TPU generation `v7`"), "{e}");
+    // A layout libtpu refuses: its message, and the form xtrain wants.
+    let e = compile(&["--target", "tpu:v5e:2x3"]);
+    assert!(
+        e.contains("libtpu refused the TPU topology `v5e:2x3`"),
+        "{e}"
+    );
+    assert!(e.contains("not divisible"), "{e}");
+    assert!(e.contains("tpu:<generation>:<chips>"), "{e}");
+    // A mesh that is not the target's device count.
+    let e = compile(&["--target", "cuda:h100:8", "--mesh", "fsdp=4"]);
+    assert!(
+        e.contains("--mesh fsdp=4 has 4 devices but --target cuda:h100:8 has 8"),
+        "{e}"
+    );
+    // A plugin of another platform.
+    let e = compile(&["--target", "tpu:v5e:2x2", "--plugin", "cpu"]);
+    assert!(
+        e.contains("compiled by the tpu plugin, but --plugin cpu is a cpu plugin"),
+        "{e}"
+    );
+    // A GPU description for the wrong platform, and one without a target.
+    let cfg = dir.join("gpu.txtpb");
+    std::fs::write(
+        &cfg,
+        "gpu_device_info { core_count: 1 }\nplatform_name: \"ROCM\"\n",
+    )
+    .unwrap();
+    let e = compile(&[
+        "--target",
+        "cuda:mygpu:2",
+        "--target-config",
+        cfg.to_str().unwrap(),
+    ]);
+    assert!(
+        e.contains("platform_name is \"rocm\" but the target is a cuda GPU"),
+        "{e}"
+    );
+    let e = compile(&["--target-config", cfg.to_str().unwrap()]);
+    assert!(e.contains("give --target"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_cuda_plugin_without_ptxas_names_the_wheels() {
+    // The installed plugin, linked into a directory without NVIDIA's tools beside it.
+    let plugin = pjrt::discover::resolve(Some("cuda"))
+        .or_else(|_| pjrt::discover::install_announced("cuda"))
+        .expect("the CUDA plugin");
+    let dir = tempdir("target-no-ptxas");
+    let lonely = dir.join("site/jax_plugins/xla_cuda13");
+    std::fs::create_dir_all(&lonely).unwrap();
+    let so = lonely.join("xla_cuda_plugin.so");
+    if std::fs::hard_link(&plugin, &so).is_err() {
+        std::fs::copy(&plugin, &so).unwrap();
+    }
+    let e = fails(&[
+        "compile",
+        "--model",
+        "tiny-llama3",
+        "--target",
+        "cuda:h100:1",
+        "--plugin",
+        so.to_str().unwrap(),
+        "--out",
+        dir.join("p").to_str().unwrap(),
+    ]);
+    assert!(e.contains("ptxas") && e.contains("nvidia-cuda-nvcc"), "{e}");
+    assert!(e.contains("libdevice") && e.contains("nvidia-nvvm"), "{e}");
+    assert!(e.contains("xtrain plugins install cuda"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `train --program` takes the executable `compile --check` left when it was compiled for this
+/// machine's plugin and devices (same losses as compiling), and otherwise compiles, saying why.
+#[test]
+fn train_uses_a_program_dirs_executable_only_where_it_was_compiled_for() {
+    let f = fixtures();
+    let dir = tempdir("target-train");
+    let compile = |out: &Path, extra: &[&str]| {
+        let mut a: Vec<String> = vec![
+            "compile".into(),
+            "--model".into(),
+            f.join("model").to_str().unwrap().to_string(),
+            "--batch".into(),
+            "2".into(),
+            "--seq".into(),
+            "16".into(),
+            "--lora-r".into(),
+            "8".into(),
+            "--lora-alpha".into(),
+            "16".into(),
+            "--check".into(),
+            "--out".into(),
+            out.to_str().unwrap().to_string(),
+        ];
+        a.extend(extra.iter().map(|s| s.to_string()));
+        let o = xtrain(&refs(&a));
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    };
+    let train = |program: &Path, out: &Path| {
+        let o = train_cmd(&f.join("model"), &f.join("inputs.safetensors"), out)
+            .args([
+                "--steps",
+                "2",
+                "--lora-r",
+                "8",
+                "--lora-alpha",
+                "16",
+                "--program",
+            ])
+            .arg(program)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr).to_string();
+        assert!(o.status.success(), "{err}");
+        let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+        (err, metrics)
+    };
+    let here = dir.join("here");
+    compile(&here, &["--mesh", "fsdp=2"]);
+    let (err, loaded) = train(&here, &dir.join("run-here"));
+    assert!(
+        err.contains("loaded the step compiled by `xtrain compile` for cpu"),
+        "{err}"
+    );
+    let h100 = dir.join("h100");
+    compile(&h100, &["--target", "cuda:h100:2"]);
+    let (err, compiled) = train(&h100, &dir.join("run-h100"));
+    assert!(
+        err.contains("its executable is for cuda:h100:2 (2 x NVIDIA H100 80GB HBM3")
+            && err.contains("but this machine has 2 x cpu"),
+        "{err}"
+    );
+    // The same program (f32 is the same text for both), so the same losses.
+    let losses = |m: &str| -> Vec<f64> {
+        m.lines()
+            .map(|l| {
+                serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"]
+                    .as_f64()
+                    .unwrap()
+            })
+            .collect()
+    };
+    assert_eq!(losses(&loaded), losses(&compiled));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
