@@ -401,3 +401,91 @@ fn train_uses_a_program_dirs_executable_only_where_it_was_compiled_for() {
     assert_eq!(losses(&loaded), losses(&compiled));
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Host offload, checked through the target compilers (XLA's CPU compiler has no host
+/// offloading): with `--offload frozen` the stacked frozen weights are arguments in host memory
+/// (the compiler's host argument bytes are exactly their shards) and the device holds the rest;
+/// with `--offload activations` the saved layer inputs become host temporaries.
+#[test]
+fn offloaded_steps_keep_weights_and_activations_in_host_memory() {
+    let dir = tempdir("target-offload");
+    let compile = |offload: &str, out: &Path| {
+        let o = xtrain(&[
+            "compile",
+            "--model",
+            "tiny-llama3",
+            "--batch",
+            "4",
+            "--seq",
+            "64",
+            "--dtype",
+            "bf16",
+            "--target",
+            "cuda:h100:2",
+            "--offload",
+            offload,
+            "--check",
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        let stdout = String::from_utf8_lossy(&o.stdout).to_string();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        (manifest(out), stdout)
+    };
+    let (plain, _) = compile("none", &dir.join("none"));
+    let (frozen, out) = compile("frozen", &dir.join("frozen"));
+    assert!(out.contains("in host memory, per device"), "{out}");
+    let host_args: i64 = frozen
+        .args
+        .iter()
+        .filter(|a| a.memory.as_deref() == Some("pinned_host"))
+        .map(|a| a.bytes_per_device())
+        .sum();
+    assert!(host_args > 0);
+    assert!(frozen
+        .args
+        .iter()
+        .filter(|a| a.memory.is_some())
+        .all(|a| a.name.contains("layers.*.") && a.role == xtrain::program::Role::Frozen));
+    let (p, f) = (
+        plain.build.unwrap().per_device,
+        frozen.build.unwrap().per_device,
+    );
+    assert_eq!(f.host_argument_bytes, host_args);
+    assert_eq!(f.argument_bytes + f.host_argument_bytes, p.argument_bytes);
+    let (act, _) = compile("activations", &dir.join("activations"));
+    let a = act.build.unwrap().per_device;
+    assert_eq!(a.host_argument_bytes, 0);
+    // Each layer's input [B/2, T, H] bf16 per device, for both layers, kept on the host.
+    assert!(a.host_temp_bytes >= 2 * 2 * 64 * 64 * 2, "{a:?}");
+    assert!(a.temp_bytes < p.temp_bytes, "{a:?} vs {p:?}");
+    // The CPU compiler cannot do this: said before anything is built.
+    let e = fails(&[
+        "compile",
+        "--model",
+        "tiny-llama3",
+        "--offload",
+        "frozen",
+        "--out",
+        dir.join("cpu").to_str().unwrap(),
+    ]);
+    assert!(
+        e.contains("XLA's CPU compiler cannot place values in host memory"),
+        "{e}"
+    );
+    let e = fails(&[
+        "compile",
+        "--model",
+        "tiny-llama3",
+        "--offload",
+        "frozen",
+        "--remat",
+        "none",
+        "--target",
+        "cuda:h100:2",
+        "--out",
+        dir.join("unrolled").to_str().unwrap(),
+    ]);
+    assert!(e.contains("needs looped layers"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -93,6 +93,13 @@ impl Builder {
     }
 
     /// Set the sharding of an existing parameter, keeping its other attributes.
+    /// Pass parameter `v` in `memory` (e.g. host memory, for weights offloaded from the device).
+    pub fn set_param_memory(&mut self, v: Value, memory: Option<MemoryKind>) {
+        if let Some(p) = self.f.params.iter_mut().find(|p| p.value == v) {
+            p.attrs.memory = memory;
+        }
+    }
+
     pub fn set_param_sharding(&mut self, v: Value, sharding: Option<Sharding>) {
         if let Some(p) = self.f.params.iter_mut().find(|p| p.value == v) {
             p.attrs.sharding = sharding;

@@ -305,6 +305,9 @@ pub enum Op {
     },
     OptimizationBarrier,
     ShardingConstraint(Sharding),
+    /// Identity that tells XLA which memory the value lives in from here on (XLA's host
+    /// offloading: `annotate_device_placement`).
+    Place(MemoryKind),
     RngBitGenerator,
     /// Identity for the graph, a wall for autodiff. Printed as nothing: its output is its input.
     StopGradient,
@@ -341,6 +344,7 @@ impl Op {
             Op::While { .. } => "while",
             Op::OptimizationBarrier => "optimization_barrier",
             Op::ShardingConstraint(_) => "sharding_constraint",
+            Op::Place(_) => "annotate_device_placement",
             Op::RngBitGenerator => "rng_bit_generator",
             Op::StopGradient => "stop_gradient",
             Op::UseSaved => "use_saved",
@@ -365,6 +369,26 @@ pub struct ParamAttrs {
     /// The buffer is donated and its memory reused for this result index.
     pub alias_output: Option<usize>,
     pub sharding: Option<Sharding>,
+    /// The memory the argument is passed in (None: the device's own).
+    pub memory: Option<MemoryKind>,
+}
+
+/// A memory space as XLA's memory kinds name it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum MemoryKind {
+    /// The accelerator's own memory.
+    Device,
+    /// Page-locked host memory the device reads and writes directly (DMA).
+    PinnedHost,
+}
+
+impl MemoryKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            MemoryKind::Device => "device",
+            MemoryKind::PinnedHost => "pinned_host",
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq)]

@@ -35,8 +35,8 @@ mod types;
 
 pub use builder::{Builder, Error, Result};
 pub use graph::{
-    BinaryOp, CmpDir, Combiner, DotDims, Func, FuncResult, GatherDims, Literal, Mesh, Node, Op,
-    Param, ParamAttrs, Precision, ScatterDims, Sharding, UnaryOp, Value,
+    BinaryOp, CmpDir, Combiner, DotDims, Func, FuncResult, GatherDims, Literal, MemoryKind, Mesh,
+    Node, Op, Param, ParamAttrs, Precision, ScatterDims, Sharding, UnaryOp, Value,
 };
 pub use print::Module;
 pub use types::{DType, Shape};

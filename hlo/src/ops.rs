@@ -1442,6 +1442,14 @@ impl Builder {
         self.push(Op::OptimizationBarrier, xs.to_vec(), types)
     }
 
+    /// `x`, placed in `memory` from here on: in host memory (offloaded) or back in the device's.
+    /// XLA moves the bytes (asynchronously where it can) and keeps a loop-carried stack that is
+    /// written with host-placed values in host memory.
+    pub fn place(&mut self, x: Value, memory: MemoryKind) -> Value {
+        let s = self.shape(x).clone();
+        self.push1(Op::Place(memory), vec![x], s)
+    }
+
     /// Ask the partitioner to lay `x` out as `sharding` here.
     pub fn sharding_constraint(&mut self, x: Value, sharding: Sharding) -> Result<Value> {
         let s = self.shape(x).clone();
@@ -1621,6 +1629,8 @@ pub(crate) fn vjp(
             })
             .collect(),
         Op::ShardingConstraint(s) => vec![Some(b.sharding_constraint(first, s.clone())?)],
+        // Where a value lives does not change it; its cotangent stays on the device.
+        Op::Place(_) => vec![Some(first)],
         Op::While { .. } => {
             return crate::builder::err(
                 "while",

@@ -253,6 +253,9 @@ impl Printer {
             if let Some(s) = &p.attrs.sharding {
                 attrs.push(format!("sdy.sharding = #sdy.sharding{}", sharding_attr(s)));
             }
+            if let Some(m) = p.attrs.memory {
+                attrs.push(format!("mhlo.memory_kind = \"{}\"", m.name()));
+            }
             let attrs = if attrs.is_empty() {
                 String::new()
             } else {
@@ -489,6 +492,10 @@ impl Printer {
                 format!("\"stablehlo.optimization_barrier\"({ins}) : ({in_types}) -> {outs}")
             }
             Op::ShardingConstraint(sh) => format!("sdy.sharding_constraint {ins} {} : {out_t}", sharding_attr(sh)),
+            Op::Place(m) => format!(
+                "stablehlo.custom_call @annotate_device_placement({ins}) {{has_side_effect = true, mhlo.frontend_attributes = {{_xla_buffer_placement = \"{}\"}}}} : ({in_types}) -> {out_t}",
+                m.name()
+            ),
             Op::RngBitGenerator => format!(
                 "\"stablehlo.rng_bit_generator\"({ins}) <{{rng_algorithm = #stablehlo<rng_algorithm THREE_FRY>}}> : ({in_types}) -> ({})",
                 types(f, &node.outputs)

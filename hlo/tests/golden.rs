@@ -145,7 +145,7 @@ fn golden_donation_and_constants() {
         Shape::new(&[2], DType::F32),
         ParamAttrs {
             alias_output: Some(0),
-            sharding: None,
+            ..ParamAttrs::default()
         },
     );
     let c = b

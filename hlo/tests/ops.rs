@@ -534,8 +534,8 @@ fn sharding_constraint_runs_on_two_devices() {
         "x",
         Shape::new(&[4, 2], DType::F32),
         ParamAttrs {
-            alias_output: None,
             sharding: Some(sh.clone()),
+            ..ParamAttrs::default()
         },
     );
     let y = b.mul_scalar(x, 3.0).unwrap();

@@ -89,6 +89,12 @@ pub struct StepArgs {
     /// of 64, double-quantized scales), dequantized in the step right before each matmul.
     #[arg(long)]
     pub quant: Option<String>,
+    /// Keep in host memory instead of the device's: frozen (the frozen layer weights, each
+    /// layer copied in just before use), activations (what the backward pass reads back), all,
+    /// none, or auto (the least of these that makes the step fit the device; none on CPU and when
+    /// the device's memory is not known).
+    #[arg(long, default_value = "auto")]
+    pub offload: String,
 }
 
 impl StepArgs {
@@ -147,6 +153,10 @@ impl StepArgs {
             loss_chunk: self.loss_chunk,
             attention_block: self.attention_block,
             matmul_result: self.matmul_result.clone(),
+            offload: match self.offload.as_str() {
+                "auto" => None,
+                other => Some(xtrain::program::Offload::parse(other)?),
+            },
         })
     }
 }

@@ -10,7 +10,7 @@ use xtrain::device::aot::{TargetBuild, TargetDevices};
 use xtrain::device::platform::named_platform;
 use xtrain::device::target::{Platform, Target};
 use xtrain::formats::program_dir::{self, Build, Manifest, MemoryFigures, StepEstimate};
-use xtrain::program::{MeshPlan, Program, StepSpec};
+use xtrain::program::{MeshPlan, Offload, Program, StepSpec};
 
 #[derive(Args)]
 pub struct CompileArgs {
@@ -112,11 +112,52 @@ pub fn compile(a: CompileArgs, verbose: bool) -> Result<()> {
             Some(_) => {}
         }
     }
-    let spec = options.spec(cfg, a.batch, a.seq, platform)?;
+    // `--offload auto` tries the choices in order until the step fits the target's devices;
+    // without a target's memory to fit, it offloads nothing.
+    let choices: Vec<Offload> = match options.offload {
+        Some(o) => vec![o],
+        None if target.is_some() && a.check => Offload::AUTO_ORDER.to_vec(),
+        None => vec![Offload::NONE],
+    };
+    if let Some(t) = &target {
+        print_target(t);
+    }
+    for (k, &offload) in choices.iter().enumerate() {
+        let spec = StepSpec {
+            offload,
+            ..options.spec(cfg.clone(), a.batch, a.seq, platform)?
+        };
+        let (program, mut manifest) = write_program(&a, &spec)?;
+        if k == 0 {
+            if let Some(m) = &spec.mesh {
+                print_device_order(m);
+            }
+        }
+        if !a.check {
+            return Ok(());
+        }
+        let Some(t) = &target else {
+            return check(&a, &program, &mut manifest, verbose);
+        };
+        let last = k + 1 == choices.len();
+        if check_target(&a, t, &spec, &program, &mut manifest, last)? {
+            return Ok(());
+        }
+        println!(
+            "(--offload auto: --offload {} does not fit; trying --offload {})",
+            offload.name(),
+            choices[k + 1].name()
+        );
+    }
+    Ok(())
+}
+
+/// Build the step and write its program dir, saying what it holds.
+fn write_program(a: &CompileArgs, spec: &StepSpec) -> Result<(Program, Manifest)> {
     let t0 = std::time::Instant::now();
-    let program = xtrain::program::build_train_step(&spec)?;
+    let program = xtrain::program::build_train_step(spec)?;
     let build_s = t0.elapsed().as_secs_f64();
-    let mut manifest = program_dir::write_dir(&a.out, &program, &spec)?;
+    let manifest = program_dir::write_dir(&a.out, &program, spec)?;
     let arg_bytes: i64 = manifest.args.iter().map(|t| t.bytes).sum();
     let per_device: i64 = manifest.args.iter().map(|t| t.bytes_per_device()).sum();
     println!(
@@ -131,24 +172,17 @@ pub fn compile(a: CompileArgs, verbose: bool) -> Result<()> {
     } else {
         String::new()
     };
+    let offload = if spec.offload.is_none() {
+        String::new()
+    } else {
+        format!("; --offload {}", spec.offload.name())
+    };
     println!(
-        "arguments: {}{sharded} ({} parameters in the base model)",
+        "arguments: {}{sharded} ({} parameters in the base model{offload})",
         gib(arg_bytes),
         spec.model.param_count()
     );
-    if let Some(t) = &target {
-        print_target(t);
-    }
-    if let Some(m) = &spec.mesh {
-        print_device_order(m);
-    }
-    if !a.check {
-        return Ok(());
-    }
-    match &target {
-        Some(t) => check_target(&a, t, &spec, &program, &mut manifest),
-        None => check(&a, &program, &mut manifest, verbose),
-    }
+    Ok((program, manifest))
 }
 
 /// What the target is, as its plugin describes it.
@@ -205,8 +239,9 @@ fn print_device_order(m: &MeshPlan) {
     }
 }
 
-/// Per-device figures, the same lines for every plugin.
-fn print_memory(m: &pjrt::MemoryStats, available: Option<i64>) {
+/// Per-device figures, the same lines for every plugin: device memory (what must fit), host
+/// memory where the program offloads (per device and per host), and whether it fits.
+fn print_memory(m: &pjrt::MemoryStats, available: Option<i64>, devices_per_host: i64) {
     println!(
         "per device: arguments {}, outputs {} ({} aliased to arguments), temporaries {}, code {}",
         gib(m.argument_bytes),
@@ -217,17 +252,19 @@ fn print_memory(m: &pjrt::MemoryStats, available: Option<i64>) {
     );
     if m.host_total_bytes() > 0 {
         println!(
-            "per device in host memory: arguments {}, outputs {}, temporaries {}: {}",
+            "in host memory, per device: arguments {}, temporaries {}; per host ({devices_per_host} \
+             device(s)): {}",
             gib(m.host_argument_bytes),
-            gib(m.host_output_bytes),
             gib(m.host_temp_bytes),
-            gib(m.host_total_bytes())
+            gib(m.host_total_bytes() * devices_per_host)
         );
     }
     let fits = match available {
         Some(have) if m.total_bytes() <= have => format!(" of {}: fits", gib(have)),
         Some(have) => format!(
-            " of {}: does not fit ({} over)",
+            " of {}: does not fit ({} over; what lowers it: more devices in --mesh or --target, \
+             --quant nf4, --offload activations|frozen|all, --remat layer, a smaller --batch or \
+             --seq)",
             gib(have),
             gib(m.total_bytes() - have)
         ),
@@ -264,7 +301,7 @@ fn check(a: &CompileArgs, program: &Program, manifest: &mut Manifest, verbose: b
         rt.client.platform_name()?
     );
     let info = rt.devices[0].info()?;
-    print_memory(&m, info.memory_bytes);
+    print_memory(&m, info.memory_bytes, program.partitions);
     let build = TargetBuild {
         stats: m,
         compile_s,
@@ -297,13 +334,16 @@ fn check(a: &CompileArgs, program: &Program, manifest: &mut Manifest, verbose: b
 
 /// `--check --target`: compile for the target with its plugin, print the compiler's figures (and
 /// for TPUs its cost analysis and a whole-step estimate), and add the build to the program dir.
+/// Returns whether the step fits the target's devices (true where their memory is unknown);
+/// one that does not fit is recorded only if it is the `last` choice.
 fn check_target(
     a: &CompileArgs,
     t: &TargetDevices,
     spec: &StepSpec,
     program: &Program,
     manifest: &mut Manifest,
-) -> Result<()> {
+    last: bool,
+) -> Result<bool> {
     eprintln!(
         "xtrain: compiling for {} with the {} plugin (no device needed)",
         t.target.spec,
@@ -316,7 +356,17 @@ fn check_target(
         build.compile_s,
         t.target.platform.plugin()
     );
-    print_memory(&build.stats, t.memory_per_device());
+    print_memory(
+        &build.stats,
+        t.memory_per_device(),
+        t.devices.len() as i64 / t.hosts(),
+    );
+    let fits = t
+        .memory_per_device()
+        .is_none_or(|have| build.stats.total_bytes() <= have);
+    if !fits && !last {
+        return Ok(false);
+    }
     let mut estimate = None;
     if let Some(cost) = &build.cost {
         let get = |k: &str| cost.iter().find(|(n, _)| n == k).map(|(_, v)| *v);
@@ -356,7 +406,7 @@ fn check_target(
     if let Some(dir) = &a.xla_dump {
         println!("XLA's dumps: {}", dir.display());
     }
-    Ok(())
+    Ok(fits)
 }
 
 /// The TPU compiler's estimate of the whole step, from unrolled 1- and 2-layer steps.

@@ -10,6 +10,7 @@
 pub mod aot;
 pub mod cache;
 pub mod generate;
+pub mod offload;
 pub mod platform;
 pub mod runtime;
 pub mod shards;

@@ -139,16 +139,57 @@ impl Runtime {
         sharding: &hlo::Sharding,
         mesh: Option<&hlo::Mesh>,
     ) -> Result<Vec<Buffer>> {
+        self.upload_sharded_into(t, sharding, mesh, None)
+    }
+
+    /// [`Runtime::upload_sharded`] into a memory of each device other than its own (the
+    /// `pinned_host` memory of an offloaded weight), where `memory` says so.
+    pub fn upload_sharded_into(
+        &self,
+        t: &HostTensor,
+        sharding: &hlo::Sharding,
+        mesh: Option<&hlo::Mesh>,
+        memory: Option<hlo::MemoryKind>,
+    ) -> Result<Vec<Buffer>> {
+        let put = |shard: &HostTensor, p: usize| -> Result<Buffer> {
+            match memory {
+                None => Ok(self.client.to_device(shard, &self.devices[p])?),
+                Some(kind) => {
+                    let m = self.memory(p, kind)?;
+                    Ok(self.client.to_memory(shard, &m)?)
+                }
+            }
+        };
         let Some(mesh) = mesh else {
-            return Ok(vec![self.upload(t)?]);
+            return Ok(vec![put(t, 0)?]);
         };
         (0..mesh.device_count() as usize)
             .map(|p| {
                 let (starts, sizes) =
                     crate::program::sharding::shard_box(&t.dims, sharding, mesh, p);
                 let shard = crate::device::shards::slice(t, &starts, &sizes);
-                Ok(self.client.to_device(&shard, &self.devices[p])?)
+                put(&shard, p)
             })
             .collect()
+    }
+
+    /// Device `p`'s memory of `kind`, or an error naming the kinds it has.
+    fn memory(&self, p: usize, kind: hlo::MemoryKind) -> Result<pjrt::Memory> {
+        let memories = self.devices[p].memories()?;
+        let mut kinds = Vec::new();
+        for m in memories {
+            let k = m.kind()?;
+            if k == kind.name() {
+                return Ok(m);
+            }
+            kinds.push(k);
+        }
+        bail!(
+            "device {p} of the {} plugin has no `{}` memory to offload to (its memory kinds: {}); \
+             use --offload none",
+            self.platform(),
+            kind.name(),
+            kinds.join(", ")
+        )
     }
 }

@@ -95,7 +95,7 @@ impl Trainer {
             // Converted only when the types differ: a large model's weights are not copied twice.
             let want = element_type(a.dtype);
             let t = if t.ty == want { t } else { convert(&t, want)? };
-            frozen.push(rt.upload_sharded(&t, sh, mesh.as_ref())?);
+            frozen.push(rt.upload_sharded_into(&t, sh, mesh.as_ref(), spec.arg_memory(a))?);
         }
         let mut trainer = Trainer {
             rt,

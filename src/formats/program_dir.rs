@@ -107,6 +107,9 @@ pub struct TensorSpecOwned {
     pub device_shape: Option<Vec<i64>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device_bytes: Option<i64>,
+    /// The memory it is passed in when not the device's own (`pinned_host`: offloaded).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory: Option<String>,
 }
 
 impl From<&TensorSpec> for TensorSpecOwned {
@@ -119,6 +122,7 @@ impl From<&TensorSpec> for TensorSpecOwned {
             bytes: t.shape.iter().product::<i64>() * t.dtype.size_bytes() as i64,
             device_shape: None,
             device_bytes: None,
+            memory: None,
         }
     }
 }
@@ -167,7 +171,10 @@ pub fn write_dir(dir: &Path, program: &Program, spec: &StepSpec) -> Result<Manif
             .args
             .iter()
             .zip(&program.arg_shard_dims)
-            .map(|(a, d)| TensorSpecOwned::sharded(a, d))
+            .map(|(a, d)| TensorSpecOwned {
+                memory: spec.arg_memory(a).map(|m| m.name().to_string()),
+                ..TensorSpecOwned::sharded(a, d)
+            })
             .collect(),
         results: program.results.iter().map(Into::into).collect(),
         build: None,

@@ -86,7 +86,7 @@ impl<'s> ProgramBuilder<'s> {
             input,
             ParamAttrs {
                 alias_output: Some(self.outs.len()),
-                sharding: None,
+                ..ParamAttrs::default()
             },
         );
         self.result(spec, value);
@@ -111,6 +111,11 @@ impl<'s> ProgramBuilder<'s> {
                 sharding: None,
             })
             .collect();
+        for (v, a) in params.iter().zip(&args) {
+            if let Some(memory) = spec.arg_memory(a) {
+                b.set_param_memory(*v, Some(memory));
+            }
+        }
         if let Some(m) = &spec.mesh {
             for (v, a) in params.iter().zip(&args) {
                 b.set_param_sharding(*v, Some(m.sharding(&a.name, &a.shape)));

@@ -7,7 +7,7 @@
 use crate::model::llama::{LayerAdapters, LayerContext, LayerWeights, Llama, LoraPair, Numerics};
 use crate::model::tensors::{is_projection, layer_kinds};
 use crate::program::spec::StepSpec;
-use hlo::{Builder, DType, Value};
+use hlo::{Builder, DType, MemoryKind, Value};
 
 /// Frozen weights and LoRA values of a program, in argument order.
 #[derive(Clone)]
@@ -55,14 +55,22 @@ pub(super) fn stack_type(dtype: DType) -> DType {
     }
 }
 
-/// Layer `i` of a stack kept in [`stack_type`]`(dtype)`, as `dtype`.
-pub(super) fn layer_slice_as(
+/// Layer `i` of a stack kept in [`stack_type`]`(dtype)`, as `dtype`. A stack in host memory
+/// (`on_host`) has the slice moved to the device before its bits are read as `dtype` (XLA's host
+/// offloading follows slices and reshapes of a host buffer, not type changes).
+pub(super) fn layer_slice_from(
     b: &mut Builder,
     stacked: Value,
     i: Value,
     dtype: DType,
+    on_host: bool,
 ) -> hlo::Result<Value> {
     let s = layer_slice(b, stacked, i)?;
+    let s = if on_host {
+        b.place(s, MemoryKind::Device)
+    } else {
+        s
+    };
     b.bitcast_convert(s, dtype)
 }
 
@@ -74,7 +82,24 @@ pub(super) fn layer_update(
     v: Value,
     i: Value,
 ) -> hlo::Result<Value> {
+    layer_update_to(b, stacked, v, i, false)
+}
+
+/// [`layer_update`] of a stack that lives in host memory when `on_host`: `v` is moved there
+/// (after its bits are taken on the device) and the write lands in host memory.
+pub(super) fn layer_update_to(
+    b: &mut Builder,
+    stacked: Value,
+    v: Value,
+    i: Value,
+    on_host: bool,
+) -> hlo::Result<Value> {
     let v = b.bitcast_convert(v, b.dtype(stacked))?;
+    let v = if on_host {
+        b.place(v, MemoryKind::PinnedHost)
+    } else {
+        v
+    };
     let mut dims = vec![1];
     dims.extend_from_slice(b.dims(v));
     let v = b.reshape(v, &dims)?;
@@ -155,9 +180,10 @@ impl Layout<'_> {
         {
             let v = if n == 4 {
                 b.scoped(kind, |b| {
+                    let parts = self.gathered_nf4(b, kind, &w[at..at + 4])?;
                     crate::model::quant::dequantize_graph(
                         b,
-                        &w[at..at + 4],
+                        &parts,
                         &shape,
                         self.spec.compute_dtype,
                     )
@@ -180,6 +206,37 @@ impl Layout<'_> {
             up: w[7],
             down: w[8],
         })
+    }
+
+    /// An NF4 projection's parts (codes, block scales, their scales, mean), gathered over the
+    /// mesh axes other than `tensor` before they are dequantized: every device then expands the
+    /// whole 4-bit weight itself. Without this the partitioner dequantized each device's shard and
+    /// gathered the bf16 result, moving 4x the bytes and holding the gathered bf16 copy (QLoRA
+    /// under FSDP gathers the quantized storage, as here). Tensor-parallel splits stay.
+    fn gathered_nf4(
+        &self,
+        b: &mut Builder,
+        kind: &str,
+        parts: &[Value],
+    ) -> hlo::Result<Vec<Value>> {
+        let Some(m) = &self.spec.mesh else {
+            return Ok(parts.to_vec());
+        };
+        let mesh = m.mesh();
+        parts
+            .iter()
+            .zip(crate::model::tensors::NF4_PARTS)
+            .map(|(&v, suffix)| {
+                let dims = b.dims(v).to_vec();
+                let name = format!("model.layers.0.{kind}.weight.{suffix}");
+                let logical = crate::program::sharding::logical_axes(&name, dims.len());
+                let mut sh = m.rules.sharding(&logical, &dims, &mesh);
+                for axes in &mut sh.dims {
+                    axes.retain(|a| a == "tensor");
+                }
+                b.sharding_constraint(v, sh)
+            })
+            .collect()
     }
 
     pub(super) fn adapters(&self, lora: &[Value]) -> LayerAdapters {

@@ -28,4 +28,4 @@ pub use build::{
     build_train_step_unrolled,
 };
 pub use signature::{Program, Role, TensorSpec};
-pub use spec::{wide_matmul_results, MeshPlan, Remat, StepOptions, StepSpec};
+pub use spec::{wide_matmul_results, MeshPlan, Offload, Remat, StepOptions, StepSpec};

@@ -7,7 +7,8 @@ use crate::model::lora::Target;
 use crate::model::loss::{cross_entropy_loss_and_grad, next_token_targets};
 use crate::model::tensors::projection_dims;
 use crate::program::layout::{
-    layer_slice, layer_slice_as, layer_update, stack_type, Layout, LoopInvariants, ModelValues,
+    layer_slice, layer_slice_from, layer_update, layer_update_to, stack_type, Layout,
+    LoopInvariants, ModelValues,
 };
 use crate::program::spec::Remat;
 use hlo::{Builder, DType, Shape, Value};
@@ -90,9 +91,18 @@ impl Layout<'_> {
         dropout: Option<(f64, Value)>,
         saves: &mut Saves,
     ) -> hlo::Result<(Value, Vec<Value>)> {
+        // Offloaded weights live in host memory: each layer's shard is copied in just before use.
+        let on_host = self.spec.offload.frozen;
         let w: Vec<Value> = stacked
             .iter()
-            .map(|&s| layer_slice(b, s, i))
+            .map(|&s| {
+                let w = layer_slice(b, s, i)?;
+                Ok(if on_host {
+                    b.place(w, hlo::MemoryKind::Device)
+                } else {
+                    w
+                })
+            })
             .collect::<hlo::Result<_>>()?;
         let lw = b.scoped("layers", |b| self.layer_weights(b, &w))?;
         let lora_l: Vec<Value> = lora
@@ -230,14 +240,15 @@ impl Layout<'_> {
                 dropout,
                 &mut Saves::Record(&mut recorded),
             )?;
-            let mut next = vec![h, layer_update(bb, carry[1], carry[0], i)?];
+            let host = self.spec.offload.activations;
+            let mut next = vec![h, layer_update_to(bb, carry[1], carry[0], i, host)?];
             for (k, name) in saved_names.iter().enumerate() {
                 let v = recorded
                     .iter()
                     .find(|(n, _)| n == name)
                     .map(|(_, v)| *v)
                     .expect("projection recorded");
-                next.push(layer_update(bb, carry[2 + k], v, i)?);
+                next.push(layer_update_to(bb, carry[2 + k], v, i, host)?);
             }
             Ok(next)
         })?;
@@ -269,10 +280,11 @@ impl Layout<'_> {
         let bwd = b.fori_loop(l, &carry, &binv, |bb, i, carry, binv| {
             let last = bb.scalar((l - 1) as f64, DType::S32);
             let idx = bb.sub(last, i)?;
-            let h_in = layer_slice_as(bb, binv[0], idx, compute)?;
+            let host = self.spec.offload.activations;
+            let h_in = layer_slice_from(bb, binv[0], idx, compute, host)?;
             let mut saved = BTreeMap::new();
             for (k, name) in saved_names.iter().enumerate() {
-                let v = layer_slice_as(bb, binv[1 + k], idx, compute)?;
+                let v = layer_slice_from(bb, binv[1 + k], idx, compute, host)?;
                 saved.insert(name.to_string(), v);
             }
             let (stacked, lora, ctx, dropout) = self.unpack(at, &binv[nsaved..]);

@@ -78,6 +78,77 @@ pub struct StepSpec {
     /// [`crate::model::llama::Numerics::matmul_result`]). Chosen by backend: on for CPU plugins.
     #[serde(default)]
     pub wide_matmul_results: bool,
+    /// What the step keeps in host memory instead of the device's (looped layers only).
+    #[serde(default, skip_serializing_if = "Offload::is_none")]
+    pub offload: Offload,
+}
+
+/// Host offload (XLA memory kinds; `pinned_host` memory that the device reads by DMA): the
+/// frozen layer weights live in host memory and each layer's shard is copied to the device in
+/// the layer loop just before use; the activations the backward pass needs (each layer's input,
+/// and with `--remat save-proj` the projections' outputs) are written to host memory in the
+/// forward loop and read back in the backward loop.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Offload {
+    pub frozen: bool,
+    pub activations: bool,
+}
+
+impl Offload {
+    pub const NONE: Offload = Offload {
+        frozen: false,
+        activations: false,
+    };
+
+    pub fn is_none(&self) -> bool {
+        *self == Offload::NONE
+    }
+
+    /// `--offload` as given: none, frozen, activations or all (`auto` is decided by the command,
+    /// which knows the device's memory).
+    pub fn parse(s: &str) -> Result<Offload> {
+        Ok(match s {
+            "none" => Offload::NONE,
+            "frozen" => Offload {
+                frozen: true,
+                activations: false,
+            },
+            "activations" => Offload {
+                frozen: false,
+                activations: true,
+            },
+            "all" => Offload {
+                frozen: true,
+                activations: true,
+            },
+            _ => bail!("--offload must be auto, none, frozen, activations or all, got `{s}`"),
+        })
+    }
+
+    /// The `--offload` value that gives this.
+    pub fn name(&self) -> &'static str {
+        match (self.frozen, self.activations) {
+            (false, false) => "none",
+            (true, false) => "frozen",
+            (false, true) => "activations",
+            (true, true) => "all",
+        }
+    }
+
+    /// What `--offload auto` tries, in order, until the step fits: nothing; the saved
+    /// activations (a few GB moved per step); the frozen weights as well (every weight crosses
+    /// the host link twice a step).
+    pub const AUTO_ORDER: [Offload; 3] = [
+        Offload::NONE,
+        Offload {
+            frozen: false,
+            activations: true,
+        },
+        Offload {
+            frozen: true,
+            activations: true,
+        },
+    ];
 }
 
 impl StepSpec {
@@ -101,7 +172,17 @@ impl StepSpec {
             loss_chunk: None,
             attention_block: None,
             wide_matmul_results: false,
+            offload: Offload::NONE,
         }
+    }
+
+    /// The memory an argument is passed in: host memory for the stacked frozen layer weights
+    /// when they are offloaded, else the device's own (None).
+    pub fn arg_memory(&self, arg: &crate::program::TensorSpec) -> Option<hlo::MemoryKind> {
+        (self.offload.frozen
+            && arg.role == crate::program::Role::Frozen
+            && arg.name.contains("layers.*."))
+        .then_some(hlo::MemoryKind::PinnedHost)
     }
 }
 
@@ -132,6 +213,13 @@ impl MeshPlan {
 
 pub(super) fn check_spec(spec: &StepSpec) -> Result<()> {
     spec.lora.validate()?;
+    if !spec.offload.is_none() && !spec.remat.scan() {
+        bail!(
+            "--offload {} needs looped layers (--remat layer or save-proj): layers are copied to \
+             and from host memory one at a time inside the layer loop",
+            spec.offload.name()
+        );
+    }
     if spec.microbatches < 1 || spec.batch % spec.microbatches != 0 {
         bail!(
             "--grad-accum {} must divide the batch size {}",
@@ -171,6 +259,9 @@ pub struct StepOptions {
     pub attention_block: Option<i64>,
     /// `--matmul-result`: auto, f32 or compute (see [`wide_matmul_results`]).
     pub matmul_result: String,
+    /// `--offload` when it names a choice (none, frozen, activations, all); None for `auto`,
+    /// which the command decides once it knows the device's memory.
+    pub offload: Option<Offload>,
 }
 
 impl StepOptions {
@@ -188,6 +279,15 @@ impl StepOptions {
             "bf16" => DType::BF16,
             other => bail!("--dtype must be f32 or bf16, got `{other}`"),
         };
+        if let Some(o) = self.offload.filter(|o| !o.is_none() && platform == "cpu") {
+            bail!(
+                "--offload {}: XLA's CPU compiler cannot place values in host memory (no \
+                 annotate_device_placement: the CPU plugin's memory kinds device, pinned_host \
+                 and unpinned_host are all the same RAM); offload is for GPUs and TPUs (compile \
+                 for one with --target, e.g. cuda:h100:8)",
+                o.name()
+            );
+        }
         Ok(StepSpec {
             model,
             lora: self.lora.clone(),
@@ -203,6 +303,7 @@ impl StepOptions {
             loss_chunk: self.loss_chunk,
             attention_block: self.attention_block,
             wide_matmul_results: wide_matmul_results(&self.matmul_result, platform)?,
+            offload: self.offload.unwrap_or(Offload::NONE),
         })
     }
 }

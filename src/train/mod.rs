@@ -158,6 +158,22 @@ pub fn plan(
     }
     let rt = open(opts.step.mesh.as_ref().map_or(1, |m| m.devices()))?;
     let spec = opts.step.spec(cfg.clone(), batch, seq, &rt.platform())?;
+    if opts.step.offload.is_none() && rt.platform() != "cpu" {
+        // --offload auto on an accelerator: the least offload that fits its memory.
+        let (spec, program) = crate::device::offload::choose(
+            &rt,
+            |offload| {
+                let s = StepSpec {
+                    offload,
+                    ..spec.clone()
+                };
+                let p = program::build_train_step(&s)?;
+                Ok((s, p))
+            },
+            opts.use_cache,
+        )?;
+        return Ok((rt, spec, program));
+    }
     let program = program::build_train_step(&spec)?;
     Ok((rt, spec, program))
 }

@@ -1,0 +1,84 @@
+//! `--offload auto` on a real device: the least host offload (see `program::Offload`) that makes
+//! the step fit the device's memory, decided from the compiler's own figures before any weight
+//! is loaded, and whether this host has the memory the offloaded part needs.
+
+use crate::device::runtime::Runtime;
+use crate::program::{Offload, Program, StepSpec};
+use anyhow::{bail, Result};
+
+/// Compile the step with each of [`Offload::AUTO_ORDER`] in turn (through the executable cache,
+/// so the one chosen is not compiled again) and return the first that fits the device's memory.
+/// `build` makes the spec and program for a choice.
+pub fn choose(
+    rt: &Runtime,
+    build: impl Fn(Offload) -> Result<(StepSpec, Program)>,
+    use_cache: bool,
+) -> Result<(StepSpec, Program)> {
+    let Some(limit) = rt.devices[0].info()?.memory_bytes else {
+        return build(Offload::NONE);
+    };
+    let gib = |b: i64| format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64);
+    let mut needed = Vec::new();
+    for offload in Offload::AUTO_ORDER {
+        let (spec, program) = build(offload)?;
+        let (exe, _) = crate::device::cache::compile_cached(
+            rt,
+            &program,
+            &pjrt::CompileOptions::default(),
+            use_cache,
+        )?;
+        let m = exe.memory_stats()?;
+        if m.total_bytes() <= limit {
+            if !offload.is_none() {
+                eprintln!(
+                    "xtrain: --offload auto: the step needs {} per device with --offload {} \
+                     ({} of host memory per device), of {}",
+                    gib(m.total_bytes()),
+                    offload.name(),
+                    gib(m.host_total_bytes()),
+                    gib(limit)
+                );
+                check_host_memory(m.host_total_bytes() * rt.devices.len() as i64)?;
+            }
+            return Ok((spec, program));
+        }
+        needed.push(format!(
+            "--offload {}: {}",
+            offload.name(),
+            gib(m.total_bytes())
+        ));
+    }
+    bail!(
+        "the step does not fit the device's {} even with the frozen weights and activations in \
+         host memory (per device, {}); use more devices (--mesh), --quant nf4, a smaller batch \
+         or --seq",
+        gib(limit),
+        needed.join(", ")
+    )
+}
+
+/// Refuse, before loading starts, a run whose offloaded weights and activations need more host
+/// memory than this machine has available.
+pub fn check_host_memory(needed: i64) -> Result<()> {
+    let Some(available) = mem_available() else {
+        return Ok(());
+    };
+    if needed > available {
+        bail!(
+            "host offload needs {:.1} GiB of host memory on this machine for the weights and \
+             activations kept there, but only {:.1} GiB is available (MemAvailable in \
+             /proc/meminfo); use more hosts, --quant nf4, or --offload activations",
+            needed as f64 / (1u64 << 30) as f64,
+            available as f64 / (1u64 << 30) as f64
+        );
+    }
+    Ok(())
+}
+
+/// `MemAvailable` from /proc/meminfo, in bytes.
+fn mem_available() -> Option<i64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: i64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
