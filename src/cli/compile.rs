@@ -49,6 +49,10 @@ pub struct CompileArgs {
     /// GpuTargetConfigProto in text form) instead of a built-in description.
     #[arg(long)]
     pub target_config: Option<PathBuf>,
+    /// With --check for a TPU: skip the whole-step estimate (two more compiles, of unrolled 1- and
+    /// 2-layer steps).
+    #[arg(long)]
+    pub no_estimate: bool,
 }
 
 /// Bytes in GiB, or MiB / KiB for small programs (the tiny test model), so no figure reads 0.00.
@@ -378,7 +382,7 @@ fn check_target(
             secs(get("optimal_seconds").unwrap_or(0.0))
         );
     }
-    if t.target.platform == Platform::Tpu {
+    if t.target.platform == Platform::Tpu && !a.no_estimate {
         estimate = Some(print_estimate(t, spec)?);
     }
     let by = Compiler {
@@ -442,6 +446,7 @@ fn print_estimate(t: &TargetDevices, spec: &StepSpec) -> Result<StepEstimate> {
         flops_per_device: e.flops,
         bytes_accessed_per_device: e.bytes_accessed,
         tokens_per_s: tokens / e.seconds,
+        model_flops_per_step: model_flops,
         mfu,
     })
 }

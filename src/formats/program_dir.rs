@@ -85,6 +85,8 @@ pub struct StepEstimate {
     pub flops_per_device: f64,
     pub bytes_accessed_per_device: f64,
     pub tokens_per_s: f64,
+    /// The FLOPs the step must do (xtrain's count: no recomputation; see `xtrain bench`).
+    pub model_flops_per_step: f64,
     /// Model FLOPs / (seconds x devices x peak bf16 per device), when the peak is known.
     pub mfu: Option<f64>,
 }
