@@ -38,16 +38,15 @@ pub fn compile_cached(
         if p.program_sha256 == crate::formats::program_dir::sha256_hex(program.text.as_bytes()) {
             match rt.client.deserialize(&p.executable) {
                 Ok(mut exe) => {
-                    eprintln!(
-                        "xtrain: loaded the step compiled by `xtrain compile` for {} ({})",
-                        p.target, p.file
-                    );
+                    if !p.from.is_empty() {
+                        eprintln!("xtrain: loaded the step compiled {}", p.from);
+                    }
                     exe.expect_inputs(expected);
                     return Ok((exe, true));
                 }
                 Err(e) => eprintln!(
-                    "xtrain: recompiling the step: the plugin cannot load {}: {e}",
-                    p.file
+                    "xtrain: recompiling the step: the plugin cannot load the one compiled {}: {e}",
+                    p.from
                 ),
             }
         }
@@ -71,13 +70,14 @@ pub fn compile_cached(
     Ok((exe, false))
 }
 
-/// A program dir's executable, for the program whose text has `program_sha256`.
+/// An executable compiled before the trainer asks for one (a program dir's, or the one
+/// `--offload` was decided with), for the program whose text has `program_sha256`.
 pub struct Prebuilt {
     pub program_sha256: String,
     pub executable: Vec<u8>,
-    /// What it was compiled for (`cuda:h100:8`), and the file, for messages.
-    pub target: String,
-    pub file: String,
+    /// Where it comes from, for messages ("by `xtrain compile` for cuda:h100:8 (DIR/...)");
+    /// empty: say nothing.
+    pub from: String,
 }
 
 /// Whether a program dir's build was compiled for this runtime's plugin and devices: the same

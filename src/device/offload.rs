@@ -6,20 +6,23 @@ use crate::device::runtime::Runtime;
 use crate::program::{Offload, Program, StepSpec};
 use anyhow::{bail, Result};
 
-/// Compile the step with each of [`Offload::AUTO_ORDER`] in turn (through the executable cache,
-/// so the one chosen is not compiled again) and return the first that fits the device's memory.
-/// `build` makes the spec and program for a choice.
+/// Compile the step with each of `choices` in turn (through the executable cache, so the one
+/// chosen is not compiled again) and return the first that fits the device's memory, after
+/// checking that this host has the memory its offloaded part needs. `build` makes the spec and
+/// program for a choice. (`--offload auto` passes [`Offload::AUTO_ORDER`]; an explicit choice
+/// is checked the same way, before any weight is loaded.)
 pub fn choose(
-    rt: &Runtime,
+    rt: &mut Runtime,
+    choices: &[Offload],
     build: impl Fn(Offload) -> Result<(StepSpec, Program)>,
     use_cache: bool,
 ) -> Result<(StepSpec, Program)> {
     let Some(limit) = rt.devices[0].info()?.memory_bytes else {
-        return build(Offload::NONE);
+        return build(choices[0]);
     };
     let gib = |b: i64| format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64);
     let mut needed = Vec::new();
-    for offload in Offload::AUTO_ORDER {
+    for &offload in choices {
         let (spec, program) = build(offload)?;
         let (exe, _) = crate::device::cache::compile_cached(
             rt,
@@ -29,10 +32,16 @@ pub fn choose(
         )?;
         let m = exe.memory_stats()?;
         if m.total_bytes() <= limit {
+            // The trainer takes this executable instead of compiling the step again.
+            rt.prebuilt = Some(crate::device::cache::Prebuilt {
+                program_sha256: crate::formats::program_dir::sha256_hex(program.text.as_bytes()),
+                executable: exe.serialize()?,
+                from: String::new(),
+            });
             if !offload.is_none() {
                 eprintln!(
-                    "xtrain: --offload auto: the step needs {} per device with --offload {} \
-                     ({} of host memory per device), of {}",
+                    "xtrain: the step needs {} per device with --offload {} ({} of host memory \
+                     per device), of {}",
                     gib(m.total_bytes()),
                     offload.name(),
                     gib(m.host_total_bytes()),
@@ -49,9 +58,9 @@ pub fn choose(
         ));
     }
     bail!(
-        "the step does not fit the device's {} even with the frozen weights and activations in \
-         host memory (per device, {}); use more devices (--mesh), --quant nf4, a smaller batch \
-         or --seq",
+        "the step does not fit the device's {} (needed per device: {}); what lowers it: more \
+         devices (--mesh), --quant nf4, --offload activations|frozen|all, --remat layer, a \
+         smaller batch or --seq",
         gib(limit),
         needed.join(", ")
     )

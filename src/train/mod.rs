@@ -116,11 +116,12 @@ fn prebuilt(
     Ok(Some(crate::device::cache::Prebuilt {
         program_sha256: crate::formats::program_dir::sha256_hex(program.text.as_bytes()),
         executable,
-        target: build.target,
-        file: dir
-            .join(crate::formats::program_dir::EXECUTABLE_FILE)
-            .display()
-            .to_string(),
+        from: format!(
+            "by `xtrain compile` for {} ({})",
+            build.target,
+            dir.join(crate::formats::program_dir::EXECUTABLE_FILE)
+                .display()
+        ),
     }))
 }
 
@@ -156,12 +157,18 @@ pub fn plan(
         rt.prebuilt = prebuilt(&rt, dir, &program)?;
         return Ok((rt, spec, program));
     }
-    let rt = open(opts.step.mesh.as_ref().map_or(1, |m| m.devices()))?;
+    let mut rt = open(opts.step.mesh.as_ref().map_or(1, |m| m.devices()))?;
     let spec = opts.step.spec(cfg.clone(), batch, seq, &rt.platform())?;
-    if opts.step.offload.is_none() && rt.platform() != "cpu" {
-        // --offload auto on an accelerator: the least offload that fits its memory.
+    if rt.platform() != "cpu" && opts.step.offload != Some(crate::program::Offload::NONE) {
+        // On an accelerator: the least offload that fits its memory (--offload auto), or the one
+        // asked for, checked against the device's and the host's memory before any weight loads.
+        let choices = match opts.step.offload {
+            Some(o) => vec![o],
+            None => crate::program::Offload::AUTO_ORDER.to_vec(),
+        };
         let (spec, program) = crate::device::offload::choose(
-            &rt,
+            &mut rt,
+            &choices,
             |offload| {
                 let s = StepSpec {
                     offload,
