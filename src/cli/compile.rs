@@ -509,3 +509,57 @@ fn record(
         build.memory_report.as_deref(),
     )
 }
+
+/// `xtrain targets [NAME]`.
+pub fn targets(name: Option<&str>) -> Result<()> {
+    use xtrain::device::target::{GpuArch, GPUS, TPUS};
+    let Some(name) = name else {
+        println!("TPU slices (libtpu's layouts, e.g. 2x2, 2x2x1, 4x4x4, 16x16; 1x1 for one chip):");
+        for t in TPUS {
+            println!(
+                "  tpu:{}:<chips>  {} TFLOP/s bf16 per chip",
+                t.name, t.peak_bf16_tflops_per_chip
+            );
+        }
+        println!(
+            "GPUs (<count> per host, or <hosts>x<per host>; --target-config FILE for others):"
+        );
+        for g in GPUS {
+            let arch = match g.arch {
+                GpuArch::Cuda(a, b) => format!("sm_{a}{b}"),
+                GpuArch::Rocm(n) => n.split(':').next().unwrap_or(n).to_string(),
+            };
+            let platform = match g.arch {
+                GpuArch::Cuda(..) => "cuda",
+                GpuArch::Rocm(_) => "rocm",
+            };
+            println!(
+                "  {platform}:{}:<count>  {} ({arch}, {} {}, {}, {:.1} TB/s, {} TFLOP/s bf16)",
+                g.name,
+                g.kind,
+                g.cores,
+                if platform == "cuda" { "SMs" } else { "CUs" },
+                gib(g.memory_bytes),
+                g.bandwidth_bytes_per_s as f64 / 1e12,
+                g.peak_bf16_tflops
+            );
+        }
+        return Ok(());
+    };
+    let (platform, device) = name.split_once(':').unwrap_or(("", name));
+    let device = device.split(':').next().unwrap_or(device);
+    let Some(g) = GPUS.iter().find(|g| {
+        g.name == device
+            && matches!(
+                (platform, g.arch),
+                ("cuda", GpuArch::Cuda(..)) | ("rocm", GpuArch::Rocm(_))
+            )
+    }) else {
+        bail!(
+            "`{name}` is not a built-in GPU (TPUs need no description); known: {}",
+            xtrain::device::target::known_targets()
+        );
+    };
+    print!("{}", g.target_config());
+    Ok(())
+}

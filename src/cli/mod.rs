@@ -53,6 +53,9 @@ enum Command {
     /// Time the training step on random weights (`--init random`: no checkpoint needed) and
     /// print the figures as JSON; --export writes the weights and batch for peer checks.
     Bench(Box<bench::BenchArgs>),
+    /// List the hardware `compile --target` knows; with a name (cuda:h100, rocm:mi300x), print
+    /// its GPU description (GpuTargetConfigProto text: a start for `--target-config`).
+    Targets { name: Option<String> },
     /// Fold a LoRA adapter into the base weights and write a complete HF checkpoint.
     Merge {
         #[arg(long)]
@@ -86,6 +89,7 @@ pub fn main() {
         Command::ImportGguf { file, out } => convert::import_gguf(&file, &out),
         Command::Generate(a) => generate::generate(a),
         Command::Bench(a) => bench::bench(*a),
+        Command::Targets { name } => compile::targets(name.as_deref()),
         Command::Merge {
             model,
             adapter,
