@@ -264,6 +264,20 @@ fn error_code_name(code: i32) -> &'static str {
     NAMES.get(code as usize).copied().unwrap_or("UNKNOWN")
 }
 
+/// A `PJRT_Program` over StableHLO text (format `mlir`, which takes text or bytecode); valid as
+/// long as `mlir`.
+pub(crate) fn mlir_program(mlir: &str) -> PJRT_Program {
+    const FORMAT: &[u8] = b"mlir";
+    PJRT_Program {
+        struct_size: struct_size!(PJRT_Program, format_size),
+        extension_start: null_mut(),
+        code: mlir.as_ptr() as *mut c_char,
+        code_size: mlir.len(),
+        format: FORMAT.as_ptr() as *const c_char,
+        format_size: FORMAT.len(),
+    }
+}
+
 pub(crate) unsafe fn str_from(ptr: *const c_char, len: usize) -> String {
     if ptr.is_null() {
         return String::new();
@@ -388,15 +402,7 @@ impl Client {
 
     /// Compile StableHLO (or MHLO) text. Errors carry XLA's diagnostic.
     pub fn compile(&self, mlir: &str, options: &CompileOptions) -> Result<Executable> {
-        let format = b"mlir";
-        let program = PJRT_Program {
-            struct_size: struct_size!(PJRT_Program, format_size),
-            extension_start: null_mut(),
-            code: mlir.as_ptr() as *mut c_char,
-            code_size: mlir.len(),
-            format: format.as_ptr() as *const c_char,
-            format_size: format.len(),
-        };
+        let program = mlir_program(mlir);
         let opts = options.to_bytes();
         let mut a = args!(
             PJRT_Client_Compile_Args,

@@ -174,15 +174,7 @@ impl Topology {
     /// the result has the compiler's memory figures, cost analysis, optimized program and a
     /// serialized form that a client on the real hardware can load.
     pub fn compile(&self, mlir: &str, options: &CompileOptions) -> Result<UnloadedExecutable> {
-        let format = b"mlir";
-        let program = PJRT_Program {
-            struct_size: struct_size!(PJRT_Program, format_size),
-            extension_start: null_mut(),
-            code: mlir.as_ptr() as *mut c_char,
-            code_size: mlir.len(),
-            format: format.as_ptr() as *const c_char,
-            format_size: format.len(),
-        };
+        let program = crate::mlir_program(mlir);
         let opts = options.to_bytes();
         let mut a = args!(
             PJRT_Compile_Args,
