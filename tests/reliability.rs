@@ -204,7 +204,9 @@ fn bad_data_and_tokenizers() {
         "{e}"
     );
     // Without --strict-length it truncates and says so.
-    let o = xtrain(&refs(&base(&long)));
+    let mut a = base(&long);
+    a[6] = dir.join("out-long").to_str().unwrap().into();
+    let o = xtrain(&refs(&a));
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert!(String::from_utf8_lossy(&o.stderr).contains("truncated 1 examples to --seq 32"));
 
@@ -282,6 +284,10 @@ fn out_of_range_tokens_bad_adapters_and_program_dirs() {
         ],
     )));
     assert!(e.contains("has r=8") && e.contains("ask for r=4"), "{e}");
+    assert!(
+        e.contains("targets q,k,v,o,gate,up,down"),
+        "targets as users write them: {e}"
+    );
     let bad = dir.join("bad-adapter");
     std::fs::create_dir_all(&bad).unwrap();
     std::fs::copy(
@@ -543,9 +549,10 @@ fn runs_are_deterministic_and_survive_sigkill_and_sigterm() {
     let k = dir.join("killed");
     let mut kills = 0;
     for delay_ms in [350u64, 500, 420, 600] {
+        // A run killed before its first checkpoint is started again (afresh: --overwrite).
         let mut cmd = match latest_checkpoint(&k) {
             Some(c) => text_run(&model, &data, &k, &["--resume", c.to_str().unwrap()]),
-            None => text_run(&model, &data, &k, &[]),
+            None => text_run(&model, &data, &k, &["--overwrite"]),
         };
         let mut child = cmd
             .stdout(Stdio::null())
@@ -562,7 +569,7 @@ fn runs_are_deterministic_and_survive_sigkill_and_sigterm() {
     // SIGTERM: a checkpoint is saved and the process exits with 130.
     let mut cmd = match latest_checkpoint(&k) {
         Some(c) => text_run(&model, &data, &k, &["--resume", c.to_str().unwrap()]),
-        None => text_run(&model, &data, &k, &[]),
+        None => text_run(&model, &data, &k, &["--overwrite"]),
     };
     let before = latest_checkpoint(&k);
     let child = cmd
@@ -653,5 +660,758 @@ fn a_plugin_with_an_old_pjrt_api_is_refused_naming_both_versions() {
         "{e}"
     );
     assert!(e.contains("(xtrain was written against 0.81)"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+// ---------------------------------------------------------------- lost or mixed output
+
+/// A pid that no process has now: a child that has exited and been waited for.
+fn dead_pid() -> u32 {
+    let mut c = Command::new("true").spawn().unwrap();
+    let pid = c.id();
+    c.wait().unwrap();
+    pid
+}
+
+fn stderr_of(o: &std::process::Output) -> String {
+    String::from_utf8_lossy(&o.stderr).to_string()
+}
+
+fn names(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+        .collect();
+    v.sort();
+    v
+}
+
+fn adapter_rank(dir: &Path) -> i64 {
+    let c: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("adapter_config.json")).unwrap())
+            .unwrap();
+    c["r"].as_i64().unwrap()
+}
+
+#[test]
+fn a_run_dir_is_continued_only_with_resume_and_replaced_only_with_overwrite() {
+    let dir = tempdir("rel-outdir");
+    let model = fixtures().join("model");
+    let out = dir.join("run");
+    let o = xtrain(&refs(&train_on(&model, &out, &["--save-every", "1"])));
+    assert!(o.status.success(), "{}", stderr_of(&o));
+    let first = names(&out);
+    // Another run into the same --out: refused, naming the way to continue, nothing touched.
+    let mut a = train_on(&model, &out, &["--steps", "1"]);
+    let r = a.iter().position(|s| s == "--lora-r").unwrap();
+    a[r + 1] = "8".into();
+    let e = fails(&refs(&a));
+    assert!(e.contains("holds a previous run"), "{e}");
+    assert!(
+        e.contains(&format!("--resume {}", out.join("checkpoint-2").display())),
+        "{e}"
+    );
+    assert_eq!(names(&out), first, "nothing written or removed");
+    assert_eq!(adapter_rank(&out.join("checkpoint-1")), 4);
+    // With --overwrite: a clean r=8 run, none of the r=4 checkpoints left beside it.
+    a.push("--overwrite".into());
+    let o = xtrain(&refs(&a));
+    assert!(o.status.success(), "{}", stderr_of(&o));
+    assert_eq!(names(&out), vec!["adapter", "metrics.jsonl"]);
+    assert_eq!(adapter_rank(&out.join("adapter")), 8);
+    // A directory holding something else is refused; its files are left alone.
+    let other = dir.join("other");
+    std::fs::create_dir_all(&other).unwrap();
+    std::fs::write(other.join("notes.txt"), "mine").unwrap();
+    let e = fails(&refs(&train_on(&model, &other, &[])));
+    assert!(
+        e.contains("holds files that are not a training run's (notes.txt)"),
+        "{e}"
+    );
+    assert_eq!(names(&other), vec!["notes.txt"]);
+    // --overwrite and --resume together make no sense.
+    let ckpt = dir.join("run2");
+    let e = fails(&refs(&train_on(
+        &model,
+        &ckpt,
+        &[
+            "--overwrite",
+            "--resume",
+            out.join("adapter").to_str().unwrap(),
+        ],
+    )));
+    assert!(e.contains("--resume"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn one_run_at_a_time_in_a_dir_and_a_killed_runs_leftovers_are_removed() {
+    let dir = tempdir("rel-lock");
+    let model = fixtures().join("model");
+    let out = dir.join("run");
+    // Leftovers of killed runs, as write_atomic and write_dir_atomic name them.
+    std::fs::create_dir_all(&out).unwrap();
+    let pid = dead_pid();
+    let leftover = out.join(format!(".checkpoint-3.tmp-{pid}"));
+    std::fs::create_dir_all(&leftover).unwrap();
+    std::fs::write(out.join(format!(".loss.png.tmp-{pid}")), "x").unwrap();
+    let mut first = xtrain_cmd()
+        .args(train_on(&model, &out, &["--steps", "100000"]))
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t0 = std::time::Instant::now();
+    while !out.join(".xtrain-run").is_file() && t0.elapsed().as_secs() < 60 {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let e = fails(&refs(&train_on(&model, &out, &["--overwrite"])));
+    assert!(
+        e.contains(&format!("another xtrain run (pid {})", first.id())),
+        "{e}"
+    );
+    // The first run is killed: its lock goes with it, and the next run is not blocked.
+    first.kill().unwrap();
+    let o = first.wait_with_output().unwrap();
+    let err = stderr_of(&o);
+    assert!(
+        err.contains(&format!("removed {}", leftover.display())) && err.contains("killed run"),
+        "{err}"
+    );
+    assert!(!leftover.exists());
+    let o = xtrain(&refs(&train_on(&model, &out, &["--overwrite"])));
+    assert!(o.status.success(), "{}", stderr_of(&o));
+    assert!(
+        names(&out).iter().all(|n| !n.contains(".tmp-")),
+        "{:?}",
+        names(&out)
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn stop_after_writes_the_checkpoint_it_stops_at() {
+    let dir = tempdir("rel-stop");
+    let model = fixtures().join("model");
+    let out = dir.join("run");
+    let o = xtrain(&refs(&train_on(
+        &model,
+        &out,
+        &["--steps", "4", "--stop-after", "3"],
+    )));
+    let err = stderr_of(&o);
+    assert!(o.status.success(), "{err}");
+    let ckpt = out.join("checkpoint-3");
+    assert!(ckpt.join("trainer_state.json").is_file(), "{err}");
+    assert!(
+        err.contains(&format!("continue with --resume {}", ckpt.display())),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn merge_and_import_refuse_a_dir_that_holds_something_and_replace_it_whole_on_overwrite() {
+    let dir = tempdir("rel-merge-out");
+    let model = fixtures().join("model");
+    let adapter = fixtures().join("adapter_init");
+    let merge = |out: &Path, extra: &[&str]| -> Vec<String> {
+        let mut v: Vec<String> = ["merge", "--model", model.to_str().unwrap()]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        v.extend(["--adapter".into(), adapter.to_str().unwrap().into()]);
+        v.extend(["--out".into(), out.to_str().unwrap().into()]);
+        v.extend(extra.iter().map(|s| s.to_string()));
+        v
+    };
+    // A training run's directory: refused, nothing deleted.
+    let run = dir.join("run");
+    std::fs::create_dir_all(run.join("checkpoint-5")).unwrap();
+    std::fs::write(run.join("metrics.jsonl"), "{}\n").unwrap();
+    let e = fails(&refs(&merge(&run, &[])));
+    assert!(
+        e.contains("is not empty") && e.contains("--overwrite"),
+        "{e}"
+    );
+    assert_eq!(names(&run), vec!["checkpoint-5", "metrics.jsonl"]);
+    // `target/.`: the same refusal, nothing deleted.
+    let target = dir.join("target");
+    std::fs::create_dir_all(&target).unwrap();
+    std::fs::write(target.join("keep.txt"), "x").unwrap();
+    let dot = format!("{}/.", target.display());
+    let e = fails(&refs(&merge(Path::new(&dot), &[])));
+    assert!(e.contains("is not empty"), "{e}");
+    assert_eq!(names(&target), vec!["keep.txt"]);
+    // The model it reads: refused even with --overwrite.
+    let e = fails(&refs(&merge(&model, &["--overwrite"])));
+    assert!(e.contains("which this command reads"), "{e}");
+    // A sharded model: refused; with --overwrite replaced whole (no index left to win), and a
+    // killed merge's leftover beside it removed.
+    let sharded = dir.join("sharded");
+    std::fs::create_dir_all(&sharded).unwrap();
+    for f in std::fs::read_dir(fixtures().join("model_sharded")).unwrap() {
+        let p = f.unwrap().path();
+        std::fs::copy(&p, sharded.join(p.file_name().unwrap())).unwrap();
+    }
+    let e = fails(&[
+        "import-gguf",
+        "/nonexistent/model.gguf",
+        "--out",
+        sharded.to_str().unwrap(),
+    ]);
+    assert!(e.contains("is not empty"), "{e}");
+    let stale = dir.join(format!(".sharded.tmp-{}", dead_pid()));
+    std::fs::create_dir_all(&stale).unwrap();
+    let o = xtrain(&refs(&merge(Path::new(&dot), &["--overwrite"])));
+    assert!(o.status.success(), "{}", stderr_of(&o));
+    assert!(names(&target).contains(&"model.safetensors".to_string()));
+    assert!(!target.join("keep.txt").exists());
+    let o = xtrain(&refs(&merge(&sharded, &["--overwrite"])));
+    assert!(o.status.success(), "{}", stderr_of(&o));
+    assert!(
+        stderr_of(&o).contains("left by a killed run"),
+        "{}",
+        stderr_of(&o)
+    );
+    assert!(!stale.exists());
+    assert!(!sharded.join("model.safetensors.index.json").exists());
+    assert!(sharded.join("model.safetensors").is_file());
+    let leftovers: Vec<String> = names(&dir)
+        .into_iter()
+        .filter(|n| n.contains(".tmp-") || n.contains(".old-"))
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+// ---------------------------------------------------------------- silent wrong results
+
+#[test]
+fn resume_takes_the_checkpoints_settings_and_refuses_contradictions() {
+    let dir = tempdir("rel-resume-settings");
+    let model = fixtures().join("model");
+    let run = |out: &Path, extra: &[&str]| -> Vec<String> {
+        let mut v: Vec<String> = ["train", "--model", model.to_str().unwrap()]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        v.extend([
+            "--data".into(),
+            fixtures()
+                .join("inputs.safetensors")
+                .to_str()
+                .unwrap()
+                .into(),
+        ]);
+        v.extend(["--out".into(), out.to_str().unwrap().into()]);
+        v.extend(
+            ["--log-every", "0", "--no-plot"]
+                .iter()
+                .map(|s| s.to_string()),
+        );
+        v.extend(extra.iter().map(|s| s.to_string()));
+        v
+    };
+    let flags = [
+        "--steps",
+        "4",
+        "--lr",
+        "1e-3",
+        "--schedule",
+        "cosine",
+        "--lora-r",
+        "4",
+        "--lora-alpha",
+        "16",
+        "--lora-dropout",
+        "0.1",
+        "--weight-decay",
+        "0.01",
+        "--seed",
+        "5",
+    ];
+    let full = dir.join("full");
+    let o = xtrain(&refs(&run(&full, &flags)));
+    assert!(o.status.success(), "{}", stderr_of(&o));
+    let part = dir.join("part");
+    let mut a = run(&part, &flags);
+    a.extend(["--stop-after".to_string(), "2".to_string()]);
+    let o = xtrain(&refs(&a));
+    assert!(o.status.success(), "{}", stderr_of(&o));
+    let ckpt = part.join("checkpoint-2");
+    let c = ckpt.to_str().unwrap();
+    // A flag given with another value than the checkpoint's: refused, naming both.
+    let e = fails(&refs(&run(&part, &["--resume", c, "--lora-alpha", "32"])));
+    assert!(
+        e.contains("run has --lora-alpha 16, but the command line gives --lora-alpha 32"),
+        "{e}"
+    );
+    let e = fails(&refs(&run(&part, &["--resume", c, "--steps", "9"])));
+    assert!(e.contains("--steps 4") && e.contains("--steps 9"), "{e}");
+    // Every flag left out: the checkpoint's values, and the same result as the uninterrupted run
+    // (the cosine schedule over 4 steps, not an lr of 0 over a 1-step "epoch").
+    let o = xtrain(&refs(&run(&part, &["--resume", c])));
+    let err = stderr_of(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains("taking") && err.contains("--lora-alpha 16"),
+        "{err}"
+    );
+    let bytes = |d: &Path| std::fs::read(d.join("adapter/adapter_model.safetensors")).unwrap();
+    assert_eq!(
+        bytes(&full),
+        bytes(&part),
+        "the resumed run is the uninterrupted one"
+    );
+    // Other data than the checkpoint's run saw: refused.
+    let st =
+        xtrain::formats::safetensors::SafeTensors::open(&fixtures().join("inputs.safetensors"))
+            .unwrap();
+    let mut t: std::collections::BTreeMap<String, pjrt::HostTensor> = st
+        .tensors
+        .keys()
+        .map(|k| (k.clone(), st.read(k).unwrap()))
+        .collect();
+    let mut ids = t["input_ids"].to_i64().unwrap();
+    ids[3] = (ids[3] + 1) % 512;
+    t.insert(
+        "input_ids".into(),
+        pjrt::HostTensor::from_i64(&ids, &[2, 16]),
+    );
+    let other = dir.join("other.safetensors");
+    xtrain::formats::safetensors::write(&other, &t, &Default::default()).unwrap();
+    let mut a = run(&part, &["--resume", c]);
+    a[4] = other.to_str().unwrap().into();
+    let o = xtrain(&refs(&a));
+    assert!(!o.status.success());
+    assert!(
+        stderr_of(&o).contains("error: checkpoint"),
+        "{}",
+        stderr_of(&o)
+    );
+    assert!(
+        stderr_of(&o).contains("was trained on other data"),
+        "{}",
+        stderr_of(&o)
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_program_dir_fixes_its_flags() {
+    let dir = tempdir("rel-program-flags");
+    let model = fixtures().join("model");
+    let prog = dir.join("prog");
+    let o = xtrain(&[
+        "compile",
+        "--model",
+        model.to_str().unwrap(),
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--lora-r",
+        "4",
+        "--out",
+        prog.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr_of(&o));
+    // --lora-r 8 against a program built for r=4: refused, naming both.
+    let mut a = train_on(
+        &model,
+        &dir.join("a"),
+        &["--program", prog.to_str().unwrap()],
+    );
+    let r = a.iter().position(|s| s == "--lora-r").unwrap();
+    a[r + 1] = "8".into();
+    let e = fails(&refs(&a));
+    assert!(
+        e.contains("was built with --lora-r 4, but the command line gives --lora-r 8"),
+        "{e}"
+    );
+    // Left out, the rank is the program's.
+    a.drain(r..r + 2);
+    let o = xtrain(&refs(&a));
+    assert!(o.status.success(), "{}", stderr_of(&o));
+    assert_eq!(adapter_rank(&dir.join("a/adapter")), 4);
+    // Compiling into it again needs --overwrite.
+    let e = fails(&[
+        "compile",
+        "--model",
+        model.to_str().unwrap(),
+        "--out",
+        prog.to_str().unwrap(),
+    ]);
+    assert!(e.contains("is not empty"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn every_flag_is_range_checked_before_any_work() {
+    let dir = tempdir("rel-ranges");
+    let model = tiny_text_model(&dir);
+    let m = model.to_str().unwrap();
+    let data = dir.join("d.jsonl");
+    std::fs::write(&data, "{\"text\": \"hello\"}\n").unwrap();
+    let out = dir.join("out");
+    let train = |extra: &[&str]| -> Vec<String> {
+        let mut v: Vec<String> = ["train", "--model", m, "--data", data.to_str().unwrap()]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        v.extend(["--out".into(), out.to_str().unwrap().into()]);
+        v.extend(extra.iter().map(|s| s.to_string()));
+        v
+    };
+    for (flags, message) in [
+        (&["--lr", "nan"][..], "--lr must be a number >= 0, got NaN"),
+        (&["--lr=-1"][..], "--lr must be a number >= 0"),
+        (
+            &["--eval-fraction", "1.5"][..],
+            "--eval-fraction must be in [0, 1), got 1.5",
+        ),
+        (
+            &["--lora-alpha", "0"][..],
+            "--lora-alpha must be a positive number, got 0",
+        ),
+        (
+            &["--loss-chunk", "0"][..],
+            "--loss-chunk 0 must be a positive divisor",
+        ),
+        (
+            &["--batch-size", "0"][..],
+            "--batch-size must be at least 1, got 0",
+        ),
+        (&["--seq=-1"][..], "--seq must be at least 2"),
+        (&["--epochs", "0"][..], "--epochs must be at least 1"),
+        (&["--eps", "0"][..], "--eps must be a positive number"),
+        (
+            &["--min-lr-ratio", "2"][..],
+            "--min-lr-ratio must be in [0, 1]",
+        ),
+        (
+            &["--stop-after", "0"][..],
+            "--stop-after must be at least 1",
+        ),
+        (
+            &["--schedule", "cosin"][..],
+            "--schedule must be constant, linear or cosine",
+        ),
+        (
+            &["--mesh", "fdsp=8"][..],
+            "unknown axis `fdsp` (did you mean `fsdp`?)",
+        ),
+        (&["--mesh", "dp=2"][..], "unknown axis `dp`"),
+        (&["--mesh", "fsdp=8,model=8"][..], "unknown axis `model`"),
+    ] {
+        let e = fails(&refs(&train(flags)));
+        assert!(e.contains(message), "{flags:?}: {e}");
+        assert!(!out.exists(), "{flags:?}: nothing written");
+    }
+    let generate = |extra: &[&str]| -> Vec<String> {
+        let mut v: Vec<String> = ["generate", "--model", m, "--prompt", "hi"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        v.extend(extra.iter().map(|s| s.to_string()));
+        v
+    };
+    for (flags, message) in [
+        (
+            &["--temperature", "nan"][..],
+            "--temperature must be a number >= 0",
+        ),
+        (
+            &["--temperature=-1"][..],
+            "--temperature must be a number >= 0",
+        ),
+        (&["--context", "0"][..], "--context must be at least 2"),
+        (&["--context=-4"][..], "got -4"),
+    ] {
+        let e = fails(&refs(&generate(flags)));
+        assert!(e.contains(message), "{flags:?}: {e}");
+    }
+    // compile: the batch, a mesh that splits nothing, unknown rule names, and NF4 on a model
+    // whose projections are not whole blocks of 64.
+    let odd = dir.join("odd");
+    std::fs::create_dir_all(&odd).unwrap();
+    let mut c: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("model/config.json")).unwrap(),
+    )
+    .unwrap();
+    c["hidden_size"] = 36.into();
+    c["intermediate_size"] = 36.into();
+    c["num_attention_heads"] = 4.into();
+    c["num_key_value_heads"] = 4.into();
+    c["head_dim"] = 10.into();
+    std::fs::write(odd.join("config.json"), c.to_string()).unwrap();
+    let rules = dir.join("rules.txt");
+    std::fs::write(&rules, "batchh = data\n").unwrap();
+    let prog = dir.join("prog");
+    for (flags, message) in [
+        (
+            &["--model", "tiny-llama3", "--batch", "0"][..],
+            "--batch must be at least 1, got 0",
+        ),
+        (
+            &["--model", "tiny-llama3", "--batch", "4", "--mesh", "data=3"][..],
+            "--mesh data=3 splits nothing",
+        ),
+        (
+            &[
+                "--model",
+                "tiny-llama3",
+                "--mesh",
+                "data=2",
+                "--sharding-rules",
+                rules.to_str().unwrap(),
+            ][..],
+            "unknown logical axis `batchh` (did you mean `batch`?)",
+        ),
+        (
+            &["--model", odd.to_str().unwrap(), "--quant", "nf4"][..],
+            "--quant nf4 quantizes in blocks of 64 values",
+        ),
+    ] {
+        let mut a = vec!["compile"];
+        a.extend(flags);
+        a.extend(["--out", prog.to_str().unwrap()]);
+        let e = fails(&a);
+        assert!(e.contains(message), "{flags:?}: {e}");
+        assert!(!prog.exists());
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn the_nonfinite_guard_covers_the_updated_state() {
+    let dir = tempdir("rel-nonfinite-update");
+    let model = fixtures().join("model");
+    let out = dir.join("out");
+    // lr 1e38 is finite, and so are step 1's loss and gradient; lr / (1 - beta1) is not (f32).
+    let e = fails(&refs(&train_on(&model, &out, &["--lr", "1e38"])));
+    assert!(
+        e.contains("step 1: the loss") && e.contains("but the update is not"),
+        "{e}"
+    );
+    let ckpt = out.join("checkpoint-0");
+    let st =
+        xtrain::formats::safetensors::SafeTensors::open(&ckpt.join("adapter_model.safetensors"))
+            .unwrap();
+    for name in st.tensors.keys() {
+        let v = st.read(name).unwrap().to_f32().unwrap();
+        assert!(
+            v.iter().all(|x| x.is_finite()),
+            "{name}: the last good state is finite"
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn evaluation_examples_are_counted_and_data_quirks_are_handled() {
+    let dir = tempdir("rel-eval");
+    let model = tiny_text_model(&dir);
+    let run = |data: &Path, out: &str, extra: &[&str]| -> std::process::Output {
+        let mut c = train_cmd(&model, data, &dir.join(out));
+        c.args([
+            "--steps",
+            "1",
+            "--batch-size",
+            "1",
+            "--seq",
+            "64",
+            "--lora-r",
+            "4",
+        ]);
+        c.args(["--log-every", "0", "--no-plot"]);
+        c.args(extra);
+        c.output().unwrap()
+    };
+    let train = dir.join("train.jsonl");
+    let lines: String = (0..94)
+        .map(|i| format!("{{\"instruction\": \"Say {i}\", \"output\": \"{i}!\"}}\n"))
+        .collect();
+    // A byte order mark before the first line: read as JSON, not skipped.
+    std::fs::write(&train, format!("\u{feff}{lines}")).unwrap();
+    let o = run(
+        &train,
+        "bom",
+        &["--skip-bad-lines", "--eval-fraction", "0.01"],
+    );
+    let err = stderr_of(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(!err.contains("skipped"), "{err}");
+    assert!(err.contains("holding out 1 of 94 examples"), "{err}");
+    // Held-out examples whose answer does not fit --seq: counted, not silently dropped; and with
+    // --strict-length, refused.
+    let eval = dir.join("eval.jsonl");
+    let long = "x".repeat(80);
+    std::fs::write(
+        &eval,
+        format!("{{\"instruction\": \"{long}\", \"output\": \"y\"}}\n{{\"instruction\": \"a\", \"output\": \"b\"}}\n"),
+    )
+    .unwrap();
+    let o = run(&train, "eval", &["--eval-data", eval.to_str().unwrap()]);
+    let err = stderr_of(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains("eval: left out 1 of 2 examples with no target token within --seq 64"),
+        "{err}"
+    );
+    let o = run(
+        &train,
+        "strict",
+        &["--eval-data", eval.to_str().unwrap(), "--strict-length"],
+    );
+    let err = stderr_of(&o);
+    assert!(!o.status.success());
+    assert!(
+        err.contains("(evaluation examples)") && err.contains("more than --seq 64"),
+        "{err}"
+    );
+    // --eval-data with a pre-tokenized batch: evaluated, not ignored.
+    let short = dir.join("short.jsonl");
+    std::fs::write(&short, "{\"text\": \"ab\"}\n").unwrap();
+    let batch = fixtures().join("inputs.safetensors");
+    let o = train_cmd(&model, &batch, &dir.join("batch"))
+        .args([
+            "--steps",
+            "1",
+            "--lora-r",
+            "4",
+            "--log-every",
+            "0",
+            "--no-plot",
+        ])
+        .args(["--eval-data", short.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr_of(&o));
+    let m = std::fs::read_to_string(dir.join("batch/metrics.jsonl")).unwrap();
+    assert!(m.contains("eval_loss"), "{m}");
+    // ... and --batch-size or --seq that contradict the batch's shape are refused.
+    let o = run(&batch, "batch2", &[]);
+    assert!(!o.status.success());
+    assert!(
+        stderr_of(&o).contains("is one pre-tokenized batch of 2x16"),
+        "{}",
+        stderr_of(&o)
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_config_with_fewer_layers_than_its_checkpoint_is_refused() {
+    let dir = tempdir("rel-layers");
+    let m = tiny_dir(&dir, "fewer");
+    let mut c: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(m.join("config.json")).unwrap()).unwrap();
+    c["num_hidden_layers"] = 1.into();
+    std::fs::write(m.join("config.json"), c.to_string()).unwrap();
+    let e = fails(&refs(&train_on(&m, &dir.join("out"), &[])));
+    assert!(
+        e.contains("the checkpoint has 2 layers") && e.contains("num_hidden_layers = 1"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn generate_says_when_it_stops_at_the_context_limit() {
+    let dir = tempdir("rel-generate");
+    let model = tiny_text_model(&dir);
+    let o = xtrain(&[
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt",
+        "hello",
+        "--raw",
+        "--context",
+        "8",
+        "--max-new-tokens",
+        "100",
+    ]);
+    let err = stderr_of(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("stopped at the context limit"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+// ---------------------------------------------------------------- signals and environment
+
+#[test]
+fn a_second_ctrl_c_ends_the_run_at_once() {
+    let dir = tempdir("rel-sigint");
+    let model = fixtures().join("model");
+    let out = dir.join("run");
+    let child = xtrain_cmd()
+        .args(train_on(&model, &out, &["--steps", "100000"]))
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t0 = std::time::Instant::now();
+    while !out.join(".xtrain-run").is_file() && t0.elapsed().as_secs() < 60 {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    unsafe_kill(child.id(), 2);
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    unsafe_kill(child.id(), 2);
+    let o = child.wait_with_output().unwrap();
+    assert_eq!(o.status.code(), Some(130), "{}", stderr_of(&o));
+    assert!(!stderr_of(&o).contains("panicked"));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn without_home_nothing_is_written_to_the_working_directory() {
+    let dir = tempdir("rel-home");
+    let o = xtrain_cmd()
+        .arg("plugins")
+        .env_remove("HOME")
+        .env_remove("XDG_CACHE_HOME")
+        .env_remove("XTRAIN_CACHE_DIR")
+        .current_dir(&dir)
+        .output()
+        .unwrap();
+    assert!(!stderr_of(&o).contains("panicked"));
+    assert!(
+        !dir.join(".cache").exists(),
+        "no ./.cache in the working directory"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_list_form_chat_template_is_used_not_replaced_by_chatml() {
+    let dir = tempdir("rel-template-list");
+    let model = tiny_text_model(&dir);
+    let cfg = serde_json::json!({
+        "chat_template": [
+            {"name": "tool_use", "template": "TOOLS{% for m in messages %}{{ m.content }}{% endfor %}"},
+            {"name": "default", "template": "{% for m in messages %}[{{ m.role }}: {{ m.content }}]{% endfor %}"}
+        ],
+        "eos_token": "<|im_end|>"
+    });
+    std::fs::write(model.join("tokenizer_config.json"), cfg.to_string()).unwrap();
+    let tok = xtrain::data::text::TextTokenizer::load(&model).unwrap();
+    let msg = xtrain::data::text::Message {
+        role: "user".into(),
+        content: "hi".into(),
+    };
+    assert_eq!(tok.render_chat(&[msg], false).unwrap(), "[user: hi]");
+    // A list without a `default` is refused, as transformers refuses it.
+    let cfg = serde_json::json!({"chat_template": [{"name": "tool_use", "template": "x"}]});
+    std::fs::write(model.join("tokenizer_config.json"), cfg.to_string()).unwrap();
+    let e = format!(
+        "{:#}",
+        xtrain::data::text::TextTokenizer::load(&model)
+            .err()
+            .unwrap()
+    );
+    assert!(e.contains("none named `default`"), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -121,10 +121,47 @@ pub fn cache_dir() -> PathBuf {
     if let Some(d) = std::env::var_os("XDG_CACHE_HOME") {
         return PathBuf::from(d).join("xtrain");
     }
-    let home = std::env::var_os("HOME")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| ".".into());
-    home.join(".cache").join("xtrain")
+    match home_dir() {
+        Some(home) => home.join(".cache").join("xtrain"),
+        // Never the working directory: a path whose every use fails, saying what to do.
+        None => PathBuf::from("/nonexistent/no $HOME nor passwd home: set XTRAIN_CACHE_DIR"),
+    }
+}
+
+/// The user's home: `$HOME` when it is an absolute path, else the passwd entry's (as a shell
+/// started without `HOME` would find it), else None.
+pub fn home_dir() -> Option<PathBuf> {
+    if let Some(h) = std::env::var_os("HOME").map(PathBuf::from) {
+        if h.is_absolute() {
+            return Some(h);
+        }
+    }
+    passwd_home()
+}
+
+fn passwd_home() -> Option<PathBuf> {
+    use std::ffi::CStr;
+    use std::os::unix::ffi::OsStrExt;
+    let mut buf = vec![0 as libc::c_char; 16 * 1024];
+    // SAFETY: a zeroed passwd is a valid out-parameter; getpwuid_r writes only into `pw` and
+    // `buf` (within its length) and sets `result` to `&pw` on success.
+    unsafe {
+        let mut pw: libc::passwd = std::mem::zeroed();
+        let mut result: *mut libc::passwd = std::ptr::null_mut();
+        let r = libc::getpwuid_r(
+            libc::getuid(),
+            &mut pw,
+            buf.as_mut_ptr(),
+            buf.len(),
+            &mut result,
+        );
+        if r != 0 || result.is_null() || pw.pw_dir.is_null() {
+            return None;
+        }
+        let dir = CStr::from_ptr(pw.pw_dir).to_bytes();
+        let p = PathBuf::from(std::ffi::OsStr::from_bytes(dir));
+        (p.is_absolute()).then_some(p)
+    }
 }
 
 /// The Python interpreter used to find site-packages and run pip: `$XTRAIN_PYTHON` or `python3`.

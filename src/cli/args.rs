@@ -108,12 +108,19 @@ impl StepArgs {
 
     pub fn mesh(&self) -> Result<Option<xtrain::program::MeshPlan>> {
         let Some(m) = &self.mesh else {
+            if let Some(p) = &self.sharding_rules {
+                bail!(
+                    "--sharding-rules {} places tensors on a mesh: give --mesh too",
+                    p.display()
+                );
+            }
             return Ok(None);
         };
         let mesh = xtrain::program::sharding::parse_mesh(m)?;
         if mesh.axes.is_empty() {
             return Ok(None);
         }
+        xtrain::program::sharding::check_axes(&mesh.axes, &self.rules()?)?;
         Ok(Some(xtrain::program::MeshPlan {
             axes: mesh.axes,
             rules: self.rules()?,
@@ -130,13 +137,15 @@ impl StepArgs {
 
     pub fn adam(&self) -> Result<AdamW> {
         let (beta1, beta2) = parse_betas(&self.betas)?;
-        Ok(AdamW {
+        let adam = AdamW {
             beta1,
             beta2,
             eps: self.eps,
             weight_decay: self.weight_decay,
             max_grad_norm: self.max_grad_norm,
-        })
+        };
+        adam.validate()?;
+        Ok(adam)
     }
 
     /// The step options these flags give (the dtype and the matmul form are checked when the

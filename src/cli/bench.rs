@@ -36,6 +36,9 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     if a.init != "random" {
         bail!("--init must be random");
     }
+    if a.steps < 1 {
+        bail!("--steps must be at least 1 (the steps timed)");
+    }
     let (cfg, _) = xtrain::model::presets::resolve_model_config(&a.model)?;
     let options = a.step.options()?;
     let devices = options.mesh.as_ref().map_or(1, |m| m.devices());

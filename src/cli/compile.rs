@@ -26,9 +26,14 @@ pub struct CompileArgs {
     pub seq: i64,
     #[command(flatten)]
     pub step: StepArgs,
-    /// Program directory to write (train_step.mlir, manifest.json).
+    /// Program directory to write (train_step.mlir, manifest.json): new or empty (see
+    /// --overwrite).
     #[arg(long)]
     pub out: PathBuf,
+    /// Replace what --out holds (an earlier program, or anything else) once the new program
+    /// directory is complete.
+    #[arg(long)]
+    pub overwrite: bool,
     /// Also compile it with the plugin and print XLA's memory figures and the compile time.
     #[arg(long)]
     pub check: bool,
@@ -78,7 +83,7 @@ fn secs(s: f64) -> String {
     }
 }
 
-pub fn compile(a: CompileArgs, verbose: bool) -> Result<()> {
+pub fn compile(mut a: CompileArgs, verbose: bool) -> Result<()> {
     let (cfg, _) = xtrain::model::presets::resolve_model_config(&a.model)?;
     if a.target_config.is_some() && a.target.is_none() {
         bail!("--target-config describes the GPU of a --target; give --target cuda:<name>:<count> or rocm:<name>:<count> too");
@@ -116,6 +121,7 @@ pub fn compile(a: CompileArgs, verbose: bool) -> Result<()> {
             Some(_) => {}
         }
     }
+    a.out = xtrain::formats::outdir::check_writable_dir(&a.out, a.overwrite, &[])?;
     // `--offload auto` tries the choices in order until the step fits the target's devices;
     // without a target's memory to fit, it offloads nothing.
     let choices: Vec<Offload> = match options.offload {

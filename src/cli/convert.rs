@@ -1,11 +1,15 @@
-//! `xtrain import-gguf` and `xtrain merge`'s output: model directories written from other forms.
+//! `xtrain import-gguf` and `xtrain merge`: model directories written from other forms, each
+//! into a new or empty `--out` (or, with `--overwrite`, replacing it once complete).
 
 use anyhow::Result;
+use std::path::Path;
+use xtrain::formats::outdir::check_writable_dir;
 
-pub fn import_gguf(file: &std::path::Path, out: &std::path::Path) -> Result<()> {
+pub fn import_gguf(file: &Path, out: &Path, overwrite: bool) -> Result<()> {
+    let out = check_writable_dir(out, overwrite, &[])?;
     let t0 = std::time::Instant::now();
     let mut shown = 0;
-    xtrain::formats::gguf::import(file, out, |done, total| {
+    xtrain::formats::gguf::import(file, &out, |done, total| {
         let pct = done * 100 / total.max(1);
         if pct >= shown + 10 || done == total {
             shown = pct;
@@ -17,5 +21,12 @@ pub fn import_gguf(file: &std::path::Path, out: &std::path::Path) -> Result<()> 
         out.display(),
         t0.elapsed().as_secs_f64()
     );
+    Ok(())
+}
+
+pub fn merge(model: &Path, adapter: &Path, out: &Path, overwrite: bool) -> Result<()> {
+    let out = check_writable_dir(out, overwrite, &[model, adapter])?;
+    xtrain::formats::merge::merge(model, adapter, &out)?;
+    println!("wrote {}", out.display());
     Ok(())
 }

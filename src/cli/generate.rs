@@ -1,8 +1,9 @@
 //! `xtrain generate`: a prompt in, the model's continuation out.
 
-use anyhow::Result;
+use anyhow::{bail, Result};
 use clap::Args;
 use std::path::PathBuf;
+use xtrain::device::generate::Stop;
 
 #[derive(Args)]
 pub struct GenerateArgs {
@@ -34,6 +35,18 @@ pub struct GenerateArgs {
 }
 
 pub fn generate(a: GenerateArgs) -> Result<()> {
+    if a.context < 2 {
+        bail!(
+            "--context must be at least 2 (a prompt token and one generated), got {}",
+            a.context
+        );
+    }
+    if !(a.temperature.is_finite() && a.temperature >= 0.0) {
+        bail!(
+            "--temperature must be a number >= 0 (0 = greedy), got {}",
+            a.temperature
+        );
+    }
     let cfg = xtrain::model::config::LlamaConfig::load(&a.model)?;
     let tok = xtrain::data::text::TextTokenizer::load(&a.model)?;
     let text = if a.raw {
@@ -63,7 +76,7 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
         a.context,
         hlo::DType::F32,
     )?;
-    let out = xtrain::device::generate::generate(
+    let (out, stop) = xtrain::device::generate::generate_until(
         &f,
         &ids,
         a.max_new_tokens,
@@ -72,5 +85,13 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
         tok.eos_id,
     )?;
     println!("{}", tok.decode(&out)?);
+    if stop == Stop::Context {
+        eprintln!(
+            "xtrain: stopped at the context limit after {} new tokens (--context {}: the prompt takes {} tokens); raise --context for a longer answer",
+            out.len(),
+            a.context,
+            ids.len()
+        );
+    }
     Ok(())
 }

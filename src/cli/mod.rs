@@ -11,7 +11,7 @@ mod generate;
 mod plugins;
 mod train;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use std::path::PathBuf;
 
 #[derive(Parser)]
@@ -44,9 +44,12 @@ enum Command {
     ImportGguf {
         /// The .gguf file.
         file: PathBuf,
-        /// Output model directory.
+        /// Output model directory: new or empty (see --overwrite).
         #[arg(long)]
         out: PathBuf,
+        /// Replace what --out holds, once the new model is complete.
+        #[arg(long)]
+        overwrite: bool,
     },
     /// Generate text from a prompt, with or without a LoRA adapter.
     Generate(generate::GenerateArgs),
@@ -62,14 +65,31 @@ enum Command {
         model: PathBuf,
         #[arg(long)]
         adapter: PathBuf,
+        /// Output model directory: new or empty (see --overwrite).
         #[arg(long)]
         out: PathBuf,
+        /// Replace what --out holds, once the merged model is complete.
+        #[arg(long)]
+        overwrite: bool,
     },
+}
+
+/// The flags of a subcommand given on the command line (as `lora-alpha`), not left at their
+/// defaults.
+fn given_flags(m: Option<&clap::ArgMatches>) -> std::collections::BTreeSet<String> {
+    let Some(m) = m else {
+        return Default::default();
+    };
+    m.ids()
+        .filter(|id| m.value_source(id.as_str()) == Some(clap::parser::ValueSource::CommandLine))
+        .map(|id| id.as_str().replace('_', "-"))
+        .collect()
 }
 
 /// Parse the command line and run the command; an error is printed as `error: ...` with exit code 1.
 pub fn main() {
-    let cli = Cli::parse();
+    let matches = Cli::command().get_matches();
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     pjrt::set_verbose(cli.verbose);
     // Before any command starts threads (weights are made and read on all cores).
     let runs_on = match &cli.command {
@@ -84,9 +104,17 @@ pub fn main() {
     }
     let result = match cli.command {
         Command::Plugins { action } => plugins::plugins(action, cli.verbose),
-        Command::Train(a) => train::train(*a, cli.verbose),
+        Command::Train(a) => train::train(
+            *a,
+            cli.verbose,
+            given_flags(matches.subcommand_matches("train")),
+        ),
         Command::Compile(a) => compile::compile(*a, cli.verbose),
-        Command::ImportGguf { file, out } => convert::import_gguf(&file, &out),
+        Command::ImportGguf {
+            file,
+            out,
+            overwrite,
+        } => convert::import_gguf(&file, &out, overwrite),
         Command::Generate(a) => generate::generate(a),
         Command::Bench(a) => bench::bench(*a),
         Command::Targets { name } => compile::targets(name.as_deref()),
@@ -94,8 +122,8 @@ pub fn main() {
             model,
             adapter,
             out,
-        } => xtrain::formats::merge::merge(&model, &adapter, &out)
-            .map(|_| println!("wrote {}", out.display())),
+            overwrite,
+        } => convert::merge(&model, &adapter, &out, overwrite),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -1,8 +1,9 @@
 //! `xtrain train`: the flags, turned into [`TrainOptions`] for [`xtrain::train::run`].
 
 use crate::cli::args::StepArgs;
-use anyhow::{bail, Result};
+use anyhow::Result;
 use clap::Args;
+use std::collections::BTreeSet;
 use std::path::PathBuf;
 use xtrain::data::DataOptions;
 use xtrain::train::options::TrainOptions;
@@ -94,9 +95,14 @@ pub struct TrainArgs {
     /// Do not draw OUT/loss.png.
     #[arg(long)]
     pub no_plot: bool,
-    /// Output directory (metrics.jsonl, checkpoints, adapters, loss.png).
+    /// Output directory (metrics.jsonl, checkpoints, adapters, loss.png). One that holds a
+    /// previous run is continued only with --resume, replaced only with --overwrite.
     #[arg(long)]
     pub out: PathBuf,
+    /// Start afresh in an --out that holds a previous run (or other files): they are set aside
+    /// and deleted once this run completes.
+    #[arg(long)]
+    pub overwrite: bool,
     /// Seed for LoRA initialisation, data order and dropout.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -105,13 +111,7 @@ pub struct TrainArgs {
     pub plugin: Option<String>,
 }
 
-pub fn train(a: TrainArgs, verbose: bool) -> Result<()> {
-    if !["constant", "linear", "cosine"].contains(&a.schedule.as_str()) {
-        bail!(
-            "--schedule must be constant, linear or cosine, got `{}`",
-            a.schedule
-        );
-    }
+pub fn train(a: TrainArgs, verbose: bool, explicit: BTreeSet<String>) -> Result<()> {
     let opts = TrainOptions {
         data: DataOptions {
             path: a.data,
@@ -139,6 +139,7 @@ pub fn train(a: TrainArgs, verbose: bool) -> Result<()> {
         save_every: a.save_every,
         resume: a.resume,
         out: a.out,
+        overwrite: a.overwrite,
         seed: a.seed,
         plugin: a.plugin,
         verbose,
@@ -146,6 +147,7 @@ pub fn train(a: TrainArgs, verbose: bool) -> Result<()> {
         plot: !a.no_plot,
         stop_after: a.stop_after,
         skip_nonfinite: a.skip_nonfinite_steps,
+        explicit,
     };
     xtrain::train::run(&opts)
 }

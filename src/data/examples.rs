@@ -72,6 +72,8 @@ fn parse_line(v: &serde_json::Value) -> std::result::Result<Example, String> {
 pub fn read_jsonl(path: &Path, skip_bad: bool) -> Result<ReadReport> {
     let text =
         std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    // A byte order mark (as some editors write) is not part of the first line's JSON.
+    let text = text.strip_prefix('\u{feff}').unwrap_or(&text);
     let mut examples = Vec::new();
     let mut skipped = Vec::new();
     for (i, line) in text.lines().enumerate() {

@@ -86,16 +86,21 @@ fn finish_packed(mut ids: Vec<i32>, mut labels: Vec<i32>, seq: usize, pad_id: u3
     Row { ids, labels, mask }
 }
 
-/// Split off every `1/fraction`-th example (deterministically) as the eval set.
+/// Split off `fraction` of the examples (deterministically, spread evenly over the file) as the
+/// eval set: `round(fraction * n)` of them, and at least one when `fraction > 0`. The caller
+/// checks that some are left to train on.
 pub fn split_eval<T: Clone>(items: &[T], fraction: f64) -> (Vec<T>, Vec<T>) {
-    if fraction <= 0.0 {
+    if fraction <= 0.0 || items.is_empty() {
         return (items.to_vec(), Vec::new());
     }
-    let every = (1.0 / fraction).round().max(2.0) as usize;
+    let n = items.len();
+    let k = ((fraction * n as f64).round() as usize).clamp(1, n);
     let mut train = Vec::new();
     let mut eval = Vec::new();
+    // Example i is held out when the running count of k/n steps past an integer there: exactly
+    // k of them, evenly spaced (every m-th one when k = n/m).
     for (i, x) in items.iter().enumerate() {
-        if i % every == every - 1 {
+        if (i + 1) * k / n > i * k / n {
             eval.push(x.clone());
         } else {
             train.push(x.clone());
@@ -113,4 +118,30 @@ pub fn epoch_order(n: usize, seed: u64, epoch: u64) -> Vec<usize> {
         order.swap(i, j);
     }
     order
+}
+
+#[cfg(test)]
+mod tests {
+    use super::split_eval;
+
+    /// `--eval-fraction` holds out round(f * n) examples, at least one, spread evenly.
+    #[test]
+    fn eval_fractions_hold_out_what_they_say() {
+        let items: Vec<usize> = (0..94).collect();
+        assert_eq!(
+            split_eval(&items, 0.01).1.len(),
+            1,
+            "0.01 of 94 is still one"
+        );
+        assert_eq!(split_eval(&items, 0.6).1.len(), 56);
+        assert_eq!(split_eval(&items, 0.9).1.len(), 85);
+        assert_eq!(split_eval(&items, 0.5).1.len(), 47);
+        let ten: Vec<usize> = (0..30).collect();
+        assert_eq!(
+            split_eval(&ten, 0.1).1,
+            vec![9, 19, 29],
+            "every 10th, as before"
+        );
+        assert_eq!(split_eval(&ten, 0.0).1.len(), 0);
+    }
 }

@@ -7,11 +7,12 @@ use crate::data::examples::{read_jsonl, tokenize, Tokenized};
 use crate::data::rows::{epoch_order, make_rows, split_eval, Row};
 use crate::data::text::TextTokenizer;
 use crate::model::config::LlamaConfig;
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use pjrt::HostTensor;
 use std::path::{Path, PathBuf};
 
 /// How `xtrain train` reads its data.
+#[derive(Clone, Debug)]
 pub struct DataOptions {
     /// `.safetensors` (one pre-tokenized batch used for every step) or `.jsonl` (text data).
     pub path: PathBuf,
@@ -26,6 +27,36 @@ pub struct DataOptions {
     pub eval_data: Option<PathBuf>,
 }
 
+impl DataOptions {
+    /// Refuse sizes and fractions no run can use (before any work; the messages name the flags).
+    pub fn validate(&self) -> Result<()> {
+        if self.batch_size < 1 {
+            bail!("--batch-size must be at least 1, got {}", self.batch_size);
+        }
+        if self.seq < 2 {
+            bail!(
+                "--seq must be at least 2 (a token and the next one it predicts), got {}",
+                self.seq
+            );
+        }
+        if !(0.0..1.0).contains(&self.eval_fraction) {
+            bail!(
+                "--eval-fraction must be in [0, 1), got {}",
+                self.eval_fraction
+            );
+        }
+        if self.eval_fraction > 0.0 && self.eval_data.is_some() {
+            bail!("--eval-fraction and --eval-data were both given: evaluate on one or the other");
+        }
+        Ok(())
+    }
+
+    /// Whether the data is one pre-tokenized batch (a `.safetensors` file) rather than JSONL.
+    pub fn is_batch_file(&self) -> bool {
+        self.path.extension().is_some_and(|e| e == "safetensors")
+    }
+}
+
 /// A run's data: where its batches come from, the evaluation batches, and the batch shape.
 pub struct TrainingData {
     pub source: Source,
@@ -38,40 +69,74 @@ pub struct TrainingData {
 /// Read the training data for a model (its directory holds the tokenizer for text data): a
 /// pre-tokenized batch file, or JSONL examples made into rows, with held-out evaluation batches.
 pub fn load(opts: &DataOptions, model_dir: &Path, cfg: &LlamaConfig) -> Result<TrainingData> {
-    let is_batch_file = opts.path.extension().is_some_and(|e| e == "safetensors");
-    if is_batch_file {
+    if opts.is_batch_file() {
         let batch = Batch::from_safetensors(&opts.path)?;
         batch.check_vocab(cfg.vocab_size)?;
         let (rows, seq) = batch.dims();
+        if opts.eval_fraction > 0.0 {
+            bail!("--eval-fraction holds out JSONL examples; {} is one pre-tokenized batch (evaluate with --eval-data FILE.jsonl)", opts.path.display());
+        }
+        // Held-out JSONL examples, tokenized with the model's tokenizer into the batch's shape.
+        let eval_batches = match &opts.eval_data {
+            None => Vec::new(),
+            Some(p) => {
+                let tok = load_tokenizer(model_dir, cfg)?;
+                let eval_ex = read_rows(p, &tok, opts.skip_bad_lines, opts.train_on_prompt)?;
+                eval_batches(
+                    &eval_rows(&eval_ex, p, opts, seq as usize, &tok)?,
+                    rows as usize,
+                )
+            }
+        };
         return Ok(TrainingData {
             source: Source::Fixed(batch),
-            eval_batches: Vec::new(),
+            eval_batches,
             batch: rows,
             seq,
         });
     }
-    let tok = TextTokenizer::load(model_dir)?;
-    if tok.vocab_size() as i64 > cfg.vocab_size {
-        bail!(
-            "the tokenizer has {} tokens but the model's vocabulary is {}",
-            tok.vocab_size(),
-            cfg.vocab_size
-        );
-    }
+    let tok = load_tokenizer(model_dir, cfg)?;
     let examples = read_rows(&opts.path, &tok, opts.skip_bad_lines, opts.train_on_prompt)?;
-    let (train_ex, eval_ex) = match &opts.eval_data {
+    let n_examples = examples.len();
+    let (train_ex, eval_ex, eval_from) = match &opts.eval_data {
         Some(p) => (
             examples,
             read_rows(p, &tok, opts.skip_bad_lines, opts.train_on_prompt)?,
+            p.clone(),
         ),
-        None => split_eval(&examples, opts.eval_fraction),
+        None => {
+            let (train, eval) = split_eval(&examples, opts.eval_fraction);
+            if !eval.is_empty() {
+                if train.is_empty() {
+                    bail!(
+                        "--eval-fraction {} holds out all {n_examples} examples of {}, leaving none to train on",
+                        opts.eval_fraction,
+                        opts.path.display()
+                    );
+                }
+                eprintln!(
+                    "xtrain: holding out {} of {n_examples} examples for evaluation (--eval-fraction {})",
+                    eval.len(),
+                    opts.eval_fraction
+                );
+            }
+            (train, eval, opts.path.clone())
+        }
     };
     let seq = opts.seq as usize;
-    let (rows, report) = make_rows(&train_ex, seq, opts.pack, tok.pad_id, opts.strict_length)?;
+    let (rows, report) = make_rows(&train_ex, seq, opts.pack, tok.pad_id, opts.strict_length)
+        .with_context(|| format!("{}", opts.path.display()))?;
     if report.truncated > 0 {
         eprintln!(
             "xtrain: truncated {} examples to --seq {seq}",
             report.truncated
+        );
+    }
+    if report.dropped_empty > 0 {
+        eprintln!(
+            "xtrain: left out {} of {} training examples with no target token within --seq {seq}",
+            report.dropped_empty,
+            train_ex.len()
         );
     }
     if rows.len() < opts.batch_size as usize {
@@ -82,8 +147,6 @@ pub fn load(opts: &DataOptions, model_dir: &Path, cfg: &LlamaConfig) -> Result<T
             opts.batch_size
         );
     }
-    // Eval rows are never packed, so that each row is one example (accuracy is per example).
-    let (eval_rows, _) = make_rows(&eval_ex, seq, false, tok.pad_id, false)?;
     let b = opts.batch_size as usize;
     Ok(TrainingData {
         source: Source::Rows {
@@ -91,10 +154,61 @@ pub fn load(opts: &DataOptions, model_dir: &Path, cfg: &LlamaConfig) -> Result<T
             batch: b,
             order: None,
         },
-        eval_batches: eval_batches(&eval_rows, b),
+        eval_batches: eval_batches(&eval_rows(&eval_ex, &eval_from, opts, seq, &tok)?, b),
         batch: b as i64,
         seq: seq as i64,
     })
+}
+
+/// The model's tokenizer, checked to fit its vocabulary.
+fn load_tokenizer(model_dir: &Path, cfg: &LlamaConfig) -> Result<TextTokenizer> {
+    let tok = TextTokenizer::load(model_dir)?;
+    if tok.vocab_size() as i64 > cfg.vocab_size {
+        bail!(
+            "the tokenizer has {} tokens but the model's vocabulary is {}",
+            tok.vocab_size(),
+            cfg.vocab_size
+        );
+    }
+    Ok(tok)
+}
+
+/// Held-out examples as rows of `seq` tokens, one example per row (never packed, so that
+/// accuracy is per example). An example cut to `seq` is counted and reported, or an error with
+/// `--strict-length`; one with no target token left is left out and reported.
+fn eval_rows(
+    eval_ex: &[Tokenized],
+    from: &Path,
+    opts: &DataOptions,
+    seq: usize,
+    tok: &TextTokenizer,
+) -> Result<Vec<Row>> {
+    if eval_ex.is_empty() {
+        return Ok(Vec::new());
+    }
+    let (rows, report) = make_rows(eval_ex, seq, false, tok.pad_id, opts.strict_length)
+        .with_context(|| format!("{} (evaluation examples)", from.display()))?;
+    let n = eval_ex.len();
+    if report.truncated > 0 {
+        eprintln!(
+            "xtrain: eval: truncated {} of {n} examples to --seq {seq} (their loss and accuracy see only the first {seq} tokens; --strict-length refuses them)",
+            report.truncated
+        );
+    }
+    if report.dropped_empty > 0 {
+        eprintln!(
+            "xtrain: eval: left out {} of {n} examples with no target token within --seq {seq}; evaluating on {}",
+            report.dropped_empty,
+            rows.len()
+        );
+    }
+    if rows.is_empty() {
+        bail!(
+            "{}: none of the {n} evaluation examples has a target token within --seq {seq}",
+            from.display()
+        );
+    }
+    Ok(rows)
 }
 
 /// Held-out rows in batches of `b`, the last one padded by repeating its first row (the repeats'
@@ -126,6 +240,31 @@ pub enum Source {
 }
 
 impl Source {
+    /// A fingerprint of what the batches are made of (sha256 of every row's tokens, labels and
+    /// mask, in file order; hex), for a resumed run to check that its data is the same.
+    pub fn fingerprint(&self) -> String {
+        use sha2::{Digest, Sha256};
+        let mut h = Sha256::new();
+        match self {
+            Source::Fixed(b) => {
+                for t in [&b.input_ids, &b.labels, &b.attention_mask] {
+                    h.update(&t.bytes);
+                }
+            }
+            Source::Rows { rows, .. } => {
+                let mut bytes = Vec::new();
+                for r in rows {
+                    bytes.clear();
+                    for v in [&r.ids, &r.labels, &r.mask] {
+                        bytes.extend(v.iter().flat_map(|x| x.to_le_bytes()));
+                    }
+                    h.update(&bytes);
+                }
+            }
+        }
+        h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+    }
+
     pub fn steps_per_epoch(&self) -> u64 {
         match self {
             Source::Fixed(_) => 1,

@@ -34,6 +34,26 @@ fn token_text(v: Option<&Json>) -> Option<String> {
     }
 }
 
+/// The template named `name` in a list-form `chat_template` (`[{"name", "template"}, ...]`,
+/// as transformers writes a tokenizer with several): transformers uses `default` unless told
+/// otherwise, and refuses a list without one.
+fn named_template(list: &[Json], name: &str) -> Result<String> {
+    let mut names = Vec::new();
+    for entry in list {
+        let n = entry.get("name").and_then(|n| n.as_str());
+        let t = entry.get("template").and_then(|t| t.as_str());
+        match (n, t) {
+            (Some(n), Some(t)) if n == name => return Ok(t.to_string()),
+            (Some(n), Some(_)) => names.push(n.to_string()),
+            _ => bail!("`chat_template` is a list whose entries are not {{\"name\", \"template\"}} objects"),
+        }
+    }
+    bail!(
+        "`chat_template` lists templates named {} but none named `{name}`, which is the one used",
+        names.join(", ")
+    )
+}
+
 impl TextTokenizer {
     pub fn load(dir: &Path) -> Result<TextTokenizer> {
         let path = dir.join("tokenizer.json");
@@ -55,6 +75,8 @@ impl TextTokenizer {
         let vocab_has = |t: &str| tok.token_to_id(t).is_some();
         let template = match (cfg.get("chat_template"), jinja) {
             (Some(Json::String(t)), _) => t.clone(),
+            (Some(Json::Array(list)), _) => named_template(list, "default")
+                .with_context(|| format!("{}", dir.join("tokenizer_config.json").display()))?,
             (_, Some(t)) => t,
             _ if vocab_has("<|start_header_id|>") => LLAMA3_TEMPLATE.to_string(),
             _ if vocab_has("<|im_start|>") => CHATML_TEMPLATE.to_string(),

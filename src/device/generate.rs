@@ -126,6 +126,17 @@ impl Forward {
     }
 }
 
+/// Why decoding stopped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stop {
+    /// The model gave the end-of-sequence token.
+    Eos,
+    /// `max_new` tokens were generated.
+    MaxNewTokens,
+    /// The program's context (prompt + generated tokens) is full.
+    Context,
+}
+
 /// Decode up to `max_new` tokens after `prompt` (greedy when temperature is 0). Stops at `eos`.
 pub fn generate(
     f: &Forward,
@@ -135,11 +146,26 @@ pub fn generate(
     seed: u64,
     eos: Option<u32>,
 ) -> Result<Vec<u32>> {
+    Ok(generate_until(f, prompt, max_new, temperature, seed, eos)?.0)
+}
+
+/// [`generate`], and why it stopped.
+pub fn generate_until(
+    f: &Forward,
+    prompt: &[u32],
+    max_new: usize,
+    temperature: f64,
+    seed: u64,
+    eos: Option<u32>,
+) -> Result<(Vec<u32>, Stop)> {
+    if !(temperature.is_finite() && temperature >= 0.0) {
+        anyhow::bail!("--temperature must be a number >= 0, got {temperature}");
+    }
     let t = f.spec.seq as usize;
     let v = f.spec.model.vocab_size as usize;
     if prompt.is_empty() || prompt.len() >= t {
         anyhow::bail!(
-            "the prompt has {} tokens; it must have 1..{} (the program's length)",
+            "the prompt has {} tokens; it must have 1..{} (the context, --context, holds the prompt and the new tokens)",
             prompt.len(),
             t
         );
@@ -147,7 +173,12 @@ pub fn generate(
     let mut ids: Vec<i32> = prompt.iter().map(|&x| x as i32).collect();
     let mut rng = SplitMix(seed);
     let mut out = Vec::new();
-    while out.len() < max_new && ids.len() < t {
+    let mut stop = Stop::MaxNewTokens;
+    while out.len() < max_new {
+        if ids.len() >= t {
+            stop = Stop::Context;
+            break;
+        }
         let n = ids.len();
         let mut row = ids.clone();
         row.resize(t, 0);
@@ -159,12 +190,13 @@ pub fn generate(
         )?;
         let next = pick(&logits[..v], temperature, &mut rng);
         if Some(next) == eos {
+            stop = Stop::Eos;
             break;
         }
         out.push(next);
         ids.push(next as i32);
     }
-    Ok(out)
+    Ok((out, stop))
 }
 
 fn pick(logits: &[f32], temperature: f64, rng: &mut SplitMix) -> u32 {

@@ -9,6 +9,7 @@
 
 pub mod aot;
 pub mod cache;
+pub mod fit;
 pub mod generate;
 pub mod offload;
 pub mod platform;

@@ -29,6 +29,9 @@ pub struct Trainer {
     eval_exe: Option<(Executable, Vec<hlo::Sharding>)>,
     /// Seconds spent compiling the step (or loading it from the cache).
     pub compile_s: f64,
+    /// The largest |LoRA weight| the last step's update computed (None: the program does not
+    /// report it). Not finite when the program refused the update and kept the old state.
+    pub last_max_weight: Option<f32>,
 }
 
 /// Loss and exact-match accuracy on held-out rows.
@@ -108,6 +111,7 @@ impl Trainer {
             dropout_seed: 0,
             eval_exe: None,
             compile_s,
+            last_max_weight: None,
         };
         trainer.set_state(lora, moments)?;
         Ok(trainer)
@@ -220,6 +224,12 @@ impl Trainer {
         // Loss and grad norm are replicated: read device 0's.
         let loss = out[0][n_state].to_host()?.scalar_f32()?;
         let grad_norm = out[0][n_state + 1].to_host()?.scalar_f32()?;
+        self.last_max_weight = match self.program.results.get(n_state + 2) {
+            Some(r) if r.role == Role::MaxWeight => {
+                Some(out[0][n_state + 2].to_host()?.scalar_f32()?)
+            }
+            _ => None,
+        };
         let mut per_arg: Vec<Vec<Buffer>> = (0..n_state).map(|_| Vec::new()).collect();
         for device_out in out {
             for (k, b) in device_out.into_iter().take(n_state).enumerate() {

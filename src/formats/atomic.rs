@@ -43,10 +43,16 @@ pub fn write_bytes_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     write_atomic(path, |f| f.write_all(bytes))
 }
 
-/// Write `dir` as a complete directory or not at all: `fill` writes into a temp dir that is
-/// renamed into place (replacing an older `dir`).
+/// Write `dir` as a complete directory or not at all: `fill` writes into a temp dir
+/// (`.NAME.tmp-PID`) that is renamed into place. An older `dir` is replaced only then: moved
+/// aside (`.NAME.old-PID`), the new one moved in, the old one removed; a process killed between
+/// the two renames leaves the old one, which the next writer moves back
+/// ([`crate::formats::outdir::clean_leftovers`]).
 pub fn write_dir_atomic(dir: &Path, fill: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
-    let parent = dir.parent().unwrap_or(Path::new("."));
+    let parent = dir
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
     let name = dir
         .file_name()
         .context("directory has no name")?
@@ -58,14 +64,32 @@ pub fn write_dir_atomic(dir: &Path, fill: impl FnOnce(&Path) -> Result<()>) -> R
         let _ = std::fs::remove_dir_all(&tmp);
         return Err(e);
     }
-    if dir.exists() {
-        std::fs::remove_dir_all(dir)
-            .with_context(|| format!("cannot replace {}", dir.display()))?;
+    let old = parent.join(format!(".{name}.old-{}", std::process::id()));
+    let replacing = dir.exists();
+    if replacing {
+        let _ = std::fs::remove_dir_all(&old);
+        if let Err(e) = std::fs::rename(dir, &old) {
+            let _ = std::fs::remove_dir_all(&tmp);
+            return Err(e).with_context(|| format!("cannot replace {}", dir.display()));
+        }
     }
-    std::fs::rename(&tmp, dir)
-        .with_context(|| format!("cannot move {} into place", dir.display()))?;
+    if let Err(e) = std::fs::rename(&tmp, dir) {
+        if replacing {
+            let _ = std::fs::rename(&old, dir);
+        }
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(e).with_context(|| format!("cannot move {} into place", dir.display()));
+    }
     if let Ok(d) = std::fs::File::open(parent) {
         let _ = d.sync_all();
+    }
+    if replacing {
+        let removed = if old.is_dir() {
+            std::fs::remove_dir_all(&old)
+        } else {
+            std::fs::remove_file(&old)
+        };
+        removed.with_context(|| format!("cannot remove the replaced {}", old.display()))?;
     }
     Ok(())
 }

@@ -485,7 +485,8 @@ pub fn hf_tokenizer(g: &Gguf) -> Result<(Json, Json)> {
 }
 
 /// Write a Hugging Face model directory from a GGUF file: f32 weights (dequantized, q/k rows
-/// in HF order), config, tokenizer. Each file is written atomically.
+/// in HF order), config, tokenizer. The directory is written whole under a temp name and renamed
+/// into place, replacing whatever `out` held (a sharded model's index and shards included).
 pub fn import(path: &Path, out: &Path, mut progress: impl FnMut(usize, usize)) -> Result<()> {
     let g = Gguf::open(path)?;
     let config = hf_config(&g)?;
@@ -494,7 +495,6 @@ pub fn import(path: &Path, out: &Path, mut progress: impl FnMut(usize, usize)) -
         cfg.num_attention_heads as usize,
         cfg.num_key_value_heads as usize,
     );
-    std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
     let mut tensors = BTreeMap::new();
     let total = g.tensors.len();
     for (i, t) in g.tensors.iter().enumerate() {
@@ -519,19 +519,20 @@ pub fn import(path: &Path, out: &Path, mut progress: impl FnMut(usize, usize)) -
     }
     let mut meta = BTreeMap::new();
     meta.insert("format".to_string(), "pt".to_string());
-    crate::formats::safetensors::write(&out.join("model.safetensors"), &tensors, &meta)?;
-    crate::formats::atomic::write_bytes_atomic(
-        &out.join("config.json"),
-        serde_json::to_string_pretty(&config)?.as_bytes(),
-    )?;
     let (tokenizer, tconfig) = hf_tokenizer(&g)?;
-    crate::formats::atomic::write_bytes_atomic(
-        &out.join("tokenizer.json"),
-        serde_json::to_string(&tokenizer)?.as_bytes(),
-    )?;
-    crate::formats::atomic::write_bytes_atomic(
-        &out.join("tokenizer_config.json"),
-        serde_json::to_string_pretty(&tconfig)?.as_bytes(),
-    )?;
-    Ok(())
+    crate::formats::atomic::write_dir_atomic(out, |tmp| {
+        crate::formats::safetensors::write(&tmp.join("model.safetensors"), &tensors, &meta)?;
+        crate::formats::atomic::write_bytes_atomic(
+            &tmp.join("config.json"),
+            serde_json::to_string_pretty(&config)?.as_bytes(),
+        )?;
+        crate::formats::atomic::write_bytes_atomic(
+            &tmp.join("tokenizer.json"),
+            serde_json::to_string(&tokenizer)?.as_bytes(),
+        )?;
+        crate::formats::atomic::write_bytes_atomic(
+            &tmp.join("tokenizer_config.json"),
+            serde_json::to_string_pretty(&tconfig)?.as_bytes(),
+        )
+    })
 }

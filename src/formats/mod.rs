@@ -10,6 +10,7 @@ pub mod atomic;
 pub mod gguf;
 pub mod host;
 pub mod merge;
+pub mod outdir;
 pub mod peft;
 pub mod program_dir;
 pub mod safetensors;

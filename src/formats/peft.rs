@@ -91,10 +91,10 @@ pub fn read_tensors(
     }
     if let Some(extra) = st.tensors.keys().find(|k| !out.contains_key(*k)) {
         bail!(
-            "{}: tensor `{extra}` is not part of a rank-{} adapter on {:?}",
+            "{}: tensor `{extra}` is not part of a rank-{} adapter on {}",
             path.display(),
             lora.r,
-            lora.targets
+            Target::list(&lora.targets)
         );
     }
     Ok(out)

@@ -161,9 +161,8 @@ impl TensorSpecOwned {
 
 pub const MANIFEST_FORMAT: &str = "xtrain-program/1";
 
-/// Write a program directory atomically per file.
+/// Write a program directory, whole or not at all (replacing what `dir` held).
 pub fn write_dir(dir: &Path, program: &Program, spec: &StepSpec) -> Result<Manifest> {
-    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let manifest = Manifest {
         format: MANIFEST_FORMAT.into(),
         xtrain_version: env!("CARGO_PKG_VERSION").into(),
@@ -181,18 +180,18 @@ pub fn write_dir(dir: &Path, program: &Program, spec: &StepSpec) -> Result<Manif
         results: program.results.iter().map(Into::into).collect(),
         build: None,
     };
-    // A build of an earlier program in this dir is not this program's.
-    for stale in [EXECUTABLE_FILE, OPTIMIZED_HLO_FILE, MEMORY_REPORT_FILE] {
-        let _ = std::fs::remove_file(dir.join(stale));
-    }
-    crate::formats::atomic::write_bytes_atomic(
-        &dir.join("train_step.mlir"),
-        program.text.as_bytes(),
-    )?;
-    crate::formats::atomic::write_bytes_atomic(
-        &dir.join("manifest.json"),
-        serde_json::to_string_pretty(&manifest)?.as_bytes(),
-    )?;
+    // Written whole under a temp name and swapped in: a build of an earlier program in this dir
+    // (its executable, optimized HLO, memory report) is not this program's, and goes with it.
+    crate::formats::atomic::write_dir_atomic(dir, |tmp| {
+        crate::formats::atomic::write_bytes_atomic(
+            &tmp.join("train_step.mlir"),
+            program.text.as_bytes(),
+        )?;
+        crate::formats::atomic::write_bytes_atomic(
+            &tmp.join("manifest.json"),
+            serde_json::to_string_pretty(&manifest)?.as_bytes(),
+        )
+    })?;
     Ok(manifest)
 }
 

@@ -31,6 +31,31 @@ pub fn check(files: &WeightFiles, cfg: &LlamaConfig) -> Result<()> {
             );
         }
     }
+    check_layer_count(files, cfg)
+}
+
+/// Refuse a checkpoint with more layers than the config says: a config edited (or copied from a
+/// smaller model) would silently train a truncated model.
+fn check_layer_count(files: &WeightFiles, cfg: &LlamaConfig) -> Result<()> {
+    let layers = files
+        .names()
+        .filter_map(|n| {
+            n.strip_prefix("model.layers.")?
+                .split('.')
+                .next()?
+                .parse::<i64>()
+                .ok()
+        })
+        .max()
+        .map_or(0, |l| l + 1);
+    if layers > cfg.num_hidden_layers {
+        bail!(
+            "{}: the checkpoint has {layers} layers (model.layers.0 to model.layers.{}), but config.json says num_hidden_layers = {}; fix the config (or use the config that came with these weights)",
+            files.dir.display(),
+            layers - 1,
+            cfg.num_hidden_layers
+        );
+    }
     Ok(())
 }
 

@@ -51,6 +51,17 @@ impl Target {
         }
     }
 
+    /// The name users write in `--lora-targets` (`q`, `gate`, ...).
+    pub fn short(self) -> &'static str {
+        self.module().trim_end_matches("_proj")
+    }
+
+    /// Targets as users write them: `q,k,v,o,gate,up,down`.
+    pub fn list(targets: &[Target]) -> String {
+        let names: Vec<&str> = targets.iter().map(|t| t.short()).collect();
+        names.join(",")
+    }
+
     /// Parse `q`, `q_proj`, `gate`, ...
     pub fn parse(s: &str) -> Result<Target> {
         let s = s.trim();
@@ -125,6 +136,12 @@ impl LoraConfig {
         }
         if !(0.0..1.0).contains(&self.dropout) {
             bail!("--lora-dropout must be in [0, 1), got {}", self.dropout);
+        }
+        if !(self.alpha.is_finite() && self.alpha > 0.0) {
+            bail!(
+                "--lora-alpha must be a positive number, got {} (the adapter's scale is alpha / r)",
+                self.alpha
+            );
         }
         Ok(())
     }

@@ -32,6 +32,34 @@ impl Default for AdamW {
     }
 }
 
+impl AdamW {
+    /// Refuse constants the update cannot use: betas outside [0, 1), a non-positive or
+    /// non-finite epsilon (with eps 0 a zero gradient divides 0 by 0), a negative or non-finite
+    /// weight decay or clipping norm. Messages name the flags.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        let ok = |x: f64| (0.0..1.0).contains(&x);
+        if !ok(self.beta1) || !ok(self.beta2) {
+            anyhow::bail!(
+                "--betas must each be in [0, 1), got {},{}",
+                self.beta1,
+                self.beta2
+            );
+        }
+        if !(self.eps.is_finite() && self.eps > 0.0) {
+            anyhow::bail!("--eps must be a positive number, got {}", self.eps);
+        }
+        for (flag, v) in [
+            ("--weight-decay", self.weight_decay),
+            ("--max-grad-norm", self.max_grad_norm),
+        ] {
+            if !(v.is_finite() && v >= 0.0) {
+                anyhow::bail!("{flag} must be a number >= 0, got {v}");
+            }
+        }
+        Ok(())
+    }
+}
+
 /// One parameter with its gradient and moments.
 pub struct Slot {
     pub param: Value,
@@ -69,12 +97,18 @@ impl AdamW {
         step: Value,
         lr: Value,
     ) -> Result<(Vec<Updated>, Value)> {
-        self.update_guarded(b, slots, step, lr, None)
+        let (out, norm, _) = self.update_guarded(b, slots, step, lr, None)?;
+        Ok((out, norm))
     }
 
     /// [`AdamW::update`], and with `loss` given: when the loss or the gradient norm is not
     /// finite, the update is the identity (parameters and moments unchanged). The guard selects
-    /// scalars and the gradient only, so XLA still updates the state in place.
+    /// scalars and the gradient only, so XLA still updates the state in place. The updated
+    /// parameters are checked too (a non-finite learning rate, or an update that overflows,
+    /// makes them non-finite from a finite gradient): if any is not finite, every parameter and
+    /// moment keeps its old value, so the state after a step is always finite when it was
+    /// before. Returns the updated slots, the gradient norm, and (with `loss`) the largest
+    /// |parameter| the update computed: not finite when it was refused.
     pub fn update_guarded(
         &self,
         b: &mut Builder,
@@ -82,16 +116,43 @@ impl AdamW {
         step: Value,
         lr: Value,
         loss: Option<Value>,
-    ) -> Result<(Vec<Updated>, Value)> {
+    ) -> Result<(Vec<Updated>, Value, Option<Value>)> {
         b.scoped("adamw", |b| {
             let grads: Vec<Value> = slots.iter().map(|s| s.grad).collect();
             let norm = global_norm(b, &grads)?;
             let c = self.coefficients(b, norm, step, lr, loss)?;
-            let out = slots
+            let out: Vec<Updated> = slots
                 .iter()
                 .map(|s| self.update_slot(b, s, &c))
                 .collect::<Result<_>>()?;
-            Ok((out, norm))
+            if loss.is_none() {
+                return Ok((out, norm, None));
+            }
+            // max |p'| over every parameter: NaN or inf when any is (maximum propagates NaN).
+            let mut largest = b.scalar(0.0, DType::F32);
+            for u in &out {
+                let a = b.abs(u.param)?;
+                let a = b.convert(a, DType::F32)?;
+                let dims: Vec<i64> = (0..b.rank(a) as i64).collect();
+                let m = b.reduce_max(a, &dims)?;
+                largest = b.max(largest, m)?;
+            }
+            let inf = b.scalar(f64::INFINITY, DType::F32);
+            let finite = b.compare(largest, inf, CmpDir::Lt)?;
+            let kept = slots
+                .iter()
+                .zip(out)
+                .map(|(s, u)| {
+                    let dims = b.dims(s.param).to_vec();
+                    let ok = b.broadcast_in_dim(finite, &dims, &[])?;
+                    Ok(Updated {
+                        param: b.select(ok, u.param, s.param)?,
+                        m: b.select(ok, u.m, s.m)?,
+                        v: b.select(ok, u.v, s.v)?,
+                    })
+                })
+                .collect::<Result<_>>()?;
+            Ok((kept, norm, Some(largest)))
         })
     }
 

@@ -183,9 +183,9 @@ fn train_step(spec: &StepSpec, unroll_loops: bool) -> Result<Program> {
         .collect();
     // A step whose loss or gradient is not finite changes nothing: the state stays the last
     // good one, and the host decides whether to stop or go on.
-    let (updated, grad_norm) = spec
-        .adam
-        .update_guarded(&mut p.b, &slots, step, lr, Some(loss))?;
+    let (updated, grad_norm, largest) =
+        spec.adam
+            .update_guarded(&mut p.b, &slots, step, lr, Some(loss))?;
 
     // Results: params, then m, then v (each aliasing its input), then loss and grad norm.
     // (input, output) pairs: the updated params, m and v, in argument order.
@@ -208,6 +208,10 @@ fn train_step(spec: &StepSpec, unroll_loops: bool) -> Result<Program> {
         ("grad_norm", grad_norm, Role::GradNorm),
     ] {
         p.result(TensorSpec::new(name, vec![], DType::F32, role), v);
+    }
+    if let Some(largest) = largest {
+        let t = TensorSpec::new("max_lora_weight", vec![], DType::F32, Role::MaxWeight);
+        p.result(t, largest);
     }
     Ok(p.finish("xtrain_train_step"))
 }

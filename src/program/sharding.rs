@@ -35,6 +35,92 @@ pub fn parse_mesh(s: &str) -> Result<Mesh> {
     Ok(Mesh { axes })
 }
 
+/// The logical axes tensors carry (see [`logical_axes`]), which rules may map to mesh axes.
+pub const LOGICAL_AXES: [&str; 9] = [
+    "batch", "length", "embed", "mlp", "q_heads", "kv_heads", "vocab", "rank", "layers",
+];
+
+/// ` (did you mean `x`?)` for the known name closest to `name`, when one is close.
+pub fn did_you_mean<'a>(name: &str, known: impl Iterator<Item = &'a str>) -> String {
+    fn distance(a: &str, b: &str) -> usize {
+        let (a, b): (Vec<char>, Vec<char>) = (a.chars().collect(), b.chars().collect());
+        let mut prev: Vec<usize> = (0..=b.len()).collect();
+        for i in 1..=a.len() {
+            let mut cur = vec![i; b.len() + 1];
+            for j in 1..=b.len() {
+                let sub = prev[j - 1] + usize::from(a[i - 1] != b[j - 1]);
+                cur[j] = sub.min(prev[j] + 1).min(cur[j - 1] + 1);
+            }
+            prev = cur;
+        }
+        prev[b.len()]
+    }
+    known
+        .map(|k| (distance(name, k), k))
+        .filter(|(d, k)| *d <= 2 && *d < k.len())
+        .min()
+        .map(|(_, k)| format!(" (did you mean `{k}`?)"))
+        .unwrap_or_default()
+}
+
+/// Refuse mesh axes that no rule places a tensor on: such an axis would only replicate (a typo
+/// like `fdsp`, or `dp`, `model`, which the rules do not know).
+pub fn check_axes(axes: &[(String, i64)], rules: &Rules) -> Result<()> {
+    let mut known: Vec<&str> = rules.0.values().flatten().map(|s| s.as_str()).collect();
+    known.sort();
+    known.dedup();
+    for (name, _) in axes {
+        if !known.contains(&name.as_str()) {
+            bail!(
+                "--mesh: unknown axis `{name}`{}; the sharding rules place tensors on {} (--sharding-rules FILE maps logical axes to other names)",
+                did_you_mean(name, known.iter().copied()),
+                known.join(", ")
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Refuse a mesh axis that would split nothing on this program: no dimension its rules give it
+/// (the batch, the weights' dims) is divisible by its size, so every tensor would be replicated
+/// over it. `tensors` are (name, shape) of the program's weights and batch.
+pub fn check_splits(
+    axes: &[(String, i64)],
+    rules: &Rules,
+    tensors: &[(String, Vec<i64>)],
+) -> Result<()> {
+    let mesh = Mesh {
+        axes: axes.to_vec(),
+    };
+    for (name, size) in axes {
+        let used = tensors.iter().any(|(t, shape)| {
+            let logical = logical_axes(t, shape.len());
+            rules
+                .sharding(&logical, shape, &mesh)
+                .dims
+                .iter()
+                .any(|d| d.contains(name))
+        });
+        if !used {
+            let mut tried: Vec<String> = Vec::new();
+            for (t, shape) in tensors {
+                for (l, d) in logical_axes(t, shape.len()).iter().zip(shape) {
+                    let entry = format!("{l} {d}");
+                    if rules.0.get(*l).is_some_and(|m| m.contains(name)) && !tried.contains(&entry)
+                    {
+                        tried.push(entry);
+                    }
+                }
+            }
+            bail!(
+                "--mesh {name}={size} splits nothing: no dimension it applies to is divisible by {size} ({}), so every tensor would be replicated over it; choose a size that divides them",
+                if tried.is_empty() { "none".to_string() } else { tried.join(", ") }
+            );
+        }
+    }
+    Ok(())
+}
+
 /// Logical axis -> mesh axes, in priority order.
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Rules(pub BTreeMap<String, Vec<String>>);
@@ -87,7 +173,27 @@ impl Rules {
                 .map(|a| a.trim().to_string())
                 .filter(|a| !a.is_empty())
                 .collect();
-            r.0.insert(k.trim().to_string(), axes);
+            let k = k.trim();
+            if !LOGICAL_AXES.contains(&k) {
+                bail!(
+                    "{}:{}: unknown logical axis `{k}`{} (the axes tensors have are {})",
+                    path.display(),
+                    i + 1,
+                    did_you_mean(k, LOGICAL_AXES.iter().copied()),
+                    LOGICAL_AXES.join(", ")
+                );
+            }
+            if let Some(bad) = axes
+                .iter()
+                .find(|a| !a.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'))
+            {
+                bail!(
+                    "{}:{}: `{bad}` is not a mesh axis name",
+                    path.display(),
+                    i + 1
+                );
+            }
+            r.0.insert(k.to_string(), axes);
         }
         Ok(r)
     }

@@ -19,6 +19,9 @@ pub enum Role {
     DropoutKey,
     Loss,
     GradNorm,
+    /// The largest |LoRA weight| a training step's update computed: not finite when the update
+    /// was refused (the state kept its old values).
+    MaxWeight,
     Logits,
     TokenLoss,
 }

@@ -220,6 +220,38 @@ pub(super) fn check_spec(spec: &StepSpec) -> Result<()> {
             spec.offload.name()
         );
     }
+    spec.adam.validate()?;
+    if spec.batch < 1 {
+        bail!("--batch must be at least 1, got {}", spec.batch);
+    }
+    if spec.seq < 2 {
+        bail!(
+            "--seq must be at least 2 (a token and the next one it predicts), got {}",
+            spec.seq
+        );
+    }
+    if spec.nf4 {
+        check_nf4_blocks(&spec.model)?;
+    }
+    if let Some(m) = &spec.mesh {
+        crate::program::sharding::check_axes(&m.axes, &m.rules)?;
+        let mut tensors = crate::model::tensors::frozen_args(&spec.model, true);
+        tensors.extend(
+            crate::model::tensors::lora_args(&spec.model, &spec.lora, true)
+                .into_iter()
+                .map(|t| (t.name, t.shape)),
+        );
+        tensors.push(("input_ids".into(), vec![spec.batch, spec.seq]));
+        crate::program::sharding::check_splits(&m.axes, &m.rules, &tensors)?;
+    }
+    if let Some(c) = spec.loss_chunk {
+        if c < 1 || spec.seq % c != 0 {
+            bail!(
+                "--loss-chunk {c} must be a positive divisor of the sequence length {}",
+                spec.seq
+            );
+        }
+    }
     if spec.microbatches < 1 || spec.batch % spec.microbatches != 0 {
         bail!(
             "--grad-accum {} must divide the batch size {}",
@@ -232,6 +264,23 @@ pub(super) fn check_spec(spec: &StepSpec) -> Result<()> {
             bail!(
                 "--attention-block {r} must be a positive divisor of the sequence length {}",
                 spec.seq
+            );
+        }
+    }
+    Ok(())
+}
+
+/// NF4 quantizes each projection in blocks of [`crate::model::quant::BLOCK`] values: every
+/// projection's size must be a multiple of it (the flag is refused here, before a builder
+/// meets a shape it cannot split).
+fn check_nf4_blocks(cfg: &LlamaConfig) -> Result<()> {
+    let block = crate::model::quant::BLOCK as i64;
+    for (kind, shape) in crate::model::tensors::layer_kinds(cfg) {
+        let n: i64 = shape.iter().product();
+        if crate::model::tensors::is_projection(kind) && n % block != 0 {
+            bail!(
+                "--quant nf4 quantizes in blocks of {block} values, but this model's `{kind}` has {} = {n} values, not a multiple of {block}; train it without --quant",
+                shape.iter().map(|d| d.to_string()).collect::<Vec<_>>().join("x")
             );
         }
     }
@@ -288,7 +337,7 @@ impl StepOptions {
                 o.name()
             );
         }
-        Ok(StepSpec {
+        let spec = StepSpec {
             model,
             lora: self.lora.clone(),
             adam: self.adam.clone(),
@@ -304,7 +353,9 @@ impl StepOptions {
             attention_block: self.attention_block,
             wide_matmul_results: wide_matmul_results(&self.matmul_result, platform)?,
             offload: self.offload.unwrap_or(Offload::NONE),
-        })
+        };
+        check_spec(&spec)?;
+        Ok(spec)
     }
 }
 

@@ -4,7 +4,7 @@ use crate::device::trainer::Trainer;
 use crate::formats::atomic::write_dir_atomic;
 use crate::formats::safetensors::SafeTensors;
 use crate::model::config::LlamaConfig;
-use crate::model::lora::LoraConfig;
+use crate::model::lora::{LoraConfig, Target};
 use crate::train::schedule::Schedule;
 use anyhow::{bail, Context, Result};
 use pjrt::HostTensor;
@@ -32,6 +32,14 @@ pub struct TrainerState {
     pub position: u64,
     pub seed: u64,
     pub schedule: Schedule,
+    /// The settings that define the run, by flag ([`crate::train::settings`]); empty in the
+    /// checkpoints of earlier versions.
+    #[serde(default)]
+    pub settings: crate::train::settings::Settings,
+    /// A fingerprint of the training rows (sha256 of their tokens, labels and masks), so that a
+    /// resumed run is refused on other data.
+    #[serde(default)]
+    pub data: Option<String>,
 }
 
 /// A checkpoint as loaded: LoRA weights, AdamW moments (both per-layer names) and the state.
@@ -63,26 +71,30 @@ pub fn save_checkpoint(
     })
 }
 
-pub fn load_checkpoint(dir: &Path, cfg: &LlamaConfig, lora: &LoraConfig) -> Result<Checkpoint> {
+/// A checkpoint's `trainer_state.json`.
+pub fn read_state(dir: &Path) -> Result<TrainerState> {
     let state_path = dir.join("trainer_state.json");
-    let state: TrainerState =
-        serde_json::from_str(&std::fs::read_to_string(&state_path).with_context(|| {
-            format!(
-                "cannot read {} (is {} a checkpoint?)",
-                state_path.display(),
-                dir.display()
-            )
-        })?)
-        .with_context(|| format!("{} is not a trainer state", state_path.display()))?;
+    serde_json::from_str(&std::fs::read_to_string(&state_path).with_context(|| {
+        format!(
+            "cannot read {} (is {} a checkpoint?)",
+            state_path.display(),
+            dir.display()
+        )
+    })?)
+    .with_context(|| format!("{} is not a trainer state", state_path.display()))
+}
+
+pub fn load_checkpoint(dir: &Path, cfg: &LlamaConfig, lora: &LoraConfig) -> Result<Checkpoint> {
+    let state = read_state(dir)?;
     let c = crate::formats::peft::read_config(dir)?;
     if c.r != lora.r || c.targets != lora.targets {
         bail!(
-            "checkpoint {} has LoRA r={} on {:?}; this run uses r={} on {:?}",
+            "checkpoint {} has LoRA r={} on {}; this run uses r={} on {}",
             dir.display(),
             c.r,
-            c.targets,
+            Target::list(&c.targets),
             lora.r,
-            lora.targets
+            Target::list(&lora.targets)
         );
     }
     let weights = crate::formats::peft::read_tensors(dir, cfg, lora)?;

@@ -10,22 +10,26 @@ pub mod bench;
 pub mod checkpoint;
 pub mod log;
 pub mod options;
+pub mod output;
 pub mod plot;
 pub mod schedule;
+pub mod settings;
 
 use crate::data::{Batch, Source, TrainingData};
+use crate::device::fit::{argument_bytes_per_device, explain_out_of_memory};
 use crate::device::runtime::Runtime;
 use crate::device::trainer::Trainer;
 use crate::formats::host::element_type;
 use crate::formats::peft::init_lora;
 use crate::model::config::LlamaConfig;
-use crate::model::lora::LoraConfig;
+use crate::model::lora::{LoraConfig, Target};
 use crate::program::{self, Program, StepSpec};
 use crate::train::checkpoint::{
     load_checkpoint, save_adapter, save_checkpoint, Checkpoint, TrainerState,
 };
 use crate::train::log::{Metrics, Progress};
 use crate::train::options::TrainOptions;
+use crate::train::output::RunDir;
 use crate::train::schedule::Schedule;
 use anyhow::{bail, Context, Result};
 use pjrt::HostTensor;
@@ -39,13 +43,80 @@ use std::time::Instant;
 /// evaluating, checkpointing and exporting the adapter.
 pub fn run(opts: &TrainOptions) -> Result<()> {
     let interrupted = stop_on_signals()?;
+    opts.validate()?;
     let cfg = LlamaConfig::load(&opts.model)?;
-    check_out_dir(&opts.out)?;
-    let data = crate::data::load(&opts.data, &opts.model, &cfg)?;
-    let (rt, spec, program) = plan(opts, &cfg, data.batch, data.seq)?;
+    let mut opts = opts.clone();
+    settings::settle(&mut opts, &cfg)?;
+    opts.validate()?;
+    let opts = &opts;
+    let mut out = RunDir::claim(&opts.out, opts.resume.as_deref(), opts.overwrite)?;
+    match run_in(opts, &cfg, &interrupted) {
+        Ok(Finished::Complete) => out.complete(),
+        Ok(Finished::Stopped(dir)) => {
+            eprintln!(
+                "xtrain: stopped after step {} (--stop-after); continue with --resume {}",
+                dir.file_name()
+                    .and_then(|n| n.to_str())
+                    .and_then(|n| n.strip_prefix("checkpoint-"))
+                    .unwrap_or("?"),
+                dir.display()
+            );
+            Ok(())
+        }
+        Ok(Finished::Interrupted(saved)) => {
+            match saved {
+                Some(dir) => eprintln!(
+                    "\nxtrain: interrupted; saved {} (continue with --resume {})",
+                    dir.display(),
+                    dir.display()
+                ),
+                None => {
+                    let again = opts
+                        .resume
+                        .as_ref()
+                        .map(|c| format!(" (continue with --resume {})", c.display()))
+                        .unwrap_or_default();
+                    eprintln!(
+                        "\nxtrain: interrupted before a step was taken; nothing new to save{again}"
+                    );
+                }
+            }
+            if let Some(note) = out.failed() {
+                eprintln!("xtrain: {note}");
+            }
+            std::process::exit(130);
+        }
+        Err(e) => match out.failed() {
+            Some(note) => Err(anyhow::anyhow!("{e:#}\n({note})")),
+            None => Err(e),
+        },
+    }
+}
+
+/// How a run's invocation ended, short of an error.
+enum Finished {
+    /// The last step was taken; the adapter is saved.
+    Complete,
+    /// `--stop-after` ended it early, with this checkpoint.
+    Stopped(PathBuf),
+    /// A signal ended it, with this checkpoint (None: before any step was taken).
+    Interrupted(Option<PathBuf>),
+}
+
+/// The run once its options are settled and its output dir is claimed.
+fn run_in(opts: &TrainOptions, cfg: &LlamaConfig, interrupted: &AtomicBool) -> Result<Finished> {
+    let stop = || interrupted.load(Ordering::SeqCst);
+    let data = crate::data::load(&opts.data, &opts.model, cfg)?;
+    if stop() {
+        return Ok(Finished::Interrupted(None));
+    }
+    let (rt, spec, program) = plan(opts, cfg, data.batch, data.seq)?;
     let schedule = schedule(opts, &data.source);
-    let start = starting_point(opts, &cfg, &spec.lora, &schedule)?;
-    let weights = load_weights(opts, &cfg, &spec, &program)?;
+    let start = starting_point(opts, cfg, &spec.lora, &schedule, &data)?;
+    let weights = load_weights(opts, cfg, &spec, &program)?;
+    if stop() {
+        return Ok(Finished::Interrupted(None));
+    }
     let trainer = compile_and_upload(opts, rt, spec, program, weights, &start)?;
     let (_, _, state) = start;
     let TrainingData {
@@ -66,34 +137,46 @@ pub fn run(opts: &TrainOptions) -> Result<()> {
         eval_batches,
         base: opts.model.to_string_lossy().to_string(),
     };
+    if stop() {
+        return Ok(Finished::Interrupted(None));
+    }
     if run.state.step == 0 {
         run.evaluate(0)?;
     }
-    run.train(&interrupted)?;
-    run.evaluate(run.state.step)?;
-    run.save()
+    match run.train(interrupted)? {
+        Some(done) => Ok(done),
+        None => {
+            run.evaluate(run.state.step)?;
+            run.save()?;
+            Ok(Finished::Complete)
+        }
+    }
 }
 
-/// SIGINT/SIGTERM set the returned flag; the loop saves a checkpoint after the current step and
-/// exits.
+/// SIGINT/SIGTERM set the returned flag: the run stops at the next safe point (after the current
+/// step, with a checkpoint; or before the first step, once the data, the compile or the first
+/// evaluation is done). A second signal ends the process at once (exit code 130).
 fn stop_on_signals() -> Result<Arc<AtomicBool>> {
     let interrupted = Arc::new(AtomicBool::new(false));
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        // Registered first, so it sees the flag as the previous signal left it.
+        signal_hook::flag::register_conditional_shutdown(sig, 130, interrupted.clone())
+            .context("cannot install signal handlers")?;
         signal_hook::flag::register(sig, interrupted.clone())
             .context("cannot install signal handlers")?;
     }
+    // A signal handler cannot print; this thread says what the first signal does.
+    let flag = interrupted.clone();
+    std::thread::spawn(move || loop {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        if flag.load(Ordering::SeqCst) {
+            eprintln!(
+                "\nxtrain: stopping at the next safe point (press Ctrl-C again to quit at once)"
+            );
+            break;
+        }
+    });
     Ok(interrupted)
-}
-
-/// Fail before any work if the output dir cannot be written.
-fn check_out_dir(out: &Path) -> Result<()> {
-    std::fs::create_dir_all(out)
-        .with_context(|| format!("cannot create output dir {}", out.display()))?;
-    let probe = out.join(".xtrain-write-test");
-    std::fs::write(&probe, b"ok")
-        .with_context(|| format!("output dir {} is not writable", out.display()))?;
-    let _ = std::fs::remove_file(&probe);
-    Ok(())
 }
 
 /// The executable a program dir holds, if it was compiled for this plugin and these devices;
@@ -201,24 +284,41 @@ fn schedule(opts: &TrainOptions, source: &Source) -> Schedule {
     }
 }
 
-/// Where training starts: a checkpoint (`--resume`, trained with the same seed), or step 0 with
+/// Where training starts: a checkpoint (`--resume`, whose settings [`settings::settle`] already
+/// took or checked; here its data and schedule are checked against this run's), or step 0 with
 /// the adapter of `--init-adapter` (which must be the one the flags describe) or a fresh one.
 fn starting_point(
     opts: &TrainOptions,
     cfg: &LlamaConfig,
     lora_cfg: &LoraConfig,
     schedule: &Schedule,
+    data: &TrainingData,
 ) -> Result<Checkpoint> {
+    let fingerprint = data.source.fingerprint();
+    let mut settings = settings::of_run(opts);
+    settings.insert("batch-size".into(), data.batch.into());
+    settings.insert("seq".into(), data.seq.into());
+    if opts.data.is_batch_file() {
+        for (flag, have) in [("batch-size", data.batch), ("seq", data.seq)] {
+            let want = if flag == "seq" {
+                opts.data.seq
+            } else {
+                opts.data.batch_size
+            };
+            if opts.given(flag) && want != have {
+                bail!(
+                    "--{flag} {want}, but {} is one pre-tokenized batch of {}x{} (leave --batch-size and --seq out with .safetensors data)",
+                    opts.data.path.display(),
+                    data.batch,
+                    data.seq
+                );
+            }
+        }
+    }
     let (lora, moments, mut state) = match &opts.resume {
         Some(dir) => {
             let (w, m, st) = load_checkpoint(dir, cfg, lora_cfg)?;
-            if st.seed != opts.seed {
-                bail!(
-                    "checkpoint {} was trained with --seed {}; resume with the same seed",
-                    dir.display(),
-                    st.seed
-                );
-            }
+            check_resumed_data(dir, &st, schedule, data, &fingerprint)?;
             (w, m, st)
         }
         None => {
@@ -235,12 +335,81 @@ fn starting_point(
                     position: 0,
                     seed: opts.seed,
                     schedule: schedule.clone(),
+                    settings: Default::default(),
+                    data: None,
                 },
             )
         }
     };
     state.schedule = schedule.clone();
+    state.settings = settings;
+    state.data = Some(fingerprint);
     Ok((lora, moments, state))
+}
+
+/// A resumed run must see the data its checkpoint's run saw (same rows, same batch shape) and
+/// follow the same schedule (a constant one may be extended), and have steps left to take.
+fn check_resumed_data(
+    dir: &Path,
+    st: &TrainerState,
+    schedule: &Schedule,
+    data: &TrainingData,
+    fingerprint: &str,
+) -> Result<()> {
+    let recorded = |k: &str| st.settings.get(k).and_then(|v| v.as_i64());
+    if let (Some(b), Some(t)) = (recorded("batch-size"), recorded("seq")) {
+        if (b, t) != (data.batch, data.seq) {
+            bail!(
+                "checkpoint {}'s run took batches of {b}x{t}, but the data gives {}x{}",
+                dir.display(),
+                data.batch,
+                data.seq
+            );
+        }
+    }
+    if st.data.as_deref().is_some_and(|d| d != fingerprint) {
+        bail!(
+            "checkpoint {} was trained on other data than {} (its rows differ); resume on the same data, or start a new run from its adapter with --init-adapter {}",
+            dir.display(),
+            data_name(data),
+            dir.display()
+        );
+    }
+    let mut same = st.schedule.clone();
+    if same.kind == "constant" {
+        same.total = schedule.total;
+    }
+    if &same != schedule {
+        bail!(
+            "checkpoint {}'s run has the schedule {} but this run's would be {} (did the data change?)",
+            dir.display(),
+            schedule_text(&st.schedule),
+            schedule_text(schedule)
+        );
+    }
+    if st.step > schedule.total {
+        bail!(
+            "checkpoint {} is at step {}, past this run's last step {}",
+            dir.display(),
+            st.step,
+            schedule.total
+        );
+    }
+    Ok(())
+}
+
+fn data_name(data: &TrainingData) -> &'static str {
+    match data.source {
+        Source::Fixed(_) => "this batch",
+        Source::Rows { .. } => "this data",
+    }
+}
+
+fn schedule_text(s: &Schedule) -> String {
+    format!(
+        "{} from lr {} over {} steps (warmup {}, min ratio {})",
+        s.kind, s.lr, s.total, s.warmup, s.min_ratio
+    )
 }
 
 /// The tensors of `--init-adapter`, refused unless its rank, alpha and targets are the flags'.
@@ -253,8 +422,14 @@ fn initial_adapter(
     if c.r != lora_cfg.r || c.targets != lora_cfg.targets || (c.alpha - lora_cfg.alpha).abs() > 1e-9
     {
         bail!(
-            "--init-adapter {} has r={}, alpha={}, targets {:?}, but the flags ask for r={}, alpha={}, targets {:?}",
-            dir.display(), c.r, c.alpha, c.targets, lora_cfg.r, lora_cfg.alpha, lora_cfg.targets
+            "--init-adapter {} has r={}, alpha={}, targets {}, but the flags ask for r={}, alpha={}, targets {}",
+            dir.display(),
+            c.r,
+            c.alpha,
+            Target::list(&c.targets),
+            lora_cfg.r,
+            lora_cfg.alpha,
+            Target::list(&lora_cfg.targets)
         );
     }
     crate::formats::peft::read_tensors(dir, cfg, lora_cfg)
@@ -295,6 +470,8 @@ fn compile_and_upload(
     weights: Vec<HostTensor>,
     (lora, moments, state): &Checkpoint,
 ) -> Result<Trainer> {
+    let available = device_memory(&rt);
+    let (spec_, args) = (spec.clone(), argument_bytes_per_device(&program));
     let mut trainer = Trainer::new(
         rt,
         spec,
@@ -304,10 +481,16 @@ fn compile_and_upload(
         moments,
         opts.use_cache,
         opts.verbose,
-    )?;
+    )
+    .map_err(|e| explain_out_of_memory(e, "the training step", args, &spec_, available))?;
     trainer.dropout_seed = opts.seed;
     trainer.step = state.step;
     Ok(trainer)
+}
+
+/// The memory of the plugin's first device, if it says.
+fn device_memory(rt: &Runtime) -> Option<i64> {
+    rt.devices.first()?.info().ok()?.memory_bytes
 }
 
 /// A run under way: the trainer, where training stands, the data, and what it writes.
@@ -325,14 +508,16 @@ struct Run<'a> {
 
 impl Run<'_> {
     /// The loop: one optimizer step per batch until the last step (or `--stop-after`), with
-    /// progress, evaluation and checkpoints as asked. A signal ends it after the current step
-    /// with a checkpoint (exit code 130).
-    fn train(&mut self, interrupted: &AtomicBool) -> Result<()> {
+    /// progress, evaluation and checkpoints as asked. Returns None when the last step was
+    /// taken; else how the invocation ended early: `--stop-after` or a signal, each after a
+    /// checkpoint of the step reached.
+    fn train(&mut self, interrupted: &AtomicBool) -> Result<Option<Finished>> {
         let progress = Progress {
             start: Instant::now(),
             tty: true,
             first_step: self.state.step + 1,
         };
+        let first = self.state.step;
         let total = self.state.schedule.total;
         let stop_at = self
             .opts
@@ -340,18 +525,25 @@ impl Run<'_> {
             .map_or(total, |n| (self.state.step + n).min(total));
         while self.state.step < stop_at {
             if interrupted.load(Ordering::SeqCst) {
+                if self.state.step == first {
+                    return Ok(Some(Finished::Interrupted(None)));
+                }
                 let dir = self.save_checkpoint()?;
-                eprintln!(
-                    "\nxtrain: interrupted after step {}; saved {} (continue with --resume {})",
-                    self.state.step,
-                    dir.display(),
-                    dir.display()
-                );
-                std::process::exit(130);
+                return Ok(Some(Finished::Interrupted(Some(dir))));
             }
             self.step(&progress)?;
         }
-        Ok(())
+        if self.state.step < total {
+            let dir = self.checkpoint_dir();
+            let saved = self.opts.save_every > 0
+                && self.state.step.is_multiple_of(self.opts.save_every)
+                && dir.is_dir();
+            if !saved {
+                self.save_checkpoint()?;
+            }
+            return Ok(Some(Finished::Stopped(dir)));
+        }
+        Ok(None)
     }
 
     /// One step: run it on the next batch, then log it, evaluate and checkpoint as asked. A step
@@ -366,17 +558,28 @@ impl Run<'_> {
             .next(opts.seed, &mut self.state.epoch, &mut self.state.position);
         let lr = self.state.schedule.at(step);
         let t0 = Instant::now();
-        let (loss, grad_norm) = self.trainer.step(&batch, lr)?;
+        let (loss, grad_norm) = self.trainer.step(&batch, lr).map_err(|e| {
+            let t = &self.trainer;
+            let available = device_memory(&t.rt);
+            let args = argument_bytes_per_device(&t.program);
+            explain_out_of_memory(e, "the training step", args, &t.spec, available)
+        })?;
         let dt = t0.elapsed().as_secs_f64();
         self.state.step = step;
-        if !loss.is_finite() || !grad_norm.is_finite() {
+        let largest = self.trainer.last_max_weight.unwrap_or(0.0);
+        if !loss.is_finite() || !grad_norm.is_finite() || !largest.is_finite() {
             self.metrics.nonfinite(step, loss, grad_norm)?;
+            let what = if loss.is_finite() && grad_norm.is_finite() {
+                format!("the loss ({loss}) and gradient norm ({grad_norm}) are finite but the update is not (it would make a LoRA weight {largest}, at lr {lr})")
+            } else {
+                format!("the loss is {loss} and the gradient norm {grad_norm}")
+            };
             if !opts.skip_nonfinite {
                 self.state.step = step - 1;
                 let dir = self.save_checkpoint()?;
-                bail!("step {step}: the loss is {loss} and the gradient norm {grad_norm}; stopped without applying it. The last good state is in {} (--skip-nonfinite-steps skips such steps instead)", dir.display());
+                bail!("step {step}: {what}; stopped without applying it. The last good state is in {} (--skip-nonfinite-steps skips such steps instead)", dir.display());
             }
-            eprintln!("xtrain: step {step}: non-finite loss {loss} / gradient norm {grad_norm}; step skipped");
+            eprintln!("xtrain: step {step}: {what}; step skipped");
             return Ok(());
         }
         self.metrics
@@ -410,12 +613,16 @@ impl Run<'_> {
         self.metrics.eval(step, &r)
     }
 
-    /// `OUT/checkpoint-<step>` for the current step.
-    fn save_checkpoint(&self) -> Result<PathBuf> {
-        let dir = self
-            .opts
+    /// `OUT/checkpoint-<step>` of the current step.
+    fn checkpoint_dir(&self) -> PathBuf {
+        self.opts
             .out
-            .join(format!("checkpoint-{}", self.state.step));
+            .join(format!("checkpoint-{}", self.state.step))
+    }
+
+    /// Save `OUT/checkpoint-<step>` for the current step.
+    fn save_checkpoint(&self) -> Result<PathBuf> {
+        let dir = self.checkpoint_dir();
         save_checkpoint(&dir, &self.trainer, &self.state, &self.base)?;
         Ok(dir)
     }

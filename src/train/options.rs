@@ -1,10 +1,13 @@
-//! What `xtrain train` is asked to do.
+//! What `xtrain train` is asked to do, and the range of every value it takes.
 
 use crate::data::DataOptions;
 use crate::program::StepOptions;
+use anyhow::{bail, Result};
+use std::collections::BTreeSet;
 use std::path::PathBuf;
 
 /// Options of `xtrain train`.
+#[derive(Clone, Debug)]
 pub struct TrainOptions {
     pub model: PathBuf,
     /// The data, how it is made into rows and batches, and what is held out for evaluation.
@@ -26,6 +29,8 @@ pub struct TrainOptions {
     pub save_every: u64,
     pub resume: Option<PathBuf>,
     pub out: PathBuf,
+    /// Replace what `out` holds (a previous run, or anything else) once this run is complete.
+    pub overwrite: bool,
     pub seed: u64,
     pub plugin: Option<String>,
     pub verbose: bool,
@@ -35,4 +40,78 @@ pub struct TrainOptions {
     pub stop_after: Option<u64>,
     /// On a non-finite loss or gradient: stop (false) or skip the step and go on (true).
     pub skip_nonfinite: bool,
+    /// The flags given on the command line (`lora-alpha`, `steps`, ...), as opposed to left at
+    /// their defaults: a flag left at its default takes the value a checkpoint (`--resume`) or a
+    /// program dir (`--program`) records; one given must agree with it.
+    pub explicit: BTreeSet<String>,
+}
+
+impl TrainOptions {
+    /// Whether `--flag` was given on the command line.
+    pub fn given(&self, flag: &str) -> bool {
+        self.explicit.contains(flag)
+    }
+
+    /// Refuse values no run can use, before any work: every message names its flag.
+    pub fn validate(&self) -> Result<()> {
+        if !["constant", "linear", "cosine"].contains(&self.schedule.as_str()) {
+            bail!(
+                "--schedule must be constant, linear or cosine, got `{}`",
+                self.schedule
+            );
+        }
+        if !(self.lr.is_finite() && self.lr >= 0.0) {
+            bail!("--lr must be a number >= 0, got {}", self.lr);
+        }
+        if (self.lr as f32).is_infinite() {
+            bail!(
+                "--lr {} is beyond f32's range (the step takes it as f32)",
+                self.lr
+            );
+        }
+        if !(0.0..=1.0).contains(&self.min_lr_ratio) {
+            bail!(
+                "--min-lr-ratio must be in [0, 1], got {}",
+                self.min_lr_ratio
+            );
+        }
+        if self.epochs < 1 {
+            bail!("--epochs must be at least 1, got {}", self.epochs);
+        }
+        if self.stop_after == Some(0) {
+            bail!("--stop-after must be at least 1 step");
+        }
+        if self.overwrite && self.resume.is_some() {
+            bail!("--overwrite starts a new run and --resume continues one; give one of them");
+        }
+        if self.init_adapter.is_some() && self.resume.is_some() {
+            bail!("--init-adapter and --resume were both given: a resumed run continues from its checkpoint's adapter");
+        }
+        self.data.validate()?;
+        // The step's own checks (StepSpec) run once the batch shape is known; these need only
+        // the flags, so a bad one is refused before the data is read.
+        let seq = (!self.data.is_batch_file()).then_some(self.data.seq);
+        let batch = (!self.data.is_batch_file()).then_some(self.data.batch_size);
+        let m = self.step.microbatches;
+        if m < 1 || batch.is_some_and(|b| b % m != 0) {
+            bail!(
+                "--grad-accum {m} must divide the batch size {}",
+                batch.map_or("(--batch-size)".to_string(), |b| b.to_string())
+            );
+        }
+        for (flag, v) in [
+            ("--loss-chunk", self.step.loss_chunk),
+            ("--attention-block", self.step.attention_block),
+        ] {
+            if let Some(c) = v {
+                if c < 1 || seq.is_some_and(|t| t % c != 0) {
+                    bail!(
+                        "{flag} {c} must be a positive divisor of the sequence length {}",
+                        seq.map_or("(--seq)".to_string(), |t| t.to_string())
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
 }

@@ -1,0 +1,214 @@
+//! When a program does not fit a device: what it needs against what the device has, and what
+//! would make it fit. [`fit_advice`] is the one place that advice is worded, for every command
+//! that compiles or runs a training step on a device (a run's compile, `xtrain compile --check`,
+//! a compile for a `--target`); [`explain_out_of_memory`] turns a plugin's out-of-memory error
+//! into that message, keeping the plugin's own words after it.
+
+use crate::program::{Program, Remat, StepSpec};
+
+/// `n` bytes as GiB, two decimals.
+pub fn gib(n: i64) -> String {
+    format!("{:.2} GiB", n as f64 / (1u64 << 30) as f64)
+}
+
+/// Whether an error (its whole chain) is a plugin saying memory ran out: XLA's
+/// `RESOURCE_EXHAUSTED`, or its "Out of memory" wording.
+pub fn is_out_of_memory(e: &anyhow::Error) -> bool {
+    let text = format!("{e:#}");
+    text.contains("RESOURCE_EXHAUSTED") || text.to_ascii_lowercase().contains("out of memory")
+}
+
+/// The size XLA's message says it failed to allocate ("... allocate 17179869184 bytes", "...
+/// allocate 16.00GiB"), if it says one.
+pub fn bytes_in_message(msg: &str) -> Option<i64> {
+    let at = msg.find("allocate ")? + "allocate ".len();
+    let rest = &msg[at..];
+    let end = rest
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(rest.len());
+    let number: f64 = rest[..end].parse().ok()?;
+    let unit = rest[end..].trim_start();
+    let scale = [
+        ("TiB", 1u64 << 40),
+        ("GiB", 1 << 30),
+        ("MiB", 1 << 20),
+        ("KiB", 1 << 10),
+        ("TB", 1_000_000_000_000),
+        ("GB", 1_000_000_000),
+        ("MB", 1_000_000),
+        ("KB", 1_000),
+        ("G", 1 << 30),
+        ("M", 1 << 20),
+        ("K", 1 << 10),
+        ("bytes", 1),
+        ("B", 1),
+    ]
+    .iter()
+    .find(|(u, _)| unit.starts_with(u))
+    .map_or(1, |(_, s)| *s);
+    Some((number * scale as f64) as i64)
+}
+
+/// Bytes of the arguments one device holds (its shards of the weights, the LoRA state and the
+/// batch): a lower bound of what the step needs per device.
+pub fn argument_bytes_per_device(program: &Program) -> i64 {
+    program
+        .args
+        .iter()
+        .zip(&program.arg_shard_dims)
+        .map(|(a, d)| d.iter().product::<i64>() * a.dtype.size_bytes() as i64)
+        .sum()
+}
+
+/// What to tell a user whose step needs `needed_bytes` per device where a device has
+/// `available_bytes` (None: unknown), built as `spec` says: both figures, then each change that
+/// would lower the need, with its flag: more devices (an FSDP mesh of the size the ratio asks
+/// for), NF4 base weights, bf16, per-layer remat, a chunked loss, smaller microbatches or
+/// batches, and `--offload` to host memory (with looped layers). One paragraph, no trailing newline; it does not say
+/// which command failed (the caller does).
+pub fn fit_advice(needed_bytes: i64, available_bytes: Option<i64>, spec: &StepSpec) -> String {
+    let mut s = match available_bytes {
+        Some(a) if a > 0 => format!(
+            "it needs about {} per device but a device has {} for it",
+            gib(needed_bytes),
+            gib(a)
+        ),
+        _ => format!("it needs about {} per device", gib(needed_bytes)),
+    };
+    let mut ways: Vec<String> = Vec::new();
+    let devices = spec.mesh.as_ref().map_or(1, |m| m.devices());
+    let fsdp = spec
+        .mesh
+        .as_ref()
+        .and_then(|m| m.axes.iter().find(|(n, _)| n == "fsdp").map(|(_, s)| *s))
+        .unwrap_or(1);
+    let ratio = match available_bytes {
+        Some(a) if a > 0 => (needed_bytes as f64 / a as f64).ceil().max(2.0) as i64,
+        _ => 2,
+    };
+    let want = ((fsdp * ratio) as u64).next_power_of_two();
+    ways.push(format!(
+        "more devices: split the weights and the batch over them with --mesh fsdp={want} (this step runs on {devices})"
+    ));
+    let params = spec.model.param_count();
+    let weight_bytes = spec.weight_dtype.size_bytes() as i64;
+    if !spec.nf4 {
+        ways.push(format!(
+            "--quant nf4: 4-bit base weights, about {} for the model's projections instead of {}",
+            gib((params as f64 * 0.52) as i64 / devices),
+            gib(params * weight_bytes / devices)
+        ));
+    }
+    if weight_bytes > 2 {
+        ways.push("--dtype bf16: half the weight and activation memory".into());
+    }
+    if spec.remat == Remat::None {
+        ways.push(
+            "--remat layer: keep only each layer's input for the backward pass, not every intermediate"
+                .into(),
+        );
+    }
+    if spec.remat.scan() && spec.loss_chunk.is_none() && spec.seq >= 1024 {
+        ways.push(format!(
+            "--loss-chunk {}: the logits over the vocabulary a chunk of positions at a time",
+            (spec.seq / 8).max(1)
+        ));
+    }
+    let rows = spec.batch / spec.microbatches.max(1);
+    if rows > 1 {
+        ways.push(format!(
+            "a smaller batch per microbatch: --grad-accum {} keeps the batch of {} and halves the activations (or a smaller batch)",
+            spec.microbatches * 2,
+            spec.batch
+        ));
+    } else {
+        ways.push(format!("a shorter sequence than --seq {}", spec.seq));
+    }
+    if spec.remat.scan() && !(spec.offload.frozen && spec.offload.activations) {
+        let next = if spec.offload.activations {
+            "all"
+        } else {
+            "activations"
+        };
+        ways.push(format!(
+            "--offload {next} (or auto): keep the saved activations{} in host memory, copied in and out layer by layer",
+            if next == "all" { " and the frozen weights" } else { "" }
+        ));
+    }
+    s.push_str("; what would make it fit: ");
+    s.push_str(&ways.join("; "));
+    s
+}
+
+/// `e` unchanged unless the plugin ran out of memory; then a "does not fit" error with the
+/// figures and [`fit_advice`], the plugin's message after it. `what` names what was compiled or
+/// run ("the training step"); `args` is [`argument_bytes_per_device`] (what the device needs at
+/// least, when the plugin's message gives no size); `available_bytes` is a device's memory, if
+/// the plugin says it.
+pub fn explain_out_of_memory(
+    e: anyhow::Error,
+    what: &str,
+    args: i64,
+    spec: &StepSpec,
+    available_bytes: Option<i64>,
+) -> anyhow::Error {
+    if !is_out_of_memory(&e) {
+        return e;
+    }
+    let raw = format!("{e:#}");
+    let needed = bytes_in_message(&raw).map_or(args, |b| b.max(args));
+    anyhow::anyhow!(
+        "{what} does not fit the device: {}\n(the plugin said: {raw})",
+        fit_advice(needed, available_bytes, spec)
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::lora::{LoraConfig, Target};
+
+    #[test]
+    fn out_of_memory_messages_and_advice() {
+        assert_eq!(
+            bytes_in_message(
+                "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 17179869184 bytes."
+            ),
+            Some(17179869184)
+        );
+        assert_eq!(
+            bytes_in_message("Out of memory while trying to allocate 16.00GiB"),
+            Some(16 << 30)
+        );
+        assert_eq!(bytes_in_message("no size here"), None);
+        let e = anyhow::anyhow!("PJRT_Client_Compile failed (RESOURCE_EXHAUSTED): x");
+        assert!(is_out_of_memory(&e));
+        assert!(!is_out_of_memory(&anyhow::anyhow!("INVALID_ARGUMENT: y")));
+
+        let (cfg, _) = crate::model::presets::resolve_model_config("llama-3.1-8b").unwrap();
+        let lora = LoraConfig {
+            r: 16,
+            alpha: 32.0,
+            dropout: 0.0,
+            targets: Target::ALL.to_vec(),
+        };
+        let spec = StepSpec {
+            remat: Remat::None,
+            ..StepSpec::new(cfg, lora, 8, 2048, hlo::DType::F32)
+        };
+        let a = fit_advice(60 << 30, Some(40 << 30), &spec);
+        assert!(
+            a.contains("needs about 60.00 GiB per device but a device has 40.00 GiB"),
+            "{a}"
+        );
+        for way in [
+            "--mesh fsdp=2",
+            "--quant nf4",
+            "--dtype bf16",
+            "--remat layer",
+            "--grad-accum 2",
+        ] {
+            assert!(a.contains(way), "{way}: {a}");
+        }
+    }
+}

@@ -1,0 +1,229 @@
+//! Output directories: what a command may write into, what killed runs left behind, and who is
+//! writing where.
+//!
+//! Every command that writes a directory (`train`, `merge`, `import-gguf`, `compile`, `bench
+//! --export`) writes into a new or empty one; one that holds anything else is refused unless the
+//! user passes `--overwrite`, and even then the old contents are replaced only once the new output
+//! is complete ([`crate::formats::atomic::write_dir_atomic`]). Temp names are `.NAME.tmp-PID`
+//! (and `.NAME.old-PID` for a directory being replaced): when the process PID is gone, they are
+//! leftovers of a killed run, which the next command writing there removes and reports.
+
+use anyhow::{bail, Context, Result};
+use std::fs::File;
+use std::path::{Component, Path, PathBuf};
+
+/// `path` as an output location: trailing `.` components dropped (`target/.` is `target`), an
+/// existing directory resolved through symlinks, and refused when it names no directory of its
+/// own (`/`, `..`, an empty path).
+pub fn output_path(path: &Path) -> Result<PathBuf> {
+    if path.exists() {
+        let real = path
+            .canonicalize()
+            .with_context(|| format!("cannot resolve {}", path.display()))?;
+        if real.parent().is_none() {
+            bail!("--out {} is the root directory", path.display());
+        }
+        return Ok(real);
+    }
+    let mut p = PathBuf::new();
+    for c in path.components() {
+        match c {
+            Component::CurDir => {}
+            Component::ParentDir => bail!(
+                "--out {} must name a directory, not go up with `..`",
+                path.display()
+            ),
+            c => p.push(c),
+        }
+    }
+    if p.file_name().is_none() {
+        bail!("--out {} names no directory", path.display());
+    }
+    Ok(p)
+}
+
+/// What `dir` holds, by name, sorted (nothing if it does not exist).
+pub fn entries(dir: &Path) -> Result<Vec<String>> {
+    let rd = match std::fs::read_dir(dir) {
+        Ok(rd) => rd,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(e).with_context(|| format!("cannot list {}", dir.display())),
+    };
+    let mut names: Vec<String> = rd
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    Ok(names)
+}
+
+/// A few names of a listing, for a message: `a, b, c and 4 more`.
+pub fn some_names(names: &[String]) -> String {
+    let shown: Vec<&str> = names.iter().take(4).map(|s| s.as_str()).collect();
+    match names.len().saturating_sub(4) {
+        0 => shown.join(", "),
+        more => format!("{} and {more} more", shown.join(", ")),
+    }
+}
+
+/// Check that a command may write the directory `out` (resolved with [`output_path`]): it is new
+/// or empty, or `overwrite` is given (the caller then replaces it whole once its output is
+/// complete). `inputs` are the directories the command reads: `out` may not be one of them or
+/// hold one, even with `overwrite`. Leftovers of killed runs beside `out` are removed first.
+pub fn check_writable_dir(out: &Path, overwrite: bool, inputs: &[&Path]) -> Result<PathBuf> {
+    let out = output_path(out)?;
+    if out.exists() && !out.is_dir() {
+        bail!("--out {} exists and is not a directory", out.display());
+    }
+    for input in inputs {
+        if let Ok(inp) = input.canonicalize() {
+            if inp.starts_with(&out) {
+                bail!(
+                    "--out {} would replace {}, which this command reads; choose another --out",
+                    out.display(),
+                    input.display()
+                );
+            }
+        }
+    }
+    if let (Some(parent), Some(name)) = (out.parent(), out.file_name()) {
+        let parent = if parent.as_os_str().is_empty() {
+            Path::new(".")
+        } else {
+            parent
+        };
+        for note in clean_leftovers(parent, Some(&name.to_string_lossy())) {
+            eprintln!("xtrain: {note}");
+        }
+    }
+    let held = entries(&out)?;
+    if !held.is_empty() && !overwrite {
+        bail!(
+            "--out {} is not empty (it holds {}); choose a new or empty directory, or pass --overwrite to replace it once the new output is complete",
+            out.display(),
+            some_names(&held)
+        );
+    }
+    Ok(out)
+}
+
+/// Whether process `pid` is alive (or exists under another user).
+pub fn process_alive(pid: u32) -> bool {
+    if pid == std::process::id() {
+        return true;
+    }
+    let Ok(p) = libc::pid_t::try_from(pid) else {
+        return false;
+    };
+    // SAFETY: kill with signal 0 sends nothing; it only checks that the process exists.
+    let r = unsafe { libc::kill(p, 0) };
+    r == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+}
+
+/// The pid in a temp name `.NAME.tmp-PID` / `.NAME.old-PID`, with NAME and the kind.
+pub fn temp_name_parts(name: &str) -> Option<(&str, &'static str, u32)> {
+    let rest = name.strip_prefix('.')?;
+    for kind in ["tmp", "old"] {
+        if let Some((base, pid)) = rest.rsplit_once(&format!(".{kind}-")) {
+            if !base.is_empty() && !pid.is_empty() && pid.bytes().all(|b| b.is_ascii_digit()) {
+                return Some((base, kind, pid.parse().ok()?));
+            }
+        }
+    }
+    None
+}
+
+/// Remove the temp files and directories that killed xtrain processes left in `dir`
+/// (`.NAME.tmp-PID`, and `.NAME.old-PID` once NAME is back in place; only names derived from
+/// `only` when given, for a directory xtrain shares with others). A `.NAME.old-PID` whose NAME
+/// is missing (killed mid-replace) is moved back to NAME. Returns what it did, one line each.
+pub fn clean_leftovers(dir: &Path, only: Option<&str>) -> Vec<String> {
+    let mut notes = Vec::new();
+    for name in entries(dir).unwrap_or_default() {
+        let Some((base, kind, pid)) = temp_name_parts(&name) else {
+            continue;
+        };
+        if only.is_some_and(|o| o != base) || process_alive(pid) {
+            continue;
+        }
+        let path = dir.join(&name);
+        let target = dir.join(base);
+        if kind == "old" && !target.exists() {
+            if std::fs::rename(&path, &target).is_ok() {
+                notes.push(format!(
+                    "moved {} back to {}: a run (pid {pid}) was killed while replacing it",
+                    path.display(),
+                    target.display()
+                ));
+            }
+            continue;
+        }
+        let removed = if path.is_dir() {
+            std::fs::remove_dir_all(&path)
+        } else {
+            std::fs::remove_file(&path)
+        };
+        match removed {
+            Ok(()) => notes.push(format!(
+                "removed {}, left by a killed run (pid {pid})",
+                path.display()
+            )),
+            Err(e) => notes.push(format!(
+                "{} was left by a killed run (pid {pid}) and cannot be removed: {e}",
+                path.display()
+            )),
+        }
+    }
+    notes
+}
+
+/// An exclusive lock on a directory (`flock` on the directory itself), held until dropped or
+/// the process ends: the kernel releases it when its holder dies, so a killed run never leaves
+/// a lock behind.
+pub struct DirLock {
+    _dir: File,
+}
+
+impl DirLock {
+    /// Take the lock on `dir` or fail at once if another process holds it.
+    pub fn try_lock(dir: &Path) -> Result<Option<DirLock>> {
+        use std::os::fd::AsRawFd;
+        let f = File::open(dir).with_context(|| format!("cannot open {}", dir.display()))?;
+        // SAFETY: flock on a descriptor this function owns; it is released when `f` is closed.
+        let r = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+        if r == 0 {
+            return Ok(Some(DirLock { _dir: f }));
+        }
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+            return Ok(None);
+        }
+        Err(e).with_context(|| format!("cannot lock {}", dir.display()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn temp_names_and_output_paths() {
+        assert_eq!(
+            temp_name_parts(".model.safetensors.tmp-466"),
+            Some(("model.safetensors", "tmp", 466))
+        );
+        assert_eq!(
+            temp_name_parts(".merged.old-12"),
+            Some(("merged", "old", 12))
+        );
+        assert_eq!(temp_name_parts("merged.tmp-12"), None);
+        assert_eq!(temp_name_parts(".x.tmp-"), None);
+        assert_eq!(temp_name_parts(".x.tmp-1a"), None);
+        assert_eq!(
+            output_path(Path::new("no/such/dir/.")).unwrap(),
+            PathBuf::from("no/such/dir")
+        );
+        assert!(output_path(Path::new("no/such/..")).is_err());
+        assert!(output_path(Path::new("/")).is_err());
+    }
+}

@@ -1,0 +1,356 @@
+//! The settings that define a run, by the flag that sets them (`lora-alpha`, `lr`, `steps`, ...),
+//! as recorded in every checkpoint (`trainer_state.json`) and as a program dir fixes them. A
+//! resumed run (`--resume`) or a run of a compiled program (`--program`) takes every recorded
+//! value for a flag left at its default, and refuses a flag given with another value, naming
+//! both: a run never continues with another alpha, schedule or batch than the one it started
+//! with, and never trains another rank than the one its program was built for.
+
+use crate::model::lora::Target;
+use crate::program::{sharding, MeshPlan, Remat, StepSpec};
+use crate::train::checkpoint::TrainerState;
+use crate::train::options::TrainOptions;
+use anyhow::{bail, Context, Result};
+use serde_json::{json, Value};
+use std::collections::BTreeMap;
+use std::path::Path;
+
+/// Flag name (without `--`) -> value, as recorded.
+pub type Settings = BTreeMap<String, Value>;
+
+/// A value as a user would write it after its flag.
+pub fn show(v: &Value) -> String {
+    match v {
+        Value::String(s) if s.is_empty() => "(none)".into(),
+        Value::String(s) => s.clone(),
+        Value::Null => "(none)".into(),
+        Value::Number(n) if n.is_f64() => format!("{}", n.as_f64().unwrap_or(f64::NAN)),
+        v => v.to_string(),
+    }
+}
+
+fn mesh_text(m: &Option<MeshPlan>) -> String {
+    m.as_ref().map_or(String::new(), |m| {
+        let axes: Vec<String> = m.axes.iter().map(|(n, s)| format!("{n}={s}")).collect();
+        axes.join(",")
+    })
+}
+
+fn quant_text(nf4: bool) -> &'static str {
+    if nf4 {
+        "nf4"
+    } else {
+        "none"
+    }
+}
+
+fn remat_text(r: Remat) -> &'static str {
+    match r {
+        Remat::None => "none",
+        Remat::Layer => "layer",
+        Remat::SaveProj => "save-proj",
+    }
+}
+
+/// What a run records in its checkpoints: everything that decides its result (the data's rows,
+/// the adapter, the optimizer, the schedule, the numerics, the seed), not how it is laid out on
+/// devices (mesh, remat, chunks) nor how it reports (logging, saving, evaluation cadence).
+pub fn of_run(o: &TrainOptions) -> Settings {
+    let s = &o.step;
+    let mut m = Settings::new();
+    let mut put = |k: &str, v: Value| {
+        m.insert(k.to_string(), v);
+    };
+    put("seed", json!(o.seed));
+    put("lora-r", json!(s.lora.r));
+    put("lora-alpha", json!(s.lora.alpha));
+    put("lora-dropout", json!(s.lora.dropout));
+    put("lora-targets", json!(Target::list(&s.lora.targets)));
+    put("lr", json!(o.lr));
+    put("warmup", json!(o.warmup));
+    put("schedule", json!(o.schedule));
+    put("min-lr-ratio", json!(o.min_lr_ratio));
+    put("steps", json!(o.steps));
+    put("epochs", json!(o.epochs));
+    put("betas", json!(format!("{},{}", s.adam.beta1, s.adam.beta2)));
+    put("eps", json!(s.adam.eps));
+    put("weight-decay", json!(s.adam.weight_decay));
+    put("max-grad-norm", json!(s.adam.max_grad_norm));
+    put("dtype", json!(s.dtype));
+    put("quant", json!(quant_text(s.nf4)));
+    put("batch-size", json!(o.data.batch_size));
+    put("seq", json!(o.data.seq));
+    put("no-pack", json!(!o.data.pack));
+    put("train-on-prompt", json!(o.data.train_on_prompt));
+    put("skip-bad-lines", json!(o.data.skip_bad_lines));
+    put("eval-fraction", json!(o.data.eval_fraction));
+    m
+}
+
+/// The settings of the flags a program dir fixes, as it was built.
+pub fn of_spec(spec: &StepSpec) -> Settings {
+    let mut m = Settings::new();
+    let mut put = |k: &str, v: Value| {
+        m.insert(k.to_string(), v);
+    };
+    put("lora-r", json!(spec.lora.r));
+    put("lora-alpha", json!(spec.lora.alpha));
+    put("lora-dropout", json!(spec.lora.dropout));
+    put("lora-targets", json!(Target::list(&spec.lora.targets)));
+    put(
+        "betas",
+        json!(format!("{},{}", spec.adam.beta1, spec.adam.beta2)),
+    );
+    put("eps", json!(spec.adam.eps));
+    put("weight-decay", json!(spec.adam.weight_decay));
+    put("max-grad-norm", json!(spec.adam.max_grad_norm));
+    put("dtype", json!(spec.weight_dtype.mlir()));
+    put("quant", json!(quant_text(spec.nf4)));
+    put("remat", json!(remat_text(spec.remat)));
+    put("grad-accum", json!(spec.microbatches));
+    put("loss-chunk", json!(spec.loss_chunk));
+    put("attention-block", json!(spec.attention_block));
+    put("mesh", json!(mesh_text(&spec.mesh)));
+    put("offload", json!(spec.offload.name()));
+    put("batch-size", json!(spec.batch));
+    put("seq", json!(spec.seq));
+    m
+}
+
+/// The same flags' values in `o`, to compare with [`of_spec`].
+fn of_options_for_spec(o: &TrainOptions) -> Settings {
+    let s = &o.step;
+    let mut m = of_run(o);
+    m.retain(|k, _| {
+        !matches!(
+            k.as_str(),
+            "seed"
+                | "lr"
+                | "warmup"
+                | "schedule"
+                | "min-lr-ratio"
+                | "steps"
+                | "epochs"
+                | "no-pack"
+                | "train-on-prompt"
+                | "skip-bad-lines"
+                | "eval-fraction"
+        )
+    });
+    m.insert("remat".into(), json!(remat_text(s.remat)));
+    m.insert("grad-accum".into(), json!(s.microbatches));
+    m.insert("loss-chunk".into(), json!(s.loss_chunk));
+    m.insert("attention-block".into(), json!(s.attention_block));
+    m.insert("mesh".into(), json!(mesh_text(&s.mesh)));
+    m.insert(
+        "offload".into(),
+        json!(s.offload.map_or("auto", |o| o.name())),
+    );
+    m
+}
+
+/// Set the flag `flag` of `o` to `v` (a value [`of_run`] or [`of_spec`] wrote).
+fn apply(o: &mut TrainOptions, flag: &str, v: &Value, spec: Option<&StepSpec>) -> Result<()> {
+    let bad = || anyhow::anyhow!("recorded --{flag} {v} is not a valid value");
+    let f64_ = || v.as_f64().ok_or_else(bad);
+    let u64_ = || v.as_u64().ok_or_else(bad);
+    let i64_ = || v.as_i64().ok_or_else(bad);
+    let bool_ = || v.as_bool().ok_or_else(bad);
+    let str_ = || v.as_str().ok_or_else(bad);
+    let s = &mut o.step;
+    match flag {
+        "seed" => o.seed = u64_()?,
+        "lora-r" => s.lora.r = i64_()?,
+        "lora-alpha" => s.lora.alpha = f64_()?,
+        "lora-dropout" => s.lora.dropout = f64_()?,
+        "lora-targets" => s.lora.targets = Target::parse_list(str_()?)?,
+        "lr" => o.lr = f64_()?,
+        "warmup" => o.warmup = u64_()?,
+        "schedule" => o.schedule = str_()?.to_string(),
+        "min-lr-ratio" => o.min_lr_ratio = f64_()?,
+        "steps" => o.steps = u64_()?,
+        "epochs" => o.epochs = u64_()?,
+        "betas" => {
+            let (a, b) = str_()?.split_once(',').ok_or_else(bad)?;
+            s.adam.beta1 = a.parse().map_err(|_| bad())?;
+            s.adam.beta2 = b.parse().map_err(|_| bad())?;
+        }
+        "eps" => s.adam.eps = f64_()?,
+        "weight-decay" => s.adam.weight_decay = f64_()?,
+        "max-grad-norm" => s.adam.max_grad_norm = f64_()?,
+        "dtype" => s.dtype = str_()?.to_string(),
+        "quant" => s.nf4 = str_()? == "nf4",
+        "batch-size" => o.data.batch_size = i64_()?,
+        "seq" => o.data.seq = i64_()?,
+        "no-pack" => o.data.pack = !bool_()?,
+        "train-on-prompt" => o.data.train_on_prompt = bool_()?,
+        "skip-bad-lines" => o.data.skip_bad_lines = bool_()?,
+        "eval-fraction" => o.data.eval_fraction = f64_()?,
+        "remat" => s.remat = Remat::parse(str_()?)?,
+        "grad-accum" => s.microbatches = i64_()?,
+        "loss-chunk" => s.loss_chunk = v.as_i64(),
+        "attention-block" => s.attention_block = v.as_i64(),
+        "offload" => s.offload = Some(crate::program::Offload::parse(str_()?)?),
+        "mesh" => {
+            s.mesh = match spec {
+                Some(spec) => spec.mesh.clone(),
+                None => {
+                    let m = sharding::parse_mesh(str_()?)?;
+                    (!m.axes.is_empty()).then(|| MeshPlan {
+                        axes: m.axes,
+                        rules: sharding::Rules::default(),
+                    })
+                }
+            }
+        }
+        other => bail!("unknown recorded setting `{other}`"),
+    }
+    Ok(())
+}
+
+/// Where a value in force came from, for messages.
+#[derive(Default)]
+pub struct Pinned(BTreeMap<String, String>);
+
+impl Pinned {
+    /// The flags given on the command line.
+    pub fn from_command_line(o: &TrainOptions) -> Pinned {
+        Pinned(
+            o.explicit
+                .iter()
+                .map(|f| (f.clone(), "the command line gives".to_string()))
+                .collect(),
+        )
+    }
+}
+
+/// Take `recorded` (from `source`, e.g. "checkpoint runs/x/checkpoint-10, whose run has") into
+/// `o`: a flag that differs is refused if `pinned` (given on the command line, or fixed by an
+/// earlier source), else set to the recorded value. `may_differ` names flags whose difference is
+/// allowed. Returns the flags taken, as `--flag value`.
+fn reconcile(
+    o: &mut TrainOptions,
+    now: impl Fn(&TrainOptions) -> Settings,
+    recorded: &Settings,
+    source: &str,
+    pinned: &mut Pinned,
+    may_differ: &dyn Fn(&str) -> bool,
+    spec: Option<&StepSpec>,
+) -> Result<Vec<String>> {
+    let mut taken = Vec::new();
+    for (flag, want) in recorded {
+        let current = now(o);
+        let Some(have) = current.get(flag) else {
+            continue;
+        };
+        if have == want || numerically_equal(have, want) {
+            pinned
+                .0
+                .entry(flag.clone())
+                .or_insert_with(|| source.to_string());
+            continue;
+        }
+        if let Some(by) = pinned.0.get(flag) {
+            if may_differ(flag) {
+                continue;
+            }
+            bail!(
+                "{source} --{flag} {}, but {by} --{flag} {} (leave the flag out to take the recorded value)",
+                show(want),
+                show(have)
+            );
+        }
+        apply(o, flag, want, spec).with_context(|| format!("{source} --{flag} {}", show(want)))?;
+        taken.push(format!("--{flag} {}", show(want)));
+        pinned.0.insert(flag.clone(), source.to_string());
+    }
+    Ok(taken)
+}
+
+fn numerically_equal(a: &Value, b: &Value) -> bool {
+    matches!((a.as_f64(), b.as_f64()), (Some(x), Some(y)) if x == y)
+}
+
+/// What a checkpoint records, by flag: its `settings` when it has them; for a checkpoint of an
+/// earlier xtrain, what its schedule, seed and adapter config say.
+pub fn recorded_in(state: &TrainerState, ckpt: &Path) -> Result<Settings> {
+    let mut m = state.settings.clone();
+    if m.is_empty() {
+        let s = &state.schedule;
+        m.insert("seed".into(), json!(state.seed));
+        m.insert("lr".into(), json!(s.lr));
+        m.insert("warmup".into(), json!(s.warmup));
+        m.insert("schedule".into(), json!(s.kind));
+        m.insert("min-lr-ratio".into(), json!(s.min_ratio));
+        m.insert("steps".into(), json!(s.total));
+    }
+    let c = crate::formats::peft::read_config(ckpt)?;
+    m.insert("lora-r".into(), json!(c.r));
+    m.insert("lora-alpha".into(), json!(c.alpha));
+    m.insert("lora-dropout".into(), json!(c.dropout));
+    m.insert("lora-targets".into(), json!(Target::list(&c.targets)));
+    Ok(m)
+}
+
+/// Settle the options of a run that takes a program dir and/or resumes a checkpoint: every
+/// flag left at its default takes the recorded value, every flag given must agree with it. The
+/// flags taken are printed.
+pub fn settle(o: &mut TrainOptions, cfg: &crate::model::config::LlamaConfig) -> Result<()> {
+    let mut pinned = Pinned::from_command_line(o);
+    if let Some(dir) = o.program.clone() {
+        let (_, spec) = crate::formats::program_dir::read_dir(&dir)?;
+        if &spec.model != cfg {
+            bail!(
+                "program dir {} was built for another model (its config differs from {})",
+                dir.display(),
+                o.model.display()
+            );
+        }
+        // A .safetensors batch has the shape it has; the program's check against it comes later.
+        let batch_file = o.data.is_batch_file();
+        let mut fixed = of_spec(&spec);
+        if batch_file {
+            fixed.remove("batch-size");
+            fixed.remove("seq");
+        }
+        let source = format!("program dir {} was built with", dir.display());
+        let taken = reconcile(
+            o,
+            of_options_for_spec,
+            &fixed,
+            &source,
+            &mut pinned,
+            &|_| false,
+            Some(&spec),
+        )?;
+        note(&taken, &format!("program dir {}", dir.display()));
+    }
+    if let Some(ckpt) = o.resume.clone() {
+        let state = crate::train::checkpoint::read_state(&ckpt)?;
+        let mut recorded = recorded_in(&state, &ckpt)?;
+        if o.data.is_batch_file() {
+            // The batch file's shape is checked against the recorded one once it is read.
+            recorded.remove("batch-size");
+            recorded.remove("seq");
+        }
+        let constant = recorded.get("schedule").and_then(|v| v.as_str()) == Some("constant");
+        let source = format!("checkpoint {}'s run has", ckpt.display());
+        let taken = reconcile(
+            o,
+            of_run,
+            &recorded,
+            &source,
+            &mut pinned,
+            // With a constant learning rate, a run may be extended (or shortened).
+            &|f| constant && (f == "steps" || f == "epochs"),
+            None,
+        )?;
+        note(&taken, &format!("checkpoint {}", ckpt.display()));
+    }
+    Ok(())
+}
+
+fn note(taken: &[String], from: &str) {
+    if !taken.is_empty() {
+        eprintln!("xtrain: taking {} from {from}", taken.join(", "));
+    }
+}
