@@ -729,6 +729,16 @@ fn a_run_dir_is_continued_only_with_resume_and_replaced_only_with_overwrite() {
         "{e}"
     );
     assert_eq!(names(&other), vec!["notes.txt"]);
+    // Another run's checkpoint resumed into a dir holding a run: refused, nothing mixed.
+    let third = dir.join("third");
+    let o = xtrain(&refs(&train_on(&model, &third, &["--save-every", "1"])));
+    assert!(o.status.success(), "{}", stderr_of(&o));
+    let e = fails(&refs(&train_on(
+        &model,
+        &out,
+        &["--resume", third.join("checkpoint-1").to_str().unwrap()],
+    )));
+    assert!(e.contains("holds another run than the one --resume"), "{e}");
     // --overwrite and --resume together make no sense.
     let ckpt = dir.join("run2");
     let e = fails(&refs(&train_on(
@@ -1104,6 +1114,14 @@ fn every_flag_is_range_checked_before_any_work() {
         ),
         (&["--mesh", "dp=2"][..], "unknown axis `dp`"),
         (&["--mesh", "fsdp=8,model=8"][..], "unknown axis `model`"),
+        (
+            &["--eval-fraction", "0.1", "--eval-data", "x.jsonl"][..],
+            "--eval-fraction and --eval-data were both given",
+        ),
+        (
+            &["--sharding-rules", "rules.txt"][..],
+            "places tensors on a mesh: give --mesh too",
+        ),
     ] {
         let e = fails(&refs(&train(flags)));
         assert!(e.contains(message), "{flags:?}: {e}");
