@@ -43,7 +43,7 @@ use std::time::Instant;
 /// evaluating, checkpointing and exporting the adapter.
 pub fn run(opts: &TrainOptions) -> Result<()> {
     let interrupted = stop_on_signals()?;
-    opts.validate()?;
+    opts.validate_values()?;
     let cfg = LlamaConfig::load(&opts.model)?;
     let mut opts = opts.clone();
     settings::settle(&mut opts, &cfg)?;

@@ -54,6 +54,13 @@ impl TrainOptions {
 
     /// Refuse values no run can use, before any work: every message names its flag.
     pub fn validate(&self) -> Result<()> {
+        self.validate_values()?;
+        self.validate_shapes()
+    }
+
+    /// The checks of [`TrainOptions::validate`] that do not depend on the batch shape, which a
+    /// program dir or a checkpoint may still change.
+    pub fn validate_values(&self) -> Result<()> {
         if !["constant", "linear", "cosine"].contains(&self.schedule.as_str()) {
             bail!(
                 "--schedule must be constant, linear or cosine, got `{}`",
@@ -87,7 +94,12 @@ impl TrainOptions {
         if self.init_adapter.is_some() && self.resume.is_some() {
             bail!("--init-adapter and --resume were both given: a resumed run continues from its checkpoint's adapter");
         }
-        self.data.validate()?;
+        self.data.validate()
+    }
+
+    /// The step flags that must fit the batch shape (for JSONL data; a `.safetensors` batch's
+    /// shape is checked once it is read).
+    fn validate_shapes(&self) -> Result<()> {
         // The step's own checks (StepSpec) run once the batch shape is known; these need only
         // the flags, so a bad one is refused before the data is read.
         let seq = (!self.data.is_batch_file()).then_some(self.data.seq);
