@@ -141,10 +141,10 @@ fn of_options_for_spec(o: &TrainOptions) -> Settings {
     m.insert("loss-chunk".into(), json!(s.loss_chunk));
     m.insert("attention-block".into(), json!(s.attention_block));
     m.insert("mesh".into(), json!(mesh_text(&s.mesh)));
-    m.insert(
-        "offload".into(),
-        json!(s.offload.map_or("auto", |o| o.name())),
-    );
+    // `--offload auto` (the default) accepts what the program was built with.
+    if let Some(o) = s.offload {
+        m.insert("offload".into(), json!(o.name()));
+    }
     m
 }
 
