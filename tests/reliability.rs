@@ -719,6 +719,29 @@ fn a_run_dir_is_continued_only_with_resume_and_replaced_only_with_overwrite() {
     assert!(o.status.success(), "{}", stderr_of(&o));
     assert_eq!(names(&out), vec!["adapter", "metrics.jsonl"]);
     assert_eq!(adapter_rank(&out.join("adapter")), 8);
+    // An --overwrite run stopped early keeps the replaced files aside; the run resuming it
+    // deletes them when it completes.
+    let o = xtrain(&refs(&train_on(
+        &model,
+        &out,
+        &["--overwrite", "--steps", "2", "--stop-after", "1"],
+    )));
+    assert!(o.status.success(), "{}", stderr_of(&o));
+    assert!(names(&out).iter().any(|n| n.starts_with(".replaced-")));
+    let ckpt = out.join("checkpoint-1");
+    let o = xtrain(&refs(&train_on(
+        &model,
+        &out,
+        &["--resume", ckpt.to_str().unwrap()],
+    )));
+    let err = stderr_of(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("deleted when this run completes"), "{err}");
+    assert!(
+        names(&out).iter().all(|n| !n.starts_with(".replaced-")),
+        "{:?}",
+        names(&out)
+    );
     // A directory holding something else is refused; its files are left alone.
     let other = dir.join("other");
     std::fs::create_dir_all(&other).unwrap();

@@ -61,6 +61,9 @@ pub fn run(opts: &TrainOptions) -> Result<()> {
                     .unwrap_or("?"),
                 dir.display()
             );
+            if let Some(note) = out.stopped() {
+                eprintln!("xtrain: {note}");
+            }
             Ok(())
         }
         Ok(Finished::Interrupted(saved)) => {

@@ -53,6 +53,9 @@ pub struct RunDir {
     set_aside: Option<PathBuf>,
     /// Whether the claim created the directory (removed again if the run leaves it empty).
     created: bool,
+    /// What earlier `--overwrite` runs set aside before they stopped, deleted when the run that
+    /// resumes them completes.
+    stale_aside: Vec<PathBuf>,
 }
 
 impl Drop for RunDir {
@@ -99,6 +102,7 @@ impl RunDir {
             _lock: lock,
             set_aside: None,
             created,
+            stale_aside: Vec::new(),
         };
         let held: Vec<String> = entries(out)?
             .into_iter()
@@ -112,12 +116,20 @@ impl RunDir {
             }
             for n in run.iter().filter(|n| n.starts_with(SET_ASIDE)) {
                 let pid = n[SET_ASIDE.len()..].parse::<u32>().unwrap_or(0);
-                if !process_alive(pid) {
-                    eprintln!(
-                        "xtrain: {} holds the files of an earlier run that an --overwrite run (pid {pid}) was replacing when it stopped; delete it, or move them back",
-                        out.join(n).display()
-                    );
+                if process_alive(pid) {
+                    continue;
                 }
+                // The run that set them aside stopped; the one resuming it finishes its job.
+                let then = if resume.is_some() {
+                    dir.stale_aside.push(out.join(n));
+                    "they are deleted when this run completes"
+                } else {
+                    "delete it, or move them back"
+                };
+                eprintln!(
+                    "xtrain: {} holds the files of an earlier run that an --overwrite run (pid {pid}) was replacing when it stopped; {then}",
+                    out.join(n).display()
+                );
             }
         }
         dir.set_aside = if overwrite {
@@ -156,13 +168,29 @@ impl RunDir {
         Ok(dir)
     }
 
-    /// The run completed: delete the files `--overwrite` set aside.
+    /// The run completed: delete the files `--overwrite` set aside (by this run, or by the run
+    /// it resumes).
     pub fn complete(&mut self) -> Result<()> {
+        for d in std::mem::take(&mut self.stale_aside) {
+            std::fs::remove_dir_all(&d)
+                .with_context(|| format!("cannot remove the replaced run in {}", d.display()))?;
+        }
         if let Some(d) = self.set_aside.take() {
             std::fs::remove_dir_all(&d)
                 .with_context(|| format!("cannot remove the replaced run in {}", d.display()))?;
         }
         Ok(())
+    }
+
+    /// The run stopped early (`--stop-after`): where the files `--overwrite` set aside wait
+    /// for the run that resumes it to complete.
+    pub fn stopped(&self) -> Option<String> {
+        self.set_aside.as_ref().map(|d| {
+            format!(
+                "the previous run's files that --overwrite is replacing stay in {} until this run completes (resumed)",
+                d.display()
+            )
+        })
     }
 
     /// The run failed or was interrupted: if it wrote no checkpoint, the previous run's files
