@@ -147,7 +147,7 @@ pub fn compile(mut a: CompileArgs, verbose: bool) -> Result<()> {
             return Ok(());
         }
         let Some(t) = &target else {
-            return check(&a, &program, &mut manifest, verbose);
+            return check(&a, &spec, &program, &mut manifest, verbose);
         };
         let last = k + 1 == choices.len();
         if check_target(&a, t, &spec, &program, &mut manifest, last)? {
@@ -251,7 +251,12 @@ fn print_device_order(m: &MeshPlan) {
 
 /// Per-device figures, the same lines for every plugin: device memory (what must fit), host
 /// memory where the program offloads (per device and per host), and whether it fits.
-fn print_memory(m: &pjrt::MemoryStats, available: Option<i64>, devices_per_host: i64) {
+fn print_memory(
+    m: &pjrt::MemoryStats,
+    available: Option<i64>,
+    devices_per_host: i64,
+    spec: &StepSpec,
+) {
     println!(
         "per device: arguments {}, outputs {} ({} aliased to arguments), temporaries {}, code {}",
         gib(m.argument_bytes),
@@ -272,11 +277,9 @@ fn print_memory(m: &pjrt::MemoryStats, available: Option<i64>, devices_per_host:
     let fits = match available {
         Some(have) if m.total_bytes() <= have => format!(" of {}: fits", gib(have)),
         Some(have) => format!(
-            " of {}: does not fit ({} over; what lowers it: more devices in --mesh or --target, \
-             --quant nf4, --offload activations|frozen|all, --remat layer, a smaller --batch or \
-             --seq)",
+            " of {}: does not fit ({})",
             gib(have),
-            gib(m.total_bytes() - have)
+            xtrain::device::fit::fit_advice(m.total_bytes(), Some(have), spec)
         ),
         None => String::new(),
     };
@@ -288,7 +291,13 @@ fn print_memory(m: &pjrt::MemoryStats, available: Option<i64>, devices_per_host:
 
 /// `--check` without a target: compile the program with this machine's plugin, and keep the
 /// executable in the program dir for `train --program` on this machine.
-fn check(a: &CompileArgs, program: &Program, manifest: &mut Manifest, verbose: bool) -> Result<()> {
+fn check(
+    a: &CompileArgs,
+    spec: &StepSpec,
+    program: &Program,
+    manifest: &mut Manifest,
+    verbose: bool,
+) -> Result<()> {
     let rt = xtrain::device::runtime::Runtime::open(a.plugin.as_deref(), Some(program.partitions))?;
     let mut options = pjrt::CompileOptions::default();
     if let Some(dir) = &a.xla_dump {
@@ -311,7 +320,7 @@ fn check(a: &CompileArgs, program: &Program, manifest: &mut Manifest, verbose: b
         rt.client.platform_name()?
     );
     let info = rt.devices[0].info()?;
-    print_memory(&m, info.memory_bytes, program.partitions);
+    print_memory(&m, info.memory_bytes, program.partitions, spec);
     let build = TargetBuild {
         stats: m,
         compile_s,
@@ -370,6 +379,7 @@ fn check_target(
         &build.stats,
         t.memory_per_device(),
         t.devices.len() as i64 / t.hosts(),
+        spec,
     );
     let fits = t
         .memory_per_device()
