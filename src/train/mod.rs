@@ -11,26 +11,29 @@ pub mod checkpoint;
 pub mod log;
 pub mod options;
 pub mod plot;
+pub mod progress;
 pub mod schedule;
 
 use crate::data::{Batch, Source, TrainingData};
 use crate::device::runtime::Runtime;
 use crate::device::trainer::Trainer;
-use crate::formats::host::element_type;
 use crate::formats::peft::init_lora;
+use crate::formats::weights::CheckpointWeights;
 use crate::model::config::LlamaConfig;
 use crate::model::lora::LoraConfig;
 use crate::program::{self, Program, StepSpec};
 use crate::train::checkpoint::{
     load_checkpoint, save_adapter, save_checkpoint, Checkpoint, TrainerState,
 };
-use crate::train::log::{Metrics, Progress};
+use crate::train::log::Metrics;
 use crate::train::options::TrainOptions;
 use crate::train::schedule::Schedule;
 use anyhow::{bail, Context, Result};
 use pjrt::HostTensor;
+use std::cell::Cell;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
@@ -45,7 +48,7 @@ pub fn run(opts: &TrainOptions) -> Result<()> {
     let (rt, spec, program) = plan(opts, &cfg, data.batch, data.seq)?;
     let schedule = schedule(opts, &data.source);
     let start = starting_point(opts, &cfg, &spec.lora, &schedule)?;
-    let weights = load_weights(opts, &cfg, &spec, &program)?;
+    let weights = load_weights(opts, &cfg)?;
     let trainer = compile_and_upload(opts, rt, spec, program, weights, &start)?;
     let (_, _, state) = start;
     let TrainingData {
@@ -64,7 +67,7 @@ pub fn run(opts: &TrainOptions) -> Result<()> {
         state,
         source,
         eval_batches,
-        base: opts.model.to_string_lossy().to_string(),
+        base: crate::formats::peft::base_model_name(&opts.model),
     };
     if run.state.step == 0 {
         run.evaluate(0)?;
@@ -253,41 +256,63 @@ fn initial_adapter(
     crate::formats::peft::read_tensors(dir, cfg, lora_cfg)
 }
 
-/// The frozen weights from the checkpoint, in the program's layout and element type.
-fn load_weights(
-    opts: &TrainOptions,
-    cfg: &LlamaConfig,
-    spec: &StepSpec,
-    program: &Program,
-) -> Result<Vec<HostTensor>> {
-    let frozen = program.frozen_shapes();
-    let t_load = Instant::now();
-    let weights = crate::formats::weights::load(
-        &opts.model,
-        cfg,
-        &frozen,
-        element_type(spec.weight_dtype),
-        |_, _| {},
-    )?;
-    if opts.verbose {
-        eprintln!(
-            "xtrain: loaded {} weight tensors in {:.1}s",
-            frozen.len(),
-            t_load.elapsed().as_secs_f64()
-        );
-    }
-    Ok(weights)
+/// When loading started and the host memory the process held then (`VmRSS`).
+type LoadStart = (Instant, Option<u64>);
+
+/// The checkpoint's frozen weights, opened and checked against the config; they are read one
+/// device's shard at a time as they are uploaded ([`compile_and_upload`]).
+fn load_weights(opts: &TrainOptions, cfg: &LlamaConfig) -> Result<CheckpointWeights> {
+    CheckpointWeights::open(&opts.model, cfg)
 }
 
-/// Compile the step (or load it from the cache) and upload the weights and the starting state.
+/// Compile the step (or load it from the cache), then upload the weights (read shard by shard
+/// from the checkpoint: a bar shows the bytes) and the starting state. Says how long loading
+/// took and the peak host memory while loading (`VmHWM`; on the CPU plugin the devices' buffers
+/// are host memory too), unless `--log-every 0`.
 fn compile_and_upload(
     opts: &TrainOptions,
     rt: Runtime,
     spec: StepSpec,
     program: Program,
-    weights: Vec<HostTensor>,
+    weights: CheckpointWeights,
     (lora, moments, state): &Checkpoint,
 ) -> Result<Trainer> {
+    let frozen: Vec<(String, u64)> = program
+        .args
+        .iter()
+        .filter(|a| a.role == program::Role::Frozen)
+        .map(|a| {
+            let n: i64 = a.shape.iter().product();
+            (a.name.clone(), n as u64 * a.dtype.size_bytes() as u64)
+        })
+        .collect();
+    let total: u64 = frozen.iter().map(|(_, b)| b).sum();
+    let largest = weights.largest_tensor_bytes(&spec.model);
+    let shown = opts.log_every > 0;
+    let compiling = (shown && !opts.verbose).then(|| progress::spinner("compiling the step"));
+    // When loading started, and the host memory then.
+    let started: Rc<Cell<Option<LoadStart>>> = Rc::new(Cell::new(None));
+    let loading = if shown {
+        progress::bytes("loading weights", total)
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    let weights = {
+        let (started, loading) = (started.clone(), loading.clone());
+        weights.on_progress(move |event| match event {
+            None => {
+                if let Some(c) = &compiling {
+                    progress::clear(c);
+                }
+                // The peak from here on is loading's.
+                progress::reset_peak();
+                started.set(Some((Instant::now(), progress::resident_bytes())));
+                loading.reset_elapsed();
+                loading.reset_eta();
+            }
+            Some(k) => loading.inc(frozen.get(k).map_or(0, |(_, b)| *b)),
+        })
+    };
     let mut trainer = Trainer::new(
         rt,
         spec,
@@ -298,9 +323,63 @@ fn compile_and_upload(
         opts.use_cache,
         opts.verbose,
     )?;
+    progress::clear(&loading);
+    // A progress line like the steps' (quiet with --log-every 0).
+    if let Some((t0, before)) = started.get().filter(|_| opts.log_every > 0 || opts.verbose) {
+        let devices = trainer.program.partitions.max(1);
+        let peak_bytes = progress::peak_bytes();
+        if opts.verbose {
+            // Exact figures, for tests and benchmarks (tests/loading.rs).
+            eprintln!(
+                "xtrain: loading bytes: peak {} before {} weights {total} largest {largest}",
+                peak_bytes.unwrap_or(0),
+                before.unwrap_or(0)
+            );
+        }
+        let peak = peak_bytes.map_or("unknown".into(), progress::gib);
+        let before = before.map_or("unknown".into(), progress::gib);
+        eprintln!(
+            "xtrain: loaded {} of weights onto {devices} device{} in {:.1}s; peak host memory while loading {peak} (VmHWM; {before} before loading; largest tensor {})",
+            progress::gib(total),
+            if devices == 1 { "" } else { "s" },
+            t0.elapsed().as_secs_f64(),
+            progress::gib(largest),
+        );
+    }
     trainer.dropout_seed = opts.seed;
     trainer.step = state.step;
     Ok(trainer)
+}
+
+/// The progress of the loop: a bar on a terminal (its message updated every `--log-every`
+/// steps), else a plain line every `--log-every` steps.
+struct Shown {
+    bar: Option<indicatif::ProgressBar>,
+    start: Instant,
+    first_step: u64,
+}
+
+impl Shown {
+    fn show(&self, step: u64, total: u64, every: bool, loss: f32, tokens_per_s: f64, lr: f64) {
+        let Some(bar) = &self.bar else { return };
+        let what = format!("loss {loss:.4} lr {lr:.2e} {tokens_per_s:.0} tok/s");
+        if progress::drawn() {
+            bar.set_position(step);
+            if every {
+                bar.set_message(what);
+            }
+        } else if every {
+            let done = (step + 1 - self.first_step) as f64;
+            let eta = self.start.elapsed().as_secs_f64() / done * (total - step) as f64;
+            eprintln!("step {step}/{total} {what} eta {eta:.0}s");
+        }
+    }
+
+    fn finish(&self) {
+        if let Some(bar) = &self.bar {
+            progress::leave(bar);
+        }
+    }
 }
 
 /// A run under way: the trainer, where training stands, the data, and what it writes.
@@ -321,36 +400,41 @@ impl Run<'_> {
     /// progress, evaluation and checkpoints as asked. A signal ends it after the current step
     /// with a checkpoint (exit code 130).
     fn train(&mut self, interrupted: &AtomicBool) -> Result<()> {
-        let progress = Progress {
-            start: Instant::now(),
-            tty: true,
-            first_step: self.state.step + 1,
-        };
         let total = self.state.schedule.total;
         let stop_at = self
             .opts
             .stop_after
             .map_or(total, |n| (self.state.step + n).min(total));
+        let shown = Shown {
+            bar: (self.opts.log_every > 0).then(|| progress::steps(self.state.step, total)),
+            start: Instant::now(),
+            first_step: self.state.step + 1,
+        };
         while self.state.step < stop_at {
             if interrupted.load(Ordering::SeqCst) {
+                shown.finish();
                 let dir = self.save_checkpoint()?;
                 eprintln!(
-                    "\nxtrain: interrupted after step {}; saved {} (continue with --resume {})",
+                    "xtrain: interrupted after step {}; saved {} (continue with --resume {})",
                     self.state.step,
                     dir.display(),
                     dir.display()
                 );
                 std::process::exit(130);
             }
-            self.step(&progress)?;
+            if let Err(e) = self.step(&shown) {
+                shown.finish();
+                return Err(e);
+            }
         }
+        shown.finish();
         Ok(())
     }
 
     /// One step: run it on the next batch, then log it, evaluate and checkpoint as asked. A step
     /// whose loss or gradient is not finite changed nothing (the program's finite guard): it is
     /// skipped with `--skip-nonfinite-steps`, else the run stops with the last good state saved.
-    fn step(&mut self, progress: &Progress) -> Result<()> {
+    fn step(&mut self, shown: &Shown) -> Result<()> {
         let opts = self.opts;
         let total = self.state.schedule.total;
         let step = self.state.step + 1;
@@ -369,14 +453,15 @@ impl Run<'_> {
                 let dir = self.save_checkpoint()?;
                 bail!("step {step}: the loss is {loss} and the gradient norm {grad_norm}; stopped without applying it. The last good state is in {} (--skip-nonfinite-steps skips such steps instead)", dir.display());
             }
-            eprintln!("xtrain: step {step}: non-finite loss {loss} / gradient norm {grad_norm}; step skipped");
+            progress::say(&format!("xtrain: step {step}: non-finite loss {loss} / gradient norm {grad_norm}; step skipped"));
             return Ok(());
         }
         self.metrics
             .step(step, loss, grad_norm, lr, self.state.epoch, dt)?;
-        if opts.log_every > 0 && (step.is_multiple_of(opts.log_every) || step == total) {
+        if opts.log_every > 0 {
             let tokens_per_s = self.tokens_per_step as f64 / dt;
-            progress.show(step, total, loss, tokens_per_s, lr);
+            let every = step.is_multiple_of(opts.log_every) || step == total;
+            shown.show(step, total, every, loss, tokens_per_s, lr);
         }
         if opts.eval_every > 0 && step.is_multiple_of(opts.eval_every) && step != total {
             self.evaluate(step)?;
@@ -424,7 +509,23 @@ impl Run<'_> {
         )?;
         if self.opts.plot {
             let path = self.opts.out.join("loss.png");
-            crate::train::plot::loss_curve(&path, &self.metrics.history)?;
+            let lora = &self.trainer.spec.lora;
+            let title = format!(
+                "{}: LoRA r={}, alpha {} ({})",
+                self.opts
+                    .model
+                    .file_name()
+                    .map_or(self.base.clone(), |n| n.to_string_lossy().into()),
+                lora.r,
+                lora.alpha,
+                self.opts.out.display()
+            );
+            crate::train::plot::loss_curve(
+                &path,
+                &self.metrics.history,
+                &self.metrics.eval_accuracy,
+                &title,
+            )?;
             eprintln!("xtrain: loss curve in {}", path.display());
         }
         Ok(())
