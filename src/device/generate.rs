@@ -62,25 +62,18 @@ impl Forward {
             crate::device::cache::compile_cached(rt, &program, &CompileOptions::default(), true)?;
         // Weight by weight: read, upload, free.
         let mut weights = crate::formats::weights::CheckpointWeights::open(model_dir, cfg)?;
-        let mut model_bufs: Vec<Buffer> = Vec::new();
-        for (k, a) in program
-            .args
-            .iter()
-            .filter(|a| a.role == Role::Frozen)
-            .enumerate()
-        {
-            let whole = vec![0; a.shape.len()];
-            let t = weights.shard(
-                k,
-                &a.name,
-                &a.shape,
-                &whole,
-                &a.shape,
-                element_type(a.dtype),
-            )?;
-            model_bufs.push(rt.upload(&t)?);
-            weights.done(k);
-        }
+        let mut model_bufs = crate::device::platform::while_loading(|| -> Result<Vec<Buffer>> {
+            let mut bufs = Vec::new();
+            let frozen = program.args.iter().filter(|a| a.role == Role::Frozen);
+            for (k, a) in frozen.enumerate() {
+                let whole = vec![0; a.shape.len()];
+                let ty = element_type(a.dtype);
+                let t = weights.shard(k, &a.name, &a.shape, &whole, &a.shape, ty)?;
+                bufs.push(rt.upload(&t)?);
+                weights.done(k);
+            }
+            Ok(bufs)
+        })?;
         if let Some((_, tensors)) = adapter {
             let names: Vec<(String, Vec<i64>)> = program
                 .args

@@ -80,44 +80,48 @@ impl Trainer {
         let shardings = program.arg_shardings(&spec);
         // One device's shard at a time: read (or cut) it, upload it, free it. A shard every
         // device holds whole (replicated) is read once.
-        let mut frozen = Vec::new();
-        let frozen_args = program
-            .args
-            .iter()
-            .zip(&shardings)
-            .filter(|(a, _)| a.role == Role::Frozen);
-        for (k, (a, sh)) in frozen_args.enumerate() {
-            let want = element_type(a.dtype);
-            // Host memory for offloaded frozen weights (--offload frozen), else the device's.
-            let memory = spec.arg_memory(a);
-            let buffers = match &mesh {
-                None => {
-                    let whole = vec![0; a.shape.len()];
-                    let t = weights.shard(k, &a.name, &a.shape, &whole, &a.shape, want)?;
-                    vec![rt.upload_to(&t, 0, memory)?]
-                }
-                Some(m) => {
-                    let mut last: Option<(Vec<i64>, Vec<i64>, HostTensor)> = None;
-                    let mut per_device = Vec::new();
-                    for p in 0..m.device_count() as usize {
-                        let (starts, sizes) = shard_box(&a.shape, sh, m, p);
-                        if last
-                            .as_ref()
-                            .is_none_or(|(s, z, _)| (s, z) != (&starts, &sizes))
-                        {
-                            drop(last.take()); // the previous shard goes before the next
-                            let t = weights.shard(k, &a.name, &a.shape, &starts, &sizes, want)?;
-                            last = Some((starts, sizes, t));
-                        }
-                        let t = &last.as_ref().unwrap().2;
-                        per_device.push(rt.upload_to(t, p, memory)?);
+        let frozen = crate::device::platform::while_loading(|| -> Result<Vec<Vec<Buffer>>> {
+            let mut frozen = Vec::new();
+            let frozen_args = program
+                .args
+                .iter()
+                .zip(&shardings)
+                .filter(|(a, _)| a.role == Role::Frozen);
+            for (k, (a, sh)) in frozen_args.enumerate() {
+                let want = element_type(a.dtype);
+                // Host memory for offloaded frozen weights (--offload frozen), else the device's.
+                let memory = spec.arg_memory(a);
+                let buffers = match &mesh {
+                    None => {
+                        let whole = vec![0; a.shape.len()];
+                        let t = weights.shard(k, &a.name, &a.shape, &whole, &a.shape, want)?;
+                        vec![rt.upload_to(&t, 0, memory)?]
                     }
-                    per_device
-                }
-            };
-            weights.done(k);
-            frozen.push(buffers);
-        }
+                    Some(m) => {
+                        let mut last: Option<(Vec<i64>, Vec<i64>, HostTensor)> = None;
+                        let mut per_device = Vec::new();
+                        for p in 0..m.device_count() as usize {
+                            let (starts, sizes) = shard_box(&a.shape, sh, m, p);
+                            if last
+                                .as_ref()
+                                .is_none_or(|(s, z, _)| (s, z) != (&starts, &sizes))
+                            {
+                                drop(last.take()); // the previous shard goes before the next
+                                let t =
+                                    weights.shard(k, &a.name, &a.shape, &starts, &sizes, want)?;
+                                last = Some((starts, sizes, t));
+                            }
+                            let t = &last.as_ref().unwrap().2;
+                            per_device.push(rt.upload_to(t, p, memory)?);
+                        }
+                        per_device
+                    }
+                };
+                weights.done(k);
+                frozen.push(buffers);
+            }
+            Ok(frozen)
+        })?;
         let mut trainer = Trainer {
             rt,
             program,
