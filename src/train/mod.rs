@@ -292,13 +292,9 @@ fn compile_and_upload(
     let compiling = (shown && !opts.verbose).then(|| progress::spinner("compiling the step"));
     // When loading started, and the host memory then.
     let started: Rc<Cell<Option<LoadStart>>> = Rc::new(Cell::new(None));
-    let loading = if shown {
-        progress::bytes("loading weights", total)
-    } else {
-        indicatif::ProgressBar::hidden()
-    };
+    let loading = progress::bytes("loading weights", total);
     let weights = {
-        let (started, loading) = (started.clone(), loading.clone());
+        let (started, loading, compiling) = (started.clone(), loading.clone(), compiling.clone());
         weights.on_progress(move |event| match event {
             None => {
                 if let Some(c) = &compiling {
@@ -309,11 +305,14 @@ fn compile_and_upload(
                 started.set(Some((Instant::now(), progress::resident_bytes())));
                 loading.reset_elapsed();
                 loading.reset_eta();
+                if shown {
+                    progress::show(&loading);
+                }
             }
             Some(k) => loading.inc(frozen.get(k).map_or(0, |(_, b)| *b)),
         })
     };
-    let mut trainer = Trainer::new(
+    let trainer = Trainer::new(
         rt,
         spec,
         program,
@@ -322,8 +321,13 @@ fn compile_and_upload(
         moments,
         opts.use_cache,
         opts.verbose,
-    )?;
+    );
+    // Done or failed: no bar stays drawn under what is said next.
+    if let Some(c) = &compiling {
+        progress::clear(c);
+    }
     progress::clear(&loading);
+    let mut trainer = trainer?;
     // A progress line like the steps' (quiet with --log-every 0).
     if let Some((t0, before)) = started.get().filter(|_| opts.log_every > 0 || opts.verbose) {
         let devices = trainer.program.partitions.max(1);
@@ -339,12 +343,13 @@ fn compile_and_upload(
         let peak = peak_bytes.map_or("unknown".into(), progress::gib);
         let before = before.map_or("unknown".into(), progress::gib);
         eprintln!(
-            "xtrain: loaded {} of weights onto {devices} device{} in {:.1}s; peak host memory while loading {peak} (VmHWM; {before} before loading; largest tensor {})",
+            "xtrain: loaded {} of weights onto {devices} device{} in {:.1}s (largest tensor {})",
             progress::gib(total),
             if devices == 1 { "" } else { "s" },
             t0.elapsed().as_secs_f64(),
             progress::gib(largest),
         );
+        eprintln!("xtrain: peak host memory while loading {peak} (VmHWM; {before} before loading)");
     }
     trainer.dropout_seed = opts.seed;
     trainer.step = state.step;

@@ -17,34 +17,37 @@ pub fn drawn() -> bool {
     std::io::stderr().is_terminal()
 }
 
+/// A bar not drawn yet: [`show`] draws it.
 fn make(len: Option<u64>, template: &str) -> ProgressBar {
-    let target = if drawn() {
-        ProgressDrawTarget::stderr()
-    } else {
-        ProgressDrawTarget::hidden()
-    };
-    let bar = match len {
-        Some(n) => ProgressBar::with_draw_target(Some(n), target),
-        None => ProgressBar::with_draw_target(None, target),
-    };
+    let bar = ProgressBar::with_draw_target(len, ProgressDrawTarget::hidden());
     bar.set_style(
         ProgressStyle::with_template(template)
             .unwrap_or_else(|_| ProgressStyle::default_bar())
             .progress_chars("=> "),
     );
-    *ACTIVE.lock().unwrap_or_else(|e| e.into_inner()) = Some(bar.clone());
     bar
+}
+
+/// Draw `bar` on stderr from now on, if stderr is a terminal (one bar at a time: clear the
+/// last one first).
+pub fn show(bar: &ProgressBar) {
+    if drawn() {
+        bar.set_draw_target(ProgressDrawTarget::stderr());
+    }
+    *ACTIVE.lock().unwrap_or_else(|e| e.into_inner()) = Some(bar.clone());
 }
 
 /// A spinner for work of unknown length (compiling), ticking on its own.
 pub fn spinner(message: &str) -> ProgressBar {
     let bar = make(None, "{spinner} {msg} {elapsed}");
     bar.set_message(message.to_string());
+    show(&bar);
     bar.enable_steady_tick(Duration::from_millis(120));
     bar
 }
 
-/// A bar over `total` bytes (loading weights), with throughput and ETA.
+/// A bar over `total` bytes (loading weights), with throughput and ETA; not drawn until
+/// [`show`].
 pub fn bytes(message: &str, total: u64) -> ProgressBar {
     let bar = make(
         Some(total),
@@ -62,6 +65,7 @@ pub fn steps(first: u64, total: u64) -> ProgressBar {
     );
     bar.set_position(first);
     bar.reset_eta();
+    show(&bar);
     bar
 }
 
