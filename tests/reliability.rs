@@ -94,6 +94,16 @@ fn bad_safetensors() {
     let e = fails(&refs(&train_on(&m, &out, &[])));
     assert!(e.contains("(truncated?)"), "{e}");
 
+    let m = tiny_dir(&dir, "trailing");
+    let mut longer = good.clone();
+    longer.extend_from_slice(b"trailing");
+    std::fs::write(m.join("model.safetensors"), &longer).unwrap();
+    let e = fails(&refs(&train_on(&m, &out, &[])));
+    assert!(
+        e.contains("(trailing bytes: not a safetensors file?)"),
+        "{e}"
+    );
+
     let m = tiny_dir(&dir, "header");
     let mut bad = good.clone();
     bad[8] = b'x'; // the header's opening brace

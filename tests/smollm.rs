@@ -24,6 +24,12 @@ fn imported_gguf_answers_the_reference_question() {
         (30, 576, 9, 3)
     );
     assert!(cfg.tie_word_embeddings);
+    // import-gguf writes generation_config.json with the GGUF's special tokens.
+    let generation: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("generation_config.json")).unwrap())
+            .unwrap();
+    assert_eq!(generation["bos_token_id"], 1, "{generation}");
+    assert_eq!(generation["eos_token_id"], 2, "{generation}");
     let tok = TextTokenizer::load(dir).unwrap();
     let prompt = tok
         .render_chat(

@@ -10,16 +10,16 @@ use xtrain::program::{Remat, StepOptions};
 #[derive(Args)]
 pub struct LoraArgs {
     /// LoRA rank r.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 16, help_heading = "LoRA")]
     pub lora_r: i64,
     /// LoRA alpha (scale = alpha / r).
-    #[arg(long, default_value_t = 32.0)]
+    #[arg(long, default_value_t = 32.0, help_heading = "LoRA")]
     pub lora_alpha: f64,
     /// LoRA dropout probability on the adapter's input.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, help_heading = "LoRA")]
     pub lora_dropout: f64,
     /// Projections to adapt, among q,k,v,o,gate,up,down.
-    #[arg(long, default_value = "q,k,v,o,gate,up,down")]
+    #[arg(long, default_value = "q,k,v,o,gate,up,down", help_heading = "LoRA")]
     pub lora_targets: String,
 }
 
@@ -40,54 +40,54 @@ impl LoraArgs {
 #[derive(Args)]
 pub struct StepArgs {
     /// AdamW betas, as b1,b2.
-    #[arg(long, default_value = "0.9,0.999")]
+    #[arg(long, default_value = "0.9,0.999", help_heading = "Optimizer")]
     pub betas: String,
     /// AdamW epsilon (added after the bias-corrected square root, as torch does).
-    #[arg(long, default_value_t = 1e-8)]
+    #[arg(long, default_value_t = 1e-8, help_heading = "Optimizer")]
     pub eps: f64,
     /// Decoupled weight decay.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, help_heading = "Optimizer")]
     pub weight_decay: f64,
     /// Clip the global gradient norm to this (0 = off).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, help_heading = "Optimizer")]
     pub max_grad_norm: f64,
     #[command(flatten)]
     pub lora: LoraArgs,
     /// Precision: f32, or bf16 (bf16 weights and matmuls; f32 norms, softmax, loss, LoRA
     /// master weights and optimizer state).
-    #[arg(long, default_value = "f32")]
+    #[arg(long, default_value = "f32", help_heading = "Scale")]
     pub dtype: String,
     /// What the backward pass recomputes: none (layers unrolled, everything kept), layer (keep
     /// each layer's input), save-proj (also keep the frozen projections' outputs).
-    #[arg(long, default_value = "layer")]
+    #[arg(long, default_value = "layer", help_heading = "Scale")]
     pub remat: String,
     /// Gradient accumulation: split each batch into this many microbatches inside the step.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, help_heading = "Scale")]
     pub grad_accum: i64,
     /// Device mesh, e.g. data=2,fsdp=4,tensor=1 (axes of size 1 are no-ops; devices are
     /// numbered row-major over the axes in this order).
-    #[arg(long)]
+    #[arg(long, help_heading = "Scale")]
     pub mesh: Option<String>,
     /// A file of `logical = mesh_axes` lines overriding the default sharding rules.
-    #[arg(long)]
+    #[arg(long, help_heading = "Scale")]
     pub sharding_rules: Option<PathBuf>,
     /// With looped layers, compute the loss and its gradient N positions at a time (less memory
     /// for long sequences and large vocabularies on one device).
-    #[arg(long)]
+    #[arg(long, help_heading = "Scale")]
     pub loss_chunk: Option<i64>,
     /// Query rows per block of causal attention (blocks wholly above the diagonal are not
     /// computed); default 128 when the sequence is a longer multiple of 128, else no blocking.
-    #[arg(long)]
+    #[arg(long, help_heading = "Scale")]
     pub attention_block: Option<i64>,
     /// With --dtype bf16, the type matmuls give their result in before it is rounded to bf16:
     /// f32 (the accumulator: XLA CPU runs this form on the CPU's native bf16 GEMM), compute
     /// (bf16, what a GPU's cuBLAS writes), or auto (f32 for a CPU plugin, else compute). The
     /// arithmetic is the same (f32 accumulation, one rounding); the speed differs.
-    #[arg(long, default_value = "auto")]
+    #[arg(long, default_value = "auto", help_heading = "Scale")]
     pub matmul_result: String,
     /// Quantize the projections' base weights at load: nf4 (QLoRA's 4-bit NormalFloat, blocks
     /// of 64, double-quantized scales), dequantized in the step right before each matmul.
-    #[arg(long)]
+    #[arg(long, help_heading = "Scale")]
     pub quant: Option<String>,
     /// Keep in host memory instead of the device's: frozen (the frozen layer weights, each
     /// layer copied in just before use), activations (what the backward pass reads back), all,

@@ -187,6 +187,41 @@ fn write_program(a: &CompileArgs, spec: &StepSpec) -> Result<(Program, Manifest)
     } else {
         format!("; --offload {}", spec.offload.name())
     };
+    // What the defaults chose, so that the figures below can be read (f32 weights take twice
+    // bf16's bytes).
+    let targets: Vec<&str> = spec
+        .lora
+        .targets
+        .iter()
+        .map(|t| t.module().trim_end_matches("_proj"))
+        .collect();
+    let mesh = match &spec.mesh {
+        Some(m) => format!(
+            ", --mesh {} ({} devices)",
+            m.axes
+                .iter()
+                .map(|(n, k)| format!("{n}={k}"))
+                .collect::<Vec<_>>()
+                .join(","),
+            m.devices()
+        ),
+        None => String::new(),
+    };
+    println!(
+        "step: --dtype {} (weights {}, compute {}), --batch {}, --seq {}, --lora-r {} (alpha {}, on {}), --remat {}, --grad-accum {}{}{}",
+        a.step.dtype,
+        spec.weight_dtype,
+        spec.compute_dtype,
+        spec.batch,
+        spec.seq,
+        spec.lora.r,
+        spec.lora.alpha,
+        targets.join(","),
+        a.step.remat,
+        spec.microbatches,
+        if spec.nf4 { ", --quant nf4" } else { "" },
+        mesh,
+    );
     println!(
         "arguments: {}{sharded} ({} parameters in the base model{offload})",
         gib(arg_bytes),

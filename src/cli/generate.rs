@@ -25,11 +25,14 @@ pub struct GenerateArgs {
     /// Sampling temperature (0 = greedy).
     #[arg(long, default_value_t = 0.0)]
     pub temperature: f64,
+    /// Seed of the sampler (with --temperature above 0; greedy decoding does not use it).
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Context length of the compiled program (prompt + new tokens must fit).
     #[arg(long, default_value_t = 256)]
     pub context: i64,
+    /// PJRT plugin: cpu, cuda, rocm, tpu or a path to a plugin .so (default: $XTRAIN_PLUGIN or
+    /// cpu).
     #[arg(long)]
     pub plugin: Option<String>,
 }

@@ -49,12 +49,16 @@ pub fn plugins(action: Option<PluginAction>, verbose: bool) -> Result<()> {
                     Err(e) => println!("  no client: {e}"),
                     Ok(c) => {
                         let devices = c.devices().unwrap_or_default();
-                        println!(
-                            "  platform {} (version {}), {} devices",
-                            c.platform_name().unwrap_or_default(),
-                            c.platform_version().unwrap_or_default(),
-                            devices.len()
-                        );
+                        let name = c.platform_name().unwrap_or_default();
+                        // The CPU plugin's version string is its name again ("cpu"): say it
+                        // only when it says something.
+                        let version = c.platform_version().unwrap_or_default().trim().to_string();
+                        let version = if version.is_empty() || version == name {
+                            String::new()
+                        } else {
+                            format!(" (version {version})")
+                        };
+                        println!("  platform {name}{version}, {} devices", devices.len());
                         for d in devices {
                             if let Ok(info) = d.info() {
                                 let mem = info

@@ -11,103 +11,103 @@ use xtrain::train::options::TrainOptions;
 #[derive(Args)]
 pub struct TrainArgs {
     /// Hugging Face model directory (config.json + safetensors [+ tokenizer.json for text]).
-    #[arg(long)]
+    #[arg(long, help_heading = "Model")]
     pub model: PathBuf,
     /// Training data: a .jsonl file ({"text"}, alpaca {"instruction","input","output"} or chat
     /// {"messages"} rows), or a .safetensors file with one pre-tokenized batch (input_ids,
     /// labels, attention_mask) used for every step.
-    #[arg(long)]
+    #[arg(long, help_heading = "Data")]
     pub data: PathBuf,
     /// Start from this PEFT adapter instead of a fresh one.
-    #[arg(long)]
+    #[arg(long, help_heading = "Model")]
     pub init_adapter: Option<PathBuf>,
     /// Continue from a checkpoint dir (OUT/checkpoint-N): adapter, optimizer state, step, data
     /// position. The run continues exactly as if it had not stopped.
-    #[arg(long)]
+    #[arg(long, help_heading = "Model")]
     pub resume: Option<PathBuf>,
     /// Number of optimizer steps (0 = --epochs over the data).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, help_heading = "Schedule")]
     pub steps: u64,
     /// Passes over the data when --steps is 0.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, help_heading = "Schedule")]
     pub epochs: u64,
     /// Peak learning rate.
-    #[arg(long, default_value_t = 2e-4)]
+    #[arg(long, default_value_t = 2e-4, help_heading = "Optimizer")]
     pub lr: f64,
     /// Linear warmup steps.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, help_heading = "Schedule")]
     pub warmup: u64,
     /// Learning-rate decay after warmup: constant, linear or cosine.
-    #[arg(long, default_value = "constant")]
+    #[arg(long, default_value = "constant", help_heading = "Schedule")]
     pub schedule: String,
     /// The learning rate at the last step, as a fraction of --lr (linear/cosine).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, help_heading = "Schedule")]
     pub min_lr_ratio: f64,
     #[command(flatten)]
     pub step: StepArgs,
     /// Rows per step (JSONL data).
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 8, help_heading = "Data")]
     pub batch_size: i64,
     /// Tokens per row (JSONL data).
-    #[arg(long, default_value_t = 512)]
+    #[arg(long, default_value_t = 512, help_heading = "Data")]
     pub seq: i64,
     /// Pad each example to its own row instead of packing several per row.
-    #[arg(long)]
+    #[arg(long, help_heading = "Data")]
     pub no_pack: bool,
     /// Also put the loss on the prompt tokens (default: response tokens only).
-    #[arg(long)]
+    #[arg(long, help_heading = "Data")]
     pub train_on_prompt: bool,
     /// Skip JSONL lines that are not valid examples (counted) instead of stopping.
-    #[arg(long)]
+    #[arg(long, help_heading = "Data")]
     pub skip_bad_lines: bool,
     /// Stop on an example longer than --seq instead of truncating it.
-    #[arg(long)]
+    #[arg(long, help_heading = "Data")]
     pub strict_length: bool,
     /// Hold out this fraction of the examples for evaluation (ignored with --eval-data).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, help_heading = "Data")]
     pub eval_fraction: f64,
     /// A separate JSONL file to evaluate on.
-    #[arg(long)]
+    #[arg(long, help_heading = "Data")]
     pub eval_data: Option<PathBuf>,
     /// Evaluate every N steps (and at the start and the end).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, help_heading = "Schedule")]
     pub eval_every: u64,
     /// Run a program directory from `xtrain compile` instead of building the step here.
-    #[arg(long)]
+    #[arg(long, help_heading = "Model")]
     pub program: Option<PathBuf>,
     /// Compile even if a cached executable exists.
-    #[arg(long)]
+    #[arg(long, help_heading = "Model")]
     pub no_cache: bool,
     /// Stop this invocation after N steps (checkpoints as usual), e.g. to time-box a session and
     /// continue later with --resume.
-    #[arg(long)]
+    #[arg(long, help_heading = "Schedule")]
     pub stop_after: Option<u64>,
     /// On a non-finite loss or gradient, skip the step (its update is never applied) instead of
     /// stopping.
-    #[arg(long)]
+    #[arg(long, help_heading = "Output")]
     pub skip_nonfinite_steps: bool,
     /// Write a checkpoint (OUT/checkpoint-K) and the adapter (OUT/step-K) every K steps.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, help_heading = "Output")]
     pub save_every: u64,
     /// Print progress every N steps (0 = never).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, help_heading = "Output")]
     pub log_every: u64,
     /// Do not draw OUT/loss.png.
-    #[arg(long)]
+    #[arg(long, help_heading = "Output")]
     pub no_plot: bool,
     /// Output directory (metrics.jsonl, checkpoints, adapters, loss.png). One that holds a
     /// previous run is continued only with --resume, replaced only with --overwrite.
-    #[arg(long)]
+    #[arg(long, help_heading = "Output")]
     pub out: PathBuf,
     /// Start afresh in an --out that holds a previous run (or other files): they are set aside
     /// and deleted once this run completes.
-    #[arg(long)]
+    #[arg(long, help_heading = "Output")]
     pub overwrite: bool,
     /// Seed for LoRA initialisation, data order and dropout.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, help_heading = "Output")]
     pub seed: u64,
     /// PJRT plugin: cpu, cuda, rocm, tpu or a path to a plugin .so (default: $XTRAIN_PLUGIN or cpu).
-    #[arg(long)]
+    #[arg(long, help_heading = "Model")]
     pub plugin: Option<String>,
 }
 

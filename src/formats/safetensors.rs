@@ -1,50 +1,68 @@
-//! Safetensors files: a little-endian u64 header length, a JSON header naming every tensor's
-//! dtype, shape and byte range, then the data. Reading checks every header entry before any
-//! tensor is used; writing is atomic (temp file, fsync, rename).
+//! Safetensors files, read and written with the `safetensors` crate (the format's reference
+//! implementation): a little-endian u64 header length, a JSON header naming every tensor's dtype,
+//! shape and byte range, then the data.
+//!
+//! Reading memory-maps the file (`memmap2`) and hands the map to the crate, which parses and
+//! validates the header (offsets contiguous, each tensor's bytes matching its dtype and shape,
+//! the data covering the file exactly) without touching the data; a tensor's pages are read
+//! only when it is used, and [`SafeTensors::release`] gives them back, so reading a checkpoint
+//! tensor by tensor never holds more than the tensor at hand in memory. Around the crate are
+//! our own checks and messages: a short file, a header that does not fit, a truncated file
+//! naming the first tensor whose data is missing, an unsupported dtype naming the tensor, and
+//! `model.safetensors.index.json` (which the crate does not read) naming missing shards.
+//!
+//! Writing lays the file out as the crate does (tensors by dtype alignment, largest first, then
+//! by name; the header is the crate's `Metadata`, padded with spaces to 8 bytes) and streams it
+//! through [`crate::formats::atomic::write_atomic`] (temp file, fsync, rename, directory fsync):
+//! the crate's own `serialize_to_file` renames without an fsync, and its `serialize` builds the
+//! whole file in memory first.
+//!
+//! A mapped file that another process truncates while it is read would fault (SIGBUS): xtrain
+//! never writes over a file it has mapped (every write is a rename of a new file).
 
 use anyhow::{bail, Context, Result};
+use memmap2::Mmap;
 use pjrt::{ElementType, HostTensor};
-use std::collections::BTreeMap;
+use safetensors::tensor::{Dtype, Metadata, SafeTensorError, TensorInfo as StInfo};
+use safetensors::SafeTensors as Parsed;
+use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::io::Write;
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-/// Headers larger than this are refused (the format's own limit is 100 MB).
-const MAX_HEADER: u64 = 100 << 20;
-
-pub fn dtype_from_name(name: &str) -> Option<ElementType> {
-    Some(match name {
-        "BOOL" => ElementType::Pred,
-        "I8" => ElementType::S8,
-        "I32" => ElementType::S32,
-        "I64" => ElementType::S64,
-        "U8" => ElementType::U8,
-        "U16" => ElementType::U16,
-        "U32" => ElementType::U32,
-        "U64" => ElementType::U64,
-        "F16" => ElementType::F16,
-        "BF16" => ElementType::BF16,
-        "F32" => ElementType::F32,
-        "F64" => ElementType::F64,
+/// The element type of a safetensors dtype, if xtrain has one.
+fn element_type(d: Dtype) -> Option<ElementType> {
+    Some(match d {
+        Dtype::BOOL => ElementType::Pred,
+        Dtype::I8 => ElementType::S8,
+        Dtype::I32 => ElementType::S32,
+        Dtype::I64 => ElementType::S64,
+        Dtype::U8 => ElementType::U8,
+        Dtype::U16 => ElementType::U16,
+        Dtype::U32 => ElementType::U32,
+        Dtype::U64 => ElementType::U64,
+        Dtype::F16 => ElementType::F16,
+        Dtype::BF16 => ElementType::BF16,
+        Dtype::F32 => ElementType::F32,
+        Dtype::F64 => ElementType::F64,
         _ => return None,
     })
 }
 
-pub fn dtype_name(ty: ElementType) -> &'static str {
+fn st_dtype(ty: ElementType) -> Dtype {
     match ty {
-        ElementType::Pred => "BOOL",
-        ElementType::S8 => "I8",
-        ElementType::S32 => "I32",
-        ElementType::S64 => "I64",
-        ElementType::U8 => "U8",
-        ElementType::U16 => "U16",
-        ElementType::U32 => "U32",
-        ElementType::U64 => "U64",
-        ElementType::F16 => "F16",
-        ElementType::BF16 => "BF16",
-        ElementType::F32 => "F32",
-        ElementType::F64 => "F64",
+        ElementType::Pred => Dtype::BOOL,
+        ElementType::S8 => Dtype::I8,
+        ElementType::S32 => Dtype::I32,
+        ElementType::S64 => Dtype::I64,
+        ElementType::U8 => Dtype::U8,
+        ElementType::U16 => Dtype::U16,
+        ElementType::U32 => Dtype::U32,
+        ElementType::U64 => Dtype::U64,
+        ElementType::F16 => Dtype::F16,
+        ElementType::BF16 => Dtype::BF16,
+        ElementType::F32 => Dtype::F32,
+        ElementType::F64 => Dtype::F64,
     }
 }
 
@@ -58,10 +76,11 @@ pub struct TensorInfo {
     pub len: u64,
 }
 
-/// An open safetensors file with a checked header.
+/// An open (memory-mapped) safetensors file with a checked header.
 pub struct SafeTensors {
     pub path: PathBuf,
-    file: File,
+    /// The whole file, mapped (read-only).
+    map: Mmap,
     pub tensors: BTreeMap<String, TensorInfo>,
     pub metadata: BTreeMap<String, String>,
 }
@@ -76,89 +95,43 @@ impl SafeTensors {
                 "file is {size} bytes, too short for a safetensors header"
             )));
         }
-        let mut len = [0u8; 8];
-        file.read_exact_at(&mut len, 0)?;
-        let header_len = u64::from_le_bytes(len);
-        if header_len > MAX_HEADER || 8 + header_len > size {
-            return Err(fail(format!(
-                "header length {header_len} does not fit in the {size}-byte file (truncated or not safetensors)"
-            )));
-        }
-        let mut header = vec![0u8; header_len as usize];
-        file.read_exact_at(&mut header, 8)?;
-        let json: serde_json::Value = serde_json::from_slice(&header)
-            .map_err(|e| fail(format!("header is not valid JSON ({e})")))?;
-        let obj = json
-            .as_object()
-            .ok_or_else(|| fail("header is not a JSON object".into()))?;
-        let data_start = 8 + header_len;
+        // SAFETY: the map is read-only and xtrain never writes a file in place (every write is
+        // a new file renamed over the old one), so the mapped bytes do not change under us;
+        // another program truncating the file meanwhile would fault, as for any mapped file.
+        let map = unsafe { Mmap::map(&file) }
+            .with_context(|| format!("cannot map {}", path.display()))?;
+        let header_len = u64::from_le_bytes(map[..8].try_into().unwrap());
+        let (n, meta) =
+            Parsed::read_metadata(&map).map_err(|e| fail(explain(e, &map, header_len, size)))?;
+        let data_start = 8 + n as u64;
         let mut tensors = BTreeMap::new();
-        let mut metadata = BTreeMap::new();
-        for (name, entry) in obj {
-            if name == "__metadata__" {
-                if let Some(m) = entry.as_object() {
-                    for (k, v) in m {
-                        metadata.insert(k.clone(), v.as_str().unwrap_or_default().to_string());
-                    }
-                }
-                continue;
-            }
-            let bad = |what: &str| fail(format!("tensor `{name}`: {what}"));
-            let dtype_s = entry
-                .get("dtype")
-                .and_then(|d| d.as_str())
-                .ok_or_else(|| bad("no dtype"))?;
-            let dtype = dtype_from_name(dtype_s)
-                .ok_or_else(|| bad(&format!("unsupported dtype {dtype_s}")))?;
-            let shape: Vec<i64> = entry
-                .get("shape")
-                .and_then(|s| s.as_array())
-                .ok_or_else(|| bad("no shape"))?
-                .iter()
-                .map(|d| d.as_i64().filter(|&d| d >= 0))
-                .collect::<Option<_>>()
-                .ok_or_else(|| bad("shape must be non-negative integers"))?;
-            let offsets: Vec<u64> = entry
-                .get("data_offsets")
-                .and_then(|s| s.as_array())
-                .ok_or_else(|| bad("no data_offsets"))?
-                .iter()
-                .map(|d| d.as_u64())
-                .collect::<Option<_>>()
-                .ok_or_else(|| bad("data_offsets must be non-negative integers"))?;
-            if offsets.len() != 2 || offsets[0] > offsets[1] {
-                return Err(bad(&format!("bad data_offsets {offsets:?}")));
-            }
-            let elements = shape
-                .iter()
-                .try_fold(1u64, |acc, &d| acc.checked_mul(d as u64));
-            let expected = elements.and_then(|n| n.checked_mul(dtype.size_bytes() as u64));
-            if expected != Some(offsets[1] - offsets[0]) {
-                return Err(bad(&format!(
-                    "{dtype_s}{shape:?} needs {} bytes but data_offsets {offsets:?} span {}",
-                    expected.map_or("too many".into(), |e| e.to_string()),
-                    offsets[1] - offsets[0]
-                )));
-            }
-            if data_start + offsets[1] > size {
-                return Err(bad(&format!(
-                    "data ends at byte {} but the file has {size} bytes (truncated?)",
-                    data_start + offsets[1]
-                )));
-            }
+        for (name, info) in meta.tensors() {
+            let dtype = element_type(info.dtype).ok_or_else(|| {
+                fail(format!(
+                    "tensor `{name}`: unsupported dtype {:?}",
+                    info.dtype
+                ))
+            })?;
+            let (start, end) = info.data_offsets;
             tensors.insert(
-                name.clone(),
+                name,
                 TensorInfo {
                     dtype,
-                    shape,
-                    offset: data_start + offsets[0],
-                    len: offsets[1] - offsets[0],
+                    shape: info.shape.iter().map(|&d| d as i64).collect(),
+                    offset: data_start + start as u64,
+                    len: (end - start) as u64,
                 },
             );
         }
+        let metadata = meta
+            .metadata()
+            .iter()
+            .flatten()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
         Ok(SafeTensors {
             path: path.to_path_buf(),
-            file,
+            map,
             tensors,
             metadata,
         })
@@ -170,48 +143,161 @@ impl SafeTensors {
             .with_context(|| format!("{}: no tensor named `{name}`", self.path.display()))
     }
 
+    /// A tensor's bytes, in the file's layout (row-major, little-endian), straight from the map:
+    /// its pages are read as they are touched. [`SafeTensors::release`] gives them back.
+    pub fn bytes(&self, name: &str) -> Result<&[u8]> {
+        let info = self.info(name)?;
+        Ok(&self.map[info.offset as usize..(info.offset + info.len) as usize])
+    }
+
+    /// Drop the pages of `name` that reading it mapped in (the file stays in the page cache, and
+    /// reading the tensor again maps them in again): what keeps reading a checkpoint tensor by
+    /// tensor from growing the process's memory by the whole checkpoint.
+    pub fn release(&self, name: &str) {
+        if let Ok(info) = self.info(name) {
+            if info.len > 0 {
+                // SAFETY: MADV_DONTNEED on a read-only shared file mapping only drops this
+                // process's page table entries; later reads fault the file's pages in again.
+                let _ = unsafe {
+                    self.map.unchecked_advise_range(
+                        memmap2::UncheckedAdvice::DontNeed,
+                        info.offset as usize,
+                        info.len as usize,
+                    )
+                };
+            }
+        }
+    }
+
+    /// A tensor as a host tensor (a copy; the mapped pages are released).
     pub fn read(&self, name: &str) -> Result<HostTensor> {
         let info = self.info(name)?;
-        let mut bytes = vec![0u8; info.len as usize];
-        self.file
-            .read_exact_at(&mut bytes, info.offset)
-            .with_context(|| format!("{}: reading `{name}`", self.path.display()))?;
-        Ok(HostTensor {
+        let t = HostTensor {
             ty: info.dtype,
             dims: info.shape.clone(),
-            bytes,
-        })
+            bytes: self.bytes(name)?.to_vec(),
+        };
+        self.release(name);
+        Ok(t)
     }
 }
 
-/// Write tensors (in name order) to `path` atomically: a crash leaves the old file or none.
+/// The crate's error, said with the file's numbers; a truncated file names the first tensor
+/// whose data is missing.
+fn explain(e: SafeTensorError, map: &[u8], header_len: u64, size: u64) -> String {
+    match e {
+        SafeTensorError::HeaderTooLarge | SafeTensorError::InvalidHeaderLength => format!(
+            "header length {header_len} does not fit in the {size}-byte file (truncated or not safetensors)"
+        ),
+        SafeTensorError::InvalidHeader(e) => format!("header is not valid UTF-8 ({e})"),
+        SafeTensorError::InvalidHeaderDeserialization(e) => {
+            format!("header is not valid JSON ({e})")
+        }
+        SafeTensorError::MetadataIncompleteBuffer => {
+            let header = &map[8..8 + header_len as usize];
+            let data = size - 8 - header_len;
+            match serde_json::from_slice::<Metadata>(header) {
+                Ok(meta) => {
+                    let mut by_end: Vec<(String, usize)> = meta
+                        .tensors()
+                        .into_iter()
+                        .map(|(n, i)| (n, i.data_offsets.1))
+                        .collect();
+                    by_end.sort_by_key(|(_, end)| *end);
+                    match by_end.iter().find(|(_, end)| *end as u64 > data) {
+                        Some((name, end)) => format!(
+                            "tensor `{name}`: data ends at byte {} but the file has {size} bytes (truncated?)",
+                            8 + header_len + *end as u64
+                        ),
+                        None => format!(
+                            "the tensors end at byte {} but the file has {size} bytes (trailing bytes: not a safetensors file?)",
+                            8 + header_len + meta.data_len() as u64
+                        ),
+                    }
+                }
+                Err(e) => format!("header is not valid ({e})"),
+            }
+        }
+        SafeTensorError::TensorInvalidInfo => {
+            // Name the tensor whose byte range does not fit its dtype and shape.
+            let header = &map[8..8 + header_len as usize];
+            let entries: BTreeMap<String, serde_json::Value> =
+                serde_json::from_slice(header).unwrap_or_default();
+            let bad = entries.into_iter().find_map(|(name, v)| {
+                let info: StInfo = serde_json::from_value(v).ok()?;
+                let n = info.shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+                let need = n.and_then(|n| n.checked_mul(info.dtype.bitsize() / 8));
+                let (s, e) = info.data_offsets;
+                (need != e.checked_sub(s)).then(|| {
+                    format!(
+                        "tensor `{name}`: {:?}{:?} needs {} bytes but data_offsets [{s}, {e}] span {}",
+                        info.dtype,
+                        info.shape,
+                        need.map_or("too many".into(), |b| b.to_string()),
+                        e.saturating_sub(s)
+                    )
+                })
+            });
+            bad.unwrap_or_else(|| "a tensor's dtype and shape do not match its data_offsets".into())
+        }
+        SafeTensorError::InvalidOffset(name) => format!(
+            "tensor `{name}`: its data_offsets do not start where the previous tensor's end (holes or overlaps)"
+        ),
+        e => format!("not a valid safetensors file ({e})"),
+    }
+}
+
+/// Write tensors to `path` atomically (a crash leaves the old file or none), laid out as the
+/// `safetensors` crate lays them out.
 pub fn write(
     path: &Path,
     tensors: &BTreeMap<String, HostTensor>,
     metadata: &BTreeMap<String, String>,
 ) -> Result<()> {
-    let mut header = serde_json::Map::new();
-    if !metadata.is_empty() {
-        header.insert("__metadata__".into(), serde_json::to_value(metadata)?);
-    }
-    let mut offset = 0u64;
-    for (name, t) in tensors {
-        let end = offset + t.bytes.len() as u64;
-        header.insert(
-            name.clone(),
-            serde_json::json!({"dtype": dtype_name(t.ty), "shape": t.dims, "data_offsets": [offset, end]}),
-        );
+    let mut order: Vec<(&String, &HostTensor)> = tensors.iter().collect();
+    order.sort_by(|(ln, lt), (rn, rt)| {
+        st_dtype(rt.ty)
+            .cmp(&st_dtype(lt.ty))
+            .then_with(|| ln.cmp(rn))
+    });
+    let mut infos = Vec::with_capacity(order.len());
+    let mut offset = 0usize;
+    for (name, t) in &order {
+        let expected = t.ty.byte_size(t.element_count());
+        if t.bytes.len() != expected {
+            bail!(
+                "tensor `{name}`: {:?}{:?} needs {expected} bytes but has {}",
+                t.ty,
+                t.dims,
+                t.bytes.len()
+            );
+        }
+        let end = offset + t.bytes.len();
+        infos.push((
+            name.to_string(),
+            StInfo {
+                dtype: st_dtype(t.ty),
+                shape: t.dims.iter().map(|&d| d as usize).collect(),
+                data_offsets: (offset, end),
+            },
+        ));
         offset = end;
     }
-    let mut text = serde_json::to_vec(&serde_json::Value::Object(header))?;
-    // Pad the header to 8 bytes so tensor data is aligned, as the reference writer does.
-    while text.len() % 8 != 0 {
-        text.push(b' ');
-    }
+    let meta = (!metadata.is_empty()).then(|| {
+        metadata
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect::<HashMap<_, _>>()
+    });
+    let meta =
+        Metadata::new(meta, infos).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    let mut header = serde_json::to_vec(&meta)?;
+    // Pad the header to 8 bytes so tensor data is aligned, as the crate does.
+    header.resize(header.len().next_multiple_of(8), b' ');
     crate::formats::atomic::write_atomic(path, |f| {
-        f.write_all(&(text.len() as u64).to_le_bytes())?;
-        f.write_all(&text)?;
-        for t in tensors.values() {
+        f.write_all(&(header.len() as u64).to_le_bytes())?;
+        f.write_all(&header)?;
+        for (_, t) in &order {
             f.write_all(&t.bytes)?;
         }
         Ok(())
@@ -294,24 +380,34 @@ impl WeightFiles {
         self.index.keys()
     }
 
-    pub fn info(&self, name: &str) -> Result<(&TensorInfo, &Path)> {
+    fn file(&self, name: &str) -> Result<&SafeTensors> {
         let id = self.index.get(name).with_context(|| {
             format!(
                 "{}: the checkpoint has no tensor `{name}`",
                 self.dir.display()
             )
         })?;
-        let f = &self.files[*id];
+        Ok(&self.files[*id])
+    }
+
+    pub fn info(&self, name: &str) -> Result<(&TensorInfo, &Path)> {
+        let f = self.file(name)?;
         Ok((&f.tensors[name], &f.path))
     }
 
+    /// See [`SafeTensors::bytes`].
+    pub fn bytes(&self, name: &str) -> Result<&[u8]> {
+        self.file(name)?.bytes(name)
+    }
+
+    /// See [`SafeTensors::release`].
+    pub fn release(&self, name: &str) {
+        if let Ok(f) = self.file(name) {
+            f.release(name);
+        }
+    }
+
     pub fn read(&self, name: &str) -> Result<HostTensor> {
-        let id = self.index.get(name).with_context(|| {
-            format!(
-                "{}: the checkpoint has no tensor `{name}`",
-                self.dir.display()
-            )
-        })?;
-        self.files[*id].read(name)
+        self.file(name)?.read(name)
     }
 }

@@ -1,12 +1,11 @@
 //! What a run tells the person watching it: `metrics.jsonl` (one JSON object per step, evaluation,
-//! skipped step or loss spike) with the history the loss curve is drawn from, and the progress
-//! line on stderr.
+//! skipped step or loss spike) with the history the loss curve is drawn from; its lines on stderr
+//! go above the progress bar (`progress::say`).
 
 use crate::device::trainer::EvalResult;
 use anyhow::{Context, Result};
 use std::io::Write;
 use std::path::Path;
-use std::time::Instant;
 
 /// `OUT/metrics.jsonl`, appended to as the run goes.
 pub struct Metrics {
@@ -15,6 +14,8 @@ pub struct Metrics {
     tokens_per_step: i64,
     /// (step, train loss or NaN, eval loss): what the loss curve is drawn from.
     pub history: Vec<(u64, f64, Option<f64>)>,
+    /// (step, held-out exact-match accuracy): the accuracy curve under the loss.
+    pub eval_accuracy: Vec<(u64, f64)>,
     /// The last (up to 20) losses, to notice a spike.
     recent: Vec<f32>,
 }
@@ -48,6 +49,7 @@ impl Metrics {
             file,
             tokens_per_step,
             history: Vec::new(),
+            eval_accuracy: Vec::new(),
             recent: Vec::new(),
         })
     }
@@ -59,13 +61,14 @@ impl Metrics {
             "{}",
             serde_json::json!({"step": step, "eval_loss": r.loss, "eval_accuracy": r.accuracy, "eval_rows": r.rows})
         )?;
-        eprintln!(
+        crate::train::progress::say(&format!(
             "eval at step {step}: loss {:.4}, exact-match accuracy {:.1}% of {} rows",
             r.loss,
             100.0 * r.accuracy,
             r.rows
-        );
+        ));
         self.history.push((step, f64::NAN, Some(r.loss)));
+        self.eval_accuracy.push((step, r.accuracy));
         Ok(())
     }
 
@@ -93,7 +96,7 @@ impl Metrics {
         if self.recent.len() >= 5 {
             let mean = self.recent.iter().sum::<f32>() / self.recent.len() as f32;
             if loss > 2.0 * mean + 1.0 {
-                eprintln!("xtrain: loss spike at step {step}: {loss:.4} against a recent mean of {mean:.4}");
+                crate::train::progress::say(&format!("xtrain: loss spike at step {step}: {loss:.4} against a recent mean of {mean:.4}"));
                 writeln!(
                     self.file,
                     "{}",
@@ -115,32 +118,5 @@ impl Metrics {
         self.file.flush()?;
         self.history.push((step, loss as f64, None));
         Ok(())
-    }
-}
-
-/// The progress line: step, loss, tokens/s, ETA. Rewritten in place on a terminal.
-pub struct Progress {
-    pub start: Instant,
-    pub tty: bool,
-    pub first_step: u64,
-}
-
-impl Progress {
-    pub fn show(&self, step: u64, total: u64, loss: f32, tokens_per_s: f64, lr: f64) {
-        use std::io::IsTerminal;
-        let done = (step - self.first_step + 1) as f64;
-        let eta = self.start.elapsed().as_secs_f64() / done * (total - step) as f64;
-        let width = 24;
-        let filled = (step as usize * width) / total.max(1) as usize;
-        let bar: String = "#".repeat(filled) + &".".repeat(width - filled);
-        let line = format!("[{bar}] step {step}/{total} loss {loss:.4} lr {lr:.2e} {tokens_per_s:.0} tok/s eta {eta:.0}s");
-        if self.tty && std::io::stderr().is_terminal() {
-            eprint!("\r{line}");
-            if step == total {
-                eprintln!();
-            }
-        } else {
-            eprintln!("{line}");
-        }
     }
 }

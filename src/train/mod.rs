@@ -12,6 +12,7 @@ pub mod log;
 pub mod options;
 pub mod output;
 pub mod plot;
+pub mod progress;
 pub mod schedule;
 pub mod settings;
 
@@ -19,22 +20,24 @@ use crate::data::{Batch, Source, TrainingData};
 use crate::device::fit::{argument_bytes_per_device, explain_out_of_memory};
 use crate::device::runtime::Runtime;
 use crate::device::trainer::Trainer;
-use crate::formats::host::element_type;
 use crate::formats::peft::init_lora;
+use crate::formats::weights::CheckpointWeights;
 use crate::model::config::LlamaConfig;
 use crate::model::lora::{LoraConfig, Target};
 use crate::program::{self, Program, StepSpec};
 use crate::train::checkpoint::{
     load_checkpoint, save_adapter, save_checkpoint, Checkpoint, TrainerState,
 };
-use crate::train::log::{Metrics, Progress};
+use crate::train::log::Metrics;
 use crate::train::options::TrainOptions;
 use crate::train::output::RunDir;
 use crate::train::schedule::Schedule;
 use anyhow::{bail, Context, Result};
 use pjrt::HostTensor;
+use std::cell::Cell;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
@@ -116,7 +119,7 @@ fn run_in(opts: &TrainOptions, cfg: &LlamaConfig, interrupted: &AtomicBool) -> R
     let (rt, spec, program) = plan(opts, cfg, data.batch, data.seq)?;
     let schedule = schedule(opts, &data.source);
     let start = starting_point(opts, cfg, &spec.lora, &schedule, &data)?;
-    let weights = load_weights(opts, cfg, &spec, &program)?;
+    let weights = load_weights(opts, cfg)?;
     if stop() {
         return Ok(Finished::Interrupted(None));
     }
@@ -138,7 +141,7 @@ fn run_in(opts: &TrainOptions, cfg: &LlamaConfig, interrupted: &AtomicBool) -> R
         state,
         source,
         eval_batches,
-        base: opts.model.to_string_lossy().to_string(),
+        base: crate::formats::peft::base_model_name(&opts.model),
     };
     if stop() {
         return Ok(Finished::Interrupted(None));
@@ -438,44 +441,65 @@ fn initial_adapter(
     crate::formats::peft::read_tensors(dir, cfg, lora_cfg)
 }
 
-/// The frozen weights from the checkpoint, in the program's layout and element type.
-fn load_weights(
-    opts: &TrainOptions,
-    cfg: &LlamaConfig,
-    spec: &StepSpec,
-    program: &Program,
-) -> Result<Vec<HostTensor>> {
-    let frozen = program.frozen_shapes();
-    let t_load = Instant::now();
-    let weights = crate::formats::weights::load(
-        &opts.model,
-        cfg,
-        &frozen,
-        element_type(spec.weight_dtype),
-        |_, _| {},
-    )?;
-    if opts.verbose {
-        eprintln!(
-            "xtrain: loaded {} weight tensors in {:.1}s",
-            frozen.len(),
-            t_load.elapsed().as_secs_f64()
-        );
-    }
-    Ok(weights)
+/// When loading started and the host memory the process held then (`VmRSS`).
+type LoadStart = (Instant, Option<u64>);
+
+/// The checkpoint's frozen weights, opened and checked against the config; they are read one
+/// device's shard at a time as they are uploaded ([`compile_and_upload`]).
+fn load_weights(opts: &TrainOptions, cfg: &LlamaConfig) -> Result<CheckpointWeights> {
+    CheckpointWeights::open(&opts.model, cfg)
 }
 
-/// Compile the step (or load it from the cache) and upload the weights and the starting state.
+/// Compile the step (or load it from the cache), then upload the weights (read shard by shard
+/// from the checkpoint: a bar shows the bytes) and the starting state. Says how long loading
+/// took and the peak host memory while loading (`VmHWM`; on the CPU plugin the devices' buffers
+/// are host memory too), unless `--log-every 0`.
 fn compile_and_upload(
     opts: &TrainOptions,
     rt: Runtime,
     spec: StepSpec,
     program: Program,
-    weights: Vec<HostTensor>,
+    weights: CheckpointWeights,
     (lora, moments, state): &Checkpoint,
 ) -> Result<Trainer> {
     let available = device_memory(&rt);
     let (spec_, args) = (spec.clone(), argument_bytes_per_device(&program));
-    let mut trainer = Trainer::new(
+    let frozen: Vec<(String, u64)> = program
+        .args
+        .iter()
+        .filter(|a| a.role == program::Role::Frozen)
+        .map(|a| {
+            let n: i64 = a.shape.iter().product();
+            (a.name.clone(), n as u64 * a.dtype.size_bytes() as u64)
+        })
+        .collect();
+    let total: u64 = frozen.iter().map(|(_, b)| b).sum();
+    let largest = weights.largest_tensor_bytes(&spec.model);
+    let shown = opts.log_every > 0;
+    let compiling = (shown && !opts.verbose).then(|| progress::spinner("compiling the step"));
+    // When loading started, and the host memory then.
+    let started: Rc<Cell<Option<LoadStart>>> = Rc::new(Cell::new(None));
+    let loading = progress::bytes("loading weights", total);
+    let weights = {
+        let (started, loading, compiling) = (started.clone(), loading.clone(), compiling.clone());
+        weights.on_progress(move |event| match event {
+            None => {
+                if let Some(c) = &compiling {
+                    progress::clear(c);
+                }
+                // The peak from here on is loading's.
+                progress::reset_peak();
+                started.set(Some((Instant::now(), progress::resident_bytes())));
+                loading.reset_elapsed();
+                loading.reset_eta();
+                if shown {
+                    progress::show(&loading);
+                }
+            }
+            Some(k) => loading.inc(frozen.get(k).map_or(0, |(_, b)| *b)),
+        })
+    };
+    let trainer = Trainer::new(
         rt,
         spec,
         program,
@@ -484,8 +508,37 @@ fn compile_and_upload(
         moments,
         opts.use_cache,
         opts.verbose,
-    )
-    .map_err(|e| explain_out_of_memory(e, "the training step", args, &spec_, available))?;
+    );
+    // Done or failed: no bar stays drawn under what is said next.
+    if let Some(c) = &compiling {
+        progress::clear(c);
+    }
+    progress::clear(&loading);
+    let mut trainer = trainer
+        .map_err(|e| explain_out_of_memory(e, "the training step", args, &spec_, available))?;
+    // A progress line like the steps' (quiet with --log-every 0).
+    if let Some((t0, before)) = started.get().filter(|_| opts.log_every > 0 || opts.verbose) {
+        let devices = trainer.program.partitions.max(1);
+        let peak_bytes = progress::peak_bytes();
+        if opts.verbose {
+            // Exact figures, for tests and benchmarks (tests/loading.rs).
+            eprintln!(
+                "xtrain: loading bytes: peak {} before {} weights {total} largest {largest}",
+                peak_bytes.unwrap_or(0),
+                before.unwrap_or(0)
+            );
+        }
+        let peak = peak_bytes.map_or("unknown".into(), progress::gib);
+        let before = before.map_or("unknown".into(), progress::gib);
+        eprintln!(
+            "xtrain: loaded {} of weights onto {devices} device{} in {:.1}s (largest tensor {})",
+            progress::gib(total),
+            if devices == 1 { "" } else { "s" },
+            t0.elapsed().as_secs_f64(),
+            progress::gib(largest),
+        );
+        eprintln!("xtrain: peak host memory while loading {peak} (VmHWM; {before} before loading)");
+    }
     trainer.dropout_seed = opts.seed;
     trainer.step = state.step;
     Ok(trainer)
@@ -494,6 +547,37 @@ fn compile_and_upload(
 /// The memory of the plugin's first device, if it says.
 fn device_memory(rt: &Runtime) -> Option<i64> {
     rt.devices.first()?.info().ok()?.memory_bytes
+}
+
+/// The progress of the loop: a bar on a terminal (its message updated every `--log-every`
+/// steps), else a plain line every `--log-every` steps.
+struct Shown {
+    bar: Option<indicatif::ProgressBar>,
+    start: Instant,
+    first_step: u64,
+}
+
+impl Shown {
+    fn show(&self, step: u64, total: u64, every: bool, loss: f32, tokens_per_s: f64, lr: f64) {
+        let Some(bar) = &self.bar else { return };
+        let what = format!("loss {loss:.4} lr {lr:.2e} {tokens_per_s:.0} tok/s");
+        if progress::drawn() {
+            bar.set_position(step);
+            if every {
+                bar.set_message(what);
+            }
+        } else if every {
+            let done = (step + 1 - self.first_step) as f64;
+            let eta = self.start.elapsed().as_secs_f64() / done * (total - step) as f64;
+            eprintln!("step {step}/{total} {what} eta {eta:.0}s");
+        }
+    }
+
+    fn finish(&self) {
+        if let Some(bar) = &self.bar {
+            progress::leave(bar);
+        }
+    }
 }
 
 /// A run under way: the trainer, where training stands, the data, and what it writes.
@@ -515,27 +599,32 @@ impl Run<'_> {
     /// taken; else how the invocation ended early: `--stop-after` or a signal, each after a
     /// checkpoint of the step reached.
     fn train(&mut self, interrupted: &AtomicBool) -> Result<Option<Finished>> {
-        let progress = Progress {
-            start: Instant::now(),
-            tty: true,
-            first_step: self.state.step + 1,
-        };
         let first = self.state.step;
         let total = self.state.schedule.total;
         let stop_at = self
             .opts
             .stop_after
             .map_or(total, |n| (self.state.step + n).min(total));
+        let shown = Shown {
+            bar: (self.opts.log_every > 0).then(|| progress::steps(self.state.step, total)),
+            start: Instant::now(),
+            first_step: self.state.step + 1,
+        };
         while self.state.step < stop_at {
             if interrupted.load(Ordering::SeqCst) {
+                shown.finish();
                 if self.state.step == first {
                     return Ok(Some(Finished::Interrupted(None)));
                 }
                 let dir = self.save_checkpoint()?;
                 return Ok(Some(Finished::Interrupted(Some(dir))));
             }
-            self.step(&progress)?;
+            if let Err(e) = self.step(&shown) {
+                shown.finish();
+                return Err(e);
+            }
         }
+        shown.finish();
         if self.state.step < total {
             let dir = self.checkpoint_dir();
             let saved = self.opts.save_every > 0
@@ -552,7 +641,7 @@ impl Run<'_> {
     /// One step: run it on the next batch, then log it, evaluate and checkpoint as asked. A step
     /// whose loss or gradient is not finite changed nothing (the program's finite guard): it is
     /// skipped with `--skip-nonfinite-steps`, else the run stops with the last good state saved.
-    fn step(&mut self, progress: &Progress) -> Result<()> {
+    fn step(&mut self, shown: &Shown) -> Result<()> {
         let opts = self.opts;
         let total = self.state.schedule.total;
         let step = self.state.step + 1;
@@ -582,14 +671,15 @@ impl Run<'_> {
                 let dir = self.save_checkpoint()?;
                 bail!("step {step}: {what}; stopped without applying it. The last good state is in {} (--skip-nonfinite-steps skips such steps instead)", dir.display());
             }
-            eprintln!("xtrain: step {step}: {what}; step skipped");
+            progress::say(&format!("xtrain: step {step}: {what}; step skipped"));
             return Ok(());
         }
         self.metrics
             .step(step, loss, grad_norm, lr, self.state.epoch, dt)?;
-        if opts.log_every > 0 && (step.is_multiple_of(opts.log_every) || step == total) {
+        if opts.log_every > 0 {
             let tokens_per_s = self.tokens_per_step as f64 / dt;
-            progress.show(step, total, loss, tokens_per_s, lr);
+            let every = step.is_multiple_of(opts.log_every) || step == total;
+            shown.show(step, total, every, loss, tokens_per_s, lr);
         }
         if opts.eval_every > 0 && step.is_multiple_of(opts.eval_every) && step != total {
             self.evaluate(step)?;
@@ -641,7 +731,23 @@ impl Run<'_> {
         )?;
         if self.opts.plot {
             let path = self.opts.out.join("loss.png");
-            crate::train::plot::loss_curve(&path, &self.metrics.history)?;
+            let lora = &self.trainer.spec.lora;
+            let title = format!(
+                "{}: LoRA r={}, alpha {} ({})",
+                self.opts
+                    .model
+                    .file_name()
+                    .map_or(self.base.clone(), |n| n.to_string_lossy().into()),
+                lora.r,
+                lora.alpha,
+                self.opts.out.display()
+            );
+            crate::train::plot::loss_curve(
+                &path,
+                &self.metrics.history,
+                &self.metrics.eval_accuracy,
+                &title,
+            )?;
             eprintln!("xtrain: loss curve in {}", path.display());
         }
         Ok(())
