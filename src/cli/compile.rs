@@ -14,12 +14,20 @@ use xtrain::program::{MeshPlan, Offload, Program, StepSpec};
 
 #[derive(Args)]
 pub struct CompileArgs {
-    /// A Hugging Face model directory, or a preset: llama-3.1-8b, llama-3.1-70b, llama-3.1-405b,
-    /// tiny-llama3.
+    /// A TOML recipe whose keys are these flags (`lora_r = 16`); flags on the command line
+    /// override it (see recipes/).
+    #[arg(long, value_name = "FILE")]
+    #[allow(dead_code)] // read before parsing, by config::expand
+    pub config: Option<PathBuf>,
+    /// A Hugging Face model directory, a preset (llama-3.1-8b, llama-3.1-70b, llama-3.1-405b,
+    /// smollm2-135m, tiny-llama3), or a repo id (org/name; its config.json only).
     #[arg(long)]
     pub model: String,
+    /// With a repo id: the branch, tag or commit (default main).
+    #[arg(long)]
+    pub revision: Option<String>,
     /// Rows per step (all microbatches together).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, alias = "batch-size", default_value_t = 1)]
     pub batch: i64,
     /// Tokens per row.
     #[arg(long, default_value_t = 2048)]
@@ -84,7 +92,7 @@ fn secs(s: f64) -> String {
 }
 
 pub fn compile(mut a: CompileArgs, verbose: bool) -> Result<()> {
-    let (cfg, _) = xtrain::model::presets::resolve_model_config(&a.model)?;
+    let cfg = crate::cli::model::model_config(&a.model, a.revision.as_deref())?;
     if a.target_config.is_some() && a.target.is_none() {
         bail!("--target-config describes the GPU of a --target; give --target cuda:<name>:<count> or rocm:<name>:<count> too");
     }

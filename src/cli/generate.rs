@@ -7,9 +7,13 @@ use xtrain::device::generate::Stop;
 
 #[derive(Args)]
 pub struct GenerateArgs {
-    /// Hugging Face model directory (with tokenizer.json).
+    /// Hugging Face model directory (with tokenizer.json), or a repo id (org/name) in the hub
+    /// cache.
     #[arg(long)]
     pub model: PathBuf,
+    /// With a repo id: the branch, tag or commit (default main).
+    #[arg(long)]
+    pub revision: Option<String>,
     /// A PEFT adapter directory to apply.
     #[arg(long)]
     pub adapter: Option<PathBuf>,
@@ -37,7 +41,7 @@ pub struct GenerateArgs {
     pub plugin: Option<String>,
 }
 
-pub fn generate(a: GenerateArgs) -> Result<()> {
+pub fn generate(mut a: GenerateArgs) -> Result<()> {
     if a.context < 2 {
         bail!(
             "--context must be at least 2 (a prompt token and one generated), got {}",
@@ -50,6 +54,7 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
             a.temperature
         );
     }
+    a.model = crate::cli::model::model_dir(&a.model, a.revision.as_deref())?;
     let cfg = xtrain::model::config::LlamaConfig::load(&a.model)?;
     let tok = xtrain::data::text::TextTokenizer::load(&a.model)?;
     let text = if a.raw {

@@ -6,8 +6,10 @@
 mod args;
 mod bench;
 mod compile;
+mod config;
 mod convert;
 mod generate;
+mod model;
 mod plugins;
 mod train;
 
@@ -61,8 +63,12 @@ enum Command {
     Targets { name: Option<String> },
     /// Fold a LoRA adapter into the base weights and write a complete HF checkpoint.
     Merge {
+        /// The base model: a Hugging Face model directory or repo id (org/name).
         #[arg(long)]
         model: PathBuf,
+        /// With a repo id: the branch, tag or commit (default main).
+        #[arg(long)]
+        revision: Option<String>,
         #[arg(long)]
         adapter: PathBuf,
         /// Output model directory: new or empty (see --overwrite).
@@ -86,10 +92,28 @@ fn given_flags(m: Option<&clap::ArgMatches>) -> std::collections::BTreeSet<Strin
         .collect()
 }
 
+/// The command line and its matches, with the flags of a `--config` recipe put before the command
+/// line's own (a flag given twice takes its last value, so the command line overrides the recipe;
+/// the recipe's flags count as given).
+fn parse() -> (Cli, clap::ArgMatches) {
+    let cmd = config::COMMANDS.iter().fold(Cli::command(), |c, name| {
+        c.mut_subcommand(*name, |s| s.args_override_self(true))
+    });
+    let argv = match config::expand(std::env::args_os().collect(), &cmd) {
+        Ok(argv) => argv,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::exit(2);
+        }
+    };
+    let matches = cmd.get_matches_from(argv);
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    (cli, matches)
+}
+
 /// Parse the command line and run the command; an error is printed as `error: ...` with exit code 1.
 pub fn main() {
-    let matches = Cli::command().get_matches();
-    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    let (cli, matches) = parse();
     pjrt::set_verbose(cli.verbose);
     // Before any command starts threads (weights are made and read on all cores).
     let runs_on = match &cli.command {
@@ -120,10 +144,12 @@ pub fn main() {
         Command::Targets { name } => compile::targets(name.as_deref()),
         Command::Merge {
             model,
+            revision,
             adapter,
             out,
             overwrite,
-        } => convert::merge(&model, &adapter, &out, overwrite),
+        } => model::model_dir(&model, revision.as_deref())
+            .and_then(|model| convert::merge(&model, &adapter, &out, overwrite)),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

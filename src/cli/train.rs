@@ -5,19 +5,34 @@ use anyhow::Result;
 use clap::Args;
 use std::collections::BTreeSet;
 use std::path::PathBuf;
-use xtrain::data::DataOptions;
+use xtrain::data::{Columns, DataOptions};
 use xtrain::train::options::TrainOptions;
 
 #[derive(Args)]
 pub struct TrainArgs {
-    /// Hugging Face model directory (config.json + safetensors [+ tokenizer.json for text]).
+    /// A TOML recipe whose keys are these flags (`lora_r = 16`, `no_pack = true`); flags on the
+    /// command line override it (see recipes/).
+    #[arg(long, value_name = "FILE", help_heading = "Model")]
+    #[allow(dead_code)] // read before parsing, by config::expand
+    pub config: Option<PathBuf>,
+    /// The model: a Hugging Face model directory (config.json + safetensors [+ tokenizer.json for
+    /// text]), or a repo id (org/name) found in the Hugging Face hub cache, else downloaded into it.
     #[arg(long, help_heading = "Model")]
     pub model: PathBuf,
-    /// Training data: a .jsonl file ({"text"}, alpaca {"instruction","input","output"} or chat
-    /// {"messages"} rows), or a .safetensors file with one pre-tokenized batch (input_ids,
-    /// labels, attention_mask) used for every step.
+    /// With a repo id: the branch, tag or commit (default main).
+    #[arg(long, help_heading = "Model")]
+    pub revision: Option<String>,
+    /// Training data: a .jsonl or .parquet file ({"text"}, alpaca {"instruction","input","output"}
+    /// or chat {"messages"} rows), or a .safetensors file with one pre-tokenized batch
+    /// (input_ids, labels, attention_mask) used for every step.
     #[arg(long, help_heading = "Data")]
     pub data: PathBuf,
+    /// The column (JSONL key) that holds plain text (default `text`).
+    #[arg(long, help_heading = "Data")]
+    pub text_column: Option<String>,
+    /// The column (JSONL key) that holds chat messages (default `messages`).
+    #[arg(long, help_heading = "Data")]
+    pub messages_column: Option<String>,
     /// Start from this PEFT adapter instead of a fresh one.
     #[arg(long, help_heading = "Model")]
     pub init_adapter: Option<PathBuf>,
@@ -95,6 +110,10 @@ pub struct TrainArgs {
     /// Do not draw OUT/loss.png.
     #[arg(long, help_heading = "Output")]
     pub no_plot: bool,
+    /// One device's peak TFLOP/s at the step's dtype (e.g. 989 for an H100's dense bf16): with
+    /// it, the model FLOPs utilization is logged as train/mfu.
+    #[arg(long, help_heading = "Output")]
+    pub peak_tflops: Option<f64>,
     /// Output directory (metrics.jsonl, checkpoints, adapters, loss.png). One that holds a
     /// previous run is continued only with --resume, replaced only with --overwrite.
     #[arg(long, help_heading = "Output")]
@@ -123,9 +142,10 @@ pub fn train(a: TrainArgs, verbose: bool, explicit: BTreeSet<String>) -> Result<
             strict_length: a.strict_length,
             eval_fraction: a.eval_fraction,
             eval_data: a.eval_data,
+            columns: Columns::new(a.text_column, a.messages_column),
         },
         step: a.step.options()?,
-        model: a.model,
+        model: crate::cli::model::model_dir(&a.model, a.revision.as_deref())?,
         init_adapter: a.init_adapter,
         steps: a.steps,
         epochs: a.epochs,
@@ -145,6 +165,7 @@ pub fn train(a: TrainArgs, verbose: bool, explicit: BTreeSet<String>) -> Result<
         verbose,
         log_every: a.log_every,
         plot: !a.no_plot,
+        peak_tflops: a.peak_tflops,
         stop_after: a.stop_after,
         skip_nonfinite: a.skip_nonfinite_steps,
         explicit,

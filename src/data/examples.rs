@@ -17,15 +17,48 @@ pub enum Example {
 /// What reading a file found.
 pub struct ReadReport {
     pub examples: Vec<Example>,
-    /// (line number, reason) of each line skipped with --skip-bad-lines.
+    /// (line number, or row of a Parquet file counted from 0; reason) of each line or row
+    /// skipped with --skip-bad-lines.
     pub skipped: Vec<(usize, String)>,
+    /// What `skipped` counts: "line" or "row".
+    pub unit: &'static str,
 }
 
-fn parse_line(v: &serde_json::Value) -> std::result::Result<Example, String> {
+/// The keys (JSONL) or columns (Parquet) that hold plain text and chat messages.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Columns {
+    pub text: String,
+    pub messages: String,
+}
+
+impl Default for Columns {
+    fn default() -> Columns {
+        Columns::new(None, None)
+    }
+}
+
+impl Columns {
+    /// `text` and `messages` unless named otherwise.
+    pub fn new(text: Option<String>, messages: Option<String>) -> Columns {
+        Columns {
+            text: text.unwrap_or_else(|| "text".into()),
+            messages: messages.unwrap_or_else(|| "messages".into()),
+        }
+    }
+}
+
+/// One row (a JSONL line, or a Parquet row as the object it would be) as an example, by the first
+/// of its kinds it has: messages, instruction + output, text.
+pub(crate) fn parse_line(
+    v: &serde_json::Value,
+    columns: &Columns,
+) -> std::result::Result<Example, String> {
     let obj = v.as_object().ok_or("not a JSON object")?;
     let s = |k: &str| obj.get(k).and_then(|x| x.as_str());
-    if let Some(messages) = obj.get("messages") {
-        let arr = messages.as_array().ok_or("`messages` is not a list")?;
+    if let Some(messages) = obj.get(&columns.messages).filter(|m| !m.is_null()) {
+        let arr = messages
+            .as_array()
+            .ok_or(format!("`{}` is not a list", columns.messages))?;
         let mut out = Vec::new();
         for (i, m) in arr.iter().enumerate() {
             let role = m
@@ -62,14 +95,30 @@ fn parse_line(v: &serde_json::Value) -> std::result::Result<Example, String> {
             },
         ]));
     }
-    if let Some(t) = s("text") {
+    if let Some(t) = s(&columns.text) {
         return Ok(Example::Text(t.into()));
     }
-    Err("expected `text`, `instruction` + `output`, or `messages`".into())
+    Err(format!(
+        "expected `{}`, `instruction` + `output`, or `{}`",
+        columns.text, columns.messages
+    ))
+}
+
+/// Read a data file's examples: Parquet (`.parquet`) or JSONL (anything else).
+pub fn read_examples(path: &Path, skip_bad: bool, columns: &Columns) -> Result<ReadReport> {
+    if path.extension().is_some_and(|e| e == "parquet") {
+        return crate::data::parquet_rows::read_parquet(path, skip_bad, columns);
+    }
+    read_jsonl_with(path, skip_bad, columns)
 }
 
 /// Read a JSONL file. A bad line is an error naming the file and line, unless `skip_bad`.
 pub fn read_jsonl(path: &Path, skip_bad: bool) -> Result<ReadReport> {
+    read_jsonl_with(path, skip_bad, &Columns::default())
+}
+
+/// [`read_jsonl`] with other keys for text and messages.
+fn read_jsonl_with(path: &Path, skip_bad: bool, columns: &Columns) -> Result<ReadReport> {
     let text =
         std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
     // A byte order mark (as some editors write) is not part of the first line's JSON.
@@ -83,7 +132,7 @@ pub fn read_jsonl(path: &Path, skip_bad: bool) -> Result<ReadReport> {
         }
         let parsed = serde_json::from_str::<serde_json::Value>(line)
             .map_err(|e| format!("not valid JSON ({e})"))
-            .and_then(|v| parse_line(&v));
+            .and_then(|v| parse_line(&v, columns));
         match parsed {
             Ok(ex) => examples.push(ex),
             Err(reason) if skip_bad => skipped.push((n, reason)),
@@ -96,7 +145,11 @@ pub fn read_jsonl(path: &Path, skip_bad: bool) -> Result<ReadReport> {
     if examples.is_empty() {
         bail!("{}: no usable examples", path.display());
     }
-    Ok(ReadReport { examples, skipped })
+    Ok(ReadReport {
+        examples,
+        skipped,
+        unit: "line",
+    })
 }
 
 /// Token ids and labels (-100 where there is no loss) of one example.

@@ -1,4 +1,4 @@
-//! Training data: JSONL files of `{"text"}`, alpaca `{"instruction","input","output"}` or chat
+//! Training data: JSONL or Parquet files of `{"text"}`, alpaca `{"instruction","input","output"}` or chat
 //! `{"messages":[{"role","content"}]}` rows, rendered with the model's chat template, tokenized,
 //! with the loss on the response tokens only (by default), packed or padded into fixed-length
 //! rows, shuffled with a seed, and cut into batches; or one pre-tokenized batch from a
@@ -7,11 +7,12 @@
 
 mod batch;
 mod examples;
+mod parquet_rows;
 mod rows;
 mod source;
 pub mod text;
 
 pub use batch::{batch, Batch};
-pub use examples::{read_jsonl, tokenize, Example, ReadReport, Tokenized};
+pub use examples::{read_examples, read_jsonl, tokenize, Columns, Example, ReadReport, Tokenized};
 pub use rows::{epoch_order, make_rows, split_eval, Row, RowReport};
 pub use source::{load, DataOptions, Source, TrainingData};

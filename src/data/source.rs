@@ -3,7 +3,7 @@
 //! `xtrain train`.
 
 use crate::data::batch::Batch;
-use crate::data::examples::{read_jsonl, tokenize, Tokenized};
+use crate::data::examples::{read_examples, tokenize, Columns, Tokenized};
 use crate::data::rows::{epoch_order, make_rows, split_eval, Row};
 use crate::data::text::TextTokenizer;
 use crate::model::config::LlamaConfig;
@@ -14,7 +14,8 @@ use std::path::{Path, PathBuf};
 /// How `xtrain train` reads its data.
 #[derive(Clone, Debug)]
 pub struct DataOptions {
-    /// `.safetensors` (one pre-tokenized batch used for every step) or `.jsonl` (text data).
+    /// `.safetensors` (one pre-tokenized batch used for every step), `.parquet` or JSONL (text
+    /// data).
     pub path: PathBuf,
     /// Rows per step and tokens per row (JSONL data).
     pub batch_size: i64,
@@ -25,6 +26,8 @@ pub struct DataOptions {
     pub strict_length: bool,
     pub eval_fraction: f64,
     pub eval_data: Option<PathBuf>,
+    /// The keys (JSONL) or columns (Parquet) of text and of chat messages.
+    pub columns: Columns,
 }
 
 impl DataOptions {
@@ -81,7 +84,7 @@ pub fn load(opts: &DataOptions, model_dir: &Path, cfg: &LlamaConfig) -> Result<T
             None => Vec::new(),
             Some(p) => {
                 let tok = load_tokenizer(model_dir, cfg)?;
-                let eval_ex = read_rows(p, &tok, opts.skip_bad_lines, opts.train_on_prompt)?;
+                let eval_ex = read_rows(p, &tok, opts)?;
                 eval_batches(
                     &eval_rows(&eval_ex, p, opts, seq as usize, &tok)?,
                     rows as usize,
@@ -96,14 +99,10 @@ pub fn load(opts: &DataOptions, model_dir: &Path, cfg: &LlamaConfig) -> Result<T
         });
     }
     let tok = load_tokenizer(model_dir, cfg)?;
-    let examples = read_rows(&opts.path, &tok, opts.skip_bad_lines, opts.train_on_prompt)?;
+    let examples = read_rows(&opts.path, &tok, opts)?;
     let n_examples = examples.len();
     let (train_ex, eval_ex, eval_from) = match &opts.eval_data {
-        Some(p) => (
-            examples,
-            read_rows(p, &tok, opts.skip_bad_lines, opts.train_on_prompt)?,
-            p.clone(),
-        ),
+        Some(p) => (examples, read_rows(p, &tok, opts)?, p.clone()),
         None => {
             let (train, eval) = split_eval(&examples, opts.eval_fraction);
             if !eval.is_empty() {
@@ -295,28 +294,22 @@ impl Source {
     }
 }
 
-/// Read a JSONL file's examples and tokenize them (bad lines skipped and reported when
-/// `skip_bad_lines`; the loss on the prompt too when `train_on_prompt`).
-fn read_rows(
-    path: &Path,
-    tok: &TextTokenizer,
-    skip_bad_lines: bool,
-    train_on_prompt: bool,
-) -> Result<Vec<Tokenized>> {
-    let report = read_jsonl(path, skip_bad_lines)?;
-    if !report.skipped.is_empty() {
+/// Read a JSONL or Parquet file's examples and tokenize them (bad lines skipped and reported
+/// with `skip_bad_lines`; the loss on the prompt too with `train_on_prompt`).
+fn read_rows(path: &Path, tok: &TextTokenizer, opts: &DataOptions) -> Result<Vec<Tokenized>> {
+    let report = read_examples(path, opts.skip_bad_lines, &opts.columns)?;
+    if let Some((at, reason)) = report.skipped.first() {
+        let unit = report.unit;
         eprintln!(
-            "xtrain: skipped {} bad lines of {} (first: line {}: {})",
+            "xtrain: skipped {} bad {unit}s of {} (first: {unit} {at}: {reason})",
             report.skipped.len(),
             path.display(),
-            report.skipped[0].0,
-            report.skipped[0].1
         );
     }
     report
         .examples
         .iter()
-        .map(|e| tokenize(tok, e, train_on_prompt))
+        .map(|e| tokenize(tok, e, opts.train_on_prompt))
         .collect()
 }
 

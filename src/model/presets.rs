@@ -27,7 +27,50 @@ pub const PRESETS: &[(&str, &str)] = &[
         "bench-512",
         include_str!("../../models/bench-512/config.json"),
     ),
+    (
+        "smollm2-135m",
+        include_str!("../../models/smollm2-135m/config.json"),
+    ),
 ];
+
+/// Hugging Face repos whose `config.json` is a preset's (the Instruct releases share their base
+/// model's architecture), so that `xtrain compile --model meta-llama/Llama-3.1-8B-Instruct` needs
+/// neither the hub nor its cache.
+pub const REPO_PRESETS: &[(&str, &str)] = &[
+    ("meta-llama/Llama-3.1-8B", "llama-3.1-8b"),
+    ("meta-llama/Llama-3.1-8B-Instruct", "llama-3.1-8b"),
+    ("meta-llama/Meta-Llama-3.1-8B", "llama-3.1-8b"),
+    ("meta-llama/Meta-Llama-3.1-8B-Instruct", "llama-3.1-8b"),
+    ("meta-llama/Llama-3.1-70B", "llama-3.1-70b"),
+    ("meta-llama/Llama-3.1-70B-Instruct", "llama-3.1-70b"),
+    ("meta-llama/Meta-Llama-3.1-70B", "llama-3.1-70b"),
+    ("meta-llama/Meta-Llama-3.1-70B-Instruct", "llama-3.1-70b"),
+    ("meta-llama/Llama-3.1-405B", "llama-3.1-405b"),
+    ("meta-llama/Llama-3.1-405B-Instruct", "llama-3.1-405b"),
+    ("meta-llama/Meta-Llama-3.1-405B", "llama-3.1-405b"),
+    ("meta-llama/Meta-Llama-3.1-405B-Instruct", "llama-3.1-405b"),
+    ("HuggingFaceTB/SmolLM2-135M", "smollm2-135m"),
+    ("HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2-135m"),
+];
+
+/// The preset whose config is that of Hugging Face repo `id`, if there is one.
+pub fn preset_for_repo(id: &str) -> Option<&'static str> {
+    REPO_PRESETS
+        .iter()
+        .find(|(r, _)| r.eq_ignore_ascii_case(id))
+        .map(|(_, p)| *p)
+}
+
+/// A preset's config by name.
+pub fn preset_config(name: &str) -> Result<Option<LlamaConfig>> {
+    match PRESETS.iter().find(|(n, _)| *n == name) {
+        Some((_, text)) => {
+            let json: serde_json::Value = serde_json::from_str(text)?;
+            Ok(Some(LlamaConfig::from_json(&json)?))
+        }
+        None => Ok(None),
+    }
+}
 
 /// A model named on the command line: a directory with config.json, or a preset name.
 pub fn resolve_model_config(model: &str) -> Result<(LlamaConfig, Option<PathBuf>)> {
@@ -35,9 +78,8 @@ pub fn resolve_model_config(model: &str) -> Result<(LlamaConfig, Option<PathBuf>
     if p.is_dir() || p.is_file() {
         return Ok((LlamaConfig::load(p)?, p.is_dir().then(|| p.to_path_buf())));
     }
-    if let Some((_, text)) = PRESETS.iter().find(|(n, _)| *n == model) {
-        let json: serde_json::Value = serde_json::from_str(text)?;
-        return Ok((LlamaConfig::from_json(&json)?, None));
+    if let Some(cfg) = preset_config(model)? {
+        return Ok((cfg, None));
     }
     let names: Vec<&str> = PRESETS.iter().map(|(n, _)| *n).collect();
     bail!(

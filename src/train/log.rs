@@ -1,8 +1,10 @@
 //! What a run tells the person watching it: `metrics.jsonl` (one JSON object per step, evaluation,
-//! skipped step or loss spike) with the history the loss curve is drawn from; its lines on stderr
-//! go above the progress bar (`progress::say`).
+//! skipped step or loss spike) with the history the loss curve is drawn from, the same scalars
+//! for TensorBoard (`OUT/tensorboard/`); its lines on stderr go above the progress bar
+//! (`progress::say`).
 
 use crate::device::trainer::EvalResult;
+use crate::train::tensorboard::EventWriter;
 use anyhow::{Context, Result};
 use std::io::Write;
 use std::path::Path;
@@ -18,6 +20,11 @@ pub struct Metrics {
     pub eval_accuracy: Vec<(u64, f64)>,
     /// The last (up to 20) losses, to notice a spike.
     recent: Vec<f32>,
+    /// `OUT/tensorboard/events.out.tfevents.*`.
+    tensorboard: EventWriter,
+    /// Model FLOPs of a step over the devices' peak FLOP/s, when the peak is known: a step's MFU
+    /// is this over its time.
+    pub mfu_seconds: Option<f64>,
 }
 
 impl Metrics {
@@ -51,6 +58,8 @@ impl Metrics {
             history: Vec::new(),
             eval_accuracy: Vec::new(),
             recent: Vec::new(),
+            tensorboard: EventWriter::create(&out.join("tensorboard"))?,
+            mfu_seconds: None,
         })
     }
 
@@ -69,7 +78,10 @@ impl Metrics {
         ));
         self.history.push((step, f64::NAN, Some(r.loss)));
         self.eval_accuracy.push((step, r.accuracy));
-        Ok(())
+        self.tensorboard.scalars(
+            step,
+            &[("eval/loss", r.loss), ("eval/accuracy", r.accuracy)],
+        )
     }
 
     /// A step whose loss or gradient norm was not finite (and was not applied).
@@ -117,6 +129,15 @@ impl Metrics {
         )?;
         self.file.flush()?;
         self.history.push((step, loss as f64, None));
-        Ok(())
+        let mut scalars = vec![
+            ("train/loss", loss as f64),
+            ("train/lr", lr),
+            ("train/grad_norm", grad_norm as f64),
+            ("train/tokens_per_s", tokens as f64 / dt),
+        ];
+        if let Some(s) = self.mfu_seconds {
+            scalars.push(("train/mfu", s / dt));
+        }
+        self.tensorboard.scalars(step, &scalars)
     }
 }

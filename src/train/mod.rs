@@ -15,6 +15,7 @@ pub mod plot;
 pub mod progress;
 pub mod schedule;
 pub mod settings;
+pub mod tensorboard;
 
 use crate::data::{Batch, Source, TrainingData};
 use crate::device::fit::{argument_bytes_per_device, explain_out_of_memory};
@@ -133,9 +134,15 @@ fn run_in(opts: &TrainOptions, cfg: &LlamaConfig, interrupted: &AtomicBool) -> R
     } = data;
     let tokens_per_step = batch * seq;
     let resumed_at = opts.resume.is_some().then_some(state.step);
+    let mut metrics = Metrics::open(&opts.out, resumed_at, tokens_per_step)?;
+    metrics.mfu_seconds = opts.peak_tflops.map(|peak| {
+        let spec = &trainer.spec;
+        let devices = spec.mesh.as_ref().map_or(1, |m| m.devices()) as f64;
+        bench::model_flops_per_step(spec) / (peak * 1e12 * devices)
+    });
     let mut run = Run {
         opts,
-        metrics: Metrics::open(&opts.out, resumed_at, tokens_per_step)?,
+        metrics,
         tokens_per_step,
         trainer,
         state,

@@ -36,6 +36,8 @@ pub struct TrainOptions {
     pub verbose: bool,
     pub log_every: u64,
     pub plot: bool,
+    /// One device's peak TFLOP/s, to log the model FLOPs utilization (`train/mfu`).
+    pub peak_tflops: Option<f64>,
     /// Stop this invocation after this many steps.
     pub stop_after: Option<u64>,
     /// On a non-finite loss or gradient: stop (false) or skip the step and go on (true).

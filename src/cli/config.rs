@@ -1,0 +1,291 @@
+//! `--config FILE` of `train` and `compile`: a TOML recipe whose keys are the command's flags
+//! (`lora_r = 16` or `lora-r = 16`; a switch is `true` or `false`; a list is joined with commas),
+//! turned into flags placed before the command line's own, so that a flag given on the command
+//! line overrides the file. Top-level keys serve both commands: a key that is a flag of the other
+//! command only is left out (and said so); `[train]` and `[compile]` tables hold keys for one
+//! command, overriding the top level. A key that is a flag of neither is an error naming the
+//! nearest flag.
+
+use anyhow::{bail, Context, Result};
+use clap::{ArgAction, Command};
+use std::ffi::OsString;
+use std::path::Path;
+
+/// The commands that take `--config`.
+pub const COMMANDS: &[&str] = &["train", "compile"];
+
+/// `argv` with the flags of its `--config FILE` inserted right after the subcommand (so that the
+/// command line's own flags, later, override them); unchanged when there is no `--config`.
+pub fn expand(argv: Vec<OsString>, cli: &Command) -> Result<Vec<OsString>> {
+    let Some(at) = argv
+        .iter()
+        .skip(1)
+        .position(|a| a != "-v" && a != "--verbose")
+        .map(|i| i + 1)
+    else {
+        return Ok(argv);
+    };
+    let name = argv[at].to_string_lossy().to_string();
+    if !COMMANDS.contains(&name.as_str()) {
+        return Ok(argv);
+    }
+    let mut file: Option<OsString> = None;
+    let mut i = at + 1;
+    while i < argv.len() {
+        let a = argv[i].to_string_lossy();
+        let given = if a == "--config" {
+            i += 1;
+            Some(argv.get(i).cloned().unwrap_or_default())
+        } else {
+            a.strip_prefix("--config=").map(OsString::from)
+        };
+        if let Some(f) = given {
+            if file.is_some() {
+                bail!("--config is given twice; give one recipe file");
+            }
+            file = Some(f);
+        }
+        i += 1;
+    }
+    let Some(file) = file else {
+        return Ok(argv);
+    };
+    let flags = recipe_flags(Path::new(&file), &name, cli)?;
+    let mut out: Vec<OsString> = argv[..=at].to_vec();
+    out.extend(flags.into_iter().map(OsString::from));
+    out.extend(argv[at + 1..].iter().cloned());
+    Ok(out)
+}
+
+/// The flags recipe `path` gives command `name`.
+fn recipe_flags(path: &Path, name: &str, cli: &Command) -> Result<Vec<String>> {
+    if path.as_os_str().is_empty() {
+        bail!("--config needs a file");
+    }
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("--config: cannot read {}", path.display()))?;
+    let table: toml::Table = toml::from_str(&text)
+        .map_err(|e| anyhow::anyhow!("{} is not valid TOML: {e}", path.display()))?;
+    let command = |n: &str| {
+        cli.find_subcommand(n)
+            .unwrap_or_else(|| panic!("`{n}` is a subcommand of xtrain"))
+    };
+    let this = command(name);
+    let others: Vec<&Command> = COMMANDS
+        .iter()
+        .filter(|c| **c != name)
+        .map(|c| command(c))
+        .collect();
+    let mut flags = Vec::new();
+    let mut left_out = Vec::new();
+    // Sections first: checked whichever command runs, so that a typo is found by either.
+    for (key, value) in &table {
+        if let toml::Value::Table(section) = value {
+            let Some(cmd) = COMMANDS.iter().find(|c| **c == key.as_str()) else {
+                if find_flag(this, key).is_some() {
+                    bail!(
+                        "{}: `{key}` is a table, but --{} takes a value",
+                        path.display(),
+                        flag_name(key)
+                    );
+                }
+                bail!(
+                    "{}: [{key}] is not a section of a recipe (the sections are [train] and [compile])",
+                    path.display()
+                );
+            };
+            let c = command(cmd);
+            for k in section.keys() {
+                if find_flag(c, k).is_none() {
+                    bail!(
+                        "{}: key `{k}` in [{key}] is not a flag of `xtrain {cmd}`{}",
+                        path.display(),
+                        nearest(k, &[c])
+                    );
+                }
+            }
+        }
+    }
+    for (key, value) in &table {
+        if matches!(value, toml::Value::Table(_)) {
+            continue;
+        }
+        match find_flag(this, key) {
+            Some(arg) => flags.extend(render(path, key, arg, value)?),
+            None if others.iter().any(|c| find_flag(c, key).is_some()) => {
+                left_out.push(key.clone())
+            }
+            None => {
+                let mut all = vec![this];
+                all.extend(&others);
+                bail!(
+                    "{}: key `{key}` is not a flag of `xtrain {}`{}",
+                    path.display(),
+                    COMMANDS.join("` or `xtrain "),
+                    nearest(key, &all)
+                );
+            }
+        }
+    }
+    if let Some(toml::Value::Table(section)) = table.get(name) {
+        for (key, value) in section {
+            let arg = find_flag(this, key).expect("checked above");
+            flags.extend(render(path, key, arg, value)?);
+        }
+    }
+    if !left_out.is_empty() {
+        eprintln!(
+            "xtrain: {}: not used by `xtrain {name}`: {}",
+            path.display(),
+            left_out.join(", ")
+        );
+    }
+    Ok(flags)
+}
+
+/// `lora_r` and `lora-r` name `--lora-r`.
+fn flag_name(key: &str) -> String {
+    key.replace('_', "-")
+}
+
+/// The flag of `cmd` a recipe key names (not `--config`, `--help` or `--version`).
+fn find_flag<'a>(cmd: &'a Command, key: &str) -> Option<&'a clap::Arg> {
+    let long = flag_name(key);
+    if long == "config" {
+        return None;
+    }
+    cmd.get_arguments().find(|a| {
+        !matches!(
+            a.get_action(),
+            ArgAction::Help | ArgAction::HelpLong | ArgAction::HelpShort | ArgAction::Version
+        ) && (a.get_long() == Some(long.as_str())
+            || a.get_all_aliases()
+                .is_some_and(|al| al.contains(&long.as_str())))
+    })
+}
+
+/// A key's value as the flags it stands for.
+fn render(path: &Path, key: &str, arg: &clap::Arg, value: &toml::Value) -> Result<Vec<String>> {
+    let flag = format!("--{}", arg.get_long().unwrap_or_default());
+    if matches!(arg.get_action(), ArgAction::SetTrue) {
+        return match value {
+            toml::Value::Boolean(true) => Ok(vec![flag]),
+            toml::Value::Boolean(false) => Ok(vec![]),
+            other => bail!(
+                "{}: `{key}` is a switch ({flag}): write true or false, not {} {}",
+                path.display(),
+                article(other),
+                other.type_str()
+            ),
+        };
+    }
+    let scalar = |v: &toml::Value| -> Result<String> {
+        Ok(match v {
+            toml::Value::String(s) => s.clone(),
+            toml::Value::Integer(i) => i.to_string(),
+            toml::Value::Float(f) => f.to_string(),
+            toml::Value::Boolean(b) => b.to_string(),
+            toml::Value::Datetime(d) => d.to_string(),
+            other => bail!(
+                "{}: `{key}` ({flag}) takes a value, not {} {}",
+                path.display(),
+                article(other),
+                other.type_str()
+            ),
+        })
+    };
+    let text = match value {
+        toml::Value::Array(items) => items
+            .iter()
+            .map(scalar)
+            .collect::<Result<Vec<_>>>()?
+            .join(","),
+        v => scalar(v)?,
+    };
+    Ok(vec![flag, text])
+}
+
+fn article(v: &toml::Value) -> &'static str {
+    match v {
+        toml::Value::Integer(_) | toml::Value::Array(_) => "an",
+        _ => "a",
+    }
+}
+
+/// The names transformers, torchtune and axolotl configs give some of xtrain's flags.
+const SYNONYMS: &[(&str, &str)] = &[
+    ("learning-rate", "lr"),
+    ("num-epochs", "epochs"),
+    ("num-train-epochs", "epochs"),
+    ("max-steps", "steps"),
+    ("output-dir", "out"),
+    ("micro-batch-size", "batch-size"),
+    ("per-device-train-batch-size", "batch-size"),
+    ("gradient-accumulation-steps", "grad-accum"),
+    ("sequence-len", "seq"),
+    ("max-seq-length", "seq"),
+    ("max-seq-len", "seq"),
+    ("warmup-steps", "warmup"),
+    ("lr-scheduler", "schedule"),
+    ("lr-scheduler-type", "schedule"),
+    ("base-model", "model"),
+    ("model-name-or-path", "model"),
+    ("dataset", "data"),
+    ("datasets", "data"),
+    ("train-file", "data"),
+    ("save-steps", "save-every"),
+    ("eval-steps", "eval-every"),
+    ("logging-steps", "log-every"),
+    ("lora-rank", "lora-r"),
+    ("lora-target-modules", "lora-targets"),
+    ("target-modules", "lora-targets"),
+    ("torch-dtype", "dtype"),
+    ("load-in-4bit", "quant"),
+];
+
+/// "; the nearest flag is --x": the flag of `cmds` that `key` names in other trainers' configs,
+/// else the one closest to it in edit distance.
+fn nearest(key: &str, cmds: &[&Command]) -> String {
+    let want = flag_name(key);
+    let longs = || {
+        cmds.iter()
+            .flat_map(|c| c.get_arguments())
+            .filter_map(|a| a.get_long())
+            .filter(|l| !["help", "version", "config"].contains(l))
+    };
+    let synonym = SYNONYMS
+        .iter()
+        .find(|(k, _)| *k == want)
+        .and_then(|(_, flag)| longs().find(|l| l == flag));
+    let best = synonym.or_else(|| longs().min_by_key(|l| (edit_distance(&want, l), l.len())));
+    match best {
+        Some(l) => format!("; the nearest flag is --{l} (`{}`)", l.replace('-', "_")),
+        None => String::new(),
+    }
+}
+
+/// Levenshtein distance.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut prev = row[0];
+        row[0] = i + 1;
+        for (j, cb) in b.iter().enumerate() {
+            let cur = row[j + 1];
+            row[j + 1] = (prev + usize::from(ca != *cb)).min(row[j] + 1).min(cur + 1);
+            prev = cur;
+        }
+    }
+    row[b.len()]
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn edit_distance_counts_edits() {
+        assert_eq!(super::edit_distance("lora-rank", "lora-r"), 3);
+        assert_eq!(super::edit_distance("lr", "lr"), 0);
+        assert_eq!(super::edit_distance("", "abc"), 3);
+    }
+}

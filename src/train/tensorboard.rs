@@ -1,0 +1,173 @@
+//! TensorBoard's event files: `OUT/tensorboard/events.out.tfevents.{time}.{host}.{pid}.0`, scalars
+//! by step (`train/loss`, `eval/accuracy`, ...), so `tensorboard --logdir OUT` draws a run's
+//! curves. A file is TFRecord framing (u64 length, masked CRC-32C of the length, the bytes, masked
+//! CRC-32C of the bytes) around `Event` protos (written with `prost`): first one with
+//! `file_version = "brain.Event:2"`, then one per step with a `Summary` of `simple_value`s. Like
+//! `metrics.jsonl` it is appended to (and flushed) as the run goes, not written atomically.
+
+use anyhow::{Context, Result};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+/// tensorflow/core/util/event.proto's `Event`, the fields scalars use.
+#[derive(Clone, PartialEq, prost::Message)]
+struct Event {
+    #[prost(double, tag = "1")]
+    wall_time: f64,
+    #[prost(int64, tag = "2")]
+    step: i64,
+    #[prost(string, optional, tag = "3")]
+    file_version: Option<String>,
+    #[prost(message, optional, tag = "5")]
+    summary: Option<Summary>,
+}
+
+/// tensorflow/core/framework/summary.proto's `Summary`.
+#[derive(Clone, PartialEq, prost::Message)]
+struct Summary {
+    #[prost(message, repeated, tag = "1")]
+    value: Vec<SummaryValue>,
+}
+
+/// `Summary.Value` with a `simple_value` (a scalar).
+#[derive(Clone, PartialEq, prost::Message)]
+struct SummaryValue {
+    #[prost(string, tag = "1")]
+    tag: String,
+    #[prost(float, optional, tag = "2")]
+    simple_value: Option<f32>,
+}
+
+/// CRC-32C (Castagnoli), as TFRecord frames use it.
+fn crc32c(data: &[u8]) -> u32 {
+    const TABLE: [u32; 256] = {
+        let mut t = [0u32; 256];
+        let mut i = 0;
+        while i < 256 {
+            let mut c = i as u32;
+            let mut k = 0;
+            while k < 8 {
+                c = if c & 1 != 0 {
+                    (c >> 1) ^ 0x82F6_3B78
+                } else {
+                    c >> 1
+                };
+                k += 1;
+            }
+            t[i] = c;
+            i += 1;
+        }
+        t
+    };
+    let mut crc = !0u32;
+    for &b in data {
+        crc = TABLE[((crc ^ b as u32) & 0xff) as usize] ^ (crc >> 8);
+    }
+    !crc
+}
+
+/// TFRecord's masked CRC.
+fn masked_crc(data: &[u8]) -> u32 {
+    let c = crc32c(data);
+    (c.rotate_right(15)).wrapping_add(0xa282_ead8)
+}
+
+/// One TFRecord: length, its CRC, the bytes, their CRC.
+fn record(data: &[u8]) -> Vec<u8> {
+    let len = (data.len() as u64).to_le_bytes();
+    let mut out = Vec::with_capacity(data.len() + 16);
+    out.extend_from_slice(&len);
+    out.extend_from_slice(&masked_crc(&len).to_le_bytes());
+    out.extend_from_slice(data);
+    out.extend_from_slice(&masked_crc(data).to_le_bytes());
+    out
+}
+
+/// An open event file.
+pub struct EventWriter {
+    file: std::fs::File,
+    pub path: PathBuf,
+}
+
+fn now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+fn hostname() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: the buffer is valid for its length; gethostname NUL-terminates within it or fails.
+    let ok = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) } == 0;
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(0);
+    match std::str::from_utf8(&buf[..end]) {
+        Ok(h) if ok && !h.is_empty() => h.to_string(),
+        _ => "localhost".to_string(),
+    }
+}
+
+impl EventWriter {
+    /// A new event file in `dir` (created), starting with the file version event.
+    pub fn create(dir: &Path) -> Result<EventWriter> {
+        std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+        let wall = now();
+        let path = dir.join(format!(
+            "events.out.tfevents.{:010}.{}.{}.0",
+            wall as u64,
+            hostname(),
+            std::process::id()
+        ));
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .with_context(|| format!("cannot write {}", path.display()))?;
+        let mut w = EventWriter { file, path };
+        w.write(&Event {
+            wall_time: wall,
+            step: 0,
+            file_version: Some("brain.Event:2".into()),
+            summary: None,
+        })?;
+        Ok(w)
+    }
+
+    fn write(&mut self, e: &Event) -> Result<()> {
+        use prost::Message;
+        self.file
+            .write_all(&record(&e.encode_to_vec()))
+            .and_then(|_| self.file.flush())
+            .with_context(|| format!("cannot write {}", self.path.display()))
+    }
+
+    /// Scalars (tag, value) at `step`, as one event; non-finite values are left out.
+    pub fn scalars(&mut self, step: u64, values: &[(&str, f64)]) -> Result<()> {
+        let value: Vec<SummaryValue> = values
+            .iter()
+            .filter(|(_, v)| v.is_finite())
+            .map(|(tag, v)| SummaryValue {
+                tag: tag.to_string(),
+                simple_value: Some(*v as f32),
+            })
+            .collect();
+        if value.is_empty() {
+            return Ok(());
+        }
+        self.write(&Event {
+            wall_time: now(),
+            step: step as i64,
+            file_version: None,
+            summary: Some(Summary { value }),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn crc32c_matches_the_standard_check_value() {
+        // The CRC-32C of "123456789" (RFC 3720, and every CRC catalogue).
+        assert_eq!(super::crc32c(b"123456789"), 0xE306_9283);
+        assert_eq!(super::crc32c(b""), 0);
+    }
+}
