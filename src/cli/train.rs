@@ -1,7 +1,7 @@
 //! `xtrain train`: the flags, turned into [`TrainOptions`] for [`xtrain::train::run`].
 
 use crate::cli::args::StepArgs;
-use anyhow::Result;
+use anyhow::{bail, Result};
 use clap::Args;
 use std::collections::BTreeSet;
 use std::path::PathBuf;
@@ -131,6 +131,9 @@ pub struct TrainArgs {
 }
 
 pub fn train(a: TrainArgs, verbose: bool, explicit: BTreeSet<String>) -> Result<()> {
+    if let Some(p) = a.peak_tflops.filter(|p| !(p.is_finite() && *p > 0.0)) {
+        bail!("--peak-tflops must be a positive number of TFLOP/s, got {p}");
+    }
     let opts = TrainOptions {
         data: DataOptions {
             path: a.data,

@@ -168,3 +168,25 @@ pub fn tensorboard_python() -> PathBuf {
     assert!(python.is_file(), "{} was not made", python.display());
     python
 }
+
+/// Stand-ins for the ROCm 7 runtime libraries the ROCm plugin links (a ROCm host has the real
+/// ones in /opt/rocm/lib), built by tools/rocm-standins into a fresh temp dir named after `name`:
+/// put it on LD_LIBRARY_PATH to compile for an absent AMD GPU.
+pub fn rocm_standins_in(name: &str) -> PathBuf {
+    let plugin = pjrt::discover::resolve(Some("rocm"))
+        .or_else(|_| pjrt::discover::install_announced("rocm"))
+        .expect("the ROCm plugin");
+    let dir = tempdir(name);
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tools/rocm-standins");
+    let o = Command::new(script)
+        .arg(&plugin)
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "tools/rocm-standins: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    dir
+}
