@@ -727,7 +727,7 @@ fn a_run_dir_is_continued_only_with_resume_and_replaced_only_with_overwrite() {
     a.push("--overwrite".into());
     let o = xtrain(&refs(&a));
     assert!(o.status.success(), "{}", stderr_of(&o));
-    assert_eq!(names(&out), vec!["adapter", "metrics.jsonl"]);
+    assert_eq!(names(&out), vec!["adapter", "metrics.jsonl", "tensorboard"]);
     assert_eq!(adapter_rank(&out.join("adapter")), 8);
     // An --overwrite run stopped early keeps the replaced files aside; the run resuming it
     // deletes them when it completes.

@@ -16,8 +16,10 @@ const SET_ASIDE: &str = ".replaced-";
 
 /// Whether `name` is a file or directory a run writes in its output dir.
 fn is_run_file(name: &str) -> bool {
-    matches!(name, "metrics.jsonl" | "loss.png" | "adapter")
-        || name.starts_with(SET_ASIDE)
+    matches!(
+        name,
+        "metrics.jsonl" | "loss.png" | "adapter" | "tensorboard"
+    ) || name.starts_with(SET_ASIDE)
         || ["checkpoint-", "step-"].iter().any(|p| {
             name.strip_prefix(p)
                 .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
@@ -145,8 +147,11 @@ impl RunDir {
                     some_names(&foreign)
                 );
             }
-            let previous =
-                run.iter().any(|n| n != "metrics.jsonl") || took_a_step(&out.join("metrics.jsonl"));
+            // The logs alone (a run that stopped before its first step) are not a previous run.
+            let previous = run
+                .iter()
+                .any(|n| n != "metrics.jsonl" && n != "tensorboard")
+                || took_a_step(&out.join("metrics.jsonl"));
             match resume {
                 Some(ckpt) if previous => check_resume_in(out, ckpt)?,
                 Some(_) => {}
@@ -204,11 +209,14 @@ impl RunDir {
             .collect::<Vec<_>>();
         if wrote
             .iter()
-            .all(|n| n == "metrics.jsonl" || n == "loss.png")
+            .all(|n| n == "metrics.jsonl" || n == "loss.png" || n == "tensorboard")
         {
             let back = (|| -> std::io::Result<()> {
                 for n in &wrote {
-                    std::fs::remove_file(self.path.join(n))?;
+                    match n.as_str() {
+                        "tensorboard" => std::fs::remove_dir_all(self.path.join(n))?,
+                        _ => std::fs::remove_file(self.path.join(n))?,
+                    }
                 }
                 for n in entries(&d).map_err(std::io::Error::other)? {
                     std::fs::rename(d.join(&n), self.path.join(&n))?;
@@ -273,6 +281,7 @@ mod tests {
     fn run_files_are_known_by_name() {
         for n in [
             "metrics.jsonl",
+            "tensorboard",
             "adapter",
             "checkpoint-12",
             "step-3",
