@@ -623,6 +623,7 @@ fn recipe_keys_are_flags_the_command_line_overrides_and_a_wrong_key_names_the_ne
         "[compile] overrides the top level: {spec}"
     );
     assert!(spec.contains("\"r\":8"), "{spec}");
+    std::fs::remove_dir_all(&out).unwrap();
     let o = xtrain(&refs(&args(&["--lora-r", "2", "--seq", "16"])));
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let spec = manifest(&out).to_string();
