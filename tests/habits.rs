@@ -527,6 +527,10 @@ out = "unused-by-train"
     )
     .unwrap();
     assert_eq!(adapter["r"], 4);
+    assert_eq!(
+        adapter["base_model_name_or_path"], "org/tiny",
+        "the adapter names the repo, not the snapshot path"
+    );
 
     // One event file, read by TensorBoard's own reader: every scalar at its step.
     let tb = out.join("tensorboard");
