@@ -5,8 +5,7 @@
 
 mod common;
 use common::*;
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::Path;
 use xtrain::formats::program_dir::Manifest;
 
 fn manifest(dir: &Path) -> Manifest {
@@ -180,30 +179,9 @@ fn tiny_step_compiles_for_two_absent_h100s() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// Stand-ins for the ROCm 7 runtime libraries the ROCm plugin links (a ROCm host has the real
-/// ones in /opt/rocm/lib), built once per test run by tools/rocm-standins.
-fn rocm_standins() -> PathBuf {
-    let plugin = pjrt::discover::resolve(Some("rocm"))
-        .or_else(|_| pjrt::discover::install_announced("rocm"))
-        .expect("the ROCm plugin");
-    let dir = tempdir("rocm-standins");
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tools/rocm-standins");
-    let o = Command::new(script)
-        .arg(&plugin)
-        .arg(&dir)
-        .output()
-        .unwrap();
-    assert!(
-        o.status.success(),
-        "tools/rocm-standins: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    dir
-}
-
 #[test]
 fn tiny_step_compiles_for_two_absent_mi300x() {
-    let libs = rocm_standins();
+    let libs = rocm_standins_in("rocm-standins");
     let dir = tempdir("target-rocm");
     let out = compile_for("rocm:mi300x:2", &dir, &[("LD_LIBRARY_PATH", &libs)]);
     assert!(out.contains("2 x AMD Instinct MI300X"), "{out}");
