@@ -60,20 +60,15 @@ pub fn is_projection(kind: &str) -> bool {
     kind.ends_with("_proj")
 }
 
-/// The name suffixes of an NF4 weight's parts, in argument order: the packed 4-bit codes, the
-/// blocks' 8-bit scales, the scales' own scales, and their mean.
-pub const NF4_PARTS: [&str; 4] = ["nf4", "absmax_q", "absmax_scale", "absmax_mean"];
-
 /// The parts an NF4 weight of `n` elements is passed as: (suffix, dims, dtype).
 pub fn nf4_parts(n: i64) -> Vec<(&'static str, Vec<i64>, DType)> {
     let nb = n / crate::model::quant::BLOCK as i64;
     let nsb = crate::model::quant::scale_blocks(n as usize) as i64;
-    let [codes, scales, scale_scales, mean] = NF4_PARTS;
     vec![
-        (codes, vec![n / 2], DType::U8),
-        (scales, vec![nb], DType::S8),
-        (scale_scales, vec![nsb], DType::F32),
-        (mean, vec![], DType::F32),
+        ("nf4", vec![n / 2], DType::U8),
+        ("absmax_q", vec![nb], DType::S8),
+        ("absmax_scale", vec![nsb], DType::F32),
+        ("absmax_mean", vec![], DType::F32),
     ]
 }
 

@@ -180,10 +180,9 @@ impl Layout<'_> {
         {
             let v = if n == 4 {
                 b.scoped(kind, |b| {
-                    let parts = self.gathered_nf4(b, kind, &w[at..at + 4])?;
                     crate::model::quant::dequantize_graph(
                         b,
-                        &parts,
+                        &w[at..at + 4],
                         &shape,
                         self.spec.compute_dtype,
                     )
@@ -206,37 +205,6 @@ impl Layout<'_> {
             up: w[7],
             down: w[8],
         })
-    }
-
-    /// An NF4 projection's parts (codes, block scales, their scales, mean), gathered over the
-    /// mesh axes other than `tensor` before they are dequantized: every device then expands the
-    /// whole 4-bit weight itself. Without this the partitioner dequantized each device's shard and
-    /// gathered the bf16 result, moving 4x the bytes and holding the gathered bf16 copy (QLoRA
-    /// under FSDP gathers the quantized storage, as here). Tensor-parallel splits stay.
-    fn gathered_nf4(
-        &self,
-        b: &mut Builder,
-        kind: &str,
-        parts: &[Value],
-    ) -> hlo::Result<Vec<Value>> {
-        let Some(m) = &self.spec.mesh else {
-            return Ok(parts.to_vec());
-        };
-        let mesh = m.mesh();
-        parts
-            .iter()
-            .zip(crate::model::tensors::NF4_PARTS)
-            .map(|(&v, suffix)| {
-                let dims = b.dims(v).to_vec();
-                let name = format!("model.layers.0.{kind}.weight.{suffix}");
-                let logical = crate::program::sharding::logical_axes(&name, dims.len());
-                let mut sh = m.rules.sharding(&logical, &dims, &mesh);
-                for axes in &mut sh.dims {
-                    axes.retain(|a| a == "tensor");
-                }
-                b.sharding_constraint(v, sh)
-            })
-            .collect()
     }
 
     pub(super) fn adapters(&self, lora: &[Value]) -> LayerAdapters {
