@@ -467,3 +467,63 @@ fn offloaded_steps_keep_weights_and_activations_in_host_memory() {
     assert!(e.contains("needs looped layers"), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A step that does not fit, whatever is offloaded, is compiled and reported (by how much, and
+/// what would help), the last choice recorded; an explicit `--offload` that does not fit likewise.
+/// A GPU of 1 MB (a `--target-config`) stands for a device too small.
+#[test]
+fn a_step_too_big_for_every_offload_choice_is_reported() {
+    let dir = tempdir("target-too-small");
+    let described = xtrain(&["targets", "cuda:h100"]);
+    assert!(described.status.success());
+    let text = String::from_utf8_lossy(&described.stdout).to_string();
+    let small: String = text
+        .lines()
+        .map(|l| {
+            if l.trim_start().starts_with("device_memory_size:") {
+                "  device_memory_size: 1000000"
+            } else {
+                l
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("\n");
+    assert!(small.contains("device_memory_size: 1000000"), "{small}");
+    let cfg = dir.join("small.txtpb");
+    std::fs::write(&cfg, small).unwrap();
+    for (offload, tried) in [("auto", 3), ("none", 1)] {
+        let out = dir.join(offload);
+        let o = xtrain(&[
+            "compile",
+            "--model",
+            "tiny-llama3",
+            "--batch",
+            "2",
+            "--seq",
+            "64",
+            "--target",
+            "cuda:small:2",
+            "--target-config",
+            cfg.to_str().unwrap(),
+            "--offload",
+            offload,
+            "--check",
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        let stdout = String::from_utf8_lossy(&o.stdout).to_string();
+        let stderr = String::from_utf8_lossy(&o.stderr).to_string();
+        assert!(o.status.success(), "{stdout}\n{stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+        assert_eq!(stdout.matches(": does not fit").count(), tried, "{stdout}");
+        // auto's last choice is `all`: the frozen weights are then host arguments.
+        let build = manifest(&out).build.expect("the last choice is recorded");
+        assert_eq!(
+            build.per_device.host_argument_bytes > 0,
+            offload == "auto",
+            "{build:?}"
+        );
+        assert!(out.join("train_step.executable").is_file());
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}

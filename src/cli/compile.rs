@@ -157,8 +157,9 @@ pub fn compile(mut a: CompileArgs, verbose: bool) -> Result<()> {
         let Some(t) = &target else {
             return check(&a, &spec, &program, &mut manifest, verbose);
         };
+        // The last choice is recorded whether or not it fits: its report says by how much not.
         let last = k + 1 == choices.len();
-        if check_target(&a, t, &spec, &program, &mut manifest, last)? {
+        if check_target(&a, t, &spec, &program, &mut manifest, last)? || last {
             return Ok(());
         }
         println!(
