@@ -157,6 +157,7 @@ fn tiny_step_compiles_for_a_tpu_v5e_slice() {
     assert!(out.contains("an estimate, not a measurement"), "{out}");
     check_build(&dir, 4, "tpu");
     let build = manifest(&dir).build.unwrap();
+    assert_eq!(build.usable_memory_per_device, build.memory_per_device);
     let cost = build.cost.unwrap();
     assert!(
         cost["flops"] > 0.0 && cost["optimal_seconds"] > 0.0,
@@ -174,8 +175,18 @@ fn tiny_step_compiles_for_two_absent_h100s() {
     let dir = tempdir("target-cuda");
     let out = compile_for("cuda:h100:2", &dir, &[]);
     assert!(out.contains("2 x NVIDIA H100 80GB HBM3"), "{out}");
-    assert!(out.contains("79.65 GiB each"), "{out}");
+    // A step fits a GPU when it fits the 90% of its memory xtrain's runtime gives XLA.
+    assert!(
+        out.contains("79.65 GiB each, of which XLA may use 71.68 GiB (90%"),
+        "{out}"
+    );
     check_build(&dir, 2, "cuda");
+    let build = manifest(&dir).build.unwrap();
+    let memory = build.memory_per_device.unwrap();
+    assert_eq!(
+        build.usable_memory_per_device,
+        Some((memory as f64 * 0.9f32 as f64) as i64)
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

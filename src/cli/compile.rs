@@ -138,7 +138,7 @@ pub fn compile(mut a: CompileArgs, verbose: bool) -> Result<()> {
         None => vec![Offload::NONE],
     };
     if let Some(t) = &target {
-        print_target(t);
+        print_target(t)?;
     }
     for (k, &offload) in choices.iter().enumerate() {
         let spec = StepSpec {
@@ -240,11 +240,18 @@ fn write_program(a: &CompileArgs, spec: &StepSpec) -> Result<(Program, Manifest)
 }
 
 /// What the target is, as its plugin describes it.
-fn print_target(t: &TargetDevices) {
-    let memory = t
-        .memory_per_device()
-        .map(|b| format!(", {} each", gib(b)))
-        .unwrap_or_default();
+fn print_target(t: &TargetDevices) -> Result<()> {
+    let memory = match (t.memory_per_device(), t.usable_memory_per_device()?) {
+        (Some(b), Some(u)) if u < b => format!(
+            ", {} each, of which XLA may use {} ({:.0}%, what xtrain's runtime gives the \
+             plugin's allocator; XTRAIN_GPU_MEMORY_FRACTION)",
+            gib(b),
+            gib(u),
+            100.0 * u as f64 / b as f64
+        ),
+        (Some(b), _) => format!(", {} each", gib(b)),
+        _ => String::new(),
+    };
     // libtpu's version names the chip and its build; the GPU plugins' repeat the device kind.
     let version = t.platform_version.lines().next().unwrap_or_default();
     let version = if version == t.device_kind() || version.is_empty() {
@@ -262,6 +269,7 @@ fn print_target(t: &TargetDevices) {
         t.plugin.api_version().0,
         t.plugin.api_version().1,
     );
+    Ok(())
 }
 
 /// The mesh and which device sits where on it.
@@ -382,6 +390,8 @@ fn check(
         devices: program.partitions,
         hosts: 1,
         memory_per_device: info.memory_bytes,
+        // The allocator's limit is what the client reports: already the usable share.
+        usable_memory_per_device: info.memory_bytes,
     };
     record(&a.out, by, &build, None, manifest)?;
     println!(
@@ -419,15 +429,14 @@ fn check_target(
         build.compile_s,
         t.target.platform.plugin()
     );
+    let usable = t.usable_memory_per_device()?;
     print_memory(
         &build.stats,
-        t.memory_per_device(),
+        usable,
         t.devices.len() as i64 / t.hosts(),
         spec,
     );
-    let fits = t
-        .memory_per_device()
-        .is_none_or(|have| build.stats.total_bytes() <= have);
+    let fits = usable.is_none_or(|have| build.stats.total_bytes() <= have);
     if !fits && !last {
         return Ok(false);
     }
@@ -454,6 +463,7 @@ fn check_target(
         devices: t.devices.len() as i64,
         hosts: t.hosts(),
         memory_per_device: t.memory_per_device(),
+        usable_memory_per_device: usable,
     };
     record(&a.out, by, &build, estimate, manifest)?;
     println!(
@@ -521,6 +531,7 @@ struct Compiler<'a> {
     devices: i64,
     hosts: i64,
     memory_per_device: Option<i64>,
+    usable_memory_per_device: Option<i64>,
 }
 
 /// Add the build to the program dir: the executable, the optimized HLO and memory report when
@@ -544,6 +555,7 @@ fn record(
         devices: by.devices,
         hosts: by.hosts,
         memory_per_device: by.memory_per_device,
+        usable_memory_per_device: by.usable_memory_per_device,
         compile_s: build.compile_s,
         per_device: MemoryFigures {
             argument_bytes: m.argument_bytes,

@@ -162,6 +162,23 @@ impl TargetDevices {
             })
     }
 
+    /// What XLA may allocate of a device's memory when the step runs: on a GPU the share xtrain's
+    /// runtime gives the plugin's allocator (`gpu_memory_fraction`: 90%, or
+    /// `$XTRAIN_GPU_MEMORY_FRACTION`; the rest is the CUDA/ROCm context's and the libraries'), on
+    /// a TPU all of it. Whether a step fits is decided against this, as `train` decides it on the
+    /// device from the allocator's own limit.
+    pub fn usable_memory_per_device(&self) -> Result<Option<i64>> {
+        let Some(bytes) = self.memory_per_device() else {
+            return Ok(None);
+        };
+        Ok(Some(match self.target.platform {
+            Platform::Tpu => bytes,
+            Platform::Cuda | Platform::Rocm => {
+                (bytes as f64 * crate::device::platform::gpu_memory_fraction()? as f64) as i64
+            }
+        }))
+    }
+
     /// Dense bf16 throughput per device (a TPU chip may hold two devices), TFLOP/s.
     pub fn peak_bf16_tflops_per_device(&self) -> Option<f64> {
         let per_chip = self.target.peak_bf16_tflops_per_chip?;

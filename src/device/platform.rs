@@ -64,7 +64,7 @@ pub(super) fn while_loading<T>(load: impl FnOnce() -> T) -> T {
 
 /// The share of GPU memory the CUDA/ROCm plugins may use: 0.9 (theirs is 0.75), or
 /// `$XTRAIN_GPU_MEMORY_FRACTION`.
-pub(super) fn gpu_memory_fraction() -> Result<f32> {
+pub(crate) fn gpu_memory_fraction() -> Result<f32> {
     match std::env::var("XTRAIN_GPU_MEMORY_FRACTION") {
         Err(_) => Ok(0.9),
         Ok(v) => match v.trim().parse::<f32>() {

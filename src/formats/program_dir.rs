@@ -48,6 +48,10 @@ pub struct Build {
     pub hosts: i64,
     /// Device memory per device where the plugin describes it.
     pub memory_per_device: Option<i64>,
+    /// What XLA may allocate of it (on GPUs xtrain's runtime gives the plugin 90%): whether the
+    /// step fits was decided against this.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub usable_memory_per_device: Option<i64>,
     pub compile_s: f64,
     /// XLA's compiled memory figures, per device.
     pub per_device: MemoryFigures,
