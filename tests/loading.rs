@@ -170,6 +170,13 @@ fn loading_a_checkpoint_sharded_over_4_devices_takes_the_weights_plus_one_tensor
         weights > 300 << 20,
         "a checkpoint big enough to see the difference"
     );
+    // The bound: within 10% of the weights plus the largest tensor.
+    assert!(
+        added as f64 <= 1.10 * bound as f64,
+        "loading added {:.1} MiB, over 1.10 x {:.1} MiB",
+        mib(added),
+        mib(bound)
+    );
     // What the loader holds besides the devices' buffers, shard by shard and whole.
     let (streamed, whole) = (
         rust_heap_while_loading(&model, false),
