@@ -445,14 +445,19 @@ fn check_target(
         let get = |k: &str| cost.iter().find(|(n, _)| n == k).map(|(_, v)| *v);
         println!(
             "TPU cost analysis per device, the step as compiled (the layer loop's body counted \
-             once): {:.4} TFLOP, {:.4} GB accessed, optimal_seconds {}",
+             once): {:.4} TFLOP, {:.4} GB accessed, optimal_seconds {}{}",
             get("flops").unwrap_or(0.0) / 1e12,
             get("bytes accessed").unwrap_or(0.0) / 1e9,
-            secs(get("optimal_seconds").unwrap_or(0.0))
+            secs(get("optimal_seconds").unwrap_or(0.0)),
+            if get("optimal_seconds").is_some_and(|s| s <= 0.0) {
+                " (not a time)"
+            } else {
+                ""
+            }
         );
     }
     if t.target.platform == Platform::Tpu && !a.no_estimate {
-        estimate = Some(print_estimate(t, spec)?);
+        estimate = print_estimate(t, spec)?;
     }
     let by = Compiler {
         target: t.target.spec.clone(),
@@ -484,9 +489,28 @@ fn check_target(
 }
 
 /// The TPU compiler's estimate of the whole step, from unrolled 1- and 2-layer steps.
-fn print_estimate(t: &TargetDevices, spec: &StepSpec) -> Result<StepEstimate> {
+fn print_estimate(t: &TargetDevices, spec: &StepSpec) -> Result<Option<StepEstimate>> {
     eprintln!("xtrain: estimating the step from unrolled 1- and 2-layer steps");
     let e = t.estimate(spec)?;
+    if !e.has_time() {
+        println!(
+            "no step time estimate: the TPU cost model's optimal_seconds for the unrolled 1- and \
+             2-layer steps are {} and {}, not times{} ({:.4} TFLOP and {:.3} GB accessed per \
+             device, extrapolated to {} layers)",
+            secs(e.unrolled_seconds[0]),
+            secs(e.unrolled_seconds[1]),
+            if spec.offload.is_none() {
+                ""
+            } else {
+                " (the cost model gives negative times for steps that copy to or from host \
+                 memory)"
+            },
+            e.flops / 1e12,
+            e.bytes_accessed / 1e9,
+            e.layers
+        );
+        return Ok(None);
+    }
     let tokens = (spec.batch * spec.seq) as f64;
     let model_flops = xtrain::train::bench::model_flops_per_step(spec);
     let devices = t.devices.len() as f64;
@@ -511,14 +535,14 @@ fn print_estimate(t: &TargetDevices, spec: &StepSpec) -> Result<StepEstimate> {
             _ => String::new(),
         }
     );
-    Ok(StepEstimate {
+    Ok(Some(StepEstimate {
         seconds: e.seconds,
         flops_per_device: e.flops,
         bytes_accessed_per_device: e.bytes_accessed,
         tokens_per_s: tokens / e.seconds,
         model_flops_per_step: model_flops,
         mfu,
-    })
+    }))
 }
 
 /// Who compiled a build, for its manifest record.

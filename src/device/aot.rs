@@ -265,14 +265,29 @@ impl TargetDevices {
 /// c(L) = c(1) + (L - 1) (c(2) - c(1)).
 pub struct Estimate {
     pub layers: i64,
+    /// The cost model's `optimal_seconds` of the unrolled 1- and 2-layer steps.
+    pub unrolled_seconds: [f64; 2],
     pub seconds: f64,
     pub flops: f64,
     pub bytes_accessed: f64,
 }
 
+impl Estimate {
+    /// Whether the cost model gave times to extrapolate: libtpu's `optimal_seconds` comes out
+    /// negative for steps that copy to or from host memory (measured: 405B with
+    /// `--offload activations` on v6e, -45.8 s for the looped step), which no extrapolation mends.
+    pub fn has_time(&self) -> bool {
+        self.unrolled_seconds
+            .iter()
+            .chain([&self.seconds])
+            .all(|s| s.is_finite() && *s > 0.0)
+    }
+}
+
 impl TargetDevices {
     /// Estimate the whole step's time, FLOPs and bytes per device from unrolled 1- and 2-layer
     /// versions of `spec` (TPU targets: the only compiler here with a cost analysis).
+    /// The time is a time only where [`Estimate::has_time`] says so.
     pub fn estimate(&self, spec: &StepSpec) -> Result<Estimate> {
         let mut costs = Vec::new();
         for layers in [1, 2] {
@@ -301,6 +316,7 @@ impl TargetDevices {
         };
         Ok(Estimate {
             layers: l,
+            unrolled_seconds: [costs[0].0, costs[1].0],
             seconds: at(|c| c.0),
             flops: at(|c| c.1),
             bytes_accessed: at(|c| c.2),
@@ -358,5 +374,33 @@ impl TempDir {
 impl Drop for TempDir {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Estimate;
+
+    fn estimate(unrolled: [f64; 2], layers: i64) -> Estimate {
+        let seconds = unrolled[0] + (layers - 1) as f64 * (unrolled[1] - unrolled[0]);
+        Estimate {
+            layers,
+            unrolled_seconds: unrolled,
+            seconds,
+            flops: 1.0,
+            bytes_accessed: 1.0,
+        }
+    }
+
+    /// A step time is given only from positive times: libtpu's negative `optimal_seconds` for
+    /// offloaded steps (-45.8 s, 405B on v6e) must not become an estimate, nor a growth that
+    /// extrapolates below zero.
+    #[test]
+    fn an_estimate_has_a_time_only_from_positive_times() {
+        assert!(estimate([0.05, 0.09], 32).has_time());
+        assert!(!estimate([-45.8, 0.09], 32).has_time());
+        assert!(!estimate([0.05, -1.0], 32).has_time());
+        assert!(!estimate([0.09, 0.05], 32).has_time());
+        assert!(!estimate([f64::NAN, 0.05], 32).has_time());
     }
 }
