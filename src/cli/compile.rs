@@ -495,16 +495,11 @@ fn print_estimate(t: &TargetDevices, spec: &StepSpec) -> Result<Option<StepEstim
     if !e.has_time() {
         println!(
             "no step time estimate: the TPU cost model's optimal_seconds for the unrolled 1- and \
-             2-layer steps are {} and {}, not times{} ({:.4} TFLOP and {:.3} GB accessed per \
-             device, extrapolated to {} layers)",
+             2-layer steps are {} and {}, not times (libtpu 0.0.42.1 gives negative ones for \
+             every step measured on v6e; v5p's are positive); {:.4} TFLOP and {:.3} GB accessed \
+             per device, extrapolated to {} layers",
             secs(e.unrolled_seconds[0]),
             secs(e.unrolled_seconds[1]),
-            if spec.offload.is_none() {
-                ""
-            } else {
-                " (the cost model gives negative times for steps that copy to or from host \
-                 memory)"
-            },
             e.flops / 1e12,
             e.bytes_accessed / 1e9,
             e.layers

@@ -273,9 +273,9 @@ pub struct Estimate {
 }
 
 impl Estimate {
-    /// Whether the cost model gave times to extrapolate: libtpu's `optimal_seconds` comes out
-    /// negative for steps that copy to or from host memory (measured: 405B with
-    /// `--offload activations` on v6e, -45.8 s for the looped step), which no extrapolation mends.
+    /// Whether the cost model gave times to extrapolate: libtpu 0.0.42.1's `optimal_seconds`
+    /// comes out negative for every step measured on v6e (8B, 70B, 405B; e.g. -41.0 s for the
+    /// looped 8B step on v6e:2x2; v5p's are positive), which no extrapolation mends.
     pub fn has_time(&self) -> bool {
         self.unrolled_seconds
             .iter()
@@ -392,8 +392,8 @@ mod tests {
         }
     }
 
-    /// A step time is given only from positive times: libtpu's negative `optimal_seconds` for
-    /// offloaded steps (-45.8 s, 405B on v6e) must not become an estimate, nor a growth that
+    /// A step time is given only from positive times: libtpu's negative `optimal_seconds` on
+    /// v6e (-41.0 s for the 8B step) must not become an estimate, nor a growth that
     /// extrapolates below zero.
     #[test]
     fn an_estimate_has_a_time_only_from_positive_times() {
