@@ -538,3 +538,42 @@ fn a_step_too_big_for_every_offload_choice_is_reported() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// On a GPU the default is one attention block (its compiler makes each block's matmuls and
+/// softmax kernels of their own: 308 against 179 kernels per layer for 8B on an H100); elsewhere
+/// blocks of an eighth of the sequence; `--attention-block` chooses on either. Fewer blocks,
+/// fewer matmuls in the program.
+#[test]
+fn gpus_default_to_one_attention_block() {
+    let dir = tempdir("attention-block");
+    let program = |name: &str, flags: &[&str]| {
+        let out = dir.join(name);
+        let mut args = vec![
+            "compile",
+            "--model",
+            "tiny-llama3",
+            "--seq",
+            "256",
+            "--out",
+            out.to_str().unwrap(),
+        ];
+        args.extend_from_slice(flags);
+        let o = xtrain(&args);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let m = manifest(&out);
+        let text = std::fs::read_to_string(out.join("train_step.mlir")).unwrap();
+        (m.spec.attention_block, text.matches("dot_general").count())
+    };
+    let (cpu, cpu_dots) = program("cpu", &[]);
+    let (cuda, cuda_dots) = program("cuda", &["--plugin", "cuda"]);
+    let (rocm, _) = program("rocm", &["--plugin", "rocm"]);
+    let (chosen, chosen_dots) =
+        program("cuda-64", &["--plugin", "cuda", "--attention-block", "64"]);
+    assert_eq!(cpu, None);
+    assert_eq!(cuda, Some(256));
+    assert_eq!(rocm, Some(256));
+    assert_eq!(chosen, Some(64));
+    assert!(cuda_dots < cpu_dots, "{cuda_dots} vs {cpu_dots}");
+    assert!(chosen_dots > cuda_dots, "{chosen_dots} vs {cuda_dots}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -76,7 +76,8 @@ pub struct StepArgs {
     #[arg(long, help_heading = "Scale")]
     pub loss_chunk: Option<i64>,
     /// Query rows per block of causal attention (blocks wholly above the diagonal are not
-    /// computed); default 128 when the sequence is a longer multiple of 128, else no blocking.
+    /// computed); default: on a GPU one block (no blocking: fewer kernels), elsewhere an eighth
+    /// of the sequence, at least 128, when the sequence is a longer multiple of 128.
     #[arg(long, help_heading = "Scale")]
     pub attention_block: Option<i64>,
     /// With --dtype bf16, the type matmuls give their result in before it is rounded to bf16:
