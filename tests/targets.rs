@@ -539,12 +539,12 @@ fn a_step_too_big_for_every_offload_choice_is_reported() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// On a GPU the default is one attention block (its compiler makes each block's matmuls and
-/// softmax kernels of their own: 308 against 179 kernels per layer for 8B on an H100); elsewhere
-/// blocks of an eighth of the sequence; `--attention-block` chooses on either. Fewer blocks,
-/// fewer matmuls in the program.
+/// On a GPU the default is two attention blocks (its compiler makes each block's matmuls and
+/// softmax kernels of their own: 308 kernels per layer with blocks of 256 against 198 with two,
+/// for 8B on an H100); elsewhere blocks of an eighth of the sequence, at least 128;
+/// `--attention-block` chooses on either. Fewer blocks, fewer matmuls in the program.
 #[test]
-fn gpus_default_to_one_attention_block() {
+fn gpus_default_to_two_attention_blocks() {
     let dir = tempdir("attention-block");
     let program = |name: &str, flags: &[&str]| {
         let out = dir.join(name);
@@ -553,7 +553,7 @@ fn gpus_default_to_one_attention_block() {
             "--model",
             "tiny-llama3",
             "--seq",
-            "256",
+            "512",
             "--out",
             out.to_str().unwrap(),
         ];
@@ -574,6 +574,6 @@ fn gpus_default_to_one_attention_block() {
     assert_eq!(rocm, Some(256));
     assert_eq!(chosen, Some(64));
     assert!(cuda_dots < cpu_dots, "{cuda_dots} vs {cpu_dots}");
-    assert!(chosen_dots > cuda_dots, "{chosen_dots} vs {cuda_dots}");
+    assert!(chosen_dots > cpu_dots, "{chosen_dots} vs {cpu_dots}");
     std::fs::remove_dir_all(&dir).unwrap();
 }

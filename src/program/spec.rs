@@ -352,7 +352,7 @@ impl StepOptions {
             loss_chunk: self.loss_chunk,
             attention_block: self
                 .attention_block
-                .or_else(|| whole_sequence_attention(platform).then_some(seq)),
+                .or_else(|| gpu_attention_block(platform, seq)),
             wide_matmul_results: wide_matmul_results(&self.matmul_result, platform)?,
             offload: self.offload.unwrap_or(Offload::NONE),
         };
@@ -361,14 +361,20 @@ impl StepOptions {
     }
 }
 
-/// Whether causal attention is one block of all the queries by default on a plugin whose platform
-/// is `platform` (else [`crate::model::llama`]'s query blocks, which skip the blocks above the
-/// diagonal). On GPUs, yes: their compilers emit each block's matmuls and softmax as kernels of
-/// their own, and for Llama 3.1 8B on `cuda:h100:1` (batch 1 x 2048) blocks of 256 gave 308
-/// kernels per layer against 179 for one block and JAX's 202 (`tools/aot-kernels`), for about 4%
-/// of the step's FLOPs saved. `--attention-block` still chooses.
-pub fn whole_sequence_attention(platform: &str) -> bool {
-    matches!(platform, "cuda" | "rocm")
+/// The default query block of causal attention on a plugin whose platform is `platform`, where
+/// it differs from [`crate::model::llama`]'s (an eighth of the sequence, at least 128; blocks
+/// wholly above the diagonal are skipped). On GPUs, two blocks (halves: 3/4 of the scores
+/// computed) when the sequence is a multiple of 256, else one: their compilers emit each block's
+/// matmuls and softmax as kernels of their own. Llama 3.1 8B on `cuda:h100:1`, batch 1 x 2048
+/// (`tools/aot-kernels`, JAX's same step: 202 kernels per layer, 2.92 GiB of temporaries):
+/// blocks of 256: 308 kernels, 1.69 GiB; 512: 234, 1.70 GiB; 1024: 198, 1.79 GiB; one block:
+/// 179, 2.07 GiB (the whole score matrix). `--attention-block` still chooses.
+pub fn gpu_attention_block(platform: &str, seq: i64) -> Option<i64> {
+    match platform {
+        "cuda" | "rocm" if seq % 256 == 0 => Some(seq / 2),
+        "cuda" | "rocm" => Some(seq),
+        _ => None,
+    }
 }
 
 /// Whether bf16 matmuls give their f32 accumulator ([`StepSpec::wide_matmul_results`]) on a plugin
