@@ -15,29 +15,24 @@ pub mod plot;
 pub mod progress;
 pub mod schedule;
 pub mod settings;
+mod start;
 pub mod tensorboard;
 
 use crate::data::{Batch, Source, TrainingData};
 use crate::device::fit::{argument_bytes_per_device, explain_out_of_memory};
 use crate::device::runtime::Runtime;
 use crate::device::trainer::Trainer;
-use crate::formats::peft::init_lora;
 use crate::formats::weights::CheckpointWeights;
 use crate::model::config::LlamaConfig;
-use crate::model::lora::{LoraConfig, Target};
 use crate::program::{self, Program, StepSpec};
-use crate::train::checkpoint::{
-    load_checkpoint, save_adapter, save_checkpoint, Checkpoint, TrainerState,
-};
+use crate::train::checkpoint::{save_adapter, save_checkpoint, Checkpoint, TrainerState};
 use crate::train::log::Metrics;
 use crate::train::options::TrainOptions;
 use crate::train::output::RunDir;
 use crate::train::schedule::Schedule;
 use anyhow::{bail, Context, Result};
-use pjrt::HostTensor;
 use std::cell::Cell;
-use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -119,7 +114,7 @@ fn run_in(opts: &TrainOptions, cfg: &LlamaConfig, interrupted: &AtomicBool) -> R
     }
     let (rt, spec, program) = plan(opts, cfg, data.batch, data.seq)?;
     let schedule = schedule(opts, &data.source);
-    let start = starting_point(opts, cfg, &spec.lora, &schedule, &data)?;
+    let start = start::starting_point(opts, cfg, &spec.lora, &schedule, &data)?;
     let weights = load_weights(opts, cfg)?;
     if stop() {
         return Ok(Finished::Interrupted(None));
@@ -295,157 +290,6 @@ fn schedule(opts: &TrainOptions, source: &Source) -> Schedule {
         min_ratio: opts.min_lr_ratio,
         total,
     }
-}
-
-/// Where training starts: a checkpoint (`--resume`, whose settings [`settings::settle`] already
-/// took or checked; here its data and schedule are checked against this run's), or step 0 with
-/// the adapter of `--init-adapter` (which must be the one the flags describe) or a fresh one.
-fn starting_point(
-    opts: &TrainOptions,
-    cfg: &LlamaConfig,
-    lora_cfg: &LoraConfig,
-    schedule: &Schedule,
-    data: &TrainingData,
-) -> Result<Checkpoint> {
-    let fingerprint = data.source.fingerprint();
-    let mut settings = settings::of_run(opts);
-    settings.insert("batch-size".into(), data.batch.into());
-    settings.insert("seq".into(), data.seq.into());
-    if opts.data.is_batch_file() {
-        for (flag, have) in [("batch-size", data.batch), ("seq", data.seq)] {
-            let want = if flag == "seq" {
-                opts.data.seq
-            } else {
-                opts.data.batch_size
-            };
-            if opts.given(flag) && want != have {
-                bail!(
-                    "--{flag} {want}, but {} is one pre-tokenized batch of {}x{} (leave --batch-size and --seq out with .safetensors data)",
-                    opts.data.path.display(),
-                    data.batch,
-                    data.seq
-                );
-            }
-        }
-    }
-    let (lora, moments, mut state) = match &opts.resume {
-        Some(dir) => {
-            let (w, m, st) = load_checkpoint(dir, cfg, lora_cfg)?;
-            check_resumed_data(dir, &st, schedule, data, &fingerprint)?;
-            (w, m, st)
-        }
-        None => {
-            let w = match &opts.init_adapter {
-                Some(dir) => initial_adapter(dir, cfg, lora_cfg)?,
-                None => init_lora(cfg, lora_cfg, opts.seed),
-            };
-            (
-                w,
-                BTreeMap::new(),
-                TrainerState {
-                    step: 0,
-                    epoch: 0,
-                    position: 0,
-                    seed: opts.seed,
-                    schedule: schedule.clone(),
-                    settings: Default::default(),
-                    data: None,
-                },
-            )
-        }
-    };
-    state.schedule = schedule.clone();
-    state.settings = settings;
-    state.data = Some(fingerprint);
-    Ok((lora, moments, state))
-}
-
-/// A resumed run must see the data its checkpoint's run saw (same rows, same batch shape) and
-/// follow the same schedule (a constant one may be extended), and have steps left to take.
-fn check_resumed_data(
-    dir: &Path,
-    st: &TrainerState,
-    schedule: &Schedule,
-    data: &TrainingData,
-    fingerprint: &str,
-) -> Result<()> {
-    let recorded = |k: &str| st.settings.get(k).and_then(|v| v.as_i64());
-    if let (Some(b), Some(t)) = (recorded("batch-size"), recorded("seq")) {
-        if (b, t) != (data.batch, data.seq) {
-            bail!(
-                "checkpoint {}'s run took batches of {b}x{t}, but the data gives {}x{}",
-                dir.display(),
-                data.batch,
-                data.seq
-            );
-        }
-    }
-    if st.data.as_deref().is_some_and(|d| d != fingerprint) {
-        bail!(
-            "checkpoint {} was trained on other data than {} (its rows differ); resume on the same data, or start a new run from its adapter with --init-adapter {}",
-            dir.display(),
-            data_name(data),
-            dir.display()
-        );
-    }
-    let mut same = st.schedule.clone();
-    if same.kind == "constant" {
-        same.total = schedule.total;
-    }
-    if &same != schedule {
-        bail!(
-            "checkpoint {}'s run has the schedule {} but this run's would be {} (did the data change?)",
-            dir.display(),
-            schedule_text(&st.schedule),
-            schedule_text(schedule)
-        );
-    }
-    if st.step > schedule.total {
-        bail!(
-            "checkpoint {} is at step {}, past this run's last step {}",
-            dir.display(),
-            st.step,
-            schedule.total
-        );
-    }
-    Ok(())
-}
-
-fn data_name(data: &TrainingData) -> &'static str {
-    match data.source {
-        Source::Fixed(_) => "this batch",
-        Source::Rows { .. } => "this data",
-    }
-}
-
-fn schedule_text(s: &Schedule) -> String {
-    format!(
-        "{} from lr {} over {} steps (warmup {}, min ratio {})",
-        s.kind, s.lr, s.total, s.warmup, s.min_ratio
-    )
-}
-
-/// The tensors of `--init-adapter`, refused unless its rank, alpha and targets are the flags'.
-fn initial_adapter(
-    dir: &Path,
-    cfg: &LlamaConfig,
-    lora_cfg: &LoraConfig,
-) -> Result<BTreeMap<String, HostTensor>> {
-    let c = crate::formats::peft::read_config(dir)?;
-    if c.r != lora_cfg.r || c.targets != lora_cfg.targets || (c.alpha - lora_cfg.alpha).abs() > 1e-9
-    {
-        bail!(
-            "--init-adapter {} has r={}, alpha={}, targets {}, but the flags ask for r={}, alpha={}, targets {}",
-            dir.display(),
-            c.r,
-            c.alpha,
-            Target::list(&c.targets),
-            lora_cfg.r,
-            lora_cfg.alpha,
-            Target::list(&lora_cfg.targets)
-        );
-    }
-    crate::formats::peft::read_tensors(dir, cfg, lora_cfg)
 }
 
 /// When loading started and the host memory the process held then (`VmRSS`).
