@@ -3,13 +3,14 @@
 //! compiler's memory figures.
 
 use crate::cli::args::StepArgs;
+use crate::cli::target::{check_target, print_target, record, Compiler};
 use anyhow::{bail, Result};
 use clap::Args;
 use std::path::PathBuf;
 use xtrain::device::aot::{TargetBuild, TargetDevices};
 use xtrain::device::platform::named_platform;
-use xtrain::device::target::{Platform, Target};
-use xtrain::formats::program_dir::{self, Build, Manifest, MemoryFigures, StepEstimate};
+use xtrain::device::target::Target;
+use xtrain::formats::program_dir::{self, Manifest};
 use xtrain::program::{MeshPlan, Offload, Program, StepSpec};
 
 #[derive(Args)]
@@ -69,7 +70,7 @@ pub struct CompileArgs {
 }
 
 /// Bytes in GiB, or MiB / KiB for small programs (the tiny test model), so no figure reads 0.00.
-fn gib(b: i64) -> String {
+pub(super) fn gib(b: i64) -> String {
     let x = b as f64;
     if x.abs() >= (1u64 << 30) as f64 / 100.0 {
         format!("{:.2} GiB", x / (1u64 << 30) as f64)
@@ -81,7 +82,7 @@ fn gib(b: i64) -> String {
 }
 
 /// Seconds, or milliseconds / microseconds for small ones.
-fn secs(s: f64) -> String {
+pub(super) fn secs(s: f64) -> String {
     if s >= 1.0 {
         format!("{s:.3} s")
     } else if s >= 1e-3 {
@@ -239,39 +240,6 @@ fn write_program(a: &CompileArgs, spec: &StepSpec) -> Result<(Program, Manifest)
     Ok((program, manifest))
 }
 
-/// What the target is, as its plugin describes it.
-fn print_target(t: &TargetDevices) -> Result<()> {
-    let memory = match (t.memory_per_device(), t.usable_memory_per_device()?) {
-        (Some(b), Some(u)) if u < b => format!(
-            ", {} each, of which XLA may use {} ({:.0}%, what xtrain's runtime gives the \
-             plugin's allocator; XTRAIN_GPU_MEMORY_FRACTION)",
-            gib(b),
-            gib(u),
-            100.0 * u as f64 / b as f64
-        ),
-        (Some(b), _) => format!(", {} each", gib(b)),
-        _ => String::new(),
-    };
-    // libtpu's version names the chip and its build; the GPU plugins' repeat the device kind.
-    let version = t.platform_version.lines().next().unwrap_or_default();
-    let version = if version == t.device_kind() || version.is_empty() {
-        String::new()
-    } else {
-        format!(" {version}")
-    };
-    println!(
-        "target {}: {} x {} on {} host(s){memory} ({} plugin{version}, PJRT C API {}.{})",
-        t.target.spec,
-        t.devices.len(),
-        t.device_kind(),
-        t.hosts(),
-        t.target.platform.plugin(),
-        t.plugin.api_version().0,
-        t.plugin.api_version().1,
-    );
-    Ok(())
-}
-
 /// The mesh and which device sits where on it.
 fn print_device_order(m: &MeshPlan) {
     let order: Vec<String> = (0..m.devices() as usize)
@@ -303,7 +271,7 @@ fn print_device_order(m: &MeshPlan) {
 
 /// Per-device figures, the same lines for every plugin: device memory (what must fit), host
 /// memory where the program offloads (per device and per host), and whether it fits.
-fn print_memory(
+pub(super) fn print_memory(
     m: &pjrt::MemoryStats,
     available: Option<i64>,
     devices_per_host: i64,
@@ -402,255 +370,5 @@ fn check(
     if let Some(dir) = &a.xla_dump {
         println!("XLA's HLO dumps: {}", dir.display());
     }
-    Ok(())
-}
-
-/// `--check --target`: compile for the target with its plugin, print the compiler's figures (and
-/// for TPUs its cost analysis and a whole-step estimate), and add the build to the program dir.
-/// Returns whether the step fits the target's devices (true where their memory is unknown);
-/// one that does not fit is recorded only if it is the `last` choice.
-fn check_target(
-    a: &CompileArgs,
-    t: &TargetDevices,
-    spec: &StepSpec,
-    program: &Program,
-    manifest: &mut Manifest,
-    last: bool,
-) -> Result<bool> {
-    eprintln!(
-        "xtrain: compiling for {} with the {} plugin (no device needed)",
-        t.target.spec,
-        t.target.platform.plugin()
-    );
-    let build = t.compile(program, a.xla_dump.as_deref())?;
-    println!(
-        "XLA compile for {}: {:.2}s ({} compiler)",
-        t.target.spec,
-        build.compile_s,
-        t.target.platform.plugin()
-    );
-    let usable = t.usable_memory_per_device()?;
-    print_memory(
-        &build.stats,
-        usable,
-        t.devices.len() as i64 / t.hosts(),
-        spec,
-    );
-    let fits = usable.is_none_or(|have| build.stats.total_bytes() <= have);
-    if !fits && !last {
-        return Ok(false);
-    }
-    let mut estimate = None;
-    if let Some(cost) = &build.cost {
-        let get = |k: &str| cost.iter().find(|(n, _)| n == k).map(|(_, v)| *v);
-        println!(
-            "TPU cost analysis per device, the step as compiled (the layer loop's body counted \
-             once): {:.4} TFLOP, {:.4} GB accessed, optimal_seconds {}{}",
-            get("flops").unwrap_or(0.0) / 1e12,
-            get("bytes accessed").unwrap_or(0.0) / 1e9,
-            secs(get("optimal_seconds").unwrap_or(0.0)),
-            if get("optimal_seconds").is_some_and(|s| s <= 0.0) {
-                " (not a time)"
-            } else {
-                ""
-            }
-        );
-    }
-    if t.target.platform == Platform::Tpu && !a.no_estimate {
-        estimate = print_estimate(t, spec)?;
-    }
-    let by = Compiler {
-        target: t.target.spec.clone(),
-        platform: t.target.platform.plugin().into(),
-        platform_version: t.platform_version.clone(),
-        plugin: &t.plugin,
-        device_kind: t.device_kind().into(),
-        devices: t.devices.len() as i64,
-        hosts: t.hosts(),
-        memory_per_device: t.memory_per_device(),
-        usable_memory_per_device: usable,
-    };
-    record(&a.out, by, &build, estimate, manifest)?;
-    println!(
-        "wrote {} ({} bytes), {}{} and the build in manifest.json",
-        a.out.join(program_dir::EXECUTABLE_FILE).display(),
-        build.executable.len(),
-        program_dir::OPTIMIZED_HLO_FILE,
-        if build.memory_report.is_some() {
-            format!(", {}", program_dir::MEMORY_REPORT_FILE)
-        } else {
-            String::new()
-        }
-    );
-    if let Some(dir) = &a.xla_dump {
-        println!("XLA's dumps: {}", dir.display());
-    }
-    Ok(fits)
-}
-
-/// The TPU compiler's estimate of the whole step, from unrolled 1- and 2-layer steps.
-fn print_estimate(t: &TargetDevices, spec: &StepSpec) -> Result<Option<StepEstimate>> {
-    eprintln!("xtrain: estimating the step from unrolled 1- and 2-layer steps");
-    let e = t.estimate(spec)?;
-    if !e.has_time() {
-        println!(
-            "no step time estimate: the TPU cost model's optimal_seconds for the unrolled 1- and \
-             2-layer steps are {} and {}, not times (libtpu 0.0.42.1 gives negative ones for \
-             every step measured on v6e; v5p's are positive); {:.4} TFLOP and {:.3} GB accessed \
-             per device, extrapolated to {} layers",
-            secs(e.unrolled_seconds[0]),
-            secs(e.unrolled_seconds[1]),
-            e.flops / 1e12,
-            e.bytes_accessed / 1e9,
-            e.layers
-        );
-        return Ok(None);
-    }
-    let tokens = (spec.batch * spec.seq) as f64;
-    let model_flops = xtrain::train::bench::model_flops_per_step(spec);
-    let devices = t.devices.len() as f64;
-    let mfu = t
-        .peak_bf16_tflops_per_device()
-        .map(|peak| model_flops / (e.seconds * devices * peak * 1e12));
-    println!(
-        "estimated step, by the TPU compiler's cost model (optimal_seconds of unrolled 1- and \
-         2-layer steps, extrapolated to {} layers; an estimate, not a measurement): {} per step, \
-         {:.4} TFLOP and {:.3} GB accessed per device, {:.0} tokens/s{}",
-        e.layers,
-        secs(e.seconds),
-        e.flops / 1e12,
-        e.bytes_accessed / 1e9,
-        tokens / e.seconds,
-        match (mfu, t.target.peak_bf16_tflops_per_chip) {
-            (Some(m), Some(peak)) => format!(
-                ", estimated MFU {:.1}% (model FLOPs {:.4} TFLOP per step; peak {peak} TFLOP/s bf16 per chip)",
-                100.0 * m,
-                model_flops / 1e12
-            ),
-            _ => String::new(),
-        }
-    );
-    Ok(Some(StepEstimate {
-        seconds: e.seconds,
-        flops_per_device: e.flops,
-        bytes_accessed_per_device: e.bytes_accessed,
-        tokens_per_s: tokens / e.seconds,
-        model_flops_per_step: model_flops,
-        mfu,
-    }))
-}
-
-/// Who compiled a build, for its manifest record.
-struct Compiler<'a> {
-    target: String,
-    platform: String,
-    platform_version: String,
-    plugin: &'a pjrt::Plugin,
-    device_kind: String,
-    devices: i64,
-    hosts: i64,
-    memory_per_device: Option<i64>,
-    usable_memory_per_device: Option<i64>,
-}
-
-/// Add the build to the program dir: the executable, the optimized HLO and memory report when
-/// the compiler dumped them, and the record in manifest.json.
-fn record(
-    out: &std::path::Path,
-    by: Compiler,
-    build: &TargetBuild,
-    estimate: Option<StepEstimate>,
-    manifest: &mut Manifest,
-) -> Result<()> {
-    let m = &build.stats;
-    let (major, minor) = by.plugin.api_version();
-    let record = Build {
-        target: by.target,
-        platform: by.platform,
-        platform_version: by.platform_version,
-        plugin_api: format!("{major}.{minor}"),
-        plugin: by.plugin.path().display().to_string(),
-        device_kind: by.device_kind,
-        devices: by.devices,
-        hosts: by.hosts,
-        memory_per_device: by.memory_per_device,
-        usable_memory_per_device: by.usable_memory_per_device,
-        compile_s: build.compile_s,
-        per_device: MemoryFigures {
-            argument_bytes: m.argument_bytes,
-            output_bytes: m.output_bytes,
-            alias_bytes: m.alias_bytes,
-            temp_bytes: m.temp_bytes,
-            generated_code_bytes: m.generated_code_bytes,
-            total_bytes: m.total_bytes(),
-            host_argument_bytes: m.host_argument_bytes,
-            host_temp_bytes: m.host_temp_bytes,
-            host_total_bytes: m.host_total_bytes(),
-        },
-        cost: build.cost.as_ref().map(|c| c.iter().cloned().collect()),
-        estimate,
-        executable_sha256: program_dir::sha256_hex(&build.executable),
-    };
-    program_dir::write_build(
-        out,
-        manifest,
-        record,
-        &build.executable,
-        build.optimized_hlo.as_deref(),
-        build.memory_report.as_deref(),
-    )
-}
-
-/// `xtrain targets [NAME]`.
-pub fn targets(name: Option<&str>) -> Result<()> {
-    use xtrain::device::target::{GpuArch, GPUS, TPUS};
-    let Some(name) = name else {
-        println!("TPU slices (libtpu's layouts, e.g. 2x2, 2x2x1, 4x4x4, 16x16; 1x1 for one chip):");
-        for t in TPUS {
-            println!(
-                "  tpu:{}:<chips>  {} TFLOP/s bf16 per chip",
-                t.name, t.peak_bf16_tflops_per_chip
-            );
-        }
-        println!(
-            "GPUs (<count> per host, or <hosts>x<per host>; --target-config FILE for others):"
-        );
-        for g in GPUS {
-            let arch = match g.arch {
-                GpuArch::Cuda(a, b) => format!("sm_{a}{b}"),
-                GpuArch::Rocm(n) => n.split(':').next().unwrap_or(n).to_string(),
-            };
-            let platform = match g.arch {
-                GpuArch::Cuda(..) => "cuda",
-                GpuArch::Rocm(_) => "rocm",
-            };
-            println!(
-                "  {platform}:{}:<count>  {} ({arch}, {} {}, {}, {:.1} TB/s, {} TFLOP/s bf16)",
-                g.name,
-                g.kind,
-                g.cores,
-                if platform == "cuda" { "SMs" } else { "CUs" },
-                gib(g.memory_bytes),
-                g.bandwidth_bytes_per_s as f64 / 1e12,
-                g.peak_bf16_tflops
-            );
-        }
-        return Ok(());
-    };
-    let (platform, device) = name.split_once(':').unwrap_or(("", name));
-    let device = device.split(':').next().unwrap_or(device);
-    let Some(g) = GPUS.iter().find(|g| {
-        g.name == device
-            && matches!(
-                (platform, g.arch),
-                ("cuda", GpuArch::Cuda(..)) | ("rocm", GpuArch::Rocm(_))
-            )
-    }) else {
-        bail!(
-            "`{name}` is not a built-in GPU (TPUs need no description); known: {}",
-            xtrain::device::target::known_targets()
-        );
-    };
-    print!("{}", g.target_config());
     Ok(())
 }

@@ -11,6 +11,7 @@ mod convert;
 mod generate;
 mod model;
 mod plugins;
+mod target;
 mod train;
 
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
@@ -141,7 +142,7 @@ pub fn main() {
         } => convert::import_gguf(&file, &out, overwrite),
         Command::Generate(a) => generate::generate(a),
         Command::Bench(a) => bench::bench(*a),
-        Command::Targets { name } => compile::targets(name.as_deref()),
+        Command::Targets { name } => target::targets(name.as_deref()),
         Command::Merge {
             model,
             revision,
