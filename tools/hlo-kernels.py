@@ -9,6 +9,10 @@ A layer is one trip of a while loop that runs L times (the forward and the backw
 of a remat step; a scan's loops in JAX); loops nested in a layer loop count with their trip
 counts. Instructions that launch nothing (parameters, tuples, bitcasts, constants, ...) are not
 counted.
+
+The bytes a fusion reads are its operands' whole shapes: a fusion that dynamic-slices one layer
+out of a stacked [L, ...] operand counts all L layers, so the figure is an upper bound on what
+moves, dominated by the stacked weights and saved activations.
 """
 import json
 import re
