@@ -76,8 +76,9 @@ pub struct StepArgs {
     #[arg(long, help_heading = "Scale")]
     pub loss_chunk: Option<i64>,
     /// Query rows per block of causal attention (blocks wholly above the diagonal are not
-    /// computed); default: on a GPU two blocks (fewer kernels), elsewhere an eighth of the
-    /// sequence, at least 128, when the sequence is a longer multiple of 128.
+    /// computed); default: on a GPU or TPU two blocks (fewer kernels; faster in the TPU's cost
+    /// model), on a CPU an eighth of the sequence, at least 128, when the sequence is a longer
+    /// multiple of 128.
     #[arg(long, help_heading = "Scale")]
     pub attention_block: Option<i64>,
     /// With --dtype bf16, the type matmuls give their result in before it is rounded to bf16:

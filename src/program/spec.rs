@@ -352,7 +352,7 @@ impl StepOptions {
             loss_chunk: self.loss_chunk,
             attention_block: self
                 .attention_block
-                .or_else(|| gpu_attention_block(platform, seq)),
+                .or_else(|| accelerator_attention_block(platform, seq)),
             wide_matmul_results: wide_matmul_results(&self.matmul_result, platform)?,
             offload: self.offload.unwrap_or(Offload::NONE),
         };
@@ -363,16 +363,20 @@ impl StepOptions {
 
 /// The default query block of causal attention on a plugin whose platform is `platform`, where
 /// it differs from [`crate::model::llama`]'s (an eighth of the sequence, at least 128; blocks
-/// wholly above the diagonal are skipped). On GPUs, two blocks (halves: 3/4 of the scores
-/// computed) when the sequence is a multiple of 256, else one: their compilers emit each block's
-/// matmuls and softmax as kernels of their own. Llama 3.1 8B on `cuda:h100:1`, batch 1 x 2048
-/// (`tools/aot-kernels`, JAX's same step: 202 kernels per layer, 2.92 GiB of temporaries):
-/// blocks of 256: 308 kernels, 1.69 GiB; 512: 234, 1.70 GiB; 1024: 198, 1.79 GiB; one block:
-/// 179, 2.07 GiB (the whole score matrix). `--attention-block` still chooses.
-pub fn gpu_attention_block(platform: &str, seq: i64) -> Option<i64> {
+/// wholly above the diagonal are skipped). On GPUs and TPUs, two blocks (halves: 3/4 of the
+/// scores computed) when the sequence is a multiple of 256, else one. Llama 3.1 8B, seq 2048:
+/// - `cuda:h100:1`, batch 1 (`tools/aot-kernels`; JAX's same step: 202 kernels per layer, 2.92
+///   GiB of temporaries): blocks of 256: 308 kernels, 1.69 GiB; 512: 234, 1.70 GiB; 1024: 198,
+///   1.79 GiB; one block: 179, 2.07 GiB (the GPU compilers make each block's matmuls and
+///   softmax kernels of their own);
+/// - `tpu:v5p:2x2x1`, batch 4 (the TPU cost model's estimate, `compile --check`): 256: 446.5 ms
+///   per step; 512: 419.9 ms; 1024: 412.0 ms; one block: 419.8 ms; memory 6.45-6.50 GiB.
+///
+/// The CPU keeps eighths. `--attention-block` still chooses.
+pub fn accelerator_attention_block(platform: &str, seq: i64) -> Option<i64> {
     match platform {
-        "cuda" | "rocm" if seq % 256 == 0 => Some(seq / 2),
-        "cuda" | "rocm" => Some(seq),
+        "cuda" | "rocm" | "tpu" if seq % 256 == 0 => Some(seq / 2),
+        "cuda" | "rocm" | "tpu" => Some(seq),
         _ => None,
     }
 }
