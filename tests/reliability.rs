@@ -386,6 +386,10 @@ fn step_options_that_do_not_fit_the_batch() {
             &["--matmul-result", "bf32"][..],
             "--matmul-result must be auto, f32 or compute, got `bf32`",
         ),
+        (
+            &["--attention-scores", "bf16"][..],
+            "--attention-scores must be auto, f32 or compute, got `bf16`",
+        ),
     ] {
         let mut args = vec!["compile", "--model", "tiny-llama3"];
         args.extend(options);
@@ -1071,6 +1075,18 @@ fn a_program_dir_fixes_its_flags() {
     let e = fails(&refs(&a));
     assert!(
         e.contains("was built with --lora-r 4, but the command line gives --lora-r 8"),
+        "{e}"
+    );
+    // Scores in the compute type against a program built with f32 scores: refused too (the
+    // default, auto, takes what the program has).
+    let mut b = a.clone();
+    b[r + 1] = "4".into();
+    b.extend(["--attention-scores".into(), "compute".into()]);
+    let e = fails(&refs(&b));
+    assert!(
+        e.contains(
+            "was built with --attention-scores f32, but the command line gives --attention-scores compute"
+        ),
         "{e}"
     );
     // Left out, the rank is the program's.

@@ -87,6 +87,12 @@ pub struct StepArgs {
     /// arithmetic is the same (f32 accumulation, one rounding); the speed differs.
     #[arg(long, default_value = "auto", help_heading = "Scale")]
     pub matmul_result: String,
+    /// The element type the attention scores (q.k) are written in before the softmax, which
+    /// runs in f32: f32, compute (bf16 with --dtype bf16, as Hugging Face's eager attention
+    /// has them), or auto (compute on GPUs and TPUs, where the scores are the step's largest
+    /// activation traffic; f32 on CPU).
+    #[arg(long, default_value = "auto", help_heading = "Scale")]
+    pub attention_scores: String,
     /// Quantize the projections' base weights at load: nf4 (QLoRA's 4-bit NormalFloat, blocks
     /// of 64, double-quantized scales), dequantized in the step right before each matmul.
     #[arg(long, help_heading = "Scale")]
@@ -164,6 +170,7 @@ impl StepArgs {
             loss_chunk: self.loss_chunk,
             attention_block: self.attention_block,
             matmul_result: self.matmul_result.clone(),
+            attention_scores: self.attention_scores.clone(),
             offload: match self.offload.as_str() {
                 "auto" => None,
                 other => Some(xtrain::program::Offload::parse(other)?),

@@ -345,6 +345,7 @@ fn check(
         stats: m,
         compile_s,
         cost: None,
+        unpriced_calls: 0,
         optimized_hlo: None,
         memory_report: None,
         executable: exe.serialize()?,

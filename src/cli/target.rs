@@ -88,9 +88,14 @@ pub(super) fn check_target(
             get("bytes accessed").unwrap_or(0.0) / 1e9,
             secs(get("optimal_seconds").unwrap_or(0.0)),
             if get("optimal_seconds").is_some_and(|s| s <= 0.0) {
-                " (not a time)"
+                " (not a time)".to_string()
+            } else if build.unpriced_calls > 0 {
+                format!(
+                    " (with the cost model's -1 s for each of {} ConcatBitcast calls taken out)",
+                    build.unpriced_calls
+                )
             } else {
-                ""
+                String::new()
             }
         );
     }
@@ -126,6 +131,18 @@ pub(super) fn check_target(
     Ok(fits)
 }
 
+/// What was added back to the unrolled steps' times, if anything (see
+/// [`xtrain::device::aot::unpriced_calls`]).
+fn unpriced_note(e: &xtrain::device::aot::Estimate) -> String {
+    match e.unpriced_calls {
+        [0, 0] => String::new(),
+        [a, b] => format!(
+            ", with the cost model's -1 s for each of their {a} and {b} ConcatBitcast calls \
+             taken out"
+        ),
+    }
+}
+
 /// The TPU compiler's estimate of the whole step, from unrolled 1- and 2-layer steps.
 fn print_estimate(t: &TargetDevices, spec: &StepSpec) -> Result<Option<StepEstimate>> {
     eprintln!("xtrain: estimating the step from unrolled 1- and 2-layer steps");
@@ -133,11 +150,11 @@ fn print_estimate(t: &TargetDevices, spec: &StepSpec) -> Result<Option<StepEstim
     if !e.has_time() {
         println!(
             "no step time estimate: the TPU cost model's optimal_seconds for the unrolled 1- and \
-             2-layer steps are {} and {}, not times (libtpu 0.0.42.1 gives negative ones for \
-             every step measured on v6e; v5p's are positive); {:.4} TFLOP and {:.3} GB accessed \
-             per device, extrapolated to {} layers",
+             2-layer steps are {} and {}{}, not times growing with the layers; {:.4} TFLOP and \
+             {:.3} GB accessed per device, extrapolated to {} layers",
             secs(e.unrolled_seconds[0]),
             secs(e.unrolled_seconds[1]),
+            unpriced_note(&e),
             e.flops / 1e12,
             e.bytes_accessed / 1e9,
             e.layers
@@ -152,8 +169,9 @@ fn print_estimate(t: &TargetDevices, spec: &StepSpec) -> Result<Option<StepEstim
         .map(|peak| model_flops / (e.seconds * devices * peak * 1e12));
     println!(
         "estimated step, by the TPU compiler's cost model (optimal_seconds of unrolled 1- and \
-         2-layer steps, extrapolated to {} layers; an estimate, not a measurement): {} per step, \
-         {:.4} TFLOP and {:.3} GB accessed per device, {:.0} tokens/s{}",
+         2-layer steps{}, extrapolated to {} layers; an estimate, not a measurement): {} per \
+         step, {:.4} TFLOP and {:.3} GB accessed per device, {:.0} tokens/s{}",
+        unpriced_note(&e),
         e.layers,
         secs(e.seconds),
         e.flops / 1e12,

@@ -28,6 +28,9 @@ pub struct TargetBuild {
     /// The compiler's cost analysis, per device (TPU only): `flops`, `bytes accessed`,
     /// `optimal_seconds`, ...
     pub cost: Option<Vec<(String, f64)>>,
+    /// Calls the cost model priced at -1 s ([`unpriced_calls`]), already added back to the
+    /// cost's `optimal_seconds`.
+    pub unpriced_calls: usize,
     /// The optimized HLO as text, and XLA's memory-usage report, from the compiler's dump.
     pub optimized_hlo: Option<String>,
     pub memory_report: Option<String>,
@@ -223,18 +226,24 @@ impl TargetDevices {
             })?;
         let compile_s = t0.elapsed().as_secs_f64();
         let stats = exe.memory_stats()?;
+        let executable = exe.serialize()?;
+        let (optimized_hlo, memory_report) = read_dump(&dump_dir);
+        let unpriced = optimized_hlo.as_deref().map_or(0, unpriced_calls);
         let cost = exe.cost_analysis().ok().map(|c| {
             c.into_iter()
                 .filter(|(k, _)| !k.contains('{'))
                 .filter_map(|(k, v)| v.as_f64().map(|x| (k, x)))
+                .map(|(k, x)| match k.as_str() {
+                    "optimal_seconds" => (k, x + unpriced as f64),
+                    _ => (k, x),
+                })
                 .collect()
         });
-        let executable = exe.serialize()?;
-        let (optimized_hlo, memory_report) = read_dump(&dump_dir);
         Ok(TargetBuild {
             stats,
             compile_s,
             cost,
+            unpriced_calls: unpriced,
             optimized_hlo,
             memory_report,
             executable,
@@ -260,22 +269,38 @@ impl TargetDevices {
     }
 }
 
+/// Calls in an optimized TPU module that libtpu 0.0.42.1's cost model prices at exactly -1 s
+/// each: `ConcatBitcast`, the custom call that joins the views of a buffer fetched in async
+/// slices. It moves no data itself (the slices are priced), and its -1 s is a "no cost known"
+/// value summed in as if a time: the v6e steps' negative `optimal_seconds` are these, to the
+/// call (8B step on `tpu:v6e:2x2`: 24 calls, -23.984 s; SmolLM2-135M: 1 call, -0.9995 s; the
+/// modules without one, every v5p step measured here among them, come out positive). So each
+/// is added back, i.e. priced at 0, and the output says how many were.
+pub fn unpriced_calls(optimized_hlo: &str) -> usize {
+    optimized_hlo
+        .matches("custom_call_target=\"ConcatBitcast\"")
+        .count()
+}
+
 /// A TPU compiler's estimate of a looped step, which its cost analysis cannot give directly: it
 /// counts a loop body once. Built from unrolled programs of the same step with 1 and 2 layers:
 /// c(L) = c(1) + (L - 1) (c(2) - c(1)).
 pub struct Estimate {
     pub layers: i64,
-    /// The cost model's `optimal_seconds` of the unrolled 1- and 2-layer steps.
+    /// The cost model's `optimal_seconds` of the unrolled 1- and 2-layer steps (with
+    /// [`unpriced_calls`] added back).
     pub unrolled_seconds: [f64; 2],
+    /// The unpriced calls added back in each.
+    pub unpriced_calls: [usize; 2],
     pub seconds: f64,
     pub flops: f64,
     pub bytes_accessed: f64,
 }
 
 impl Estimate {
-    /// Whether the cost model gave times to extrapolate: libtpu 0.0.42.1's `optimal_seconds`
-    /// comes out negative for every step measured on v6e (8B, 70B, 405B; e.g. -41.0 s for the
-    /// looped 8B step on v6e:2x2; v5p's are positive), which no extrapolation mends.
+    /// Whether the cost model gave times to extrapolate: positive ones, once its unpriced calls
+    /// are added back ([`unpriced_calls`]; without that, every v6e step measured came out
+    /// negative), and growing with the layers.
     pub fn has_time(&self) -> bool {
         self.unrolled_seconds
             .iter()
@@ -287,14 +312,21 @@ impl Estimate {
 impl TargetDevices {
     /// Estimate the whole step's time, FLOPs and bytes per device from unrolled 1- and 2-layer
     /// versions of `spec` (TPU targets: the only compiler here with a cost analysis).
-    /// The time is a time only where [`Estimate::has_time`] says so.
+    /// The time is a time only where [`Estimate::has_time`] says so. With
+    /// `XTRAIN_ESTIMATE_DUMP=DIR` XLA's dumps of the two unrolled compiles are kept in
+    /// `DIR/layers-1` and `DIR/layers-2` (the optimized HLO behind the estimate, for finding
+    /// what a change moved; `tools/hlo-kernels.py` reads it).
     pub fn estimate(&self, spec: &StepSpec) -> Result<Estimate> {
         let mut costs = Vec::new();
+        let mut unpriced = [0; 2];
         for layers in [1, 2] {
             let mut small = spec.clone();
             small.model.num_hidden_layers = layers;
             let program = crate::program::build_train_step_unrolled(&small)?;
-            let build = self.compile(&program, None)?;
+            let dump = std::env::var_os("XTRAIN_ESTIMATE_DUMP")
+                .map(|d| PathBuf::from(d).join(format!("layers-{layers}")));
+            let build = self.compile(&program, dump.as_deref())?;
+            unpriced[layers as usize - 1] = build.unpriced_calls;
             let cost = build
                 .cost
                 .context("the compiler gave no cost analysis for the unrolled step")?;
@@ -317,6 +349,7 @@ impl TargetDevices {
         Ok(Estimate {
             layers: l,
             unrolled_seconds: [costs[0].0, costs[1].0],
+            unpriced_calls: unpriced,
             seconds: at(|c| c.0),
             flops: at(|c| c.1),
             bytes_accessed: at(|c| c.2),
@@ -379,13 +412,27 @@ impl Drop for TempDir {
 
 #[cfg(test)]
 mod tests {
-    use super::Estimate;
+    use super::{unpriced_calls, Estimate};
+
+    /// The calls are counted from the optimized module's text, wherever they are (a loop body
+    /// too: the cost analysis counts its one copy); other custom calls are priced.
+    #[test]
+    fn concat_bitcasts_are_the_unpriced_calls() {
+        let hlo = r#"
+  %custom-call.8 = bf16[1,2048,4096]{2,1,0:T(8,128)(2,1)S(1)} custom-call(%slice-done, %slice-done.1), custom_call_target="ConcatBitcast", backend_config={}
+  %custom-call.9 = bf16[8]{0} custom-call(%p), custom_call_target="AllocateBuffer"
+  %custom-call.10 = bf16[1,2048,4096]{2,1,0} custom-call(%a, %b), custom_call_target="ConcatBitcast"
+"#;
+        assert_eq!(unpriced_calls(hlo), 2);
+        assert_eq!(unpriced_calls("%x = f32[] add(%a, %b)"), 0);
+    }
 
     fn estimate(unrolled: [f64; 2], layers: i64) -> Estimate {
         let seconds = unrolled[0] + (layers - 1) as f64 * (unrolled[1] - unrolled[0]);
         Estimate {
             layers,
             unrolled_seconds: unrolled,
+            unpriced_calls: [0; 2],
             seconds,
             flops: 1.0,
             bytes_accessed: 1.0,

@@ -52,6 +52,10 @@ impl Forward {
         });
         let spec = StepSpec {
             wide_matmul_results: crate::program::wide_matmul_results("auto", &rt.platform())?,
+            narrow_attention_scores: crate::program::narrow_attention_scores(
+                "auto",
+                &rt.platform(),
+            )?,
             ..StepSpec::new(cfg.clone(), lora, batch, seq, dtype)
         };
         let program = match kind {

@@ -204,4 +204,33 @@ mod tests {
         let e = wide_matmul_results("bf16", "cpu").unwrap_err();
         assert!(e.to_string().contains("auto, f32 or compute"), "{e}");
     }
+
+    /// The scores stay f32 on the CPU (its bf16 program as before) and are written in the
+    /// compute type on GPUs and TPUs, unless `--attention-scores` says otherwise.
+    #[test]
+    fn auto_attention_scores_follow_the_plugin_name() {
+        use crate::program::narrow_attention_scores;
+        for (plugin, narrow) in [
+            ("cpu", false),
+            ("/root/.cache/xtrain/plugins/cpu/xla_cpu_pjrt.so", false),
+            ("cuda", true),
+            ("rocm", true),
+            ("tpu", true),
+        ] {
+            let platform = named_platform(Some(plugin));
+            assert_eq!(
+                narrow_attention_scores("auto", platform).unwrap(),
+                narrow,
+                "{plugin}"
+            );
+            assert!(!narrow_attention_scores("f32", platform).unwrap());
+            assert!(narrow_attention_scores("compute", platform).unwrap());
+        }
+        let e = narrow_attention_scores("bf16", "tpu").unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("--attention-scores must be auto, f32 or compute, got `bf16`"),
+            "{e}"
+        );
+    }
 }

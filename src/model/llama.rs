@@ -120,6 +120,13 @@ pub struct Numerics {
     /// both operands of a bf16 -> bf16 product to f32 first, while a GPU's cuBLAS writes bf16
     /// directly.
     pub matmul_result: DType,
+    /// Element type the attention scores q.k are written in before the softmax (which runs in
+    /// f32 either way): f32, or the compute type as Hugging Face's eager attention has them in
+    /// bf16 (its matmul gives bf16; its softmax upcasts). Unlike `matmul_result` this is a
+    /// numerics choice, not a form: the scores are rounded once more. It halves the bytes of the
+    /// step's largest activations ([B, heads, T, T] per layer, written and read several times
+    /// in the forward, recomputed and backward passes).
+    pub scores: DType,
 }
 
 impl Numerics {
@@ -129,6 +136,7 @@ impl Numerics {
             compute,
             attention_block: None,
             matmul_result: compute,
+            scores: DType::F32,
         }
     }
 }
@@ -196,7 +204,8 @@ fn attend(
         lhs_contract: vec![4],
         rhs_contract: vec![3],
     };
-    let scores = b.dot_general(q, k, dims, None, Some(DType::F32))?;
+    let scores = b.dot_general(q, k, dims, None, Some(num.scores))?;
+    let scores = b.convert(scores, DType::F32)?;
     let scores = b.mul_scalar(scores, 1.0 / (d as f64).sqrt())?;
     let sd = b.dims(scores).to_vec();
     let allowed = b.broadcast_in_dim(mask, &sd, &[0, 2, 4])?;

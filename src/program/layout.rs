@@ -130,6 +130,11 @@ impl Layout<'_> {
                 } else {
                     self.spec.compute_dtype
                 },
+                scores: if self.spec.narrow_attention_scores {
+                    self.spec.compute_dtype
+                } else {
+                    DType::F32
+                },
             },
         }
     }

@@ -28,4 +28,6 @@ pub use build::{
     build_train_step_unrolled,
 };
 pub use signature::{Program, Role, TensorSpec};
-pub use spec::{wide_matmul_results, MeshPlan, Offload, Remat, StepOptions, StepSpec};
+pub use spec::{
+    narrow_attention_scores, wide_matmul_results, MeshPlan, Offload, Remat, StepOptions, StepSpec,
+};

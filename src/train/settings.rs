@@ -109,6 +109,14 @@ pub fn of_spec(spec: &StepSpec) -> Settings {
     put("grad-accum", json!(spec.microbatches));
     put("loss-chunk", json!(spec.loss_chunk));
     put("attention-block", json!(spec.attention_block));
+    put(
+        "attention-scores",
+        json!(if spec.narrow_attention_scores {
+            "compute"
+        } else {
+            "f32"
+        }),
+    );
     put("mesh", json!(mesh_text(&spec.mesh)));
     put("offload", json!(spec.offload.name()));
     put("batch-size", json!(spec.batch));
@@ -141,6 +149,10 @@ fn of_options_for_spec(o: &TrainOptions) -> Settings {
     m.insert("loss-chunk".into(), json!(s.loss_chunk));
     m.insert("attention-block".into(), json!(s.attention_block));
     m.insert("mesh".into(), json!(mesh_text(&s.mesh)));
+    // `auto` (the default) accepts what the program was built with, as `--offload auto` does.
+    if s.attention_scores != "auto" {
+        m.insert("attention-scores".into(), json!(s.attention_scores));
+    }
     // `--offload auto` (the default) accepts what the program was built with.
     if let Some(o) = s.offload {
         m.insert("offload".into(), json!(o.name()));
@@ -189,6 +201,7 @@ fn apply(o: &mut TrainOptions, flag: &str, v: &Value, spec: Option<&StepSpec>) -
         "grad-accum" => s.microbatches = i64_()?,
         "loss-chunk" => s.loss_chunk = v.as_i64(),
         "attention-block" => s.attention_block = v.as_i64(),
+        "attention-scores" => s.attention_scores = str_()?.to_string(),
         "offload" => s.offload = Some(crate::program::Offload::parse(str_()?)?),
         "mesh" => {
             s.mesh = match spec {

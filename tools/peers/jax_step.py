@@ -4,7 +4,7 @@ only + AdamW in one jax.jit, layers in lax.scan. Reads the weights and batch tha
 tools/bench) and the timings as JSON.
 
 usage: jax_step.py EXPORT.safetensors --config CONFIG.json --steps N --warmup W --lora-r R
-                   --lora-alpha A --targets q,v [--dtype f32|bf16] [--remat none|layer]
+                   --lora-alpha A --targets q,v [--dtype f32|bf16] [--remat none|layer|save-proj]
        jax_step.py --random --batch B --seq T --config CONFIG.json ...   (weights made on the
                    device, for models too large to export: tools/gpu-bench.sh)
 
@@ -116,7 +116,14 @@ def make_step(cfg, a, B, T, cd, targets, unroll=False):
         m = jax.nn.silu(lin(x, "mlp.gate_proj", "gate")) * lin(x, "mlp.up_proj", "up")
         return h + lin(m, "mlp.down_proj", "down"), None
 
-    body = jax.checkpoint(layer) if a.remat == "layer" else layer
+    if a.remat == "layer":
+        body = jax.checkpoint(layer)
+    elif a.remat == "save-proj":
+        # xtrain's --remat save-proj keeps each layer's input and its projections' outputs; the
+        # projections are this layer's only dots without batch dimensions (attention's have them)
+        body = jax.checkpoint(layer, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    else:
+        body = layer
 
     def loss_fn(lora, frozen, ends, ids, labels):
         embed, norm, head = ends
@@ -208,6 +215,13 @@ def aot(a, cfg, targets, cd):
         cost = compiled.cost_analysis()
         cost = cost[0] if isinstance(cost, list) else cost
         out["cost"] = {k: float(v) for k, v in cost.items() if "{" not in k}
+        # libtpu 0.0.42.1's cost model prices each ConcatBitcast call (it joins the views of an
+        # async-sliced fetch and moves nothing) at -1 s; add them back as xtrain does
+        # (xtrain::device::aot::unpriced_calls)
+        unpriced = compiled.as_text().count('custom_call_target="ConcatBitcast"')
+        if unpriced and "optimal_seconds" in out["cost"]:
+            out["cost"]["optimal_seconds"] += unpriced
+            out["unpriced_calls"] = unpriced
     except Exception as e:  # the GPU compilers have none
         out["cost_error"] = str(e)
     if a.hlo_out:
@@ -221,8 +235,9 @@ def main():
     p.add_argument("--random", action="store_true", help="random weights and batch made on the device")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--remat", choices=["none", "layer"], default="none",
-                   help="layer: jax.checkpoint around the scanned layer (keep each layer's input)")
+    p.add_argument("--remat", choices=["none", "layer", "save-proj"], default="none",
+                   help="layer: jax.checkpoint around the scanned layer (keep each layer's input); "
+                        "save-proj: also keep the projections' outputs (dots without batch dims)")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--lora-r", type=int, default=16)
