@@ -211,9 +211,7 @@ fn gradient_accumulation_equals_one_big_batch() {
 fn bf16_loss_is_close_to_f32() {
     let batch = oracle_batch();
     let f32_spec = spec(tiny(), Remat::Layer, 2, 16);
-    let mut bf = f32_spec.clone();
-    bf.weight_dtype = hlo::DType::BF16;
-    bf.compute_dtype = hlo::DType::BF16;
+    let bf = in_bf16(&f32_spec);
     let a = run(
         &program::build_grad_program(&f32_spec).unwrap(),
         &f32_spec,
@@ -251,9 +249,7 @@ fn bf16_loss_is_close_to_f32() {
 #[test]
 fn bf16_wide_matmul_results_change_the_form_not_the_numbers() {
     let batch = oracle_batch();
-    let mut narrow = spec(tiny(), Remat::Layer, 2, 16);
-    narrow.weight_dtype = hlo::DType::BF16;
-    narrow.compute_dtype = hlo::DType::BF16;
+    let narrow = in_bf16(&spec(tiny(), Remat::Layer, 2, 16));
     let mut wide = narrow.clone();
     wide.wide_matmul_results = true;
     let (pn, pw) = (
@@ -262,12 +258,6 @@ fn bf16_wide_matmul_results_change_the_form_not_the_numbers() {
     );
     // Every bf16 x bf16 product gives f32 in the wide form; the narrow form keeps bf16 results
     // except the attention scores (f32 for the softmax) and their backward products.
-    let bf16_dots = |text: &str, result: &str| {
-        text.lines()
-            .filter(|l| l.contains("stablehlo.dot_general") && l.contains("xbf16>, tensor<"))
-            .filter(|l| l.split("-> ").nth(1).is_some_and(|r| r.contains(result)))
-            .count()
-    };
     assert_eq!(
         bf16_dots(&pw.text, "xbf16>"),
         0,
@@ -299,9 +289,7 @@ fn bf16_wide_matmul_results_change_the_form_not_the_numbers() {
 fn bf16_attention_scores_move_the_numbers_no_more_than_bf16_does() {
     let batch = oracle_batch();
     let f32_spec = spec(tiny(), Remat::Layer, 2, 16);
-    let mut wide = f32_spec.clone();
-    wide.weight_dtype = hlo::DType::BF16;
-    wide.compute_dtype = hlo::DType::BF16;
+    let wide = in_bf16(&f32_spec);
     let mut narrow = wide.clone();
     narrow.narrow_attention_scores = true;
     let (pw, pn) = (
@@ -309,14 +297,8 @@ fn bf16_attention_scores_move_the_numbers_no_more_than_bf16_does() {
         program::build_grad_program(&narrow).unwrap(),
     );
     // The scores product is the one bf16 x bf16 matmul with an f32 result in the default form.
-    let f32_result_dots = |text: &str| {
-        text.lines()
-            .filter(|l| l.contains("stablehlo.dot_general") && l.contains("xbf16>, tensor<"))
-            .filter(|l| l.split("-> ").nth(1).is_some_and(|r| r.contains("xf32>")))
-            .count()
-    };
-    assert!(f32_result_dots(&pw.text) > 0);
-    assert_eq!(f32_result_dots(&pn.text), 0, "narrow scores still f32");
+    assert!(bf16_dots(&pw.text, "xf32>") > 0);
+    assert_eq!(bf16_dots(&pn.text, "xf32>"), 0, "narrow scores still f32");
     let f = run(
         &program::build_grad_program(&f32_spec).unwrap(),
         &f32_spec,
@@ -345,12 +327,7 @@ fn bf16_attention_scores_move_the_numbers_no_more_than_bf16_does() {
         f.iter()
             .filter(|(n, _)| n.starts_with("grad."))
             .map(|(name, t)| {
-                let (x, y) = (t.to_f32().unwrap(), got[name].to_f32().unwrap());
-                let scale = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-                let d = x
-                    .iter()
-                    .zip(&y)
-                    .fold(0.0f32, |m, (p, q)| m.max((p - q).abs()));
+                let (d, scale) = largest_difference(t, &got[name]);
                 d / scale
             })
             .fold(0.0f32, f32::max)
@@ -362,6 +339,33 @@ fn bf16_attention_scores_move_the_numbers_no_more_than_bf16_does() {
         "bf16 scores move the gradients by {wb} of their magnitude, f32 scores by {wa} (tolerance 1.5x)"
     );
     assert_grads_close("bf16 vs f32 scores", &a, &b, 5e-2);
+}
+
+/// The same step in bf16 (weights and compute).
+fn in_bf16(s: &StepSpec) -> StepSpec {
+    let mut bf = s.clone();
+    bf.weight_dtype = hlo::DType::BF16;
+    bf.compute_dtype = hlo::DType::BF16;
+    bf
+}
+
+/// The bf16 x bf16 matmuls in a program's text whose result type contains `result`.
+fn bf16_dots(text: &str, result: &str) -> usize {
+    text.lines()
+        .filter(|l| l.contains("stablehlo.dot_general") && l.contains("xbf16>, tensor<"))
+        .filter(|l| l.split("-> ").nth(1).is_some_and(|r| r.contains(result)))
+        .count()
+}
+
+/// (largest |want - got|, largest |want|) over a tensor's elements.
+fn largest_difference(want: &HostTensor, got: &HostTensor) -> (f32, f32) {
+    let (x, y) = (want.to_f32().unwrap(), got.to_f32().unwrap());
+    let scale = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let d = x
+        .iter()
+        .zip(&y)
+        .fold(0.0f32, |m, (p, q)| m.max((p - q).abs()));
+    (d, scale)
 }
 
 /// Every `grad.*` tensor (and the loss) of `got` within `tol` of the largest magnitude of the
@@ -377,12 +381,7 @@ fn assert_grads_close(
         .iter()
         .filter(|(n, _)| n.starts_with("grad.") || *n == "loss")
     {
-        let (x, y) = (t.to_f32().unwrap(), got[name].to_f32().unwrap());
-        let scale = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-        let d = x
-            .iter()
-            .zip(&y)
-            .fold(0.0f32, |m, (p, q)| m.max((p - q).abs()));
+        let (d, scale) = largest_difference(t, &got[name]);
         assert!(
             d <= tol * scale,
             "{what} {name}: differs by {d}, largest magnitude {scale} (tolerance {tol} of it)"
