@@ -55,6 +55,7 @@ impl Forward {
             narrow_attention_scores: crate::program::narrow_attention_scores(
                 "auto",
                 &rt.platform(),
+                dtype,
             )?,
             ..StepSpec::new(cfg.clone(), lora, batch, seq, dtype)
         };

@@ -210,6 +210,7 @@ mod tests {
     #[test]
     fn auto_attention_scores_follow_the_plugin_name() {
         use crate::program::narrow_attention_scores;
+        use hlo::DType;
         for (plugin, narrow) in [
             ("cpu", false),
             ("/root/.cache/xtrain/plugins/cpu/xla_cpu_pjrt.so", false),
@@ -219,14 +220,18 @@ mod tests {
         ] {
             let platform = named_platform(Some(plugin));
             assert_eq!(
-                narrow_attention_scores("auto", platform).unwrap(),
+                narrow_attention_scores("auto", platform, DType::BF16).unwrap(),
                 narrow,
                 "{plugin}"
             );
-            assert!(!narrow_attention_scores("f32", platform).unwrap());
-            assert!(narrow_attention_scores("compute", platform).unwrap());
+            assert!(!narrow_attention_scores("f32", platform, DType::BF16).unwrap());
+            assert!(narrow_attention_scores("compute", platform, DType::BF16).unwrap());
+            // f32 compute has f32 scores whatever the choice
+            for choice in ["auto", "f32", "compute"] {
+                assert!(!narrow_attention_scores(choice, platform, DType::F32).unwrap());
+            }
         }
-        let e = narrow_attention_scores("bf16", "tpu").unwrap_err();
+        let e = narrow_attention_scores("bf16", "tpu", DType::BF16).unwrap_err();
         assert!(
             e.to_string()
                 .contains("--attention-scores must be auto, f32 or compute, got `bf16`"),

@@ -363,8 +363,11 @@ impl StepOptions {
                 .or_else(|| accelerator_attention_block(platform, seq)),
             wide_matmul_results: wide_matmul_results(&self.matmul_result, platform)?,
             // With f32 compute the scores are f32 either way; the spec says so.
-            narrow_attention_scores: narrow_attention_scores(&self.attention_scores, platform)?
-                && dtype == DType::BF16,
+            narrow_attention_scores: narrow_attention_scores(
+                &self.attention_scores,
+                platform,
+                dtype,
+            )?,
             offload: self.offload.unwrap_or(Offload::NONE),
         };
         check_spec(&spec)?;
@@ -413,14 +416,16 @@ pub fn wide_matmul_results(choice: &str, platform: &str) -> Result<bool> {
 /// `auto` (yes on `cuda`, `rocm` and `tpu`, where the scores are the step's largest activation
 /// traffic: in the TPU cost model the 8B bf16 step on `tpu:v5p:2x2x1`, batch 4, goes from 412.0
 /// to 392.3 ms and from 548 to 502 GB accessed per chip; no on `cpu`, whose bf16 program keeps
-/// f32 scores as before), `f32` or `compute`. Only bf16 compute is affected.
-pub fn narrow_attention_scores(choice: &str, platform: &str) -> Result<bool> {
-    match choice {
-        "f32" => Ok(false),
-        "compute" => Ok(true),
-        "auto" => Ok(matches!(platform, "cuda" | "rocm" | "tpu")),
+/// f32 scores as before), `f32` or `compute`. With f32 `compute` the scores are f32 either
+/// way, and the spec says so (no), whatever the choice.
+pub fn narrow_attention_scores(choice: &str, platform: &str, compute: DType) -> Result<bool> {
+    let narrow = match choice {
+        "f32" => false,
+        "compute" => true,
+        "auto" => matches!(platform, "cuda" | "rocm" | "tpu"),
         other => bail!("--attention-scores must be auto, f32 or compute, got `{other}`"),
-    }
+    };
+    Ok(narrow && compute == DType::BF16)
 }
 
 /// Element types in specs and manifests are written as MLIR names (`f32`, `bf16`, `ui8`).
