@@ -58,7 +58,8 @@ pub struct StepArgs {
     #[arg(long, default_value = "f32", help_heading = "Scale")]
     pub dtype: String,
     /// What the backward pass recomputes: none (layers unrolled, everything kept), layer (keep
-    /// each layer's input), save-proj (also keep the frozen projections' outputs).
+    /// each layer's input), save-proj (also keep the frozen projections' outputs, the attention
+    /// output and the softmax's row statistics: only q.k and the softmax are recomputed).
     #[arg(long, default_value = "layer", help_heading = "Scale")]
     pub remat: String,
     /// Gradient accumulation: split each batch into this many microbatches inside the step.

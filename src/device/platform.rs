@@ -238,4 +238,27 @@ mod tests {
             "{e}"
         );
     }
+
+    /// The CPU keeps the model's eighths; GPUs take halves, TPUs quarters where the sequence
+    /// allows, and one block where it does not.
+    #[test]
+    fn default_attention_blocks_follow_the_plugin_name() {
+        use crate::program::accelerator_attention_block;
+        for (plugin, seq, block) in [
+            ("cpu", 2048, None),
+            ("cuda", 2048, Some(1024)),
+            ("rocm", 2048, Some(1024)),
+            ("tpu", 2048, Some(512)),
+            ("tpu", 768, Some(384)),
+            ("cuda", 300, Some(300)),
+            ("tpu", 300, Some(300)),
+        ] {
+            let platform = named_platform(Some(plugin));
+            assert_eq!(
+                accelerator_attention_block(platform, seq),
+                block,
+                "{plugin}, seq {seq}"
+            );
+        }
+    }
 }

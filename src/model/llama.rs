@@ -153,6 +153,35 @@ pub struct Llama<'a> {
     pub num: Numerics,
 }
 
+/// The save point of the attention's output [B, T, heads x D], the O projection's input.
+pub const ATTENTION_OUTPUT: &str = "attn";
+
+impl Llama<'_> {
+    /// The softmax statistics of a layer's attention for batches of `bs` x `t` tokens: for each
+    /// query block, the row max and the row sum, [B, KV, TB, G] in f32 (names and shapes), as
+    /// [`softmax_last`] marks them. A few bytes per token and head, and what a recomputation
+    /// needs to skip the softmax's two row reductions.
+    pub fn softmax_stat_points(&self, bs: i64, t: i64) -> Vec<(String, Shape)> {
+        let c = self.cfg;
+        let kvh = c.num_key_value_heads;
+        let g = c.num_attention_heads / kvh;
+        let tb = query_block(t, self.num.attention_block);
+        let shape = Shape::new(&[bs, kvh, tb, g], DType::F32);
+        (0..t / tb)
+            .flat_map(|i| ["max", "sum"].map(|s| (format!("attn.{s}.{i}"), shape.clone())))
+            .collect()
+    }
+
+    /// The attention output's save point ([`ATTENTION_OUTPUT`]) and its shape.
+    pub fn attention_output_point(&self, bs: i64, t: i64) -> (String, Shape) {
+        let width = self.cfg.num_attention_heads * self.cfg.head_dim;
+        (
+            ATTENTION_OUTPUT.to_string(),
+            Shape::new(&[bs, t, width], self.num.compute),
+        )
+    }
+}
+
 /// `x W^T` for x [.., in] and W [out, in], accumulating in f32 whatever the operand type; the
 /// product is given in `result` and rounded to x's type (see [`Numerics::matmul_result`]).
 fn linear(b: &mut Builder, x: Value, w: Value, result: DType) -> Result<Value> {
@@ -187,7 +216,9 @@ fn query_block(t: i64, requested: Option<i64>) -> i64 {
 }
 
 /// softmax(q k^T / sqrt(D), masked) v for q [B, TQ, KV, G, D], k and v [B, S, KV, D] and the mask
-/// [B, TQ, S]: out [B, TQ, KV, G, D]. Scores and softmax in f32.
+/// [B, TQ, S]: out [B, TQ, KV, G, D]. Softmax in f32; its row max and sum are save points
+/// `attn.max.{block}` and `attn.sum.{block}` (see [`Llama::softmax_stat_points`]).
+#[allow(clippy::too_many_arguments)]
 fn attend(
     b: &mut Builder,
     q: Value,
@@ -196,6 +227,8 @@ fn attend(
     mask: Value,
     d: i64,
     num: Numerics,
+    block: i64,
+    saves: &mut Saves,
 ) -> Result<Value> {
     // scores [B, KV, TQ, G, S] = q . k / sqrt(D)
     let dims = DotDims {
@@ -211,7 +244,7 @@ fn attend(
     let allowed = b.broadcast_in_dim(mask, &sd, &[0, 2, 4])?;
     let blocked = b.full(f32::MIN as f64, Shape::new(&sd, DType::F32));
     let scores = b.select(allowed, scores, blocked)?;
-    let probs = softmax_last(b, scores)?;
+    let probs = softmax_last(b, scores, &format!("attn.{{}}.{block}"), saves)?;
     let probs = b.convert(probs, num.compute)?;
     // out [B, KV, TQ, G, D] = probs . v
     let dims = DotDims {
@@ -458,14 +491,15 @@ impl Llama<'_> {
                 let vi = b.slice_dim(v, 1, 0, seen)?;
                 let mi = b.slice_dim(mask, 1, start, start + tb)?;
                 let mi = b.slice_dim(mi, 2, 0, seen)?;
-                outs.push(attend(b, qi, ki, vi, mi, d, self.num)?);
+                outs.push(attend(b, qi, ki, vi, mi, d, self.num, i, saves)?);
             }
             let out = if outs.len() == 1 {
                 outs[0]
             } else {
                 b.concatenate(&outs, 1)?
             };
-            b.reshape(out, &[bs, t, c.num_attention_heads * d])
+            let out = b.reshape(out, &[bs, t, c.num_attention_heads * d])?;
+            saves.point(b, ATTENTION_OUTPUT, out)
         })?;
         self.project(b, Target::O, attn, w.o, lora, ctx, saves)
     }
@@ -495,17 +529,22 @@ impl Llama<'_> {
 }
 
 /// Softmax over the last dim (f32), shifted by the max, which gets no gradient (the result does
-/// not depend on it).
-pub fn softmax_last(b: &mut Builder, x: Value) -> Result<Value> {
+/// not depend on it). The row max and the row sum are save points, named by `names` with `{}`
+/// replaced by `max` and `sum`: a recomputation that is given both skips the two reductions
+/// over the row (a read of the whole input each) and computes `exp(x - max) / sum` in one
+/// pass; the gradient is the same, since it flows into the recomputed sum.
+pub fn softmax_last(b: &mut Builder, x: Value, names: &str, saves: &mut Saves) -> Result<Value> {
     let dims = b.dims(x).to_vec();
     let last = dims.len() as i64 - 1;
     let keep: Vec<i64> = (0..last).collect();
     let m = b.reduce_max(x, &[last])?;
     let m = b.stop_gradient(m);
+    let m = saves.point(b, &names.replace("{}", "max"), m)?;
     let m = b.broadcast_in_dim(m, &dims, &keep)?;
     let shifted = b.sub(x, m)?;
     let e = b.exp(shifted)?;
     let s = b.reduce_sum(e, &[last])?;
+    let s = saves.point(b, &names.replace("{}", "sum"), s)?;
     let s = b.broadcast_in_dim(s, &dims, &keep)?;
     b.div(e, s)
 }

@@ -17,7 +17,8 @@ pub enum Remat {
     None,
     /// Layers looped; each layer's input kept, the rest recomputed in the backward loop.
     Layer,
-    /// Layers looped; each layer's input and its frozen projections' outputs kept.
+    /// Layers looped; each layer's input, its frozen projections' outputs, its attention output
+    /// and its softmax's row max and sum kept.
     SaveProj,
 }
 
@@ -377,18 +378,22 @@ impl StepOptions {
 
 /// The default query block of causal attention on a plugin whose platform is `platform`, where
 /// it differs from [`crate::model::llama`]'s (an eighth of the sequence, at least 128; blocks
-/// wholly above the diagonal are skipped). On GPUs and TPUs, two blocks (halves: 3/4 of the
-/// scores computed) when the sequence is a multiple of 256, else one. Llama 3.1 8B, seq 2048:
+/// wholly above the diagonal are skipped). On GPUs, two blocks (halves: 3/4 of the scores
+/// computed) when the sequence is a multiple of 256, else one; on TPUs, four (5/8 computed) when
+/// it is a multiple of 512, else as on GPUs. Llama 3.1 8B, seq 2048:
 /// - `cuda:h100:1`, batch 1 (`tools/aot-kernels`; JAX's same step: 202 kernels per layer, 2.92
 ///   GiB of temporaries): blocks of 256: 308 kernels, 1.69 GiB; 512: 234, 1.70 GiB; 1024: 198,
 ///   1.79 GiB; one block: 179, 2.07 GiB (the GPU compilers make each block's matmuls and
 ///   softmax kernels of their own);
-/// - `tpu:v5p:2x2x1`, batch 4 (the TPU cost model's estimate, `compile --check`): 256: 446.5 ms
-///   per step; 512: 419.9 ms; 1024: 412.0 ms; one block: 419.8 ms; memory 6.45-6.50 GiB.
+/// - the TPU cost model's estimate (`compile --check`), bf16 scores: `tpu:v5p:2x2x1` batch 4,
+///   blocks of 512: 390.8 ms per step, 1024: 392.3 ms; `tpu:v6e:2x2` batch 32, 512: 2.045 s,
+///   1024: 2.127 s (v6e's HBM is a third of v5p's per FLOP, so the skipped scores count for
+///   more); with f32 scores on v5p, 256: 446.5 ms; 512: 419.9; 1024: 412.0; one block: 419.8.
 ///
 /// The CPU keeps eighths. `--attention-block` still chooses.
 pub fn accelerator_attention_block(platform: &str, seq: i64) -> Option<i64> {
     match platform {
+        "tpu" if seq % 512 == 0 => Some(seq / 4),
         "cuda" | "rocm" | "tpu" if seq % 256 == 0 => Some(seq / 2),
         "cuda" | "rocm" | "tpu" => Some(seq),
         _ => None,
