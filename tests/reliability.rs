@@ -390,6 +390,10 @@ fn step_options_that_do_not_fit_the_batch() {
             &["--attention-scores", "bf16"][..],
             "--attention-scores must be auto, f32 or compute, got `bf16`",
         ),
+        (
+            &["--remat", "save_proj"][..],
+            "--remat must be auto, none, layer or save-proj, got `save_proj`",
+        ),
     ] {
         let mut args = vec!["compile", "--model", "tiny-llama3"];
         args.extend(options);
@@ -1087,6 +1091,16 @@ fn a_program_dir_fixes_its_flags() {
         e.contains(
             "was built with --attention-scores f32, but the command line gives --attention-scores compute"
         ),
+        "{e}"
+    );
+    // A remat policy other than the program's (layer: `auto` is layer where the memory is not
+    // known) is refused too; `--remat auto` takes the program's.
+    let mut c = a.clone();
+    c[r + 1] = "4".into();
+    c.extend(["--remat".into(), "save-proj".into()]);
+    let e = fails(&refs(&c));
+    assert!(
+        e.contains("was built with --remat layer, but the command line gives --remat save-proj"),
         "{e}"
     );
     // Left out, the rank is the program's.

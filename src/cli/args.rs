@@ -59,8 +59,10 @@ pub struct StepArgs {
     pub dtype: String,
     /// What the backward pass recomputes: none (layers unrolled, everything kept), layer (keep
     /// each layer's input), save-proj (also keep the frozen projections' outputs, the attention
-    /// output and the softmax's row statistics: only q.k and the softmax are recomputed).
-    #[arg(long, default_value = "layer", help_heading = "Scale")]
+    /// output and the softmax's row statistics: only q.k and the softmax are recomputed), or
+    /// auto (in `train` on a GPU or TPU and in `compile --check --target`: save-proj where the
+    /// step then fits the device's memory, else layer; elsewhere layer)
+    #[arg(long, default_value = "auto", help_heading = "Scale")]
     pub remat: String,
     /// Gradient accumulation: split each batch into this many microbatches inside the step.
     #[arg(long, default_value_t = 1, help_heading = "Scale")]
@@ -164,7 +166,7 @@ impl StepArgs {
             lora: self.lora.config()?,
             adam: self.adam()?,
             dtype: self.dtype.clone(),
-            remat: Remat::parse(&self.remat)?,
+            remat: Remat::parse_choice(&self.remat)?,
             microbatches: self.grad_accum,
             mesh: self.mesh()?,
             nf4: self.nf4()?,

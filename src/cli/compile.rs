@@ -11,7 +11,7 @@ use xtrain::device::aot::{TargetBuild, TargetDevices};
 use xtrain::device::platform::named_platform;
 use xtrain::device::target::Target;
 use xtrain::formats::program_dir::{self, Manifest};
-use xtrain::program::{MeshPlan, Offload, Program, StepSpec};
+use xtrain::program::{default_choice, fit_choices, MeshPlan, Offload, Program, Remat, StepSpec};
 
 #[derive(Args)]
 pub struct CompileArgs {
@@ -131,18 +131,19 @@ pub fn compile(mut a: CompileArgs, verbose: bool) -> Result<()> {
         }
     }
     a.out = xtrain::formats::outdir::check_writable_dir(&a.out, a.overwrite, &[])?;
-    // `--offload auto` tries the choices in order until the step fits the target's devices;
-    // without a target's memory to fit, it offloads nothing.
-    let choices: Vec<Offload> = match options.offload {
-        Some(o) => vec![o],
-        None if target.is_some() && a.check => Offload::AUTO_ORDER.to_vec(),
-        None => vec![Offload::NONE],
+    // `--remat auto` and `--offload auto` try the choices in order until the step fits the
+    // target's devices; without a target's memory to fit, remat per layer and no offload.
+    let choices: Vec<(Remat, Offload)> = if target.is_some() && a.check {
+        fit_choices(options.remat, options.offload)
+    } else {
+        vec![default_choice(options.remat, options.offload)]
     };
     if let Some(t) = &target {
         print_target(t)?;
     }
-    for (k, &offload) in choices.iter().enumerate() {
+    for (k, &(remat, offload)) in choices.iter().enumerate() {
         let spec = StepSpec {
+            remat,
             offload,
             ..options.spec(cfg.clone(), a.batch, a.seq, platform)?
         };
@@ -163,10 +164,13 @@ pub fn compile(mut a: CompileArgs, verbose: bool) -> Result<()> {
         if check_target(&a, t, &spec, &program, &mut manifest, last)? || last {
             return Ok(());
         }
+        let (next_remat, next_offload) = choices[k + 1];
         println!(
-            "(--offload auto: --offload {} does not fit; trying --offload {})",
+            "(auto: --remat {} --offload {} does not fit; trying --remat {} --offload {})",
+            remat.name(),
             offload.name(),
-            choices[k + 1].name()
+            next_remat.name(),
+            next_offload.name()
         );
     }
     Ok(())
@@ -227,7 +231,7 @@ fn write_program(a: &CompileArgs, spec: &StepSpec) -> Result<(Program, Manifest)
         spec.lora.r,
         spec.lora.alpha,
         targets.join(","),
-        a.step.remat,
+        spec.remat.name(),
         spec.microbatches,
         if spec.nf4 { ", --quant nf4" } else { "" },
         mesh,

@@ -108,6 +108,12 @@ pub fn fit_advice(needed_bytes: i64, available_bytes: Option<i64>, spec: &StepSp
                 .into(),
         );
     }
+    if spec.remat == Remat::SaveProj {
+        ways.push(
+            "--remat layer (or auto): keep only each layer's input for the backward pass, not its projections' outputs"
+                .into(),
+        );
+    }
     if spec.remat.scan() && spec.loss_chunk.is_none() && spec.seq >= 1024 {
         ways.push(format!(
             "--loss-chunk {}: the logits over the vocabulary a chunk of positions at a time",

@@ -3,27 +3,30 @@
 //! is loaded, and whether this host has the memory the offloaded part needs.
 
 use crate::device::runtime::Runtime;
-use crate::program::{Offload, Program, StepSpec};
+use crate::program::{Offload, Program, Remat, StepSpec};
 use anyhow::{bail, Result};
 
-/// Compile the step with each of `choices` in turn (through the executable cache, so the one
-/// chosen is not compiled again) and return the first that fits the device's memory, after
-/// checking that this host has the memory its offloaded part needs. `build` makes the spec and
-/// program for a choice. (`--offload auto` passes [`Offload::AUTO_ORDER`]; an explicit choice
-/// is checked the same way, before any weight is loaded.)
+/// Compile the step with each of `choices` (remat policy, offload) in turn (through the
+/// executable cache, so the one chosen is not compiled again) and return the first that fits
+/// the device's memory, after checking that this host has the memory its offloaded part needs.
+/// `build` makes the spec and program for a choice; where the device does not say how much
+/// memory it has, `unknown_memory` is built. (`--remat auto` and `--offload auto` pass
+/// [`crate::program::fit_choices`] and [`crate::program::default_choice`]; explicit choices
+/// are checked the same way, before any weight is loaded.)
 pub fn choose(
     rt: &mut Runtime,
-    choices: &[Offload],
-    build: impl Fn(Offload) -> Result<(StepSpec, Program)>,
+    choices: &[(Remat, Offload)],
+    unknown_memory: (Remat, Offload),
+    build: impl Fn((Remat, Offload)) -> Result<(StepSpec, Program)>,
     use_cache: bool,
 ) -> Result<(StepSpec, Program)> {
     let Some(limit) = rt.devices[0].info()?.memory_bytes else {
-        return build(choices[0]);
+        return build(unknown_memory);
     };
     let gib = |b: i64| format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64);
     let mut needed = Vec::new();
-    for &offload in choices {
-        let (spec, program) = build(offload)?;
+    for &(remat, offload) in choices {
+        let (spec, program) = build((remat, offload))?;
         let (exe, _) = crate::device::cache::compile_cached(
             rt,
             &program,
@@ -38,21 +41,25 @@ pub fn choose(
                 executable: exe.serialize()?,
                 from: String::new(),
             });
-            if !offload.is_none() {
+            if !offload.is_none() || choices.len() > 1 {
                 eprintln!(
-                    "xtrain: the step needs {} per device with --offload {} ({} of host memory \
-                     per device), of {}",
+                    "xtrain: the step needs {} per device with --remat {} --offload {} ({} of \
+                     host memory per device), of {}",
                     gib(m.total_bytes()),
+                    remat.name(),
                     offload.name(),
                     gib(m.host_total_bytes()),
                     gib(limit)
                 );
+            }
+            if !offload.is_none() {
                 check_host_memory(m.host_total_bytes() * rt.devices.len() as i64)?;
             }
             return Ok((spec, program));
         }
         needed.push(format!(
-            "--offload {}: {}",
+            "--remat {} --offload {}: {}",
+            remat.name(),
             offload.name(),
             gib(m.total_bytes())
         ));

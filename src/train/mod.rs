@@ -250,18 +250,18 @@ pub fn plan(
     }
     let mut rt = open(opts.step.mesh.as_ref().map_or(1, |m| m.devices()))?;
     let spec = opts.step.spec(cfg.clone(), batch, seq, &rt.platform())?;
-    if rt.platform() != "cpu" && opts.step.offload != Some(crate::program::Offload::NONE) {
-        // On an accelerator: the least offload that fits its memory (--offload auto), or the one
-        // asked for, checked against the device's and the host's memory before any weight loads.
-        let choices = match opts.step.offload {
-            Some(o) => vec![o],
-            None => crate::program::Offload::AUTO_ORDER.to_vec(),
-        };
+    let choices = crate::program::fit_choices(opts.step.remat, opts.step.offload);
+    if rt.platform() != "cpu" && (choices.len() > 1 || !choices[0].1.is_none()) {
+        // On an accelerator: the first of save-proj and layer remat (--remat auto) and the least
+        // offload (--offload auto) that fits its memory, or the ones asked for, checked against
+        // the device's and the host's memory before any weight loads.
         let (spec, program) = crate::device::offload::choose(
             &mut rt,
             &choices,
-            |offload| {
+            crate::program::default_choice(opts.step.remat, opts.step.offload),
+            |(remat, offload)| {
                 let s = StepSpec {
+                    remat,
                     offload,
                     ..spec.clone()
                 };

@@ -43,14 +43,6 @@ fn quant_text(nf4: bool) -> &'static str {
     }
 }
 
-fn remat_text(r: Remat) -> &'static str {
-    match r {
-        Remat::None => "none",
-        Remat::Layer => "layer",
-        Remat::SaveProj => "save-proj",
-    }
-}
-
 /// What a run records in its checkpoints: everything that decides its result (the data's rows,
 /// the adapter, the optimizer, the schedule, the numerics, the seed), not how it is laid out on
 /// devices (mesh, remat, chunks) nor how it reports (logging, saving, evaluation cadence).
@@ -105,7 +97,7 @@ pub fn of_spec(spec: &StepSpec) -> Settings {
     put("max-grad-norm", json!(spec.adam.max_grad_norm));
     put("dtype", json!(spec.weight_dtype.mlir()));
     put("quant", json!(quant_text(spec.nf4)));
-    put("remat", json!(remat_text(spec.remat)));
+    put("remat", json!(spec.remat.name()));
     put("grad-accum", json!(spec.microbatches));
     put("loss-chunk", json!(spec.loss_chunk));
     put("attention-block", json!(spec.attention_block));
@@ -144,7 +136,6 @@ fn of_options_for_spec(o: &TrainOptions) -> Settings {
                 | "eval-fraction"
         )
     });
-    m.insert("remat".into(), json!(remat_text(s.remat)));
     m.insert("grad-accum".into(), json!(s.microbatches));
     m.insert("loss-chunk".into(), json!(s.loss_chunk));
     m.insert("attention-block".into(), json!(s.attention_block));
@@ -153,7 +144,10 @@ fn of_options_for_spec(o: &TrainOptions) -> Settings {
     if s.attention_scores != "auto" {
         m.insert("attention-scores".into(), json!(s.attention_scores));
     }
-    // `--offload auto` (the default) accepts what the program was built with.
+    // `--remat auto` and `--offload auto` (the defaults) accept what the program was built with.
+    if let Some(r) = s.remat {
+        m.insert("remat".into(), json!(r.name()));
+    }
     if let Some(o) = s.offload {
         m.insert("offload".into(), json!(o.name()));
     }
@@ -197,7 +191,7 @@ fn apply(o: &mut TrainOptions, flag: &str, v: &Value, spec: Option<&StepSpec>) -
         "train-on-prompt" => o.data.train_on_prompt = bool_()?,
         "skip-bad-lines" => o.data.skip_bad_lines = bool_()?,
         "eval-fraction" => o.data.eval_fraction = f64_()?,
-        "remat" => s.remat = Remat::parse(str_()?)?,
+        "remat" => s.remat = Some(Remat::parse(str_()?)?),
         "grad-accum" => s.microbatches = i64_()?,
         "loss-chunk" => s.loss_chunk = v.as_i64(),
         "attention-block" => s.attention_block = v.as_i64(),
