@@ -462,6 +462,18 @@ fn offloaded_steps_keep_weights_and_activations_in_host_memory() {
         e.contains("XLA's CPU compiler cannot place values in host memory"),
         "{e}"
     );
+    // Refused for unrolled layers; with --overwrite, what the dir held before is kept as it was
+    // (the new program dir is built beside it and moved in only once complete).
+    let unrolled = dir.join("unrolled");
+    let o = xtrain(&[
+        "compile",
+        "--model",
+        "tiny-llama3",
+        "--out",
+        unrolled.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let before = std::fs::read(unrolled.join("manifest.json")).unwrap();
     let e = fails(&[
         "compile",
         "--model",
@@ -472,10 +484,21 @@ fn offloaded_steps_keep_weights_and_activations_in_host_memory() {
         "none",
         "--target",
         "cuda:h100:2",
+        "--overwrite",
         "--out",
-        dir.join("unrolled").to_str().unwrap(),
+        unrolled.to_str().unwrap(),
     ]);
     assert!(e.contains("needs looped layers"), "{e}");
+    assert_eq!(
+        std::fs::read(unrolled.join("manifest.json")).unwrap(),
+        before
+    );
+    let left: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with('.'))
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

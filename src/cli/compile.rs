@@ -67,19 +67,22 @@ pub struct CompileArgs {
     /// 2-layer steps).
     #[arg(long)]
     pub no_estimate: bool,
+    /// Where the program dir is written while it is built (beside `out`, moved there once
+    /// complete); None: `out` itself.
+    #[arg(skip)]
+    pub stage: Option<PathBuf>,
+}
+
+impl CompileArgs {
+    /// The directory the program and its build are written to now (see [`CompileArgs::stage`]);
+    /// messages name `out`, where they will be.
+    pub(super) fn dir(&self) -> &std::path::Path {
+        self.stage.as_deref().unwrap_or(&self.out)
+    }
 }
 
 /// Bytes in GiB, or MiB / KiB for small programs (the tiny test model), so no figure reads 0.00.
-pub(super) fn gib(b: i64) -> String {
-    let x = b as f64;
-    if x.abs() >= (1u64 << 30) as f64 / 100.0 {
-        format!("{:.2} GiB", x / (1u64 << 30) as f64)
-    } else if x.abs() >= (1u64 << 20) as f64 / 100.0 {
-        format!("{:.2} MiB", x / (1u64 << 20) as f64)
-    } else {
-        format!("{:.2} KiB", x / 1024.0)
-    }
-}
+pub(super) use xtrain::device::fit::gib;
 
 /// Seconds, or milliseconds / microseconds for small ones.
 pub(super) fn secs(s: f64) -> String {
@@ -131,6 +134,32 @@ pub fn compile(mut a: CompileArgs, verbose: bool) -> Result<()> {
         }
     }
     a.out = xtrain::formats::outdir::check_writable_dir(&a.out, a.overwrite, &[])?;
+    // The program dir is built beside `--out` and moved into place only once complete (the
+    // program and, with --check, its build): a compile that fails or is interrupted leaves what
+    // `--out` held as it was (a killed one's staging dir is removed by the next writer).
+    let stage = xtrain::formats::atomic::staging_dir(&a.out)?;
+    a.stage = Some(stage.clone());
+    let result = compile_choices(&a, &cfg, &options, target.as_ref(), platform, verbose);
+    a.stage = None;
+    match result {
+        Ok(()) => xtrain::formats::atomic::replace_dir_with(&a.out, &stage),
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&stage);
+            Err(e)
+        }
+    }
+}
+
+/// Write the step's program dir (into [`CompileArgs::dir`]) for each remat and offload choice in
+/// turn, and with `--check` compile it, until one fits or none is left.
+fn compile_choices(
+    a: &CompileArgs,
+    cfg: &xtrain::model::config::LlamaConfig,
+    options: &xtrain::program::StepOptions,
+    target: Option<&TargetDevices>,
+    platform: &str,
+    verbose: bool,
+) -> Result<()> {
     // `--remat auto` and `--offload auto` try the choices in order until the step fits the
     // target's devices; without a target's memory to fit, remat per layer and no offload.
     let choices: Vec<(Remat, Offload)> = if target.is_some() && a.check {
@@ -138,7 +167,7 @@ pub fn compile(mut a: CompileArgs, verbose: bool) -> Result<()> {
     } else {
         vec![default_choice(options.remat, options.offload)]
     };
-    if let Some(t) = &target {
+    if let Some(t) = target {
         print_target(t)?;
     }
     for (k, &(remat, offload)) in choices.iter().enumerate() {
@@ -147,7 +176,7 @@ pub fn compile(mut a: CompileArgs, verbose: bool) -> Result<()> {
             offload,
             ..options.spec(cfg.clone(), a.batch, a.seq, platform)?
         };
-        let (program, mut manifest) = write_program(&a, &spec)?;
+        let (program, mut manifest) = write_program(a, &spec)?;
         if k == 0 {
             if let Some(m) = &spec.mesh {
                 print_device_order(m);
@@ -156,12 +185,12 @@ pub fn compile(mut a: CompileArgs, verbose: bool) -> Result<()> {
         if !a.check {
             return Ok(());
         }
-        let Some(t) = &target else {
-            return check(&a, &spec, &program, &mut manifest, verbose);
+        let Some(t) = target else {
+            return check(a, &spec, &program, &mut manifest, verbose);
         };
         // The last choice is recorded whether or not it fits: its report says by how much not.
         let last = k + 1 == choices.len();
-        if check_target(&a, t, &spec, &program, &mut manifest, last)? || last {
+        if check_target(a, t, &spec, &program, &mut manifest, last)? || last {
             return Ok(());
         }
         let (next_remat, next_offload) = choices[k + 1];
@@ -181,7 +210,7 @@ fn write_program(a: &CompileArgs, spec: &StepSpec) -> Result<(Program, Manifest)
     let t0 = std::time::Instant::now();
     let program = xtrain::program::build_train_step(spec)?;
     let build_s = t0.elapsed().as_secs_f64();
-    let manifest = program_dir::write_dir(&a.out, &program, spec)?;
+    let manifest = program_dir::write_dir(a.dir(), &program, spec)?;
     let arg_bytes: i64 = manifest.args.iter().map(|t| t.bytes).sum();
     let per_device: i64 = manifest.args.iter().map(|t| t.bytes_per_device()).sum();
     println!(
@@ -366,7 +395,7 @@ fn check(
         // The allocator's limit is what the client reports: already the usable share.
         usable_memory_per_device: info.memory_bytes,
     };
-    record(&a.out, by, &build, None, manifest)?;
+    record(a.dir(), by, &build, None, manifest)?;
     println!(
         "wrote {} ({} bytes) for `xtrain train --program` on this machine",
         a.out.join(program_dir::EXECUTABLE_FILE).display(),

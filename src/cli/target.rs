@@ -113,7 +113,7 @@ pub(super) fn check_target(
         memory_per_device: t.memory_per_device(),
         usable_memory_per_device: usable,
     };
-    record(&a.out, by, &build, estimate, manifest)?;
+    record(a.dir(), by, &build, estimate, manifest)?;
     println!(
         "wrote {} ({} bytes), {}{} and the build in manifest.json",
         a.out.join(program_dir::EXECUTABLE_FILE).display(),

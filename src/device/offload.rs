@@ -64,12 +64,20 @@ pub fn choose(
             gib(m.total_bytes())
         ));
     }
+    // What lowers it, less what was just tried.
+    let mut ways = vec!["more devices (--mesh)", "--quant nf4"];
+    if choices.iter().all(|c| !c.1.frozen || !c.1.activations) {
+        ways.push("--offload activations|frozen|all");
+    }
+    if choices.iter().all(|c| c.0 != Remat::Layer) {
+        ways.push("--remat layer");
+    }
+    ways.push("a smaller batch or --seq");
     bail!(
-        "the step does not fit the device's {} (needed per device: {}); what lowers it: more \
-         devices (--mesh), --quant nf4, --offload activations|frozen|all, --remat layer, a \
-         smaller batch or --seq",
+        "the step does not fit the device's {} (needed per device: {}); what lowers it: {}",
         gib(limit),
-        needed.join(", ")
+        needed.join(", "),
+        ways.join(", ")
     )
 }
 

@@ -3,7 +3,7 @@
 use anyhow::{Context, Result};
 use std::fs::File;
 use std::io::{BufWriter, Write};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// Write `path` through `fill` into a temp file in the same directory, fsync it, rename it over
 /// `path` and fsync the directory. A crash at any point leaves the old file (or none), never a
@@ -64,20 +64,48 @@ pub fn write_dir_atomic(dir: &Path, fill: impl FnOnce(&Path) -> Result<()>) -> R
         let _ = std::fs::remove_dir_all(&tmp);
         return Err(e);
     }
+    replace_dir_with(dir, &tmp)
+}
+
+/// Where a directory `dir` that takes several steps to build (a program dir and its build) is
+/// written until [`replace_dir_with`] moves it into place: `.NAME.staged-PID` beside it.
+pub fn staging_dir(dir: &Path) -> Result<PathBuf> {
+    let parent = dir
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let name = dir
+        .file_name()
+        .context("directory has no name")?
+        .to_string_lossy();
+    Ok(parent.join(format!(".{name}.staged-{}", std::process::id())))
+}
+
+/// Move the complete directory `tmp` (beside `dir`) into place as `dir`, replacing an older
+/// `dir` only then: moved aside (`.NAME.old-PID`), the new one moved in, the old one removed.
+pub fn replace_dir_with(dir: &Path, tmp: &Path) -> Result<()> {
+    let parent = dir
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let name = dir
+        .file_name()
+        .context("directory has no name")?
+        .to_string_lossy();
     let old = parent.join(format!(".{name}.old-{}", std::process::id()));
     let replacing = dir.exists();
     if replacing {
         let _ = std::fs::remove_dir_all(&old);
         if let Err(e) = std::fs::rename(dir, &old) {
-            let _ = std::fs::remove_dir_all(&tmp);
+            let _ = std::fs::remove_dir_all(tmp);
             return Err(e).with_context(|| format!("cannot replace {}", dir.display()));
         }
     }
-    if let Err(e) = std::fs::rename(&tmp, dir) {
+    if let Err(e) = std::fs::rename(tmp, dir) {
         if replacing {
             let _ = std::fs::rename(&old, dir);
         }
-        let _ = std::fs::remove_dir_all(&tmp);
+        let _ = std::fs::remove_dir_all(tmp);
         return Err(e).with_context(|| format!("cannot move {} into place", dir.display()));
     }
     if let Ok(d) = std::fs::File::open(parent) {

@@ -123,7 +123,7 @@ pub fn process_alive(pid: u32) -> bool {
 /// The pid in a temp name `.NAME.tmp-PID` / `.NAME.old-PID`, with NAME and the kind.
 pub fn temp_name_parts(name: &str) -> Option<(&str, &'static str, u32)> {
     let rest = name.strip_prefix('.')?;
-    for kind in ["tmp", "old"] {
+    for kind in ["tmp", "old", "staged"] {
         if let Some((base, pid)) = rest.rsplit_once(&format!(".{kind}-")) {
             if !base.is_empty() && !pid.is_empty() && pid.bytes().all(|b| b.is_ascii_digit()) {
                 return Some((base, kind, pid.parse().ok()?));
@@ -134,7 +134,7 @@ pub fn temp_name_parts(name: &str) -> Option<(&str, &'static str, u32)> {
 }
 
 /// Remove the temp files and directories that killed xtrain processes left in `dir`
-/// (`.NAME.tmp-PID`, and `.NAME.old-PID` once NAME is back in place; only names derived from
+/// (`.NAME.tmp-PID`, `.NAME.staged-PID`, and `.NAME.old-PID` once NAME is back in place; only names derived from
 /// `only` when given, for a directory xtrain shares with others). A `.NAME.old-PID` whose NAME
 /// is missing (killed mid-replace) is moved back to NAME. Returns what it did, one line each.
 pub fn clean_leftovers(dir: &Path, only: Option<&str>) -> Vec<String> {

@@ -188,6 +188,10 @@ pub fn fit_choices(remat: Option<Remat>, offload: Option<Offload>) -> Vec<(Remat
         Some(o) => vec![o],
         None => Offload::AUTO_ORDER.to_vec(),
     };
+    if remat == Some(Remat::None) {
+        // Unrolled layers cannot offload (nothing is kept between loops): one choice.
+        return vec![(Remat::None, offload.unwrap_or(Offload::NONE))];
+    }
     let mut choices = Vec::new();
     if remat.is_none() {
         choices.push((Remat::SaveProj, offload.unwrap_or(Offload::NONE)));
