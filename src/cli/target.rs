@@ -60,7 +60,27 @@ pub(super) fn check_target(
         t.target.spec,
         t.target.platform.plugin()
     );
-    let build = t.compile(program, a.xla_dump.as_deref())?;
+    let build = match t.compile(program, a.xla_dump.as_deref()) {
+        Ok(build) => build,
+        // The TPU compiler refuses a step whose temporaries exceed the chip's HBM (the GPU
+        // compilers compile it and report the memory): for `auto`, one more choice that does
+        // not fit; for the last choice, the error, with the figures and what would help.
+        Err(e) if xtrain::device::fit::is_out_of_memory(&e) => {
+            let e = xtrain::device::fit::explain_out_of_memory(
+                e,
+                "the training step",
+                xtrain::device::fit::argument_bytes_per_device(program),
+                spec,
+                t.usable_memory_per_device()?,
+            );
+            if last {
+                return Err(e);
+            }
+            println!("XLA compile for {}: does not fit: {e:#}", t.target.spec);
+            return Ok(false);
+        }
+        Err(e) => return Err(e),
+    };
     println!(
         "XLA compile for {}: {:.2}s ({} compiler)",
         t.target.spec,

@@ -30,7 +30,20 @@ pub fn is_out_of_memory(e: &anyhow::Error) -> bool {
 /// allocate 16.00GiB"), if it says one.
 pub fn bytes_in_message(msg: &str) -> Option<i64> {
     let at = msg.find("allocate ")? + "allocate ".len();
-    let rest = &msg[at..];
+    size_at(&msg[at..])
+}
+
+/// The temporaries the TPU compiler's refusal says a step needs ("Ran out of memory on HBM, the
+/// total memory required for HLO temporaries (33.15G) exceeds available HBM (31.25G)"), if it
+/// says so.
+pub fn tpu_temporaries_in_message(msg: &str) -> Option<i64> {
+    let key = "required for HLO temporaries (";
+    let at = msg.find(key)? + key.len();
+    size_at(&msg[at..])
+}
+
+/// The size written at the start of `rest` ("16.00GiB", "17179869184 bytes", "33.15G").
+fn size_at(rest: &str) -> Option<i64> {
     let end = rest
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
         .unwrap_or(rest.len());
@@ -170,7 +183,10 @@ pub fn explain_out_of_memory(
         return e;
     }
     let raw = format!("{e:#}");
-    let needed = bytes_in_message(&raw).map_or(args, |b| b.max(args));
+    let needed = match tpu_temporaries_in_message(&raw) {
+        Some(temporaries) => temporaries + args,
+        None => bytes_in_message(&raw).map_or(args, |b| b.max(args)),
+    };
     anyhow::anyhow!(
         "{what} does not fit the device: {}\n(the plugin said: {raw})",
         fit_advice(needed, available_bytes, spec)
@@ -195,6 +211,13 @@ mod tests {
             Some(16 << 30)
         );
         assert_eq!(bytes_in_message("no size here"), None);
+        let tpu = "PJRT_Compile failed (RESOURCE_EXHAUSTED): Ran out of memory on HBM, the total \
+                   memory required for HLO temporaries (33.15G) exceeds available HBM (31.25G).";
+        assert_eq!(
+            tpu_temporaries_in_message(tpu),
+            Some((33.15 * (1u64 << 30) as f64) as i64)
+        );
+        assert!(is_out_of_memory(&anyhow::anyhow!("{tpu}")));
         let e = anyhow::anyhow!("PJRT_Client_Compile failed (RESOURCE_EXHAUSTED): x");
         assert!(is_out_of_memory(&e));
         assert!(!is_out_of_memory(&anyhow::anyhow!("INVALID_ARGUMENT: y")));

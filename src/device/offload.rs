@@ -25,14 +25,28 @@ pub fn choose(
     };
     let gib = |b: i64| format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64);
     let mut needed = Vec::new();
-    for &(remat, offload) in choices {
+    for (k, &(remat, offload)) in choices.iter().enumerate() {
         let (spec, program) = build((remat, offload))?;
-        let (exe, _) = crate::device::cache::compile_cached(
+        let compiled = crate::device::cache::compile_cached(
             rt,
             &program,
             &pjrt::CompileOptions::default(),
             use_cache,
-        )?;
+        );
+        let (exe, _) = match compiled {
+            Ok(c) => c,
+            // A TPU compiler refuses a step that does not fit its HBM (GPU compilers compile it
+            // and report the memory): try the next choice.
+            Err(e) if k + 1 < choices.len() && crate::device::fit::is_out_of_memory(&e) => {
+                needed.push(format!(
+                    "--remat {} --offload {}: refused by the compiler ({e:#})",
+                    remat.name(),
+                    offload.name()
+                ));
+                continue;
+            }
+            Err(e) => return Err(e),
+        };
         let m = exe.memory_stats()?;
         if m.total_bytes() <= limit {
             // The trainer takes this executable instead of compiling the step again.
