@@ -12,15 +12,8 @@ pub fn write_atomic(
     path: &Path,
     fill: impl FnOnce(&mut BufWriter<File>) -> std::io::Result<()>,
 ) -> Result<()> {
-    let dir = path
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let name = path
-        .file_name()
-        .context("path has no file name")?
-        .to_string_lossy();
-    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
+    let (dir, tmp) = sibling(path, "tmp")?;
+    let dir = dir.as_path();
     let result = (|| -> std::io::Result<()> {
         let mut w = BufWriter::new(File::create(&tmp)?);
         fill(&mut w)?;
@@ -49,15 +42,7 @@ pub fn write_bytes_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
 /// the two renames leaves the old one, which the next writer moves back
 /// ([`crate::formats::outdir::clean_leftovers`]).
 pub fn write_dir_atomic(dir: &Path, fill: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
-    let parent = dir
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let name = dir
-        .file_name()
-        .context("directory has no name")?
-        .to_string_lossy();
-    let tmp = parent.join(format!(".{name}.tmp-{}", std::process::id()));
+    let (_, tmp) = sibling(dir, "tmp")?;
     let _ = std::fs::remove_dir_all(&tmp);
     std::fs::create_dir_all(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
     if let Err(e) = fill(&tmp) {
@@ -70,29 +55,28 @@ pub fn write_dir_atomic(dir: &Path, fill: impl FnOnce(&Path) -> Result<()>) -> R
 /// Where a directory `dir` that takes several steps to build (a program dir and its build) is
 /// written until [`replace_dir_with`] moves it into place: `.NAME.staged-PID` beside it.
 pub fn staging_dir(dir: &Path) -> Result<PathBuf> {
-    let parent = dir
+    Ok(sibling(dir, "staged")?.1)
+}
+
+/// The directory holding `path` and the name `.NAME.KIND-PID` beside it (the kinds
+/// [`crate::formats::outdir::clean_leftovers`] knows: tmp, old, staged).
+fn sibling(path: &Path, kind: &str) -> Result<(PathBuf, PathBuf)> {
+    let parent = path
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
-    let name = dir
+    let name = path
         .file_name()
-        .context("directory has no name")?
+        .with_context(|| format!("{} has no name", path.display()))?
         .to_string_lossy();
-    Ok(parent.join(format!(".{name}.staged-{}", std::process::id())))
+    let at = parent.join(format!(".{name}.{kind}-{}", std::process::id()));
+    Ok((parent.to_path_buf(), at))
 }
 
 /// Move the complete directory `tmp` (beside `dir`) into place as `dir`, replacing an older
 /// `dir` only then: moved aside (`.NAME.old-PID`), the new one moved in, the old one removed.
 pub fn replace_dir_with(dir: &Path, tmp: &Path) -> Result<()> {
-    let parent = dir
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let name = dir
-        .file_name()
-        .context("directory has no name")?
-        .to_string_lossy();
-    let old = parent.join(format!(".{name}.old-{}", std::process::id()));
+    let (parent, old) = sibling(dir, "old")?;
     let replacing = dir.exists();
     if replacing {
         let _ = std::fs::remove_dir_all(&old);
