@@ -2,6 +2,7 @@
 //! the step fit the device's memory, decided from the compiler's own figures before any weight
 //! is loaded, and whether this host has the memory the offloaded part needs.
 
+use crate::device::fit::gib;
 use crate::device::runtime::Runtime;
 use crate::program::{Offload, Program, Remat, StepSpec};
 use anyhow::{bail, Result};
@@ -23,7 +24,6 @@ pub fn choose(
     let Some(limit) = rt.devices[0].info()?.memory_bytes else {
         return build(unknown_memory);
     };
-    let gib = |b: i64| format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64);
     let mut needed = Vec::new();
     for (k, &(remat, offload)) in choices.iter().enumerate() {
         let (spec, program) = build((remat, offload))?;
@@ -55,14 +55,17 @@ pub fn choose(
                 executable: exe.serialize()?,
                 from: String::new(),
             });
+            let host = if offload.is_none() {
+                String::new()
+            } else {
+                format!(" ({} of host memory per device)", gib(m.host_total_bytes()))
+            };
             if !offload.is_none() || choices.len() > 1 {
                 eprintln!(
-                    "xtrain: the step needs {} per device with --remat {} --offload {} ({} of \
-                     host memory per device), of {}",
+                    "xtrain: the step needs {} per device with --remat {} --offload {}{host}, of {}",
                     gib(m.total_bytes()),
                     remat.name(),
                     offload.name(),
-                    gib(m.host_total_bytes()),
                     gib(limit)
                 );
             }
