@@ -309,6 +309,10 @@ pub enum Op {
     /// offloading: `annotate_device_placement`).
     Place(MemoryKind),
     RngBitGenerator,
+    /// A buffer whose contents are undefined (XLA's `AllocateBuffer` custom call, which TPU and
+    /// GPU compilers implement): for a loop-carried stack that the loop writes whole, so that
+    /// no fill is written first.
+    Uninitialized,
     /// Identity for the graph, a wall for autodiff. Printed as nothing: its output is its input.
     StopGradient,
     /// `(recomputed, saved)`: evaluates to `saved` while gradients flow into `recomputed`. Lets a
@@ -346,6 +350,7 @@ impl Op {
             Op::ShardingConstraint(_) => "sharding_constraint",
             Op::Place(_) => "annotate_device_placement",
             Op::RngBitGenerator => "rng_bit_generator",
+            Op::Uninitialized => "uninitialized",
             Op::StopGradient => "stop_gradient",
             Op::UseSaved => "use_saved",
         }

@@ -1442,6 +1442,14 @@ impl Builder {
         self.push(Op::OptimizationBarrier, xs.to_vec(), types)
     }
 
+    /// A tensor of `shape` whose elements are undefined until written (XLA's `AllocateBuffer`):
+    /// the initial value of a loop-carried buffer that the loop overwrites whole before any
+    /// element is read, where a constant fill would be one more write of the whole buffer. Only
+    /// TPU and GPU compilers implement it; XLA CPU rejects the program.
+    pub fn uninitialized(&mut self, shape: Shape) -> Value {
+        self.push1(Op::Uninitialized, vec![], shape)
+    }
+
     /// `x`, placed in `memory` from here on: in host memory (offloaded) or back in the device's.
     /// XLA moves the bytes (asynchronously where it can) and keeps a loop-carried stack that is
     /// written with host-placed values in host memory.
@@ -1501,7 +1509,7 @@ pub(crate) fn vjp(
         None => return Ok(none),
     };
     Ok(match &node.op {
-        Op::Constant(_) | Op::Iota { .. } | Op::Compare(_) | Op::RngBitGenerator | Op::BitcastConvert | Op::StopGradient => none,
+        Op::Constant(_) | Op::Iota { .. } | Op::Compare(_) | Op::RngBitGenerator | Op::BitcastConvert | Op::StopGradient | Op::Uninitialized => none,
         Op::UseSaved => vec![Some(first), None],
         Op::Unary(u) => vec![unary_vjp(b, *u, node.inputs[0], node.outputs[0], first)?],
         Op::Binary(op) => binary_vjp(b, *op, (node.inputs[0], node.inputs[1]), node.outputs[0], first, needs)?,

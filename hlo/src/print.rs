@@ -496,6 +496,7 @@ impl Printer {
                 "stablehlo.custom_call @annotate_device_placement({ins}) {{has_side_effect = true, mhlo.frontend_attributes = {{_xla_buffer_placement = \"{}\"}}}} : ({in_types}) -> {out_t}",
                 m.name()
             ),
+            Op::Uninitialized => format!("stablehlo.custom_call @AllocateBuffer() : () -> {out_t}"),
             Op::RngBitGenerator => format!(
                 "\"stablehlo.rng_bit_generator\"({ins}) <{{rng_algorithm = #stablehlo<rng_algorithm THREE_FRY>}}> : ({in_types}) -> ({})",
                 types(f, &node.outputs)

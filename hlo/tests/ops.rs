@@ -687,3 +687,26 @@ fn unrolled_fori_loop_computes_what_the_loop_does_without_a_while() {
     assert!(!text.contains("stablehlo.while"), "{text}");
     assert_eq!(text.matches("optimization_barrier").count(), 3, "{text}");
 }
+
+#[test]
+fn uninitialized_buffers_print_as_allocate_buffer_and_xla_cpu_refuses_them() {
+    // A loop-carried stack that its loop writes whole starts as XLA's AllocateBuffer: no
+    // operands, no fill. TPU and GPU compilers implement it (the target tests compile such
+    // steps); XLA CPU does not, which is why the CPU's programs keep a fill.
+    let mut b = Builder::new("main");
+    let x = b.param("x", Shape::new(&[2, 3], DType::F32));
+    let stack = b.uninitialized(Shape::new(&[4, 2, 3], DType::F32));
+    let x = b.reshape(x, &[1, 2, 3]).unwrap();
+    let zero = b.scalar(0.0, DType::S32);
+    let written = b.dynamic_update_slice(stack, x, &[zero, zero, zero]).unwrap();
+    let text = Module::new("alloc", b.finish(&[("stack", written)])).to_text();
+    assert!(
+        text.contains("stablehlo.custom_call @AllocateBuffer() : () -> tensor<4x2x3xf32>"),
+        "{text}"
+    );
+    let e = client()
+        .compile(&text, &pjrt::CompileOptions::default())
+        .err()
+        .expect("XLA CPU has no AllocateBuffer");
+    assert!(e.to_string().contains("AllocateBuffer"), "{e}");
+}

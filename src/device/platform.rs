@@ -239,6 +239,63 @@ mod tests {
         );
     }
 
+    /// Layer stacks start uninitialized only where the compiler implements `AllocateBuffer`
+    /// (GPUs, TPUs), the layers are looped, and the stacks stay on the device.
+    #[test]
+    fn layer_stacks_start_uninitialized_on_accelerators_only() {
+        use crate::model::presets;
+        use crate::program::{allocates_uninitialized, Offload, Remat, StepSpec};
+        for (plugin, allocates) in [
+            ("cpu", false),
+            ("/root/.cache/xtrain/plugins/cpu/xla_cpu_pjrt.so", false),
+            ("cuda", true),
+            ("rocm", true),
+            ("tpu", true),
+        ] {
+            assert_eq!(
+                allocates_uninitialized(named_platform(Some(plugin))),
+                allocates,
+                "{plugin}"
+            );
+        }
+        let cfg = presets::preset_config("tiny-llama3").unwrap().unwrap();
+        let lora = crate::model::lora::LoraConfig {
+            r: 4,
+            alpha: 8.0,
+            dropout: 0.0,
+            targets: vec![crate::model::lora::Target::Q],
+        };
+        let spec = StepSpec {
+            uninitialized_stacks: true,
+            ..StepSpec::new(cfg, lora, 2, 64, hlo::DType::F32)
+        };
+        assert!(spec.leaves_stacks_uninitialized());
+        for (remat, activations, uninitialized) in [
+            (Remat::SaveProj, false, true),
+            (Remat::None, false, false),
+            (Remat::Layer, true, false),
+        ] {
+            let s = StepSpec {
+                remat,
+                offload: Offload {
+                    frozen: false,
+                    activations,
+                },
+                ..spec.clone()
+            };
+            assert_eq!(
+                s.leaves_stacks_uninitialized(),
+                uninitialized,
+                "{remat:?}, activations offloaded: {activations}"
+            );
+        }
+        let filled = StepSpec {
+            uninitialized_stacks: false,
+            ..spec
+        };
+        assert!(!filled.leaves_stacks_uninitialized());
+    }
+
     /// The CPU keeps the model's eighths; GPUs take halves, TPUs quarters where the sequence
     /// allows, and one block where it does not.
     #[test]

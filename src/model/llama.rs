@@ -159,7 +159,7 @@ pub const ATTENTION_OUTPUT: &str = "attn";
 impl Llama<'_> {
     /// The softmax statistics of a layer's attention for batches of `bs` x `t` tokens: for each
     /// query block, the row max and the row sum, [B, KV, TB, G] in f32 (names and shapes), as
-    /// [`softmax_last`] marks them. A few bytes per token and head, and what a recomputation
+    /// [`softmax_parts_last`] marks them. A few bytes per token and head, and what a recomputation
     /// needs to skip the softmax's two row reductions.
     pub fn softmax_stat_points(&self, bs: i64, t: i64) -> Vec<(String, Shape)> {
         let c = self.cfg;
@@ -244,16 +244,24 @@ fn attend(
     let allowed = b.broadcast_in_dim(mask, &sd, &[0, 2, 4])?;
     let blocked = b.full(f32::MIN as f64, Shape::new(&sd, DType::F32));
     let scores = b.select(allowed, scores, blocked)?;
-    let probs = softmax_last(b, scores, &format!("attn.{{}}.{block}"), saves)?;
-    let probs = b.convert(probs, num.compute)?;
-    // out [B, KV, TQ, G, D] = probs . v
+    let (e, sum) = softmax_parts_last(b, scores, &format!("attn.{{}}.{block}"), saves)?;
+    // out [B, KV, TQ, G, D] = (e . v) / sum, normalized after the product as flash attention
+    // does: the division is over [TQ, D] instead of [TQ, S], and the backward pass needs no
+    // reduction over the [TQ, S] probabilities for the sum's gradient (dividing first, autodiff
+    // would compute -rowsum(dprobs * probs) / sum). e is in (0, 1] (shifted by the row max), so
+    // it rounds to bf16 as well as the probabilities do; the product stays f32 until it is
+    // divided, so it is rounded once.
+    let e = b.convert(e, num.compute)?;
     let dims = DotDims {
         lhs_batch: vec![0, 1],
         rhs_batch: vec![0, 2],
         lhs_contract: vec![4],
         rhs_contract: vec![1],
     };
-    let out = b.dot_general(probs, v, dims, None, Some(num.matmul_result))?;
+    let unnormalized = b.dot_general(e, v, dims, None, Some(DType::F32))?;
+    let ud = b.dims(unnormalized).to_vec();
+    let sum = b.broadcast_in_dim(sum, &ud, &[0, 1, 2, 3])?;
+    let out = b.div(unnormalized, sum)?;
     let out = b.convert(out, num.compute)?;
     b.transpose(out, &[0, 2, 1, 3, 4])
 }
@@ -528,12 +536,18 @@ impl Llama<'_> {
     }
 }
 
-/// Softmax over the last dim (f32), shifted by the max, which gets no gradient (the result does
-/// not depend on it). The row max and the row sum are save points, named by `names` with `{}`
-/// replaced by `max` and `sum`: a recomputation that is given both skips the two reductions
-/// over the row (a read of the whole input each) and computes `exp(x - max) / sum` in one
-/// pass; the gradient is the same, since it flows into the recomputed sum.
-pub fn softmax_last(b: &mut Builder, x: Value, names: &str, saves: &mut Saves) -> Result<Value> {
+/// Softmax over the last dim (f32) in two parts, `(exp(x - max), sum)`, for the caller to divide
+/// where it is cheapest; the max gets no gradient (the softmax does not depend on it). The row
+/// max and the row sum are save points, named by `names` with `{}` replaced by `max` and `sum`:
+/// a recomputation that is given both skips the two reductions over the row (a read of the
+/// whole input each) and computes `exp(x - max)` in one pass; the gradient is the same, since it
+/// flows into the recomputed sum.
+pub fn softmax_parts_last(
+    b: &mut Builder,
+    x: Value,
+    names: &str,
+    saves: &mut Saves,
+) -> Result<(Value, Value)> {
     let dims = b.dims(x).to_vec();
     let last = dims.len() as i64 - 1;
     let keep: Vec<i64> = (0..last).collect();
@@ -545,8 +559,7 @@ pub fn softmax_last(b: &mut Builder, x: Value, names: &str, saves: &mut Saves) -
     let e = b.exp(shifted)?;
     let s = b.reduce_sum(e, &[last])?;
     let s = saves.point(b, &names.replace("{}", "sum"), s)?;
-    let s = b.broadcast_in_dim(s, &dims, &keep)?;
-    b.div(e, s)
+    Ok((e, s))
 }
 
 /// Inverted dropout on x: keep each element with probability 1-p and scale by 1/(1-p).

@@ -238,17 +238,25 @@ impl Layout<'_> {
         let (bs, t, hd) = (b.dims(h0)[0], b.dims(h0)[1], b.dims(h0)[2]);
         let saved = self.saved_points(bs, t);
         let compute = self.spec.compute_dtype;
-        // Every slot of a stack is written before it is read, so the fill does not matter; each
-        // stack gets its own (0, 1, 2, ...) because XLA would otherwise merge the equal fills into
-        // one broadcast and copy it into every stack of that shape before the loop (a full copy
-        // of each: ~90 MB per f32 step on the benchmark).
-        let inputs0 = b.full(0.0, Shape::new(&[l, bs, t, hd], stack_type(compute)));
+        // Every slot of a stack is written before it is read, so the fill does not matter: on
+        // GPUs and TPUs there is none (see `StepSpec::leaves_stacks_uninitialized`); elsewhere
+        // each stack gets its own (0, 1, 2, ...) because XLA would otherwise merge the equal
+        // fills into one broadcast and copy it into every stack of that shape before the loop
+        // (a full copy of each: ~90 MB per f32 step on the benchmark).
+        let stack = |b: &mut Builder, i: usize, dims: &[i64], dtype: DType| {
+            let shape = Shape::new(dims, stack_type(dtype));
+            if self.spec.leaves_stacks_uninitialized() {
+                b.uninitialized(shape)
+            } else {
+                b.full(i as f64, shape)
+            }
+        };
+        let inputs0 = stack(b, 0, &[l, bs, t, hd], compute);
         let mut carry = vec![h0, inputs0];
         for (i, (_, shape)) in saved.iter().enumerate() {
             let mut dims = vec![l];
             dims.extend_from_slice(&shape.dims);
-            let fill = (i + 1) as f64;
-            carry.push(b.full(fill, Shape::new(&dims, stack_type(shape.dtype))));
+            carry.push(stack(b, i + 1, &dims, shape.dtype));
         }
         let at = self.loop_invariants(m, ctx, key);
         let fwd = b.fori_loop(l, &carry, &at.values, |bb, i, carry, inv| {

@@ -245,6 +245,23 @@ pub fn plan(
             );
         }
         let mut rt = open(program.partitions)?;
+        let platform = rt.platform();
+        if spec.leaves_stacks_uninitialized() && !crate::program::allocates_uninitialized(&platform)
+        {
+            // The same step but for the stacks' initial contents, which the loop overwrites.
+            eprintln!(
+                "xtrain: compiling the step of {} here with its layer stacks filled: it was built \
+                 for a GPU or TPU plugin, whose stacks start uninitialized (XLA's AllocateBuffer), \
+                 which the {platform} plugin does not implement",
+                dir.display()
+            );
+            let spec = StepSpec {
+                uninitialized_stacks: false,
+                ..spec
+            };
+            let program = program::build_train_step(&spec)?;
+            return Ok((rt, spec, program));
+        }
         rt.prebuilt = prebuilt(&rt, dir, &program)?;
         return Ok((rt, spec, program));
     }
