@@ -698,7 +698,9 @@ fn uninitialized_buffers_print_as_allocate_buffer_and_xla_cpu_refuses_them() {
     let stack = b.uninitialized(Shape::new(&[4, 2, 3], DType::F32));
     let x = b.reshape(x, &[1, 2, 3]).unwrap();
     let zero = b.scalar(0.0, DType::S32);
-    let written = b.dynamic_update_slice(stack, x, &[zero, zero, zero]).unwrap();
+    let written = b
+        .dynamic_update_slice(stack, x, &[zero, zero, zero])
+        .unwrap();
     let text = Module::new("alloc", b.finish(&[("stack", written)])).to_text();
     assert!(
         text.contains("stablehlo.custom_call @AllocateBuffer() : () -> tensor<4x2x3xf32>"),
