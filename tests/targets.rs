@@ -335,7 +335,6 @@ fn train_uses_a_program_dirs_executable_only_where_it_was_compiled_for() {
             "8".into(),
             "--lora-alpha".into(),
             "16".into(),
-            "--check".into(),
             "--out".into(),
             out.to_str().unwrap().to_string(),
         ];
@@ -363,14 +362,17 @@ fn train_uses_a_program_dirs_executable_only_where_it_was_compiled_for() {
         (err, metrics)
     };
     let here = dir.join("here");
-    compile(&here, &["--mesh", "fsdp=2"]);
+    compile(&here, &["--check", "--mesh", "fsdp=2"]);
     let (err, loaded) = train(&here, &dir.join("run-here"));
     assert!(
         err.contains("loaded the step compiled by `xtrain compile` for cpu"),
         "{err}"
     );
     let h100 = dir.join("h100");
-    compile(&h100, &["--target", "cuda:h100:2", "--remat", "none"]);
+    compile(
+        &h100,
+        &["--check", "--target", "cuda:h100:2", "--remat", "none"],
+    );
     let (err, compiled) = train(&h100, &dir.join("run-h100"));
     assert!(
         err.contains("its executable is for cuda:h100:2 (2 x NVIDIA H100 80GB HBM3")
@@ -380,26 +382,7 @@ fn train_uses_a_program_dirs_executable_only_where_it_was_compiled_for() {
     // A GPU's program whose layer loops' stacks start uninitialized (XLA's AllocateBuffer,
     // which XLA CPU does not implement): built here with the stacks filled, saying so.
     let cuda = dir.join("cuda");
-    let o = xtrain(&refs(&[
-        "compile".to_string(),
-        "--model".into(),
-        f.join("model").to_str().unwrap().to_string(),
-        "--batch".into(),
-        "2".into(),
-        "--seq".into(),
-        "16".into(),
-        "--lora-r".into(),
-        "8".into(),
-        "--lora-alpha".into(),
-        "16".into(),
-        "--mesh".into(),
-        "fsdp=2".into(),
-        "--plugin".into(),
-        "cuda".into(),
-        "--out".into(),
-        cuda.to_str().unwrap().to_string(),
-    ]));
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    compile(&cuda, &["--mesh", "fsdp=2", "--plugin", "cuda"]);
     let text = std::fs::read_to_string(cuda.join("train_step.mlir")).unwrap();
     assert!(text.contains("@AllocateBuffer"), "{text}");
     let (err, refilled) = train(&cuda, &dir.join("run-cuda"));
