@@ -168,7 +168,7 @@ impl Llama<'_> {
         let tb = query_block(t, self.num.attention_block);
         let shape = Shape::new(&[bs, kvh, tb, g], DType::F32);
         (0..t / tb)
-            .flat_map(|i| ["max", "sum"].map(|s| (format!("attn.{s}.{i}"), shape.clone())))
+            .flat_map(|i| ["max", "sum"].map(|s| (softmax_stat_name(s, i), shape.clone())))
             .collect()
     }
 
@@ -180,6 +180,11 @@ impl Llama<'_> {
             Shape::new(&[bs, t, width], self.num.compute),
         )
     }
+}
+
+/// The save point of query block `block`'s softmax statistic `stat` (`max` or `sum`).
+fn softmax_stat_name(stat: &str, block: i64) -> String {
+    format!("attn.{stat}.{block}")
 }
 
 /// `x W^T` for x [.., in] and W [out, in], accumulating in f32 whatever the operand type; the
@@ -244,7 +249,7 @@ fn attend(
     let allowed = b.broadcast_in_dim(mask, &sd, &[0, 2, 4])?;
     let blocked = b.full(f32::MIN as f64, Shape::new(&sd, DType::F32));
     let scores = b.select(allowed, scores, blocked)?;
-    let (e, sum) = softmax_parts_last(b, scores, &format!("attn.{{}}.{block}"), saves)?;
+    let (e, sum) = softmax_parts_last(b, scores, |stat| softmax_stat_name(stat, block), saves)?;
     // out [B, KV, TQ, G, D] = (e . v) / sum, normalized after the product as flash attention
     // does: the division is over [TQ, D] instead of [TQ, S], and the backward pass needs no
     // reduction over the [TQ, S] probabilities for the sum's gradient (dividing first, autodiff
@@ -538,14 +543,14 @@ impl Llama<'_> {
 
 /// Softmax over the last dim (f32) in two parts, `(exp(x - max), sum)`, for the caller to divide
 /// where it is cheapest; the max gets no gradient (the softmax does not depend on it). The row
-/// max and the row sum are save points, named by `names` with `{}` replaced by `max` and `sum`:
+/// max and the row sum are save points, named by `names("max")` and `names("sum")`:
 /// a recomputation that is given both skips the two reductions over the row (a read of the
 /// whole input each) and computes `exp(x - max)` in one pass; the gradient is the same, since it
 /// flows into the recomputed sum.
 pub fn softmax_parts_last(
     b: &mut Builder,
     x: Value,
-    names: &str,
+    names: impl Fn(&str) -> String,
     saves: &mut Saves,
 ) -> Result<(Value, Value)> {
     let dims = b.dims(x).to_vec();
@@ -553,12 +558,12 @@ pub fn softmax_parts_last(
     let keep: Vec<i64> = (0..last).collect();
     let m = b.reduce_max(x, &[last])?;
     let m = b.stop_gradient(m);
-    let m = saves.point(b, &names.replace("{}", "max"), m)?;
+    let m = saves.point(b, &names("max"), m)?;
     let m = b.broadcast_in_dim(m, &dims, &keep)?;
     let shifted = b.sub(x, m)?;
     let e = b.exp(shifted)?;
     let s = b.reduce_sum(e, &[last])?;
-    let s = saves.point(b, &names.replace("{}", "sum"), s)?;
+    let s = saves.point(b, &names("sum"), s)?;
     Ok((e, s))
 }
 
