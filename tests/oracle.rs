@@ -205,6 +205,58 @@ fn base_logits_and_loss_match() {
     }
 }
 
+/// Padding is masked out of the attention: row 1 holds row 0's first 11 tokens after 5 padding
+/// positions (attention mask 0 there, left padding as batched generation uses). Its real
+/// positions must give row 0's logits: RoPE makes the scores depend on relative positions only,
+/// so the shift changes nothing but rounding. Checked whole and in query blocks of 4 and 8,
+/// whose causal masks start at other offsets. Tolerance 1e-4 (f32), as for the oracle's logits.
+#[test]
+fn left_padding_is_masked_out() {
+    const PAD: usize = 5;
+    let base = read("base_outputs.safetensors");
+    let want = f32s(&base.read("logits").unwrap());
+    let (t, v) = (16, want.len() / 32);
+    for block in [None, Some(4), Some(8)] {
+        let mut s = spec("model");
+        s.attention_block = block;
+        let program = program::build_forward(&s, false).unwrap();
+        let mut host = inputs(&program, "model", &BTreeMap::new(), &BTreeMap::new());
+        for (arg, tensor) in program.args.iter().zip(host.iter_mut()) {
+            if !matches!(
+                arg.role,
+                Role::InputIds | Role::Labels | Role::AttentionMask
+            ) {
+                continue;
+            }
+            let mut values = tensor.to_i32().unwrap();
+            match arg.role {
+                // row 1 = [token 0 x PAD, row 0's tokens 0..11], padding repeated from row 0
+                Role::InputIds | Role::Labels => {
+                    let row0 = values[..t].to_vec();
+                    values[t..t + PAD].fill(row0[0]);
+                    values[t + PAD..].copy_from_slice(&row0[..t - PAD]);
+                }
+                Role::AttentionMask => {
+                    values[t..t + PAD].fill(0);
+                    values[t + PAD..].fill(1);
+                }
+                _ => unreachable!(),
+            }
+            *tensor = HostTensor::from_i32(&values, &tensor.dims);
+        }
+        let got = f32s(&execute(&program, &host)["logits"]);
+        let row1_real = &got[(t + PAD) * v..2 * t * v];
+        let d = max_abs_diff(row1_real, &want[..(t - PAD) * v]);
+        assert!(
+            d <= 1e-4,
+            "blocks {block:?}: left-padded row's logits differ from the unpadded row's by {d} \
+             (tolerance 1e-4)"
+        );
+        let d = max_abs_diff(&got[..t * v], &want[..t * v]);
+        assert!(d <= 1e-4, "blocks {block:?}: row 0 changed by {d}");
+    }
+}
+
 #[test]
 fn sharded_and_bf16_checkpoints() {
     let program = program::build_forward(&spec("model"), false).unwrap();

@@ -16,7 +16,7 @@ use std::collections::BTreeMap;
 
 /// The invariants both layer loops are given (see [`Layout::loop_invariants`]): the values, and
 /// how many of them are stacked weights and stacked LoRA tensors, and whether a dropout key
-/// follows the RoPE tables and the mask.
+/// follows the RoPE tables and the padding mask.
 struct LoopInputs {
     values: Vec<Value>,
     stacked: usize,
@@ -71,21 +71,25 @@ impl Layout<'_> {
     }
 
     /// What a remat policy saves in the forward loop besides each layer's input, by name and
-    /// per-layer shape, for batches of `bs` x `t` tokens. `save-proj` keeps the frozen
-    /// projections' outputs, the attention output and the softmax's row max and sum (f32, [B,
-    /// KV, TB, G] per query block: 4/head_dim of the attention output's bytes in bf16), so
-    /// that the backward loop recomputes only q.k and one elementwise pass for the
-    /// probabilities. In the TPU cost model (8B bf16, `tpu:v5p:2x2x1`, batch 16, blocks of 1024)
-    /// that step went 1.137 -> 1.104 s with the attention output and -> 1.039 s with the
-    /// statistics too (1397 -> 1166 GB accessed per chip; +2.1 GiB per chip). `layer` keeps
-    /// nothing more: the statistics alone made its step slightly slower there (392.3 -> 393.2
-    /// ms at batch 4: the compiler already computes the max and the sum in the passes the
-    /// recomputation makes anyway).
+    /// per-layer shape, for batches of `bs` x `t` tokens.
+    /// - `layer` keeps the softmax's row max and sum (f32, [B, KV, TB, G] per query block: 4 /
+    ///   head_dim of the attention output's bytes in bf16; the statistics flash attention keeps
+    ///   for its backward pass), so the recomputation skips the row max's pass over the scores.
+    ///   In the TPU cost model (8B bf16, `tpu:v5p:2x2x1`) that step went 389.7 -> 387.1 ms at
+    ///   batch 4, for 0.03 GiB more per chip (0.11 GiB at batch 16). Before the attention was
+    ///   normalized after P.V, they made it slightly slower (392.3 -> 393.2 ms).
+    /// - `save-proj` also keeps the frozen projections' outputs and the attention output, so
+    ///   that the backward loop recomputes only q.k and one elementwise pass for the
+    ///   probabilities. In the TPU cost model (batch 16, blocks of 1024) that step went 1.137 ->
+    ///   1.104 s with the attention output and -> 1.039 s with the statistics too (1397 -> 1166
+    ///   GB accessed per chip; +2.1 GiB per chip).
     fn saved_points(&self, bs: i64, t: i64) -> Vec<(String, Shape)> {
-        if self.spec.remat != Remat::SaveProj {
-            return Vec::new();
-        }
         let model = self.model();
+        match self.spec.remat {
+            Remat::None => return Vec::new(),
+            Remat::Layer => return model.softmax_stat_points(bs, t),
+            Remat::SaveProj => {}
+        }
         let compute = self.spec.compute_dtype;
         let mut points: Vec<(String, Shape)> = Target::ALL
             .iter()
@@ -189,7 +193,8 @@ impl Layout<'_> {
     }
 
     /// The loop invariants of both layer loops, as they are passed: the stacked weights, the
-    /// stacked LoRA tensors, the RoPE tables and the mask, and the dropout key if there is one.
+    /// stacked LoRA tensors, the RoPE tables and the padding mask [B, S], and the dropout key if
+    /// there is one.
     fn loop_invariants(
         &self,
         m: &ModelValues,
@@ -198,7 +203,7 @@ impl Layout<'_> {
     ) -> LoopInputs {
         let stacked = self.layer_values(&m.frozen);
         let mut values: Vec<Value> = stacked.iter().chain(&m.lora).copied().collect();
-        values.extend([ctx.rope.0, ctx.rope.1, ctx.mask]);
+        values.extend([ctx.rope.0, ctx.rope.1, ctx.real_keys]);
         values.extend(key);
         LoopInputs {
             values,
@@ -213,7 +218,7 @@ impl Layout<'_> {
         let (ns, nl) = (at.stacked, at.lora);
         let c = LayerContext {
             rope: (inv[ns + nl], inv[ns + nl + 1]),
-            mask: inv[ns + nl + 2],
+            real_keys: inv[ns + nl + 2],
             lora_scale: self.spec.lora.scale(),
             dropout: None,
         };
@@ -500,7 +505,7 @@ impl Layout<'_> {
         }
         let stacked = self.layer_values(&m.frozen).to_vec();
         let mut inv: Vec<Value> = stacked.iter().chain(&m.lora).copied().collect();
-        inv.extend([ctx.rope.0, ctx.rope.1, ctx.mask]);
+        inv.extend([ctx.rope.0, ctx.rope.1, ctx.real_keys]);
         let (ns, nl) = (stacked.len(), m.lora.len());
         let out = b.fori_loop(
             self.spec.model.num_hidden_layers,
@@ -509,7 +514,7 @@ impl Layout<'_> {
             |bb, i, carry, inv| {
                 let c = LayerContext {
                     rope: (inv[ns + nl], inv[ns + nl + 1]),
-                    mask: inv[ns + nl + 2],
+                    real_keys: inv[ns + nl + 2],
                     lora_scale: self.spec.lora.scale(),
                     dropout: None,
                 };
