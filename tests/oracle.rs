@@ -299,20 +299,23 @@ fn lora_logits_loss_and_all_28_gradients_match() {
     let loss = out["loss"].scalar_f32().unwrap();
     assert!((loss - 6.63896).abs() <= 1e-5, "LoRA loss {loss}");
 
-    // The same gradients with layers unrolled, looped (both remat policies), with the loss
-    // computed 4 positions at a time, and with causal attention in blocks of 4 query rows.
+    // The same gradients with layers unrolled, looped (both remat policies; remat layer also
+    // keeping the softmax statistics, as TPU programs do), with the loss computed 4 positions
+    // at a time, and with causal attention in blocks of 4 query rows.
     let _ = &s;
-    for (remat, chunk, block) in [
-        (Remat::None, None, None),
-        (Remat::Layer, None, None),
-        (Remat::SaveProj, None, None),
-        (Remat::Layer, Some(4), None),
-        (Remat::None, None, Some(4)),
-        (Remat::SaveProj, None, Some(4)),
+    for (remat, chunk, block, stats) in [
+        (Remat::None, None, None, false),
+        (Remat::Layer, None, None, false),
+        (Remat::SaveProj, None, None, false),
+        (Remat::Layer, Some(4), None, false),
+        (Remat::None, None, Some(4), false),
+        (Remat::SaveProj, None, Some(4), false),
+        (Remat::Layer, None, Some(4), true),
     ] {
         let mut sp = spec_with("model", remat);
         sp.loss_chunk = chunk;
         sp.attention_block = block;
+        sp.layer_keeps_softmax_stats = stats;
         let program = program::build_grad_program(&sp).unwrap();
         let out = execute(
             &program,
@@ -321,7 +324,7 @@ fn lora_logits_loss_and_all_28_gradients_match() {
         let loss = out["loss"].scalar_f32().unwrap();
         assert!(
             (loss - 6.63896).abs() <= 1e-5,
-            "{remat:?} chunk {chunk:?} block {block:?}: loss {loss}"
+            "{remat:?} chunk {chunk:?} block {block:?} stats {stats}: loss {loss}"
         );
         let mut checked = 0;
         for (name, t) in out.iter().filter(|(n, _)| n.starts_with("grad.")) {
@@ -336,7 +339,8 @@ fn lora_logits_loss_and_all_28_gradients_match() {
             let norm: f32 = want.iter().map(|b| b * b).sum::<f32>().sqrt();
             assert!(
                 diff / norm <= 1e-4,
-                "{remat:?} chunk {chunk:?} block {block:?} {name}: relative error {} (tolerance 1e-4)",
+                "{remat:?} chunk {chunk:?} block {block:?} stats {stats} {name}: relative error {} \
+                 (tolerance 1e-4)",
                 diff / norm
             );
             checked += 1;

@@ -296,6 +296,46 @@ mod tests {
         assert!(!filled.leaves_stacks_uninitialized());
     }
 
+    /// Remat per layer keeps the softmax statistics on TPUs only (GPUs fuse the softmax into one
+    /// kernel without them; the CPU was not measured to gain).
+    #[test]
+    fn layer_remat_keeps_softmax_statistics_on_tpus_only() {
+        use crate::program::layer_remat_keeps_softmax_stats;
+        for (plugin, keeps) in [
+            ("cpu", false),
+            ("cuda", false),
+            ("rocm", false),
+            ("tpu", true),
+        ] {
+            assert_eq!(
+                layer_remat_keeps_softmax_stats(named_platform(Some(plugin))),
+                keeps,
+                "{plugin}"
+            );
+        }
+        // The flag adds the statistics' stacks to the loops' carries: a max and a sum per query
+        // block, written in the forward loop (one dynamic_update_slice each).
+        let cfg = crate::model::presets::preset_config("tiny-llama3")
+            .unwrap()
+            .unwrap();
+        let lora = crate::model::lora::LoraConfig {
+            r: 4,
+            alpha: 8.0,
+            dropout: 0.0,
+            targets: vec![crate::model::lora::Target::Q],
+        };
+        let writes = |stats: bool| {
+            let spec = crate::program::StepSpec {
+                layer_keeps_softmax_stats: stats,
+                attention_block: Some(16),
+                ..crate::program::StepSpec::new(cfg.clone(), lora.clone(), 2, 64, hlo::DType::F32)
+            };
+            let text = crate::program::build_train_step(&spec).unwrap().text;
+            text.matches("stablehlo.dynamic_update_slice").count()
+        };
+        assert_eq!(writes(true), writes(false) + 2 * 4);
+    }
+
     /// The CPU keeps the model's eighths; GPUs take halves, TPUs quarters where the sequence
     /// allows, and one block where it does not.
     #[test]

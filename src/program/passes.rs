@@ -72,7 +72,8 @@ impl Layout<'_> {
 
     /// What a remat policy saves in the forward loop besides each layer's input, by name and
     /// per-layer shape, for batches of `bs` x `t` tokens.
-    /// - `layer` keeps the softmax's row max and sum (f32, [B, KV, TB, G] per query block: 4 /
+    /// - `layer` keeps, where the spec says so (TPUs: [`StepSpec::layer_keeps_softmax_stats`]),
+    ///   the softmax's row max and sum (f32, [B, KV, TB, G] per query block: 4 /
     ///   head_dim of the attention output's bytes in bf16; the statistics flash attention keeps
     ///   for its backward pass), so the recomputation skips the row max's pass over the scores.
     ///   In the TPU cost model (8B bf16, `tpu:v5p:2x2x1`) that step went 389.7 -> 387.1 ms at
@@ -87,7 +88,10 @@ impl Layout<'_> {
         let model = self.model();
         match self.spec.remat {
             Remat::None => return Vec::new(),
-            Remat::Layer => return model.softmax_stat_points(bs, t),
+            Remat::Layer if self.spec.layer_keeps_softmax_stats => {
+                return model.softmax_stat_points(bs, t)
+            }
+            Remat::Layer => return Vec::new(),
             Remat::SaveProj => {}
         }
         let compute = self.spec.compute_dtype;

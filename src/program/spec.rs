@@ -109,6 +109,11 @@ pub struct StepSpec {
     /// it applies).
     #[serde(default)]
     pub uninitialized_stacks: bool,
+    /// `--remat layer` also keeps each layer's softmax row max and sum, so the recomputation
+    /// skips the row max's pass over the scores. Chosen by backend: on for TPUs only (see
+    /// [`layer_remat_keeps_softmax_stats`]).
+    #[serde(default)]
+    pub layer_keeps_softmax_stats: bool,
     /// What the step keeps in host memory instead of the device's (looped layers only).
     #[serde(default, skip_serializing_if = "Offload::is_none")]
     pub offload: Offload,
@@ -240,6 +245,7 @@ impl StepSpec {
             wide_matmul_results: false,
             narrow_attention_scores: false,
             uninitialized_stacks: false,
+            layer_keeps_softmax_stats: false,
             offload: Offload::NONE,
         }
     }
@@ -444,6 +450,7 @@ impl StepOptions {
                 dtype,
             )?,
             uninitialized_stacks: allocates_uninitialized(platform),
+            layer_keeps_softmax_stats: layer_remat_keeps_softmax_stats(platform),
             offload: self.offload.unwrap_or(Offload::NONE),
         };
         check_spec(&spec)?;
@@ -481,6 +488,16 @@ pub fn accelerator_attention_block(platform: &str, seq: i64) -> Option<i64> {
 /// for untyped custom call to AllocateBuffer for Host").
 pub fn allocates_uninitialized(platform: &str) -> bool {
     matches!(platform, "cuda" | "rocm" | "tpu")
+}
+
+/// Whether `--remat layer` keeps each layer's softmax statistics on a plugin whose platform is
+/// `platform` ([`StepSpec::layer_keeps_softmax_stats`]): on TPUs, where the cost model has the
+/// 8B step on `tpu:v5p:2x2x1` at 389.7 -> 387.1 ms (batch 4). Not on GPUs: there the compiler
+/// fuses the softmax's max, exp and sum into one kernel either way, and saving the statistics
+/// broke that fusion (`cuda:h100:1`, 8B batch 1: 200 -> 210 kernels per layer, the same bytes).
+/// Not on the CPU, where it was not measured to help.
+pub fn layer_remat_keeps_softmax_stats(platform: &str) -> bool {
+    platform == "tpu"
 }
 
 /// Whether bf16 matmuls give their f32 accumulator ([`StepSpec::wide_matmul_results`]) on a plugin
