@@ -239,11 +239,24 @@ mod tests {
         );
     }
 
+    /// A step of the tiny preset at batch 2 x 64, LoRA r=4 on q, in f32.
+    fn tiny_spec() -> crate::program::StepSpec {
+        let cfg = crate::model::presets::preset_config("tiny-llama3")
+            .unwrap()
+            .unwrap();
+        let lora = crate::model::lora::LoraConfig {
+            r: 4,
+            alpha: 8.0,
+            dropout: 0.0,
+            targets: vec![crate::model::lora::Target::Q],
+        };
+        crate::program::StepSpec::new(cfg, lora, 2, 64, hlo::DType::F32)
+    }
+
     /// Layer stacks start uninitialized only where the compiler implements `AllocateBuffer`
     /// (GPUs, TPUs), the layers are looped, and the stacks stay on the device.
     #[test]
     fn layer_stacks_start_uninitialized_on_accelerators_only() {
-        use crate::model::presets;
         use crate::program::{allocates_uninitialized, Offload, Remat, StepSpec};
         for (plugin, allocates) in [
             ("cpu", false),
@@ -258,16 +271,9 @@ mod tests {
                 "{plugin}"
             );
         }
-        let cfg = presets::preset_config("tiny-llama3").unwrap().unwrap();
-        let lora = crate::model::lora::LoraConfig {
-            r: 4,
-            alpha: 8.0,
-            dropout: 0.0,
-            targets: vec![crate::model::lora::Target::Q],
-        };
         let spec = StepSpec {
             uninitialized_stacks: true,
-            ..StepSpec::new(cfg, lora, 2, 64, hlo::DType::F32)
+            ..tiny_spec()
         };
         assert!(spec.leaves_stacks_uninitialized());
         for (remat, activations, uninitialized) in [
@@ -315,20 +321,11 @@ mod tests {
         }
         // The flag adds the statistics' stacks to the loops' carries: a max and a sum per query
         // block, written in the forward loop (one dynamic_update_slice each).
-        let cfg = crate::model::presets::preset_config("tiny-llama3")
-            .unwrap()
-            .unwrap();
-        let lora = crate::model::lora::LoraConfig {
-            r: 4,
-            alpha: 8.0,
-            dropout: 0.0,
-            targets: vec![crate::model::lora::Target::Q],
-        };
         let writes = |stats: bool| {
             let spec = crate::program::StepSpec {
                 layer_keeps_softmax_stats: stats,
                 attention_block: Some(16),
-                ..crate::program::StepSpec::new(cfg.clone(), lora.clone(), 2, 64, hlo::DType::F32)
+                ..tiny_spec()
             };
             let text = crate::program::build_train_step(&spec).unwrap().text;
             text.matches("stablehlo.dynamic_update_slice").count()

@@ -72,10 +72,11 @@ impl Layout<'_> {
 
     /// What a remat policy saves in the forward loop besides each layer's input, by name and
     /// per-layer shape, for batches of `bs` x `t` tokens.
-    /// - `layer` keeps, where the spec says so (TPUs: [`StepSpec::layer_keeps_softmax_stats`]),
-    ///   the softmax's row max and sum (f32, [B, KV, TB, G] per query block: 4 /
-    ///   head_dim of the attention output's bytes in bf16; the statistics flash attention keeps
-    ///   for its backward pass), so the recomputation skips the row max's pass over the scores.
+    /// - `layer` keeps, where the spec says so (TPUs:
+    ///   [`crate::program::StepSpec::layer_keeps_softmax_stats`]), the softmax's row max and sum
+    ///   (f32, [B, KV, TB, G] per query block: 4/head_dim of the attention output's bytes in
+    ///   bf16; the statistics flash attention keeps for its backward pass), so the
+    ///   recomputation skips the row max's pass over the scores.
     ///   In the TPU cost model (8B bf16, `tpu:v5p:2x2x1`) that step went 389.7 -> 387.1 ms at
     ///   batch 4, for 0.03 GiB more per chip (0.11 GiB at batch 16). Before the attention was
     ///   normalized after P.V, they made it slightly slower (392.3 -> 393.2 ms).
