@@ -197,9 +197,9 @@ impl Layout<'_> {
         Ok((loss, grads))
     }
 
-    /// The loop invariants of both layer loops, as they are passed: the stacked weights, the
-    /// stacked LoRA tensors, the RoPE tables and the padding mask [B, S], and the dropout key if
-    /// there is one.
+    /// The loop invariants of the layer loops (training's two, the forward-only one), as they
+    /// are passed: the stacked weights, the stacked LoRA tensors, the RoPE tables and the
+    /// padding mask [B, S], and the dropout key if there is one.
     fn loop_invariants(
         &self,
         m: &ModelValues,
@@ -508,27 +508,19 @@ impl Layout<'_> {
             }
             return Ok(h);
         }
-        let stacked = self.layer_values(&m.frozen).to_vec();
-        let mut inv: Vec<Value> = stacked.iter().chain(&m.lora).copied().collect();
-        inv.extend([ctx.rope.0, ctx.rope.1, ctx.real_keys]);
-        let (ns, nl) = (stacked.len(), m.lora.len());
+        let at = self.loop_invariants(m, &ctx, None);
         let out = b.fori_loop(
             self.spec.model.num_hidden_layers,
             &[h0],
-            &inv,
+            &at.values,
             |bb, i, carry, inv| {
-                let c = LayerContext {
-                    rope: (inv[ns + nl], inv[ns + nl + 1]),
-                    real_keys: inv[ns + nl + 2],
-                    lora_scale: self.spec.lora.scale(),
-                    dropout: None,
-                };
+                let (stacked, lora, c, _) = self.unpack(&at, inv);
                 let (h, _) = self.layer_in_loop(
                     bb,
                     i,
                     carry[0],
-                    &inv[..ns],
-                    &inv[ns..ns + nl],
+                    &stacked,
+                    &lora,
                     &c,
                     None,
                     &mut Saves::Off,
