@@ -170,3 +170,32 @@ fn xtrain_train_runs_on_a_mesh_from_the_command_line() {
     );
     std::fs::remove_dir_all(&out).unwrap();
 }
+
+/// The MLP's hidden activations [B, T, F] (the gate and up projections' outputs) are pinned
+/// where the rules put activations: batch on data (then fsdp, which batch 2 does not divide
+/// again), F on tensor then fsdp. On one device nothing is pinned. (On `tpu:v5p:2x2x1`, left
+/// to itself the partitioner split F at 1 row per chip and paid all-to-alls to get back.)
+#[test]
+fn the_mlp_hidden_activations_are_pinned_where_the_rules_put_them() {
+    let hidden = "tensor<2x16x128xf32>";
+    let pinned = |p: &program::Program, sharding: &str| {
+        p.text
+            .lines()
+            .filter(|l| l.contains("sdy.sharding_constraint") && l.contains(sharding))
+            .filter(|l| l.contains(&format!(": {hidden}")))
+            .count()
+    };
+    let p = program::build_train_step(&spec(Some("data=2,fsdp=2,tensor=2"), Remat::Layer)).unwrap();
+    // Gate and up in the forward loop, again in the backward loop's recomputation, and their
+    // gradients there (a constraint's gradient rule pins the cotangent the same way).
+    assert_eq!(
+        pinned(&p, "[{\"data\"}, {}, {\"tensor\", \"fsdp\"}]"),
+        6,
+        "{}",
+        p.text
+    );
+    let p = program::build_train_step(&spec(Some("fsdp=2"), Remat::Layer)).unwrap();
+    assert_eq!(pinned(&p, "[{\"fsdp\"}, {}, {}]"), 6);
+    let p = program::build_train_step(&spec(None, Remat::Layer)).unwrap();
+    assert!(!p.text.contains("sdy.sharding_constraint"));
+}

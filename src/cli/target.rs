@@ -206,6 +206,15 @@ fn print_estimate(t: &TargetDevices, spec: &StepSpec) -> Result<Option<StepEstim
             _ => String::new(),
         }
     );
+    for (i, layers) in ["1 layer", "2 layers"].iter().enumerate() {
+        println!(
+            "  unrolled step with {layers}: optimal_seconds {}, {:.4} TFLOP, {:.3} GB accessed \
+             per device",
+            secs(e.unrolled_seconds[i]),
+            e.unrolled_flops[i] / 1e12,
+            e.unrolled_bytes_accessed[i] / 1e9
+        );
+    }
     Ok(Some(StepEstimate {
         seconds: e.seconds,
         flops_per_device: e.flops,

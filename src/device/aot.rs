@@ -290,6 +290,9 @@ pub struct Estimate {
     /// The cost model's `optimal_seconds` of the unrolled 1- and 2-layer steps (with
     /// [`unpriced_calls`] added back).
     pub unrolled_seconds: [f64; 2],
+    /// The cost analysis's `flops` and `bytes accessed` of the same two steps.
+    pub unrolled_flops: [f64; 2],
+    pub unrolled_bytes_accessed: [f64; 2],
     /// The unpriced calls added back in each.
     pub unpriced_calls: [usize; 2],
     pub seconds: f64,
@@ -349,6 +352,8 @@ impl TargetDevices {
         Ok(Estimate {
             layers: l,
             unrolled_seconds: [costs[0].0, costs[1].0],
+            unrolled_flops: [costs[0].1, costs[1].1],
+            unrolled_bytes_accessed: [costs[0].2, costs[1].2],
             unpriced_calls: unpriced,
             seconds: at(|c| c.0),
             flops: at(|c| c.1),
@@ -432,6 +437,8 @@ mod tests {
         Estimate {
             layers,
             unrolled_seconds: unrolled,
+            unrolled_flops: [1.0; 2],
+            unrolled_bytes_accessed: [1.0; 2],
             unpriced_calls: [0; 2],
             seconds,
             flops: 1.0,

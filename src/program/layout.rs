@@ -136,6 +136,11 @@ impl Layout<'_> {
                     DType::F32
                 },
             },
+            placement: self
+                .spec
+                .mesh
+                .as_ref()
+                .map(|m| m as &dyn crate::model::llama::Placement),
         }
     }
 

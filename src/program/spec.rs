@@ -297,6 +297,13 @@ impl MeshPlan {
     }
 }
 
+/// Activations are placed by the same rules as the arguments.
+impl crate::model::llama::Placement for MeshPlan {
+    fn place(&self, logical: &[&str], dims: &[i64]) -> hlo::Sharding {
+        self.rules.sharding(logical, dims, &self.mesh())
+    }
+}
+
 pub(super) fn check_spec(spec: &StepSpec) -> Result<()> {
     spec.lora.validate()?;
     if !spec.offload.is_none() && !spec.remat.scan() {
