@@ -5,6 +5,9 @@ instruction kind and by op name (`metadata={op_name=...}`: xtrain's scopes, JAX'
 
 usage: python3 tools/hlo-roofline.py PATH [--target v5p|v6e|v5e] [--by kind|name|both] [--top N]
 
+--target defaults to the chip the dump names (v5p and v6e are recognized; give it for a single
+module file or a v5e dump).
+
 PATH is an `XTRAIN_ESTIMATE_DUMP` directory (its `layers-1` and `layers-2` dumps: the figures are
 then per layer, c(2) - c(1), as the estimate extrapolates them), one XLA dump directory, or an
 optimized module file. A looped step's while loops are not opened up: pricing each body once
@@ -18,14 +21,18 @@ rate; an 8192^3 bf16 matmul at its FLOPs over the matmul rate, which on v5p is 3
 the 459 peak; an op's time is the larger of the two, and a program's is the sum of its ops').
 On the 8B LoRA step (remat layer, batch 4, `tpu:v5p:2x2x1`) this script's sums come within 1%
 of the cost analysis's for xtrain's unrolled 1- and 2-layer steps (21.59 vs 21.44 ms, 33.07 vs
-33.23 ms) and for JAX's (25.85 vs 25.86 ms, 39.43 vs 39.92 ms).
+33.23 ms) and for JAX's (25.85 vs 25.86 ms, 39.43 vs 39.92 ms). On v6e it is not that close:
+for one remat-layer batch-16 step it gave 1.221 s where the cost analysis gave 1.115 s (v6e
+modules fetch buffers in asynchronous slices, async-start / async-done joined by ConcatBitcast
+calls, which it prices as a copy-start / copy-done pair; the cost model evidently does not).
+Read v6e's figures for where the time goes, not for totals.
 
 What it counts, as XLA's HloCostAnalysis does:
 - bytes accessed: every operand's bytes and the result's, logical shapes (tiling padding not
   counted); a fusion's operand that it reads only through slices counts the slices' bytes. A
   copy-start (the memory-space assignment moving a buffer to or from the TPU's alternate memory,
   `S(1)` in a layout) counts its operand and both buffers of its result; the matching copy-done
-  nothing. Bitcasts, tuples, parameters, constants cost nothing.
+  nothing (nor an async-done). Bitcasts, tuples, parameters, constants cost nothing.
 - FLOPs: 2 per multiply-add of each convolution and dot inside a fusion, the valid window taps
   only (the TPU compiler writes batched matmuls as convolutions whose batch dims are dilated
   windows). Elementwise FLOPs are left out (they never decide the max here).
@@ -40,7 +47,7 @@ from collections import Counter
 RATES = {"v5p": (394e12, 2.35e12), "v6e": (918e12, 1.638e12), "v5e": (197e12, 0.7377e12)}
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
                "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
-FREE = {"parameter", "constant", "get-tuple-element", "bitcast", "tuple", "copy-done",
+FREE = {"parameter", "constant", "get-tuple-element", "bitcast", "tuple", "copy-done", "async-done",
         "all-gather-done", "all-reduce-done", "collective-permute-done", "opt-barrier",
         "after-all", "partition-id", "replica-id"}
 
@@ -137,6 +144,19 @@ def matmul_flops(body):
     return flops
 
 
+# libtpu's code names for the chips, as a dump's `*target_arguments.txt` gives them.
+CHIPS = {"TPU_VERSION_VIPERFISH": "v5p", "TPU_VERSION_GHOSTLITE": "v6e"}
+
+
+def dump_target(d):
+    """The target a dump was compiled for, from its `*target_arguments.txt`, or None."""
+    for f in glob.glob(os.path.join(d, "**", "*target_arguments.txt"), recursive=True):
+        m = re.search(r"version: (\w+)", open(f).read())
+        if m:
+            return CHIPS.get(m.group(1))
+    return None
+
+
 def module_file(d):
     found = glob.glob(os.path.join(d, "*after_optimizations.txt"))
     if not found:
@@ -208,7 +228,7 @@ def main(argv):
     if not args or args[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if args else 2
-    opts = {"--target": "v5p", "--by": "both", "--top": "25"}
+    opts = {"--target": None, "--by": "both", "--top": "25"}
     path = None
     i = 0
     while i < len(args):
@@ -222,6 +242,13 @@ def main(argv):
             i += 1
     if path is None or not os.path.exists(path):
         sys.exit(f"hlo-roofline: {path!r} does not exist (see --help)")
+    if opts["--target"] is None:
+        found = dump_target(path if os.path.isdir(path) else os.path.dirname(path))
+        if found is None:
+            sys.exit("hlo-roofline: which TPU the dump is for is not in it (no "
+                     "*target_arguments.txt naming a known chip): give --target "
+                     f"{'|'.join(RATES)}")
+        opts["--target"] = found
     if opts["--target"] not in RATES:
         sys.exit(f"hlo-roofline: --target {opts['--target']}: one of {', '.join(RATES)}")
     if opts["--by"] not in ("kind", "name", "both"):
@@ -229,8 +256,11 @@ def main(argv):
     try:
         top = int(opts["--top"])
     except ValueError:
-        sys.exit(f"hlo-roofline: --top {opts['--top']}: not a number")
+        top = 0
+    if top < 1:
+        sys.exit(f"hlo-roofline: --top {opts['--top']}: a number of rows, 1 or more")
     rates = RATES[opts["--target"]]
+    print(f"{opts['--target']}: {rates[0] / 1e12:.0f} TFLOP/s, {rates[1] / 1e12:.3f} TB/s per chip")
     layered = all(os.path.isdir(os.path.join(path, f"layers-{n}")) for n in (1, 2))
     if layered:
         one = ops(module_file(os.path.join(path, "layers-1")), rates)
