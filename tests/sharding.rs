@@ -38,7 +38,17 @@ fn run(
     std::collections::BTreeMap<String, Vec<f32>>,
     i64,
 ) {
-    let s = spec(mesh, remat);
+    run_spec(spec(mesh, remat))
+}
+
+fn run_spec(
+    s: StepSpec,
+) -> (
+    Vec<f32>,
+    Vec<f32>,
+    std::collections::BTreeMap<String, Vec<f32>>,
+    i64,
+) {
     let program = program::build_train_step(&s).unwrap();
     let frozen = program.frozen_shapes();
     let weights = xtrain::formats::weights::load(
@@ -92,8 +102,22 @@ fn run(
 fn meshes_match_one_device() {
     let (l1, g1, w1, args1) = run(None, Remat::Layer);
     assert!((l1[0] - 6.63896).abs() < 1e-5);
-    for mesh in ["fsdp=8", "data=2,fsdp=2,tensor=2", "tensor=2"] {
-        let (l, g, w, args) = run(Some(mesh), Remat::Layer);
+    // The last case is the form TPU steps take: the MLP's activations pinned on the mesh.
+    for (mesh, pin) in [
+        ("fsdp=8", false),
+        ("data=2,fsdp=2,tensor=2", false),
+        ("tensor=2", false),
+        ("data=2,fsdp=2,tensor=2", true),
+    ] {
+        let (l, g, w, args) = run_spec(StepSpec {
+            pin_mlp_activations: pin,
+            ..spec(Some(mesh), Remat::Layer)
+        });
+        let mesh = if pin {
+            format!("{mesh} (MLP pinned)")
+        } else {
+            mesh.to_string()
+        };
         for (a, b) in l.iter().zip(&l1).chain(g.iter().zip(&g1)) {
             assert!(
                 (a - b).abs() <= 1e-5,
@@ -171,12 +195,17 @@ fn xtrain_train_runs_on_a_mesh_from_the_command_line() {
     std::fs::remove_dir_all(&out).unwrap();
 }
 
-/// The MLP's hidden activations [B, T, F] (the gate and up projections' outputs) are pinned
-/// where the rules put activations: batch on data (then fsdp, which batch 2 does not divide
-/// again), F on tensor then fsdp. On one device nothing is pinned. (On `tpu:v5p:2x2x1`, left
-/// to itself the partitioner split F at 1 row per chip and paid all-to-alls to get back.)
+/// With `pin_mlp_activations` (TPU steps), the MLP's hidden activations [B, T, F] (the gate
+/// and up projections' outputs) are pinned where the rules put activations: batch on data (then
+/// fsdp, which batch 2 does not divide again), F on tensor then fsdp. On one device, or without
+/// the flag, nothing is pinned. (On `tpu:v5p:2x2x1`, left to itself the partitioner split F at
+/// 1 row per chip and paid all-to-alls to get back.)
 #[test]
 fn the_mlp_hidden_activations_are_pinned_where_the_rules_put_them() {
+    let pinning = |mesh: Option<&str>, pin: bool| StepSpec {
+        pin_mlp_activations: pin,
+        ..spec(mesh, Remat::Layer)
+    };
     let hidden = "tensor<2x16x128xf32>";
     let pinned = |p: &program::Program, sharding: &str| {
         p.text
@@ -185,7 +214,7 @@ fn the_mlp_hidden_activations_are_pinned_where_the_rules_put_them() {
             .filter(|l| l.contains(&format!(": {hidden}")))
             .count()
     };
-    let p = program::build_train_step(&spec(Some("data=2,fsdp=2,tensor=2"), Remat::Layer)).unwrap();
+    let p = program::build_train_step(&pinning(Some("data=2,fsdp=2,tensor=2"), true)).unwrap();
     // Gate and up in the forward loop, again in the backward loop's recomputation, and their
     // gradients there (a constraint's gradient rule pins the cotangent the same way).
     assert_eq!(
@@ -194,8 +223,10 @@ fn the_mlp_hidden_activations_are_pinned_where_the_rules_put_them() {
         "{}",
         p.text
     );
-    let p = program::build_train_step(&spec(Some("fsdp=2"), Remat::Layer)).unwrap();
+    let p = program::build_train_step(&pinning(Some("fsdp=2"), true)).unwrap();
     assert_eq!(pinned(&p, "[{\"fsdp\"}, {}, {}]"), 6);
-    let p = program::build_train_step(&spec(None, Remat::Layer)).unwrap();
+    let p = program::build_train_step(&pinning(Some("fsdp=2"), false)).unwrap();
+    assert_eq!(pinned(&p, "[{\"fsdp\"}, {}, {}]"), 0);
+    let p = program::build_train_step(&pinning(None, true)).unwrap();
     assert!(!p.text.contains("sdy.sharding_constraint"));
 }

@@ -333,6 +333,25 @@ mod tests {
         assert_eq!(writes(true), writes(false) + 2 * 4);
     }
 
+    /// Only TPU steps pin the MLP's activations on a mesh (where the cost model has them
+    /// faster); GPUs keep the partitioner's choice, which needs less memory.
+    #[test]
+    fn mlp_activations_are_pinned_on_tpus_only() {
+        use crate::program::pins_mlp_activations;
+        for (plugin, pins) in [
+            ("cpu", false),
+            ("cuda", false),
+            ("rocm", false),
+            ("tpu", true),
+        ] {
+            assert_eq!(
+                pins_mlp_activations(named_platform(Some(plugin))),
+                pins,
+                "{plugin}"
+            );
+        }
+    }
+
     /// The CPU keeps the model's eighths; GPUs take halves, TPUs quarters where the sequence
     /// allows, and one block where it does not.
     #[test]

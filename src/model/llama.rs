@@ -153,8 +153,9 @@ impl Default for Numerics {
 pub struct Llama<'a> {
     pub cfg: &'a LlamaConfig,
     pub num: Numerics,
-    /// Where the step runs on a device mesh: how activations named by logical axes are placed
-    /// on it, for the activations the model pins (see [`Llama::pin`]). None on one device.
+    /// Where the step runs on a device mesh and pins activations (on TPUs: see
+    /// `StepSpec::pin_mlp_activations`): how activations named by logical axes are placed on
+    /// it (see [`Llama::pin`]). None on one device, or where nothing is pinned.
     pub placement: Option<&'a dyn Placement>,
 }
 
@@ -559,7 +560,7 @@ impl Llama<'_> {
         saves: &mut Saves,
     ) -> Result<Value> {
         // The MLP's hidden activations [B, T, F] are pinned where the mesh puts activations
-        // (FSDP: split by batch). With a few rows per chip the partitioner otherwise gathered
+        // (FSDP: split by batch; TPUs only). With a row per chip the partitioner otherwise gathered
         // the input over the batch, split F instead and moved back with all-to-alls and layout
         // copies around the down projection, forward and backward (TPU cost model, 8B bf16
         // remat layer batch 4 on `tpu:v5p:2x2x1`: 387.1 -> 362.5 ms per step).

@@ -140,6 +140,7 @@ impl Layout<'_> {
                 .spec
                 .mesh
                 .as_ref()
+                .filter(|_| self.spec.pin_mlp_activations)
                 .map(|m| m as &dyn crate::model::llama::Placement),
         }
     }

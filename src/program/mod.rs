@@ -30,6 +30,6 @@ pub use build::{
 pub use signature::{Program, Role, TensorSpec};
 pub use spec::{
     accelerator_attention_block, allocates_uninitialized, default_choice, fit_choices,
-    layer_remat_keeps_softmax_stats, narrow_attention_scores, wide_matmul_results, MeshPlan,
-    Offload, Remat, StepOptions, StepSpec,
+    layer_remat_keeps_softmax_stats, narrow_attention_scores, pins_mlp_activations,
+    wide_matmul_results, MeshPlan, Offload, Remat, StepOptions, StepSpec,
 };
