@@ -115,7 +115,7 @@ pub struct StepSpec {
     #[serde(default)]
     pub layer_keeps_softmax_stats: bool,
     /// On a mesh, the MLP's hidden activations are pinned where the sharding rules put
-    /// activations (see [`crate::model::llama::Llama::pin`]). Chosen by backend: on for TPUs
+    /// activations (see `model::llama::Llama::pin`). Chosen by backend: on for TPUs
     /// only (see [`pins_mlp_activations`]).
     #[serde(default)]
     pub pin_mlp_activations: bool,
