@@ -175,8 +175,8 @@ fn print_estimate(t: &TargetDevices, spec: &StepSpec) -> Result<Option<StepEstim
             secs(e.unrolled_seconds[0]),
             secs(e.unrolled_seconds[1]),
             unpriced_note(&e),
-            e.flops / 1e12,
-            e.bytes_accessed / 1e9,
+            e.flops() / 1e12,
+            e.bytes_accessed() / 1e9,
             e.layers
         );
         return Ok(None);
@@ -186,17 +186,17 @@ fn print_estimate(t: &TargetDevices, spec: &StepSpec) -> Result<Option<StepEstim
     let devices = t.devices.len() as f64;
     let mfu = t
         .peak_bf16_tflops_per_device()
-        .map(|peak| model_flops / (e.seconds * devices * peak * 1e12));
+        .map(|peak| model_flops / (e.seconds() * devices * peak * 1e12));
     println!(
         "estimated step, by the TPU compiler's cost model (optimal_seconds of unrolled 1- and \
          2-layer steps{}, extrapolated to {} layers; an estimate, not a measurement): {} per \
          step, {:.4} TFLOP and {:.3} GB accessed per device, {:.0} tokens/s{}",
         unpriced_note(&e),
         e.layers,
-        secs(e.seconds),
-        e.flops / 1e12,
-        e.bytes_accessed / 1e9,
-        tokens / e.seconds,
+        secs(e.seconds()),
+        e.flops() / 1e12,
+        e.bytes_accessed() / 1e9,
+        tokens / e.seconds(),
         match (mfu, t.target.peak_bf16_tflops_per_chip) {
             (Some(m), Some(peak)) => format!(
                 ", estimated MFU {:.1}% (model FLOPs {:.4} TFLOP per step; peak {peak} TFLOP/s bf16 per chip)",
@@ -216,10 +216,10 @@ fn print_estimate(t: &TargetDevices, spec: &StepSpec) -> Result<Option<StepEstim
         );
     }
     Ok(Some(StepEstimate {
-        seconds: e.seconds,
-        flops_per_device: e.flops,
-        bytes_accessed_per_device: e.bytes_accessed,
-        tokens_per_s: tokens / e.seconds,
+        seconds: e.seconds(),
+        flops_per_device: e.flops(),
+        bytes_accessed_per_device: e.bytes_accessed(),
+        tokens_per_s: tokens / e.seconds(),
         model_flops_per_step: model_flops,
         mfu,
     }))

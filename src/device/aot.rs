@@ -295,19 +295,36 @@ pub struct Estimate {
     pub unrolled_bytes_accessed: [f64; 2],
     /// The unpriced calls added back in each.
     pub unpriced_calls: [usize; 2],
-    pub seconds: f64,
-    pub flops: f64,
-    pub bytes_accessed: f64,
 }
 
 impl Estimate {
+    /// c(L) = c(1) + (L - 1) (c(2) - c(1)) of a figure of the two unrolled steps.
+    fn extrapolated(&self, unrolled: [f64; 2]) -> f64 {
+        unrolled[0] + (self.layers - 1) as f64 * (unrolled[1] - unrolled[0])
+    }
+
+    /// The whole step's `optimal_seconds` (a time only where [`Estimate::has_time`] says so).
+    pub fn seconds(&self) -> f64 {
+        self.extrapolated(self.unrolled_seconds)
+    }
+
+    /// The whole step's FLOPs per device.
+    pub fn flops(&self) -> f64 {
+        self.extrapolated(self.unrolled_flops)
+    }
+
+    /// The whole step's bytes accessed per device.
+    pub fn bytes_accessed(&self) -> f64 {
+        self.extrapolated(self.unrolled_bytes_accessed)
+    }
+
     /// Whether the cost model gave times to extrapolate: positive ones, once its unpriced calls
     /// are added back ([`unpriced_calls`]; without that, every v6e step measured came out
     /// negative), and growing with the layers.
     pub fn has_time(&self) -> bool {
         self.unrolled_seconds
             .iter()
-            .chain([&self.seconds])
+            .chain([&self.seconds()])
             .all(|s| s.is_finite() && *s > 0.0)
     }
 }
@@ -345,19 +362,12 @@ impl TargetDevices {
                 get("bytes accessed")?,
             ));
         }
-        let l = spec.model.num_hidden_layers;
-        let at = |f: fn(&(f64, f64, f64)) -> f64| {
-            f(&costs[0]) + (l - 1) as f64 * (f(&costs[1]) - f(&costs[0]))
-        };
         Ok(Estimate {
-            layers: l,
+            layers: spec.model.num_hidden_layers,
             unrolled_seconds: [costs[0].0, costs[1].0],
             unrolled_flops: [costs[0].1, costs[1].1],
             unrolled_bytes_accessed: [costs[0].2, costs[1].2],
             unpriced_calls: unpriced,
-            seconds: at(|c| c.0),
-            flops: at(|c| c.1),
-            bytes_accessed: at(|c| c.2),
         })
     }
 }
@@ -433,16 +443,12 @@ mod tests {
     }
 
     fn estimate(unrolled: [f64; 2], layers: i64) -> Estimate {
-        let seconds = unrolled[0] + (layers - 1) as f64 * (unrolled[1] - unrolled[0]);
         Estimate {
             layers,
             unrolled_seconds: unrolled,
             unrolled_flops: [1.0; 2],
             unrolled_bytes_accessed: [1.0; 2],
             unpriced_calls: [0; 2],
-            seconds,
-            flops: 1.0,
-            bytes_accessed: 1.0,
         }
     }
 
