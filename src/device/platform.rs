@@ -302,23 +302,23 @@ mod tests {
         assert!(!filled.leaves_stacks_uninitialized());
     }
 
-    /// Remat per layer keeps the softmax statistics on TPUs only (GPUs fuse the softmax into one
-    /// kernel without them; the CPU was not measured to gain).
-    #[test]
-    fn layer_remat_keeps_softmax_statistics_on_tpus_only() {
-        use crate::program::layer_remat_keeps_softmax_stats;
-        for (plugin, keeps) in [
+    /// `rule`, given each plugin's platform, is on for the TPU plugin and off for the others.
+    fn on_for_tpus_only(rule: fn(&str) -> bool) {
+        for (plugin, on) in [
             ("cpu", false),
             ("cuda", false),
             ("rocm", false),
             ("tpu", true),
         ] {
-            assert_eq!(
-                layer_remat_keeps_softmax_stats(named_platform(Some(plugin))),
-                keeps,
-                "{plugin}"
-            );
+            assert_eq!(rule(named_platform(Some(plugin))), on, "{plugin}");
         }
+    }
+
+    /// Remat per layer keeps the softmax statistics on TPUs only (GPUs fuse the softmax into one
+    /// kernel without them; the CPU was not measured to gain).
+    #[test]
+    fn layer_remat_keeps_softmax_statistics_on_tpus_only() {
+        on_for_tpus_only(crate::program::layer_remat_keeps_softmax_stats);
         // The flag adds the statistics' stacks to the loops' carries: a max and a sum per query
         // block, written in the forward loop (one dynamic_update_slice each).
         let writes = |stats: bool| {
@@ -337,19 +337,7 @@ mod tests {
     /// faster); GPUs keep the partitioner's choice, which needs less memory.
     #[test]
     fn mlp_activations_are_pinned_on_tpus_only() {
-        use crate::program::pins_mlp_activations;
-        for (plugin, pins) in [
-            ("cpu", false),
-            ("cuda", false),
-            ("rocm", false),
-            ("tpu", true),
-        ] {
-            assert_eq!(
-                pins_mlp_activations(named_platform(Some(plugin))),
-                pins,
-                "{plugin}"
-            );
-        }
+        on_for_tpus_only(crate::program::pins_mlp_activations);
     }
 
     /// The CPU keeps the model's eighths; GPUs take halves, TPUs quarters where the sequence
