@@ -384,11 +384,23 @@ fn step_options_that_do_not_fit_the_batch() {
         ),
         (
             &["--matmul-result", "bf32"][..],
-            "--matmul-result must be auto, f32 or compute, got `bf32`",
+            "invalid value 'bf32' for '--matmul-result <MATMUL_RESULT>'",
         ),
         (
             &["--attention-scores", "bf16"][..],
-            "--attention-scores must be auto, f32 or compute, got `bf16`",
+            "invalid value 'bf16' for '--attention-scores <ATTENTION_SCORES>'",
+        ),
+        (
+            &["--keep-softmax-stats", "maybe"][..],
+            "invalid value 'maybe' for '--keep-softmax-stats <BOOL>'",
+        ),
+        (
+            &["--remat", "none", "--keep-softmax-stats", "true"][..],
+            "--keep-softmax-stats is for --remat layer",
+        ),
+        (
+            &["--pin-mlp-activations", "true"][..],
+            "--pin-mlp-activations places activations on a device mesh, but this step runs on one device",
         ),
         (
             &["--remat", "save_proj"][..],
@@ -1081,15 +1093,15 @@ fn a_program_dir_fixes_its_flags() {
         e.contains("was built with --lora-r 4, but the command line gives --lora-r 8"),
         "{e}"
     );
-    // Scores in the compute type against a program built with f32 scores: refused too (the
-    // default, auto, takes what the program has).
+    // A form of the program other than its own: refused too (left out, the flag takes what
+    // the program has).
     let mut b = a.clone();
     b[r + 1] = "4".into();
-    b.extend(["--attention-scores".into(), "compute".into()]);
+    b.extend(["--keep-softmax-stats".into(), "true".into()]);
     let e = fails(&refs(&b));
     assert!(
         e.contains(
-            "was built with --attention-scores f32, but the command line gives --attention-scores compute"
+            "was built with --keep-softmax-stats false, but the command line gives --keep-softmax-stats true"
         ),
         "{e}"
     );

@@ -58,6 +58,11 @@ impl Builder {
         self.unroll_loops = unroll;
     }
 
+    /// Whether loops built now are unrolled ([`Builder::unroll_loops`]).
+    pub fn unrolls_loops(&self) -> bool {
+        self.unroll_loops
+    }
+
     /// The function built so far (for inspection; values stay valid).
     pub fn func(&self) -> &Func {
         &self.f

@@ -5,7 +5,9 @@ use clap::Args;
 use std::path::PathBuf;
 use xtrain::model::lora::{LoraConfig, Target};
 use xtrain::model::optim::AdamW;
-use xtrain::program::{Remat, StepOptions};
+use xtrain::program::{
+    Remat, ResultType, StepOptions, DEFAULT_ATTENTION_SCORES, DEFAULT_MATMUL_RESULT,
+};
 
 #[derive(Args)]
 pub struct LoraArgs {
@@ -80,23 +82,30 @@ pub struct StepArgs {
     #[arg(long, help_heading = "Scale")]
     pub loss_chunk: Option<i64>,
     /// Query rows per block of causal attention (blocks wholly above the diagonal are not
-    /// computed); default: on a GPU or TPU two blocks (fewer kernels; faster in the TPU's cost
-    /// model), on a CPU an eighth of the sequence, at least 128, when the sequence is a longer
-    /// multiple of 128.
-    #[arg(long, help_heading = "Scale")]
+    /// computed); default: two blocks when the sequence is a multiple of 256, else one.
+    #[arg(long, help_heading = "Program form")]
     pub attention_block: Option<i64>,
     /// With --dtype bf16, the type matmuls give their result in before it is rounded to bf16:
-    /// f32 (the accumulator: XLA CPU runs this form on the CPU's native bf16 GEMM), compute
-    /// (bf16, what a GPU's cuBLAS writes), or auto (f32 for a CPU plugin, else compute). The
-    /// arithmetic is the same (f32 accumulation, one rounding); the speed differs.
-    #[arg(long, default_value = "auto", help_heading = "Scale")]
+    /// f32 (the accumulator; the form XLA CPU runs on the CPU's native bf16 GEMM) or compute
+    /// (bf16). The arithmetic is the same (f32 accumulation, one rounding).
+    #[arg(long, default_value = DEFAULT_MATMUL_RESULT.name(), value_parser = ["f32", "compute"], help_heading = "Program form")]
     pub matmul_result: String,
-    /// The element type the attention scores (q.k) are written in before the softmax, which
-    /// runs in f32: f32, compute (bf16 with --dtype bf16, as Hugging Face's eager attention
-    /// has them), or auto (compute on GPUs and TPUs, where the scores are the step's largest
-    /// activation traffic; f32 on CPU).
-    #[arg(long, default_value = "auto", help_heading = "Scale")]
+    /// With --dtype bf16, the type the attention scores (q.k) are written in before the
+    /// softmax, which runs in f32: compute (bf16, as Hugging Face's eager attention has them)
+    /// or f32.
+    #[arg(long, default_value = DEFAULT_ATTENTION_SCORES.name(), value_parser = ["f32", "compute"], help_heading = "Program form")]
     pub attention_scores: String,
+    /// With --remat layer, also keep each layer's softmax row max and sum (a few bytes per token
+    /// and head), so that the recomputation skips one pass over the scores. save-proj always
+    /// keeps them.
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set, value_name = "BOOL",
+          value_parser = clap::builder::BoolishValueParser::new(), help_heading = "Program form")]
+    pub keep_softmax_stats: bool,
+    /// On a device mesh, pin the MLP's hidden activations [B, T, F] where the sharding rules put
+    /// activations, instead of leaving their placement to XLA's partitioner.
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set, value_name = "BOOL",
+          value_parser = clap::builder::BoolishValueParser::new(), help_heading = "Program form")]
+    pub pin_mlp_activations: bool,
     /// Quantize the projections' base weights at load: nf4 (QLoRA's 4-bit NormalFloat, blocks
     /// of 64, double-quantized scales), dequantized in the step right before each matmul.
     #[arg(long, help_heading = "Scale")]
@@ -160,21 +169,22 @@ impl StepArgs {
         Ok(adam)
     }
 
-    /// The step options these flags give (the dtype and the matmul form are checked when the
-    /// spec is made from them).
+    /// The step options these flags give.
     pub fn options(&self) -> Result<StepOptions> {
         Ok(StepOptions {
             lora: self.lora.config()?,
             adam: self.adam()?,
-            dtype: self.dtype.clone(),
+            dtype: xtrain::program::parse_dtype(&self.dtype)?,
             remat: Remat::parse_choice(&self.remat)?,
             microbatches: self.grad_accum,
             mesh: self.mesh()?,
             nf4: self.nf4()?,
             loss_chunk: self.loss_chunk,
             attention_block: self.attention_block,
-            matmul_result: self.matmul_result.clone(),
-            attention_scores: self.attention_scores.clone(),
+            matmul_result: ResultType::parse("matmul-result", &self.matmul_result)?,
+            attention_scores: ResultType::parse("attention-scores", &self.attention_scores)?,
+            keep_softmax_stats: self.keep_softmax_stats,
+            pin_mlp_activations: self.pin_mlp_activations,
             offload: match self.offload.as_str() {
                 "auto" => None,
                 other => Some(xtrain::program::Offload::parse(other)?),

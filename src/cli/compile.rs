@@ -8,8 +8,7 @@ use anyhow::{bail, Result};
 use clap::Args;
 use std::path::PathBuf;
 use xtrain::device::aot::{TargetBuild, TargetDevices};
-use xtrain::device::platform::named_platform;
-use xtrain::device::target::Target;
+use xtrain::device::target::{Platform, Target};
 use xtrain::formats::program_dir::{self, Manifest};
 use xtrain::program::{default_choice, fit_choices, MeshPlan, Offload, Program, Remat, StepSpec};
 
@@ -49,16 +48,19 @@ pub struct CompileArgs {
     /// With --check: write XLA's optimized HLO here.
     #[arg(long)]
     pub xla_dump: Option<PathBuf>,
-    /// PJRT plugin the program is for (cpu, cuda, rocm, tpu or a path; default $XTRAIN_PLUGIN or
-    /// cpu): --check compiles with it, and `--matmul-result auto` picks the matmul form for it.
+    /// With --check and no --target: the PJRT plugin to compile with (cpu, cuda, rocm, tpu or a
+    /// path; default $XTRAIN_PLUGIN or cpu). With a --target: that target's plugin file. The
+    /// program's text does not depend on it.
     #[arg(long)]
     pub plugin: Option<String>,
-    /// Hardware to compile for, which need not be here: tpu:<generation>:<chips> (tpu:v5p:2x2x1,
-    /// tpu:v5e:2x2, tpu:v6e:16x16), cuda:<gpu>:<count> or rocm:<gpu>:<count> with <count> per
-    /// host or <hosts>x<per host> (cuda:h100:8, cuda:h100:2x8, rocm:mi300x:8). Without --mesh the
-    /// mesh is FSDP over all its devices.
+    /// Hardware to compile for, which need not be here; repeat it for several targets of the
+    /// same device count (one program, one executable each): tpu:<generation>:<chips>
+    /// (tpu:v5p:2x2x1, tpu:v5e:2x2, tpu:v6e:16x16), cuda:<gpu>:<count> or rocm:<gpu>:<count>
+    /// with <count> per host or <hosts>x<per host> (cuda:h100:8, cuda:h100:2x8, rocm:mi300x:8).
+    /// Without --mesh the mesh is FSDP over all its devices. The plugins are needed only with
+    /// --check.
     #[arg(long)]
-    pub target: Option<String>,
+    pub target: Vec<String>,
     /// With a cuda: or rocm: --target: describe the GPU with this file (XLA's
     /// GpuTargetConfigProto in text form) instead of a built-in description.
     #[arg(long)]
@@ -97,24 +99,29 @@ pub(super) fn secs(s: f64) -> String {
 
 pub fn compile(mut a: CompileArgs, verbose: bool) -> Result<()> {
     let cfg = crate::cli::model::model_config(&a.model, a.revision.as_deref())?;
-    if a.target_config.is_some() && a.target.is_none() {
-        bail!("--target-config describes the GPU of a --target; give --target cuda:<name>:<count> or rocm:<name>:<count> too");
+    let targets = parse_targets(&a)?;
+    if !a.check {
+        if let Some(d) = &a.xla_dump {
+            bail!(
+                "--xla-dump {} writes what XLA's compiler made of the program, which runs only \
+                 with --check",
+                d.display()
+            );
+        }
+        if a.no_estimate {
+            bail!("--no-estimate skips the TPU estimate of --check; without --check there is none");
+        }
+    } else if a.no_estimate && !targets.iter().any(|t| t.platform == Platform::Tpu) {
+        bail!("--no-estimate is for --check with a TPU --target (only TPUs are estimated)");
     }
-    let target = match &a.target {
-        Some(t) => Some(TargetDevices::open(
-            &Target::parse(t, a.target_config.as_deref())?,
-            a.plugin.as_deref(),
-            verbose,
-        )?),
-        None => None,
-    };
+    if a.plugin.is_some() && !targets.is_empty() && !a.check {
+        bail!(
+            "--plugin names the plugin that compiles the program with --check; without --check \
+             nothing is compiled (the program text is the same for every plugin)"
+        );
+    }
     let mut options = a.step.options()?;
-    let platform = match &target {
-        Some(t) => t.target.platform.plugin(),
-        None => named_platform(a.plugin.as_deref()),
-    };
-    if let Some(t) = &target {
-        let n = t.devices.len() as i64;
+    if let Some(n) = target_devices(&targets)? {
         match &options.mesh {
             None if n > 1 => {
                 options.mesh = Some(MeshPlan {
@@ -128,18 +135,38 @@ pub fn compile(mut a: CompileArgs, verbose: bool) -> Result<()> {
                  (or leave --mesh out: fsdp={n})",
                 a.step.mesh.as_deref().unwrap_or_default(),
                 m.devices(),
-                t.target.spec
+                targets[0].spec
             ),
             Some(_) => {}
         }
     }
+    if !a.check {
+        for t in &targets {
+            println!(
+                "target {}: {} devices (the program is written for them; --check compiles it \
+                 with the {} plugin)",
+                t.spec,
+                t.chips,
+                t.platform.plugin()
+            );
+        }
+    }
+    // The compilers of the targets, opened only to compile (--check): the text needs none.
+    let devices: Vec<TargetDevices> = if a.check {
+        targets
+            .iter()
+            .map(|t| TargetDevices::open(t, a.plugin.as_deref(), verbose))
+            .collect::<Result<_>>()?
+    } else {
+        Vec::new()
+    };
     a.out = xtrain::formats::outdir::check_writable_dir(&a.out, a.overwrite, &[])?;
     // The program dir is built beside `--out` and moved into place only once complete (the
-    // program and, with --check, its build): a compile that fails or is interrupted leaves what
+    // program and, with --check, its builds): a compile that fails or is interrupted leaves what
     // `--out` held as it was (a killed one's staging dir is removed by the next writer).
     let stage = xtrain::formats::atomic::staging_dir(&a.out)?;
     a.stage = Some(stage.clone());
-    let result = compile_choices(&a, &cfg, &options, target.as_ref(), platform, verbose);
+    let result = compile_choices(&a, &cfg, &options, &devices, verbose);
     a.stage = None;
     match result {
         Ok(()) => xtrain::formats::atomic::replace_dir_with(&a.out, &stage),
@@ -150,31 +177,90 @@ pub fn compile(mut a: CompileArgs, verbose: bool) -> Result<()> {
     }
 }
 
+/// `--target` (each once) and `--target-config`, which describes the one GPU target given.
+fn parse_targets(a: &CompileArgs) -> Result<Vec<Target>> {
+    let gpus = a
+        .target
+        .iter()
+        .filter(|t| t.starts_with("cuda:") || t.starts_with("rocm:"))
+        .count();
+    if let Some(f) = &a.target_config {
+        if gpus == 0 {
+            bail!(
+                "--target-config {} describes the GPU of a --target; give --target \
+                 cuda:<name>:<count> or rocm:<name>:<count> too",
+                f.display()
+            );
+        }
+        if gpus > 1 {
+            bail!(
+                "--target-config {} describes one GPU, but {gpus} GPU targets are given; compile \
+                 a target described by a file on its own",
+                f.display()
+            );
+        }
+    }
+    let mut targets: Vec<Target> = Vec::new();
+    for t in &a.target {
+        let gpu = t.starts_with("cuda:") || t.starts_with("rocm:");
+        let config = if gpu {
+            a.target_config.as_deref()
+        } else {
+            None
+        };
+        let target = Target::parse(t, config)?;
+        if targets.iter().any(|o| o.spec == target.spec) {
+            bail!("--target {t} is given twice; give each target once");
+        }
+        targets.push(target);
+    }
+    Ok(targets)
+}
+
+/// The device count the targets share (one program is for one mesh), if any target is given.
+fn target_devices(targets: &[Target]) -> Result<Option<i64>> {
+    let Some(first) = targets.first() else {
+        return Ok(None);
+    };
+    if let Some(other) = targets.iter().find(|t| t.chips != first.chips) {
+        bail!(
+            "--target {} has {} devices but --target {} has {}: one program dir holds one program, \
+             for one mesh; compile the targets of each device count into a program dir of its own",
+            first.spec,
+            first.chips,
+            other.spec,
+            other.chips
+        );
+    }
+    Ok(Some(first.chips))
+}
+
 /// Write the step's program dir (into [`CompileArgs::dir`]) for each remat and offload choice in
-/// turn, and with `--check` compile it, until one fits or none is left.
+/// turn, and with `--check` compile it for every target (or with this machine's plugin), until
+/// one fits them all or none is left.
 fn compile_choices(
     a: &CompileArgs,
     cfg: &xtrain::model::config::LlamaConfig,
     options: &xtrain::program::StepOptions,
-    target: Option<&TargetDevices>,
-    platform: &str,
+    targets: &[TargetDevices],
     verbose: bool,
 ) -> Result<()> {
-    // `--remat auto` and `--offload auto` try the choices in order until the step fits the
+    // `--remat auto` and `--offload auto` try the choices in order until the step fits every
     // target's devices; without a target's memory to fit, remat per layer and no offload.
-    let choices: Vec<(Remat, Offload)> = if target.is_some() && a.check {
+    let choices: Vec<(Remat, Offload)> = if !targets.is_empty() {
         fit_choices(options.remat, options.offload)
     } else {
         vec![default_choice(options.remat, options.offload)]
     };
-    if let Some(t) = target {
+    for t in targets {
         print_target(t)?;
     }
+
     for (k, &(remat, offload)) in choices.iter().enumerate() {
         let spec = StepSpec {
             remat,
             offload,
-            ..options.spec(cfg.clone(), a.batch, a.seq, platform)?
+            ..options.spec(cfg.clone(), a.batch, a.seq)?
         };
         let (program, mut manifest) = write_program(a, &spec)?;
         if k == 0 {
@@ -185,19 +271,53 @@ fn compile_choices(
         if !a.check {
             return Ok(());
         }
-        let Some(t) = target else {
+        if targets.is_empty() {
             return check(a, &spec, &program, &mut manifest, verbose);
-        };
+        }
         // The last choice is recorded whether or not it fits: its report says by how much not.
         let last = k + 1 == choices.len();
-        if check_target(a, t, &spec, &program, &mut manifest, last)? || last {
+        let mut fits_all = true;
+        for t in targets {
+            let dump = a.xla_dump.as_ref().map(|d| {
+                if targets.len() > 1 {
+                    d.join(program_dir::build_file(&t.target.spec, "dump"))
+                } else {
+                    d.clone()
+                }
+            });
+            if !check_target(a, t, &spec, &program, &mut manifest, last, dump.as_deref())? {
+                fits_all = false;
+                if !last {
+                    break;
+                }
+            }
+        }
+        if fits_all || last {
+            if targets.len() > 1 {
+                println!(
+                    "one program ({}), {} executables: {}",
+                    manifest.program_sha256,
+                    manifest.builds.len(),
+                    manifest
+                        .builds
+                        .iter()
+                        .map(|b| b.executable.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                );
+            }
             return Ok(());
         }
         let (next_remat, next_offload) = choices[k + 1];
         println!(
-            "(auto: --remat {} --offload {} does not fit; trying --remat {} --offload {})",
+            "(auto: --remat {} --offload {} does not fit{}; trying --remat {} --offload {})",
             remat.name(),
             offload.name(),
+            if targets.len() > 1 {
+                " every target"
+            } else {
+                ""
+            },
             next_remat.name(),
             next_offload.name()
         );
@@ -270,7 +390,44 @@ fn write_program(a: &CompileArgs, spec: &StepSpec) -> Result<(Program, Manifest)
         gib(arg_bytes),
         spec.model.param_count()
     );
+    println!("form: {}", form_flags(spec));
+    println!("program sha256 {}", manifest.program_sha256);
     Ok((program, manifest))
+}
+
+/// The flags of the program's form as the spec has them (the same for every target; see
+/// docs/architecture.md), so that a user sees what the defaults chose.
+fn form_flags(spec: &StepSpec) -> String {
+    let bf16 = spec.compute_dtype == hlo::DType::BF16;
+    let mut flags = Vec::new();
+    if bf16 {
+        let name = |f32_: bool| if f32_ { "f32" } else { "compute" };
+        flags.push(format!(
+            "--matmul-result {}",
+            name(spec.wide_matmul_results)
+        ));
+        flags.push(format!(
+            "--attention-scores {}",
+            name(!spec.narrow_attention_scores)
+        ));
+    }
+    flags.push(format!(
+        "--attention-block {}",
+        xtrain::model::llama::query_block(spec.seq, spec.attention_block)
+    ));
+    if spec.remat == Remat::Layer {
+        flags.push(format!(
+            "--keep-softmax-stats {}",
+            spec.layer_keeps_softmax_stats
+        ));
+    }
+    if spec.mesh.is_some() {
+        flags.push(format!(
+            "--pin-mlp-activations {}",
+            spec.pin_mlp_activations
+        ));
+    }
+    flags.join(", ")
 }
 
 /// The mesh and which device sits where on it.
@@ -351,7 +508,10 @@ fn check(
     manifest: &mut Manifest,
     verbose: bool,
 ) -> Result<()> {
+    let platform = xtrain::device::platform::named_platform(a.plugin.as_deref());
+    xtrain::device::platform::check_offload(platform, spec.offload, "this step")?;
     let rt = xtrain::device::runtime::Runtime::open(a.plugin.as_deref(), Some(program.partitions))?;
+    xtrain::device::platform::check_offload(&rt.platform(), spec.offload, "this step")?;
     let mut options = pjrt::CompileOptions::default();
     if let Some(dir) = &a.xla_dump {
         std::fs::create_dir_all(dir)?;
@@ -395,10 +555,10 @@ fn check(
         // The allocator's limit is what the client reports: already the usable share.
         usable_memory_per_device: info.memory_bytes,
     };
-    record(a.dir(), by, &build, None, manifest)?;
+    let file = record(a.dir(), by, &build, None, manifest)?;
     println!(
         "wrote {} ({} bytes) for `xtrain train --program` on this machine",
-        a.out.join(program_dir::EXECUTABLE_FILE).display(),
+        a.out.join(file).display(),
         build.executable.len()
     );
     if let Some(dir) = &a.xla_dump {

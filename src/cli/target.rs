@@ -54,13 +54,14 @@ pub(super) fn check_target(
     program: &Program,
     manifest: &mut Manifest,
     last: bool,
+    dump: Option<&std::path::Path>,
 ) -> Result<bool> {
     eprintln!(
         "xtrain: compiling for {} with the {} plugin (no device needed)",
         t.target.spec,
         t.target.platform.plugin()
     );
-    let build = match t.compile(program, a.xla_dump.as_deref()) {
+    let build = match t.compile(program, dump) {
         Ok(build) => build,
         // The TPU compiler refuses a step whose temporaries exceed the chip's HBM (the GPU
         // compilers compile it and report the memory): for `auto`, one more choice that does
@@ -133,19 +134,18 @@ pub(super) fn check_target(
         memory_per_device: t.memory_per_device(),
         usable_memory_per_device: usable,
     };
-    record(a.dir(), by, &build, estimate, manifest)?;
+    let file = record(a.dir(), by, &build, estimate, manifest)?;
+    let build_record = manifest.builds.last().expect("recorded");
     println!(
-        "wrote {} ({} bytes), {}{} and the build in manifest.json",
-        a.out.join(program_dir::EXECUTABLE_FILE).display(),
+        "wrote {} ({} bytes){} and the build in manifest.json",
+        a.out.join(file).display(),
         build.executable.len(),
-        program_dir::OPTIMIZED_HLO_FILE,
-        if build.memory_report.is_some() {
-            format!(", {}", program_dir::MEMORY_REPORT_FILE)
-        } else {
-            String::new()
-        }
+        [&build_record.optimized_hlo, &build_record.memory_report]
+            .iter()
+            .filter_map(|f| f.as_ref().map(|f| format!(", {f}")))
+            .collect::<String>()
     );
-    if let Some(dir) = &a.xla_dump {
+    if let Some(dir) = dump {
         println!("XLA's dumps: {}", dir.display());
     }
     Ok(fits)
@@ -239,17 +239,20 @@ pub(super) struct Compiler<'a> {
 }
 
 /// Add the build to the program dir: the executable, the optimized HLO and memory report when
-/// the compiler dumped them, and the record in manifest.json.
+/// the compiler dumped them, and the record in manifest.json. Returns the executable's file name.
 pub(super) fn record(
     out: &std::path::Path,
     by: Compiler,
     build: &TargetBuild,
     estimate: Option<StepEstimate>,
     manifest: &mut Manifest,
-) -> Result<()> {
+) -> Result<String> {
     let m = &build.stats;
     let (major, minor) = by.plugin.api_version();
     let record = Build {
+        executable: program_dir::build_file(&by.target, "executable"),
+        optimized_hlo: None,
+        memory_report: None,
         target: by.target,
         platform: by.platform,
         platform_version: by.platform_version,
@@ -276,6 +279,7 @@ pub(super) fn record(
         estimate,
         executable_sha256: program_dir::sha256_hex(&build.executable),
     };
+    let file = record.executable.clone();
     program_dir::write_build(
         out,
         manifest,
@@ -283,7 +287,8 @@ pub(super) fn record(
         &build.executable,
         build.optimized_hlo.as_deref(),
         build.memory_report.as_deref(),
-    )
+    )?;
+    Ok(file)
 }
 
 /// `xtrain targets [NAME]`.

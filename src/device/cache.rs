@@ -82,29 +82,37 @@ pub struct Prebuilt {
 
 /// Whether a program dir's build was compiled for this runtime's plugin and devices: the same
 /// platform, plugin API version and device kind, and no more devices than there are. `Err` says
-/// why not, naming both sides.
+/// what the build is for; [`describe`] says what this machine has.
 pub fn matches(rt: &Runtime, build: &crate::formats::program_dir::Build) -> Result<(), String> {
-    let platform = rt.platform();
-    let (major, minor) = rt.client.plugin().api_version();
-    let api = format!("{major}.{minor}");
-    let kind = rt.devices[0]
-        .info()
-        .map(|i| i.kind)
-        .unwrap_or_else(|_| "?".into());
-    let here = format!(
-        "this machine has {} x {kind} on the {platform} plugin (PJRT C API {api})",
-        rt.devices.len()
-    );
-    let there = format!(
-        "its executable is for {} ({} x {} on the {} plugin, PJRT C API {})",
-        build.target, build.devices, build.device_kind, build.platform, build.plugin_api
-    );
+    let (platform, api, kind) = here(rt);
     if platform != build.platform
         || api != build.plugin_api
         || kind != build.device_kind
         || (rt.devices.len() as i64) < build.devices
     {
-        return Err(format!("{there}, but {here}"));
+        return Err(format!(
+            "{} is {} x {} on the {} plugin (PJRT C API {})",
+            build.target, build.devices, build.device_kind, build.platform, build.plugin_api
+        ));
     }
     Ok(())
+}
+
+/// What this runtime runs on, in the words of [`matches`].
+pub fn describe(rt: &Runtime) -> String {
+    let (platform, api, kind) = here(rt);
+    format!(
+        "{} x {kind} on the {platform} plugin (PJRT C API {api})",
+        rt.devices.len()
+    )
+}
+
+/// (platform, plugin API version, device kind) of a runtime.
+fn here(rt: &Runtime) -> (String, String, String) {
+    let (major, minor) = rt.client.plugin().api_version();
+    let kind = rt.devices[0]
+        .info()
+        .map(|i| i.kind)
+        .unwrap_or_else(|_| "?".into());
+    (rt.platform(), format!("{major}.{minor}"), kind)
 }

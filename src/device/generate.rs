@@ -50,15 +50,7 @@ impl Forward {
             dropout: 0.0,
             targets: vec![Target::Q],
         });
-        let spec = StepSpec {
-            wide_matmul_results: crate::program::wide_matmul_results("auto", &rt.platform())?,
-            narrow_attention_scores: crate::program::narrow_attention_scores(
-                "auto",
-                &rt.platform(),
-                dtype,
-            )?,
-            ..StepSpec::new(cfg.clone(), lora, batch, seq, dtype)
-        };
+        let spec = StepSpec::new(cfg.clone(), lora, batch, seq, dtype).with_default_form();
         let program = match kind {
             Kind::NextToken => program::build_next_token(&spec, adapter.is_some())?,
             Kind::Full => program::build_forward(&spec, adapter.is_some())?,

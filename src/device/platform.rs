@@ -1,6 +1,6 @@
 //! What xtrain does differently per backend, decided before or as a plugin is opened: the CPU
-//! plugin's host memory policy, the GPU plugins' memory fraction, and the matmul form of
-//! `--matmul-result auto`.
+//! plugin's host memory policy, the GPU plugins' memory fraction, libtpu's environment, and the
+//! offload the CPU cannot run. None of it changes the program's text.
 
 use anyhow::{bail, Result};
 
@@ -172,194 +172,63 @@ pub fn prepare_libtpu_env(verbose: bool) {
     }
 }
 
+/// Refuse a step that keeps values in host memory on a plugin of `platform` that cannot place
+/// them there: XLA's CPU compiler has no `annotate_device_placement` (its memory kinds device,
+/// pinned_host and unpinned_host are all the same RAM), so such a program fails inside it with
+/// "Side-effect ops cannot be replicated" or worse. `what` names where the step came from.
+pub fn check_offload(platform: &str, offload: crate::program::Offload, what: &str) -> Result<()> {
+    if offload.is_none() || platform != "cpu" {
+        return Ok(());
+    }
+    bail!(
+        "{what} keeps values in host memory (--offload {}), but XLA's CPU compiler cannot place \
+         values in host memory (no annotate_device_placement: the CPU plugin's memory kinds are \
+         all the same RAM); offload is for GPUs and TPUs (compile for one with --target, e.g. \
+         cuda:h100:8); on the CPU use --offload none",
+        offload.name()
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// `--matmul-result auto` is decided from the plugin's name alone: the f32-result form for
-    /// the CPU plugin (by name or by its file), the bf16-result form for accelerators.
+    /// Offload is refused by name on the CPU plugin, before XLA sees it, and allowed elsewhere.
     #[test]
-    fn auto_matmul_result_follows_the_plugin_name() {
-        use crate::program::wide_matmul_results;
-        for (plugin, wide) in [
-            ("cpu", true),
-            ("/root/.cache/xtrain/plugins/cpu/xla_cpu_pjrt.so", true),
-            ("cuda", false),
-            ("rocm", false),
-            ("tpu", false),
-            (
-                "/site-packages/jax_plugins/xla_cuda13/xla_cuda_plugin.so",
-                false,
-            ),
-        ] {
-            let platform = named_platform(Some(plugin));
-            assert_eq!(
-                wide_matmul_results("auto", platform).unwrap(),
-                wide,
-                "{plugin}"
+    fn offload_is_refused_on_the_cpu_only() {
+        use crate::program::Offload;
+        for name in ["frozen", "activations", "all"] {
+            let o = Offload::parse(name).unwrap();
+            let e = check_offload("cpu", o, "this step")
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains(&format!("--offload {name}")) && e.contains("--target"),
+                "{e}"
             );
-            assert!(wide_matmul_results("f32", platform).unwrap());
-            assert!(!wide_matmul_results("compute", platform).unwrap());
-        }
-        let e = wide_matmul_results("bf16", "cpu").unwrap_err();
-        assert!(e.to_string().contains("auto, f32 or compute"), "{e}");
-    }
-
-    /// The scores stay f32 on the CPU (its bf16 program as before) and are written in the
-    /// compute type on GPUs and TPUs, unless `--attention-scores` says otherwise.
-    #[test]
-    fn auto_attention_scores_follow_the_plugin_name() {
-        use crate::program::narrow_attention_scores;
-        use hlo::DType;
-        for (plugin, narrow) in [
-            ("cpu", false),
-            ("/root/.cache/xtrain/plugins/cpu/xla_cpu_pjrt.so", false),
-            ("cuda", true),
-            ("rocm", true),
-            ("tpu", true),
-        ] {
-            let platform = named_platform(Some(plugin));
-            assert_eq!(
-                narrow_attention_scores("auto", platform, DType::BF16).unwrap(),
-                narrow,
-                "{plugin}"
-            );
-            assert!(!narrow_attention_scores("f32", platform, DType::BF16).unwrap());
-            assert!(narrow_attention_scores("compute", platform, DType::BF16).unwrap());
-            // f32 compute has f32 scores whatever the choice
-            for choice in ["auto", "f32", "compute"] {
-                assert!(!narrow_attention_scores(choice, platform, DType::F32).unwrap());
+            for platform in ["cuda", "rocm", "tpu"] {
+                check_offload(platform, o, "this step").unwrap();
             }
         }
-        let e = narrow_attention_scores("bf16", "tpu", DType::BF16).unwrap_err();
-        assert!(
-            e.to_string()
-                .contains("--attention-scores must be auto, f32 or compute, got `bf16`"),
-            "{e}"
-        );
+        check_offload("cpu", Offload::NONE, "this step").unwrap();
     }
 
-    /// A step of the tiny preset at batch 2 x 64, LoRA r=4 on q, in f32.
-    fn tiny_spec() -> crate::program::StepSpec {
-        let cfg = crate::model::presets::preset_config("tiny-llama3")
-            .unwrap()
-            .unwrap();
-        let lora = crate::model::lora::LoraConfig {
-            r: 4,
-            alpha: 8.0,
-            dropout: 0.0,
-            targets: vec![crate::model::lora::Target::Q],
-        };
-        crate::program::StepSpec::new(cfg, lora, 2, 64, hlo::DType::F32)
-    }
-
-    /// Layer stacks start uninitialized only where the compiler implements `AllocateBuffer`
-    /// (GPUs, TPUs), the layers are looped, and the stacks stay on the device.
+    /// Plugins are known by name or by file.
     #[test]
-    fn layer_stacks_start_uninitialized_on_accelerators_only() {
-        use crate::program::{allocates_uninitialized, Offload, Remat, StepSpec};
-        for (plugin, allocates) in [
-            ("cpu", false),
-            ("/root/.cache/xtrain/plugins/cpu/xla_cpu_pjrt.so", false),
-            ("cuda", true),
-            ("rocm", true),
-            ("tpu", true),
+    fn plugins_are_known_by_name_or_file() {
+        for (plugin, platform) in [
+            ("cpu", "cpu"),
+            ("/root/.cache/xtrain/plugins/cpu/xla_cpu_pjrt.so", "cpu"),
+            ("cuda", "cuda"),
+            (
+                "/site-packages/jax_plugins/xla_cuda13/xla_cuda_plugin.so",
+                "cuda",
+            ),
+            ("rocm", "rocm"),
+            ("tpu", "tpu"),
+            ("/opt/other.so", "unknown"),
         ] {
-            assert_eq!(
-                allocates_uninitialized(named_platform(Some(plugin))),
-                allocates,
-                "{plugin}"
-            );
-        }
-        let spec = StepSpec {
-            uninitialized_stacks: true,
-            ..tiny_spec()
-        };
-        assert!(spec.leaves_stacks_uninitialized());
-        for (remat, activations, uninitialized) in [
-            (Remat::SaveProj, false, true),
-            (Remat::None, false, false),
-            (Remat::Layer, true, false),
-        ] {
-            let s = StepSpec {
-                remat,
-                offload: Offload {
-                    frozen: false,
-                    activations,
-                },
-                ..spec.clone()
-            };
-            assert_eq!(
-                s.leaves_stacks_uninitialized(),
-                uninitialized,
-                "{remat:?}, activations offloaded: {activations}"
-            );
-        }
-        let filled = StepSpec {
-            uninitialized_stacks: false,
-            ..spec
-        };
-        assert!(!filled.leaves_stacks_uninitialized());
-    }
-
-    /// `rule`, given each plugin's platform, is on for the TPU plugin and off for the others.
-    fn on_for_tpus_only(rule: fn(&str) -> bool) {
-        for (plugin, on) in [
-            ("cpu", false),
-            ("cuda", false),
-            ("rocm", false),
-            ("tpu", true),
-        ] {
-            assert_eq!(rule(named_platform(Some(plugin))), on, "{plugin}");
-        }
-    }
-
-    /// Remat per layer keeps the softmax statistics on TPUs only (GPUs fuse the softmax into one
-    /// kernel without them; the CPU was not measured to gain).
-    #[test]
-    fn layer_remat_keeps_softmax_statistics_on_tpus_only() {
-        on_for_tpus_only(crate::program::layer_remat_keeps_softmax_stats);
-        // The flag adds the statistics' stacks to the loops' carries: a max and a sum per query
-        // block, written in the forward loop (one dynamic_update_slice each).
-        let writes = |stats: bool| {
-            let spec = crate::program::StepSpec {
-                layer_keeps_softmax_stats: stats,
-                attention_block: Some(16),
-                ..tiny_spec()
-            };
-            let text = crate::program::build_train_step(&spec).unwrap().text;
-            text.matches("stablehlo.dynamic_update_slice").count()
-        };
-        assert_eq!(writes(true), writes(false) + 2 * 4);
-    }
-
-    /// Only TPU steps pin the MLP's activations on a mesh (where the cost model has them
-    /// faster); GPUs keep the partitioner's choice, which needs less memory.
-    #[test]
-    fn mlp_activations_are_pinned_on_tpus_only() {
-        on_for_tpus_only(crate::program::pins_mlp_activations);
-    }
-
-    /// The CPU keeps the model's eighths; GPUs take halves, TPUs quarters where the sequence
-    /// allows, and one block where it does not.
-    #[test]
-    fn default_attention_blocks_follow_the_plugin_name() {
-        use crate::program::accelerator_attention_block;
-        for (plugin, seq, block) in [
-            ("cpu", 2048, None),
-            ("cuda", 2048, Some(1024)),
-            ("rocm", 2048, Some(1024)),
-            ("tpu", 2048, Some(512)),
-            ("tpu", 768, Some(384)),
-            ("cuda", 300, Some(300)),
-            ("tpu", 300, Some(300)),
-        ] {
-            let platform = named_platform(Some(plugin));
-            assert_eq!(
-                accelerator_attention_block(platform, seq),
-                block,
-                "{plugin}, seq {seq}"
-            );
+            assert_eq!(named_platform(Some(plugin)), platform, "{plugin}");
         }
     }
 }

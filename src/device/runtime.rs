@@ -70,8 +70,8 @@ impl Runtime {
         })
     }
 
-    /// The platform the plugin reports (PJRT's name: `cpu`, `cuda`, `rocm`, `tpu`): what
-    /// `--matmul-result auto` goes by (see [`crate::program::wide_matmul_results`]).
+    /// The platform the plugin reports (PJRT's name: `cpu`, `cuda`, `rocm`, `tpu`), for the
+    /// compile options and messages: never for the program's text.
     pub fn platform(&self) -> String {
         self.client.platform_name().unwrap_or_default()
     }

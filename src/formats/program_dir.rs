@@ -20,21 +20,55 @@ pub struct Manifest {
     pub xtrain_version: String,
     /// sha256 of train_step.mlir.
     pub program_sha256: String,
+    /// sha256 over the settings below and the program's hash ([`settings_sha256`]): a manifest
+    /// edited by hand (another alpha, another mesh) no longer matches and is refused, since
+    /// the program was built from the settings as they were.
+    pub settings_sha256: String,
     pub spec: StepSpec,
     pub args: Vec<TensorSpecOwned>,
     pub results: Vec<TensorSpecOwned>,
-    /// The compiled executable beside the program, when `xtrain compile --check` made one, and
-    /// what it was compiled for.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub build: Option<Build>,
+    /// The executables compiled from the program by `xtrain compile --check`, one per target
+    /// (or one for this machine's plugin), and what each was compiled for.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub builds: Vec<Build>,
 }
 
-/// A compiled executable of a program dir (`train_step.executable`): which plugin and devices it
-/// was compiled for, and the compiler's figures for it.
+/// What [`Manifest::settings_sha256`] covers.
+#[derive(serde::Serialize)]
+struct Settings<'a> {
+    format: &'a str,
+    program_sha256: &'a str,
+    spec: &'a StepSpec,
+    args: &'a [TensorSpecOwned],
+    results: &'a [TensorSpecOwned],
+}
+
+/// The hash of a manifest's settings, over their JSON as this xtrain writes it (of the values as
+/// read back from the file, so that writing and checking hash the same text).
+fn settings_sha256(m: &Manifest) -> Result<String> {
+    let text = serde_json::to_string(&Settings {
+        format: &m.format,
+        program_sha256: &m.program_sha256,
+        spec: &m.spec,
+        args: &m.args,
+        results: &m.results,
+    })?;
+    Ok(sha256_hex(text.as_bytes()))
+}
+
+/// A compiled executable of a program dir (`train_step.<target>.executable`): which plugin and
+/// devices it was compiled for, and the compiler's figures for it.
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct Build {
     /// `--target` as given (`cuda:h100:8`), or the plugin's name for the machine's own devices.
     pub target: String,
+    /// The executable's file in the program dir ([`build_file`]), and the optimized HLO and
+    /// the compiler's memory report beside it where the compiler dumped them.
+    pub executable: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub optimized_hlo: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_report: Option<String>,
     /// PJRT's platform name: cpu, cuda, rocm, tpu.
     pub platform: String,
     pub platform_version: String,
@@ -95,10 +129,21 @@ pub struct StepEstimate {
     pub mfu: Option<f64>,
 }
 
-/// The files a build adds to a program dir.
-pub const EXECUTABLE_FILE: &str = "train_step.executable";
-pub const OPTIMIZED_HLO_FILE: &str = "train_step.optimized.txt";
-pub const MEMORY_REPORT_FILE: &str = "train_step.memory.txt";
+/// The file name of one of a build's files (`executable`, `optimized.txt`, `memory.txt`) for
+/// target `target`: `train_step.tpu-v5p-2x2x2.executable`.
+pub fn build_file(target: &str, kind: &str) -> String {
+    let slug: String = target
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '.' || c == '_' {
+                c
+            } else {
+                '-'
+            }
+        })
+        .collect();
+    format!("train_step.{slug}.{kind}")
+}
 
 /// [`TensorSpec`] in a form that round-trips through JSON.
 #[derive(Clone, serde::Serialize, serde::Deserialize)]
@@ -163,7 +208,9 @@ impl TensorSpecOwned {
     }
 }
 
-pub const MANIFEST_FORMAT: &str = "xtrain-program/1";
+/// Format 2: one program, several builds, a settings hash (format 1, before 2026-12-03, had one
+/// build and no settings hash; such a dir is compiled again).
+pub const MANIFEST_FORMAT: &str = "xtrain-program/2";
 
 /// Write a program directory, whole or not at all (replacing what `dir` held).
 pub fn write_dir(dir: &Path, program: &Program, spec: &StepSpec) -> Result<Manifest> {
@@ -171,6 +218,7 @@ pub fn write_dir(dir: &Path, program: &Program, spec: &StepSpec) -> Result<Manif
         format: MANIFEST_FORMAT.into(),
         xtrain_version: env!("CARGO_PKG_VERSION").into(),
         program_sha256: sha256_hex(program.text.as_bytes()),
+        settings_sha256: String::new(),
         spec: spec.clone(),
         args: program
             .args
@@ -182,8 +230,11 @@ pub fn write_dir(dir: &Path, program: &Program, spec: &StepSpec) -> Result<Manif
             })
             .collect(),
         results: program.results.iter().map(Into::into).collect(),
-        build: None,
+        builds: Vec::new(),
     };
+    // Hashed as it will be read back (see [`settings_sha256`]).
+    let mut manifest: Manifest = serde_json::from_str(&serde_json::to_string(&manifest)?)?;
+    manifest.settings_sha256 = settings_sha256(&manifest)?;
     // Written whole under a temp name and swapped in: a build of an earlier program in this dir
     // (its executable, optimized HLO, memory report) is not this program's, and goes with it.
     crate::formats::atomic::write_dir_atomic(dir, |tmp| {
@@ -200,38 +251,60 @@ pub fn write_dir(dir: &Path, program: &Program, spec: &StepSpec) -> Result<Manif
 }
 
 /// Add a build to a program dir written by [`write_dir`]: the executable (and the optimized HLO
-/// and memory report when there are some), then the manifest that names it, each atomically.
+/// and memory report when there are some), then the manifest that names them, each atomically.
+/// A build for the same target replaces the earlier one.
 pub fn write_build(
     dir: &Path,
     manifest: &mut Manifest,
-    build: Build,
+    mut build: Build,
     executable: &[u8],
     optimized_hlo: Option<&str>,
     memory_report: Option<&str>,
 ) -> Result<()> {
     use crate::formats::atomic::write_bytes_atomic;
-    write_bytes_atomic(&dir.join(EXECUTABLE_FILE), executable)?;
-    if let Some(text) = optimized_hlo {
-        write_bytes_atomic(&dir.join(OPTIMIZED_HLO_FILE), text.as_bytes())?;
-    }
-    if let Some(text) = memory_report {
-        write_bytes_atomic(&dir.join(MEMORY_REPORT_FILE), text.as_bytes())?;
-    }
-    manifest.build = Some(build);
+    build.executable = build_file(&build.target, "executable");
+    write_bytes_atomic(&dir.join(&build.executable), executable)?;
+    build.optimized_hlo = match optimized_hlo {
+        Some(text) => {
+            let name = build_file(&build.target, "optimized.txt");
+            write_bytes_atomic(&dir.join(&name), text.as_bytes())?;
+            Some(name)
+        }
+        None => None,
+    };
+    build.memory_report = match memory_report {
+        Some(text) => {
+            let name = build_file(&build.target, "memory.txt");
+            write_bytes_atomic(&dir.join(&name), text.as_bytes())?;
+            Some(name)
+        }
+        None => None,
+    };
+    manifest.builds.retain(|b| b.target != build.target);
+    manifest.builds.push(build);
     write_bytes_atomic(
         &dir.join("manifest.json"),
         serde_json::to_string_pretty(&manifest)?.as_bytes(),
     )
 }
 
-/// A program dir's compiled executable and what it was compiled for, if it has one whose bytes
-/// match the manifest.
-pub fn read_build(dir: &Path) -> Result<Option<(Build, Vec<u8>)>> {
-    let m = read_manifest(dir)?;
-    let Some(build) = m.build else {
-        return Ok(None);
-    };
-    let path = dir.join(EXECUTABLE_FILE);
+/// A program dir's builds (none when `xtrain compile` ran without `--check`), checked against
+/// its manifest when their executables are read ([`read_executable`]).
+pub fn read_builds(dir: &Path) -> Result<Vec<Build>> {
+    Ok(read_manifest(dir)?.builds)
+}
+
+/// The executable of `build`, one of the program dir `dir`'s, if its bytes match the manifest.
+pub fn read_executable(dir: &Path, build: &Build) -> Result<Vec<u8>> {
+    if build.executable.contains('/') || build.executable.contains("..") {
+        bail!(
+            "{}: the build for {} names the executable `{}`, not a file of the program dir",
+            dir.join("manifest.json").display(),
+            build.target,
+            build.executable
+        );
+    }
+    let path = dir.join(&build.executable);
     let bytes = std::fs::read(&path).with_context(|| format!("cannot read {}", path.display()))?;
     let hash = sha256_hex(&bytes);
     if hash != build.executable_sha256 {
@@ -241,7 +314,7 @@ pub fn read_build(dir: &Path) -> Result<Option<(Build, Vec<u8>)>> {
             build.executable_sha256
         );
     }
-    Ok(Some((build, bytes)))
+    Ok(bytes)
 }
 
 fn read_manifest(dir: &Path) -> Result<Manifest> {
@@ -257,9 +330,21 @@ fn read_manifest(dir: &Path) -> Result<Manifest> {
         .with_context(|| format!("{} is not an xtrain manifest", mpath.display()))?;
     if m.format != MANIFEST_FORMAT {
         bail!(
-            "{}: format {} is not {MANIFEST_FORMAT}",
+            "{}: format {} is not {MANIFEST_FORMAT} (written by another xtrain; compile the \
+             program dir again with this one)",
             mpath.display(),
             m.format
+        );
+    }
+    let want = settings_sha256(&m)?;
+    if want != m.settings_sha256 {
+        bail!(
+            "{} was edited after `xtrain compile` wrote it: its settings (spec, arguments, \
+             results) hash to {want}, but it says {}; the program was built from the settings \
+             as they were. Compile again with the settings you want (`xtrain compile --out {}`)",
+            mpath.display(),
+            m.settings_sha256,
+            dir.display()
         );
     }
     Ok(m)

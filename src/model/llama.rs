@@ -218,16 +218,16 @@ fn linear(b: &mut Builder, x: Value, w: Value, result: DType) -> Result<Value> {
     b.reshape(y, &yd)
 }
 
-/// Query rows per attention block: the requested size when it divides the sequence; else, for a
-/// sequence that is a multiple of 128 longer than that, blocks of 128 rows but at most 8 blocks
-/// (T/8 rows beyond T = 1024: 8 blocks skip 7/16 of the scores, and more blocks mostly add
-/// program size and compile time); else the whole sequence (one block, nothing skipped).
-/// Measured on the CPU: seq 1024 2.05 s -> 1.54 s per step with blocks of 128; seq 256 neutral.
-fn query_block(t: i64, requested: Option<i64>) -> i64 {
+/// Query rows per attention block: the requested size when it divides the sequence; else two
+/// blocks (halves: the block wholly above the diagonal is skipped, 3/4 of the scores computed)
+/// when the sequence is a multiple of 256; else the whole sequence. One rule for every target:
+/// each block is a matmul and a softmax of its own, so more blocks skip more of the scores but
+/// make more kernels (see docs/performance.md for how this default was chosen).
+pub fn query_block(t: i64, requested: Option<i64>) -> i64 {
     match requested {
         Some(r) if r > 0 && r <= t && t % r == 0 => r,
         Some(_) => t,
-        None if t > 128 && t % 128 == 0 => (t / 8).max(128),
+        None if t % 256 == 0 => t / 2,
         None => t,
     }
 }

@@ -3,8 +3,8 @@
 //! returned updated, plus the loss and the gradient norm), and its siblings for gradients,
 //! forward, evaluation and the next token. It owns what a program is built for ([`StepSpec`]),
 //! its signature ([`Program`]), the argument layout, the sharding rules and the builders. It may
-//! use `model` and `hlo`; it never reads files or touches a device, so the text is the same for
-//! every backend.
+//! use `model` and `hlo`; it never reads files, touches a device or asks which plugin or target
+//! the program is for, so the text is the same for every backend.
 //!
 //! Argument order (each named in the program and in the manifest):
 //! frozen weights (HF names) | LoRA A/B (PEFT names) | exp_avg.* | exp_avg_sq.* | step | lr |
@@ -29,7 +29,6 @@ pub use build::{
 };
 pub use signature::{Program, Role, TensorSpec};
 pub use spec::{
-    accelerator_attention_block, allocates_uninitialized, default_choice, fit_choices,
-    layer_remat_keeps_softmax_stats, narrow_attention_scores, pins_mlp_activations,
-    wide_matmul_results, MeshPlan, Offload, Remat, StepOptions, StepSpec,
+    default_choice, fit_choices, parse_dtype, MeshPlan, Offload, Remat, ResultType, StepOptions,
+    StepSpec, DEFAULT_ATTENTION_SCORES, DEFAULT_MATMUL_RESULT,
 };

@@ -248,14 +248,20 @@ impl Layout<'_> {
         let (bs, t, hd) = (b.dims(h0)[0], b.dims(h0)[1], b.dims(h0)[2]);
         let saved = self.saved_points(bs, t);
         let compute = self.spec.compute_dtype;
-        // Every slot of a stack is written before it is read, so the fill does not matter: on
-        // GPUs and TPUs there is none (see `StepSpec::leaves_stacks_uninitialized`); elsewhere
-        // each stack gets its own (0, 1, 2, ...) because XLA would otherwise merge the equal
-        // fills into one broadcast and copy it into every stack of that shape before the loop
-        // (a full copy of each: ~90 MB per f32 step on the benchmark).
+        // Every slot of a stack is written before it is read, so the fill does not matter. Each
+        // stack gets its own (0, 1, 2, ...) because XLA would otherwise merge the equal fills into
+        // one broadcast and copy it into every stack of that shape before the loop. The looped
+        // step keeps its fills on every target (XLA CPU has no uninitialized buffer; the TPU
+        // compiler turns a fill the loop overwrites whole into one by itself). An unrolled step
+        // is built only to be priced by the TPU cost model, standing for the looped one
+        // (`device::aot::Estimate`); there the compiler cannot see that every slot is written
+        // and would price a fill that the looped step never pays, so its stacks start
+        // uninitialized (XLA's `AllocateBuffer`), as the compiled looped step's do. Stacks in
+        // host memory keep their fill (an `AllocateBuffer` is not known to be placed there).
+        let unpriced_fill = b.unrolls_loops() && !self.spec.offload.activations;
         let stack = |b: &mut Builder, i: usize, dims: &[i64], dtype: DType| {
             let shape = Shape::new(dims, stack_type(dtype));
-            if self.spec.leaves_stacks_uninitialized() {
+            if unpriced_fill {
                 b.uninitialized(shape)
             } else {
                 b.full(i as f64, shape)

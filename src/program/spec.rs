@@ -88,35 +88,28 @@ pub struct StepSpec {
     /// worse, so it is off by default.
     #[serde(default)]
     pub loss_chunk: Option<i64>,
-    /// Query rows per causal attention block (blocks above the diagonal are skipped); None: 128
-    /// when the sequence is a multiple of 128 longer than that, else the whole sequence.
+    /// Query rows per causal attention block (blocks above the diagonal are skipped); None: the
+    /// model's rule (`model::llama::query_block`: two blocks when the sequence is a multiple of
+    /// 256, else one).
     #[serde(default)]
     pub attention_block: Option<i64>,
     /// bf16 matmuls give their f32 accumulator, rounded to bf16 right after, instead of a bf16
-    /// result: the same arithmetic, in the form XLA CPU runs on the CPU's native bf16 GEMM (see
-    /// [`crate::model::llama::Numerics::matmul_result`]). Chosen by backend: on for CPU plugins.
+    /// result (`--matmul-result f32`): the same arithmetic in another form (see
+    /// [`crate::model::llama::Numerics::matmul_result`]).
     #[serde(default)]
     pub wide_matmul_results: bool,
     /// The attention scores are written in the compute type (bf16 with bf16 compute, as Hugging
-    /// Face's eager attention has them) instead of f32 before the softmax (see
-    /// [`crate::model::llama::Numerics::scores`]). Chosen by backend: on for GPUs and TPUs.
+    /// Face's eager attention has them) instead of f32 before the softmax
+    /// (`--attention-scores compute`; see [`crate::model::llama::Numerics::scores`]).
     #[serde(default)]
     pub narrow_attention_scores: bool,
-    /// The forward loop's stacks (each layer's input, save-proj's saved points) start
-    /// uninitialized (XLA's `AllocateBuffer`) instead of filled with a constant, which the loop
-    /// overwrites before the backward loop reads it. Chosen by backend: on for GPUs and TPUs,
-    /// whose compilers implement it (see [`StepSpec::leaves_stacks_uninitialized`] for where
-    /// it applies).
-    #[serde(default)]
-    pub uninitialized_stacks: bool,
-    /// `--remat layer` also keeps each layer's softmax row max and sum, so the recomputation
-    /// skips the row max's pass over the scores. Chosen by backend: on for TPUs only (see
-    /// [`layer_remat_keeps_softmax_stats`]).
+    /// `--remat layer` also keeps each layer's softmax row max and sum (`--keep-softmax-stats`),
+    /// so the recomputation skips the row max's pass over the scores.
     #[serde(default)]
     pub layer_keeps_softmax_stats: bool,
     /// On a mesh, the MLP's hidden activations are pinned where the sharding rules put
-    /// activations (see `model::llama::Llama::pin`). Chosen by backend: on for TPUs
-    /// only (see [`pins_mlp_activations`]).
+    /// activations (`--pin-mlp-activations`; see `model::llama::Llama::pin`) instead of left
+    /// to the partitioner.
     #[serde(default)]
     pub pin_mlp_activations: bool,
     /// What the step keeps in host memory instead of the device's (looped layers only).
@@ -249,23 +242,21 @@ impl StepSpec {
             attention_block: None,
             wide_matmul_results: false,
             narrow_attention_scores: false,
-            uninitialized_stacks: false,
             layer_keeps_softmax_stats: false,
             pin_mlp_activations: false,
             offload: Offload::NONE,
         }
     }
 
-    /// Whether the program's forward loop starts its stacks uninitialized: where the backend
-    /// allows it ([`StepSpec::uninitialized_stacks`]), the layers are looped, and the stacks
-    /// stay in device memory (XLA's host offloading is not known to place an `AllocateBuffer`
-    /// in host memory, so offloaded stacks keep their fill). In the compiled looped step the TPU
-    /// compiler drops the fill itself; in the unrolled 1- and 2-layer steps the cost model's
-    /// estimate is made from it cannot (it does not see that every slot is written), and the
-    /// fill was priced as part of each layer: on `tpu:v5p:2x2x1`, 8B save-proj at batch 16,
-    /// 1.019 -> 0.998 s estimated, with the looped step's own cost analysis unchanged.
-    pub fn leaves_stacks_uninitialized(&self) -> bool {
-        self.uninitialized_stacks && self.remat.scan() && !self.offload.activations
+    /// This spec with the program form's defaults (`--matmul-result`, `--attention-scores`) for
+    /// its compute type, as the commands that take no such flags (`generate`) build it.
+    pub fn with_default_form(self) -> StepSpec {
+        let bf16 = self.compute_dtype != DType::F32;
+        StepSpec {
+            wide_matmul_results: bf16 && DEFAULT_MATMUL_RESULT == ResultType::F32,
+            narrow_attention_scores: bf16 && DEFAULT_ATTENTION_SCORES == ResultType::Compute,
+            ..self
+        }
     }
 
     /// The memory an argument is passed in: host memory for the stacked frozen layer weights
@@ -358,6 +349,18 @@ pub(super) fn check_spec(spec: &StepSpec) -> Result<()> {
             spec.batch
         );
     }
+    if spec.layer_keeps_softmax_stats && spec.remat == Remat::None {
+        bail!(
+            "--keep-softmax-stats is for --remat layer (save-proj keeps the statistics anyway); \
+             with --remat none the backward pass recomputes nothing"
+        );
+    }
+    if spec.pin_mlp_activations && spec.mesh.is_none() {
+        bail!(
+            "--pin-mlp-activations places activations on a device mesh, but this step runs on \
+             one device; give --mesh (or a --target of several devices), or leave the flag out"
+        );
+    }
     if let Some(r) = spec.attention_block {
         if r < 1 || spec.seq % r != 0 {
             bail!(
@@ -386,15 +389,16 @@ fn check_nf4_blocks(cfg: &LlamaConfig) -> Result<()> {
     Ok(())
 }
 
-/// The step's settings as the command line gives them, before the model, the batch shape and the
-/// platform the program is for are known: [`StepOptions::spec`] completes them into a
-/// [`StepSpec`].
+/// The step's settings as the command line gives them, before the model and the batch shape are
+/// known: [`StepOptions::spec`] completes them into a [`StepSpec`]. Nothing here depends on the
+/// plugin or target the program is for: every choice of the program's form has one default, for
+/// every target, and a flag to change it.
 #[derive(Clone, Debug)]
 pub struct StepOptions {
     pub lora: LoraConfig,
     pub adam: AdamW,
-    /// `--dtype`: "f32" or "bf16" (weights, activations and matmuls).
-    pub dtype: String,
+    /// `--dtype`: weights, activations and matmuls in f32, or bf16 (mixed precision).
+    pub dtype: DType,
     /// `--remat` when it names a policy; None for `auto` (see [`fit_choices`]).
     pub remat: Option<Remat>,
     /// Gradient accumulation: microbatches per step.
@@ -406,39 +410,63 @@ pub struct StepOptions {
     /// Compute the loss this many positions at a time (looped layers).
     pub loss_chunk: Option<i64>,
     pub attention_block: Option<i64>,
-    /// `--matmul-result`: auto, f32 or compute (see [`wide_matmul_results`]).
-    pub matmul_result: String,
-    /// `--attention-scores`: auto, f32 or compute (see [`narrow_attention_scores`]).
-    pub attention_scores: String,
+    /// `--matmul-result`: the type bf16 matmuls give their result in.
+    pub matmul_result: ResultType,
+    /// `--attention-scores`: the type the attention scores are written in.
+    pub attention_scores: ResultType,
+    /// `--keep-softmax-stats`: remat layer keeps the softmax statistics.
+    pub keep_softmax_stats: bool,
+    /// `--pin-mlp-activations`: on a mesh, pin the MLP's hidden activations.
+    pub pin_mlp_activations: bool,
     /// `--offload` when it names a choice (none, frozen, activations, all); None for `auto`,
     /// which the command decides once it knows the device's memory.
     pub offload: Option<Offload>,
 }
 
-impl StepOptions {
-    /// The spec of the step for `model`, batches of `batch` x `seq` tokens, built for a plugin on
-    /// `platform` (PJRT's platform name: cpu, cuda, rocm, tpu).
-    pub fn spec(
-        &self,
-        model: LlamaConfig,
-        batch: i64,
-        seq: i64,
-        platform: &str,
-    ) -> Result<StepSpec> {
-        let dtype = match self.dtype.as_str() {
-            "f32" => DType::F32,
-            "bf16" => DType::BF16,
-            other => bail!("--dtype must be f32 or bf16, got `{other}`"),
-        };
-        if let Some(o) = self.offload.filter(|o| !o.is_none() && platform == "cpu") {
-            bail!(
-                "--offload {}: XLA's CPU compiler cannot place values in host memory (no \
-                 annotate_device_placement: the CPU plugin's memory kinds device, pinned_host \
-                 and unpinned_host are all the same RAM); offload is for GPUs and TPUs (compile \
-                 for one with --target, e.g. cuda:h100:8)",
-                o.name()
-            );
+/// The element type an intermediate result is given in: f32, or the step's compute type (bf16
+/// with `--dtype bf16`; with f32 compute both are f32).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ResultType {
+    F32,
+    Compute,
+}
+
+impl ResultType {
+    /// `--matmul-result` or `--attention-scores` (named by `flag`) as given.
+    pub fn parse(flag: &str, s: &str) -> Result<ResultType> {
+        match s {
+            "f32" => Ok(ResultType::F32),
+            "compute" => Ok(ResultType::Compute),
+            other => bail!("--{flag} must be f32 or compute, got `{other}`"),
         }
+    }
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            ResultType::F32 => "f32",
+            ResultType::Compute => "compute",
+        }
+    }
+}
+
+/// `--matmul-result`'s default, for every target.
+pub const DEFAULT_MATMUL_RESULT: ResultType = ResultType::F32;
+/// `--attention-scores`' default, for every target.
+pub const DEFAULT_ATTENTION_SCORES: ResultType = ResultType::Compute;
+
+/// `--dtype` as given.
+pub fn parse_dtype(s: &str) -> Result<DType> {
+    match s {
+        "f32" => Ok(DType::F32),
+        "bf16" => Ok(DType::BF16),
+        other => bail!("--dtype must be f32 or bf16, got `{other}`"),
+    }
+}
+
+impl StepOptions {
+    /// The spec of the step for `model` and batches of `batch` x `seq` tokens.
+    pub fn spec(&self, model: LlamaConfig, batch: i64, seq: i64) -> Result<StepSpec> {
+        let dtype = self.dtype;
         let spec = StepSpec {
             model,
             lora: self.lora.clone(),
@@ -452,111 +480,18 @@ impl StepOptions {
             mesh: self.mesh.clone(),
             nf4: self.nf4,
             loss_chunk: self.loss_chunk,
-            attention_block: self
-                .attention_block
-                .or_else(|| accelerator_attention_block(platform, seq)),
-            wide_matmul_results: wide_matmul_results(&self.matmul_result, platform)?,
-            // With f32 compute the scores are f32 either way; the spec says so.
-            narrow_attention_scores: narrow_attention_scores(
-                &self.attention_scores,
-                platform,
-                dtype,
-            )?,
-            uninitialized_stacks: allocates_uninitialized(platform),
-            layer_keeps_softmax_stats: layer_remat_keeps_softmax_stats(platform),
-            pin_mlp_activations: pins_mlp_activations(platform),
+            attention_block: self.attention_block,
+            // With f32 compute every result is f32 either way; the spec says so.
+            wide_matmul_results: self.matmul_result == ResultType::F32 && dtype != DType::F32,
+            narrow_attention_scores: self.attention_scores == ResultType::Compute
+                && dtype != DType::F32,
+            layer_keeps_softmax_stats: self.keep_softmax_stats,
+            pin_mlp_activations: self.pin_mlp_activations,
             offload: self.offload.unwrap_or(Offload::NONE),
         };
         check_spec(&spec)?;
         Ok(spec)
     }
-}
-
-/// The default query block of causal attention on a plugin whose platform is `platform`, where
-/// it differs from [`crate::model::llama`]'s (an eighth of the sequence, at least 128; blocks
-/// wholly above the diagonal are skipped). On GPUs, two blocks (halves: 3/4 of the scores
-/// computed) when the sequence is a multiple of 256, else one; on TPUs, four (5/8 computed) when
-/// it is a multiple of 512, else as on GPUs. Llama 3.1 8B, seq 2048:
-/// - `cuda:h100:1`, batch 1 (`tools/aot-kernels`; JAX's same step: 202 kernels per layer, 2.92
-///   GiB of temporaries): blocks of 256: 308 kernels, 1.69 GiB; 512: 234, 1.70 GiB; 1024: 198,
-///   1.79 GiB; one block: 179, 2.07 GiB (the GPU compilers make each block's matmuls and
-///   softmax kernels of their own);
-/// - the TPU cost model's estimate (`compile --check`), bf16 scores: `tpu:v5p:2x2x1` batch 4,
-///   blocks of 512: 390.8 ms per step, 1024: 392.3 ms; `tpu:v6e:2x2` batch 32, 512: 2.045 s,
-///   1024: 2.127 s (v6e's HBM is a third of v5p's per FLOP, so the skipped scores count for
-///   more); with f32 scores on v5p, 256: 446.5 ms; 512: 419.9; 1024: 412.0; one block: 419.8.
-///
-/// The CPU keeps eighths. `--attention-block` still chooses.
-pub fn accelerator_attention_block(platform: &str, seq: i64) -> Option<i64> {
-    match platform {
-        "tpu" if seq % 512 == 0 => Some(seq / 4),
-        "cuda" | "rocm" | "tpu" if seq % 256 == 0 => Some(seq / 2),
-        "cuda" | "rocm" | "tpu" => Some(seq),
-        _ => None,
-    }
-}
-
-/// Whether the compiler of a plugin whose platform is `platform` implements XLA's
-/// `AllocateBuffer` (a buffer left uninitialized), which [`StepSpec::uninitialized_stacks`]
-/// needs: TPU and GPU compilers do; XLA CPU rejects the program ("No registered implementation
-/// for untyped custom call to AllocateBuffer for Host").
-pub fn allocates_uninitialized(platform: &str) -> bool {
-    matches!(platform, "cuda" | "rocm" | "tpu")
-}
-
-/// Whether `--remat layer` keeps each layer's softmax statistics on a plugin whose platform is
-/// `platform` ([`StepSpec::layer_keeps_softmax_stats`]): on TPUs, where the cost model has the
-/// 8B step on `tpu:v5p:2x2x1` at 389.7 -> 387.1 ms (batch 4). Not on GPUs: there the compiler
-/// fuses the softmax's max, exp and sum into one kernel either way, and saving the statistics
-/// broke that fusion (`cuda:h100:1`, 8B batch 1: 200 -> 210 kernels per layer, the same bytes).
-/// Not on the CPU, where it was not measured to help.
-pub fn layer_remat_keeps_softmax_stats(platform: &str) -> bool {
-    platform == "tpu"
-}
-
-/// Whether a step on a mesh pins the MLP's hidden activations on a plugin whose platform is
-/// `platform` ([`StepSpec::pin_mlp_activations`]): on TPUs, where at one row per chip the
-/// partitioner otherwise split F and paid all-to-alls to get back, and the cost model has the
-/// 8B step on `tpu:v5p:2x2x1` at 387.1 -> 362.5 ms (batch 4) and the 70B step on
-/// `tpu:v5p:2x2x2` at 2.504 -> 2.412 s (batch 8, for 22.67 -> 24.32 GiB per chip: the gate and
-/// up weights are gathered instead of the activations). Not on GPUs, where nothing could be
-/// timed and it costs memory the memory-bound recipes need (70B NF4 on `cuda:rtx4090:2`, batch
-/// 2, `--offload all`: 3.12 -> 4.11 GiB of temporaries per device). Not on the CPU.
-pub fn pins_mlp_activations(platform: &str) -> bool {
-    platform == "tpu"
-}
-
-/// Whether bf16 matmuls give their f32 accumulator ([`StepSpec::wide_matmul_results`]) on a plugin
-/// whose platform is `platform`: `choice` is `auto` (yes on `cpu`, whose XLA runs that form on the
-/// CPU's bf16 GEMM and converts both operands of a bf16-result product to f32 instead: the
-/// 8-layer benchmark step 1.25 -> 0.79 s; no elsewhere: a GPU's cuBLAS writes bf16 directly),
-/// `f32` or `compute`. The one rule for `--matmul-result`, whichever command builds the program;
-/// the platform is the one the opened plugin reports (`train`, `bench`, `generate`), or, for
-/// `compile`, which opens none, the one its `--plugin` names.
-pub fn wide_matmul_results(choice: &str, platform: &str) -> Result<bool> {
-    match choice {
-        "f32" => Ok(true),
-        "compute" => Ok(false),
-        "auto" => Ok(platform == "cpu"),
-        other => bail!("--matmul-result must be auto, f32 or compute, got `{other}`"),
-    }
-}
-
-/// Whether the attention scores are written in the compute type
-/// ([`StepSpec::narrow_attention_scores`]) on a plugin whose platform is `platform`: `choice` is
-/// `auto` (yes on `cuda`, `rocm` and `tpu`, where the scores are the step's largest activation
-/// traffic: in the TPU cost model the 8B bf16 step on `tpu:v5p:2x2x1`, batch 4, goes from 412.0
-/// to 392.3 ms and from 548 to 502 GB accessed per chip; no on `cpu`, whose bf16 program keeps
-/// f32 scores as before), `f32` or `compute`. With f32 `compute` the scores are f32 either
-/// way, and the spec says so (no), whatever the choice.
-pub fn narrow_attention_scores(choice: &str, platform: &str, compute: DType) -> Result<bool> {
-    let narrow = match choice {
-        "f32" => false,
-        "compute" => true,
-        "auto" => matches!(platform, "cuda" | "rocm" | "tpu"),
-        other => bail!("--attention-scores must be auto, f32 or compute, got `{other}`"),
-    };
-    Ok(narrow && compute == DType::BF16)
 }
 
 /// Element types in specs and manifests are written as MLIR names (`f32`, `bf16`, `ui8`).

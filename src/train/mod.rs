@@ -187,33 +187,44 @@ fn stop_on_signals() -> Result<Arc<AtomicBool>> {
     Ok(interrupted)
 }
 
-/// The executable a program dir holds, if it was compiled for this plugin and these devices;
-/// otherwise the step is compiled here, and the reason is said.
+/// The executable of a program dir's builds that was compiled for this plugin and these
+/// devices, if one was; otherwise the dir's program text is compiled here, and the reason is
+/// said. Either way the program is the dir's own text.
 fn prebuilt(
     rt: &Runtime,
     dir: &std::path::Path,
     program: &Program,
 ) -> Result<Option<crate::device::cache::Prebuilt>> {
-    let Some((build, executable)) = crate::formats::program_dir::read_build(dir)? else {
-        return Ok(None);
-    };
-    if let Err(why) = crate::device::cache::matches(rt, &build) {
-        eprintln!(
-            "xtrain: compiling the step of {} here: {why}",
-            dir.display()
-        );
-        return Ok(None);
+    use crate::formats::program_dir;
+    let builds = program_dir::read_builds(dir)?;
+    let mut why_not = Vec::new();
+    for build in &builds {
+        match crate::device::cache::matches(rt, build) {
+            Ok(()) => {
+                let executable = program_dir::read_executable(dir, build)?;
+                return Ok(Some(crate::device::cache::Prebuilt {
+                    program_sha256: program_dir::sha256_hex(program.text.as_bytes()),
+                    executable,
+                    from: format!(
+                        "by `xtrain compile` for {} ({})",
+                        build.target,
+                        dir.join(&build.executable).display()
+                    ),
+                }));
+            }
+            Err(why) => why_not.push(why),
+        }
     }
-    Ok(Some(crate::device::cache::Prebuilt {
-        program_sha256: crate::formats::program_dir::sha256_hex(program.text.as_bytes()),
-        executable,
-        from: format!(
-            "by `xtrain compile` for {} ({})",
-            build.target,
-            dir.join(crate::formats::program_dir::EXECUTABLE_FILE)
-                .display()
-        ),
-    }))
+    if !builds.is_empty() {
+        eprintln!(
+            "xtrain: compiling {} here, the same program (this machine has {}; its executables \
+             are for other devices: {})",
+            dir.join("train_step.mlir").display(),
+            crate::device::cache::describe(rt),
+            why_not.join("; ")
+        );
+    }
+    Ok(None)
 }
 
 /// Open the plugin and plan the step: take it from a program dir (checking that it was built for
@@ -245,28 +256,19 @@ pub fn plan(
             );
         }
         let mut rt = open(program.partitions)?;
-        let platform = rt.platform();
-        if spec.leaves_stacks_uninitialized() && !crate::program::allocates_uninitialized(&platform)
-        {
-            // The same step but for the stacks' initial contents, which the loop overwrites.
-            eprintln!(
-                "xtrain: compiling the step of {} here with its layer stacks filled: it was built \
-                 for a GPU or TPU plugin, whose stacks start uninitialized (XLA's AllocateBuffer), \
-                 which the {platform} plugin does not implement",
-                dir.display()
-            );
-            let spec = StepSpec {
-                uninitialized_stacks: false,
-                ..spec
-            };
-            let program = program::build_train_step(&spec)?;
-            return Ok((rt, spec, program));
-        }
+        crate::device::platform::check_offload(
+            &rt.platform(),
+            spec.offload,
+            &format!("program dir {}", dir.display()),
+        )?;
         rt.prebuilt = prebuilt(&rt, dir, &program)?;
         return Ok((rt, spec, program));
     }
     let mut rt = open(opts.step.mesh.as_ref().map_or(1, |m| m.devices()))?;
-    let spec = opts.step.spec(cfg.clone(), batch, seq, &rt.platform())?;
+    let spec = opts.step.spec(cfg.clone(), batch, seq)?;
+    if let Some(o) = opts.step.offload {
+        crate::device::platform::check_offload(&rt.platform(), o, "this step")?;
+    }
     let choices = crate::program::fit_choices(opts.step.remat, opts.step.offload);
     if rt.platform() != "cpu" && (choices.len() > 1 || !choices[0].1.is_none()) {
         // On an accelerator: the first of save-proj and layer remat (--remat auto) and the least

@@ -6,7 +6,7 @@
 //! with, and never trains another rank than the one its program was built for.
 
 use crate::model::lora::Target;
-use crate::program::{sharding, MeshPlan, Remat, StepSpec};
+use crate::program::{sharding, MeshPlan, Remat, ResultType, StepSpec};
 use crate::train::checkpoint::TrainerState;
 use crate::train::options::TrainOptions;
 use anyhow::{bail, Context, Result};
@@ -67,7 +67,7 @@ pub fn of_run(o: &TrainOptions) -> Settings {
     put("eps", json!(s.adam.eps));
     put("weight-decay", json!(s.adam.weight_decay));
     put("max-grad-norm", json!(s.adam.max_grad_norm));
-    put("dtype", json!(s.dtype));
+    put("dtype", json!(s.dtype.mlir()));
     put("quant", json!(quant_text(s.nf4)));
     put("batch-size", json!(o.data.batch_size));
     put("seq", json!(o.data.seq));
@@ -101,14 +101,26 @@ pub fn of_spec(spec: &StepSpec) -> Settings {
     put("grad-accum", json!(spec.microbatches));
     put("loss-chunk", json!(spec.loss_chunk));
     put("attention-block", json!(spec.attention_block));
+    // The program's form, as its flags give it (with f32 compute, f32 and compute are one).
+    let bf16 = spec.compute_dtype != hlo::DType::F32;
     put(
         "attention-scores",
-        json!(if spec.narrow_attention_scores {
+        json!(if spec.narrow_attention_scores || !bf16 {
             "compute"
         } else {
             "f32"
         }),
     );
+    put(
+        "matmul-result",
+        json!(if spec.wide_matmul_results || !bf16 {
+            "f32"
+        } else {
+            "compute"
+        }),
+    );
+    put("keep-softmax-stats", json!(spec.layer_keeps_softmax_stats));
+    put("pin-mlp-activations", json!(spec.pin_mlp_activations));
     put("mesh", json!(mesh_text(&spec.mesh)));
     put("offload", json!(spec.offload.name()));
     put("batch-size", json!(spec.batch));
@@ -140,10 +152,19 @@ fn of_options_for_spec(o: &TrainOptions) -> Settings {
     m.insert("loss-chunk".into(), json!(s.loss_chunk));
     m.insert("attention-block".into(), json!(s.attention_block));
     m.insert("mesh".into(), json!(mesh_text(&s.mesh)));
-    // `auto` (the default) accepts what the program was built with, as `--offload auto` does.
-    if s.attention_scores != "auto" {
-        m.insert("attention-scores".into(), json!(s.attention_scores));
-    }
+    // With f32 compute, f32 and compute are one type: the flags are then whatever was built.
+    let bf16 = s.dtype != hlo::DType::F32;
+    let result = |r: ResultType, as_f32: &'static str| if bf16 { r.name() } else { as_f32 };
+    m.insert(
+        "attention-scores".into(),
+        json!(result(s.attention_scores, "compute")),
+    );
+    m.insert(
+        "matmul-result".into(),
+        json!(result(s.matmul_result, "f32")),
+    );
+    m.insert("keep-softmax-stats".into(), json!(s.keep_softmax_stats));
+    m.insert("pin-mlp-activations".into(), json!(s.pin_mlp_activations));
     // `--remat auto` and `--offload auto` (the defaults) accept what the program was built with.
     if let Some(r) = s.remat {
         m.insert("remat".into(), json!(r.name()));
@@ -183,7 +204,7 @@ fn apply(o: &mut TrainOptions, flag: &str, v: &Value, spec: Option<&StepSpec>) -
         "eps" => s.adam.eps = f64_()?,
         "weight-decay" => s.adam.weight_decay = f64_()?,
         "max-grad-norm" => s.adam.max_grad_norm = f64_()?,
-        "dtype" => s.dtype = str_()?.to_string(),
+        "dtype" => s.dtype = crate::program::parse_dtype(str_()?)?,
         "quant" => s.nf4 = str_()? == "nf4",
         "batch-size" => o.data.batch_size = i64_()?,
         "seq" => o.data.seq = i64_()?,
@@ -195,7 +216,10 @@ fn apply(o: &mut TrainOptions, flag: &str, v: &Value, spec: Option<&StepSpec>) -
         "grad-accum" => s.microbatches = i64_()?,
         "loss-chunk" => s.loss_chunk = v.as_i64(),
         "attention-block" => s.attention_block = v.as_i64(),
-        "attention-scores" => s.attention_scores = str_()?.to_string(),
+        "attention-scores" => s.attention_scores = ResultType::parse("attention-scores", str_()?)?,
+        "matmul-result" => s.matmul_result = ResultType::parse("matmul-result", str_()?)?,
+        "keep-softmax-stats" => s.keep_softmax_stats = bool_()?,
+        "pin-mlp-activations" => s.pin_mlp_activations = bool_()?,
         "offload" => s.offload = Some(crate::program::Offload::parse(str_()?)?),
         "mesh" => {
             s.mesh = match spec {
