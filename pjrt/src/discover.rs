@@ -31,7 +31,7 @@ pub struct WheelFiles {
 
 /// The pinned plugin versions are the ones JAX 0.10.2 pairs with, so that xtrain and a JAX peer
 /// can be compiled by the same compiler build; all speak PJRT C API 0.112 and were checked to
-/// compile for absent devices (`../shared/notes/aot.md`).
+/// compile for absent devices (docs/plugins.md).
 pub const KNOWN: &[KnownPlugin] = &[
     KnownPlugin {
         name: "cpu",

@@ -24,7 +24,7 @@ fn sharded_matmul(n: usize) -> String {
 fn plugin(name: &str) -> Arc<Plugin> {
     if name == "tpu" {
         // Without these libtpu asks a cloud metadata server for ~29 s per key (see
-        // ../shared/notes/aot.md); xtrain sets them the same way for a TPU target.
+        // docs/plugins.md); xtrain sets them the same way for a TPU target.
         std::env::set_var("TPU_SKIP_MDS_QUERY", "1");
         std::env::set_var("TPU_ACCELERATOR_TYPE", "v5p-8");
         std::env::set_var("TPU_WORKER_HOSTNAMES", "localhost");

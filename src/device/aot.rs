@@ -2,7 +2,7 @@
 //! compiles the program on that description with no client, and reports the compiler's own
 //! figures (memory per device, host memory, for TPUs its cost analysis) and the serialized
 //! executable that a client on the real hardware loads (`train --program`). The facts this rests
-//! on (call sequence, options, traps) are in `../shared/notes/aot.md` and README's "Targets".
+//! on (call sequence, options, traps) are in docs/plugins.md and docs/targets.md.
 
 use crate::device::target::{Platform, Target};
 use crate::program::{Program, StepSpec};
