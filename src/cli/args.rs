@@ -60,7 +60,7 @@ pub struct StepArgs {
     #[arg(long, default_value = "f32", help_heading = "Scale")]
     pub dtype: String,
     /// What the backward pass recomputes: none (layers unrolled, everything kept), layer (keep
-    /// each layer's input; on TPUs its softmax statistics too), save-proj (also keep the frozen
+    /// each layer's input; its softmax statistics too with --keep-softmax-stats), save-proj (also keep the frozen
     /// projections' outputs, the attention output and the softmax's row statistics: only q.k
     /// and the softmax are recomputed), or
     /// auto (in `train` on a GPU or TPU and in `compile --check --target`: save-proj where the
