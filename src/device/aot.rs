@@ -273,9 +273,8 @@ impl TargetDevices {
 /// each: `ConcatBitcast`, the custom call that joins the views of a buffer fetched in async
 /// slices. It moves no data itself (the slices are priced), and its -1 s is a "no cost known"
 /// value summed in as if a time: the v6e steps' negative `optimal_seconds` are these, to the
-/// call (8B step on `tpu:v6e:2x2`: 24 calls, -23.984 s; SmolLM2-135M: 1 call, -0.9995 s; the
-/// modules without one, every v5p step measured here among them, come out positive). So each
-/// is added back, i.e. priced at 0, and the output says how many were.
+/// call (docs/performance.md). So each is added back, i.e. priced at 0, and the output says how
+/// many were.
 pub fn unpriced_calls(optimized_hlo: &str) -> usize {
     optimized_hlo
         .matches("custom_call_target=\"ConcatBitcast\"")

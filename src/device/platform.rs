@@ -7,15 +7,13 @@ use anyhow::{bail, Result};
 /// On the CPU plugin, device memory is the process's heap, and XLA allocates each execution's
 /// temporaries (hundreds of MB for a training step) with malloc and frees them after it. glibc
 /// serves blocks that large with fresh mmaps, and the worker threads' own arenas give memory back
-/// on free, so every step page-faults its temporaries in again: 120k faults (470 MB of zeroed
-/// pages) per step on the benchmark workload, about 0.1 s of 1.3 s. One arena that never unmaps
-/// or trims keeps those pages for the next step (31k faults per step; `tools/bench` shows the
-/// time). Must run before the plugin starts its threads, and before any other threads have
-/// made arenas of their own: `xtrain bench` makes its random weights on all cores first, and
-/// with the policy set only when the plugin was opened, the step page-faulted 200k times again
-/// (f32; bf16 55k). [`prepare_host_memory`] sets it at the start of a command. The memory is
-/// kept, not leaked: the next step reuses it, and the high-water mark is what XLA's figures
-/// already say the step needs.
+/// on free, so every step page-faults its temporaries in again. One arena that never unmaps or
+/// trims keeps those pages for the next step (docs/performance.md has the page faults and
+/// times). Must run before the plugin starts its threads, and before any other threads have
+/// made arenas of their own (`xtrain bench` makes its random weights on all cores first).
+/// [`prepare_host_memory`] sets it at the start of a command. The memory is kept, not leaked:
+/// the next step reuses it, and the high-water mark is what XLA's figures already say the step
+/// needs.
 pub(super) fn keep_freed_host_memory() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {
@@ -39,9 +37,8 @@ static KEPT: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(
 /// Run `load` (uploading the frozen weights shard by shard) with blocks of 1 MiB and more
 /// mapped fresh and unmapped when freed, then put [`keep_freed_host_memory`]'s policy back.
 /// Under that policy a freed shard stays in the heap, and the next shard and the device buffers
-/// (on the CPU plugin, host memory too), of other sizes, fit its hole only in part: loading
-/// SmolLM2 on one device held 0.18 GiB of such holes at its peak (1.13x the weights plus the
-/// largest tensor; with this, 1.0x). The device buffers made meanwhile keep their own
+/// (on the CPU plugin, host memory too), of other sizes, fit its hole only in part, and the
+/// peak while loading grows by such holes. The device buffers made meanwhile keep their own
 /// mappings, which the steps only read.
 pub(super) fn while_loading<T>(load: impl FnOnce() -> T) -> T {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]

@@ -262,8 +262,7 @@ fn attend(
     let scores = b.mul_scalar(scores, 1.0 / (d as f64).sqrt())?;
     let sd = b.dims(scores).to_vec();
     // The mask is computed beside the scores rather than read: a [B, TQ, S] boolean tensor made
-    // once per step was a loop invariant that every block sliced and copied (in the TPU cost
-    // model, 8B remat layer batch 4 on `tpu:v5p:2x2x1`: 392.6 -> 389.7 ms).
+    // once per step would be a loop invariant that every block slices and copies.
     let (tq, s) = (sd[2], sd[4]);
     let q_pos = b.iota(Shape::new(&[tq, s], DType::S32), 0)?;
     let offset = b.full(start as f64, Shape::new(&[tq, s], DType::S32));
@@ -559,11 +558,10 @@ impl Llama<'_> {
         ctx: &mut LayerContext,
         saves: &mut Saves,
     ) -> Result<Value> {
-        // The MLP's hidden activations [B, T, F] are pinned where the mesh puts activations
-        // (FSDP: split by batch; TPUs only). With a row per chip the partitioner otherwise gathered
-        // the input over the batch, split F instead and moved back with all-to-alls and layout
-        // copies around the down projection, forward and backward (TPU cost model, 8B bf16
-        // remat layer batch 4 on `tpu:v5p:2x2x1`: 387.1 -> 362.5 ms per step).
+        // With --pin-mlp-activations, the MLP's hidden activations [B, T, F] are pinned where the
+        // mesh puts activations (FSDP: split by batch). Left to itself, at a row per chip the
+        // partitioner may gather the input over the batch, split F instead and move back with
+        // all-to-alls around the down projection.
         let gate = self.project(b, Target::Gate, x, w.gate, lora, ctx, saves)?;
         let up = self.project(b, Target::Up, x, w.up, lora, ctx, saves)?;
         let gate = self.pin(b, gate, &["batch", "length", "mlp"])?;

@@ -45,9 +45,8 @@ pub(super) fn layer_slice(b: &mut Builder, stacked: Value, i: Value) -> hlo::Res
 /// The element type a stack of per-layer values [L, ...] that a loop writes is kept in: bf16 and
 /// f16 stacks are kept as their bits (u16), other types as they are. Writing a layer into a stack
 /// is a dynamic-update-slice, and XLA CPU computes a bf16 one in f32: it converted the whole stack
-/// to f32 and back on every layer instead of writing one slice in place (the 8-layer benchmark's
-/// seven saved stacks: ~1.3 GB of memory traffic per step). On the bits the write is in place,
-/// on every backend; the bitcasts cost nothing.
+/// to f32 and back on every layer instead of writing one slice in place. On the bits the write
+/// is in place, on every backend; the bitcasts cost nothing.
 pub(super) fn stack_type(dtype: DType) -> DType {
     match dtype {
         DType::BF16 | DType::F16 => DType::U16,

@@ -72,19 +72,14 @@ impl Layout<'_> {
 
     /// What a remat policy saves in the forward loop besides each layer's input, by name and
     /// per-layer shape, for batches of `bs` x `t` tokens.
-    /// - `layer` keeps, where the spec says so (TPUs:
-    ///   [`crate::program::StepSpec::layer_keeps_softmax_stats`]), the softmax's row max and sum
+    /// - `layer` keeps, with `--keep-softmax-stats`
+    ///   ([`crate::program::StepSpec::layer_keeps_softmax_stats`]), the softmax's row max and sum
     ///   (f32, [B, KV, TB, G] per query block: 4/head_dim of the attention output's bytes in
     ///   bf16; the statistics flash attention keeps for its backward pass), so the
     ///   recomputation skips the row max's pass over the scores.
-    ///   In the TPU cost model (8B bf16, `tpu:v5p:2x2x1`) that step went 389.7 -> 387.1 ms at
-    ///   batch 4, for 0.03 GiB more per chip (0.11 GiB at batch 16). Before the attention was
-    ///   normalized after P.V, they made it slightly slower (392.3 -> 393.2 ms).
-    /// - `save-proj` also keeps the frozen projections' outputs and the attention output, so
-    ///   that the backward loop recomputes only q.k and one elementwise pass for the
-    ///   probabilities. In the TPU cost model (batch 16, blocks of 1024) that step went 1.137 ->
-    ///   1.104 s with the attention output and -> 1.039 s with the statistics too (1397 -> 1166
-    ///   GB accessed per chip; +2.1 GiB per chip).
+    /// - `save-proj` also keeps the frozen projections' outputs, the attention output and the
+    ///   softmax statistics, so that the backward loop recomputes only q.k and one elementwise
+    ///   pass for the probabilities.
     fn saved_points(&self, bs: i64, t: i64) -> Vec<(String, Shape)> {
         let model = self.model();
         match self.spec.remat {

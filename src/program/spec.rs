@@ -83,9 +83,8 @@ pub struct StepSpec {
     #[serde(default)]
     pub nf4: bool,
     /// With looped layers, compute the loss and its gradient this many positions at a time, so
-    /// the [B, T, V] logits never exist whole (None: all at once). On one device this lowers the
-    /// 8B step's temporaries (5.60 -> 4.32 GiB at 2048 tokens); with a mesh it measured slightly
-    /// worse, so it is off by default.
+    /// the [B, T, V] logits never exist whole (None: all at once; off by default, since on a
+    /// mesh it did not lower the memory: docs/performance.md).
     #[serde(default)]
     pub loss_chunk: Option<i64>,
     /// Query rows per causal attention block (blocks above the diagonal are skipped); None: the
@@ -187,9 +186,8 @@ impl Offload {
 
 /// What the command tries, in order, until the step fits the device's memory, for `--remat`
 /// and `--offload` as given (None: `auto`): with `--remat auto`, save-proj first (the
-/// backward pass recomputes no projection: in the TPU cost model the 8B bf16 step on
-/// `tpu:v5p:2x2x1` at batch 16, blocks of 1024, takes 1.039 s with save-proj and 1.350 s with
-/// layer, for 2.8 times the memory per chip: 39.41 against 14.27 GiB), then layer; with `--offload auto`, the offload choices of
+/// backward pass recomputes no projection, for about three times layer's memory), then layer;
+/// with `--offload auto`, the offload choices of
 /// [`Offload::AUTO_ORDER`] (for layer remat only: save-proj is tried without offload, or with
 /// the one `--offload` names). Where the device's memory is not known the command takes
 /// [`default_choice`] instead.
