@@ -1534,3 +1534,162 @@ fn a_list_form_chat_template_is_used_not_replaced_by_chatml() {
     assert!(e.contains("none named `default`"), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A program dir compiled for the fixture model at batch 2 x 16, r=4 (`extra`: more flags).
+fn program_dir(dir: &Path, extra: &[&str]) -> std::path::PathBuf {
+    let prog = dir.join("prog");
+    let model = fixtures().join("model");
+    let mut args = vec![
+        "compile",
+        "--model",
+        model.to_str().unwrap(),
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--lora-r",
+        "4",
+        "--out",
+        prog.to_str().unwrap(),
+    ];
+    args.extend(extra);
+    let o = xtrain(&args);
+    assert!(o.status.success(), "{}", stderr_of(&o));
+    prog
+}
+
+/// An edited manifest (here another LoRA alpha, which the program text has built in) is refused
+/// naming what was edited, rather than trained with the text's alpha and recorded with the
+/// manifest's; so is a program dir of another manifest format.
+#[test]
+fn an_edited_manifest_is_refused() {
+    let dir = tempdir("rel-edited-manifest");
+    let prog = program_dir(&dir, &[]);
+    let model = fixtures().join("model");
+    let path = prog.join("manifest.json");
+    let original = std::fs::read_to_string(&path).unwrap();
+    let mut m: serde_json::Value = serde_json::from_str(&original).unwrap();
+    assert_eq!(m["spec"]["lora"]["alpha"].as_f64(), Some(32.0));
+    m["spec"]["lora"]["alpha"] = 8.0.into();
+    std::fs::write(&path, serde_json::to_string_pretty(&m).unwrap()).unwrap();
+    let out = dir.join("run");
+    let e = fails(&refs(&train_on(
+        &model,
+        &out,
+        &["--program", prog.to_str().unwrap()],
+    )));
+    assert!(
+        e.contains("manifest.json was edited after `xtrain compile` wrote it")
+            && e.contains("Compile again"),
+        "{e}"
+    );
+    assert!(!out.join("adapter").exists());
+    // The manifest as written trains.
+    std::fs::write(&path, &original).unwrap();
+    let o = xtrain(&refs(&train_on(
+        &model,
+        &out,
+        &["--program", prog.to_str().unwrap()],
+    )));
+    assert!(o.status.success(), "{}", stderr_of(&o));
+    // A manifest of the first format (one build, no settings hash).
+    let mut old: serde_json::Value = serde_json::from_str(&original).unwrap();
+    old["format"] = "xtrain-program/1".into();
+    std::fs::write(&path, old.to_string()).unwrap();
+    let e = fails(&refs(&train_on(
+        &model,
+        &dir.join("run2"),
+        &["--program", prog.to_str().unwrap()],
+    )));
+    assert!(
+        e.contains("format xtrain-program/1 is not xtrain-program/2")
+            && e.contains("compile the program dir again"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A GPU program dir that keeps values in host memory, trained on the CPU, is refused by name
+/// before XLA sees it (which said only "UNIMPLEMENTED: Side-effect ops cannot be replicated");
+/// the same for `train --offload` and `compile --check --offload` on the CPU.
+#[test]
+fn an_offloaded_program_dir_is_refused_on_the_cpu_by_name() {
+    let dir = tempdir("rel-offload-cpu");
+    let prog = program_dir(&dir, &["--mesh", "fsdp=2", "--offload", "activations"]);
+    let model = fixtures().join("model");
+    let want = "keeps values in host memory (--offload activations), but XLA's CPU compiler cannot place values in host memory";
+    // (after the line that says which flags the program dir fixed)
+    let o = xtrain(&refs(&train_on(
+        &model,
+        &dir.join("run"),
+        &["--program", prog.to_str().unwrap()],
+    )));
+    let e = stderr_of(&o);
+    assert!(!o.status.success() && !e.contains("panicked"), "{e}");
+    assert!(
+        e.contains(&format!("error: program dir {}", prog.display()))
+            && e.contains(want)
+            && e.contains("--offload none"),
+        "{e}"
+    );
+    assert!(!e.contains("Side-effect"), "{e}");
+    let e = fails(&refs(&train_on(
+        &model,
+        &dir.join("run2"),
+        &["--offload", "activations"],
+    )));
+    assert!(e.contains(want), "{e}");
+    let e = fails(&[
+        "compile",
+        "--model",
+        model.to_str().unwrap(),
+        "--offload",
+        "activations",
+        "--check",
+        "--out",
+        dir.join("p2").to_str().unwrap(),
+    ]);
+    assert!(e.contains(want), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Flags of `compile` that only mean something when it compiles (`--check`) are refused without
+/// it, instead of being silently ignored.
+#[test]
+fn compile_flags_that_need_check_are_refused() {
+    let dir = tempdir("rel-compile-check-flags");
+    let out = dir.join("p");
+    for (flags, message) in [
+        (
+            &["--xla-dump", "dump"][..],
+            "--xla-dump dump writes what XLA's compiler made of the program, which runs only with --check",
+        ),
+        (
+            &["--no-estimate"][..],
+            "--no-estimate skips the TPU estimate of --check; without --check there is none",
+        ),
+        (
+            &["--no-estimate", "--check", "--target", "cuda:h100:1"][..],
+            "--no-estimate is for --check with a TPU --target",
+        ),
+        (
+            &["--plugin", "cuda", "--target", "cuda:h100:1"][..],
+            "--plugin names the plugin that compiles the program with --check",
+        ),
+        (
+            &["--target", "cuda:h100:1", "--target", "cuda:h100:1"][..],
+            "--target cuda:h100:1 is given twice",
+        ),
+        (
+            &["--target", "cuda:h100:1", "--target", "tpu:v5p:2x2x1"][..],
+            "--target cuda:h100:1 has 1 devices but --target tpu:v5p:2x2x1 has 4",
+        ),
+    ] {
+        let mut args = vec!["compile", "--model", "tiny-llama3", "--out", out.to_str().unwrap()];
+        args.extend(flags);
+        let e = fails(&args);
+        assert!(e.contains(message), "{flags:?}: {e}");
+        assert!(!out.exists(), "{flags:?}: nothing is written");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -191,6 +191,67 @@ fn tiny_step_compiles_for_two_absent_h100s() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A model whose shapes XLA's Triton GEMM emitter cannot tile (hidden 120 in 5 heads of 24, FFN
+/// 120, vocab 300, split by fsdp=2, unrolled layers: "Couldn't find output tile sizes that
+/// satisfy ... f32[128,16]" for a LoRA gradient dot, in both vendors' compilers) compiles for
+/// both: the compile is retried with the emitter off, says so, and records the option in the
+/// build. The program is the one the CPU gets.
+#[test]
+fn a_model_the_triton_gemm_emitter_cannot_tile_compiles_for_both_gpu_vendors() {
+    let dir = tempdir("target-odd-shapes");
+    let mut cfg: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("model/config.json")).unwrap(),
+    )
+    .unwrap();
+    for (k, v) in [
+        ("hidden_size", 120),
+        ("num_attention_heads", 5),
+        ("num_key_value_heads", 5),
+        ("head_dim", 24),
+        ("intermediate_size", 120),
+        ("vocab_size", 300),
+    ] {
+        cfg[k] = v.into();
+    }
+    let model = dir.join("model");
+    std::fs::create_dir_all(&model).unwrap();
+    std::fs::write(model.join("config.json"), cfg.to_string()).unwrap();
+    let libs = rocm_standins_in("odd-shapes-rocm");
+    let mut hashes = Vec::new();
+    for target in ["cuda:h100:2", "rocm:mi300x:2"] {
+        let out = dir.join(target.replace(':', "-"));
+        let o = xtrain_cmd()
+            .args(["compile", "--model"])
+            .arg(&model)
+            .args([
+                "--batch", "4", "--seq", "64", "--lora-r", "16", "--remat", "none",
+            ])
+            .args(["--target", target, "--check", "--out"])
+            .arg(&out)
+            .env("LD_LIBRARY_PATH", &libs)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr).to_string();
+        assert!(o.status.success(), "{target}: {err}");
+        assert!(
+            err.contains("Triton GEMM emitter could not tile a matmul")
+                && err.contains("compiling again with xla_gpu_enable_triton_gemm=false"),
+            "{target}: {err}"
+        );
+        let m = manifest(&out);
+        assert_eq!(
+            m.builds[0].compile_options,
+            ["xla_gpu_enable_triton_gemm=false"],
+            "{target}"
+        );
+        assert!(out.join(&m.builds[0].executable).is_file());
+        hashes.push(m.program_sha256);
+    }
+    assert_eq!(hashes[0], hashes[1]);
+    std::fs::remove_dir_all(&dir).unwrap();
+    std::fs::remove_dir_all(&libs).unwrap();
+}
+
 #[test]
 fn tiny_step_compiles_for_two_absent_mi300x() {
     let libs = rocm_standins_in("rocm-standins");

@@ -542,6 +542,7 @@ fn check(
         optimized_hlo: None,
         memory_report: None,
         executable: exe.serialize()?,
+        extra_options: Vec::new(),
     };
     let by = Compiler {
         target: a.plugin.clone().unwrap_or_else(|| rt.platform()),

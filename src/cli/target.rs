@@ -264,6 +264,7 @@ pub(super) fn record(
         memory_per_device: by.memory_per_device,
         usable_memory_per_device: by.usable_memory_per_device,
         compile_s: build.compile_s,
+        compile_options: build.extra_options.clone(),
         per_device: MemoryFigures {
             argument_bytes: m.argument_bytes,
             output_bytes: m.output_bytes,

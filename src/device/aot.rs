@@ -35,6 +35,9 @@ pub struct TargetBuild {
     pub optimized_hlo: Option<String>,
     pub memory_report: Option<String>,
     pub executable: Vec<u8>,
+    /// Compile options beyond xtrain's usual ones that this compile needed (`name=value`; see
+    /// [`crate::device::platform::TRITON_GEMM_OFF`]).
+    pub extra_options: Vec<String>,
 }
 
 /// The plugin file for a target: `--plugin` if given (it must be of the target's platform),
@@ -214,16 +217,42 @@ impl TargetDevices {
         };
         let options = self.options(&dump_dir);
         let t0 = Instant::now();
-        let exe = self
+        let failed = |e: pjrt::Error| {
+            anyhow::Error::from(e).context(format!(
+                "the {} compiler could not compile the program for {}",
+                self.target.platform.plugin(),
+                self.target.spec
+            ))
+        };
+        let mut extra_options = Vec::new();
+        let exe = match self
             .topology
             .compile(&program.text, &options)
-            .with_context(|| {
-                format!(
-                    "the {} compiler could not compile the program for {}",
+            .map_err(failed)
+        {
+            Err(e)
+                if self.target.platform != Platform::Tpu
+                    && crate::device::platform::is_gemm_tiling_failure(&e) =>
+            {
+                let (options, said) = crate::device::platform::without_triton_gemm(&options);
+                eprintln!(
+                    "xtrain: the {} compiler's Triton GEMM emitter could not tile a matmul of \
+                     this program ({}); compiling again with {said} (its matmuls become the \
+                     vendor library's GEMM calls; the program is the same)",
                     self.target.platform.plugin(),
-                    self.target.spec
-                )
-            })?;
+                    format!("{e:#}")
+                        .split("satisfy hlo: ")
+                        .nth(1)
+                        .and_then(|s| s.split(" dot(").next())
+                        .unwrap_or("a dot")
+                );
+                extra_options.push(said);
+                self.topology
+                    .compile(&program.text, &options)
+                    .map_err(failed)?
+            }
+            r => r?,
+        };
         let compile_s = t0.elapsed().as_secs_f64();
         let stats = exe.memory_stats()?;
         let executable = exe.serialize()?;
@@ -247,6 +276,7 @@ impl TargetDevices {
             optimized_hlo,
             memory_report,
             executable,
+            extra_options,
         })
     }
 

@@ -169,6 +169,29 @@ pub fn prepare_libtpu_env(verbose: bool) {
     }
 }
 
+/// The compile option xtrain retries a GPU compile with when XLA's Triton GEMM emitter cannot
+/// tile one of the program's dots (the CUDA and ROCm plugins of JAX 0.10.2 fail so on some small
+/// or odd shapes, e.g. a LoRA gradient dot of f32[128, 16] in a model split by `fsdp=2`, with
+/// "Couldn't find output tile sizes that satisfy ..."): the matmuls become the vendor library's
+/// GEMM calls (cuBLAS, hipBLASLt). Only the compile is changed, never the program.
+pub const TRITON_GEMM_OFF: &str = "xla_gpu_enable_triton_gemm";
+
+/// Whether a compile error is the Triton GEMM emitter's failure to tile a dot
+/// ([`TRITON_GEMM_OFF`] avoids it).
+pub fn is_gemm_tiling_failure(e: &anyhow::Error) -> bool {
+    format!("{e:#}").contains("Couldn't find output tile sizes")
+}
+
+/// `options` with the Triton GEMM emitter off ([`TRITON_GEMM_OFF`]), and the words that say so.
+pub fn without_triton_gemm(options: &pjrt::CompileOptions) -> (pjrt::CompileOptions, String) {
+    (
+        options
+            .clone()
+            .with_override(TRITON_GEMM_OFF, pjrt::OptionValue::Bool(false)),
+        format!("{TRITON_GEMM_OFF}=false"),
+    )
+}
+
 /// Refuse a step that keeps values in host memory on a plugin of `platform` that cannot place
 /// them there: XLA's CPU compiler has no `annotate_device_placement` (its memory kinds device,
 /// pinned_host and unpinned_host are all the same RAM), so such a program fails inside it with

@@ -119,10 +119,26 @@ impl Runtime {
             options.spmd = true;
             options.device_ids = spmd.device_ids;
         }
-        let mut exe = self
-            .client
-            .compile(&program.text, &options)
-            .context("XLA could not compile the program")?;
+        let compile = |options: &CompileOptions| {
+            self.client
+                .compile(&program.text, options)
+                .context("XLA could not compile the program")
+        };
+        let mut exe = match compile(&options) {
+            Err(e)
+                if matches!(self.platform().as_str(), "cuda" | "rocm")
+                    && crate::device::platform::is_gemm_tiling_failure(&e) =>
+            {
+                let (options, said) = crate::device::platform::without_triton_gemm(&options);
+                eprintln!(
+                    "xtrain: the {} compiler's Triton GEMM emitter could not tile a matmul of \
+                     this program; compiling again with {said} (the same program)",
+                    self.platform()
+                );
+                compile(&options)?
+            }
+            r => r?,
+        };
         exe.expect_inputs(expected_inputs(program));
         Ok(exe)
     }

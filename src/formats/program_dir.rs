@@ -87,6 +87,11 @@ pub struct Build {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub usable_memory_per_device: Option<i64>,
     pub compile_s: f64,
+    /// Compile options beyond xtrain's usual ones that the compile needed (`name=value`), e.g.
+    /// `xla_gpu_enable_triton_gemm=false` where the GPU compiler's Triton GEMM emitter could not
+    /// tile a dot.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub compile_options: Vec<String>,
     /// XLA's compiled memory figures, per device.
     pub per_device: MemoryFigures,
     /// The compiler's cost analysis of the program as compiled (TPU only; a loop body is
