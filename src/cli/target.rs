@@ -199,9 +199,19 @@ fn print_estimate(t: &TargetDevices, spec: &StepSpec) -> Result<Option<StepEstim
         tokens / e.seconds(),
         match (mfu, t.target.peak_bf16_tflops_per_chip) {
             (Some(m), Some(peak)) => format!(
-                ", estimated MFU {:.1}% (model FLOPs {:.4} TFLOP per step; peak {peak} TFLOP/s bf16 per chip)",
+                ", estimated MFU {:.1}% (model FLOPs {:.4} TFLOP per step; against the chip's \
+                 bf16 peak, {peak} TFLOP/s{})",
                 100.0 * m,
-                model_flops / 1e12
+                model_flops / 1e12,
+                // The only peak xtrain knows; the matrix units give no more in another dtype.
+                if spec.compute_dtype == hlo::DType::BF16 {
+                    String::new()
+                } else {
+                    format!(
+                        ": this step computes in {}, for which xtrain knows no peak of its own",
+                        spec.compute_dtype
+                    )
+                }
             ),
             _ => String::new(),
         }
