@@ -644,7 +644,7 @@ fn recipe_keys_are_flags_the_command_line_overrides_and_a_wrong_key_names_the_ne
         ("check = \"yes\"\n", "`check` is a switch (--check): write true or false, not a string"),
         ("seq = [[1]]\n", "`seq` (--seq) takes a value, not an array"),
         ("seq = \n", "is not valid TOML"),
-        ("config = \"other.toml\"\n", "key `config` is not a flag"),
+        ("config = \"other.toml\"\n", "`config` cannot be a recipe key"),
     ] {
         std::fs::write(&recipe, text).unwrap();
         let err = fails(&refs(&args(&["--model", "tiny-llama3"])));
@@ -661,6 +661,40 @@ fn recipe_keys_are_flags_the_command_line_overrides_and_a_wrong_key_names_the_ne
         "y",
     ]);
     assert!(err.contains("cannot read /nonexistent/r.toml"), "{err}");
+}
+
+/// `config` and `help` in a recipe (at the top or in a section) are refused as what they are,
+/// not a recipe's settings; they were taken for misspelt flags ("the nearest flag is --out").
+#[test]
+fn a_recipe_key_config_or_help_is_said_not_to_be_a_setting() {
+    let dir = tempdir("recipe-config-key");
+    let recipe = dir.join("r.toml");
+    for (text, want) in [
+        (
+            "config = \"base.toml\"\n",
+            "`config` cannot be a recipe key: --config names the recipe file itself (a recipe cannot include another)",
+        ),
+        (
+            "[train]\nhelp = true\n",
+            "`help` cannot be a recipe key: --help prints the command's flags and runs nothing",
+        ),
+    ] {
+        std::fs::write(&recipe, text).unwrap();
+        let err = fails(&[
+            "train",
+            "--config",
+            recipe.to_str().unwrap(),
+            "--model",
+            "x",
+            "--data",
+            "d.jsonl",
+            "--out",
+            dir.join("run").to_str().unwrap(),
+        ]);
+        assert!(err.contains(&format!("{}: {want}", recipe.display())), "{text:?}: {err}");
+        assert!(!err.contains("nearest flag"), "{err}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]

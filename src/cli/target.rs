@@ -339,6 +339,22 @@ pub fn targets(name: Option<&str>) -> Result<()> {
     };
     let (platform, device) = name.split_once(':').unwrap_or(("", name));
     let device = device.split(':').next().unwrap_or(device);
+    if platform == "tpu" {
+        // libtpu knows its chips: a TPU target is its generation and its slice's layout.
+        let Some(t) = TPUS.iter().find(|t| t.name == device) else {
+            bail!(
+                "`{name}`: unknown TPU generation `{device}`; known: {}",
+                xtrain::device::target::known_targets()
+            );
+        };
+        println!(
+            "tpu:{}:<chips>  {} TFLOP/s bf16 per chip. TPUs need no description (libtpu knows \
+             each generation): compile with --target tpu:{}:<chips>, the slice's layout as \
+             libtpu names it (e.g. tpu:{}:2x2; 1x1 for one chip)",
+            t.name, t.peak_bf16_tflops_per_chip, t.name, t.name
+        );
+        return Ok(());
+    }
     let Some(g) = GPUS.iter().find(|g| {
         g.name == device
             && matches!(
