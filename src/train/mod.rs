@@ -143,7 +143,7 @@ fn run_in(opts: &TrainOptions, cfg: &LlamaConfig, interrupted: &AtomicBool) -> R
         state,
         source,
         eval_batches,
-        base: crate::formats::peft::base_model_name(&opts.model),
+        base: crate::formats::peft::base_model(&opts.model),
     };
     if stop() {
         return Ok(Finished::Interrupted(None));
@@ -518,7 +518,7 @@ struct Run<'a> {
     eval_batches: Vec<Batch>,
     metrics: Metrics,
     /// The base model as adapters name it.
-    base: String,
+    base: crate::formats::peft::BaseModel,
     tokens_per_step: i64,
 }
 
@@ -666,7 +666,7 @@ impl Run<'_> {
                 self.opts
                     .model
                     .file_name()
-                    .map_or(self.base.clone(), |n| n.to_string_lossy().into()),
+                    .map_or(self.base.name.clone(), |n| n.to_string_lossy().into()),
                 lora.r,
                 lora.alpha,
                 self.opts.out.display()
