@@ -196,7 +196,10 @@ fn bad_data_and_tokenizers() {
     let bad = jsonl("bad.jsonl", "{\"text\": \"ok\"}\n{\"text\": 3}\n");
     let e = fails(&refs(&base(&bad)));
     assert!(
-        e.contains("bad.jsonl:2: expected `text`, `instruction` + `output`, or `messages`"),
+        e.contains(
+            "bad.jsonl:2: `text` is a number (3), not a string (expected `text`, `instruction` + \
+             `output`, or `messages`)"
+        ),
         "{e}"
     );
     let empty = jsonl("empty.jsonl", "\n\n");
