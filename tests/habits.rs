@@ -181,6 +181,211 @@ fn a_repo_id_not_in_the_cache_while_offline_says_where_it_looked_and_how_to_down
     assert!(String::from_utf8_lossy(&o.stderr).contains("built-in config (llama-3.1-8b)"));
 }
 
+/// A ref naming a snapshot that is not there, and a snapshot's file linking to a blob that is
+/// gone, are named (the ref and its snapshot; the link and its target), where they read "has
+/// no config.json" or "has neither model.safetensors ..."; the command line says it too.
+#[test]
+fn a_broken_ref_or_blob_link_in_the_hub_cache_is_named() {
+    let dir = tempdir("hub-broken");
+    let (cache, hash) = fake_hub_cache(&dir);
+    let repo = cache.join("models--org--tiny");
+    let why =
+        |rev: Option<&str>, need: Need| match hub::lookup(&cache, "org/tiny", rev, need).unwrap() {
+            Lookup::Found(d) => panic!("{rev:?} found {}", d.display()),
+            Lookup::Missing(why) => why,
+        };
+    // refs/v3 names a commit whose snapshot is not in the cache.
+    let gone = "fedcba9876543210fedcba9876543210fedcba98";
+    std::fs::write(repo.join("refs/v3"), gone).unwrap();
+    let w = why(Some("v3"), Need::Config);
+    assert!(
+        w.contains(&format!(
+            "{} names commit {gone}, but its snapshot {} does not exist",
+            repo.join("refs/v3").display(),
+            repo.join("snapshots").join(gone).display()
+        )),
+        "{w}"
+    );
+    // The weights' blob deleted: the link and where it points.
+    let snap = repo.join("snapshots").join(&hash);
+    std::fs::remove_file(repo.join("blobs").join(format!("blob{:040}", 1))).unwrap();
+    let w = why(None, Need::Weights);
+    assert!(
+        w.contains(&format!(
+            "{} is a link to {}, which does not exist",
+            snap.join("model.safetensors").display(),
+            snap.join(format!("../../blobs/blob{:040}", 1)).display()
+        )),
+        "{w}"
+    );
+    // The config's blob deleted too.
+    std::fs::remove_file(repo.join("blobs").join(format!("blob{:040}", 0))).unwrap();
+    let w = why(None, Need::Config);
+    assert!(
+        w.contains(&format!(
+            "{} is a link to ",
+            snap.join("config.json").display()
+        )),
+        "{w}"
+    );
+    let o = xtrain_cmd()
+        .args([
+            "compile",
+            "--model",
+            "org/tiny",
+            "--revision",
+            "v3",
+            "--out",
+        ])
+        .arg(dir.join("p"))
+        .env("HF_HUB_CACHE", &cache)
+        .env("HF_HUB_OFFLINE", "1")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.starts_with("error: "), "{err}");
+    assert!(err.contains("refs/v3 names commit"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A download that fails says its network error once (it was said three times: hf-hub's error,
+/// then each of its causes, which its text already held).
+#[test]
+fn a_failed_download_says_its_network_error_once() {
+    let dir = tempdir("hub-download-fails");
+    // Nothing listens on port 9 of this machine: the connection is refused at once.
+    let o = xtrain_cmd()
+        .args(["compile", "--model", "org/absent", "--out"])
+        .arg(dir.join("p"))
+        .env("HF_HUB_CACHE", dir.join("hub"))
+        .env_remove("HF_HUB_OFFLINE")
+        .env("HF_ENDPOINT", "http://127.0.0.1:9")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr).to_string();
+    assert!(!o.status.success(), "{err}");
+    let last = err.lines().last().unwrap_or_default();
+    assert!(
+        last.starts_with("error: ") && last.contains("downloading it failed"),
+        "{err}"
+    );
+    assert_eq!(
+        last.matches("http://127.0.0.1:9/api/models/org/absent")
+            .count(),
+        1,
+        "{last}"
+    );
+    let parts: Vec<&str> = last.split(": ").filter(|p| p.len() > 12).collect();
+    for p in &parts {
+        assert_eq!(
+            parts.iter().filter(|q| q == &p).count(),
+            1,
+            "`{p}` said twice: {last}"
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A second snapshot of `org/tiny` in `cache` (the same files, as links into the same blobs),
+/// named by `refs/{tag}`. Returns its commit.
+fn add_snapshot(cache: &Path, main: &str, tag: &str, commit: &str) -> String {
+    let repo = cache.join("models--org--tiny");
+    let snap = repo.join("snapshots").join(commit);
+    std::fs::create_dir_all(&snap).unwrap();
+    for e in std::fs::read_dir(repo.join("snapshots").join(main)).unwrap() {
+        let e = e.unwrap();
+        let target = std::fs::read_link(e.path()).unwrap();
+        std::os::unix::fs::symlink(target, snap.join(e.file_name())).unwrap();
+    }
+    std::fs::write(repo.join("refs").join(tag), commit).unwrap();
+    commit.to_string()
+}
+
+/// `--model org/tiny --revision v2` trains on v2's snapshot, and the adapter (and each
+/// checkpoint's) records that commit as PEFT's `revision`, so PEFT loads it onto the same
+/// weights rather than onto `main`; without `--revision`, main's commit.
+#[test]
+fn an_adapter_trained_at_a_revision_records_its_commit_for_peft() {
+    let dir = tempdir("hub-revision");
+    let (cache, main) = fake_hub_cache(&dir);
+    let v2 = add_snapshot(
+        &cache,
+        &main,
+        "v2",
+        "89abcdef0123456789abcdef0123456789abcdef",
+    );
+    let data = dir.join("d.jsonl");
+    std::fs::write(
+        &data,
+        "{\"text\": \"hello there\"}\n{\"text\": \"general kenobi\"}\n",
+    )
+    .unwrap();
+    for (revision, commit) in [(Some("v2"), &v2), (None, &main)] {
+        let out = dir.join(format!("run-{}", revision.unwrap_or("main")));
+        let mut c = xtrain_cmd();
+        c.args(["train", "--model", "org/tiny"]);
+        if let Some(r) = revision {
+            c.args(["--revision", r]);
+        }
+        let o = c
+            .arg("--data")
+            .arg(&data)
+            .arg("--out")
+            .arg(&out)
+            .args([
+                "--steps",
+                "1",
+                "--batch-size",
+                "1",
+                "--seq",
+                "32",
+                "--lora-r",
+                "4",
+            ])
+            .args(["--save-every", "1", "--log-every", "0", "--no-plot"])
+            .env("HF_HUB_CACHE", &cache)
+            .env("HF_HUB_OFFLINE", "1")
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        for adapter in ["adapter", "checkpoint-1", "step-1"] {
+            let config: Value = serde_json::from_str(
+                &std::fs::read_to_string(out.join(adapter).join("adapter_config.json")).unwrap(),
+            )
+            .unwrap();
+            assert_eq!(config["base_model_name_or_path"], "org/tiny", "{adapter}");
+            assert_eq!(
+                config["revision"],
+                commit.as_str(),
+                "{revision:?} {adapter}: {config}"
+            );
+        }
+    }
+    // A plain directory has no revision (PEFT's null).
+    let out = dir.join("run-dir");
+    let o = train_cmd(&tiny_text_model(&dir), &data, &out)
+        .args([
+            "--steps",
+            "1",
+            "--batch-size",
+            "1",
+            "--seq",
+            "32",
+            "--lora-r",
+            "4",
+        ])
+        .args(["--log-every", "0", "--no-plot"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let config: Value = serde_json::from_str(
+        &std::fs::read_to_string(out.join("adapter/adapter_config.json")).unwrap(),
+    )
+    .unwrap();
+    assert!(config["revision"].is_null(), "{config}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 // ---------------------------------------------------------------------------------------------
 // Parquet
 
@@ -189,6 +394,7 @@ fn a_repo_id_not_in_the_cache_while_offline_says_where_it_looked_and_how_to_down
 enum Kind {
     Str,
     Messages,
+    Int64,
 }
 
 /// Write `groups` (row groups of JSON objects) as a Snappy-compressed Parquet file with
@@ -198,6 +404,7 @@ fn write_parquet(path: &Path, columns: &[(&str, Kind)], groups: &[Vec<Value>]) {
     for (name, kind) in columns {
         schema.push_str(&match kind {
             Kind::Str => format!("  optional binary {name} (STRING);\n"),
+            Kind::Int64 => format!("  optional int64 {name};\n"),
             Kind::Messages => format!(
                 "  optional group {name} (LIST) {{ repeated group list {{ optional group element {{ optional binary role (STRING); optional binary content (STRING); }} }} }}\n"
             ),
@@ -213,10 +420,28 @@ fn write_parquet(path: &Path, columns: &[(&str, Kind)], groups: &[Vec<Value>]) {
     let file = std::fs::File::create(path).unwrap();
     let mut w = SerializedFileWriter::new(file, schema, props).unwrap();
     for rows in groups {
-        // Each leaf column: (values, definition levels, repetition levels).
+        // Each leaf column: (values, definition levels, repetition levels); int64 columns'
+        // values apart.
         let mut leaves: Vec<(Vec<ByteArray>, Vec<i16>, Vec<i16>)> = Vec::new();
+        let mut ints: Vec<Vec<i64>> = Vec::new();
         for (name, kind) in columns {
             match kind {
+                Kind::Int64 => {
+                    let mut c = (vec![], vec![], vec![]);
+                    let mut values = vec![];
+                    for r in rows {
+                        match r.get(*name).and_then(|v| v.as_i64()) {
+                            Some(i) => {
+                                values.push(i);
+                                c.1.push(1);
+                            }
+                            None => c.1.push(0),
+                        }
+                        c.2.push(0);
+                    }
+                    leaves.push(c);
+                    ints.push(values);
+                }
                 Kind::Str => {
                     let mut c = (vec![], vec![], vec![]);
                     for r in rows {
@@ -264,12 +489,21 @@ fn write_parquet(path: &Path, columns: &[(&str, Kind)], groups: &[Vec<Value>]) {
             }
         }
         let mut rg = w.next_row_group().unwrap();
-        let mut leaves = leaves.into_iter();
+        let (mut leaves, mut ints) = (leaves.into_iter(), ints.into_iter());
         while let Some(mut col) = rg.next_column().unwrap() {
             let (values, defs, reps) = leaves.next().unwrap();
-            col.typed::<ByteArrayType>()
-                .write_batch(&values, Some(&defs), Some(&reps))
-                .unwrap();
+            if matches!(
+                col.untyped(),
+                parquet::column::writer::ColumnWriter::Int64ColumnWriter(_)
+            ) {
+                col.typed::<parquet::data_type::Int64Type>()
+                    .write_batch(&ints.next().unwrap(), Some(&defs), Some(&reps))
+                    .unwrap();
+            } else {
+                col.typed::<ByteArrayType>()
+                    .write_batch(&values, Some(&defs), Some(&reps))
+                    .unwrap();
+            }
             col.close().unwrap();
         }
         rg.close().unwrap();
@@ -420,17 +654,130 @@ fn a_bad_parquet_row_names_file_row_group_and_row_and_missing_columns_are_listed
     );
 }
 
+/// A `text` column of integers is refused naming the column and its type, and a row whose text
+/// is null is named with its file, row group and row and said to be null (both were "expected
+/// `text`, ...").
+#[test]
+fn a_parquet_text_column_of_numbers_or_a_null_text_says_which_and_where() {
+    let dir = tempdir("parquet-text-types");
+    let ints = dir.join("ints.parquet");
+    write_parquet(
+        &ints,
+        &[("text", Kind::Int64)],
+        &[vec![json!({"text": 1}), json!({"text": 2})]],
+    );
+    let e = data::read_examples(&ints, false, &Columns::default())
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("ints.parquet: column `text` holds int64 values, not strings")
+            && e.contains("the file has text: int64"),
+        "{e}"
+    );
+    let nulls = dir.join("nulls.parquet");
+    write_parquet(
+        &nulls,
+        &[("text", Kind::Str)],
+        &[
+            vec![json!({"text": "fine"})],
+            vec![json!({"text": "ok"}), json!({})],
+        ],
+    );
+    let e = data::read_examples(&nulls, false, &Columns::default())
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("nulls.parquet: row group 1, row 1 (row 2 of the file, counting from 0): `text` is null"),
+        "{e}"
+    );
+    // A JSONL line whose text is a number says so too.
+    let jsonl = dir.join("numbers.jsonl");
+    std::fs::write(&jsonl, "{\"text\": \"fine\"}\n{\"text\": 42}\n").unwrap();
+    let e = data::read_examples(&jsonl, false, &Columns::default())
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("numbers.jsonl:2: `text` is a number (42), not a string"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A Parquet file with both a `text` and a `messages` column trains on the messages (as TRL
+/// does with a conversational dataset) and says so, naming --text-column, which trains on the
+/// text instead.
+#[test]
+fn a_parquet_file_with_text_and_messages_says_which_column_it_trains_on() {
+    let dir = tempdir("parquet-both");
+    let p = dir.join("both.parquet");
+    write_parquet(
+        &p,
+        &[("text", Kind::Str), ("messages", Kind::Messages)],
+        &[vec![
+            json!({"text": "user: hi assistant: yo", "messages": chat("hi", "yo")}),
+            json!({"text": "user: a assistant: b", "messages": chat("a", "b")}),
+        ]],
+    );
+    let r = data::read_examples(&p, false, &Columns::default()).unwrap();
+    assert_eq!(
+        r.examples[0],
+        Example::Chat(vec![msg("user", "hi"), msg("assistant", "yo")])
+    );
+    assert!(
+        r.notes.len() == 1
+            && r.notes[0].contains(
+                "both.parquet has both a `messages` and a `text` column: training on `messages`"
+            )
+            && r.notes[0].contains("pass --text-column text"),
+        "{:?}",
+        r.notes
+    );
+    let text = Columns::new(Some("text".into()), None);
+    let r = data::read_examples(&p, false, &text).unwrap();
+    assert_eq!(
+        r.examples[0],
+        Example::Text("user: hi assistant: yo".into())
+    );
+    assert!(
+        r.notes[0].contains("training on `text` (--text-column)"),
+        "{:?}",
+        r.notes
+    );
+    // `xtrain train` says it.
+    let o = train_cmd(&tiny_text_model(&dir), &p, &dir.join("run"))
+        .args([
+            "--steps",
+            "1",
+            "--batch-size",
+            "1",
+            "--seq",
+            "32",
+            "--lora-r",
+            "4",
+        ])
+        .args(["--log-every", "0", "--no-plot"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("training on `messages`"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 // ---------------------------------------------------------------------------------------------
 // A run: repo id + Parquet + recipe, with TensorBoard scalars read back by TensorBoard
 
-/// TensorBoard's reader on a run dir: {tag: [(step, value)]}.
+/// TensorBoard's reader on a run dir: {tag: [(step, value, wall time)]}.
 fn tensorboard_scalars(logdir: &Path) -> serde_json::Map<String, Value> {
     let script = r#"
 import json, sys
 from tensorboard.backend.event_processing import event_accumulator as ea
 acc = ea.EventAccumulator(sys.argv[1], size_guidance={ea.SCALARS: 0})
 acc.Reload()
-print(json.dumps({t: [[e.step, e.value] for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}))
+print(json.dumps({t: [[e.step, e.value, e.wall_time] for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}))
 "#;
     let o = std::process::Command::new(tensorboard_python())
         .arg("-c")
@@ -448,6 +795,129 @@ print(json.dumps({t: [[e.step, e.value] for e in acc.Scalars(t)] for t in acc.Ta
         .as_object()
         .unwrap()
         .clone()
+}
+
+/// What TensorBoard's app shows (`plugin_event_accumulator`, scalars as tensors) on a run dir:
+/// {tag: [(step, value, wall time)]}.
+fn tensorboard_app_scalars(logdir: &Path) -> serde_json::Map<String, Value> {
+    let script = r#"
+import json, sys
+from tensorboard.backend.event_processing import plugin_event_accumulator as pea
+from tensorboard.util import tensor_util
+acc = pea.EventAccumulator(sys.argv[1], size_guidance={pea.TENSORS: 0})
+acc.Reload()
+print(json.dumps({t: [[e.step, float(tensor_util.make_ndarray(e.tensor_proto)), e.wall_time] for e in acc.Tensors(t)] for t in acc.Tags()["tensors"]}))
+"#;
+    let o = std::process::Command::new(tensorboard_python())
+        .arg("-c")
+        .arg(script)
+        .arg(logdir)
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "TensorBoard's reader failed: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    serde_json::from_slice::<Value>(&o.stdout)
+        .unwrap()
+        .as_object()
+        .unwrap()
+        .clone()
+}
+
+/// A run that logged to step 5, resumed from its checkpoint-3 and stopped after step 4: both of
+/// TensorBoard's readers show steps 1 to 4 once each, with the values metrics.jsonl has, step 4
+/// the resumed run's (logged after it started), and not the first run's steps 4 and 5 (they
+/// showed step 4 twice and the stale step 5).
+#[test]
+fn tensorboard_after_a_resume_shows_each_step_once_as_metrics_jsonl_does() {
+    let dir = tempdir("tensorboard-resume");
+    let model = tiny_text_model(&dir);
+    let data = dir.join("d.jsonl");
+    let lines: String = (0..8)
+        .map(|i| format!("{{\"text\": \"example number {i} of a few\"}}\n"))
+        .collect();
+    std::fs::write(&data, lines).unwrap();
+    let out = dir.join("run");
+    let common = [
+        "--batch-size",
+        "1",
+        "--seq",
+        "32",
+        "--lora-r",
+        "4",
+        "--log-every",
+        "0",
+    ];
+    let o = train_cmd(&model, &data, &out)
+        .args(["--steps", "5", "--save-every", "3", "--no-plot"])
+        .args(common)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    // The same run resumes deterministically (the same losses): whose step 4 is shown is told
+    // by its wall time.
+    let resumed_at = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64();
+    let o = xtrain_cmd()
+        .args(["train", "--resume"])
+        .arg(out.join("checkpoint-3"))
+        .arg("--model")
+        .arg(&model)
+        .arg("--data")
+        .arg(&data)
+        .arg("--out")
+        .arg(&out)
+        .args(["--stop-after", "1"])
+        .args(common)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let metrics: Vec<Value> = std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .filter(|m: &Value| m.get("loss").is_some())
+        .collect();
+    let want: Vec<(u64, f64)> = metrics
+        .iter()
+        .map(|m| (m["step"].as_u64().unwrap(), m["loss"].as_f64().unwrap()))
+        .collect();
+    assert_eq!(
+        want.iter().map(|w| w.0).collect::<Vec<_>>(),
+        vec![1, 2, 3, 4],
+        "{metrics:?}"
+    );
+    let tb = out.join("tensorboard");
+    for (reader, scalars) in [
+        ("EventAccumulator", tensorboard_scalars(&tb)),
+        ("plugin_event_accumulator", tensorboard_app_scalars(&tb)),
+    ] {
+        let got: Vec<(u64, f64, f64)> = scalars["train/loss"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| {
+                let f = |i: usize| p[i].as_f64().unwrap();
+                (p[0].as_u64().unwrap(), f(1), f(2))
+            })
+            .collect();
+        assert_eq!(got.len(), want.len(), "{reader}: {got:?} vs {want:?}");
+        for (g, w) in got.iter().zip(&want) {
+            assert!(
+                g.0 == w.0 && (g.1 - w.1).abs() <= 1e-6 * w.1.abs(),
+                "{reader}: {got:?} vs metrics.jsonl {want:?}"
+            );
+        }
+        assert!(
+            got[3].2 > resumed_at && got[2].2 < resumed_at,
+            "{reader}: step 4 is the resumed run's, step 3 the first run's: {got:?} (resumed at {resumed_at})"
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
@@ -644,7 +1114,7 @@ fn recipe_keys_are_flags_the_command_line_overrides_and_a_wrong_key_names_the_ne
         ("check = \"yes\"\n", "`check` is a switch (--check): write true or false, not a string"),
         ("seq = [[1]]\n", "`seq` (--seq) takes a value, not an array"),
         ("seq = \n", "is not valid TOML"),
-        ("config = \"other.toml\"\n", "key `config` is not a flag"),
+        ("config = \"other.toml\"\n", "`config` cannot be a recipe key"),
     ] {
         std::fs::write(&recipe, text).unwrap();
         let err = fails(&refs(&args(&["--model", "tiny-llama3"])));
@@ -661,6 +1131,40 @@ fn recipe_keys_are_flags_the_command_line_overrides_and_a_wrong_key_names_the_ne
         "y",
     ]);
     assert!(err.contains("cannot read /nonexistent/r.toml"), "{err}");
+}
+
+/// `config` and `help` in a recipe (at the top or in a section) are refused as what they are,
+/// not a recipe's settings; they were taken for misspelt flags ("the nearest flag is --out").
+#[test]
+fn a_recipe_key_config_or_help_is_said_not_to_be_a_setting() {
+    let dir = tempdir("recipe-config-key");
+    let recipe = dir.join("r.toml");
+    for (text, want) in [
+        (
+            "config = \"base.toml\"\n",
+            "`config` cannot be a recipe key: --config names the recipe file itself (a recipe cannot include another)",
+        ),
+        (
+            "[train]\nhelp = true\n",
+            "`help` cannot be a recipe key: --help prints the command's flags and runs nothing",
+        ),
+    ] {
+        std::fs::write(&recipe, text).unwrap();
+        let err = fails(&[
+            "train",
+            "--config",
+            recipe.to_str().unwrap(),
+            "--model",
+            "x",
+            "--data",
+            "d.jsonl",
+            "--out",
+            dir.join("run").to_str().unwrap(),
+        ]);
+        assert!(err.contains(&format!("{}: {want}", recipe.display())), "{text:?}: {err}");
+        assert!(!err.contains("nearest flag"), "{err}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]

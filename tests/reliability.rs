@@ -196,7 +196,10 @@ fn bad_data_and_tokenizers() {
     let bad = jsonl("bad.jsonl", "{\"text\": \"ok\"}\n{\"text\": 3}\n");
     let e = fails(&refs(&base(&bad)));
     assert!(
-        e.contains("bad.jsonl:2: expected `text`, `instruction` + `output`, or `messages`"),
+        e.contains(
+            "bad.jsonl:2: `text` is a number (3), not a string (expected `text`, `instruction` + \
+             `output`, or `messages`)"
+        ),
         "{e}"
     );
     let empty = jsonl("empty.jsonl", "\n\n");
@@ -1691,5 +1694,104 @@ fn compile_flags_that_need_check_are_refused() {
         assert!(e.contains(message), "{flags:?}: {e}");
         assert!(!out.exists(), "{flags:?}: nothing is written");
     }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A GPU recipe run on a machine where the CUDA plugin sees no GPU (here with
+/// CUDA_VISIBLE_DEVICES empty) gets the plugin's error with what to do instead (compile for the
+/// GPU, or train on the CPU), and none of the plugin's absl log lines unless -v.
+#[test]
+fn a_gpu_recipe_without_a_gpu_says_to_compile_for_it_or_train_on_the_cpu() {
+    let dir = tempdir("rel-no-gpu");
+    let recipe = Path::new(env!("CARGO_MANIFEST_DIR")).join("recipes/llama-3.1-8b-h100.toml");
+    let run = |verbose: bool| {
+        let mut c = xtrain_cmd();
+        if verbose {
+            c.arg("-v");
+        }
+        let o = c
+            .arg("train")
+            .arg("--config")
+            .arg(&recipe)
+            .arg("--model")
+            .arg(fixtures().join("model"))
+            .arg("--data")
+            .arg(fixtures().join("inputs.safetensors"))
+            .args(["--eval-fraction", "0", "--out"])
+            .arg(dir.join("run"))
+            .env("CUDA_VISIBLE_DEVICES", "")
+            .output()
+            .unwrap();
+        assert!(!o.status.success());
+        String::from_utf8_lossy(&o.stderr).to_string()
+    };
+    let err = run(false);
+    assert!(
+        err.starts_with("error: cannot create a client for "),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(
+        err.contains(
+            "If this machine has no cuda GPU: compile for one with `xtrain compile --target \
+             cuda:<name>:<count> --check`"
+        ) && err.contains("or train here on the CPU with --plugin cpu"),
+        "{err}"
+    );
+    assert!(
+        !err.contains("InitializeLog") && !err.contains("cuda drivers"),
+        "no absl lines: {err}"
+    );
+    assert_eq!(err.lines().count(), 1, "{err}");
+    // -v shows them.
+    let verbose = run(true);
+    assert!(verbose.lines().count() > 1, "{verbose}");
+    assert!(!dir.join("run/adapter").exists());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `xtrain targets tpu:v5e` (a TPU asked for as a GPU description) says that TPUs need none
+/// and shows the form a TPU target takes; an unknown generation lists the known ones.
+#[test]
+fn targets_of_a_tpu_says_it_needs_no_description_and_shows_its_form() {
+    let o = xtrain(&["targets", "tpu:v5e"]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        out.contains("TPUs need no description")
+            && out.contains("compile with --target tpu:v5e:<chips>")
+            && !out.contains("not a built-in GPU"),
+        "{out}"
+    );
+    let e = fails(&["targets", "tpu:v9"]);
+    assert!(
+        e.contains("unknown TPU generation `v9`") && e.contains("tpu:v5e:<chips>"),
+        "{e}"
+    );
+}
+
+/// `--grad-accum 0` is out of range, said as the other ranges are (it was "must divide the
+/// batch size"), by train and compile alike.
+#[test]
+fn grad_accum_zero_is_out_of_range() {
+    let dir = tempdir("rel-grad-accum-0");
+    let model = fixtures().join("model");
+    let e = fails(&refs(&train_on(
+        &model,
+        &dir.join("run"),
+        &["--grad-accum", "0"],
+    )));
+    assert!(e.contains("--grad-accum must be at least 1, got 0"), "{e}");
+    assert!(!dir.join("run").exists());
+    let e = fails(&[
+        "compile",
+        "--model",
+        model.to_str().unwrap(),
+        "--grad-accum",
+        "0",
+        "--out",
+        dir.join("prog").to_str().unwrap(),
+    ]);
+    assert!(e.contains("--grad-accum must be at least 1, got 0"), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -171,6 +171,42 @@ fn tiny_step_compiles_for_a_tpu_v5e_slice() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// The TPU estimate's MFU is against the chip's bf16 peak, the only one xtrain knows; for an f32
+/// step it says so, and that the step is f32 (it gave the bf16 peak's MFU as if it were the
+/// step's own).
+#[test]
+fn an_f32_steps_tpu_estimate_says_its_mfu_is_against_the_bf16_peak() {
+    let dir = tempdir("target-tpu-f32");
+    let o = xtrain(&[
+        "compile",
+        "--model",
+        "tiny-llama3",
+        "--batch",
+        "4",
+        "--seq",
+        "64",
+        "--check",
+        "--target",
+        "tpu:v5e:2x2",
+        "--out",
+        dir.join("p").to_str().unwrap(),
+    ]);
+    let out = String::from_utf8_lossy(&o.stdout).to_string();
+    assert!(
+        o.status.success(),
+        "{out}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(
+        out.contains(
+            "against the chip's bf16 peak, 197 TFLOP/s: this step computes in f32, for which \
+             xtrain knows no peak of its own)"
+        ),
+        "{out}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn tiny_step_compiles_for_two_absent_h100s() {
     let dir = tempdir("target-cuda");
@@ -349,6 +385,125 @@ fn bad_targets_are_refused_with_what_would_work() {
     );
     let e = compile(&["--target-config", cfg.to_str().unwrap()]);
     assert!(e.contains("give --target"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `xtrain targets cuda:h100` (a GPU description to edit) with `edit` applied to its lines,
+/// written to `dir/name`.
+fn edited_description(dir: &Path, name: &str, edit: impl Fn(&str) -> Option<String>) -> String {
+    let described = xtrain(&["targets", "cuda:h100"]);
+    assert!(described.status.success());
+    let text: String = String::from_utf8_lossy(&described.stdout)
+        .lines()
+        .filter_map(edit)
+        .map(|l| l + "\n")
+        .collect();
+    let path = dir.join(name);
+    std::fs::write(&path, text).unwrap();
+    path.to_str().unwrap().to_string()
+}
+
+/// `compile --check --target cuda:mygpu:2 --target-config FILE`, expected to fail: its stderr.
+fn compile_described(dir: &Path, config: &str) -> String {
+    fails(&[
+        "compile",
+        "--model",
+        "tiny-llama3",
+        "--seq",
+        "64",
+        "--check",
+        "--target",
+        "cuda:mygpu:2",
+        "--target-config",
+        config,
+        "--out",
+        dir.join("p").to_str().unwrap(),
+    ])
+}
+
+/// A GPU description whose memory size is negative, zero or missing, whose core count is
+/// negative, or that has no compute capability, is refused naming the field, its line and its
+/// value (it was compiled for: "-0.00 KiB each", or "ptxas too old" without an architecture).
+#[test]
+fn a_gpu_description_with_a_bad_size_or_no_architecture_is_refused_naming_the_field() {
+    let dir = tempdir("target-bad-description");
+    let set = |field: &'static str, value: &'static str| {
+        move |l: &str| {
+            Some(if l.trim_start().starts_with(&format!("{field}:")) {
+                format!("  {field}: {value}")
+            } else {
+                l.to_string()
+            })
+        }
+    };
+    for (name, edit, says) in [
+        (
+            "negative-memory",
+            Box::new(set("device_memory_size", "-1")) as Box<dyn Fn(&str) -> Option<String>>,
+            "device_memory_size is -1, but it must be the device's memory in bytes, a positive number",
+        ),
+        (
+            "zero-memory",
+            Box::new(set("device_memory_size", "0")),
+            "device_memory_size is 0, but it must be the device's memory in bytes",
+        ),
+        (
+            "no-memory",
+            Box::new(|l: &str| {
+                (!l.contains("device_memory_size")).then(|| l.to_string())
+            }),
+            "has no device_memory_size (the device's memory in bytes)",
+        ),
+        (
+            "negative-cores",
+            Box::new(set("core_count", "-132")),
+            "core_count is -132, but it must be the number of SMs or compute units",
+        ),
+        (
+            "no-architecture",
+            Box::new(|l: &str| {
+                (!l.contains("cuda_compute_capability")).then(|| l.to_string())
+            }),
+            "has no cuda_compute_capability: XLA compiles for a GPU architecture",
+        ),
+    ] {
+        let config = edited_description(&dir, &format!("{name}.txtpb"), edit);
+        let e = compile_described(&dir, &config);
+        assert!(e.contains(&format!("--target-config {config}")), "{name}: {e}");
+        assert!(e.contains(says), "{name}: {e}");
+        assert!(e.contains("line "), "{name}: names the line: {e}");
+        assert!(!dir.join("p").exists(), "{name}: nothing written");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A GPU description that is not valid text format is refused naming the line and what was
+/// found there, before the plugin's parser sees it.
+#[test]
+fn a_gpu_description_that_does_not_parse_names_the_line() {
+    let dir = tempdir("target-description-syntax");
+    // `core_count 132` (no colon) on its line of the description.
+    let config = edited_description(&dir, "no-colon.txtpb", |l| {
+        Some(l.replace("core_count:", "core_count"))
+    });
+    let text = std::fs::read_to_string(&config).unwrap();
+    let line = 1 + text.lines().position(|l| l.contains("core_count")).unwrap();
+    let e = compile_described(&dir, &config);
+    assert!(
+        e.contains(&format!(
+            "--target-config {config}: line {line}: expected `:` or `{{` after `core_count`, found `132`"
+        )),
+        "{e}"
+    );
+    // A block never closed names the line it opened on.
+    let config = edited_description(&dir, "unclosed.txtpb", |l| {
+        (l != "}").then(|| l.to_string())
+    });
+    let e = compile_described(&dir, &config);
+    assert!(
+        e.contains("line 1: the `{` opened here is never closed with `}`"),
+        "{e}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -733,6 +888,76 @@ fn offloaded_steps_keep_weights_and_activations_in_host_memory() {
         .filter(|n| n.starts_with('.'))
         .collect();
     assert!(left.is_empty(), "{left:?}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `xtrain train` runs as one process: a program dir compiled for several hosts (`cuda:h100:2x2`,
+/// 4 GPUs on 2 hosts) needs more devices than one host of 2 GPUs has, and is refused naming its
+/// build and saying that multi-host training is not supported, before anything is loaded (the
+/// plugin failed inside instead). The CPU plugin makes the devices it is asked for, so there the
+/// same dir trains. No GPU here: the check is called as `train` calls it, with 2 CUDA devices.
+#[test]
+fn a_multi_host_program_dir_is_refused_where_this_process_has_too_few_devices() {
+    let f = fixtures();
+    let dir = tempdir("target-multi-host");
+    let prog = dir.join("prog");
+    let o = xtrain(&[
+        "compile",
+        "--model",
+        f.join("model").to_str().unwrap(),
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--lora-r",
+        "8",
+        "--lora-alpha",
+        "16",
+        "--remat",
+        "layer",
+        "--check",
+        "--target",
+        "cuda:h100:2x2",
+        "--out",
+        prog.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let (program, _) = xtrain::formats::program_dir::read_dir(&prog).unwrap();
+    let builds = xtrain::formats::program_dir::read_builds(&prog).unwrap();
+    let what = format!("program dir {}", prog.display());
+    let e = xtrain::train::one_process("cuda", 2, program.partitions, &builds, &what)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains(&format!(
+            "{what} needs 4 devices, but this process has 2 (cuda). It was compiled for \
+             cuda:h100:2x2 (4 devices on 2 hosts)"
+        )) && e.contains("training across several hosts (one process per host) is not supported")
+            && e.contains("--mesh fsdp=2"),
+        "{e}"
+    );
+    // A host with the 4 devices runs it.
+    xtrain::train::one_process("cuda", 4, program.partitions, &builds, &what).unwrap();
+    // The CPU plugin makes 4 devices: it trains.
+    let o = train_cmd(
+        &f.join("model"),
+        &f.join("inputs.safetensors"),
+        &dir.join("run"),
+    )
+    .args([
+        "--steps",
+        "1",
+        "--lora-r",
+        "8",
+        "--lora-alpha",
+        "16",
+        "--program",
+    ])
+    .arg(&prog)
+    .args(["--plugin", "cpu"])
+    .output()
+    .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

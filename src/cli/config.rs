@@ -96,6 +96,7 @@ fn recipe_flags(path: &Path, name: &str, cli: &Command) -> Result<Vec<String>> {
             };
             let c = command(cmd);
             for k in section.keys() {
+                not_a_setting(path, k)?;
                 if find_flag(c, k).is_none() {
                     bail!(
                         "{}: key `{k}` in [{key}] is not a flag of `xtrain {cmd}`{}",
@@ -110,6 +111,7 @@ fn recipe_flags(path: &Path, name: &str, cli: &Command) -> Result<Vec<String>> {
         if matches!(value, toml::Value::Table(_)) {
             continue;
         }
+        not_a_setting(path, key)?;
         match find_flag(this, key) {
             Some(arg) => flags.extend(render(path, key, arg, value)?),
             None if others.iter().any(|c| find_flag(c, key).is_some()) => {
@@ -141,6 +143,22 @@ fn recipe_flags(path: &Path, name: &str, cli: &Command) -> Result<Vec<String>> {
         );
     }
     Ok(flags)
+}
+
+/// `config`, `help` and `version` are flags of every command, but none is a setting a recipe can
+/// hold: refused by name rather than taken for a misspelt flag.
+fn not_a_setting(path: &Path, key: &str) -> Result<()> {
+    let why = match flag_name(key).as_str() {
+        "config" => "--config names the recipe file itself (a recipe cannot include another)",
+        "help" => "--help prints the command's flags and runs nothing",
+        "version" => "--version prints xtrain's version and runs nothing",
+        _ => return Ok(()),
+    };
+    bail!(
+        "{}: `{key}` cannot be a recipe key: {why}; a recipe's keys are the settings of a run \
+         (`xtrain train --help` lists them)",
+        path.display()
+    )
 }
 
 /// `lora_r` and `lora-r` name `--lora-r`.

@@ -116,6 +116,7 @@ fn parse() -> (Cli, clap::ArgMatches) {
 pub fn main() {
     let (cli, matches) = parse();
     pjrt::set_verbose(cli.verbose);
+    xtrain::device::platform::set_verbose(cli.verbose);
     // Before any command starts threads (weights are made and read on all cores).
     let runs_on = match &cli.command {
         Command::Train(a) => Some(a.plugin.as_deref()),

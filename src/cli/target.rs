@@ -199,9 +199,19 @@ fn print_estimate(t: &TargetDevices, spec: &StepSpec) -> Result<Option<StepEstim
         tokens / e.seconds(),
         match (mfu, t.target.peak_bf16_tflops_per_chip) {
             (Some(m), Some(peak)) => format!(
-                ", estimated MFU {:.1}% (model FLOPs {:.4} TFLOP per step; peak {peak} TFLOP/s bf16 per chip)",
+                ", estimated MFU {:.1}% (model FLOPs {:.4} TFLOP per step; against the chip's \
+                 bf16 peak, {peak} TFLOP/s{})",
                 100.0 * m,
-                model_flops / 1e12
+                model_flops / 1e12,
+                // The only peak xtrain knows; the matrix units give no more in another dtype.
+                if spec.compute_dtype == hlo::DType::BF16 {
+                    String::new()
+                } else {
+                    format!(
+                        ": this step computes in {}, for which xtrain knows no peak of its own",
+                        spec.compute_dtype
+                    )
+                }
             ),
             _ => String::new(),
         }
@@ -330,6 +340,22 @@ pub fn targets(name: Option<&str>) -> Result<()> {
     };
     let (platform, device) = name.split_once(':').unwrap_or(("", name));
     let device = device.split(':').next().unwrap_or(device);
+    if platform == "tpu" {
+        // libtpu knows its chips: a TPU target is its generation and its slice's layout.
+        let Some(t) = TPUS.iter().find(|t| t.name == device) else {
+            bail!(
+                "`{name}`: unknown TPU generation `{device}`; known: {}",
+                xtrain::device::target::known_targets()
+            );
+        };
+        println!(
+            "tpu:{}:<chips>  {} TFLOP/s bf16 per chip. TPUs need no description (libtpu knows \
+             each generation): compile with --target tpu:{}:<chips>, the slice's layout as \
+             libtpu names it (e.g. tpu:{}:2x2; 1x1 for one chip)",
+            t.name, t.peak_bf16_tflops_per_chip, t.name, t.name
+        );
+        return Ok(());
+    }
     let Some(g) = GPUS.iter().find(|g| {
         g.name == device
             && matches!(

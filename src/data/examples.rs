@@ -22,6 +22,8 @@ pub struct ReadReport {
     pub skipped: Vec<(usize, String)>,
     /// What `skipped` counts: "line" or "row".
     pub unit: &'static str,
+    /// What the reader decided that the user should know (which of two columns it trains on).
+    pub notes: Vec<String>,
 }
 
 /// The keys (JSONL) or columns (Parquet) that hold plain text and chat messages.
@@ -29,6 +31,9 @@ pub struct ReadReport {
 pub struct Columns {
     pub text: String,
     pub messages: String,
+    /// Whether `--text-column` was given and `--messages-column` was not: a Parquet file with
+    /// both columns is then trained on its text column.
+    pub text_chosen: bool,
 }
 
 impl Default for Columns {
@@ -41,6 +46,7 @@ impl Columns {
     /// `text` and `messages` unless named otherwise.
     pub fn new(text: Option<String>, messages: Option<String>) -> Columns {
         Columns {
+            text_chosen: text.is_some() && messages.is_none(),
             text: text.unwrap_or_else(|| "text".into()),
             messages: messages.unwrap_or_else(|| "messages".into()),
         }
@@ -98,10 +104,46 @@ pub(crate) fn parse_line(
     if let Some(t) = s(&columns.text) {
         return Ok(Example::Text(t.into()));
     }
-    Err(format!(
+    let expected = format!(
         "expected `{}`, `instruction` + `output`, or `{}`",
         columns.text, columns.messages
-    ))
+    );
+    // Say what the text is instead, where it is there.
+    Err(match obj.get(&columns.text) {
+        Some(serde_json::Value::Null) => format!("`{}` is null ({expected})", columns.text),
+        Some(v) => format!(
+            "`{}` is {} ({}), not a string ({expected})",
+            columns.text,
+            json_kind(v),
+            short(v)
+        ),
+        None if obj.get(&columns.messages).is_some_and(|m| m.is_null()) => {
+            format!("`{}` is null ({expected})", columns.messages)
+        }
+        None => expected,
+    })
+}
+
+/// "a number", "a list", ... for a JSON value.
+fn json_kind(v: &serde_json::Value) -> &'static str {
+    use serde_json::Value as J;
+    match v {
+        J::Null => "null",
+        J::Bool(_) => "a boolean",
+        J::Number(_) => "a number",
+        J::String(_) => "a string",
+        J::Array(_) => "a list",
+        J::Object(_) => "an object",
+    }
+}
+
+/// A value as JSON, cut to a few dozen characters.
+fn short(v: &serde_json::Value) -> String {
+    let text = v.to_string();
+    match text.char_indices().nth(40) {
+        Some((at, _)) => format!("{}...", &text[..at]),
+        None => text,
+    }
 }
 
 /// Read a data file's examples: Parquet (`.parquet`) or JSONL (anything else).
@@ -149,6 +191,7 @@ fn read_jsonl_with(path: &Path, skip_bad: bool, columns: &Columns) -> Result<Rea
         examples,
         skipped,
         unit: "line",
+        notes: Vec::new(),
     })
 }
 

@@ -46,7 +46,61 @@ pub fn read_parquet(path: &Path, skip_bad: bool, columns: &Columns) -> Result<Re
         .schema_descr()
         .root_schema();
     let fields = schema.get_fields();
-    let has = |n: &str| fields.iter().any(|f| f.name() == n);
+    let column = |n: &str| fields.iter().find(|f| f.name() == n);
+    let has = |n: &str| column(n).is_some();
+    let found = || {
+        let found: Vec<String> = fields.iter().map(|f| describe(f)).collect();
+        if found.is_empty() {
+            "no columns".to_string()
+        } else {
+            found.join(", ")
+        }
+    };
+    let mut notes = Vec::new();
+    // Both a text and a messages column: the messages, as TRL's SFTTrainer takes a
+    // conversational dataset, unless only --text-column was given. Said either way.
+    let both = has(&columns.messages) && has(&columns.text);
+    let use_messages = has(&columns.messages) && !(both && columns.text_chosen);
+    if both {
+        let (t, m) = (&columns.text, &columns.messages);
+        notes.push(if use_messages {
+            format!(
+                "{} has both a `{m}` and a `{t}` column: training on `{m}` (chats, the loss on \
+                 the answers; `{t}` only in rows whose `{m}` is null); to train on `{t}` \
+                 instead, pass --text-column {t}",
+                path.display()
+            )
+        } else {
+            format!(
+                "{} has both a `{m}` and a `{t}` column: training on `{t}` (--text-column), \
+                 leaving `{m}` out",
+                path.display()
+            )
+        });
+    }
+    let text_is_string = column(&columns.text).is_none_or(|f| describe(f).ends_with(": string"));
+    let usable = use_messages
+        || (has(&columns.text) && text_is_string)
+        || (has("instruction") && has("output"));
+    if !usable {
+        if let Some(text) = column(&columns.text) {
+            bail!(
+                "{}: column `{}` holds {} values, not strings, so there is no column to train on \
+                 (the file has {}; name another with --text-column or --messages-column)",
+                path.display(),
+                columns.text,
+                describe(text).rsplit(": ").next().unwrap_or_default(),
+                found()
+            );
+        }
+        bail!(
+            "{}: no column to train on: expected `{}` (text), `{}` (chat messages) or `instruction` + `output` (alpaca); the file has {} (name them with --text-column or --messages-column)",
+            path.display(),
+            columns.text,
+            columns.messages,
+            found()
+        );
+    }
     let wanted: Vec<&str> = [
         columns.messages.as_str(),
         "instruction",
@@ -55,20 +109,8 @@ pub fn read_parquet(path: &Path, skip_bad: bool, columns: &Columns) -> Result<Re
         columns.text.as_str(),
     ]
     .into_iter()
-    .filter(|n| has(n))
+    .filter(|n| has(n) && (use_messages || *n != columns.messages))
     .collect();
-    let usable =
-        has(&columns.messages) || has(&columns.text) || (has("instruction") && has("output"));
-    if !usable {
-        let found: Vec<String> = fields.iter().map(|f| describe(f)).collect();
-        bail!(
-            "{}: no column to train on: expected `{}` (text), `{}` (chat messages) or `instruction` + `output` (alpaca); the file has {} (name them with --text-column or --messages-column)",
-            path.display(),
-            columns.text,
-            columns.messages,
-            if found.is_empty() { "no columns".to_string() } else { found.join(", ") }
-        );
-    }
     let projected: Vec<TypePtr> = fields
         .iter()
         .filter(|f| wanted.contains(&f.name()))
@@ -129,6 +171,7 @@ pub fn read_parquet(path: &Path, skip_bad: bool, columns: &Columns) -> Result<Re
         examples,
         skipped,
         unit: "row",
+        notes,
     })
 }
 

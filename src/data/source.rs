@@ -298,6 +298,9 @@ impl Source {
 /// with `skip_bad_lines`; the loss on the prompt too with `train_on_prompt`).
 fn read_rows(path: &Path, tok: &TextTokenizer, opts: &DataOptions) -> Result<Vec<Tokenized>> {
     let report = read_examples(path, opts.skip_bad_lines, &opts.columns)?;
+    for note in &report.notes {
+        eprintln!("xtrain: {note}");
+    }
     if let Some((at, reason)) = report.skipped.first() {
         let unit = report.unit;
         eprintln!(

@@ -105,6 +105,19 @@ pub fn prepare_host_memory(plugin: Option<&str>) {
     }
 }
 
+static VERBOSE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Whether the command was run with `-v`: the plugins' own logging is then shown (set once, by
+/// the command line, before any plugin loads).
+pub fn set_verbose(verbose: bool) {
+    VERBOSE.store(verbose, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// See [`set_verbose`].
+pub fn verbose() -> bool {
+    VERBOSE.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// Run `f` with the process's stderr sent to /dev/null unless `verbose`: the GPU plugins log a
 /// few lines while they load (absl's "before InitializeLog" warning, "Could not find cuda
 /// drivers") whatever `TF_CPP_MIN_LOG_LEVEL` says, and a deviceless compile expects no driver.

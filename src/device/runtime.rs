@@ -50,15 +50,43 @@ impl Runtime {
                 path.display()
             );
         }
-        let plugin = Plugin::load(&path)?;
         let options = match cpu_devices {
             Some(n) if cpu => ClientOptions::cpu_device_count(n),
             _ if gpu => ClientOptions::gpu_memory_fraction(gpu_memory_fraction()?),
             _ => ClientOptions::default(),
         };
-        let client = plugin
-            .client(&options)
-            .with_context(|| format!("cannot create a client for {}", path.display()))?;
+        // The GPU plugins log absl's "before InitializeLog" warning and "Could not find cuda
+        // drivers" as they load and look for devices, whatever TF_CPP_MIN_LOG_LEVEL says;
+        // their errors come back as PJRT errors. Shown with -v.
+        let quiet = gpu && !crate::device::platform::verbose();
+        let plugin = crate::device::platform::quiet_unless(!quiet, || Plugin::load(&path))?;
+        let client = crate::device::platform::quiet_unless(!quiet, || plugin.client(&options));
+        let client = client.map_err(|e| {
+            let hint = if gpu {
+                let platform = if name.contains("rocm") {
+                    "rocm"
+                } else {
+                    "cuda"
+                };
+                format!(
+                    ". If this machine has no {platform} GPU: compile for one with `xtrain \
+                     compile --target {platform}:<name>:<count> --check` (`xtrain targets` \
+                     lists the GPUs) and train its program dir where the GPU is, or train here \
+                     on the CPU with --plugin cpu (-v shows the plugin's own log)"
+                )
+            } else {
+                String::new()
+            };
+            anyhow::anyhow!(
+                "cannot create a client for {}: {}{hint}",
+                path.display(),
+                if hint.is_empty() {
+                    e.to_string()
+                } else {
+                    e.to_string().trim_end_matches('.').to_string()
+                }
+            )
+        })?;
         let devices = client.devices()?;
         if devices.is_empty() {
             bail!("the plugin {} reports no devices", path.display());

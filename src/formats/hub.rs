@@ -90,32 +90,38 @@ pub fn lookup(cache: &Path, id: &str, revision: Option<&str>, need: Need) -> Res
             repo.display()
         )));
     }
-    let hash = if is_commit_hash(rev) && repo.join("snapshots").join(rev).is_dir() {
-        rev.to_string()
-    } else {
-        let r = repo.join("refs").join(rev);
-        match std::fs::read_to_string(&r) {
+    let named_by_ref = !(is_commit_hash(rev) && repo.join("snapshots").join(rev).is_dir());
+    let ref_file = repo.join("refs").join(rev);
+    let hash = if named_by_ref {
+        match std::fs::read_to_string(&ref_file) {
             Ok(h) => h.trim().to_string(),
             Err(_) => {
                 return Ok(Lookup::Missing(format!(
                     "{} does not exist (no revision `{rev}` in the cache)",
-                    r.display()
+                    ref_file.display()
                 )))
             }
         }
+    } else {
+        rev.to_string()
     };
     if !is_commit_hash(&hash) {
         bail!(
             "{}: expected a 40-hex commit hash, found `{hash}`",
-            repo.join("refs").join(rev).display()
+            ref_file.display()
         );
     }
     let snap = repo.join("snapshots").join(&hash);
-    if !snap.join("config.json").is_file() {
+    if !snap.is_dir() {
         return Ok(Lookup::Missing(format!(
-            "{} has no config.json",
+            "{} names commit {hash}, but its snapshot {} does not exist (a ref left by a \
+             download that did not finish, or a snapshot deleted since)",
+            ref_file.display(),
             snap.display()
         )));
+    }
+    if let Some(missing) = missing_file(&snap.join("config.json")) {
+        return Ok(Lookup::Missing(missing));
     }
     if need == Need::Weights {
         if let Some(missing) = missing_weights(&snap)? {
@@ -125,13 +131,45 @@ pub fn lookup(cache: &Path, id: &str, revision: Option<&str>, need: Need) -> Res
     Ok(Lookup::Found(snap))
 }
 
+/// Why `file` of a snapshot cannot be read, if it cannot: absent, or a link into `blobs/`
+/// whose blob is gone (named with the link's target).
+fn missing_file(file: &Path) -> Option<String> {
+    if file.is_file() {
+        return None;
+    }
+    match std::fs::read_link(file) {
+        Ok(target) => Some(format!(
+            "{} is a link to {}, which does not exist (its blob is missing: a download that did \
+             not finish, or a cache cleaned since)",
+            file.display(),
+            file.parent()
+                .map_or(target.clone(), |dir| dir.join(&target))
+                .display()
+        )),
+        Err(_) => Some(format!("{} does not exist", file.display())),
+    }
+}
+
+/// Whether `file` is a link whose target does not exist.
+fn dangling(file: &Path) -> bool {
+    !file.exists() && file.symlink_metadata().is_ok()
+}
+
 /// What a snapshot lacks of its safetensors weights (`model.safetensors`, or every shard the
-/// index names), if anything. A symlink into `blobs/` whose blob is gone counts as missing.
+/// index names), if anything. A symlink into `blobs/` whose blob is gone counts as missing, and
+/// is named with its target.
 fn missing_weights(snap: &Path) -> Result<Option<String>> {
-    if snap.join("model.safetensors").is_file() {
+    let single = snap.join("model.safetensors");
+    if single.is_file() {
         return Ok(None);
     }
+    if dangling(&single) {
+        return Ok(missing_file(&single));
+    }
     let index = snap.join("model.safetensors.index.json");
+    if dangling(&index) {
+        return Ok(missing_file(&index));
+    }
     if !index.is_file() {
         return Ok(Some(format!(
             "{} has neither model.safetensors nor model.safetensors.index.json",
@@ -155,6 +193,9 @@ fn missing_weights(snap: &Path) -> Result<Option<String>> {
         .collect();
     if absent.is_empty() {
         return Ok(None);
+    }
+    if let Some(broken) = absent.iter().find(|s| dangling(&snap.join(s))) {
+        return Ok(missing_file(&snap.join(broken)));
     }
     Ok(Some(format!(
         "{} lacks {} of the shards its index names (first: {})",
@@ -250,13 +291,13 @@ fn download(cache: &Path, id: &str, revision: Option<&str>, need: Need) -> Resul
     if let Ok(endpoint) = std::env::var("HF_ENDPOINT") {
         builder = builder.with_endpoint(endpoint);
     }
-    let api = builder.build()?;
+    let api = builder.build().map_err(said_once)?;
     let repo = api.repo(Repo::with_revision(
         id.to_string(),
         RepoType::Model,
         revision.unwrap_or("main").to_string(),
     ));
-    let info = repo.info()?;
+    let info = repo.info().map_err(said_once)?;
     let files: Vec<String> = info
         .siblings
         .into_iter()
@@ -267,7 +308,26 @@ fn download(cache: &Path, id: &str, revision: Option<&str>, need: Need) -> Resul
         bail!("the repo has no config.json at its top level");
     }
     for f in &files {
-        repo.get(f).with_context(|| format!("downloading {f}"))?;
+        repo.get(f)
+            .map_err(said_once)
+            .with_context(|| format!("downloading {f}"))?;
     }
     Ok(())
+}
+
+/// An `hf-hub` error as one message, each cause said once: its errors write their cause into
+/// their own text and return it as their source too (as does `ureq`'s), so the chain printed
+/// whole repeated the network error three times.
+fn said_once(e: impl std::error::Error) -> anyhow::Error {
+    let mut text = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        let t = c.to_string();
+        if !text.contains(&t) {
+            text.push_str(": ");
+            text.push_str(&t);
+        }
+        cause = c.source();
+    }
+    anyhow::anyhow!(text)
 }

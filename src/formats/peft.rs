@@ -225,12 +225,23 @@ pub fn read_tensors(
     Ok(out)
 }
 
+/// An adapter's base model as PEFT records it: `base_model_name_or_path` and `revision`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BaseModel {
+    pub name: String,
+    /// The commit of a hub cache snapshot (None for a plain directory): what PEFT passes to
+    /// `from_pretrained(revision=...)`, so that the adapter loads onto the weights it was
+    /// trained on, not onto whatever `main` is then.
+    pub revision: Option<String>,
+}
+
 /// What an adapter calls its base model (`base_model_name_or_path`), in a form another machine
 /// can resolve: the Hugging Face repo id when the model directory is a snapshot in a hub cache
-/// (`.../models--org--name/snapshots/<revision>/`, as `huggingface_hub` lays it out), else the
-/// directory's canonical absolute path (what `PeftModel`/`AutoPeftModel` can load on this machine
-/// or one that mounts the same path).
-pub fn base_model_name(model: &Path) -> String {
+/// (`.../models--org--name/snapshots/<commit>/`, as `huggingface_hub` lays it out), with that
+/// commit as the revision (a branch or tag given with `--revision` resolves to it); else the
+/// directory's canonical absolute path (what `PeftModel`/`AutoPeftModel` can load on this
+/// machine or one that mounts the same path).
+pub fn base_model(model: &Path) -> BaseModel {
     let abs = std::fs::canonicalize(model).unwrap_or_else(|_| {
         std::env::current_dir()
             .map(|d| d.join(model))
@@ -243,11 +254,18 @@ pub fn base_model_name(model: &Path) -> String {
     for w in parts.windows(3) {
         if let Some(repo) = w[0].strip_prefix("models--") {
             if w[1] == "snapshots" && repo.contains("--") {
-                return repo.replacen("--", "/", 1);
+                let commit = w[2].len() == 40 && w[2].chars().all(|c| c.is_ascii_hexdigit());
+                return BaseModel {
+                    name: repo.replacen("--", "/", 1),
+                    revision: commit.then(|| w[2].clone()),
+                };
             }
         }
     }
-    abs.to_string_lossy().into_owned()
+    BaseModel {
+        name: abs.to_string_lossy().into_owned(),
+        revision: None,
+    }
 }
 
 /// Write an adapter dir: both files atomically, into `dir` (created if needed).
@@ -255,14 +273,15 @@ pub fn write(
     dir: &Path,
     lora: &LoraConfig,
     tensors: &BTreeMap<String, HostTensor>,
-    base_model: &str,
+    base_model: &BaseModel,
 ) -> Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let targets: Vec<&str> = lora.targets.iter().map(|t| t.module()).collect();
     let config = serde_json::json!({
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base_model,
+        "base_model_name_or_path": base_model.name,
+        "revision": base_model.revision,
         "r": lora.r,
         "lora_alpha": lora.alpha,
         "lora_dropout": lora.dropout,
@@ -389,16 +408,30 @@ mod tests {
     #[test]
     fn base_model_names_resolve_elsewhere() {
         let dir = std::env::temp_dir().join(format!("xtrain-base-{}", std::process::id()));
-        let snap = dir.join("hub/models--meta-llama--Llama-3.1-8B/snapshots/0123abcd");
+        let commit = "0123456789abcdef0123456789abcdef01234567";
+        let snap = dir
+            .join("hub/models--meta-llama--Llama-3.1-8B/snapshots")
+            .join(commit);
         std::fs::create_dir_all(&snap).unwrap();
-        assert_eq!(base_model_name(&snap), "meta-llama/Llama-3.1-8B");
+        assert_eq!(
+            base_model(&snap),
+            BaseModel {
+                name: "meta-llama/Llama-3.1-8B".into(),
+                revision: Some(commit.into())
+            }
+        );
+        // A snapshot not named by a commit has no revision to record.
+        let odd = dir.join("hub/models--meta-llama--Llama-3.1-8B/snapshots/0123abcd");
+        std::fs::create_dir_all(&odd).unwrap();
+        assert_eq!(base_model(&odd).revision, None);
         let plain = dir.join("my-model");
         std::fs::create_dir_all(&plain).unwrap();
-        let name = base_model_name(&plain);
+        let BaseModel { name, revision } = base_model(&plain);
         assert!(Path::new(&name).is_absolute(), "{name}");
         assert!(name.ends_with("my-model"), "{name}");
+        assert_eq!(revision, None);
         // A relative path becomes absolute.
-        let rel = base_model_name(Path::new("no-such-dir"));
+        let rel = base_model(Path::new("no-such-dir")).name;
         assert!(Path::new(&rel).is_absolute(), "{rel}");
         std::fs::remove_dir_all(&dir).unwrap();
     }

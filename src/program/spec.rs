@@ -340,7 +340,10 @@ pub(super) fn check_spec(spec: &StepSpec) -> Result<()> {
             );
         }
     }
-    if spec.microbatches < 1 || spec.batch % spec.microbatches != 0 {
+    if spec.microbatches < 1 {
+        bail!("--grad-accum must be at least 1, got {}", spec.microbatches);
+    }
+    if spec.batch % spec.microbatches != 0 {
         bail!(
             "--grad-accum {} must divide the batch size {}",
             spec.microbatches,

@@ -16,7 +16,7 @@ pub fn save_adapter(
     dir: &Path,
     lora: &LoraConfig,
     tensors: &BTreeMap<String, HostTensor>,
-    base: &str,
+    base: &crate::formats::peft::BaseModel,
 ) -> Result<()> {
     write_dir_atomic(dir, |tmp| {
         crate::formats::peft::write(tmp, lora, tensors, base)
@@ -54,7 +54,7 @@ pub fn save_checkpoint(
     dir: &Path,
     trainer: &Trainer,
     state: &TrainerState,
-    base: &str,
+    base: &crate::formats::peft::BaseModel,
 ) -> Result<()> {
     let (lora, moments) = trainer.state_to_host()?;
     write_dir_atomic(dir, |tmp| {

@@ -52,13 +52,17 @@ impl Metrics {
         let file = std::fs::OpenOptions::new()
             .append(true)
             .open(&metrics_path)?;
+        let mut tensorboard = EventWriter::create(&out.join("tensorboard"))?;
+        // On a resume, the earlier files' steps after the checkpoint are logged again or never
+        // reached by the run that continues: TensorBoard drops them, as above.
+        tensorboard.session_start(resumed_at.map_or(0, |step| step + 1))?;
         Ok(Metrics {
             file,
             tokens_per_step,
             history: Vec::new(),
             eval_accuracy: Vec::new(),
             recent: Vec::new(),
-            tensorboard: EventWriter::create(&out.join("tensorboard"))?,
+            tensorboard,
             mfu_seconds: None,
         })
     }

@@ -143,7 +143,7 @@ fn run_in(opts: &TrainOptions, cfg: &LlamaConfig, interrupted: &AtomicBool) -> R
         state,
         source,
         eval_batches,
-        base: crate::formats::peft::base_model_name(&opts.model),
+        base: crate::formats::peft::base_model(&opts.model),
     };
     if stop() {
         return Ok(Finished::Interrupted(None));
@@ -256,6 +256,14 @@ pub fn plan(
             );
         }
         let mut rt = open(program.partitions)?;
+        let builds = crate::formats::program_dir::read_builds(dir)?;
+        one_process(
+            &rt.platform(),
+            rt.devices.len(),
+            program.partitions,
+            &builds,
+            &format!("program dir {}", dir.display()),
+        )?;
         crate::device::platform::check_offload(
             &rt.platform(),
             spec.offload,
@@ -264,7 +272,23 @@ pub fn plan(
         rt.prebuilt = prebuilt(&rt, dir, &program)?;
         return Ok((rt, spec, program));
     }
-    let mut rt = open(opts.step.mesh.as_ref().map_or(1, |m| m.devices()))?;
+    let devices = opts.step.mesh.as_ref().map_or(1, |m| m.devices());
+    let mut rt = open(devices)?;
+    one_process(
+        &rt.platform(),
+        rt.devices.len(),
+        devices,
+        &[],
+        &format!(
+            "--mesh {}",
+            opts.step.mesh.as_ref().map_or(String::new(), |m| m
+                .axes
+                .iter()
+                .map(|(a, n)| format!("{a}={n}"))
+                .collect::<Vec<_>>()
+                .join(","))
+        ),
+    )?;
     let spec = opts.step.spec(cfg.clone(), batch, seq)?;
     if let Some(o) = opts.step.offload {
         crate::device::platform::check_offload(&rt.platform(), o, "this step")?;
@@ -293,6 +317,41 @@ pub fn plan(
     }
     let program = program::build_train_step(&spec)?;
     Ok((rt, spec, program))
+}
+
+/// `xtrain train` is one process, on the devices its plugin gives it: a step whose mesh needs
+/// more (`what`: a program dir compiled for several hosts, such as `tpu:v5p:4x4x2` or
+/// `cuda:h100:2x8`, or a `--mesh` larger than this host) is refused before anything is loaded,
+/// rather than failing inside the plugin. `builds` are the program dir's (its multi-host
+/// targets are named). The CPU plugin makes as many devices as asked, so it never refuses.
+pub fn one_process(
+    platform: &str,
+    devices: usize,
+    partitions: i64,
+    builds: &[crate::formats::program_dir::Build],
+    what: &str,
+) -> Result<()> {
+    if partitions <= devices as i64 {
+        return Ok(());
+    }
+    let hosts: Vec<String> = builds
+        .iter()
+        .filter(|b| b.hosts > 1)
+        .map(|b| format!("{} ({} devices on {} hosts)", b.target, b.devices, b.hosts))
+        .collect();
+    let compiled = if hosts.is_empty() {
+        String::new()
+    } else {
+        format!(" It was compiled for {}.", hosts.join(", "))
+    };
+    bail!(
+        "{what} needs {partitions} devices, but this process has {devices} ({platform}).{compiled} \
+         `xtrain train` runs as one process on one host's devices: training across several \
+         hosts (one process per host) is not supported. Train on a mesh of at most {devices} \
+         devices (e.g. --mesh fsdp={devices}, with --quant nf4 or --offload where the model \
+         does not fit), or compile for one host (`xtrain compile --target \
+         <platform>:<device>:<count>`)"
+    )
 }
 
 /// The learning-rate schedule over the run's steps (`--steps`, or `--epochs` over the data).
@@ -459,7 +518,7 @@ struct Run<'a> {
     eval_batches: Vec<Batch>,
     metrics: Metrics,
     /// The base model as adapters name it.
-    base: String,
+    base: crate::formats::peft::BaseModel,
     tokens_per_step: i64,
 }
 
@@ -607,7 +666,7 @@ impl Run<'_> {
                 self.opts
                     .model
                     .file_name()
-                    .map_or(self.base.clone(), |n| n.to_string_lossy().into()),
+                    .map_or(self.base.name.clone(), |n| n.to_string_lossy().into()),
                 lora.r,
                 lora.alpha,
                 self.opts.out.display()

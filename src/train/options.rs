@@ -107,7 +107,10 @@ impl TrainOptions {
         let seq = (!self.data.is_batch_file()).then_some(self.data.seq);
         let batch = (!self.data.is_batch_file()).then_some(self.data.batch_size);
         let m = self.step.microbatches;
-        if m < 1 || batch.is_some_and(|b| b % m != 0) {
+        if m < 1 {
+            bail!("--grad-accum must be at least 1, got {m}");
+        }
+        if batch.is_some_and(|b| b % m != 0) {
             bail!(
                 "--grad-accum {m} must divide the batch size {}",
                 batch.map_or("(--batch-size)".to_string(), |b| b.to_string())

@@ -3,7 +3,9 @@
 //! curves. A file is TFRecord framing (u64 length, masked CRC-32C of the length, the bytes, masked
 //! CRC-32C of the bytes) around `Event` protos (written with `prost`): first one with
 //! `file_version = "brain.Event:2"`, then one per step with a `Summary` of `simple_value`s. Like
-//! `metrics.jsonl` it is appended to (and flushed) as the run goes, not written atomically.
+//! `metrics.jsonl` it is appended to (and flushed) as the run goes, not written atomically. A
+//! file then says where the run starts (`SessionLog` START at its first step), so that after a
+//! resume TensorBoard drops what the earlier files logged from there on.
 
 use anyhow::{Context, Result};
 use std::io::Write;
@@ -20,6 +22,18 @@ struct Event {
     file_version: Option<String>,
     #[prost(message, optional, tag = "5")]
     summary: Option<Summary>,
+    #[prost(message, optional, tag = "7")]
+    session_log: Option<SessionLog>,
+}
+
+/// tensorflow/core/util/event.proto's `SessionLog`: a `START` at step N tells TensorBoard's
+/// readers that the run restarted there, and they drop what earlier files logged at step N or
+/// later (`EventAccumulator`'s orphaned-data purge).
+#[derive(Clone, PartialEq, prost::Message)]
+struct SessionLog {
+    /// `SessionStatus`: 1 = START.
+    #[prost(int32, tag = "1")]
+    status: i32,
 }
 
 /// tensorflow/core/framework/summary.proto's `Summary`.
@@ -128,8 +142,24 @@ impl EventWriter {
             step: 0,
             file_version: Some("brain.Event:2".into()),
             summary: None,
+            session_log: None,
         })?;
         Ok(w)
+    }
+
+    /// Say that the run (re)starts at `step`, the first step this file logs. TensorBoard's
+    /// readers then drop every scalar earlier files logged at `step` or later, which a resumed
+    /// run logs anew (or never reaches), so that its curves show each step once, as
+    /// `metrics.jsonl` does. Every file starts with one: the reader the TensorBoard app uses
+    /// (`plugin_event_accumulator`) takes a run's first START for its start, not a restart.
+    pub fn session_start(&mut self, step: u64) -> Result<()> {
+        self.write(&Event {
+            wall_time: now(),
+            step: step as i64,
+            file_version: None,
+            summary: None,
+            session_log: Some(SessionLog { status: 1 }),
+        })
     }
 
     fn write(&mut self, e: &Event) -> Result<()> {
@@ -158,6 +188,7 @@ impl EventWriter {
             step: step as i64,
             file_version: None,
             summary: Some(Summary { value }),
+            session_log: None,
         })
     }
 }
