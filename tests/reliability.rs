@@ -867,7 +867,10 @@ fn stop_after_writes_the_checkpoint_it_stops_at() {
     let ckpt = out.join("checkpoint-3");
     assert!(ckpt.join("trainer_state.json").is_file(), "{err}");
     assert!(
-        err.contains(&format!("continue with --resume {}", ckpt.display())),
+        err.contains(&format!(
+            "continue with `xtrain train --resume {}`",
+            ckpt.display()
+        )),
         "{err}"
     );
     std::fs::remove_dir_all(&dir).unwrap();
@@ -954,19 +957,15 @@ fn merge_and_import_refuse_a_dir_that_holds_something_and_replace_it_whole_on_ov
 fn resume_takes_the_checkpoints_settings_and_refuses_contradictions() {
     let dir = tempdir("rel-resume-settings");
     let model = fixtures().join("model");
+    // A copy of the batch, changed below to show that other data at the same path is refused.
+    let batch = dir.join("batch.safetensors");
+    std::fs::copy(fixtures().join("inputs.safetensors"), &batch).unwrap();
     let run = |out: &Path, extra: &[&str]| -> Vec<String> {
         let mut v: Vec<String> = ["train", "--model", model.to_str().unwrap()]
             .iter()
             .map(|s| s.to_string())
             .collect();
-        v.extend([
-            "--data".into(),
-            fixtures()
-                .join("inputs.safetensors")
-                .to_str()
-                .unwrap()
-                .into(),
-        ]);
+        v.extend(["--data".into(), batch.to_str().unwrap().into()]);
         v.extend(["--out".into(), out.to_str().unwrap().into()]);
         v.extend(
             ["--log-every", "0", "--no-plot"]
@@ -1042,11 +1041,8 @@ fn resume_takes_the_checkpoints_settings_and_refuses_contradictions() {
         "input_ids".into(),
         pjrt::HostTensor::from_i64(&ids, &[2, 16]),
     );
-    let other = dir.join("other.safetensors");
-    xtrain::formats::safetensors::write(&other, &t, &Default::default()).unwrap();
-    let mut a = run(&part, &["--resume", c]);
-    a[4] = other.to_str().unwrap().into();
-    let o = xtrain(&refs(&a));
+    xtrain::formats::safetensors::write(&batch, &t, &Default::default()).unwrap();
+    let o = xtrain(&refs(&run(&part, &["--resume", c])));
     assert!(!o.status.success());
     assert!(
         stderr_of(&o).contains("error: checkpoint"),
@@ -1532,5 +1528,128 @@ fn a_list_form_chat_template_is_used_not_replaced_by_chatml() {
             .unwrap()
     );
     assert!(e.contains("none named `default`"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+// ---------------------------------------------------------------- flags and recipe keys
+
+#[test]
+fn a_flag_typed_twice_is_refused_naming_it_and_both_values() {
+    let dir = tempdir("rel-twice");
+    let model = fixtures().join("model");
+    let (a, b) = (dir.join("a"), dir.join("b"));
+    let mut args = train_on(&model, &a, &[]);
+    args.extend(["--out".to_string(), b.to_str().unwrap().to_string()]);
+    let e = fails(&refs(&args));
+    assert!(
+        e.contains(&format!(
+            "--out is given twice on the command line ({}, then {}); give it once",
+            a.display(),
+            b.display()
+        )),
+        "{e}"
+    );
+    assert!(!a.exists() && !b.exists(), "nothing trained");
+    // A switch too.
+    let e = fails(&refs(&train_on(&model, &a, &["--no-plot"])));
+    assert!(
+        e.contains("--no-plot is given twice on the command line"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_recipe_key_the_command_line_overrides_is_said_and_not_a_duplicate() {
+    let dir = tempdir("rel-recipe-override");
+    let model = fixtures().join("model");
+    let recipe = dir.join("r.toml");
+    std::fs::write(&recipe, "lora_r = 8\nsteps = 1\n").unwrap();
+    let mut args = train_on(&model, &dir.join("run"), &[]);
+    args.extend(["--config".to_string(), recipe.to_str().unwrap().to_string()]);
+    let o = xtrain(&refs(&args));
+    let err = stderr_of(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains(&format!(
+            "--lora-r 4 on the command line overrides the recipe {}'s --lora-r 8",
+            recipe.display()
+        )),
+        "{err}"
+    );
+    assert_eq!(adapter_rank(&dir.join("run/adapter")), 4);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_recipe_table_with_lora_r_and_lora_dash_r_is_refused_naming_both_keys() {
+    let dir = tempdir("rel-recipe-same-flag");
+    let recipe = dir.join("r.toml");
+    std::fs::write(&recipe, "lora_r = 8\nlora-r = 16\n").unwrap();
+    let e = fails(&[
+        "compile",
+        "--config",
+        recipe.to_str().unwrap(),
+        "--model",
+        "tiny-llama3",
+        "--out",
+        dir.join("p").to_str().unwrap(),
+    ]);
+    assert!(
+        e.contains("keys `lora-r` and `lora_r` in the top level both set --lora-r; keep one")
+            || e.contains(
+                "keys `lora_r` and `lora-r` in the top level both set --lora-r; keep one"
+            ),
+        "{e}"
+    );
+    std::fs::write(&recipe, "[train]\nlora_alpha = 8\nlora-alpha = 16\n").unwrap();
+    let e = fails(&[
+        "compile",
+        "--config",
+        recipe.to_str().unwrap(),
+        "--model",
+        "tiny-llama3",
+        "--out",
+        dir.join("p").to_str().unwrap(),
+    ]);
+    assert!(e.contains("in [train] both set --lora-alpha"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_recipe_value_that_contradicts_a_program_dir_is_named_as_the_recipes() {
+    let dir = tempdir("rel-recipe-source");
+    let model = fixtures().join("model");
+    let prog = dir.join("prog");
+    let o = xtrain(&[
+        "compile",
+        "--model",
+        model.to_str().unwrap(),
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--lora-r",
+        "4",
+        "--out",
+        prog.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr_of(&o));
+    let recipe = dir.join("r.toml");
+    std::fs::write(&recipe, "lora_alpha = 64\n").unwrap();
+    let mut args = train_on(
+        &model,
+        &dir.join("run"),
+        &["--program", prog.to_str().unwrap()],
+    );
+    args.extend(["--config".to_string(), recipe.to_str().unwrap().to_string()]);
+    let e = fails(&refs(&args));
+    assert!(
+        e.contains(&format!(
+            "was built with --lora-alpha 32, but the recipe {} gives --lora-alpha 64",
+            recipe.display()
+        )),
+        "{e}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -43,22 +43,28 @@ use std::time::Instant;
 pub fn run(opts: &TrainOptions) -> Result<()> {
     let interrupted = stop_on_signals()?;
     opts.validate_values()?;
-    let cfg = LlamaConfig::load(&opts.model)?;
     let mut opts = opts.clone();
-    settings::settle(&mut opts, &cfg)?;
+    // What the settings taken from a checkpoint or a program dir were: said once the run starts.
+    let mut notes = Vec::new();
+    settings::take_recorded_paths(&mut opts, &mut notes)?;
+    let cfg = LlamaConfig::load(&opts.model)?;
+    settings::settle(&mut opts, &cfg, &mut notes)?;
     opts.validate()?;
     let opts = &opts;
     let mut out = RunDir::claim(&opts.out, opts.resume.as_deref(), opts.overwrite)?;
+    for n in notes {
+        eprintln!("xtrain: {n}");
+    }
     match run_in(opts, &cfg, &interrupted) {
         Ok(Finished::Complete) => out.complete(),
         Ok(Finished::Stopped(dir)) => {
             eprintln!(
-                "xtrain: stopped after step {} (--stop-after); continue with --resume {}",
+                "xtrain: stopped after step {} (--stop-after); continue with `{}`",
                 dir.file_name()
                     .and_then(|n| n.to_str())
                     .and_then(|n| n.strip_prefix("checkpoint-"))
                     .unwrap_or("?"),
-                dir.display()
+                resume_command(&dir)
             );
             if let Some(note) = out.stopped() {
                 eprintln!("xtrain: {note}");
@@ -68,15 +74,15 @@ pub fn run(opts: &TrainOptions) -> Result<()> {
         Ok(Finished::Interrupted(saved)) => {
             match saved {
                 Some(dir) => eprintln!(
-                    "\nxtrain: interrupted; saved {} (continue with --resume {})",
+                    "\nxtrain: interrupted; saved {} (continue with `{}`)",
                     dir.display(),
-                    dir.display()
+                    resume_command(&dir)
                 ),
                 None => {
                     let again = opts
                         .resume
                         .as_ref()
-                        .map(|c| format!(" (continue with --resume {})", c.display()))
+                        .map(|c| format!(" (continue with `{}`)", resume_command(c)))
                         .unwrap_or_default();
                     eprintln!(
                         "\nxtrain: interrupted before a step was taken; nothing new to save{again}"
@@ -93,6 +99,12 @@ pub fn run(opts: &TrainOptions) -> Result<()> {
             None => Err(e),
         },
     }
+}
+
+/// The command that continues a run from checkpoint `dir`: its every setting, paths included,
+/// is recorded there ([`settings::of_run`]), so no other flag is needed.
+pub fn resume_command(dir: &std::path::Path) -> String {
+    format!("xtrain train --resume {}", dir.display())
 }
 
 /// How a run's invocation ended, short of an error.

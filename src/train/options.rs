@@ -46,12 +46,28 @@ pub struct TrainOptions {
     /// their defaults: a flag left at its default takes the value a checkpoint (`--resume`) or a
     /// program dir (`--program`) records; one given must agree with it.
     pub explicit: BTreeSet<String>,
+    /// The `--config` recipe, and the flags of [`TrainOptions::explicit`] whose value is its
+    /// (not overridden on the command line).
+    pub recipe: Option<(PathBuf, BTreeSet<String>)>,
+    /// `--sharding-rules`, as given (the rules themselves are in `step.mesh`).
+    pub sharding_rules: Option<PathBuf>,
 }
 
 impl TrainOptions {
     /// Whether `--flag` was given on the command line.
     pub fn given(&self, flag: &str) -> bool {
         self.explicit.contains(flag)
+    }
+
+    /// Where the value of `--flag` came from, for messages: "the recipe FILE" or "the command
+    /// line".
+    pub fn given_by(&self, flag: &str) -> String {
+        match &self.recipe {
+            Some((file, flags)) if flags.contains(flag) => {
+                format!("the recipe {}", file.display())
+            }
+            _ => "the command line".to_string(),
+        }
     }
 
     /// Refuse values no run can use, before any work: every message names its flag.
