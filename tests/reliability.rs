@@ -1653,3 +1653,83 @@ fn a_recipe_value_that_contradicts_a_program_dir_is_named_as_the_recipes() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn train_out_at_its_own_inputs_with_overwrite_is_refused_before_anything_is_moved() {
+    let dir = tempdir("rel-out-inputs");
+    let model = tiny_text_model(&dir);
+    let run = dir.join("run");
+    let data = run.join("d.jsonl");
+    std::fs::create_dir_all(&run).unwrap();
+    let lines: String = (0..8)
+        .map(|i| format!("{{\"instruction\": \"Say {i}\", \"output\": \"{i}!\"}}\n"))
+        .collect();
+    std::fs::write(&data, &lines).unwrap();
+    let outside = dir.join("d.jsonl");
+    std::fs::write(&outside, &lines).unwrap();
+    let flags = [
+        "--steps",
+        "1",
+        "--batch-size",
+        "1",
+        "--seq",
+        "32",
+        "--lora-r",
+        "4",
+    ];
+    let refused = |model: &Path, data: &Path, out: &Path, extra: &[&str], what: &Path| {
+        let mut a: Vec<String> = ["train", "--model", model.to_str().unwrap()]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        a.extend(["--data".into(), data.to_str().unwrap().into()]);
+        a.extend([
+            "--out".into(),
+            out.to_str().unwrap().into(),
+            "--overwrite".into(),
+        ]);
+        a.extend(flags.iter().chain(extra).map(|s| s.to_string()));
+        let before = names(out);
+        let e = fails(&refs(&a));
+        assert!(
+            e.contains("which this command reads; choose another --out")
+                && e.contains(&what.display().to_string()),
+            "{e}"
+        );
+        assert_eq!(names(out), before, "nothing moved");
+    };
+    // The dir that holds --data.
+    refused(&model, &data, &run, &[], &data);
+    // The model dir.
+    refused(&model, &outside, &model, &[], &model);
+    // The dir that holds --eval-data.
+    refused(
+        &model,
+        &outside,
+        &run,
+        &["--eval-data", data.to_str().unwrap()],
+        &data,
+    );
+    // A run dir whose adapter is --init-adapter.
+    let o = xtrain(&refs(&{
+        let mut a: Vec<String> = ["train", "--model", model.to_str().unwrap()]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        a.extend(["--data".into(), outside.to_str().unwrap().into()]);
+        a.extend(["--out".into(), dir.join("first").to_str().unwrap().into()]);
+        a.extend(flags.iter().map(|s| s.to_string()));
+        a
+    }));
+    assert!(o.status.success(), "{}", stderr_of(&o));
+    let adapter = dir.join("first/adapter");
+    refused(
+        &model,
+        &outside,
+        &dir.join("first"),
+        &["--init-adapter", adapter.to_str().unwrap()],
+        &adapter,
+    );
+    assert!(adapter.join("adapter_model.safetensors").is_file());
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -70,6 +70,24 @@ impl TrainOptions {
         }
     }
 
+    /// What the run reads besides a checkpoint it resumes (which lies in its `--out`): the
+    /// model, the data, the evaluation data, the initial adapter, the program dir, the sharding
+    /// rules and the recipe. `--out` may not hold any of them.
+    pub fn inputs(&self) -> Vec<&std::path::Path> {
+        [
+            Some(self.model.as_path()),
+            Some(self.data.path.as_path()),
+            self.data.eval_data.as_deref(),
+            self.init_adapter.as_deref(),
+            self.program.as_deref(),
+            self.sharding_rules.as_deref(),
+            self.recipe.as_ref().map(|(p, _)| p.as_path()),
+        ]
+        .into_iter()
+        .flatten()
+        .collect()
+    }
+
     /// Refuse values no run can use, before any work: every message names its flag.
     pub fn validate(&self) -> Result<()> {
         self.validate_values()?;
