@@ -1733,3 +1733,84 @@ fn train_out_at_its_own_inputs_with_overwrite_is_refused_before_anything_is_move
     assert!(adapter.join("adapter_model.safetensors").is_file());
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// The tiny text model with `max_position_embeddings` set to `n` in its config.json.
+fn model_with_max_positions(dir: &Path, n: i64) -> PathBuf {
+    let model = tiny_text_model(dir);
+    let path = model.join("config.json");
+    let mut c: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    c["max_position_embeddings"] = serde_json::json!(n);
+    std::fs::write(&path, c.to_string()).unwrap();
+    model
+}
+
+#[test]
+fn a_seq_longer_than_the_models_max_position_embeddings_is_refused_naming_both() {
+    let dir = tempdir("rel-max-positions");
+    let model = model_with_max_positions(&dir, 64);
+    let m = model.to_str().unwrap();
+    let want = "--seq 128 is longer than the model's max_position_embeddings 64 (config.json)";
+    let prog = dir.join("prog");
+    let e = fails(&[
+        "compile",
+        "--model",
+        m,
+        "--batch",
+        "1",
+        "--seq",
+        "128",
+        "--out",
+        prog.to_str().unwrap(),
+    ]);
+    assert!(e.contains(want), "{e}");
+    assert!(!prog.exists());
+    let data = dir.join("d.jsonl");
+    std::fs::write(&data, "{\"text\": \"hello\"}\n").unwrap();
+    let out = dir.join("run");
+    let o = train_cmd(&model, &data, &out)
+        .args(["--seq", "128", "--batch-size", "1", "--steps", "1"])
+        .output()
+        .unwrap();
+    let e = stderr_of(&o);
+    assert!(!o.status.success() && e.starts_with("error: "), "{e}");
+    assert!(e.contains(want), "{e}");
+    // At the limit: trains.
+    let o = train_cmd(&model, &data, &out)
+        .args([
+            "--seq",
+            "64",
+            "--batch-size",
+            "1",
+            "--steps",
+            "1",
+            "--lora-r",
+            "4",
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr_of(&o));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn generate_with_a_context_longer_than_the_models_max_position_embeddings_is_refused() {
+    let dir = tempdir("rel-max-positions-generate");
+    let model = model_with_max_positions(&dir, 64);
+    let e = fails(&[
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt",
+        "hi",
+        "--context",
+        "128",
+    ]);
+    assert!(
+        e.contains(
+            "--context 128 is longer than the model's max_position_embeddings 64 (config.json)"
+        ),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
