@@ -463,33 +463,151 @@ fn bad_plugins_and_output_dirs() {
 }
 
 #[test]
-fn a_nonfinite_loss_stops_with_the_last_good_state_or_is_skipped() {
+fn a_blown_up_update_stops_with_the_state_from_before_it() {
     let dir = tempdir("rel-nan");
     let model = fixtures().join("model");
     let out = dir.join("out");
-    // lr 1e30 blows the weights up at step 1: step 2's loss is not finite.
-    let a = train_on(&model, &out, &["--lr", "1e30", "--steps", "4"]);
+    // lr 1e30: step 1's loss and gradient are finite, and so is its update, but it would move
+    // the LoRA weights by about 1e30 (step 2's loss was NaN, and the "last good state" was step
+    // 1's, with weights of 1e30). It is refused, and the state from before it kept.
+    let a = train_on(&model, &out, &["--lr", "1e30", "--steps", "3"]);
     let e = fails(&refs(&a));
     assert!(
-        e.contains("step 2: the loss is") && e.contains("stopped without applying it"),
+        e.contains("step 1: the update blows the LoRA weights up: it would move one by")
+            && e.contains("more than 1000 times the largest LoRA weight before it")
+            && e.contains("stopped without applying it"),
         "{e}"
     );
-    let ckpt = out.join("checkpoint-1");
-    assert!(
-        ckpt.join("trainer_state.json").is_file(),
-        "the last good state is kept"
-    );
-    // With --skip-nonfinite-steps the run goes on; skipped steps change nothing.
-    let out2 = dir.join("out2");
+    let ckpt = out.join("checkpoint-0");
+    assert!(e.contains(&ckpt.display().to_string()), "{e}");
+    let st =
+        xtrain::formats::safetensors::SafeTensors::open(&ckpt.join("adapter_model.safetensors"))
+            .unwrap();
+    for name in st.tensors.keys() {
+        let v = st.read(name).unwrap().to_f32().unwrap();
+        assert!(
+            v.iter().all(|x| x.abs() < 1.0),
+            "{name}: the last good state is the fresh adapter"
+        );
+    }
+    assert!(!out.join("checkpoint-1").exists());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn skipped_steps_are_counted_at_the_end_of_the_run() {
+    let dir = tempdir("rel-skip-some");
+    let model = fixtures().join("model");
+    let out = dir.join("out");
+    // A linear decay from lr 1e30 to 0 over 4 steps: steps 1 to 3 blow up and are skipped,
+    // step 4 (lr 0) is applied.
     let a = train_on(
         &model,
-        &out2,
-        &["--lr", "1e30", "--steps", "4", "--skip-nonfinite-steps"],
+        &out,
+        &[
+            "--lr",
+            "1e30",
+            "--schedule",
+            "linear",
+            "--steps",
+            "4",
+            "--skip-nonfinite-steps",
+        ],
     );
     let o = xtrain(&refs(&a));
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let m = std::fs::read_to_string(out2.join("metrics.jsonl")).unwrap();
+    let err = stderr_of(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("xtrain: skipped 3 of 4 steps"), "{err}");
+    let m = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
     assert_eq!(m.matches("\"nonfinite\":true").count(), 3, "{m}");
+    assert!(out.join("adapter/adapter_model.safetensors").is_file());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn skipping_every_step_fails_and_writes_no_adapter() {
+    let dir = tempdir("rel-skip-all");
+    let model = fixtures().join("model");
+    let out = dir.join("out");
+    let a = train_on(
+        &model,
+        &out,
+        &["--lr", "1e30", "--steps", "4", "--skip-nonfinite-steps"],
+    );
+    let e = fails_after_notes(&refs(&a));
+    assert!(e.contains("xtrain: skipped 4 of 4 steps"), "{e}");
+    assert!(
+        e.contains("error: every step of the run was skipped (4 of 4): nothing was trained, so no adapter is written"),
+        "{e}"
+    );
+    assert!(!out.join("adapter").exists());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Like [`fails`], for an error that follows what the run said while it ran: one `error: `
+/// line, no panic.
+fn fails_after_notes(args: &[&str]) -> String {
+    let o = xtrain(args);
+    let err = stderr_of(&o);
+    assert!(!o.status.success(), "expected a failure: {args:?}\n{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    assert_eq!(err.matches("error: ").count(), 1, "{err}");
+    err
+}
+
+#[test]
+fn generate_refuses_non_finite_logits_instead_of_printing_nul_bytes() {
+    let dir = tempdir("rel-generate-nan");
+    let model = tiny_text_model(&dir);
+    let adapter = dir.join("nan-adapter");
+    std::fs::create_dir_all(&adapter).unwrap();
+    let init = fixtures().join("adapter_init");
+    std::fs::copy(
+        init.join("adapter_config.json"),
+        adapter.join("adapter_config.json"),
+    )
+    .unwrap();
+    let st =
+        xtrain::formats::safetensors::SafeTensors::open(&init.join("adapter_model.safetensors"))
+            .unwrap();
+    let mut t: std::collections::BTreeMap<String, pjrt::HostTensor> = st
+        .tensors
+        .keys()
+        .map(|k| (k.clone(), st.read(k).unwrap()))
+        .collect();
+    for (_, v) in t.iter_mut() {
+        let n = v.to_f32().unwrap().len();
+        *v = pjrt::HostTensor::from_f32(&vec![f32::NAN; n], &v.dims);
+    }
+    xtrain::formats::safetensors::write(
+        &adapter.join("adapter_model.safetensors"),
+        &t,
+        &Default::default(),
+    )
+    .unwrap();
+    let o = xtrain(&[
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--adapter",
+        adapter.to_str().unwrap(),
+        "--prompt",
+        "hello",
+        "--raw",
+        "--context",
+        "16",
+    ]);
+    let err = stderr_of(&o);
+    assert!(!o.status.success(), "{err}");
+    assert!(
+        err.starts_with("error: ") && !err.contains("panicked"),
+        "{err}"
+    );
+    assert!(
+        err.contains("next-token logits after 5 tokens are not finite (NaN)"),
+        "{err}"
+    );
+    assert!(o.stdout.is_empty(), "nothing printed: {:?}", o.stdout);
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

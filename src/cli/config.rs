@@ -119,7 +119,9 @@ fn typed_flags(args: &[OsString], cmd: &Command) -> Result<Vec<(String, Option<S
             None => None,
         };
         let long = arg.get_long().unwrap_or(given).to_string();
-        if let Some((_, first)) = typed.iter().find(|(f, _)| *f == long) {
+        // A flag that collects its values (`--target a --target b`) is meant to be repeated.
+        let repeatable = matches!(arg.get_action(), ArgAction::Append | ArgAction::Count);
+        if let Some((_, first)) = typed.iter().find(|(f, _)| *f == long && !repeatable) {
             let values = match (first, &value) {
                 (Some(a), Some(b)) => format!(" ({a}, then {b})"),
                 _ => String::new(),

@@ -157,6 +157,7 @@ fn run_in(opts: &TrainOptions, cfg: &LlamaConfig, interrupted: &AtomicBool) -> R
         source,
         eval_batches,
         base: crate::formats::peft::base_model_name(&opts.model),
+        skipped: 0,
     };
     if stop() {
         return Ok(Finished::Interrupted(None));
@@ -164,7 +165,26 @@ fn run_in(opts: &TrainOptions, cfg: &LlamaConfig, interrupted: &AtomicBool) -> R
     if run.state.step == 0 {
         run.evaluate(0)?;
     }
-    match run.train(interrupted)? {
+    let first = run.state.step;
+    let finished = run.train(interrupted)?;
+    let taken = run.state.step - first;
+    if run.skipped > 0 {
+        eprintln!(
+            "xtrain: skipped {} of {taken} steps (--skip-nonfinite-steps: their loss, gradient or update was not finite or blew the weights up; metrics.jsonl marks them `nonfinite`)",
+            run.skipped
+        );
+        if run.skipped == taken {
+            bail!(
+                "every step {} was skipped ({taken} of {taken}): nothing was trained, so no adapter is written; lower --lr (or look at the data) and start again",
+                if first > 0 {
+                    format!("since step {first}")
+                } else {
+                    "of the run".to_string()
+                }
+            );
+        }
+    }
+    match finished {
         Some(done) => Ok(done),
         None => {
             run.evaluate(run.state.step)?;
@@ -474,6 +494,8 @@ struct Run<'a> {
     /// The base model as adapters name it.
     base: String,
     tokens_per_step: i64,
+    /// Steps of this invocation skipped by `--skip-nonfinite-steps`.
+    skipped: u64,
 }
 
 impl Run<'_> {
@@ -542,18 +564,26 @@ impl Run<'_> {
         let dt = t0.elapsed().as_secs_f64();
         self.state.step = step;
         let largest = self.trainer.last_max_weight.unwrap_or(0.0);
-        if !loss.is_finite() || !grad_norm.is_finite() || !largest.is_finite() {
+        let blown_up = self.trainer.last_update_blew_up();
+        if !loss.is_finite() || !grad_norm.is_finite() || !largest.is_finite() || blown_up {
             self.metrics.nonfinite(step, loss, grad_norm)?;
-            let what = if loss.is_finite() && grad_norm.is_finite() {
+            let what = if !(loss.is_finite() && grad_norm.is_finite()) {
+                format!("the loss is {loss} and the gradient norm {grad_norm}")
+            } else if !largest.is_finite() {
                 format!("the loss ({loss}) and gradient norm ({grad_norm}) are finite but the update is not (it would make a LoRA weight {largest}, at lr {lr})")
             } else {
-                format!("the loss is {loss} and the gradient norm {grad_norm}")
+                let (moved, before) = self.trainer.last_update.unwrap_or_default();
+                format!(
+                    "the update blows the LoRA weights up: it would move one by {moved:.3e}, more than {} times the largest LoRA weight before it ({before:.3e}), at lr {lr:e} (lower --lr)",
+                    crate::model::optim::BLOWN_UP
+                )
             };
             if !opts.skip_nonfinite {
                 self.state.step = step - 1;
                 let dir = self.save_checkpoint()?;
-                bail!("step {step}: {what}; stopped without applying it. The last good state is in {} (--skip-nonfinite-steps skips such steps instead)", dir.display());
+                bail!("step {step}: {what}; stopped without applying it. The last good state (before step {step}) is in {} (--skip-nonfinite-steps skips such steps instead)", dir.display());
             }
+            self.skipped += 1;
             progress::say(&format!("xtrain: step {step}: {what}; step skipped"));
             return Ok(());
         }
