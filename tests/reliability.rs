@@ -1932,3 +1932,185 @@ fn generate_with_a_context_longer_than_the_models_max_position_embeddings_is_ref
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn eval_every_without_eval_data_is_refused() {
+    let dir = tempdir("rel-eval-every");
+    let model = fixtures().join("model");
+    let e = fails(&refs(&train_on(
+        &model,
+        &dir.join("run"),
+        &["--eval-every", "20"],
+    )));
+    assert!(
+        e.contains("--eval-every 20 (the command line) evaluates on held-out examples, but there are none: give --eval-data FILE or --eval-fraction F"),
+        "{e}"
+    );
+    assert!(!dir.join("run").exists());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn steps_and_epochs_both_typed_are_refused() {
+    let dir = tempdir("rel-steps-epochs");
+    let model = fixtures().join("model");
+    let e = fails(&refs(&train_on(
+        &model,
+        &dir.join("run"),
+        &["--steps", "3", "--epochs", "2"],
+    )));
+    assert!(
+        e.contains("--steps 3 and --epochs 2 were both given (the command line): --steps sets the run's length, so --epochs would do nothing; give one of them"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn epochs_typed_over_a_recipes_steps_sets_the_length_and_says_so() {
+    let dir = tempdir("rel-epochs-over-recipe");
+    let model = tiny_text_model(&dir);
+    let data = dir.join("d.jsonl");
+    let lines: String = (0..6)
+        .map(|i| format!("{{\"instruction\": \"Say {i}\", \"output\": \"{i}!\"}}\n"))
+        .collect();
+    std::fs::write(&data, lines).unwrap();
+    let recipe = dir.join("r.toml");
+    std::fs::write(&recipe, "steps = 50\n").unwrap();
+    let out = dir.join("run");
+    let o = train_cmd(&model, &data, &out)
+        .args(["--config", recipe.to_str().unwrap(), "--epochs", "2"])
+        .args([
+            "--batch-size",
+            "2",
+            "--seq",
+            "32",
+            "--lora-r",
+            "4",
+            "--log-every",
+            "0",
+        ])
+        .output()
+        .unwrap();
+    let err = stderr_of(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains(&format!(
+            "--epochs 2 (the command line) sets the run's length instead of --steps 50 (the recipe {})",
+            recipe.display()
+        )),
+        "{err}"
+    );
+    let m = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let steps = m.lines().filter(|l| l.contains("\"loss\"")).count();
+    assert!(steps < 50, "two epochs, not the recipe's 50 steps: {steps}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn min_lr_ratio_with_a_constant_schedule_is_refused() {
+    let dir = tempdir("rel-min-lr");
+    let model = fixtures().join("model");
+    let e = fails(&refs(&train_on(
+        &model,
+        &dir.join("run"),
+        &["--min-lr-ratio", "0.1"],
+    )));
+    assert!(
+        e.contains("--min-lr-ratio 0.1 (the command line) sets where a linear or cosine schedule ends, but --schedule is constant (the default)"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_warmup_longer_than_the_run_is_warned_about() {
+    let dir = tempdir("rel-warmup");
+    let model = fixtures().join("model");
+    let o = xtrain(&refs(&train_on(
+        &model,
+        &dir.join("run"),
+        &["--warmup", "100", "--lr", "1e-3"],
+    )));
+    let err = stderr_of(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains("warning: --warmup 100 is longer than the run (2 steps): the learning rate rises to 2e-5 at the last step and never reaches --lr 1e-3"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn an_empty_mesh_is_refused() {
+    let dir = tempdir("rel-empty-mesh");
+    let model = fixtures().join("model");
+    let e = fails(&refs(&train_on(&model, &dir.join("run"), &["--mesh", ""])));
+    assert!(
+        e.contains("--mesh is empty: give its axes, such as --mesh fsdp=8, or leave it out"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn log_every_0_prints_no_progress_and_its_help_says_what_it_still_prints() {
+    let dir = tempdir("rel-log-every-0");
+    let model = fixtures().join("model");
+    let o = xtrain(&refs(&train_on(
+        &model,
+        &dir.join("run"),
+        &["--steps", "3"],
+    )));
+    let err = stderr_of(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        !err.contains("step 1/") && !err.contains("loaded") && !err.contains("peak host memory"),
+        "{err}"
+    );
+    let help = String::from_utf8_lossy(&xtrain(&["train", "--help"]).stdout).to_string();
+    let help = help.split_whitespace().collect::<Vec<_>>().join(" ");
+    assert!(
+        help.contains("0: no progress (no bars, step lines or loading lines); evaluation results, notes on what the run sets up"),
+        "{help}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn train_with_a_program_dir_says_which_remat_and_offload_it_took() {
+    let dir = tempdir("rel-program-remat");
+    let model = fixtures().join("model");
+    let prog = dir.join("prog");
+    let o = xtrain(&[
+        "compile",
+        "--model",
+        model.to_str().unwrap(),
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--lora-r",
+        "4",
+        "--remat",
+        "save-proj",
+        "--out",
+        prog.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr_of(&o));
+    let o = xtrain(&refs(&train_on(
+        &model,
+        &dir.join("run"),
+        &["--program", prog.to_str().unwrap()],
+    )));
+    let err = stderr_of(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains(&format!(
+            "program dir {}: --remat save-proj, --offload none (as it was compiled)",
+            prog.display()
+        )),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -106,7 +106,9 @@ pub struct TrainArgs {
     /// Write a checkpoint (OUT/checkpoint-K) and the adapter (OUT/step-K) every K steps.
     #[arg(long, default_value_t = 0, help_heading = "Output")]
     pub save_every: u64,
-    /// Print progress every N steps (0 = never).
+    /// Print progress every N steps. 0: no progress (no bars, step lines or loading lines);
+    /// evaluation results, notes on what the run sets up (data, settings taken, output dir),
+    /// warnings, loss spikes, the summary and errors are still printed.
     #[arg(long, default_value_t = 1, help_heading = "Output")]
     pub log_every: u64,
     /// Do not draw OUT/loss.png.

@@ -46,6 +46,7 @@ pub fn run(opts: &TrainOptions) -> Result<()> {
     let mut opts = opts.clone();
     // What the settings taken from a checkpoint or a program dir were: said once the run starts.
     let mut notes = Vec::new();
+    opts.settle_length(&mut notes)?;
     settings::take_recorded_paths(&mut opts, &mut notes)?;
     let cfg = LlamaConfig::load(&opts.model)?;
     settings::settle(&mut opts, &cfg, &mut notes)?;
@@ -127,6 +128,15 @@ fn run_in(opts: &TrainOptions, cfg: &LlamaConfig, interrupted: &AtomicBool) -> R
     }
     let (rt, spec, program) = plan(opts, cfg, data.batch, data.seq)?;
     let schedule = schedule(opts, &data.source);
+    if schedule.warmup > schedule.total {
+        eprintln!(
+            "xtrain: warning: --warmup {} is longer than the run ({} steps): the learning rate rises to {:e} at the last step and never reaches --lr {:e}",
+            schedule.warmup,
+            schedule.total,
+            schedule.at(schedule.total),
+            schedule.lr
+        );
+    }
     let start = start::starting_point(opts, cfg, &spec.lora, &schedule, &data)?;
     let weights = load_weights(opts, cfg)?;
     if stop() {
@@ -295,6 +305,12 @@ pub fn plan(
             &format!("program dir {}", dir.display()),
         )?;
         rt.prebuilt = prebuilt(&rt, dir, &program)?;
+        eprintln!(
+            "xtrain: program dir {}: --remat {}, --offload {} (as it was compiled)",
+            dir.display(),
+            spec.remat.name(),
+            spec.offload.name()
+        );
         return Ok((rt, spec, program));
     }
     let mut rt = open(opts.step.mesh.as_ref().map_or(1, |m| m.devices()))?;

@@ -91,7 +91,66 @@ impl TrainOptions {
     /// Refuse values no run can use, before any work: every message names its flag.
     pub fn validate(&self) -> Result<()> {
         self.validate_values()?;
-        self.validate_shapes()
+        self.validate_shapes()?;
+        self.validate_combinations()
+    }
+
+    /// `--steps` and `--epochs` given together. From one place (both typed, or both in the
+    /// recipe): refused, since `--steps` sets the length and `--epochs` would do nothing. One
+    /// typed over the recipe's other: the typed one sets the length (said in `notes`).
+    pub fn settle_length(&mut self, notes: &mut Vec<String>) -> Result<()> {
+        if !(self.given("steps") && self.given("epochs") && self.steps > 0) {
+            return Ok(());
+        }
+        let (steps_by, epochs_by) = (self.given_by("steps"), self.given_by("epochs"));
+        if steps_by == epochs_by {
+            bail!(
+                "--steps {} and --epochs {} were both given ({steps_by}): --steps sets the run's length, so --epochs would do nothing; give one of them",
+                self.steps,
+                self.epochs
+            );
+        }
+        if epochs_by == "the command line" {
+            notes.push(format!(
+                "--epochs {} (the command line) sets the run's length instead of --steps {} ({steps_by})",
+                self.epochs, self.steps
+            ));
+            self.steps = 0;
+            self.explicit.remove("steps");
+        } else {
+            notes.push(format!(
+                "--steps {} (the command line) sets the run's length instead of --epochs {} ({epochs_by})",
+                self.steps, self.epochs
+            ));
+            self.epochs = 1;
+            self.explicit.remove("epochs");
+        }
+        Ok(())
+    }
+
+    /// Flags that would do nothing in the company they are given in: refused, naming where
+    /// each came from.
+    fn validate_combinations(&self) -> Result<()> {
+        if self.eval_every > 0 && self.data.eval_data.is_none() && self.data.eval_fraction == 0.0 {
+            bail!(
+                "--eval-every {} ({}) evaluates on held-out examples, but there are none: give --eval-data FILE or --eval-fraction F, or leave --eval-every out",
+                self.eval_every,
+                self.given_by("eval-every")
+            );
+        }
+        if self.given("min-lr-ratio") && self.schedule == "constant" {
+            let schedule_by = if self.given("schedule") {
+                self.given_by("schedule")
+            } else {
+                "the default".to_string()
+            };
+            bail!(
+                "--min-lr-ratio {} ({}) sets where a linear or cosine schedule ends, but --schedule is constant ({schedule_by}); give --schedule linear or cosine, or leave --min-lr-ratio out",
+                self.min_lr_ratio,
+                self.given_by("min-lr-ratio")
+            );
+        }
+        Ok(())
     }
 
     /// The checks of [`TrainOptions::validate`] that do not depend on the batch shape, which a
