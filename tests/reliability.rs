@@ -2114,3 +2114,45 @@ fn train_with_a_program_dir_says_which_remat_and_offload_it_took() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn a_step_too_big_for_the_cpu_gives_xlas_figure_and_only_cpu_advice() {
+    let dir = tempdir("rel-cpu-oom");
+    let model = fixtures().join("model");
+    // 4 rows of 131072 tokens (the tiny model's max_position_embeddings): attention's scores
+    // alone take terabytes.
+    let (b, t) = (4i64, 131072i64);
+    let ids: Vec<i64> = (0..b * t).map(|i| (i * 7) % 500).collect();
+    let batch = dir.join("big.safetensors");
+    let tensors: std::collections::BTreeMap<String, pjrt::HostTensor> = [
+        ("input_ids", pjrt::HostTensor::from_i64(&ids, &[b, t])),
+        ("labels", pjrt::HostTensor::from_i64(&ids, &[b, t])),
+        (
+            "attention_mask",
+            pjrt::HostTensor::from_i64(&vec![1; (b * t) as usize], &[b, t]),
+        ),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
+    xtrain::formats::safetensors::write(&batch, &tensors, &Default::default()).unwrap();
+    let mut a = train_on(&model, &dir.join("run"), &["--steps", "1"]);
+    let d = a.iter().position(|s| s == "--data").unwrap();
+    a[d + 1] = batch.to_str().unwrap().into();
+    let e = fails(&refs(&a));
+    let advice = e.split("(the plugin said").next().unwrap();
+    assert!(
+        advice.contains("the training step does not fit the device: it needs at least ")
+            && advice.contains(" GiB per device (XLA could not allocate a buffer of that size)"),
+        "{e}"
+    );
+    // XLA's figure, not the arguments' few MiB.
+    let at = advice.find("at least ").unwrap() + "at least ".len();
+    let gib: f64 = advice[at..].split(' ').next().unwrap().parse().unwrap();
+    assert!(gib > 100.0, "{e}");
+    assert!(
+        !advice.contains("--offload") && !advice.contains("--mesh"),
+        "the CPU plugin can neither offload nor add memory with more devices: {e}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -19,7 +19,7 @@ mod start;
 pub mod tensorboard;
 
 use crate::data::{Batch, Source, TrainingData};
-use crate::device::fit::{argument_bytes_per_device, explain_out_of_memory};
+use crate::device::fit::{argument_bytes_per_device, explain_out_of_memory_on};
 use crate::device::runtime::Runtime;
 use crate::device::trainer::Trainer;
 use crate::formats::weights::CheckpointWeights;
@@ -382,6 +382,7 @@ fn compile_and_upload(
     (lora, moments, state): &Checkpoint,
 ) -> Result<Trainer> {
     let available = device_memory(&rt);
+    let platform = rt.platform();
     let (spec_, args) = (spec.clone(), argument_bytes_per_device(&program));
     let frozen: Vec<(String, u64)> = program
         .args
@@ -433,8 +434,16 @@ fn compile_and_upload(
         progress::clear(c);
     }
     progress::clear(&loading);
-    let mut trainer = trainer
-        .map_err(|e| explain_out_of_memory(e, "the training step", args, &spec_, available))?;
+    let mut trainer = trainer.map_err(|e| {
+        explain_out_of_memory_on(
+            e,
+            "the training step",
+            args,
+            &spec_,
+            available,
+            Some(&platform),
+        )
+    })?;
     // A progress line like the steps' (quiet with --log-every 0).
     if let Some((t0, before)) = started.get().filter(|_| opts.log_every > 0 || opts.verbose) {
         let devices = trainer.program.partitions.max(1);
@@ -575,7 +584,15 @@ impl Run<'_> {
             let t = &self.trainer;
             let available = device_memory(&t.rt);
             let args = argument_bytes_per_device(&t.program);
-            explain_out_of_memory(e, "the training step", args, &t.spec, available)
+            let platform = t.rt.platform();
+            explain_out_of_memory_on(
+                e,
+                "the training step",
+                args,
+                &t.spec,
+                available,
+                Some(&platform),
+            )
         })?;
         let dt = t0.elapsed().as_secs_f64();
         self.state.step = step;
