@@ -15,7 +15,7 @@ fn examples(path: &Path, n: usize) -> PathBuf {
     path.to_path_buf()
 }
 
-/// The flags of the runs below besides --model, --data and --out.
+/// The flags of the runs below besides --model, --data, --out and evaluation.
 const FLAGS: &[&str] = &[
     "--steps",
     "120",
@@ -29,8 +29,6 @@ const FLAGS: &[&str] = &[
     "4",
     "--seed",
     "3",
-    "--eval-every",
-    "4",
     "--save-every",
     "5",
     "--log-every",
@@ -77,7 +75,10 @@ fn a_run_stopped_with_ctrl_c_goes_on_evaluating_and_checkpointing_with_the_comma
     let eval = examples(&dir.join("eval.jsonl"), 6);
     let with_eval = |out: &Path| {
         let mut c = train_cmd(&model, &data, out);
-        c.arg("--eval-data").arg(&eval).args(FLAGS);
+        c.arg("--eval-data")
+            .arg(&eval)
+            .args(["--eval-every", "4"])
+            .args(FLAGS);
         c
     };
     // The uninterrupted run.
