@@ -466,33 +466,151 @@ fn bad_plugins_and_output_dirs() {
 }
 
 #[test]
-fn a_nonfinite_loss_stops_with_the_last_good_state_or_is_skipped() {
+fn a_blown_up_update_stops_with_the_state_from_before_it() {
     let dir = tempdir("rel-nan");
     let model = fixtures().join("model");
     let out = dir.join("out");
-    // lr 1e30 blows the weights up at step 1: step 2's loss is not finite.
-    let a = train_on(&model, &out, &["--lr", "1e30", "--steps", "4"]);
+    // lr 1e30: step 1's loss and gradient are finite, and so is its update, but it would move
+    // the LoRA weights by about 1e30 (step 2's loss was NaN, and the "last good state" was step
+    // 1's, with weights of 1e30). It is refused, and the state from before it kept.
+    let a = train_on(&model, &out, &["--lr", "1e30", "--steps", "3"]);
     let e = fails(&refs(&a));
     assert!(
-        e.contains("step 2: the loss is") && e.contains("stopped without applying it"),
+        e.contains("step 1: the update blows the LoRA weights up: it would move one by")
+            && e.contains("more than 1000 times the largest LoRA weight before it")
+            && e.contains("stopped without applying it"),
         "{e}"
     );
-    let ckpt = out.join("checkpoint-1");
-    assert!(
-        ckpt.join("trainer_state.json").is_file(),
-        "the last good state is kept"
-    );
-    // With --skip-nonfinite-steps the run goes on; skipped steps change nothing.
-    let out2 = dir.join("out2");
+    let ckpt = out.join("checkpoint-0");
+    assert!(e.contains(&ckpt.display().to_string()), "{e}");
+    let st =
+        xtrain::formats::safetensors::SafeTensors::open(&ckpt.join("adapter_model.safetensors"))
+            .unwrap();
+    for name in st.tensors.keys() {
+        let v = st.read(name).unwrap().to_f32().unwrap();
+        assert!(
+            v.iter().all(|x| x.abs() < 1.0),
+            "{name}: the last good state is the fresh adapter"
+        );
+    }
+    assert!(!out.join("checkpoint-1").exists());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn skipped_steps_are_counted_at_the_end_of_the_run() {
+    let dir = tempdir("rel-skip-some");
+    let model = fixtures().join("model");
+    let out = dir.join("out");
+    // A linear decay from lr 1e30 to 0 over 4 steps: steps 1 to 3 blow up and are skipped,
+    // step 4 (lr 0) is applied.
     let a = train_on(
         &model,
-        &out2,
-        &["--lr", "1e30", "--steps", "4", "--skip-nonfinite-steps"],
+        &out,
+        &[
+            "--lr",
+            "1e30",
+            "--schedule",
+            "linear",
+            "--steps",
+            "4",
+            "--skip-nonfinite-steps",
+        ],
     );
     let o = xtrain(&refs(&a));
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let m = std::fs::read_to_string(out2.join("metrics.jsonl")).unwrap();
+    let err = stderr_of(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("xtrain: skipped 3 of 4 steps"), "{err}");
+    let m = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
     assert_eq!(m.matches("\"nonfinite\":true").count(), 3, "{m}");
+    assert!(out.join("adapter/adapter_model.safetensors").is_file());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn skipping_every_step_fails_and_writes_no_adapter() {
+    let dir = tempdir("rel-skip-all");
+    let model = fixtures().join("model");
+    let out = dir.join("out");
+    let a = train_on(
+        &model,
+        &out,
+        &["--lr", "1e30", "--steps", "4", "--skip-nonfinite-steps"],
+    );
+    let e = fails_after_notes(&refs(&a));
+    assert!(e.contains("xtrain: skipped 4 of 4 steps"), "{e}");
+    assert!(
+        e.contains("error: every step of the run was skipped (4 of 4): nothing was trained, so no adapter is written"),
+        "{e}"
+    );
+    assert!(!out.join("adapter").exists());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Like [`fails`], for an error that follows what the run said while it ran: one `error: `
+/// line, no panic.
+fn fails_after_notes(args: &[&str]) -> String {
+    let o = xtrain(args);
+    let err = stderr_of(&o);
+    assert!(!o.status.success(), "expected a failure: {args:?}\n{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    assert_eq!(err.matches("error: ").count(), 1, "{err}");
+    err
+}
+
+#[test]
+fn generate_refuses_non_finite_logits_instead_of_printing_nul_bytes() {
+    let dir = tempdir("rel-generate-nan");
+    let model = tiny_text_model(&dir);
+    let adapter = dir.join("nan-adapter");
+    std::fs::create_dir_all(&adapter).unwrap();
+    let init = fixtures().join("adapter_init");
+    std::fs::copy(
+        init.join("adapter_config.json"),
+        adapter.join("adapter_config.json"),
+    )
+    .unwrap();
+    let st =
+        xtrain::formats::safetensors::SafeTensors::open(&init.join("adapter_model.safetensors"))
+            .unwrap();
+    let mut t: std::collections::BTreeMap<String, pjrt::HostTensor> = st
+        .tensors
+        .keys()
+        .map(|k| (k.clone(), st.read(k).unwrap()))
+        .collect();
+    for (_, v) in t.iter_mut() {
+        let n = v.to_f32().unwrap().len();
+        *v = pjrt::HostTensor::from_f32(&vec![f32::NAN; n], &v.dims);
+    }
+    xtrain::formats::safetensors::write(
+        &adapter.join("adapter_model.safetensors"),
+        &t,
+        &Default::default(),
+    )
+    .unwrap();
+    let o = xtrain(&[
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--adapter",
+        adapter.to_str().unwrap(),
+        "--prompt",
+        "hello",
+        "--raw",
+        "--context",
+        "16",
+    ]);
+    let err = stderr_of(&o);
+    assert!(!o.status.success(), "{err}");
+    assert!(
+        err.starts_with("error: ") && !err.contains("panicked"),
+        "{err}"
+    );
+    assert!(
+        err.contains("next-token logits after 5 tokens are not finite (NaN)"),
+        "{err}"
+    );
+    assert!(o.stdout.is_empty(), "nothing printed: {:?}", o.stdout);
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -870,7 +988,10 @@ fn stop_after_writes_the_checkpoint_it_stops_at() {
     let ckpt = out.join("checkpoint-3");
     assert!(ckpt.join("trainer_state.json").is_file(), "{err}");
     assert!(
-        err.contains(&format!("continue with --resume {}", ckpt.display())),
+        err.contains(&format!(
+            "continue with `xtrain train --resume {}`",
+            ckpt.display()
+        )),
         "{err}"
     );
     std::fs::remove_dir_all(&dir).unwrap();
@@ -957,19 +1078,15 @@ fn merge_and_import_refuse_a_dir_that_holds_something_and_replace_it_whole_on_ov
 fn resume_takes_the_checkpoints_settings_and_refuses_contradictions() {
     let dir = tempdir("rel-resume-settings");
     let model = fixtures().join("model");
+    // A copy of the batch, changed below to show that other data at the same path is refused.
+    let batch = dir.join("batch.safetensors");
+    std::fs::copy(fixtures().join("inputs.safetensors"), &batch).unwrap();
     let run = |out: &Path, extra: &[&str]| -> Vec<String> {
         let mut v: Vec<String> = ["train", "--model", model.to_str().unwrap()]
             .iter()
             .map(|s| s.to_string())
             .collect();
-        v.extend([
-            "--data".into(),
-            fixtures()
-                .join("inputs.safetensors")
-                .to_str()
-                .unwrap()
-                .into(),
-        ]);
+        v.extend(["--data".into(), batch.to_str().unwrap().into()]);
         v.extend(["--out".into(), out.to_str().unwrap().into()]);
         v.extend(
             ["--log-every", "0", "--no-plot"]
@@ -1045,11 +1162,8 @@ fn resume_takes_the_checkpoints_settings_and_refuses_contradictions() {
         "input_ids".into(),
         pjrt::HostTensor::from_i64(&ids, &[2, 16]),
     );
-    let other = dir.join("other.safetensors");
-    xtrain::formats::safetensors::write(&other, &t, &Default::default()).unwrap();
-    let mut a = run(&part, &["--resume", c]);
-    a[4] = other.to_str().unwrap().into();
-    let o = xtrain(&refs(&a));
+    xtrain::formats::safetensors::write(&batch, &t, &Default::default()).unwrap();
+    let o = xtrain(&refs(&run(&part, &["--resume", c])));
     assert!(!o.status.success());
     assert!(
         stderr_of(&o).contains("error: checkpoint"),
@@ -1793,5 +1907,513 @@ fn grad_accum_zero_is_out_of_range() {
         dir.join("prog").to_str().unwrap(),
     ]);
     assert!(e.contains("--grad-accum must be at least 1, got 0"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+// ---------------------------------------------------------------- flags and recipe keys
+
+#[test]
+fn a_flag_typed_twice_is_refused_naming_it_and_both_values() {
+    let dir = tempdir("rel-twice");
+    let model = fixtures().join("model");
+    let (a, b) = (dir.join("a"), dir.join("b"));
+    let mut args = train_on(&model, &a, &[]);
+    args.extend(["--out".to_string(), b.to_str().unwrap().to_string()]);
+    let e = fails(&refs(&args));
+    assert!(
+        e.contains(&format!(
+            "--out is given twice on the command line ({}, then {}); give it once",
+            a.display(),
+            b.display()
+        )),
+        "{e}"
+    );
+    assert!(!a.exists() && !b.exists(), "nothing trained");
+    // A switch too.
+    let e = fails(&refs(&train_on(&model, &a, &["--no-plot"])));
+    assert!(
+        e.contains("--no-plot is given twice on the command line"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_recipe_key_the_command_line_overrides_is_said_and_not_a_duplicate() {
+    let dir = tempdir("rel-recipe-override");
+    let model = fixtures().join("model");
+    let recipe = dir.join("r.toml");
+    std::fs::write(&recipe, "lora_r = 8\nsteps = 1\n").unwrap();
+    let mut args = train_on(&model, &dir.join("run"), &[]);
+    args.extend(["--config".to_string(), recipe.to_str().unwrap().to_string()]);
+    let o = xtrain(&refs(&args));
+    let err = stderr_of(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains(&format!(
+            "--lora-r 4 on the command line overrides the recipe {}'s --lora-r 8",
+            recipe.display()
+        )),
+        "{err}"
+    );
+    assert_eq!(adapter_rank(&dir.join("run/adapter")), 4);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_recipe_table_with_lora_r_and_lora_dash_r_is_refused_naming_both_keys() {
+    let dir = tempdir("rel-recipe-same-flag");
+    let recipe = dir.join("r.toml");
+    std::fs::write(&recipe, "lora_r = 8\nlora-r = 16\n").unwrap();
+    let e = fails(&[
+        "compile",
+        "--config",
+        recipe.to_str().unwrap(),
+        "--model",
+        "tiny-llama3",
+        "--out",
+        dir.join("p").to_str().unwrap(),
+    ]);
+    assert!(
+        e.contains("keys `lora-r` and `lora_r` in the top level both set --lora-r; keep one")
+            || e.contains(
+                "keys `lora_r` and `lora-r` in the top level both set --lora-r; keep one"
+            ),
+        "{e}"
+    );
+    std::fs::write(&recipe, "[train]\nlora_alpha = 8\nlora-alpha = 16\n").unwrap();
+    let e = fails(&[
+        "compile",
+        "--config",
+        recipe.to_str().unwrap(),
+        "--model",
+        "tiny-llama3",
+        "--out",
+        dir.join("p").to_str().unwrap(),
+    ]);
+    assert!(e.contains("in [train] both set --lora-alpha"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_recipe_value_that_contradicts_a_program_dir_is_named_as_the_recipes() {
+    let dir = tempdir("rel-recipe-source");
+    let model = fixtures().join("model");
+    let prog = dir.join("prog");
+    let o = xtrain(&[
+        "compile",
+        "--model",
+        model.to_str().unwrap(),
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--lora-r",
+        "4",
+        "--out",
+        prog.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr_of(&o));
+    let recipe = dir.join("r.toml");
+    std::fs::write(&recipe, "lora_alpha = 64\n").unwrap();
+    let mut args = train_on(
+        &model,
+        &dir.join("run"),
+        &["--program", prog.to_str().unwrap()],
+    );
+    args.extend(["--config".to_string(), recipe.to_str().unwrap().to_string()]);
+    let e = fails(&refs(&args));
+    assert!(
+        e.contains(&format!(
+            "was built with --lora-alpha 32, but the recipe {} gives --lora-alpha 64",
+            recipe.display()
+        )),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn train_out_at_its_own_inputs_with_overwrite_is_refused_before_anything_is_moved() {
+    let dir = tempdir("rel-out-inputs");
+    let model = tiny_text_model(&dir);
+    let run = dir.join("run");
+    let data = run.join("d.jsonl");
+    std::fs::create_dir_all(&run).unwrap();
+    let lines: String = (0..8)
+        .map(|i| format!("{{\"instruction\": \"Say {i}\", \"output\": \"{i}!\"}}\n"))
+        .collect();
+    std::fs::write(&data, &lines).unwrap();
+    let outside = dir.join("d.jsonl");
+    std::fs::write(&outside, &lines).unwrap();
+    let flags = [
+        "--steps",
+        "1",
+        "--batch-size",
+        "1",
+        "--seq",
+        "32",
+        "--lora-r",
+        "4",
+    ];
+    let refused = |model: &Path, data: &Path, out: &Path, extra: &[&str], what: &Path| {
+        let mut a: Vec<String> = ["train", "--model", model.to_str().unwrap()]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        a.extend(["--data".into(), data.to_str().unwrap().into()]);
+        a.extend([
+            "--out".into(),
+            out.to_str().unwrap().into(),
+            "--overwrite".into(),
+        ]);
+        a.extend(flags.iter().chain(extra).map(|s| s.to_string()));
+        let before = names(out);
+        let e = fails(&refs(&a));
+        assert!(
+            e.contains("which this command reads; choose another --out")
+                && e.contains(&what.display().to_string()),
+            "{e}"
+        );
+        assert_eq!(names(out), before, "nothing moved");
+    };
+    // The dir that holds --data.
+    refused(&model, &data, &run, &[], &data);
+    // The model dir.
+    refused(&model, &outside, &model, &[], &model);
+    // The dir that holds --eval-data.
+    refused(
+        &model,
+        &outside,
+        &run,
+        &["--eval-data", data.to_str().unwrap()],
+        &data,
+    );
+    // A run dir whose adapter is --init-adapter.
+    let o = xtrain(&refs(&{
+        let mut a: Vec<String> = ["train", "--model", model.to_str().unwrap()]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        a.extend(["--data".into(), outside.to_str().unwrap().into()]);
+        a.extend(["--out".into(), dir.join("first").to_str().unwrap().into()]);
+        a.extend(flags.iter().map(|s| s.to_string()));
+        a
+    }));
+    assert!(o.status.success(), "{}", stderr_of(&o));
+    let adapter = dir.join("first/adapter");
+    refused(
+        &model,
+        &outside,
+        &dir.join("first"),
+        &["--init-adapter", adapter.to_str().unwrap()],
+        &adapter,
+    );
+    assert!(adapter.join("adapter_model.safetensors").is_file());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The tiny text model with `max_position_embeddings` set to `n` in its config.json.
+fn model_with_max_positions(dir: &Path, n: i64) -> PathBuf {
+    let model = tiny_text_model(dir);
+    let path = model.join("config.json");
+    let mut c: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    c["max_position_embeddings"] = serde_json::json!(n);
+    std::fs::write(&path, c.to_string()).unwrap();
+    model
+}
+
+#[test]
+fn a_seq_longer_than_the_models_max_position_embeddings_is_refused_naming_both() {
+    let dir = tempdir("rel-max-positions");
+    let model = model_with_max_positions(&dir, 64);
+    let m = model.to_str().unwrap();
+    let want = "--seq 128 is longer than the model's max_position_embeddings 64 (config.json)";
+    let prog = dir.join("prog");
+    let e = fails(&[
+        "compile",
+        "--model",
+        m,
+        "--batch",
+        "1",
+        "--seq",
+        "128",
+        "--out",
+        prog.to_str().unwrap(),
+    ]);
+    assert!(e.contains(want), "{e}");
+    assert!(!prog.exists());
+    let data = dir.join("d.jsonl");
+    std::fs::write(&data, "{\"text\": \"hello\"}\n").unwrap();
+    let out = dir.join("run");
+    let o = train_cmd(&model, &data, &out)
+        .args(["--seq", "128", "--batch-size", "1", "--steps", "1"])
+        .output()
+        .unwrap();
+    let e = stderr_of(&o);
+    assert!(!o.status.success() && e.starts_with("error: "), "{e}");
+    assert!(e.contains(want), "{e}");
+    // At the limit: trains.
+    let o = train_cmd(&model, &data, &out)
+        .args([
+            "--seq",
+            "64",
+            "--batch-size",
+            "1",
+            "--steps",
+            "1",
+            "--lora-r",
+            "4",
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr_of(&o));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn generate_with_a_context_longer_than_the_models_max_position_embeddings_is_refused() {
+    let dir = tempdir("rel-max-positions-generate");
+    let model = model_with_max_positions(&dir, 64);
+    let e = fails(&[
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt",
+        "hi",
+        "--context",
+        "128",
+    ]);
+    assert!(
+        e.contains(
+            "--context 128 is longer than the model's max_position_embeddings 64 (config.json)"
+        ),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn eval_every_without_eval_data_is_refused() {
+    let dir = tempdir("rel-eval-every");
+    let model = fixtures().join("model");
+    let e = fails(&refs(&train_on(
+        &model,
+        &dir.join("run"),
+        &["--eval-every", "20"],
+    )));
+    assert!(
+        e.contains("--eval-every 20 (the command line) evaluates on held-out examples, but there are none: give --eval-data FILE or --eval-fraction F"),
+        "{e}"
+    );
+    assert!(!dir.join("run").exists());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn steps_and_epochs_both_typed_are_refused() {
+    let dir = tempdir("rel-steps-epochs");
+    let model = fixtures().join("model");
+    let e = fails(&refs(&train_on(
+        &model,
+        &dir.join("run"),
+        &["--steps", "3", "--epochs", "2"],
+    )));
+    assert!(
+        e.contains("--steps 3 and --epochs 2 were both given (the command line): --steps sets the run's length, so --epochs would do nothing; give one of them"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn epochs_typed_over_a_recipes_steps_sets_the_length_and_says_so() {
+    let dir = tempdir("rel-epochs-over-recipe");
+    let model = tiny_text_model(&dir);
+    let data = dir.join("d.jsonl");
+    let lines: String = (0..6)
+        .map(|i| format!("{{\"instruction\": \"Say {i}\", \"output\": \"{i}!\"}}\n"))
+        .collect();
+    std::fs::write(&data, lines).unwrap();
+    let recipe = dir.join("r.toml");
+    std::fs::write(&recipe, "steps = 50\n").unwrap();
+    let out = dir.join("run");
+    let o = train_cmd(&model, &data, &out)
+        .args(["--config", recipe.to_str().unwrap(), "--epochs", "2"])
+        .args([
+            "--batch-size",
+            "2",
+            "--seq",
+            "32",
+            "--lora-r",
+            "4",
+            "--log-every",
+            "0",
+        ])
+        .output()
+        .unwrap();
+    let err = stderr_of(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains(&format!(
+            "--epochs 2 (the command line) sets the run's length instead of --steps 50 (the recipe {})",
+            recipe.display()
+        )),
+        "{err}"
+    );
+    let m = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let steps = m.lines().filter(|l| l.contains("\"loss\"")).count();
+    assert!(steps < 50, "two epochs, not the recipe's 50 steps: {steps}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn min_lr_ratio_with_a_constant_schedule_is_refused() {
+    let dir = tempdir("rel-min-lr");
+    let model = fixtures().join("model");
+    let e = fails(&refs(&train_on(
+        &model,
+        &dir.join("run"),
+        &["--min-lr-ratio", "0.1"],
+    )));
+    assert!(
+        e.contains("--min-lr-ratio 0.1 (the command line) sets where a linear or cosine schedule ends, but --schedule is constant (the default)"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_warmup_longer_than_the_run_is_warned_about() {
+    let dir = tempdir("rel-warmup");
+    let model = fixtures().join("model");
+    let o = xtrain(&refs(&train_on(
+        &model,
+        &dir.join("run"),
+        &["--warmup", "100", "--lr", "1e-3"],
+    )));
+    let err = stderr_of(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains("warning: --warmup 100 is longer than the run (2 steps): the learning rate rises to 2e-5 at the last step and never reaches --lr 1e-3"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn an_empty_mesh_is_refused() {
+    let dir = tempdir("rel-empty-mesh");
+    let model = fixtures().join("model");
+    let e = fails(&refs(&train_on(&model, &dir.join("run"), &["--mesh", ""])));
+    assert!(
+        e.contains("--mesh is empty: give its axes, such as --mesh fsdp=8, or leave it out"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn log_every_0_prints_no_progress_and_its_help_says_what_it_still_prints() {
+    let dir = tempdir("rel-log-every-0");
+    let model = fixtures().join("model");
+    let o = xtrain(&refs(&train_on(
+        &model,
+        &dir.join("run"),
+        &["--steps", "3"],
+    )));
+    let err = stderr_of(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        !err.contains("step 1/") && !err.contains("loaded") && !err.contains("peak host memory"),
+        "{err}"
+    );
+    let help = String::from_utf8_lossy(&xtrain(&["train", "--help"]).stdout).to_string();
+    let help = help.split_whitespace().collect::<Vec<_>>().join(" ");
+    assert!(
+        help.contains("0: no progress (no bars, step lines or loading lines); evaluation results, notes on what the run sets up"),
+        "{help}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn train_with_a_program_dir_says_which_remat_and_offload_it_took() {
+    let dir = tempdir("rel-program-remat");
+    let model = fixtures().join("model");
+    let prog = dir.join("prog");
+    let o = xtrain(&[
+        "compile",
+        "--model",
+        model.to_str().unwrap(),
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--lora-r",
+        "4",
+        "--remat",
+        "save-proj",
+        "--out",
+        prog.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr_of(&o));
+    let o = xtrain(&refs(&train_on(
+        &model,
+        &dir.join("run"),
+        &["--program", prog.to_str().unwrap()],
+    )));
+    let err = stderr_of(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains(&format!(
+            "program dir {}: --remat save-proj, --offload none (as it was compiled)",
+            prog.display()
+        )),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_step_too_big_for_the_cpu_gives_xlas_figure_and_only_cpu_advice() {
+    let dir = tempdir("rel-cpu-oom");
+    let model = fixtures().join("model");
+    // 4 rows of 131072 tokens (the tiny model's max_position_embeddings): attention's scores
+    // alone take terabytes.
+    let (b, t) = (4i64, 131072i64);
+    let ids: Vec<i64> = (0..b * t).map(|i| (i * 7) % 500).collect();
+    let batch = dir.join("big.safetensors");
+    let tensors: std::collections::BTreeMap<String, pjrt::HostTensor> = [
+        ("input_ids", pjrt::HostTensor::from_i64(&ids, &[b, t])),
+        ("labels", pjrt::HostTensor::from_i64(&ids, &[b, t])),
+        (
+            "attention_mask",
+            pjrt::HostTensor::from_i64(&vec![1; (b * t) as usize], &[b, t]),
+        ),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
+    xtrain::formats::safetensors::write(&batch, &tensors, &Default::default()).unwrap();
+    let mut a = train_on(&model, &dir.join("run"), &["--steps", "1"]);
+    let d = a.iter().position(|s| s == "--data").unwrap();
+    a[d + 1] = batch.to_str().unwrap().into();
+    let e = fails(&refs(&a));
+    let advice = e.split("(the plugin said").next().unwrap();
+    assert!(
+        advice.contains("the training step does not fit the device: it needs at least ")
+            && advice.contains(" GiB per device (XLA could not allocate a buffer of that size)"),
+        "{e}"
+    );
+    // XLA's figure, not the arguments' few MiB.
+    let at = advice.find("at least ").unwrap() + "at least ".len();
+    let gib: f64 = advice[at..].split(' ').next().unwrap().parse().unwrap();
+    assert!(gib > 100.0, "{e}");
+    assert!(
+        !advice.contains("--offload") && !advice.contains("--mesh"),
+        "the CPU plugin can neither offload nor add memory with more devices: {e}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -128,6 +128,9 @@ impl StepArgs {
     }
 
     pub fn mesh(&self) -> Result<Option<xtrain::program::MeshPlan>> {
+        if self.mesh.as_deref().is_some_and(|m| m.trim().is_empty()) {
+            bail!("--mesh is empty: give its axes, such as --mesh fsdp=8, or leave it out to run on one device");
+        }
         let Some(m) = &self.mesh else {
             if let Some(p) = &self.sharding_rules {
                 bail!(

@@ -8,57 +8,133 @@
 
 use anyhow::{bail, Context, Result};
 use clap::{ArgAction, Command};
+use std::collections::BTreeSet;
 use std::ffi::OsString;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// The commands that take `--config`.
 pub const COMMANDS: &[&str] = &["train", "compile"];
 
+/// A command line with its recipe's flags in place.
+pub struct Expanded {
+    pub argv: Vec<OsString>,
+    /// The `--config` recipe, and the flags whose value it gives (those not typed on the command
+    /// line too).
+    pub recipe: Option<(PathBuf, BTreeSet<String>)>,
+}
+
 /// `argv` with the flags of its `--config FILE` inserted right after the subcommand (so that the
-/// command line's own flags, later, override them); unchanged when there is no `--config`.
-pub fn expand(argv: Vec<OsString>, cli: &Command) -> Result<Vec<OsString>> {
+/// command line's own flags, later, override them; each such override is said); unchanged when
+/// there is no `--config`. A flag typed twice on the command line is refused, naming it (the
+/// parser would silently take the last value).
+pub fn expand(argv: Vec<OsString>, cli: &Command) -> Result<Expanded> {
+    let unchanged = |argv| Ok(Expanded { argv, recipe: None });
     let Some(at) = argv
         .iter()
         .skip(1)
         .position(|a| a != "-v" && a != "--verbose")
         .map(|i| i + 1)
     else {
-        return Ok(argv);
+        return unchanged(argv);
     };
     let name = argv[at].to_string_lossy().to_string();
     if !COMMANDS.contains(&name.as_str()) {
-        return Ok(argv);
+        return unchanged(argv);
     }
-    let mut file: Option<OsString> = None;
-    let mut i = at + 1;
-    while i < argv.len() {
-        let a = argv[i].to_string_lossy();
-        let given = if a == "--config" {
-            i += 1;
-            Some(argv.get(i).cloned().unwrap_or_default())
-        } else {
-            a.strip_prefix("--config=").map(OsString::from)
-        };
-        if let Some(f) = given {
-            if file.is_some() {
-                bail!("--config is given twice; give one recipe file");
-            }
-            file = Some(f);
-        }
-        i += 1;
-    }
-    let Some(file) = file else {
-        return Ok(argv);
+    let Some(this) = cli.find_subcommand(&name) else {
+        return unchanged(argv);
     };
-    let flags = recipe_flags(Path::new(&file), &name, cli)?;
+    let typed = typed_flags(&argv[at + 1..], this)?;
+    let Some((_, file)) = typed.iter().find(|(f, _)| f == "config") else {
+        return unchanged(argv);
+    };
+    let file = PathBuf::from(file.clone().unwrap_or_default());
+    let flags = recipe_flags(&file, &name, cli)?;
+    let mut from_recipe = BTreeSet::new();
     let mut out: Vec<OsString> = argv[..=at].to_vec();
-    out.extend(flags.into_iter().map(OsString::from));
+    for (flag, value) in flags {
+        let long = flag.trim_start_matches("--").to_string();
+        match typed.iter().find(|(f, _)| *f == long) {
+            Some((_, mine)) => eprintln!(
+                "xtrain: {flag}{} on the command line overrides the recipe {}'s {flag}{}",
+                mine.as_ref().map(|v| format!(" {v}")).unwrap_or_default(),
+                file.display(),
+                value.as_ref().map(|v| format!(" {v}")).unwrap_or_default(),
+            ),
+            None => {
+                from_recipe.insert(long);
+            }
+        }
+        out.push(flag.into());
+        out.extend(value.map(OsString::from));
+    }
     out.extend(argv[at + 1..].iter().cloned());
-    Ok(out)
+    Ok(Expanded {
+        argv: out,
+        recipe: Some((file, from_recipe)),
+    })
+}
+
+/// The long flags typed in `args` (a subcommand's arguments), in order, each with its value
+/// (None for a switch). A flag typed twice is refused: the parser would take the last value
+/// and drop the other without a word.
+fn typed_flags(args: &[OsString], cmd: &Command) -> Result<Vec<(String, Option<String>)>> {
+    let mut typed: Vec<(String, Option<String>)> = Vec::new();
+    let mut i = 0;
+    while i < args.len() {
+        let a = args[i].to_string_lossy().to_string();
+        i += 1;
+        if a == "--" {
+            break;
+        }
+        let Some(body) = a.strip_prefix("--") else {
+            continue;
+        };
+        let (given, inline) = match body.split_once('=') {
+            Some((n, v)) => (n, Some(v.to_string())),
+            None => (body, None),
+        };
+        let Some(arg) = cmd.get_arguments().find(|x| {
+            x.get_long() == Some(given) || x.get_all_aliases().is_some_and(|al| al.contains(&given))
+        }) else {
+            continue;
+        };
+        let takes_value = !matches!(
+            arg.get_action(),
+            ArgAction::SetTrue
+                | ArgAction::SetFalse
+                | ArgAction::Count
+                | ArgAction::Help
+                | ArgAction::HelpLong
+                | ArgAction::HelpShort
+                | ArgAction::Version
+        );
+        let value = match inline {
+            Some(v) => Some(v),
+            None if takes_value => {
+                let v = args.get(i).map(|v| v.to_string_lossy().to_string());
+                i += 1;
+                v
+            }
+            None => None,
+        };
+        let long = arg.get_long().unwrap_or(given).to_string();
+        // A flag that collects its values (`--target a --target b`) is meant to be repeated.
+        let repeatable = matches!(arg.get_action(), ArgAction::Append | ArgAction::Count);
+        if let Some((_, first)) = typed.iter().find(|(f, _)| *f == long && !repeatable) {
+            let values = match (first, &value) {
+                (Some(a), Some(b)) => format!(" ({a}, then {b})"),
+                _ => String::new(),
+            };
+            bail!("--{long} is given twice on the command line{values}; give it once");
+        }
+        typed.push((long, value));
+    }
+    Ok(typed)
 }
 
 /// The flags recipe `path` gives command `name`.
-fn recipe_flags(path: &Path, name: &str, cli: &Command) -> Result<Vec<String>> {
+fn recipe_flags(path: &Path, name: &str, cli: &Command) -> Result<Vec<(String, Option<String>)>> {
     if path.as_os_str().is_empty() {
         bail!("--config needs a file");
     }
@@ -78,6 +154,7 @@ fn recipe_flags(path: &Path, name: &str, cli: &Command) -> Result<Vec<String>> {
         .collect();
     let mut flags = Vec::new();
     let mut left_out = Vec::new();
+    one_key_per_flag(path, "the top level", table.keys())?;
     // Sections first: checked whichever command runs, so that a typo is found by either.
     for (key, value) in &table {
         if let toml::Value::Table(section) = value {
@@ -95,6 +172,7 @@ fn recipe_flags(path: &Path, name: &str, cli: &Command) -> Result<Vec<String>> {
                 );
             };
             let c = command(cmd);
+            one_key_per_flag(path, &format!("[{key}]"), section.keys())?;
             for k in section.keys() {
                 not_a_setting(path, k)?;
                 if find_flag(c, k).is_none() {
@@ -161,6 +239,26 @@ fn not_a_setting(path: &Path, key: &str) -> Result<()> {
     )
 }
 
+/// Refuse two keys of one table that name one flag (`lora_r` and `lora-r`): which would win is
+/// the order TOML happens to keep.
+fn one_key_per_flag<'a>(
+    path: &Path,
+    table: &str,
+    keys: impl Iterator<Item = &'a String>,
+) -> Result<()> {
+    let mut seen: std::collections::BTreeMap<String, &str> = Default::default();
+    for k in keys {
+        if let Some(first) = seen.insert(flag_name(k), k) {
+            bail!(
+                "{}: keys `{first}` and `{k}` in {table} both set --{}; keep one",
+                path.display(),
+                flag_name(k)
+            );
+        }
+    }
+    Ok(())
+}
+
 /// `lora_r` and `lora-r` name `--lora-r`.
 fn flag_name(key: &str) -> String {
     key.replace('_', "-")
@@ -182,13 +280,19 @@ fn find_flag<'a>(cmd: &'a Command, key: &str) -> Option<&'a clap::Arg> {
     })
 }
 
-/// A key's value as the flags it stands for.
-fn render(path: &Path, key: &str, arg: &clap::Arg, value: &toml::Value) -> Result<Vec<String>> {
+/// A key's value as the flag it stands for and its value (none for a switch; nothing for a
+/// switch that is off).
+fn render(
+    path: &Path,
+    key: &str,
+    arg: &clap::Arg,
+    value: &toml::Value,
+) -> Result<Option<(String, Option<String>)>> {
     let flag = format!("--{}", arg.get_long().unwrap_or_default());
     if matches!(arg.get_action(), ArgAction::SetTrue) {
         return match value {
-            toml::Value::Boolean(true) => Ok(vec![flag]),
-            toml::Value::Boolean(false) => Ok(vec![]),
+            toml::Value::Boolean(true) => Ok(Some((flag, None))),
+            toml::Value::Boolean(false) => Ok(None),
             other => bail!(
                 "{}: `{key}` is a switch ({flag}): write true or false, not {} {}",
                 path.display(),
@@ -220,7 +324,7 @@ fn render(path: &Path, key: &str, arg: &clap::Arg, value: &toml::Value) -> Resul
             .join(","),
         v => scalar(v)?,
     };
-    Ok(vec![flag, text])
+    Ok(Some((flag, Some(text))))
 }
 
 fn article(v: &toml::Value) -> &'static str {

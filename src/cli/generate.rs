@@ -56,6 +56,15 @@ pub fn generate(mut a: GenerateArgs) -> Result<()> {
     }
     a.model = crate::cli::model::model_dir(&a.model, a.revision.as_deref())?;
     let cfg = xtrain::model::config::LlamaConfig::load(&a.model)?;
+    if a.context > cfg.max_position_embeddings {
+        bail!(
+            "--context {} is longer than the model's max_position_embeddings {} (config.json): it \
+             was not trained on positions past that; use --context {} or less",
+            a.context,
+            cfg.max_position_embeddings,
+            cfg.max_position_embeddings
+        );
+    }
     let tok = xtrain::data::text::TextTokenizer::load(&a.model)?;
     let text = if a.raw {
         a.prompt.clone()

@@ -96,25 +96,28 @@ fn given_flags(m: Option<&clap::ArgMatches>) -> std::collections::BTreeSet<Strin
 /// The command line and its matches, with the flags of a `--config` recipe put before the command
 /// line's own (a flag given twice takes its last value, so the command line overrides the recipe;
 /// the recipe's flags count as given).
-fn parse() -> (Cli, clap::ArgMatches) {
+fn parse() -> (Cli, clap::ArgMatches, Option<Recipe>) {
     let cmd = config::COMMANDS.iter().fold(Cli::command(), |c, name| {
         c.mut_subcommand(*name, |s| s.args_override_self(true))
     });
-    let argv = match config::expand(std::env::args_os().collect(), &cmd) {
-        Ok(argv) => argv,
+    let expanded = match config::expand(std::env::args_os().collect(), &cmd) {
+        Ok(e) => e,
         Err(e) => {
             eprintln!("error: {e:#}");
             std::process::exit(2);
         }
     };
-    let matches = cmd.get_matches_from(argv);
+    let matches = cmd.get_matches_from(expanded.argv);
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
-    (cli, matches)
+    (cli, matches, expanded.recipe)
 }
+
+/// A `--config` recipe and the flags whose value it gave.
+type Recipe = (PathBuf, std::collections::BTreeSet<String>);
 
 /// Parse the command line and run the command; an error is printed as `error: ...` with exit code 1.
 pub fn main() {
-    let (cli, matches) = parse();
+    let (cli, matches, recipe) = parse();
     pjrt::set_verbose(cli.verbose);
     xtrain::device::platform::set_verbose(cli.verbose);
     // Before any command starts threads (weights are made and read on all cores).
@@ -134,6 +137,7 @@ pub fn main() {
             *a,
             cli.verbose,
             given_flags(matches.subcommand_matches("train")),
+            recipe,
         ),
         Command::Compile(a) => compile::compile(*a, cli.verbose),
         Command::ImportGguf {

@@ -18,7 +18,7 @@ pub struct TrainArgs {
     /// The model: a Hugging Face model directory (config.json + safetensors [+ tokenizer.json for
     /// text]), or a repo id (org/name) found in the Hugging Face hub cache, else downloaded into it.
     #[arg(long, help_heading = "Model")]
-    pub model: PathBuf,
+    pub model: Option<PathBuf>,
     /// With a repo id: the branch, tag or commit (default main).
     #[arg(long, help_heading = "Model")]
     pub revision: Option<String>,
@@ -26,7 +26,7 @@ pub struct TrainArgs {
     /// or chat {"messages"} rows), or a .safetensors file with one pre-tokenized batch
     /// (input_ids, labels, attention_mask) used for every step.
     #[arg(long, help_heading = "Data")]
-    pub data: PathBuf,
+    pub data: Option<PathBuf>,
     /// The column (JSONL key) that holds plain text (default `text`).
     #[arg(long, help_heading = "Data")]
     pub text_column: Option<String>,
@@ -37,7 +37,9 @@ pub struct TrainArgs {
     #[arg(long, help_heading = "Model")]
     pub init_adapter: Option<PathBuf>,
     /// Continue from a checkpoint dir (OUT/checkpoint-N): adapter, optimizer state, step, data
-    /// position. The run continues exactly as if it had not stopped.
+    /// position, and every setting of its run (model, data, eval data, output dir, schedule,
+    /// cadence of saving and evaluation...): `xtrain train --resume DIR` alone continues the run
+    /// exactly as if it had not stopped.
     #[arg(long, help_heading = "Model")]
     pub resume: Option<PathBuf>,
     /// Number of optimizer steps (0 = --epochs over the data).
@@ -104,7 +106,9 @@ pub struct TrainArgs {
     /// Write a checkpoint (OUT/checkpoint-K) and the adapter (OUT/step-K) every K steps.
     #[arg(long, default_value_t = 0, help_heading = "Output")]
     pub save_every: u64,
-    /// Print progress every N steps (0 = never).
+    /// Print progress every N steps. 0: no progress (no bars, step lines or loading lines);
+    /// evaluation results, notes on what the run sets up (data, settings taken, output dir),
+    /// warnings, loss spikes, the summary and errors are still printed.
     #[arg(long, default_value_t = 1, help_heading = "Output")]
     pub log_every: u64,
     /// Do not draw OUT/loss.png.
@@ -117,7 +121,7 @@ pub struct TrainArgs {
     /// Output directory (metrics.jsonl, checkpoints, adapters, loss.png). One that holds a
     /// previous run is continued only with --resume, replaced only with --overwrite.
     #[arg(long, help_heading = "Output")]
-    pub out: PathBuf,
+    pub out: Option<PathBuf>,
     /// Start afresh in an --out that holds a previous run (or other files): they are set aside
     /// and deleted once this run completes.
     #[arg(long, help_heading = "Output")]
@@ -130,13 +134,40 @@ pub struct TrainArgs {
     pub plugin: Option<String>,
 }
 
-pub fn train(a: TrainArgs, verbose: bool, explicit: BTreeSet<String>) -> Result<()> {
+pub fn train(
+    a: TrainArgs,
+    verbose: bool,
+    explicit: BTreeSet<String>,
+    recipe: Option<(PathBuf, BTreeSet<String>)>,
+) -> Result<()> {
     if let Some(p) = a.peak_tflops.filter(|p| !(p.is_finite() && *p > 0.0)) {
         bail!("--peak-tflops must be a positive number of TFLOP/s, got {p}");
     }
+    if a.resume.is_none() {
+        let missing: Vec<&str> = [
+            ("--model", a.model.is_none()),
+            ("--data", a.data.is_none()),
+            ("--out", a.out.is_none()),
+        ]
+        .iter()
+        .filter(|(_, m)| *m)
+        .map(|(f, _)| *f)
+        .collect();
+        if !missing.is_empty() {
+            bail!(
+                "{} {} needed (or --resume a checkpoint, whose run records them)",
+                missing.join(", "),
+                if missing.len() == 1 { "is" } else { "are" }
+            );
+        }
+    }
+    let model = match &a.model {
+        Some(m) => crate::cli::model::model_dir(m, a.revision.as_deref())?,
+        None => PathBuf::new(),
+    };
     let opts = TrainOptions {
         data: DataOptions {
-            path: a.data,
+            path: a.data.unwrap_or_default(),
             batch_size: a.batch_size,
             seq: a.seq,
             pack: !a.no_pack,
@@ -147,8 +178,9 @@ pub fn train(a: TrainArgs, verbose: bool, explicit: BTreeSet<String>) -> Result<
             eval_data: a.eval_data,
             columns: Columns::new(a.text_column, a.messages_column),
         },
+        sharding_rules: a.step.sharding_rules.clone(),
         step: a.step.options()?,
-        model: crate::cli::model::model_dir(&a.model, a.revision.as_deref())?,
+        model,
         init_adapter: a.init_adapter,
         steps: a.steps,
         epochs: a.epochs,
@@ -161,7 +193,7 @@ pub fn train(a: TrainArgs, verbose: bool, explicit: BTreeSet<String>) -> Result<
         eval_every: a.eval_every,
         save_every: a.save_every,
         resume: a.resume,
-        out: a.out,
+        out: a.out.unwrap_or_default(),
         overwrite: a.overwrite,
         seed: a.seed,
         plugin: a.plugin,
@@ -172,6 +204,7 @@ pub fn train(a: TrainArgs, verbose: bool, explicit: BTreeSet<String>) -> Result<
         stop_after: a.stop_after,
         skip_nonfinite: a.skip_nonfinite_steps,
         explicit,
+        recipe,
     };
     xtrain::train::run(&opts)
 }

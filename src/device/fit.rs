@@ -27,10 +27,13 @@ pub fn is_out_of_memory(e: &anyhow::Error) -> bool {
 }
 
 /// The size XLA's message says it failed to allocate ("... allocate 17179869184 bytes", "...
-/// allocate 16.00GiB"), if it says one.
+/// allocate 16.00GiB", the CPU's "Out of memory allocating 2200150021784 bytes"), if it says
+/// one.
 pub fn bytes_in_message(msg: &str) -> Option<i64> {
-    let at = msg.find("allocate ")? + "allocate ".len();
-    size_at(&msg[at..])
+    ["allocate ", "allocating "].iter().find_map(|key| {
+        let at = msg.find(key)? + key.len();
+        size_at(&msg[at..])
+    })
 }
 
 /// The temporaries the TPU compiler's refusal says a step needs ("Ran out of memory on HBM, the
@@ -88,13 +91,41 @@ pub fn argument_bytes_per_device(program: &Program) -> i64 {
 /// batches, and `--offload` to host memory (with looped layers). One paragraph, no trailing newline; it does not say
 /// which command failed (the caller does).
 pub fn fit_advice(needed_bytes: i64, available_bytes: Option<i64>, spec: &StepSpec) -> String {
-    let mut s = match available_bytes {
-        Some(a) if a > 0 => format!(
-            "it needs about {} per device but a device has {} for it",
-            gib(needed_bytes),
-            gib(a)
+    fit_advice_on(Need::About(needed_bytes), available_bytes, spec, None)
+}
+
+/// What a step needs per device, as known.
+#[derive(Clone, Copy, Debug)]
+pub enum Need {
+    /// About this many bytes (the compiler's figures).
+    About(i64),
+    /// At least this many: one allocation the plugin could not make (XLA's message).
+    AtLeast(i64),
+}
+
+/// [`fit_advice`] for a step run by the plugin of `platform` (`cpu`, `cuda`, ...; None: any):
+/// only the advice that applies there. On the CPU plugin, whose "devices" all share the host's
+/// memory and which cannot offload, neither more devices nor `--offload` is offered.
+pub fn fit_advice_on(
+    need: Need,
+    available_bytes: Option<i64>,
+    spec: &StepSpec,
+    platform: Option<&str>,
+) -> String {
+    let cpu = platform == Some("cpu");
+    let (needed_bytes, what) = match need {
+        Need::About(n) => (n, format!("it needs about {} per device", gib(n))),
+        Need::AtLeast(n) => (
+            n,
+            format!(
+                "it needs at least {} per device (XLA could not allocate a buffer of that size)",
+                gib(n)
+            ),
         ),
-        _ => format!("it needs about {} per device", gib(needed_bytes)),
+    };
+    let mut s = match available_bytes {
+        Some(a) if a > 0 => format!("{what} but a device has {} for it", gib(a)),
+        _ => what,
     };
     let mut ways: Vec<String> = Vec::new();
     let devices = spec.mesh.as_ref().map_or(1, |m| m.devices());
@@ -108,12 +139,15 @@ pub fn fit_advice(needed_bytes: i64, available_bytes: Option<i64>, spec: &StepSp
         _ => 2,
     };
     let want = ((fsdp * ratio) as u64).next_power_of_two();
-    ways.push(format!(
-        "more devices: split the weights and the batch over them with --mesh fsdp={want} (this step runs on {devices})"
-    ));
+    if !cpu {
+        ways.push(format!(
+            "more devices: split the weights and the batch over them with --mesh fsdp={want} (this step runs on {devices})"
+        ));
+    }
     let params = spec.model.param_count();
     let weight_bytes = spec.weight_dtype.size_bytes() as i64;
-    if !spec.nf4 {
+    // NF4 saves most of the weights' bytes: advice only where they are a good part of the need.
+    if !spec.nf4 && params * weight_bytes / devices >= needed_bytes / 10 {
         ways.push(format!(
             "--quant nf4: 4-bit base weights, about {} for the model's projections instead of {}",
             gib((params as f64 * 0.52) as i64 / devices),
@@ -151,7 +185,7 @@ pub fn fit_advice(needed_bytes: i64, available_bytes: Option<i64>, spec: &StepSp
     } else {
         ways.push(format!("a shorter sequence than --seq {}", spec.seq));
     }
-    if spec.remat.scan() && !(spec.offload.frozen && spec.offload.activations) {
+    if !cpu && spec.remat.scan() && !(spec.offload.frozen && spec.offload.activations) {
         let next = if spec.offload.activations {
             "all"
         } else {
@@ -179,17 +213,35 @@ pub fn explain_out_of_memory(
     spec: &StepSpec,
     available_bytes: Option<i64>,
 ) -> anyhow::Error {
+    explain_out_of_memory_on(e, what, args, spec, available_bytes, None)
+}
+
+/// [`explain_out_of_memory`] for a step run by the plugin of `platform` (None: any): the
+/// figure is the plugin's own where its message gives one (the TPU compiler's temporaries plus
+/// the arguments; else the allocation XLA could not make, at least), and the advice is what
+/// applies to that plugin ([`fit_advice_on`]).
+pub fn explain_out_of_memory_on(
+    e: anyhow::Error,
+    what: &str,
+    args: i64,
+    spec: &StepSpec,
+    available_bytes: Option<i64>,
+    platform: Option<&str>,
+) -> anyhow::Error {
     if !is_out_of_memory(&e) {
         return e;
     }
     let raw = format!("{e:#}");
-    let needed = match tpu_temporaries_in_message(&raw) {
-        Some(temporaries) => temporaries + args,
-        None => bytes_in_message(&raw).map_or(args, |b| b.max(args)),
+    let need = match tpu_temporaries_in_message(&raw) {
+        Some(temporaries) => Need::About(temporaries + args),
+        None => match bytes_in_message(&raw) {
+            Some(b) if b > args => Need::AtLeast(b),
+            _ => Need::About(args),
+        },
     };
     anyhow::anyhow!(
         "{what} does not fit the device: {}\n(the plugin said: {raw})",
-        fit_advice(needed, available_bytes, spec)
+        fit_advice_on(need, available_bytes, spec, platform)
     )
 }
 
@@ -211,6 +263,12 @@ mod tests {
             Some(16 << 30)
         );
         assert_eq!(bytes_in_message("no size here"), None);
+        assert_eq!(
+            bytes_in_message(
+                "Error preparing computation: Out of memory allocating 2200150021784 bytes."
+            ),
+            Some(2200150021784)
+        );
         let tpu = "PJRT_Compile failed (RESOURCE_EXHAUSTED): Ran out of memory on HBM, the total \
                    memory required for HLO temporaries (33.15G) exceeds available HBM (31.25G).";
         assert_eq!(
@@ -247,5 +305,25 @@ mod tests {
         ] {
             assert!(a.contains(way), "{way}: {a}");
         }
+        // On the CPU plugin: neither more (virtual) devices nor offload, which it cannot do;
+        // XLA's failed allocation is a lower bound.
+        let looped = StepSpec {
+            remat: Remat::Layer,
+            ..spec.clone()
+        };
+        let a = fit_advice_on(Need::AtLeast(2 << 40), None, &looped, Some("cpu"));
+        assert!(
+            a.starts_with(
+                "it needs at least 2048.00 GiB per device (XLA could not allocate a buffer of that size)"
+            ),
+            "{a}"
+        );
+        assert!(!a.contains("--mesh") && !a.contains("--offload"), "{a}");
+        assert!(a.contains("--grad-accum 2"), "{a}");
+        let a = fit_advice_on(Need::About(60 << 30), None, &looped, Some("cuda"));
+        assert!(
+            a.contains("--mesh fsdp=2") && a.contains("--offload activations"),
+            "{a}"
+        );
     }
 }

@@ -193,6 +193,13 @@ pub fn generate_until(
             &HostTensor::from_i32(&mask, &[1, t as i64]),
             &[n as i32 - 1],
         )?;
+        if let Some(bad) = logits[..v].iter().find(|x| !x.is_finite()) {
+            anyhow::bail!(
+                "the model's next-token logits after {n} tokens are not finite ({bad}): the \
+                 weights (the model's or the adapter's) hold non-finite or blown-up values, so \
+                 no token can be chosen; nothing was generated from them"
+            );
+        }
         let next = pick(&logits[..v], temperature, &mut rng);
         if Some(next) == eos {
             stop = Stop::Eos;

@@ -34,6 +34,26 @@ pub struct Trainer {
     /// The largest |LoRA weight| the last step's update computed (None: the program does not
     /// report it). Not finite when the program refused the update and kept the old state.
     pub last_max_weight: Option<f32>,
+    /// The largest change of a LoRA weight the last step's update computed, and the largest
+    /// |LoRA weight| before it (None: the program, from an earlier xtrain, does not report
+    /// them). The program refused the update when the change is more than
+    /// [`crate::model::optim::BLOWN_UP`] times the weight.
+    pub last_update: Option<(f32, f32)>,
+}
+
+impl Trainer {
+    /// Whether the program refused the last step's update as blown up (see
+    /// [`Trainer::last_update`]), computed as the program does (f32).
+    pub fn last_update_blew_up(&self) -> bool {
+        self.last_update.is_some_and(|(moved, before)| {
+            // Not within the bound, NaN included (the program's `moved <= bound` is false).
+            let bound = crate::model::optim::BLOWN_UP * before;
+            !matches!(
+                moved.partial_cmp(&bound),
+                Some(std::cmp::Ordering::Less | std::cmp::Ordering::Equal)
+            )
+        })
+    }
 }
 
 /// Loss and exact-match accuracy on held-out rows.
@@ -137,6 +157,7 @@ impl Trainer {
             eval_exe: None,
             compile_s,
             last_max_weight: None,
+            last_update: None,
         };
         trainer.set_state(lora, moments)?;
         Ok(trainer)
@@ -249,10 +270,16 @@ impl Trainer {
         // Loss and grad norm are replicated: read device 0's.
         let loss = out[0][n_state].to_host()?.scalar_f32()?;
         let grad_norm = out[0][n_state + 1].to_host()?.scalar_f32()?;
-        self.last_max_weight = match self.program.results.get(n_state + 2) {
-            Some(r) if r.role == Role::MaxWeight => {
-                Some(out[0][n_state + 2].to_host()?.scalar_f32()?)
+        // The guard's scalars are replicated too: read device 0's, by role.
+        let scalar = |role: Role| -> Result<Option<f32>> {
+            match self.program.results.iter().position(|r| r.role == role) {
+                Some(k) => Ok(Some(out[0][k].to_host()?.scalar_f32()?)),
+                None => Ok(None),
             }
+        };
+        self.last_max_weight = scalar(Role::MaxWeight)?;
+        self.last_update = match (scalar(Role::MaxUpdate)?, scalar(Role::MaxWeightBefore)?) {
+            (Some(moved), Some(before)) => Some((moved, before)),
             _ => None,
         };
         let mut per_arg: Vec<Vec<Buffer>> = (0..n_state).map(|_| Vec::new()).collect();

@@ -75,17 +75,7 @@ pub fn check_writable_dir(out: &Path, overwrite: bool, inputs: &[&Path]) -> Resu
     if out.exists() && !out.is_dir() {
         bail!("--out {} exists and is not a directory", out.display());
     }
-    for input in inputs {
-        if let Ok(inp) = input.canonicalize() {
-            if inp.starts_with(&out) {
-                bail!(
-                    "--out {} would replace {}, which this command reads; choose another --out",
-                    out.display(),
-                    input.display()
-                );
-            }
-        }
-    }
+    refuse_inputs_inside(&out, inputs)?;
     if let (Some(parent), Some(name)) = (out.parent(), out.file_name()) {
         let parent = if parent.as_os_str().is_empty() {
             Path::new(".")
@@ -105,6 +95,31 @@ pub fn check_writable_dir(out: &Path, overwrite: bool, inputs: &[&Path]) -> Resu
         );
     }
     Ok(out)
+}
+
+/// Refuse an output dir `out` that is one of `inputs` (what the command reads: a model dir, a
+/// data file, an adapter) or holds one: writing it (with `--overwrite`, setting its contents
+/// aside first) would take away what the command is about to read. Checked before anything is
+/// written or moved. `out` need not exist (then it holds nothing).
+pub fn refuse_inputs_inside(out: &Path, inputs: &[&Path]) -> Result<()> {
+    let Ok(out) = output_path(out) else {
+        return Ok(());
+    };
+    let Ok(out) = out.canonicalize() else {
+        return Ok(());
+    };
+    for input in inputs {
+        if let Ok(inp) = input.canonicalize() {
+            if inp.starts_with(&out) {
+                bail!(
+                    "--out {} would replace {}, which this command reads; choose another --out",
+                    out.display(),
+                    input.display()
+                );
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Whether process `pid` is alive (or exists under another user).

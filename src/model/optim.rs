@@ -87,6 +87,24 @@ pub fn global_norm(b: &mut Builder, grads: &[Value]) -> Result<Value> {
     b.sqrt(total)
 }
 
+/// How far one update may move a parameter, in multiples of the largest |parameter| before it:
+/// beyond that the update is blown up and refused ([`AdamW::update_guarded`]). AdamW moves each
+/// parameter by about the learning rate, and a fresh LoRA's largest weight is about
+/// 1/sqrt(hidden size) (0.016 for 4096), so a usual run (lr 1e-5 to 1e-3) moves them by less
+/// than 0.1 times that; only a learning rate hundreds of times too large comes near the bound.
+pub const BLOWN_UP: f32 = 1000.0;
+
+/// What the guarded update saw (f32 scalars): the largest |parameter| after the update (not
+/// finite when it overflowed), the largest move of a parameter, and the largest |parameter|
+/// before it. The update was kept iff the first is finite and the move is at most
+/// [`BLOWN_UP`] times the last.
+#[derive(Clone, Copy, Debug)]
+pub struct Guard {
+    pub largest: Value,
+    pub largest_move: Value,
+    pub largest_before: Value,
+}
+
 impl AdamW {
     /// Apply one update. `step` is t (1-based, f32 scalar), `lr` the learning rate (f32 scalar).
     /// Returns the new (param, m, v) per slot and the gradient norm before clipping.
@@ -104,11 +122,12 @@ impl AdamW {
     /// [`AdamW::update`], and with `loss` given: when the loss or the gradient norm is not
     /// finite, the update is the identity (parameters and moments unchanged). The guard selects
     /// scalars and the gradient only, so XLA still updates the state in place. The updated
-    /// parameters are checked too (a non-finite learning rate, or an update that overflows,
-    /// makes them non-finite from a finite gradient): if any is not finite, every parameter and
-    /// moment keeps its old value, so the state after a step is always finite when it was
-    /// before. Returns the updated slots, the gradient norm, and (with `loss`) the largest
-    /// |parameter| the update computed: not finite when it was refused.
+    /// parameters are checked too: if any is not finite (a learning rate such as 1e38 overflows
+    /// them from a finite gradient), or the update blows them up ([`BLOWN_UP`]: it moves some
+    /// parameter by more than that many times the largest |parameter| before it, as a learning
+    /// rate of 1e30 does), every parameter and moment keeps its old value, so the state after a
+    /// step is always as sound as it was before. Returns the updated slots, the gradient norm,
+    /// and (with `loss`) what the check saw ([`Guard`]).
     pub fn update_guarded(
         &self,
         b: &mut Builder,
@@ -116,7 +135,7 @@ impl AdamW {
         step: Value,
         lr: Value,
         loss: Option<Value>,
-    ) -> Result<(Vec<Updated>, Value, Option<Value>)> {
+    ) -> Result<(Vec<Updated>, Value, Option<Guard>)> {
         b.scoped("adamw", |b| {
             let grads: Vec<Value> = slots.iter().map(|s| s.grad).collect();
             let norm = global_norm(b, &grads)?;
@@ -128,23 +147,42 @@ impl AdamW {
             if loss.is_none() {
                 return Ok((out, norm, None));
             }
-            // max |p'| over every parameter: NaN or inf when any is (maximum propagates NaN).
-            let mut largest = b.scalar(0.0, DType::F32);
-            for u in &out {
-                let a = b.abs(u.param)?;
-                let a = b.convert(a, DType::F32)?;
-                let dims: Vec<i64> = (0..b.rank(a) as i64).collect();
-                let m = b.reduce_max(a, &dims)?;
-                largest = b.max(largest, m)?;
-            }
+            // max |x| over every slot's `x`: NaN or inf when any is (maximum propagates NaN).
+            let largest_of = |b: &mut Builder, xs: &[Value]| -> Result<Value> {
+                let mut largest = b.scalar(0.0, DType::F32);
+                for &x in xs {
+                    let a = b.abs(x)?;
+                    let a = b.convert(a, DType::F32)?;
+                    let dims: Vec<i64> = (0..b.rank(a) as i64).collect();
+                    let m = b.reduce_max(a, &dims)?;
+                    largest = b.max(largest, m)?;
+                }
+                Ok(largest)
+            };
+            let after: Vec<Value> = out.iter().map(|u| u.param).collect();
+            let before: Vec<Value> = slots.iter().map(|s| s.param).collect();
+            let moves: Vec<Value> = out
+                .iter()
+                .zip(slots)
+                .map(|(u, s)| b.sub(u.param, s.param))
+                .collect::<Result<_>>()?;
+            let guard = Guard {
+                largest: largest_of(b, &after)?,
+                largest_move: largest_of(b, &moves)?,
+                largest_before: largest_of(b, &before)?,
+            };
             let inf = b.scalar(f64::INFINITY, DType::F32);
-            let finite = b.compare(largest, inf, CmpDir::Lt)?;
+            let finite = b.compare(guard.largest, inf, CmpDir::Lt)?;
+            let bound = b.scalar(BLOWN_UP as f64, DType::F32);
+            let bound = b.mul(bound, guard.largest_before)?;
+            let within = b.compare(guard.largest_move, bound, CmpDir::Le)?;
+            let ok = b.and(finite, within)?;
             let kept = slots
                 .iter()
                 .zip(out)
                 .map(|(s, u)| {
                     let dims = b.dims(s.param).to_vec();
-                    let ok = b.broadcast_in_dim(finite, &dims, &[])?;
+                    let ok = b.broadcast_in_dim(ok, &dims, &[])?;
                     Ok(Updated {
                         param: b.select(ok, u.param, s.param)?,
                         m: b.select(ok, u.m, s.m)?,
@@ -152,7 +190,7 @@ impl AdamW {
                     })
                 })
                 .collect::<Result<_>>()?;
-            Ok((kept, norm, Some(largest)))
+            Ok((kept, norm, Some(guard)))
         })
     }
 

@@ -183,7 +183,7 @@ fn train_step(spec: &StepSpec, unroll_loops: bool) -> Result<Program> {
         .collect();
     // A step whose loss or gradient is not finite changes nothing: the state stays the last
     // good one, and the host decides whether to stop or go on.
-    let (updated, grad_norm, largest) =
+    let (updated, grad_norm, guard) =
         spec.adam
             .update_guarded(&mut p.b, &slots, step, lr, Some(loss))?;
 
@@ -209,9 +209,18 @@ fn train_step(spec: &StepSpec, unroll_loops: bool) -> Result<Program> {
     ] {
         p.result(TensorSpec::new(name, vec![], DType::F32, role), v);
     }
-    if let Some(largest) = largest {
-        let t = TensorSpec::new("max_lora_weight", vec![], DType::F32, Role::MaxWeight);
-        p.result(t, largest);
+    if let Some(g) = guard {
+        for (name, v, role) in [
+            ("max_lora_weight", g.largest, Role::MaxWeight),
+            ("max_lora_update", g.largest_move, Role::MaxUpdate),
+            (
+                "max_lora_weight_before",
+                g.largest_before,
+                Role::MaxWeightBefore,
+            ),
+        ] {
+            p.result(TensorSpec::new(name, vec![], DType::F32, role), v);
+        }
     }
     Ok(p.finish("xtrain_train_step"))
 }

@@ -22,6 +22,11 @@ pub enum Role {
     /// The largest |LoRA weight| a training step's update computed: not finite when the update
     /// was refused (the state kept its old values).
     MaxWeight,
+    /// The largest change of a LoRA weight the update computed.
+    MaxUpdate,
+    /// The largest |LoRA weight| before the update. The update was refused (kept the old state)
+    /// when the largest change is more than `model::optim::BLOWN_UP` times this.
+    MaxWeightBefore,
     Logits,
     TokenLoss,
 }

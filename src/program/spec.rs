@@ -318,6 +318,15 @@ pub(super) fn check_spec(spec: &StepSpec) -> Result<()> {
             spec.seq
         );
     }
+    if spec.seq > spec.model.max_position_embeddings {
+        bail!(
+            "--seq {} is longer than the model's max_position_embeddings {} (config.json): it was \
+             not trained on positions past that; use --seq {} or less",
+            spec.seq,
+            spec.model.max_position_embeddings,
+            spec.model.max_position_embeddings
+        );
+    }
     if spec.nf4 {
         check_nf4_blocks(&spec.model)?;
     }

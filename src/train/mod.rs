@@ -19,7 +19,7 @@ mod start;
 pub mod tensorboard;
 
 use crate::data::{Batch, Source, TrainingData};
-use crate::device::fit::{argument_bytes_per_device, explain_out_of_memory};
+use crate::device::fit::{argument_bytes_per_device, explain_out_of_memory_on};
 use crate::device::runtime::Runtime;
 use crate::device::trainer::Trainer;
 use crate::formats::weights::CheckpointWeights;
@@ -43,22 +43,30 @@ use std::time::Instant;
 pub fn run(opts: &TrainOptions) -> Result<()> {
     let interrupted = stop_on_signals()?;
     opts.validate_values()?;
-    let cfg = LlamaConfig::load(&opts.model)?;
     let mut opts = opts.clone();
-    settings::settle(&mut opts, &cfg)?;
+    // What the settings taken from a checkpoint or a program dir were: said once the run starts.
+    let mut notes = Vec::new();
+    opts.settle_length(&mut notes)?;
+    settings::take_recorded_paths(&mut opts, &mut notes)?;
+    let cfg = LlamaConfig::load(&opts.model)?;
+    settings::settle(&mut opts, &cfg, &mut notes)?;
     opts.validate()?;
     let opts = &opts;
+    crate::formats::outdir::refuse_inputs_inside(&opts.out, &opts.inputs())?;
     let mut out = RunDir::claim(&opts.out, opts.resume.as_deref(), opts.overwrite)?;
+    for n in notes {
+        eprintln!("xtrain: {n}");
+    }
     match run_in(opts, &cfg, &interrupted) {
         Ok(Finished::Complete) => out.complete(),
         Ok(Finished::Stopped(dir)) => {
             eprintln!(
-                "xtrain: stopped after step {} (--stop-after); continue with --resume {}",
+                "xtrain: stopped after step {} (--stop-after); continue with `{}`",
                 dir.file_name()
                     .and_then(|n| n.to_str())
                     .and_then(|n| n.strip_prefix("checkpoint-"))
                     .unwrap_or("?"),
-                dir.display()
+                resume_command(&dir)
             );
             if let Some(note) = out.stopped() {
                 eprintln!("xtrain: {note}");
@@ -68,15 +76,15 @@ pub fn run(opts: &TrainOptions) -> Result<()> {
         Ok(Finished::Interrupted(saved)) => {
             match saved {
                 Some(dir) => eprintln!(
-                    "\nxtrain: interrupted; saved {} (continue with --resume {})",
+                    "\nxtrain: interrupted; saved {} (continue with `{}`)",
                     dir.display(),
-                    dir.display()
+                    resume_command(&dir)
                 ),
                 None => {
                     let again = opts
                         .resume
                         .as_ref()
-                        .map(|c| format!(" (continue with --resume {})", c.display()))
+                        .map(|c| format!(" (continue with `{}`)", resume_command(c)))
                         .unwrap_or_default();
                     eprintln!(
                         "\nxtrain: interrupted before a step was taken; nothing new to save{again}"
@@ -93,6 +101,12 @@ pub fn run(opts: &TrainOptions) -> Result<()> {
             None => Err(e),
         },
     }
+}
+
+/// The command that continues a run from checkpoint `dir`: its every setting, paths included,
+/// is recorded there ([`settings::of_run`]), so no other flag is needed.
+pub fn resume_command(dir: &std::path::Path) -> String {
+    format!("xtrain train --resume {}", dir.display())
 }
 
 /// How a run's invocation ended, short of an error.
@@ -114,6 +128,15 @@ fn run_in(opts: &TrainOptions, cfg: &LlamaConfig, interrupted: &AtomicBool) -> R
     }
     let (rt, spec, program) = plan(opts, cfg, data.batch, data.seq)?;
     let schedule = schedule(opts, &data.source);
+    if schedule.warmup > schedule.total {
+        eprintln!(
+            "xtrain: warning: --warmup {} is longer than the run ({} steps): the learning rate rises to {:e} at the last step and never reaches --lr {:e}",
+            schedule.warmup,
+            schedule.total,
+            schedule.at(schedule.total),
+            schedule.lr
+        );
+    }
     let start = start::starting_point(opts, cfg, &spec.lora, &schedule, &data)?;
     let weights = load_weights(opts, cfg)?;
     if stop() {
@@ -144,6 +167,7 @@ fn run_in(opts: &TrainOptions, cfg: &LlamaConfig, interrupted: &AtomicBool) -> R
         source,
         eval_batches,
         base: crate::formats::peft::base_model(&opts.model),
+        skipped: 0,
     };
     if stop() {
         return Ok(Finished::Interrupted(None));
@@ -151,7 +175,26 @@ fn run_in(opts: &TrainOptions, cfg: &LlamaConfig, interrupted: &AtomicBool) -> R
     if run.state.step == 0 {
         run.evaluate(0)?;
     }
-    match run.train(interrupted)? {
+    let first = run.state.step;
+    let finished = run.train(interrupted)?;
+    let taken = run.state.step - first;
+    if run.skipped > 0 {
+        eprintln!(
+            "xtrain: skipped {} of {taken} steps (--skip-nonfinite-steps: their loss, gradient or update was not finite or blew the weights up; metrics.jsonl marks them `nonfinite`)",
+            run.skipped
+        );
+        if run.skipped == taken {
+            bail!(
+                "every step {} was skipped ({taken} of {taken}): nothing was trained, so no adapter is written; lower --lr (or look at the data) and start again",
+                if first > 0 {
+                    format!("since step {first}")
+                } else {
+                    "of the run".to_string()
+                }
+            );
+        }
+    }
+    match finished {
         Some(done) => Ok(done),
         None => {
             run.evaluate(run.state.step)?;
@@ -270,6 +313,12 @@ pub fn plan(
             &format!("program dir {}", dir.display()),
         )?;
         rt.prebuilt = prebuilt(&rt, dir, &program)?;
+        eprintln!(
+            "xtrain: program dir {}: --remat {}, --offload {} (as it was compiled)",
+            dir.display(),
+            spec.remat.name(),
+            spec.offload.name()
+        );
         return Ok((rt, spec, program));
     }
     let devices = opts.step.mesh.as_ref().map_or(1, |m| m.devices());
@@ -392,6 +441,7 @@ fn compile_and_upload(
     (lora, moments, state): &Checkpoint,
 ) -> Result<Trainer> {
     let available = device_memory(&rt);
+    let platform = rt.platform();
     let (spec_, args) = (spec.clone(), argument_bytes_per_device(&program));
     let frozen: Vec<(String, u64)> = program
         .args
@@ -443,8 +493,16 @@ fn compile_and_upload(
         progress::clear(c);
     }
     progress::clear(&loading);
-    let mut trainer = trainer
-        .map_err(|e| explain_out_of_memory(e, "the training step", args, &spec_, available))?;
+    let mut trainer = trainer.map_err(|e| {
+        explain_out_of_memory_on(
+            e,
+            "the training step",
+            args,
+            &spec_,
+            available,
+            Some(&platform),
+        )
+    })?;
     // A progress line like the steps' (quiet with --log-every 0).
     if let Some((t0, before)) = started.get().filter(|_| opts.log_every > 0 || opts.verbose) {
         let devices = trainer.program.partitions.max(1);
@@ -520,6 +578,8 @@ struct Run<'a> {
     /// The base model as adapters name it.
     base: crate::formats::peft::BaseModel,
     tokens_per_step: i64,
+    /// Steps of this invocation skipped by `--skip-nonfinite-steps`.
+    skipped: u64,
 }
 
 impl Run<'_> {
@@ -583,23 +643,39 @@ impl Run<'_> {
             let t = &self.trainer;
             let available = device_memory(&t.rt);
             let args = argument_bytes_per_device(&t.program);
-            explain_out_of_memory(e, "the training step", args, &t.spec, available)
+            let platform = t.rt.platform();
+            explain_out_of_memory_on(
+                e,
+                "the training step",
+                args,
+                &t.spec,
+                available,
+                Some(&platform),
+            )
         })?;
         let dt = t0.elapsed().as_secs_f64();
         self.state.step = step;
         let largest = self.trainer.last_max_weight.unwrap_or(0.0);
-        if !loss.is_finite() || !grad_norm.is_finite() || !largest.is_finite() {
+        let blown_up = self.trainer.last_update_blew_up();
+        if !loss.is_finite() || !grad_norm.is_finite() || !largest.is_finite() || blown_up {
             self.metrics.nonfinite(step, loss, grad_norm)?;
-            let what = if loss.is_finite() && grad_norm.is_finite() {
+            let what = if !(loss.is_finite() && grad_norm.is_finite()) {
+                format!("the loss is {loss} and the gradient norm {grad_norm}")
+            } else if !largest.is_finite() {
                 format!("the loss ({loss}) and gradient norm ({grad_norm}) are finite but the update is not (it would make a LoRA weight {largest}, at lr {lr})")
             } else {
-                format!("the loss is {loss} and the gradient norm {grad_norm}")
+                let (moved, before) = self.trainer.last_update.unwrap_or_default();
+                format!(
+                    "the update blows the LoRA weights up: it would move one by {moved:.3e}, more than {} times the largest LoRA weight before it ({before:.3e}), at lr {lr:e} (lower --lr)",
+                    crate::model::optim::BLOWN_UP
+                )
             };
             if !opts.skip_nonfinite {
                 self.state.step = step - 1;
                 let dir = self.save_checkpoint()?;
-                bail!("step {step}: {what}; stopped without applying it. The last good state is in {} (--skip-nonfinite-steps skips such steps instead)", dir.display());
+                bail!("step {step}: {what}; stopped without applying it. The last good state (before step {step}) is in {} (--skip-nonfinite-steps skips such steps instead)", dir.display());
             }
+            self.skipped += 1;
             progress::say(&format!("xtrain: step {step}: {what}; step skipped"));
             return Ok(());
         }

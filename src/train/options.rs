@@ -46,6 +46,11 @@ pub struct TrainOptions {
     /// their defaults: a flag left at its default takes the value a checkpoint (`--resume`) or a
     /// program dir (`--program`) records; one given must agree with it.
     pub explicit: BTreeSet<String>,
+    /// The `--config` recipe, and the flags of [`TrainOptions::explicit`] whose value is its
+    /// (not overridden on the command line).
+    pub recipe: Option<(PathBuf, BTreeSet<String>)>,
+    /// `--sharding-rules`, as given (the rules themselves are in `step.mesh`).
+    pub sharding_rules: Option<PathBuf>,
 }
 
 impl TrainOptions {
@@ -54,10 +59,98 @@ impl TrainOptions {
         self.explicit.contains(flag)
     }
 
+    /// Where the value of `--flag` came from, for messages: "the recipe FILE" or "the command
+    /// line".
+    pub fn given_by(&self, flag: &str) -> String {
+        match &self.recipe {
+            Some((file, flags)) if flags.contains(flag) => {
+                format!("the recipe {}", file.display())
+            }
+            _ => "the command line".to_string(),
+        }
+    }
+
+    /// What the run reads besides a checkpoint it resumes (which lies in its `--out`): the
+    /// model, the data, the evaluation data, the initial adapter, the program dir, the sharding
+    /// rules and the recipe. `--out` may not hold any of them.
+    pub fn inputs(&self) -> Vec<&std::path::Path> {
+        [
+            Some(self.model.as_path()),
+            Some(self.data.path.as_path()),
+            self.data.eval_data.as_deref(),
+            self.init_adapter.as_deref(),
+            self.program.as_deref(),
+            self.sharding_rules.as_deref(),
+            self.recipe.as_ref().map(|(p, _)| p.as_path()),
+        ]
+        .into_iter()
+        .flatten()
+        .collect()
+    }
+
     /// Refuse values no run can use, before any work: every message names its flag.
     pub fn validate(&self) -> Result<()> {
         self.validate_values()?;
-        self.validate_shapes()
+        self.validate_shapes()?;
+        self.validate_combinations()
+    }
+
+    /// `--steps` and `--epochs` given together. From one place (both typed, or both in the
+    /// recipe): refused, since `--steps` sets the length and `--epochs` would do nothing. One
+    /// typed over the recipe's other: the typed one sets the length (said in `notes`).
+    pub fn settle_length(&mut self, notes: &mut Vec<String>) -> Result<()> {
+        if !(self.given("steps") && self.given("epochs") && self.steps > 0) {
+            return Ok(());
+        }
+        let (steps_by, epochs_by) = (self.given_by("steps"), self.given_by("epochs"));
+        if steps_by == epochs_by {
+            bail!(
+                "--steps {} and --epochs {} were both given ({steps_by}): --steps sets the run's length, so --epochs would do nothing; give one of them",
+                self.steps,
+                self.epochs
+            );
+        }
+        if epochs_by == "the command line" {
+            notes.push(format!(
+                "--epochs {} (the command line) sets the run's length instead of --steps {} ({steps_by})",
+                self.epochs, self.steps
+            ));
+            self.steps = 0;
+            self.explicit.remove("steps");
+        } else {
+            notes.push(format!(
+                "--steps {} (the command line) sets the run's length instead of --epochs {} ({epochs_by})",
+                self.steps, self.epochs
+            ));
+            self.epochs = 1;
+            self.explicit.remove("epochs");
+        }
+        Ok(())
+    }
+
+    /// Flags that would do nothing in the company they are given in: refused, naming where
+    /// each came from.
+    fn validate_combinations(&self) -> Result<()> {
+        if self.eval_every > 0 && self.data.eval_data.is_none() && self.data.eval_fraction == 0.0 {
+            bail!(
+                "--eval-every {} ({}) evaluates on held-out examples, but there are none: give --eval-data FILE or --eval-fraction F, or leave --eval-every out",
+                self.eval_every,
+                self.given_by("eval-every")
+            );
+        }
+        if self.given("min-lr-ratio") && self.schedule == "constant" {
+            let schedule_by = if self.given("schedule") {
+                self.given_by("schedule")
+            } else {
+                "the default".to_string()
+            };
+            bail!(
+                "--min-lr-ratio {} ({}) sets where a linear or cosine schedule ends, but --schedule is constant ({schedule_by}); give --schedule linear or cosine, or leave --min-lr-ratio out",
+                self.min_lr_ratio,
+                self.given_by("min-lr-ratio")
+            );
+        }
+        Ok(())
     }
 
     /// The checks of [`TrainOptions::validate`] that do not depend on the batch shape, which a

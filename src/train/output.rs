@@ -157,7 +157,9 @@ impl RunDir {
                 Some(_) => {}
                 None if previous => {
                     let hint = match latest_checkpoint(out) {
-                        Some(c) => format!("continue it with --resume {}, ", c.display()),
+                        Some(c) => {
+                            format!("continue it with `{}`, ", crate::train::resume_command(&c))
+                        }
                         None => String::new(),
                     };
                     bail!(

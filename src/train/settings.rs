@@ -12,7 +12,7 @@ use crate::train::options::TrainOptions;
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// Flag name (without `--`) -> value, as recorded.
 pub type Settings = BTreeMap<String, Value>;
@@ -43,15 +43,68 @@ fn quant_text(nf4: bool) -> &'static str {
     }
 }
 
-/// What a run records in its checkpoints: everything that decides its result (the data's rows,
-/// the adapter, the optimizer, the schedule, the numerics, the seed), not how it is laid out on
-/// devices (mesh, remat, chunks) nor how it reports (logging, saving, evaluation cadence).
+/// A path as recorded: absolute (resolved through symlinks where it exists), "" for none.
+fn path_text(p: Option<&Path>) -> String {
+    match p {
+        None => String::new(),
+        Some(p) if p.as_os_str().is_empty() => String::new(),
+        Some(p) => p
+            .canonicalize()
+            .or_else(|_| std::path::absolute(p))
+            .unwrap_or_else(|_| p.to_path_buf())
+            .display()
+            .to_string(),
+    }
+}
+
+/// The flags whose values are paths: the model, the data, the evaluation data, the output dir
+/// and the program dir. A resumed run takes them from its checkpoint ([`take_recorded_paths`])
+/// before the model's config is read; [`settle`] leaves them alone.
+pub const PATH_FLAGS: &[&str] = &["model", "data", "eval-data", "out", "program"];
+
+/// The flags that say how a run is laid out on devices and how it reports, not what it
+/// computes: a resumed run takes the recorded value when the flag is left out, and a value
+/// given on the command line wins over it (said, not refused).
+pub const LAYOUT_AND_REPORTING: &[&str] = &[
+    "remat",
+    "offload",
+    "grad-accum",
+    "loss-chunk",
+    "attention-block",
+    "mesh",
+    "sharding-rules",
+    "matmul-result",
+    "attention-scores",
+    "keep-softmax-stats",
+    "pin-mlp-activations",
+    "plugin",
+    "program",
+    "eval-data",
+    "out",
+    "save-every",
+    "eval-every",
+    "log-every",
+    "no-plot",
+    "peak-tflops",
+];
+
+/// What a run records in its checkpoints, by flag: every setting of the run. What decides its
+/// result (the model and data, the adapter, the optimizer, the schedule, the numerics, the
+/// seed), how it is laid out on devices ([`LAYOUT_AND_REPORTING`]: mesh, remat, chunks,
+/// plugin, program dir) and how it reports (output dir, evaluation data, saving, evaluation and
+/// logging cadence), so that `xtrain train --resume CHECKPOINT` alone continues the run as it
+/// was started. Paths are absolute.
 pub fn of_run(o: &TrainOptions) -> Settings {
     let s = &o.step;
     let mut m = Settings::new();
     let mut put = |k: &str, v: Value| {
         m.insert(k.to_string(), v);
     };
+    put("model", json!(path_text(Some(&o.model))));
+    put("data", json!(path_text(Some(&o.data.path))));
+    put("eval-data", json!(path_text(o.data.eval_data.as_deref())));
+    put("out", json!(path_text(Some(&o.out))));
+    put("program", json!(path_text(o.program.as_deref())));
     put("seed", json!(o.seed));
     put("lora-r", json!(s.lora.r));
     put("lora-alpha", json!(s.lora.alpha));
@@ -74,7 +127,33 @@ pub fn of_run(o: &TrainOptions) -> Settings {
     put("no-pack", json!(!o.data.pack));
     put("train-on-prompt", json!(o.data.train_on_prompt));
     put("skip-bad-lines", json!(o.data.skip_bad_lines));
+    put("strict-length", json!(o.data.strict_length));
+    put("text-column", json!(o.data.columns.text));
+    put("messages-column", json!(o.data.columns.messages));
     put("eval-fraction", json!(o.data.eval_fraction));
+    put("skip-nonfinite-steps", json!(o.skip_nonfinite));
+    // Layout.
+    put("remat", json!(s.remat.map_or("auto", |r| r.name())));
+    put("offload", json!(s.offload.map_or("auto", |o| o.name())));
+    put("grad-accum", json!(s.microbatches));
+    put("loss-chunk", json!(s.loss_chunk));
+    put("attention-block", json!(s.attention_block));
+    put("mesh", json!(mesh_text(&s.mesh)));
+    put(
+        "sharding-rules",
+        json!(path_text(o.sharding_rules.as_deref())),
+    );
+    put("matmul-result", json!(s.matmul_result.name()));
+    put("attention-scores", json!(s.attention_scores.name()));
+    put("keep-softmax-stats", json!(s.keep_softmax_stats));
+    put("pin-mlp-activations", json!(s.pin_mlp_activations));
+    put("plugin", json!(o.plugin.clone().unwrap_or_default()));
+    // Reporting.
+    put("save-every", json!(o.save_every));
+    put("eval-every", json!(o.eval_every));
+    put("log-every", json!(o.log_every));
+    put("no-plot", json!(!o.plot));
+    put("peak-tflops", json!(o.peak_tflops));
     m
 }
 
@@ -131,23 +210,22 @@ pub fn of_spec(spec: &StepSpec) -> Settings {
 /// The same flags' values in `o`, to compare with [`of_spec`].
 fn of_options_for_spec(o: &TrainOptions) -> Settings {
     let s = &o.step;
+    let of_spec_flags = [
+        "lora-r",
+        "lora-alpha",
+        "lora-dropout",
+        "lora-targets",
+        "betas",
+        "eps",
+        "weight-decay",
+        "max-grad-norm",
+        "dtype",
+        "quant",
+        "batch-size",
+        "seq",
+    ];
     let mut m = of_run(o);
-    m.retain(|k, _| {
-        !matches!(
-            k.as_str(),
-            "seed"
-                | "lr"
-                | "warmup"
-                | "schedule"
-                | "min-lr-ratio"
-                | "steps"
-                | "epochs"
-                | "no-pack"
-                | "train-on-prompt"
-                | "skip-bad-lines"
-                | "eval-fraction"
-        )
-    });
+    m.retain(|k, _| of_spec_flags.contains(&k.as_str()));
     m.insert("grad-accum".into(), json!(s.microbatches));
     m.insert("loss-chunk".into(), json!(s.loss_chunk));
     m.insert("attention-block".into(), json!(s.attention_block));
@@ -212,7 +290,31 @@ fn apply(o: &mut TrainOptions, flag: &str, v: &Value, spec: Option<&StepSpec>) -
         "train-on-prompt" => o.data.train_on_prompt = bool_()?,
         "skip-bad-lines" => o.data.skip_bad_lines = bool_()?,
         "eval-fraction" => o.data.eval_fraction = f64_()?,
-        "remat" => s.remat = Some(Remat::parse(str_()?)?),
+        "strict-length" => o.data.strict_length = bool_()?,
+        "text-column" => o.data.columns.text = str_()?.to_string(),
+        "messages-column" => o.data.columns.messages = str_()?.to_string(),
+        "skip-nonfinite-steps" => o.skip_nonfinite = bool_()?,
+        "sharding-rules" => {
+            let path = str_()?;
+            o.sharding_rules = (!path.is_empty()).then(|| path.into());
+            let rules = match &o.sharding_rules {
+                Some(p) => sharding::Rules::load(p)?,
+                None => sharding::Rules::default(),
+            };
+            if let Some(m) = &mut s.mesh {
+                m.rules = rules;
+            }
+        }
+        "plugin" => {
+            let p = str_()?;
+            o.plugin = (!p.is_empty()).then(|| p.to_string());
+        }
+        "save-every" => o.save_every = u64_()?,
+        "eval-every" => o.eval_every = u64_()?,
+        "log-every" => o.log_every = u64_()?,
+        "no-plot" => o.plot = !bool_()?,
+        "peak-tflops" => o.peak_tflops = v.as_f64(),
+        "remat" => s.remat = Remat::parse_choice(str_()?)?,
         "grad-accum" => s.microbatches = i64_()?,
         "loss-chunk" => s.loss_chunk = v.as_i64(),
         "attention-block" => s.attention_block = v.as_i64(),
@@ -220,7 +322,12 @@ fn apply(o: &mut TrainOptions, flag: &str, v: &Value, spec: Option<&StepSpec>) -
         "matmul-result" => s.matmul_result = ResultType::parse("matmul-result", str_()?)?,
         "keep-softmax-stats" => s.keep_softmax_stats = bool_()?,
         "pin-mlp-activations" => s.pin_mlp_activations = bool_()?,
-        "offload" => s.offload = Some(crate::program::Offload::parse(str_()?)?),
+        "offload" => {
+            s.offload = match str_()? {
+                "auto" => None,
+                other => Some(crate::program::Offload::parse(other)?),
+            }
+        }
         "mesh" => {
             s.mesh = match spec {
                 Some(spec) => spec.mesh.clone(),
@@ -243,12 +350,13 @@ fn apply(o: &mut TrainOptions, flag: &str, v: &Value, spec: Option<&StepSpec>) -
 pub struct Pinned(BTreeMap<String, String>);
 
 impl Pinned {
-    /// The flags given on the command line.
+    /// The flags given on the command line or by its `--config` recipe, each with where it came
+    /// from ("the command line gives", "the recipe FILE gives").
     pub fn from_command_line(o: &TrainOptions) -> Pinned {
         Pinned(
             o.explicit
                 .iter()
-                .map(|f| (f.clone(), "the command line gives".to_string()))
+                .map(|f| (f.clone(), format!("{} gives", o.given_by(f))))
                 .collect(),
         )
     }
@@ -257,16 +365,23 @@ impl Pinned {
 /// Take `recorded` (from `source`, e.g. "checkpoint runs/x/checkpoint-10, whose run has") into
 /// `o`: a flag that differs is refused if `pinned` (given on the command line, or fixed by an
 /// earlier source), else set to the recorded value. `may_differ` names flags whose difference is
-/// allowed. Returns the flags taken, as `--flag value`.
+/// allowed (said in `notes`). `spec` is the program dir's, when `recorded` is what it fixes.
+/// Returns the flags taken, as `--flag value`.
 fn reconcile(
     o: &mut TrainOptions,
-    now: impl Fn(&TrainOptions) -> Settings,
     recorded: &Settings,
     source: &str,
     pinned: &mut Pinned,
     may_differ: &dyn Fn(&str) -> bool,
     spec: Option<&StepSpec>,
+    notes: &mut Vec<String>,
 ) -> Result<Vec<String>> {
+    // A program dir's flags are compared as its spec has them, a checkpoint's as a run's.
+    let now = if spec.is_some() {
+        of_options_for_spec
+    } else {
+        of_run
+    };
     let mut taken = Vec::new();
     for (flag, want) in recorded {
         let current = now(o);
@@ -282,6 +397,12 @@ fn reconcile(
         }
         if let Some(by) = pinned.0.get(flag) {
             if may_differ(flag) {
+                let by = by.strip_suffix(" gives").unwrap_or(by);
+                notes.push(format!(
+                    "--{flag} {} ({by}) instead of the recorded --{flag} {} ({source})",
+                    show(have),
+                    show(want)
+                ));
                 continue;
             }
             bail!(
@@ -324,8 +445,12 @@ pub fn recorded_in(state: &TrainerState, ckpt: &Path) -> Result<Settings> {
 
 /// Settle the options of a run that takes a program dir and/or resumes a checkpoint: every
 /// flag left at its default takes the recorded value, every flag given must agree with it. The
-/// flags taken are printed.
-pub fn settle(o: &mut TrainOptions, cfg: &crate::model::config::LlamaConfig) -> Result<()> {
+/// flags taken are added to `notes`, for the run to say once it starts.
+pub fn settle(
+    o: &mut TrainOptions,
+    cfg: &crate::model::config::LlamaConfig,
+    notes: &mut Vec<String>,
+) -> Result<()> {
     let mut pinned = Pinned::from_command_line(o);
     if let Some(dir) = o.program.clone() {
         let (_, spec) = crate::formats::program_dir::read_dir(&dir)?;
@@ -346,14 +471,14 @@ pub fn settle(o: &mut TrainOptions, cfg: &crate::model::config::LlamaConfig) -> 
         let source = format!("program dir {} was built with", dir.display());
         let taken = reconcile(
             o,
-            of_options_for_spec,
             &fixed,
             &source,
             &mut pinned,
             &|_| false,
             Some(&spec),
+            notes,
         )?;
-        note(&taken, &format!("program dir {}", dir.display()));
+        note(&taken, &format!("program dir {}", dir.display()), notes);
     }
     if let Some(ckpt) = o.resume.clone() {
         let state = crate::train::checkpoint::read_state(&ckpt)?;
@@ -363,25 +488,127 @@ pub fn settle(o: &mut TrainOptions, cfg: &crate::model::config::LlamaConfig) -> 
             recorded.remove("batch-size");
             recorded.remove("seq");
         }
+        // The paths were taken (or checked) before the model was read.
+        for flag in PATH_FLAGS {
+            recorded.remove(*flag);
+        }
         let constant = recorded.get("schedule").and_then(|v| v.as_str()) == Some("constant");
         let source = format!("checkpoint {}'s run has", ckpt.display());
         let taken = reconcile(
             o,
-            of_run,
             &recorded,
             &source,
             &mut pinned,
-            // With a constant learning rate, a run may be extended (or shortened).
-            &|f| constant && (f == "steps" || f == "epochs"),
+            // With a constant learning rate, a run may be extended (or shortened); the layout
+            // and the reporting may change.
+            &|f| constant && (f == "steps" || f == "epochs") || LAYOUT_AND_REPORTING.contains(&f),
             None,
+            notes,
         )?;
-        note(&taken, &format!("checkpoint {}", ckpt.display()));
+        note(&taken, &format!("checkpoint {}", ckpt.display()), notes);
     }
     Ok(())
 }
 
-fn note(taken: &[String], from: &str) {
+/// `--resume CHECKPOINT`: take the paths its run recorded ([`PATH_FLAGS`]) for the flags left
+/// out, so that `xtrain train --resume CHECKPOINT` alone continues the run. A recorded path
+/// that no longer exists is refused, naming it, unless the flag gives where it is now. A model
+/// or data given on the command line must be the recorded one where that still exists; the
+/// evaluation data, the output dir and the program dir may be others (said).
+pub fn take_recorded_paths(o: &mut TrainOptions, notes: &mut Vec<String>) -> Result<()> {
+    let Some(ckpt) = o.resume.clone() else {
+        return Ok(());
+    };
+    let state = crate::train::checkpoint::read_state(&ckpt)?;
+    let c = ckpt.display();
+    let mut taken = Vec::new();
+    for flag in PATH_FLAGS {
+        let given: Option<PathBuf> = match *flag {
+            "model" => Some(o.model.clone()),
+            "data" => Some(o.data.path.clone()),
+            "eval-data" => o.data.eval_data.clone(),
+            "out" => Some(o.out.clone()),
+            _ => o.program.clone(),
+        }
+        .filter(|p| !p.as_os_str().is_empty());
+        let recorded = state
+            .settings
+            .get(*flag)
+            .and_then(|v| v.as_str())
+            .map(PathBuf::from);
+        let Some(recorded) = recorded else {
+            if given.is_none() && ["model", "data", "out"].contains(flag) {
+                bail!(
+                    "--{flag} is needed: checkpoint {c} does not record its run's --{flag} (it was written by an earlier xtrain); give --{flag}"
+                );
+            }
+            continue;
+        };
+        let none = recorded.as_os_str().is_empty();
+        let exists = !none && recorded.exists();
+        match given {
+            None if none => {}
+            None if exists => {
+                taken.push(format!("--{flag} {}", recorded.display()));
+                set_path(o, flag, recorded);
+            }
+            None => {
+                let own_dir = if *flag == "out" {
+                    ckpt.parent()
+                        .map(|d| format!(" (the checkpoint is in {})", d.display()))
+                        .unwrap_or_default()
+                } else {
+                    String::new()
+                };
+                bail!(
+                    "checkpoint {c}'s run has --{flag} {}, which does not exist now (moved or deleted?); give --{flag} with where it is{own_dir}",
+                    recorded.display()
+                );
+            }
+            Some(g) => {
+                let same = exists
+                    && matches!((g.canonicalize(), recorded.canonicalize()), (Ok(a), Ok(b)) if a == b);
+                if same {
+                    continue;
+                }
+                let by = o.given_by(flag);
+                if ["model", "data"].contains(flag) && exists {
+                    bail!(
+                        "checkpoint {c}'s run has --{flag} {}, but {by} gives --{flag} {} (leave the flag out to take the recorded value)",
+                        recorded.display(),
+                        g.display()
+                    );
+                }
+                let was = if none {
+                    "none".to_string()
+                } else if exists {
+                    recorded.display().to_string()
+                } else {
+                    format!("{}, which does not exist now", recorded.display())
+                };
+                notes.push(format!(
+                    "--{flag} {} ({by}) instead of the recorded --{flag} {was} (checkpoint {c})",
+                    g.display()
+                ));
+            }
+        }
+    }
+    note(&taken, &format!("checkpoint {c}"), notes);
+    Ok(())
+}
+
+fn set_path(o: &mut TrainOptions, flag: &str, p: PathBuf) {
+    match flag {
+        "model" => o.model = p,
+        "data" => o.data.path = p,
+        "eval-data" => o.data.eval_data = Some(p),
+        "out" => o.out = p,
+        _ => o.program = Some(p),
+    }
+}
+
+fn note(taken: &[String], from: &str, notes: &mut Vec<String>) {
     if !taken.is_empty() {
-        eprintln!("xtrain: taking {} from {from}", taken.join(", "));
+        notes.push(format!("taking {} from {from}", taken.join(", ")));
     }
 }
