@@ -590,6 +590,23 @@ fn train_uses_a_program_dirs_executable_only_where_it_was_compiled_for() {
         err.contains("loaded the step compiled by `xtrain compile` for cpu"),
         "{err}"
     );
+    // A damaged executable is a lost compile, not a lost program: the text (checked against
+    // the manifest) is compiled here, and the run is the same.
+    let exe = here.join(&manifest(&here).builds[0].executable);
+    let mut bytes = std::fs::read(&exe).unwrap();
+    bytes.truncate(bytes.len() / 2);
+    std::fs::write(&exe, bytes).unwrap();
+    let (err, damaged) = train(&here, &dir.join("run-damaged"));
+    assert!(
+        err.contains("here, the same program") && err.contains("does not match its manifest"),
+        "{err}"
+    );
+    let loss_values = |m: &str| -> Vec<String> {
+        m.lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"].to_string())
+            .collect()
+    };
+    assert_eq!(loss_values(&loaded), loss_values(&damaged));
     // A program dir compiled for two GPU targets holds no executable for this machine: the
     // same text is compiled here, and said so; the same program on the same plugin gives the
     // same losses, to the bit.

@@ -244,7 +244,18 @@ fn prebuilt(
     for build in &builds {
         match crate::device::cache::matches(rt, build) {
             Ok(()) => {
-                let executable = program_dir::read_executable(dir, build)?;
+                // A missing or damaged executable is only a lost compile: the program text it
+                // was compiled from is checked against the manifest and compiled here instead.
+                let executable = match program_dir::read_executable(dir, build) {
+                    Ok(e) => e,
+                    Err(e) => {
+                        eprintln!(
+                            "xtrain: compiling {} here, the same program: {e:#}",
+                            dir.join("train_step.mlir").display()
+                        );
+                        return Ok(None);
+                    }
+                };
                 return Ok(Some(crate::device::cache::Prebuilt {
                     program_sha256: program_dir::sha256_hex(program.text.as_bytes()),
                     executable,
