@@ -214,3 +214,65 @@ fn train_without_model_data_or_out_and_no_resume_says_what_is_needed() {
         "{e}"
     );
 }
+
+/// A resumed bf16 run keeps its attention scores' type: bf16 scores round once more than f32
+/// ones, so `--attention-scores f32` on a run started with the default (compute) is another
+/// run's numerics and is refused, naming both; the form-only flags (`--matmul-result`,
+/// `--keep-softmax-stats`) may change and are said.
+#[test]
+fn a_resumed_bf16_run_keeps_its_attention_scores_type() {
+    let dir = tempdir("resume-scores");
+    let model = tiny_text_model(&dir);
+    let data = examples(&dir.join("d.jsonl"), 16);
+    let out = dir.join("run");
+    let o = train_cmd(&model, &data, &out)
+        .args([
+            "--dtype",
+            "bf16",
+            "--steps",
+            "4",
+            "--save-every",
+            "2",
+            "--stop-after",
+            "2",
+        ])
+        .args([
+            "--batch-size",
+            "2",
+            "--seq",
+            "48",
+            "--lora-r",
+            "4",
+            "--log-every",
+            "0",
+            "--no-plot",
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let ckpt = out.join("checkpoint-2");
+    let o = xtrain_cmd()
+        .args(["train", "--resume"])
+        .arg(&ckpt)
+        .args(["--attention-scores", "f32"])
+        .output()
+        .unwrap();
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{e}");
+    assert!(
+        e.contains(
+            "run has --attention-scores compute, but the command line gives --attention-scores f32"
+        ),
+        "{e}"
+    );
+    let o = xtrain_cmd()
+        .args(["train", "--resume"])
+        .arg(&ckpt)
+        .args(["--matmul-result", "compute"])
+        .output()
+        .unwrap();
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{e}");
+    assert!(out.join("adapter").is_dir());
+    std::fs::remove_dir_all(&dir).unwrap();
+}

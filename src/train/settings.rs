@@ -64,7 +64,9 @@ pub const PATH_FLAGS: &[&str] = &["model", "data", "eval-data", "out", "program"
 
 /// The flags that say how a run is laid out on devices and how it reports, not what it
 /// computes: a resumed run takes the recorded value when the flag is left out, and a value
-/// given on the command line wins over it (said, not refused).
+/// given on the command line wins over it (said, not refused). The program-form flags here
+/// change the form of the same arithmetic; `--attention-scores` is not among them, since bf16
+/// scores round once more than f32 ones.
 pub const LAYOUT_AND_REPORTING: &[&str] = &[
     "remat",
     "offload",
@@ -74,7 +76,6 @@ pub const LAYOUT_AND_REPORTING: &[&str] = &[
     "mesh",
     "sharding-rules",
     "matmul-result",
-    "attention-scores",
     "keep-softmax-stats",
     "pin-mlp-activations",
     "plugin",
