@@ -2432,3 +2432,38 @@ fn a_step_too_big_for_the_cpu_gives_xlas_figure_and_only_cpu_advice() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A `--target` typed over a recipe's replaces it (said as an override) rather than joining it:
+/// `--target` may be repeated, so keeping both would compile for the recipe's hardware too.
+#[test]
+fn a_target_typed_over_a_recipes_replaces_it() {
+    let dir = tempdir("rel-recipe-target");
+    let recipe = dir.join("r.toml");
+    std::fs::write(
+        &recipe,
+        "model = \"tiny-llama3\"\nbatch_size = 4\nseq = 64\n[compile]\ntarget = \"tpu:v5p:2x2x1\"\n",
+    )
+    .unwrap();
+    let out = dir.join("p");
+    let o = xtrain(&[
+        "compile",
+        "--config",
+        recipe.to_str().unwrap(),
+        "--target",
+        "cuda:h100:4",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr),
+    );
+    assert!(o.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("--target cuda:h100:4 on the command line overrides the recipe"),
+        "{stderr}"
+    );
+    assert!(stdout.contains("target cuda:h100:4: 4 devices"), "{stdout}");
+    assert!(!stdout.contains("tpu:v5p"), "{stdout}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -55,12 +55,17 @@ pub fn expand(argv: Vec<OsString>, cli: &Command) -> Result<Expanded> {
     for (flag, value) in flags {
         let long = flag.trim_start_matches("--").to_string();
         match typed.iter().find(|(f, _)| *f == long) {
-            Some((_, mine)) => eprintln!(
-                "xtrain: {flag}{} on the command line overrides the recipe {}'s {flag}{}",
-                mine.as_ref().map(|v| format!(" {v}")).unwrap_or_default(),
-                file.display(),
-                value.as_ref().map(|v| format!(" {v}")).unwrap_or_default(),
-            ),
+            Some((_, mine)) => {
+                eprintln!(
+                    "xtrain: {flag}{} on the command line overrides the recipe {}'s {flag}{}",
+                    mine.as_ref().map(|v| format!(" {v}")).unwrap_or_default(),
+                    file.display(),
+                    value.as_ref().map(|v| format!(" {v}")).unwrap_or_default(),
+                );
+                // Left out, not only outvoted: a flag that may be repeated (`--target`) would
+                // otherwise keep the recipe's value beside the command line's.
+                continue;
+            }
             None => {
                 from_recipe.insert(long);
             }
