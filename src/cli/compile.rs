@@ -3,7 +3,8 @@
 //! compiler's memory figures.
 
 use crate::cli::args::StepArgs;
-use crate::cli::target::{check_target, print_target, record, Compiler};
+use crate::cli::figures::{gib, print_memory};
+use crate::cli::target::{check_target, print_target, record, BuildTo, Compiler};
 use anyhow::{bail, Result};
 use clap::Args;
 use std::path::PathBuf;
@@ -80,20 +81,6 @@ impl CompileArgs {
     /// messages name `out`, where they will be.
     pub(super) fn dir(&self) -> &std::path::Path {
         self.stage.as_deref().unwrap_or(&self.out)
-    }
-}
-
-/// Bytes in GiB, or MiB / KiB for small programs (the tiny test model), so no figure reads 0.00.
-pub(super) use xtrain::device::fit::gib;
-
-/// Seconds, or milliseconds / microseconds for small ones.
-pub(super) fn secs(s: f64) -> String {
-    if s >= 1.0 {
-        format!("{s:.3} s")
-    } else if s >= 1e-3 {
-        format!("{:.3} ms", s * 1e3)
-    } else {
-        format!("{:.2} us", s * 1e6)
     }
 }
 
@@ -285,7 +272,20 @@ fn compile_choices(
                     d.clone()
                 }
             });
-            if !check_target(a, t, &spec, &program, &mut manifest, last, dump.as_deref())? {
+            let to = BuildTo {
+                dir: a.dir(),
+                out: &a.out,
+                estimate: !a.no_estimate,
+            };
+            if !check_target(
+                &to,
+                t,
+                &spec,
+                &program,
+                &mut manifest,
+                last,
+                dump.as_deref(),
+            )? {
                 fits_all = false;
                 if !last {
                     break;
@@ -457,46 +457,6 @@ fn print_device_order(m: &MeshPlan) {
             m.devices()
         );
     }
-}
-
-/// Per-device figures, the same lines for every plugin: device memory (what must fit), host
-/// memory where the program offloads (per device and per host), and whether it fits.
-pub(super) fn print_memory(
-    m: &pjrt::MemoryStats,
-    available: Option<i64>,
-    devices_per_host: i64,
-    spec: &StepSpec,
-) {
-    println!(
-        "per device: arguments {}, outputs {} ({} aliased to arguments), temporaries {}, code {}",
-        gib(m.argument_bytes),
-        gib(m.output_bytes),
-        gib(m.alias_bytes),
-        gib(m.temp_bytes),
-        gib(m.generated_code_bytes)
-    );
-    if m.host_total_bytes() > 0 {
-        println!(
-            "in host memory, per device: arguments {}, temporaries {}; per host ({devices_per_host} \
-             device(s)): {}",
-            gib(m.host_argument_bytes),
-            gib(m.host_temp_bytes),
-            gib(m.host_total_bytes() * devices_per_host)
-        );
-    }
-    let fits = match available {
-        Some(have) if m.total_bytes() <= have => format!(" of {}: fits", gib(have)),
-        Some(have) => format!(
-            " of {}: does not fit ({})",
-            gib(have),
-            xtrain::device::fit::fit_advice(m.total_bytes(), Some(have), spec)
-        ),
-        None => String::new(),
-    };
-    println!(
-        "per device total (arguments + non-aliased outputs + temporaries): {}{fits}",
-        gib(m.total_bytes())
-    );
 }
 
 /// `--check` without a target: compile the program with this machine's plugin, and keep the

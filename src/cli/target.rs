@@ -3,12 +3,22 @@
 //! recorded in the program dir), and `xtrain targets`: the known targets and the built-in GPU
 //! descriptions. Apart from `compile.rs` because it is the part about targets.
 
-use crate::cli::compile::{gib, print_memory, secs, CompileArgs};
+use crate::cli::figures::{gib, print_memory, secs};
 use anyhow::{bail, Result};
 use xtrain::device::aot::{TargetBuild, TargetDevices};
 use xtrain::device::target::Platform;
 use xtrain::formats::program_dir::{self, Build, Manifest, MemoryFigures, StepEstimate};
 use xtrain::program::{Program, StepSpec};
+
+/// Where `--check` writes a build, and what it does besides compiling.
+pub(super) struct BuildTo<'a> {
+    /// The program dir being written now (see `CompileArgs::dir`).
+    pub(super) dir: &'a std::path::Path,
+    /// Where the program dir will be once complete: the name messages use (`--out`).
+    pub(super) out: &'a std::path::Path,
+    /// Estimate a TPU step's time from unrolled steps (`--no-estimate` not given).
+    pub(super) estimate: bool,
+}
 
 /// What the target is, as its plugin describes it.
 pub(super) fn print_target(t: &TargetDevices) -> Result<()> {
@@ -48,7 +58,7 @@ pub(super) fn print_target(t: &TargetDevices) -> Result<()> {
 /// Returns whether the step fits the target's devices (true where their memory is unknown);
 /// one that does not fit is recorded only if it is the `last` choice.
 pub(super) fn check_target(
-    a: &CompileArgs,
+    to: &BuildTo,
     t: &TargetDevices,
     spec: &StepSpec,
     program: &Program,
@@ -120,7 +130,7 @@ pub(super) fn check_target(
             }
         );
     }
-    if t.target.platform == Platform::Tpu && !a.no_estimate {
+    if t.target.platform == Platform::Tpu && to.estimate {
         estimate = print_estimate(t, spec)?;
     }
     let by = Compiler {
@@ -134,11 +144,11 @@ pub(super) fn check_target(
         memory_per_device: t.memory_per_device(),
         usable_memory_per_device: usable,
     };
-    let file = record(a.dir(), by, &build, estimate, manifest)?;
+    let file = record(to.dir, by, &build, estimate, manifest)?;
     let build_record = manifest.builds.last().expect("recorded");
     println!(
         "wrote {} ({} bytes){} and the build in manifest.json",
-        a.out.join(file).display(),
+        to.out.join(file).display(),
         build.executable.len(),
         [&build_record.optimized_hlo, &build_record.memory_report]
             .iter()

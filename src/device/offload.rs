@@ -50,7 +50,7 @@ pub fn choose(
         let m = exe.memory_stats()?;
         if m.total_bytes() <= limit {
             // The trainer takes this executable instead of compiling the step again.
-            rt.prebuilt = Some(crate::device::cache::Prebuilt {
+            rt.prebuilt = Some(crate::device::runtime::Prebuilt {
                 program_sha256: crate::formats::program_dir::sha256_hex(program.text.as_bytes()),
                 executable: exe.serialize()?,
                 from: String::new(),

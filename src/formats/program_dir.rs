@@ -230,7 +230,7 @@ pub fn write_dir(dir: &Path, program: &Program, spec: &StepSpec) -> Result<Manif
             .iter()
             .zip(&program.arg_shard_dims)
             .map(|(a, d)| TensorSpecOwned {
-                memory: spec.arg_memory(a).map(|m| m.name().to_string()),
+                memory: a.memory(spec).map(|m| m.name().to_string()),
                 ..TensorSpecOwned::sharded(a, d)
             })
             .collect(),

@@ -112,7 +112,7 @@ impl<'s> ProgramBuilder<'s> {
             })
             .collect();
         for (v, a) in params.iter().zip(&args) {
-            if let Some(memory) = spec.arg_memory(a) {
+            if let Some(memory) = a.memory(spec) {
                 b.set_param_memory(*v, Some(memory));
             }
         }

@@ -256,15 +256,6 @@ impl StepSpec {
             ..self
         }
     }
-
-    /// The memory an argument is passed in: host memory for the stacked frozen layer weights
-    /// when they are offloaded, else the device's own (None).
-    pub fn arg_memory(&self, arg: &crate::program::TensorSpec) -> Option<hlo::MemoryKind> {
-        (self.offload.frozen
-            && arg.role == crate::program::Role::Frozen
-            && arg.name.contains("layers.*."))
-        .then_some(hlo::MemoryKind::PinnedHost)
-    }
 }
 
 /// A device mesh and the logical-axis rules that place tensors on it.

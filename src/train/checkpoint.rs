@@ -32,14 +32,24 @@ pub struct TrainerState {
     pub position: u64,
     pub seed: u64,
     pub schedule: Schedule,
-    /// The settings that define the run, by flag ([`crate::train::settings`]); empty in the
-    /// checkpoints of earlier versions.
+    /// The settings that define the run, by flag ([`Settings`]); empty in the checkpoints of
+    /// earlier versions.
     #[serde(default)]
-    pub settings: crate::train::settings::Settings,
+    pub settings: Settings,
     /// A fingerprint of the training rows (sha256 of their tokens, labels and masks), so that a
     /// resumed run is refused on other data.
     #[serde(default)]
     pub data: Option<String>,
+}
+
+/// The settings that define a run, by flag name (without `--`), as a checkpoint records them
+/// (see `train::settings`, which takes and checks them).
+pub type Settings = BTreeMap<String, serde_json::Value>;
+
+/// The command that continues a run from checkpoint `dir`: its every setting, paths included,
+/// is recorded there (`settings::of_run`), so no other flag is needed.
+pub fn resume_command(dir: &Path) -> String {
+    format!("xtrain train --resume {}", dir.display())
 }
 
 /// A checkpoint as loaded: LoRA weights, AdamW moments (both per-layer names) and the state.

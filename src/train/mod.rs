@@ -25,7 +25,9 @@ use crate::device::trainer::Trainer;
 use crate::formats::weights::CheckpointWeights;
 use crate::model::config::LlamaConfig;
 use crate::program::{self, Program, StepSpec};
-use crate::train::checkpoint::{save_adapter, save_checkpoint, Checkpoint, TrainerState};
+use crate::train::checkpoint::{
+    resume_command, save_adapter, save_checkpoint, Checkpoint, TrainerState,
+};
 use crate::train::log::Metrics;
 use crate::train::options::TrainOptions;
 use crate::train::output::RunDir;
@@ -101,12 +103,6 @@ pub fn run(opts: &TrainOptions) -> Result<()> {
             None => Err(e),
         },
     }
-}
-
-/// The command that continues a run from checkpoint `dir`: its every setting, paths included,
-/// is recorded there ([`settings::of_run`]), so no other flag is needed.
-pub fn resume_command(dir: &std::path::Path) -> String {
-    format!("xtrain train --resume {}", dir.display())
 }
 
 /// How a run's invocation ended, short of an error.
@@ -237,7 +233,7 @@ fn prebuilt(
     rt: &Runtime,
     dir: &std::path::Path,
     program: &Program,
-) -> Result<Option<crate::device::cache::Prebuilt>> {
+) -> Result<Option<crate::device::runtime::Prebuilt>> {
     use crate::formats::program_dir;
     let builds = program_dir::read_builds(dir)?;
     let mut why_not = Vec::new();
@@ -245,7 +241,7 @@ fn prebuilt(
         match crate::device::cache::matches(rt, build) {
             Ok(()) => {
                 let executable = program_dir::read_executable(dir, build)?;
-                return Ok(Some(crate::device::cache::Prebuilt {
+                return Ok(Some(crate::device::runtime::Prebuilt {
                     program_sha256: program_dir::sha256_hex(program.text.as_bytes()),
                     executable,
                     from: format!(

@@ -7,15 +7,12 @@
 
 use crate::model::lora::Target;
 use crate::program::{sharding, MeshPlan, Remat, ResultType, StepSpec};
-use crate::train::checkpoint::TrainerState;
+use crate::train::checkpoint::{Settings, TrainerState};
 use crate::train::options::TrainOptions;
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-
-/// Flag name (without `--`) -> value, as recorded.
-pub type Settings = BTreeMap<String, Value>;
 
 /// A value as a user would write it after its flag.
 pub fn show(v: &Value) -> String {
