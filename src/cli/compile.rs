@@ -8,7 +8,7 @@ use crate::cli::target::{check_target, print_target, record, BuildTo, Compiler};
 use anyhow::{bail, Result};
 use clap::Args;
 use std::path::PathBuf;
-use xtrain::device::aot::{TargetBuild, TargetDevices};
+use xtrain::device::target::aot::{TargetBuild, TargetDevices};
 use xtrain::device::target::{Platform, Target};
 use xtrain::formats::program_dir::{self, Manifest};
 use xtrain::program::{default_choice, fit_choices, MeshPlan, Offload, Program, Remat, StepSpec};

@@ -4,7 +4,7 @@
 use xtrain::program::StepSpec;
 
 /// Bytes in GiB, or MiB / KiB for small programs (the tiny test model), so no figure reads 0.00.
-pub(super) use xtrain::device::fit::gib;
+pub(super) use xtrain::device::memory::fit::gib;
 
 /// Seconds, or milliseconds / microseconds for small ones.
 pub(super) fn secs(s: f64) -> String {
@@ -47,7 +47,7 @@ pub(super) fn print_memory(
         Some(have) => format!(
             " of {}: does not fit ({})",
             gib(have),
-            xtrain::device::fit::fit_advice(m.total_bytes(), Some(have), spec)
+            xtrain::device::memory::fit::fit_advice(m.total_bytes(), Some(have), spec)
         ),
         None => String::new(),
     };

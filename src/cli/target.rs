@@ -5,7 +5,7 @@
 
 use crate::cli::figures::{gib, print_memory, secs};
 use anyhow::{bail, Result};
-use xtrain::device::aot::{TargetBuild, TargetDevices};
+use xtrain::device::target::aot::{TargetBuild, TargetDevices};
 use xtrain::device::target::Platform;
 use xtrain::formats::program_dir::{self, Build, Manifest, MemoryFigures, StepEstimate};
 use xtrain::program::{Program, StepSpec};
@@ -76,11 +76,11 @@ pub(super) fn check_target(
         // The TPU compiler refuses a step whose temporaries exceed the chip's HBM (the GPU
         // compilers compile it and report the memory): for `auto`, one more choice that does
         // not fit; for the last choice, the error, with the figures and what would help.
-        Err(e) if xtrain::device::fit::is_out_of_memory(&e) => {
-            let e = xtrain::device::fit::explain_out_of_memory(
+        Err(e) if xtrain::device::memory::fit::is_out_of_memory(&e) => {
+            let e = xtrain::device::memory::fit::explain_out_of_memory(
                 e,
                 "the training step",
-                xtrain::device::fit::argument_bytes_per_device(program),
+                xtrain::device::memory::fit::argument_bytes_per_device(program),
                 spec,
                 t.usable_memory_per_device()?,
             );
@@ -162,8 +162,8 @@ pub(super) fn check_target(
 }
 
 /// What was added back to the unrolled steps' times, if anything (see
-/// [`xtrain::device::aot::unpriced_calls`]).
-fn unpriced_note(e: &xtrain::device::aot::Estimate) -> String {
+/// [`xtrain::device::target::aot::unpriced_calls`]).
+fn unpriced_note(e: &xtrain::device::target::aot::Estimate) -> String {
     match e.unpriced_calls {
         [0, 0] => String::new(),
         [a, b] => format!(
@@ -314,10 +314,10 @@ pub(super) fn record(
 
 /// `xtrain targets [NAME]`.
 pub fn targets(name: Option<&str>) -> Result<()> {
-    use xtrain::device::target::{GpuArch, GPUS, TPUS};
+    use xtrain::device::target::{gpus, tpus, GpuArch};
     let Some(name) = name else {
         println!("TPU slices (libtpu's layouts, e.g. 2x2, 2x2x1, 4x4x4, 16x16; 1x1 for one chip):");
-        for t in TPUS {
+        for t in tpus() {
             println!(
                 "  tpu:{}:<chips>  {} TFLOP/s bf16 per chip",
                 t.name, t.peak_bf16_tflops_per_chip
@@ -326,15 +326,12 @@ pub fn targets(name: Option<&str>) -> Result<()> {
         println!(
             "GPUs (<count> per host, or <hosts>x<per host>; --target-config FILE for others):"
         );
-        for g in GPUS {
-            let arch = match g.arch {
+        for g in gpus() {
+            let arch = match &g.arch {
                 GpuArch::Cuda(a, b) => format!("sm_{a}{b}"),
                 GpuArch::Rocm(n) => n.split(':').next().unwrap_or(n).to_string(),
             };
-            let platform = match g.arch {
-                GpuArch::Cuda(..) => "cuda",
-                GpuArch::Rocm(_) => "rocm",
-            };
+            let platform = g.platform().plugin();
             println!(
                 "  {platform}:{}:<count>  {} ({arch}, {} {}, {}, {:.1} TB/s, {} TFLOP/s bf16)",
                 g.name,
@@ -352,7 +349,7 @@ pub fn targets(name: Option<&str>) -> Result<()> {
     let device = device.split(':').next().unwrap_or(device);
     if platform == "tpu" {
         // libtpu knows its chips: a TPU target is its generation and its slice's layout.
-        let Some(t) = TPUS.iter().find(|t| t.name == device) else {
+        let Some(t) = tpus().iter().find(|t| t.name == device) else {
             bail!(
                 "`{name}`: unknown TPU generation `{device}`; known: {}",
                 xtrain::device::target::known_targets()
@@ -366,13 +363,10 @@ pub fn targets(name: Option<&str>) -> Result<()> {
         );
         return Ok(());
     }
-    let Some(g) = GPUS.iter().find(|g| {
-        g.name == device
-            && matches!(
-                (platform, g.arch),
-                ("cuda", GpuArch::Cuda(..)) | ("rocm", GpuArch::Rocm(_))
-            )
-    }) else {
+    let Some(g) = gpus()
+        .iter()
+        .find(|g| g.name == device && g.platform().plugin() == platform)
+    else {
         bail!(
             "`{name}` is not a built-in GPU (TPUs need no description); known: {}",
             xtrain::device::target::known_targets()

@@ -19,7 +19,7 @@ mod start;
 pub mod tensorboard;
 
 use crate::data::{Batch, Source, TrainingData};
-use crate::device::fit::{argument_bytes_per_device, explain_out_of_memory_on};
+use crate::device::memory::fit::{argument_bytes_per_device, explain_out_of_memory_on};
 use crate::device::runtime::Runtime;
 use crate::device::trainer::Trainer;
 use crate::formats::weights::CheckpointWeights;
@@ -343,7 +343,7 @@ pub fn plan(
         // On an accelerator: the first of save-proj and layer remat (--remat auto) and the least
         // offload (--offload auto) that fits its memory, or the ones asked for, checked against
         // the device's and the host's memory before any weight loads.
-        let (spec, program) = crate::device::offload::choose(
+        let (spec, program) = crate::device::memory::offload::choose(
             &mut rt,
             &choices,
             crate::program::default_choice(opts.step.remat, opts.step.offload),

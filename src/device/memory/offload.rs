@@ -2,7 +2,7 @@
 //! the step fit the device's memory, decided from the compiler's own figures before any weight
 //! is loaded, and whether this host has the memory the offloaded part needs.
 
-use crate::device::fit::gib;
+use crate::device::memory::fit::gib;
 use crate::device::runtime::Runtime;
 use crate::program::{Offload, Program, Remat, StepSpec};
 use anyhow::{bail, Result};
@@ -37,7 +37,7 @@ pub fn choose(
             Ok(c) => c,
             // A TPU compiler refuses a step that does not fit its HBM (GPU compilers compile it
             // and report the memory): try the next choice.
-            Err(e) if k + 1 < choices.len() && crate::device::fit::is_out_of_memory(&e) => {
+            Err(e) if k + 1 < choices.len() && crate::device::memory::fit::is_out_of_memory(&e) => {
                 needed.push(format!(
                     "--remat {} --offload {}: refused by the compiler ({e:#})",
                     remat.name(),
