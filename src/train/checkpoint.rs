@@ -52,12 +52,13 @@ pub fn resume_command(dir: &Path) -> String {
     format!("xtrain train --resume {}", dir.display())
 }
 
-/// A checkpoint as loaded: LoRA weights, AdamW moments (both per-layer names) and the state.
-pub type Checkpoint = (
-    BTreeMap<String, HostTensor>,
-    BTreeMap<String, HostTensor>,
-    TrainerState,
-);
+/// A checkpoint as loaded, or where a run starts: the LoRA weights, the AdamW moments (both by
+/// per-layer names; none for a run that starts at step 0) and where training stands.
+pub struct Checkpoint {
+    pub lora: BTreeMap<String, HostTensor>,
+    pub moments: BTreeMap<String, HostTensor>,
+    pub state: TrainerState,
+}
 
 /// A checkpoint: adapter + AdamW moments + trainer state, in one directory written atomically.
 pub fn save_checkpoint(
@@ -113,5 +114,9 @@ pub fn load_checkpoint(dir: &Path, cfg: &LlamaConfig, lora: &LoraConfig) -> Resu
     for name in opt.tensors.keys() {
         moments.insert(name.clone(), opt.read(name)?);
     }
-    Ok((weights, moments, state))
+    Ok(Checkpoint {
+        lora: weights,
+        moments,
+        state,
+    })
 }

@@ -450,14 +450,7 @@ pub fn settle(
 ) -> Result<()> {
     let mut pinned = Pinned::from_command_line(o);
     if let Some(dir) = o.program.clone() {
-        let (_, spec) = crate::formats::program_dir::read_dir(&dir)?;
-        if &spec.model != cfg {
-            bail!(
-                "program dir {} was built for another model (its config differs from {})",
-                dir.display(),
-                o.model.display()
-            );
-        }
+        let (_, spec) = crate::formats::program_dir::read_dir_for_model(&dir, cfg, &o.model)?;
         // A .safetensors batch has the shape it has; the program's check against it comes later.
         let batch_file = o.data.is_batch_file();
         let mut fixed = of_spec(&spec);
