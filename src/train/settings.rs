@@ -319,12 +319,7 @@ fn apply(o: &mut TrainOptions, flag: &str, v: &Value, spec: Option<&StepSpec>) -
         "matmul-result" => s.matmul_result = ResultType::parse("matmul-result", str_()?)?,
         "keep-softmax-stats" => s.keep_softmax_stats = bool_()?,
         "pin-mlp-activations" => s.pin_mlp_activations = bool_()?,
-        "offload" => {
-            s.offload = match str_()? {
-                "auto" => None,
-                other => Some(crate::program::Offload::parse(other)?),
-            }
-        }
+        "offload" => s.offload = crate::program::Offload::parse_choice(str_()?)?,
         "mesh" => {
             s.mesh = match spec {
                 Some(spec) => spec.mesh.clone(),
