@@ -1,12 +1,18 @@
-//! The flags that shape the step program, shared by `train`, `compile` and `bench`.
+//! The flags that shape the step program, shared by `train`, `compile` and `bench`, parsed into
+//! the library's types at the edge (an unknown `--remat` is clap's error, not the library's);
+//! [`StepArgs::options`] makes them the library's `StepOptions`. Why `StepArgs`, `StepOptions`
+//! and `StepSpec` are three: `program/spec.rs`.
 
 use anyhow::{bail, Context, Result};
+use clap::builder::{PossibleValuesParser, TypedValueParser};
 use clap::Args;
+use hlo::DType;
 use std::path::PathBuf;
 use xtrain::model::lora::{LoraConfig, Target};
 use xtrain::model::optim::AdamW;
 use xtrain::program::{
-    Remat, ResultType, StepOptions, DEFAULT_ATTENTION_SCORES, DEFAULT_MATMUL_RESULT,
+    parse_dtype, Offload, Remat, ResultType, StepOptions, DEFAULT_ATTENTION_SCORES,
+    DEFAULT_MATMUL_RESULT,
 };
 
 #[derive(Args)]
@@ -57,16 +63,16 @@ pub struct StepArgs {
     pub lora: LoraArgs,
     /// Precision: f32, or bf16 (bf16 weights and matmuls; f32 norms, softmax, loss, LoRA
     /// master weights and optimizer state).
-    #[arg(long, default_value = "f32", help_heading = "Scale")]
-    pub dtype: String,
+    #[arg(long, default_value = "f32", value_parser = parse_dtype, help_heading = "Scale")]
+    pub dtype: DType,
     /// What the backward pass recomputes: none (layers unrolled, everything kept), layer (keep
     /// each layer's input; its softmax statistics too with --keep-softmax-stats), save-proj (also keep the frozen
     /// projections' outputs, the attention output and the softmax's row statistics: only q.k
     /// and the softmax are recomputed), or
     /// auto (in `train` on a GPU or TPU and in `compile --check --target`: save-proj where the
     /// step then fits the device's memory, else layer; elsewhere layer)
-    #[arg(long, default_value = "auto", help_heading = "Scale")]
-    pub remat: String,
+    #[arg(long, default_value = "auto", value_parser = remat_or_auto, help_heading = "Scale")]
+    pub remat: OrAuto<Remat>,
     /// Gradient accumulation: split each batch into this many microbatches inside the step.
     #[arg(long, default_value_t = 1, help_heading = "Scale")]
     pub grad_accum: i64,
@@ -88,13 +94,13 @@ pub struct StepArgs {
     /// With --dtype bf16, the type matmuls give their result in before it is rounded to bf16:
     /// f32 (the accumulator; the form XLA CPU runs on the CPU's native bf16 GEMM) or compute
     /// (bf16). The arithmetic is the same (f32 accumulation, one rounding).
-    #[arg(long, default_value = DEFAULT_MATMUL_RESULT.name(), value_parser = ["f32", "compute"], help_heading = "Program form")]
-    pub matmul_result: String,
+    #[arg(long, default_value = DEFAULT_MATMUL_RESULT.name(), value_parser = result_type(), help_heading = "Program form")]
+    pub matmul_result: ResultType,
     /// With --dtype bf16, the type the attention scores (q.k) are written in before the
     /// softmax, which runs in f32: compute (bf16, as Hugging Face's eager attention has them)
     /// or f32.
-    #[arg(long, default_value = DEFAULT_ATTENTION_SCORES.name(), value_parser = ["f32", "compute"], help_heading = "Program form")]
-    pub attention_scores: String,
+    #[arg(long, default_value = DEFAULT_ATTENTION_SCORES.name(), value_parser = result_type(), help_heading = "Program form")]
+    pub attention_scores: ResultType,
     /// With --remat layer, also keep each layer's softmax row max and sum (a few bytes per token
     /// and head), so that the recomputation skips one pass over the scores. save-proj always
     /// keeps them.
@@ -108,25 +114,18 @@ pub struct StepArgs {
     pub pin_mlp_activations: bool,
     /// Quantize the projections' base weights at load: nf4 (QLoRA's 4-bit NormalFloat, blocks
     /// of 64, double-quantized scales), dequantized in the step right before each matmul.
-    #[arg(long, help_heading = "Scale")]
-    pub quant: Option<String>,
+    #[arg(long = "quant", id = "quant", value_name = "QUANT", default_value = "none", hide_default_value = true,
+          action = clap::ArgAction::Set, value_parser = parse_quant, help_heading = "Scale")]
+    pub nf4: bool,
     /// Keep in host memory instead of the device's: frozen (the frozen layer weights, each
     /// layer copied in just before use), activations (what the backward pass reads back), all,
     /// none, or auto (the least of these that makes the step fit the device; none on CPU and when
     /// the device's memory is not known).
-    #[arg(long, default_value = "auto")]
-    pub offload: String,
+    #[arg(long, default_value = "auto", value_parser = offload_or_auto)]
+    pub offload: OrAuto<Offload>,
 }
 
 impl StepArgs {
-    pub fn nf4(&self) -> Result<bool> {
-        match self.quant.as_deref() {
-            None | Some("none") => Ok(false),
-            Some("nf4") => Ok(true),
-            Some(other) => bail!("--quant must be nf4 or none, got `{other}`"),
-        }
-    }
-
     pub fn mesh(&self) -> Result<Option<xtrain::program::MeshPlan>> {
         if self.mesh.as_deref().is_some_and(|m| m.trim().is_empty()) {
             bail!("--mesh is empty: give its axes, such as --mesh fsdp=8, or leave it out to run on one device");
@@ -177,21 +176,18 @@ impl StepArgs {
         Ok(StepOptions {
             lora: self.lora.config()?,
             adam: self.adam()?,
-            dtype: xtrain::program::parse_dtype(&self.dtype)?,
-            remat: Remat::parse_choice(&self.remat)?,
+            dtype: self.dtype,
+            remat: self.remat.0,
             microbatches: self.grad_accum,
             mesh: self.mesh()?,
-            nf4: self.nf4()?,
+            nf4: self.nf4,
             loss_chunk: self.loss_chunk,
             attention_block: self.attention_block,
-            matmul_result: ResultType::parse("matmul-result", &self.matmul_result)?,
-            attention_scores: ResultType::parse("attention-scores", &self.attention_scores)?,
+            matmul_result: self.matmul_result,
+            attention_scores: self.attention_scores,
             keep_softmax_stats: self.keep_softmax_stats,
             pin_mlp_activations: self.pin_mlp_activations,
-            offload: match self.offload.as_str() {
-                "auto" => None,
-                other => Some(xtrain::program::Offload::parse(other)?),
-            },
+            offload: self.offload.0,
         })
     }
 }
@@ -211,4 +207,38 @@ fn parse_betas(s: &str) -> Result<(f64, f64)> {
         bail!("--betas must each be in [0, 1), got {b1},{b2}");
     }
     Ok((b1, b2))
+}
+
+/// A flag's value where it may be `auto`: None, decided by the command once it knows the
+/// device's memory (`--remat`, `--offload`).
+#[derive(Clone, Copy, Debug)]
+pub struct OrAuto<T>(pub Option<T>);
+
+fn remat_or_auto(s: &str) -> Result<OrAuto<Remat>> {
+    Remat::parse_choice(s).map(OrAuto)
+}
+
+fn offload_or_auto(s: &str) -> Result<OrAuto<Offload>> {
+    Offload::parse_choice(s).map(OrAuto)
+}
+
+/// `--quant`: whether the base weights are NF4.
+fn parse_quant(s: &str) -> Result<bool> {
+    match s {
+        "none" => Ok(false),
+        "nf4" => Ok(true),
+        other => bail!("--quant must be nf4 or none, got `{other}`"),
+    }
+}
+
+/// `--matmul-result` or `--attention-scores`: f32 or compute (clap lists them and refuses others).
+fn result_type() -> impl TypedValueParser<Value = ResultType> {
+    let [f32_, compute] = [ResultType::F32, ResultType::Compute];
+    PossibleValuesParser::new([f32_.name(), compute.name()]).map(move |s| {
+        if s == f32_.name() {
+            f32_
+        } else {
+            compute
+        }
+    })
 }

@@ -3,14 +3,16 @@
 //! compiler's memory figures.
 
 use crate::cli::args::StepArgs;
-use crate::cli::target::{check_target, print_target, record, Compiler};
+use crate::cli::figures::{gib, print_memory};
+use crate::cli::target::{check_target, print_target, record, BuildTo, Compiler};
 use anyhow::{bail, Result};
 use clap::Args;
 use std::path::PathBuf;
-use xtrain::device::aot::{TargetBuild, TargetDevices};
+use xtrain::device::memory::auto::{first_that_fits, Choice};
+use xtrain::device::target::aot::{TargetBuild, TargetDevices};
 use xtrain::device::target::{Platform, Target};
 use xtrain::formats::program_dir::{self, Manifest};
-use xtrain::program::{default_choice, fit_choices, MeshPlan, Offload, Program, Remat, StepSpec};
+use xtrain::program::{default_choice, fit_choices, MeshPlan, Program, Remat, StepSpec};
 
 #[derive(Args)]
 pub struct CompileArgs {
@@ -80,20 +82,6 @@ impl CompileArgs {
     /// messages name `out`, where they will be.
     pub(super) fn dir(&self) -> &std::path::Path {
         self.stage.as_deref().unwrap_or(&self.out)
-    }
-}
-
-/// Bytes in GiB, or MiB / KiB for small programs (the tiny test model), so no figure reads 0.00.
-pub(super) use xtrain::device::fit::gib;
-
-/// Seconds, or milliseconds / microseconds for small ones.
-pub(super) fn secs(s: f64) -> String {
-    if s >= 1.0 {
-        format!("{s:.3} s")
-    } else if s >= 1e-3 {
-        format!("{:.3} ms", s * 1e3)
-    } else {
-        format!("{:.2} us", s * 1e6)
     }
 }
 
@@ -237,7 +225,7 @@ fn target_devices(targets: &[Target]) -> Result<Option<i64>> {
 
 /// Write the step's program dir (into [`CompileArgs::dir`]) for each remat and offload choice in
 /// turn, and with `--check` compile it for every target (or with this machine's plugin), until
-/// one fits them all or none is left.
+/// one fits them all or none is left ([`first_that_fits`]).
 fn compile_choices(
     a: &CompileArgs,
     cfg: &xtrain::model::config::LlamaConfig,
@@ -247,7 +235,7 @@ fn compile_choices(
 ) -> Result<()> {
     // `--remat auto` and `--offload auto` try the choices in order until the step fits every
     // target's devices; without a target's memory to fit, remat per layer and no offload.
-    let choices: Vec<(Remat, Offload)> = if !targets.is_empty() {
+    let choices: Vec<Choice> = if !targets.is_empty() {
         fit_choices(options.remat, options.offload)
     } else {
         vec![default_choice(options.remat, options.offload)]
@@ -255,74 +243,100 @@ fn compile_choices(
     for t in targets {
         print_target(t)?;
     }
-
-    for (k, &(remat, offload)) in choices.iter().enumerate() {
+    let mut first = true;
+    let build = |(remat, offload): Choice| {
         let spec = StepSpec {
             remat,
             offload,
             ..options.spec(cfg.clone(), a.batch, a.seq)?
         };
-        let (program, mut manifest) = write_program(a, &spec)?;
-        if k == 0 {
+        let (program, manifest) = write_program(a, &spec)?;
+        if std::mem::take(&mut first) {
             if let Some(m) = &spec.mesh {
                 print_device_order(m);
             }
         }
+        Ok((spec, program, manifest))
+    };
+    let take = |(spec, program, manifest): &mut (StepSpec, Program, Manifest),
+                choice: Choice,
+                next: Option<Choice>| {
         if !a.check {
-            return Ok(());
+            return Ok(true);
         }
         if targets.is_empty() {
-            return check(a, &spec, &program, &mut manifest, verbose);
+            check(a, spec, program, manifest, verbose)?;
+            return Ok(true);
         }
-        // The last choice is recorded whether or not it fits: its report says by how much not.
-        let last = k + 1 == choices.len();
-        let mut fits_all = true;
-        for t in targets {
-            let dump = a.xla_dump.as_ref().map(|d| {
-                if targets.len() > 1 {
-                    d.join(program_dir::build_file(&t.target.spec, "dump"))
-                } else {
-                    d.clone()
-                }
-            });
-            if !check_target(a, t, &spec, &program, &mut manifest, last, dump.as_deref())? {
-                fits_all = false;
-                if !last {
-                    break;
-                }
-            }
-        }
-        if fits_all || last {
-            if targets.len() > 1 {
-                println!(
-                    "one program ({}), {} executables: {}",
-                    manifest.program_sha256,
-                    manifest.builds.len(),
-                    manifest
-                        .builds
-                        .iter()
-                        .map(|b| b.executable.as_str())
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                );
-            }
-            return Ok(());
-        }
-        let (next_remat, next_offload) = choices[k + 1];
-        println!(
-            "(auto: --remat {} --offload {} does not fit{}; trying --remat {} --offload {})",
-            remat.name(),
-            offload.name(),
-            if targets.len() > 1 {
-                " every target"
-            } else {
-                ""
-            },
-            next_remat.name(),
-            next_offload.name()
-        );
-    }
+        check_targets(a, targets, spec, program, manifest, choice, next)
+    };
+    first_that_fits(&choices, build, take)?;
     Ok(())
+}
+
+/// `--check --target`: compile one choice's step for every target, until one it does not fit.
+/// Returns whether to take the choice: it fits them all, or it is the last (recorded whether or
+/// not it fits: its report says by how much not). Says what is tried next otherwise.
+fn check_targets(
+    a: &CompileArgs,
+    targets: &[TargetDevices],
+    spec: &StepSpec,
+    program: &Program,
+    manifest: &mut Manifest,
+    (remat, offload): Choice,
+    next: Option<Choice>,
+) -> Result<bool> {
+    let last = next.is_none();
+    let mut fits_all = true;
+    for t in targets {
+        let dump = a.xla_dump.as_ref().map(|d| {
+            if targets.len() > 1 {
+                d.join(program_dir::build_file(&t.target.spec, "dump"))
+            } else {
+                d.clone()
+            }
+        });
+        let to = BuildTo {
+            dir: a.dir(),
+            out: &a.out,
+            estimate: !a.no_estimate,
+        };
+        if !check_target(&to, t, spec, program, manifest, last, dump.as_deref())? {
+            fits_all = false;
+            if !last {
+                break;
+            }
+        }
+    }
+    let Some((next_remat, next_offload)) = next.filter(|_| !fits_all) else {
+        if targets.len() > 1 {
+            println!(
+                "one program ({}), {} executables: {}",
+                manifest.program_sha256,
+                manifest.builds.len(),
+                manifest
+                    .builds
+                    .iter()
+                    .map(|b| b.executable.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+        }
+        return Ok(true);
+    };
+    println!(
+        "(auto: --remat {} --offload {} does not fit{}; trying --remat {} --offload {})",
+        remat.name(),
+        offload.name(),
+        if targets.len() > 1 {
+            " every target"
+        } else {
+            ""
+        },
+        next_remat.name(),
+        next_offload.name()
+    );
+    Ok(false)
 }
 
 /// Build the step and write its program dir, saying what it holds.
@@ -457,46 +471,6 @@ fn print_device_order(m: &MeshPlan) {
             m.devices()
         );
     }
-}
-
-/// Per-device figures, the same lines for every plugin: device memory (what must fit), host
-/// memory where the program offloads (per device and per host), and whether it fits.
-pub(super) fn print_memory(
-    m: &pjrt::MemoryStats,
-    available: Option<i64>,
-    devices_per_host: i64,
-    spec: &StepSpec,
-) {
-    println!(
-        "per device: arguments {}, outputs {} ({} aliased to arguments), temporaries {}, code {}",
-        gib(m.argument_bytes),
-        gib(m.output_bytes),
-        gib(m.alias_bytes),
-        gib(m.temp_bytes),
-        gib(m.generated_code_bytes)
-    );
-    if m.host_total_bytes() > 0 {
-        println!(
-            "in host memory, per device: arguments {}, temporaries {}; per host ({devices_per_host} \
-             device(s)): {}",
-            gib(m.host_argument_bytes),
-            gib(m.host_temp_bytes),
-            gib(m.host_total_bytes() * devices_per_host)
-        );
-    }
-    let fits = match available {
-        Some(have) if m.total_bytes() <= have => format!(" of {}: fits", gib(have)),
-        Some(have) => format!(
-            " of {}: does not fit ({})",
-            gib(have),
-            xtrain::device::fit::fit_advice(m.total_bytes(), Some(have), spec)
-        ),
-        None => String::new(),
-    };
-    println!(
-        "per device total (arguments + non-aliased outputs + temporaries): {}{fits}",
-        gib(m.total_bytes())
-    );
 }
 
 /// `--check` without a target: compile the program with this machine's plugin, and keep the

@@ -8,6 +8,7 @@ mod bench;
 mod compile;
 mod config;
 mod convert;
+mod figures;
 mod generate;
 mod model;
 mod plugins;

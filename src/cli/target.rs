@@ -3,12 +3,22 @@
 //! recorded in the program dir), and `xtrain targets`: the known targets and the built-in GPU
 //! descriptions. Apart from `compile.rs` because it is the part about targets.
 
-use crate::cli::compile::{gib, print_memory, secs, CompileArgs};
+use crate::cli::figures::{gib, print_memory, secs};
 use anyhow::{bail, Result};
-use xtrain::device::aot::{TargetBuild, TargetDevices};
+use xtrain::device::target::aot::{TargetBuild, TargetDevices};
 use xtrain::device::target::Platform;
 use xtrain::formats::program_dir::{self, Build, Manifest, MemoryFigures, StepEstimate};
 use xtrain::program::{Program, StepSpec};
+
+/// Where `--check` writes a build, and what it does besides compiling.
+pub(super) struct BuildTo<'a> {
+    /// The program dir being written now (see `CompileArgs::dir`).
+    pub(super) dir: &'a std::path::Path,
+    /// Where the program dir will be once complete: the name messages use (`--out`).
+    pub(super) out: &'a std::path::Path,
+    /// Estimate a TPU step's time from unrolled steps (`--no-estimate` not given).
+    pub(super) estimate: bool,
+}
 
 /// What the target is, as its plugin describes it.
 pub(super) fn print_target(t: &TargetDevices) -> Result<()> {
@@ -48,7 +58,7 @@ pub(super) fn print_target(t: &TargetDevices) -> Result<()> {
 /// Returns whether the step fits the target's devices (true where their memory is unknown);
 /// one that does not fit is recorded only if it is the `last` choice.
 pub(super) fn check_target(
-    a: &CompileArgs,
+    to: &BuildTo,
     t: &TargetDevices,
     spec: &StepSpec,
     program: &Program,
@@ -66,11 +76,11 @@ pub(super) fn check_target(
         // The TPU compiler refuses a step whose temporaries exceed the chip's HBM (the GPU
         // compilers compile it and report the memory): for `auto`, one more choice that does
         // not fit; for the last choice, the error, with the figures and what would help.
-        Err(e) if xtrain::device::fit::is_out_of_memory(&e) => {
-            let e = xtrain::device::fit::explain_out_of_memory(
+        Err(e) if xtrain::device::memory::fit::is_out_of_memory(&e) => {
+            let e = xtrain::device::memory::fit::explain_out_of_memory(
                 e,
                 "the training step",
-                xtrain::device::fit::argument_bytes_per_device(program),
+                xtrain::device::memory::fit::argument_bytes_per_device(program),
                 spec,
                 t.usable_memory_per_device()?,
             );
@@ -120,7 +130,7 @@ pub(super) fn check_target(
             }
         );
     }
-    if t.target.platform == Platform::Tpu && !a.no_estimate {
+    if t.target.platform == Platform::Tpu && to.estimate {
         estimate = print_estimate(t, spec)?;
     }
     let by = Compiler {
@@ -134,11 +144,11 @@ pub(super) fn check_target(
         memory_per_device: t.memory_per_device(),
         usable_memory_per_device: usable,
     };
-    let file = record(a.dir(), by, &build, estimate, manifest)?;
+    let file = record(to.dir, by, &build, estimate, manifest)?;
     let build_record = manifest.builds.last().expect("recorded");
     println!(
         "wrote {} ({} bytes){} and the build in manifest.json",
-        a.out.join(file).display(),
+        to.out.join(file).display(),
         build.executable.len(),
         [&build_record.optimized_hlo, &build_record.memory_report]
             .iter()
@@ -152,8 +162,8 @@ pub(super) fn check_target(
 }
 
 /// What was added back to the unrolled steps' times, if anything (see
-/// [`xtrain::device::aot::unpriced_calls`]).
-fn unpriced_note(e: &xtrain::device::aot::Estimate) -> String {
+/// [`xtrain::device::target::aot::unpriced_calls`]).
+fn unpriced_note(e: &xtrain::device::target::aot::Estimate) -> String {
     match e.unpriced_calls {
         [0, 0] => String::new(),
         [a, b] => format!(
@@ -304,10 +314,10 @@ pub(super) fn record(
 
 /// `xtrain targets [NAME]`.
 pub fn targets(name: Option<&str>) -> Result<()> {
-    use xtrain::device::target::{GpuArch, GPUS, TPUS};
+    use xtrain::device::target::{gpus, tpus, GpuArch};
     let Some(name) = name else {
         println!("TPU slices (libtpu's layouts, e.g. 2x2, 2x2x1, 4x4x4, 16x16; 1x1 for one chip):");
-        for t in TPUS {
+        for t in tpus() {
             println!(
                 "  tpu:{}:<chips>  {} TFLOP/s bf16 per chip",
                 t.name, t.peak_bf16_tflops_per_chip
@@ -316,15 +326,12 @@ pub fn targets(name: Option<&str>) -> Result<()> {
         println!(
             "GPUs (<count> per host, or <hosts>x<per host>; --target-config FILE for others):"
         );
-        for g in GPUS {
-            let arch = match g.arch {
+        for g in gpus() {
+            let arch = match &g.arch {
                 GpuArch::Cuda(a, b) => format!("sm_{a}{b}"),
                 GpuArch::Rocm(n) => n.split(':').next().unwrap_or(n).to_string(),
             };
-            let platform = match g.arch {
-                GpuArch::Cuda(..) => "cuda",
-                GpuArch::Rocm(_) => "rocm",
-            };
+            let platform = g.platform().plugin();
             println!(
                 "  {platform}:{}:<count>  {} ({arch}, {} {}, {}, {:.1} TB/s, {} TFLOP/s bf16)",
                 g.name,
@@ -342,7 +349,7 @@ pub fn targets(name: Option<&str>) -> Result<()> {
     let device = device.split(':').next().unwrap_or(device);
     if platform == "tpu" {
         // libtpu knows its chips: a TPU target is its generation and its slice's layout.
-        let Some(t) = TPUS.iter().find(|t| t.name == device) else {
+        let Some(t) = tpus().iter().find(|t| t.name == device) else {
             bail!(
                 "`{name}`: unknown TPU generation `{device}`; known: {}",
                 xtrain::device::target::known_targets()
@@ -356,13 +363,10 @@ pub fn targets(name: Option<&str>) -> Result<()> {
         );
         return Ok(());
     }
-    let Some(g) = GPUS.iter().find(|g| {
-        g.name == device
-            && matches!(
-                (platform, g.arch),
-                ("cuda", GpuArch::Cuda(..)) | ("rocm", GpuArch::Rocm(_))
-            )
-    }) else {
+    let Some(g) = gpus()
+        .iter()
+        .find(|g| g.name == device && g.platform().plugin() == platform)
+    else {
         bail!(
             "`{name}` is not a built-in GPU (TPUs need no description); known: {}",
             xtrain::device::target::known_targets()

@@ -1,9 +1,9 @@
-//! Examples: JSONL lines read into text or conversations, then rendered with the chat template
-//! and tokenized, with a loss mask.
+//! Examples: a row of a data file (a JSONL line, or a Parquet row as the object it would be)
+//! made into text or a conversation, then rendered with the chat template and tokenized, with a
+//! loss mask. Reading the files is `read`'s.
 
 use crate::data::text::{Message, TextTokenizer};
-use anyhow::{bail, Context, Result};
-use std::path::Path;
+use anyhow::{Context, Result};
 
 /// One training example as read from a file.
 #[derive(Clone, Debug, PartialEq)]
@@ -144,55 +144,6 @@ fn short(v: &serde_json::Value) -> String {
         Some((at, _)) => format!("{}...", &text[..at]),
         None => text,
     }
-}
-
-/// Read a data file's examples: Parquet (`.parquet`) or JSONL (anything else).
-pub fn read_examples(path: &Path, skip_bad: bool, columns: &Columns) -> Result<ReadReport> {
-    if path.extension().is_some_and(|e| e == "parquet") {
-        return crate::data::parquet_rows::read_parquet(path, skip_bad, columns);
-    }
-    read_jsonl_with(path, skip_bad, columns)
-}
-
-/// Read a JSONL file. A bad line is an error naming the file and line, unless `skip_bad`.
-pub fn read_jsonl(path: &Path, skip_bad: bool) -> Result<ReadReport> {
-    read_jsonl_with(path, skip_bad, &Columns::default())
-}
-
-/// [`read_jsonl`] with other keys for text and messages.
-fn read_jsonl_with(path: &Path, skip_bad: bool, columns: &Columns) -> Result<ReadReport> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
-    // A byte order mark (as some editors write) is not part of the first line's JSON.
-    let text = text.strip_prefix('\u{feff}').unwrap_or(&text);
-    let mut examples = Vec::new();
-    let mut skipped = Vec::new();
-    for (i, line) in text.lines().enumerate() {
-        let n = i + 1;
-        if line.trim().is_empty() {
-            continue;
-        }
-        let parsed = serde_json::from_str::<serde_json::Value>(line)
-            .map_err(|e| format!("not valid JSON ({e})"))
-            .and_then(|v| parse_line(&v, columns));
-        match parsed {
-            Ok(ex) => examples.push(ex),
-            Err(reason) if skip_bad => skipped.push((n, reason)),
-            Err(reason) => bail!(
-                "{}:{n}: {reason} (pass --skip-bad-lines to skip such lines)",
-                path.display()
-            ),
-        }
-    }
-    if examples.is_empty() {
-        bail!("{}: no usable examples", path.display());
-    }
-    Ok(ReadReport {
-        examples,
-        skipped,
-        unit: "line",
-        notes: Vec::new(),
-    })
 }
 
 /// Token ids and labels (-100 where there is no loss) of one example.

@@ -8,11 +8,13 @@
 mod batch;
 mod examples;
 mod parquet_rows;
+mod read;
 mod rows;
 mod source;
 pub mod text;
 
 pub use batch::{batch, Batch};
-pub use examples::{read_examples, read_jsonl, tokenize, Columns, Example, ReadReport, Tokenized};
+pub use examples::{tokenize, Columns, Example, ReadReport, Tokenized};
+pub use read::{read_examples, read_jsonl};
 pub use rows::{epoch_order, make_rows, split_eval, Row, RowReport};
 pub use source::{load, DataOptions, Source, TrainingData};

@@ -3,7 +3,8 @@
 //! `xtrain train`.
 
 use crate::data::batch::Batch;
-use crate::data::examples::{read_examples, tokenize, Columns, Tokenized};
+use crate::data::examples::{tokenize, Columns, Tokenized};
+use crate::data::read::read_examples;
 use crate::data::rows::{epoch_order, make_rows, split_eval, Row};
 use crate::data::text::TextTokenizer;
 use crate::model::config::LlamaConfig;

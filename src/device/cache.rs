@@ -70,16 +70,6 @@ pub fn compile_cached(
     Ok((exe, false))
 }
 
-/// An executable compiled before the trainer asks for one (a program dir's, or the one
-/// `--offload` was decided with), for the program whose text has `program_sha256`.
-pub struct Prebuilt {
-    pub program_sha256: String,
-    pub executable: Vec<u8>,
-    /// Where it comes from, for messages ("by `xtrain compile` for cuda:h100:8 (DIR/...)");
-    /// empty: say nothing.
-    pub from: String,
-}
-
 /// Whether a program dir's build was compiled for this runtime's plugin and devices: the same
 /// platform, plugin API version and device kind, and no more devices than there are. `Err` says
 /// what the build is for; [`describe`] says what this machine has.

@@ -1,17 +1,24 @@
-//! Programs on a PJRT plugin's devices: opening a plugin (and what differs per platform),
-//! compiling through the executable cache, host tensors to and from each device's shard, and the
-//! two stateful users of compiled programs: the [`trainer::Trainer`] (a training step with its
-//! weights and state on the devices, and evaluation on them) and [`generate::Forward`] (forward
-//! and next-token programs, and decoding with them). It may use `program`, `formats`, `data`
-//! and `model`. Plugins, clients and buffers are reached only from here: elsewhere `pjrt` gives
-//! just its host tensor type (and xtrain's cache directory). Hardware that is not here is a
-//! [`target::Target`] (`tpu:v5p:2x2x1`, `cuda:h100:8`), compiled for by [`aot`] with no client.
+//! Programs on a PJRT plugin's devices, in three parts:
+//!
+//! - the live runtime, in this folder: opening a plugin ([`runtime`], and what differs per
+//!   [`platform`]), compiling through the executable [`cache`], host tensors to and from each
+//!   device's [`shards`], and the two stateful users of compiled programs: the
+//!   [`trainer::Trainer`] (a training step with its weights and state on the devices, and
+//!   evaluation on them) and [`generate::Forward`] (forward and next-token programs, and
+//!   decoding with them);
+//! - hardware that is not here ([`target`]): a [`target::Target`] (`tpu:v5p:2x2x1`,
+//!   `cuda:h100:8`), the built-in descriptions of known hardware, and compiling for it with no
+//!   client ([`target::aot`]);
+//! - memory policy ([`memory`]): whether a step fits a device, what would make it fit, and the
+//!   remat and offload choices tried until one does.
+//!
+//! It may use `program`, `formats`, `data` and `model`. Plugins, clients and buffers are reached
+//! only from here: elsewhere `pjrt` gives just its host tensor type (and xtrain's cache
+//! directory).
 
-pub mod aot;
 pub mod cache;
-pub mod fit;
 pub mod generate;
-pub mod offload;
+pub mod memory;
 pub mod platform;
 pub mod runtime;
 pub mod shards;

@@ -24,8 +24,8 @@ pub struct Runtime {
     pub client: Client,
     pub devices: Vec<Device>,
     /// An executable compiled ahead of time for this plugin and these devices (a program dir's
-    /// build, see [`crate::device::cache::Prebuilt`]), used instead of compiling its program.
-    pub prebuilt: Option<crate::device::cache::Prebuilt>,
+    /// build, see [`Prebuilt`]), used instead of compiling its program.
+    pub prebuilt: Option<Prebuilt>,
 }
 
 impl Runtime {
@@ -245,4 +245,14 @@ impl Runtime {
             kinds.join(", ")
         )
     }
+}
+
+/// An executable compiled before the trainer asks for one (a program dir's, or the one
+/// `--offload` was decided with), for the program whose text has `program_sha256`.
+pub struct Prebuilt {
+    pub program_sha256: String,
+    pub executable: Vec<u8>,
+    /// Where it comes from, for messages ("by `xtrain compile` for cuda:h100:8 (DIR/...)");
+    /// empty: say nothing.
+    pub from: String,
 }

@@ -113,7 +113,7 @@ impl Trainer {
             for (k, (a, sh)) in frozen_args.enumerate() {
                 let want = element_type(a.dtype);
                 // Host memory for offloaded frozen weights (--offload frozen), else the device's.
-                let memory = spec.arg_memory(a);
+                let memory = a.memory(&spec);
                 let buffers = match &mesh {
                     None => {
                         let whole = vec![0; a.shape.len()];

@@ -1,6 +1,7 @@
 //! Program directories (`train_step.mlir` + `manifest.json`), model presets, and the on-disk
 //! cache of compiled executables.
 
+use crate::model::config::LlamaConfig;
 use crate::program::{Program, StepSpec, TensorSpec};
 use anyhow::{bail, Context, Result};
 use sha2::{Digest, Sha256};
@@ -121,7 +122,7 @@ pub struct MemoryFigures {
     pub host_total_bytes: i64,
 }
 
-/// A TPU compiler's whole-step estimate (see `device::aot::Estimate`).
+/// A TPU compiler's whole-step estimate (see `device::target::aot::Estimate`).
 #[derive(Clone, Copy, Debug, serde::Serialize, serde::Deserialize)]
 pub struct StepEstimate {
     pub seconds: f64,
@@ -230,7 +231,7 @@ pub fn write_dir(dir: &Path, program: &Program, spec: &StepSpec) -> Result<Manif
             .iter()
             .zip(&program.arg_shard_dims)
             .map(|(a, d)| TensorSpecOwned {
-                memory: spec.arg_memory(a).map(|m| m.name().to_string()),
+                memory: a.memory(spec).map(|m| m.name().to_string()),
                 ..TensorSpecOwned::sharded(a, d)
             })
             .collect(),
@@ -353,6 +354,24 @@ fn read_manifest(dir: &Path) -> Result<Manifest> {
         );
     }
     Ok(m)
+}
+
+/// [`read_dir`] for a run of the model whose config is `cfg` (read from `model`, which the
+/// message names): a program dir built for another model is refused.
+pub fn read_dir_for_model(
+    dir: &Path,
+    cfg: &LlamaConfig,
+    model: &Path,
+) -> Result<(Program, StepSpec)> {
+    let (program, spec) = read_dir(dir)?;
+    if &spec.model != cfg {
+        bail!(
+            "program dir {} was built for another model (its config differs from {})",
+            dir.display(),
+            model.display()
+        );
+    }
+    Ok((program, spec))
 }
 
 /// Read a program directory, checking the program text against the manifest's hash.

@@ -112,7 +112,7 @@ impl<'s> ProgramBuilder<'s> {
             })
             .collect();
         for (v, a) in params.iter().zip(&args) {
-            if let Some(memory) = spec.arg_memory(a) {
+            if let Some(memory) = a.memory(spec) {
                 b.set_param_memory(*v, Some(memory));
             }
         }
@@ -140,7 +140,7 @@ pub fn build_train_step(spec: &StepSpec) -> Result<Program> {
 
 /// The training step with every loop (layers, microbatches) unrolled: the same computation,
 /// recomputation included, for compilers whose cost analysis counts a loop body once (TPU's).
-/// Meant for models of one or two layers (`device::aot` estimates a step from them).
+/// Meant for models of one or two layers (`device::target::aot` estimates a step from them).
 pub fn build_train_step_unrolled(spec: &StepSpec) -> Result<Program> {
     train_step(spec, true)
 }

@@ -249,7 +249,7 @@ impl Layout<'_> {
         // step keeps its fills on every target (XLA CPU has no uninitialized buffer; the TPU
         // compiler turns a fill the loop overwrites whole into one by itself). An unrolled step
         // is built only to be priced by the TPU cost model, standing for the looped one
-        // (`device::aot::Estimate`); there the compiler cannot see that every slot is written
+        // (`device::target::aot::Estimate`); there the compiler cannot see that every slot is written
         // and would price a fill that the looped step never pays, so its stacks start
         // uninitialized (XLA's `AllocateBuffer`), as the compiled looped step's do. Stacks in
         // host memory keep their fill (an `AllocateBuffer` is not known to be placed there).

@@ -50,6 +50,13 @@ impl TensorSpec {
             role,
         }
     }
+
+    /// The memory this argument is passed in, in a program built for `spec`: host memory for
+    /// the stacked frozen layer weights when they are offloaded, else the device's own (None).
+    pub fn memory(&self, spec: &StepSpec) -> Option<hlo::MemoryKind> {
+        (spec.offload.frozen && self.role == Role::Frozen && self.name.contains("layers.*."))
+            .then_some(hlo::MemoryKind::PinnedHost)
+    }
 }
 
 /// A built program: its text and its signature.

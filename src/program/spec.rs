@@ -1,7 +1,23 @@
-//! What a program is built for: the model, LoRA, optimizer constants, batch shape, numerics,
-//! remat policy, gradient accumulation and device mesh ([`StepSpec`]), checked before building;
-//! and the same settings as the user gives them, before the model, the batch shape and the
-//! platform are known ([`StepOptions`]).
+//! What a program is built for. A step's settings take three forms on their way from the command
+//! line to the program, each for a reason:
+//!
+//! - `StepArgs` (the binary's `cli/args.rs`): the flags as clap parses them, shared by `train`,
+//!   `compile` and `bench`, every value already typed (`--remat` is a policy or `auto`,
+//!   `--dtype` an element type). It exists so that the library never sees clap; `options()`
+//!   makes it a `StepOptions`, checking what needs several flags (the mesh against its sharding
+//!   rules, LoRA, AdamW).
+//! - [`StepOptions`]: the step as the user asked for it, before the model, the batch shape and
+//!   the device are known: `--remat auto` and `--offload auto` are still open (None). It exists
+//!   because a run learns its batch shape from its data and its remat and offload from the
+//!   device only after its options are settled: it is what `train::options::TrainOptions`
+//!   holds, what the settings a checkpoint or a program dir recorded are applied to, by flag
+//!   (`train::settings`), and what [`fit_choices`] expands into the choices tried.
+//! - [`StepSpec`]: everything the program is built for, complete and checked (`check_spec`):
+//!   the model's config, the batch shape, one remat policy and one offload. The builders take
+//!   only this, and the manifest records it, so that a program dir says exactly what its text
+//!   is.
+//!
+//! [`StepOptions::spec`] is the one way from options to a spec.
 
 use crate::model::config::LlamaConfig;
 use crate::model::lora::LoraConfig;
@@ -158,6 +174,15 @@ impl Offload {
         })
     }
 
+    /// `--offload` as given: None for `auto`, which the command decides once it knows the
+    /// device's memory (see [`fit_choices`]).
+    pub fn parse_choice(s: &str) -> Result<Option<Offload>> {
+        match s {
+            "auto" => Ok(None),
+            other => Offload::parse(other).map(Some),
+        }
+    }
+
     /// The `--offload` value that gives this.
     pub fn name(&self) -> &'static str {
         match (self.frozen, self.activations) {
@@ -255,15 +280,6 @@ impl StepSpec {
             narrow_attention_scores: bf16 && DEFAULT_ATTENTION_SCORES == ResultType::Compute,
             ..self
         }
-    }
-
-    /// The memory an argument is passed in: host memory for the stacked frozen layer weights
-    /// when they are offloaded, else the device's own (None).
-    pub fn arg_memory(&self, arg: &crate::program::TensorSpec) -> Option<hlo::MemoryKind> {
-        (self.offload.frozen
-            && arg.role == crate::program::Role::Frozen
-            && arg.name.contains("layers.*."))
-        .then_some(hlo::MemoryKind::PinnedHost)
     }
 }
 

@@ -32,22 +32,33 @@ pub struct TrainerState {
     pub position: u64,
     pub seed: u64,
     pub schedule: Schedule,
-    /// The settings that define the run, by flag ([`crate::train::settings`]); empty in the
-    /// checkpoints of earlier versions.
+    /// The settings that define the run, by flag ([`Settings`]); empty in the checkpoints of
+    /// earlier versions.
     #[serde(default)]
-    pub settings: crate::train::settings::Settings,
+    pub settings: Settings,
     /// A fingerprint of the training rows (sha256 of their tokens, labels and masks), so that a
     /// resumed run is refused on other data.
     #[serde(default)]
     pub data: Option<String>,
 }
 
-/// A checkpoint as loaded: LoRA weights, AdamW moments (both per-layer names) and the state.
-pub type Checkpoint = (
-    BTreeMap<String, HostTensor>,
-    BTreeMap<String, HostTensor>,
-    TrainerState,
-);
+/// The settings that define a run, by flag name (without `--`), as a checkpoint records them
+/// (see `train::settings`, which takes and checks them).
+pub type Settings = BTreeMap<String, serde_json::Value>;
+
+/// The command that continues a run from checkpoint `dir`: its every setting, paths included,
+/// is recorded there (`settings::of_run`), so no other flag is needed.
+pub fn resume_command(dir: &Path) -> String {
+    format!("xtrain train --resume {}", dir.display())
+}
+
+/// A checkpoint as loaded, or where a run starts: the LoRA weights, the AdamW moments (both by
+/// per-layer names; none for a run that starts at step 0) and where training stands.
+pub struct Checkpoint {
+    pub lora: BTreeMap<String, HostTensor>,
+    pub moments: BTreeMap<String, HostTensor>,
+    pub state: TrainerState,
+}
 
 /// A checkpoint: adapter + AdamW moments + trainer state, in one directory written atomically.
 pub fn save_checkpoint(
@@ -103,5 +114,9 @@ pub fn load_checkpoint(dir: &Path, cfg: &LlamaConfig, lora: &LoraConfig) -> Resu
     for name in opt.tensors.keys() {
         moments.insert(name.clone(), opt.read(name)?);
     }
-    Ok((weights, moments, state))
+    Ok(Checkpoint {
+        lora: weights,
+        moments,
+        state,
+    })
 }

@@ -158,7 +158,10 @@ impl RunDir {
                 None if previous => {
                     let hint = match latest_checkpoint(out) {
                         Some(c) => {
-                            format!("continue it with `{}`, ", crate::train::resume_command(&c))
+                            format!(
+                                "continue it with `{}`, ",
+                                crate::train::checkpoint::resume_command(&c)
+                            )
                         }
                         None => String::new(),
                     };

@@ -7,15 +7,12 @@
 
 use crate::model::lora::Target;
 use crate::program::{sharding, MeshPlan, Remat, ResultType, StepSpec};
-use crate::train::checkpoint::TrainerState;
+use crate::train::checkpoint::{Settings, TrainerState};
 use crate::train::options::TrainOptions;
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-
-/// Flag name (without `--`) -> value, as recorded.
-pub type Settings = BTreeMap<String, Value>;
 
 /// A value as a user would write it after its flag.
 pub fn show(v: &Value) -> String {
@@ -323,12 +320,7 @@ fn apply(o: &mut TrainOptions, flag: &str, v: &Value, spec: Option<&StepSpec>) -
         "matmul-result" => s.matmul_result = ResultType::parse("matmul-result", str_()?)?,
         "keep-softmax-stats" => s.keep_softmax_stats = bool_()?,
         "pin-mlp-activations" => s.pin_mlp_activations = bool_()?,
-        "offload" => {
-            s.offload = match str_()? {
-                "auto" => None,
-                other => Some(crate::program::Offload::parse(other)?),
-            }
-        }
+        "offload" => s.offload = crate::program::Offload::parse_choice(str_()?)?,
         "mesh" => {
             s.mesh = match spec {
                 Some(spec) => spec.mesh.clone(),
@@ -454,14 +446,7 @@ pub fn settle(
 ) -> Result<()> {
     let mut pinned = Pinned::from_command_line(o);
     if let Some(dir) = o.program.clone() {
-        let (_, spec) = crate::formats::program_dir::read_dir(&dir)?;
-        if &spec.model != cfg {
-            bail!(
-                "program dir {} was built for another model (its config differs from {})",
-                dir.display(),
-                o.model.display()
-            );
-        }
+        let (_, spec) = crate::formats::program_dir::read_dir_for_model(&dir, cfg, &o.model)?;
         // A .safetensors batch has the shape it has; the program's check against it comes later.
         let batch_file = o.data.is_batch_file();
         let mut fixed = of_spec(&spec);

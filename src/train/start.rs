@@ -48,9 +48,9 @@ pub(super) fn starting_point(
     }
     let (lora, moments, mut state) = match &opts.resume {
         Some(dir) => {
-            let (w, m, st) = load_checkpoint(dir, cfg, lora_cfg)?;
-            check_resumed_data(dir, &st, schedule, data, &fingerprint)?;
-            (w, m, st)
+            let c = load_checkpoint(dir, cfg, lora_cfg)?;
+            check_resumed_data(dir, &c.state, schedule, data, &fingerprint)?;
+            (c.lora, c.moments, c.state)
         }
         None => {
             let w = match &opts.init_adapter {
@@ -75,7 +75,11 @@ pub(super) fn starting_point(
     state.schedule = schedule.clone();
     state.settings = settings;
     state.data = Some(fingerprint);
-    Ok((lora, moments, state))
+    Ok(Checkpoint {
+        lora,
+        moments,
+        state,
+    })
 }
 
 /// A resumed run must see the data its checkpoint's run saw (same rows, same batch shape) and

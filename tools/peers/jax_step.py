@@ -217,7 +217,7 @@ def aot(a, cfg, targets, cd):
         out["cost"] = {k: float(v) for k, v in cost.items() if "{" not in k}
         # libtpu 0.0.42.1's cost model prices each ConcatBitcast call (it joins the views of an
         # async-sliced fetch and moves nothing) at -1 s; add them back as xtrain does
-        # (xtrain::device::aot::unpriced_calls)
+        # (xtrain::device::target::aot::unpriced_calls)
         unpriced = compiled.as_text().count('custom_call_target="ConcatBitcast"')
         if unpriced and "optimal_seconds" in out["cost"]:
             out["cost"]["optimal_seconds"] += unpriced

@@ -1,35 +1,37 @@
-//! `--offload auto` on a real device: the least host offload (see `program::Offload`) that makes
-//! the step fit the device's memory, decided from the compiler's own figures before any weight
-//! is loaded, and whether this host has the memory the offloaded part needs.
+//! `--remat auto` and `--offload auto` on a real device: the first remat policy and the least
+//! host offload (see `program::Offload`) that make the step fit the device's memory, decided from
+//! the compiler's own figures before any weight is loaded (the loop is `auto`'s), and whether
+//! this host has the memory the offloaded part needs.
 
-use crate::device::fit::gib;
+use crate::device::memory::auto::{first_that_fits, Choice};
+use crate::device::memory::fit::gib;
 use crate::device::runtime::Runtime;
-use crate::program::{Offload, Program, Remat, StepSpec};
+use crate::program::{Program, Remat, StepSpec};
 use anyhow::{bail, Result};
 
 /// Compile the step with each of `choices` (remat policy, offload) in turn (through the
-/// executable cache, so the one chosen is not compiled again) and return the first that fits
-/// the device's memory, after checking that this host has the memory its offloaded part needs.
-/// `build` makes the spec and program for a choice; where the device does not say how much
+/// executable cache, so the one chosen is not compiled again; [`first_that_fits`]) and return
+/// the first that fits the device's memory, after checking that this host has the memory its
+/// offloaded part needs. `build` makes the spec and program for a choice; where the device does not say how much
 /// memory it has, `unknown_memory` is built. (`--remat auto` and `--offload auto` pass
 /// [`crate::program::fit_choices`] and [`crate::program::default_choice`]; explicit choices
 /// are checked the same way, before any weight is loaded.)
 pub fn choose(
     rt: &mut Runtime,
-    choices: &[(Remat, Offload)],
-    unknown_memory: (Remat, Offload),
-    build: impl Fn((Remat, Offload)) -> Result<(StepSpec, Program)>,
+    choices: &[Choice],
+    unknown_memory: Choice,
+    build: impl Fn(Choice) -> Result<(StepSpec, Program)>,
     use_cache: bool,
 ) -> Result<(StepSpec, Program)> {
     let Some(limit) = rt.devices[0].info()?.memory_bytes else {
         return build(unknown_memory);
     };
     let mut needed = Vec::new();
-    for (k, &(remat, offload)) in choices.iter().enumerate() {
-        let (spec, program) = build((remat, offload))?;
+    let several = choices.len() > 1;
+    let taken = first_that_fits(choices, build, |(_, program), (remat, offload), next| {
         let compiled = crate::device::cache::compile_cached(
             rt,
-            &program,
+            program,
             &pjrt::CompileOptions::default(),
             use_cache,
         );
@@ -37,49 +39,53 @@ pub fn choose(
             Ok(c) => c,
             // A TPU compiler refuses a step that does not fit its HBM (GPU compilers compile it
             // and report the memory): try the next choice.
-            Err(e) if k + 1 < choices.len() && crate::device::fit::is_out_of_memory(&e) => {
+            Err(e) if next.is_some() && crate::device::memory::fit::is_out_of_memory(&e) => {
                 needed.push(format!(
                     "--remat {} --offload {}: refused by the compiler ({e:#})",
                     remat.name(),
                     offload.name()
                 ));
-                continue;
+                return Ok(false);
             }
             Err(e) => return Err(e),
         };
         let m = exe.memory_stats()?;
-        if m.total_bytes() <= limit {
-            // The trainer takes this executable instead of compiling the step again.
-            rt.prebuilt = Some(crate::device::cache::Prebuilt {
-                program_sha256: crate::formats::program_dir::sha256_hex(program.text.as_bytes()),
-                executable: exe.serialize()?,
-                from: String::new(),
-            });
-            let host = if offload.is_none() {
-                String::new()
-            } else {
-                format!(" ({} of host memory per device)", gib(m.host_total_bytes()))
-            };
-            if !offload.is_none() || choices.len() > 1 {
-                eprintln!(
-                    "xtrain: the step needs {} per device with --remat {} --offload {}{host}, of {}",
-                    gib(m.total_bytes()),
-                    remat.name(),
-                    offload.name(),
-                    gib(limit)
-                );
-            }
-            if !offload.is_none() {
-                check_host_memory(m.host_total_bytes() * rt.devices.len() as i64)?;
-            }
-            return Ok((spec, program));
+        if m.total_bytes() > limit {
+            needed.push(format!(
+                "--remat {} --offload {}: {}",
+                remat.name(),
+                offload.name(),
+                gib(m.total_bytes())
+            ));
+            return Ok(false);
         }
-        needed.push(format!(
-            "--remat {} --offload {}: {}",
-            remat.name(),
-            offload.name(),
-            gib(m.total_bytes())
-        ));
+        // The trainer takes this executable instead of compiling the step again.
+        rt.prebuilt = Some(crate::device::runtime::Prebuilt {
+            program_sha256: crate::formats::program_dir::sha256_hex(program.text.as_bytes()),
+            executable: exe.serialize()?,
+            from: String::new(),
+        });
+        let host = if offload.is_none() {
+            String::new()
+        } else {
+            format!(" ({} of host memory per device)", gib(m.host_total_bytes()))
+        };
+        if !offload.is_none() || several {
+            eprintln!(
+                "xtrain: the step needs {} per device with --remat {} --offload {}{host}, of {}",
+                gib(m.total_bytes()),
+                remat.name(),
+                offload.name(),
+                gib(limit)
+            );
+        }
+        if !offload.is_none() {
+            check_host_memory(m.host_total_bytes() * rt.devices.len() as i64)?;
+        }
+        Ok(true)
+    })?;
+    if let Some((_, step)) = taken {
+        return Ok(step);
     }
     // What lowers it, less what was just tried.
     let mut ways = vec!["more devices (--mesh)", "--quant nf4"];

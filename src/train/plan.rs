@@ -1,0 +1,189 @@
+//! The step a run trains with, planned before any weight is loaded: the plugin opened, and the
+//! step taken from a program dir (its executable where one was compiled for these devices) or
+//! built here, with `--remat auto` and `--offload auto` decided against the device's memory.
+//! Refused here: a step that needs more devices than this process has.
+
+use crate::device::runtime::Runtime;
+use crate::formats::program_dir::Build;
+use crate::model::config::LlamaConfig;
+use crate::program::{self, Program, StepSpec};
+use crate::train::options::TrainOptions;
+use anyhow::{bail, Result};
+
+/// Open the plugin and plan the step: take it from a program dir (checking that it was built for
+/// this model and batch), or build it for the plugin's platform. A CPU plugin gets as many
+/// virtual devices as the mesh needs; an accelerator plugin has what it has, and compiling
+/// checks that there are enough.
+pub fn plan(
+    opts: &TrainOptions,
+    cfg: &LlamaConfig,
+    batch: i64,
+    seq: i64,
+) -> Result<(Runtime, StepSpec, Program)> {
+    let open = |devices: i64| Runtime::open(opts.plugin.as_deref(), Some(devices.max(1)));
+    if let Some(dir) = &opts.program {
+        let (program, spec) =
+            crate::formats::program_dir::read_dir_for_model(dir, cfg, &opts.model)?;
+        if (spec.batch, spec.seq) != (batch, seq) {
+            bail!(
+                "program dir {} takes batches of {}x{} but the data gives {batch}x{seq}",
+                dir.display(),
+                spec.batch,
+                spec.seq
+            );
+        }
+        let mut rt = open(program.partitions)?;
+        let builds = crate::formats::program_dir::read_builds(dir)?;
+        one_process(
+            &rt.platform(),
+            rt.devices.len(),
+            program.partitions,
+            &builds,
+            &format!("program dir {}", dir.display()),
+        )?;
+        crate::device::platform::check_offload(
+            &rt.platform(),
+            spec.offload,
+            &format!("program dir {}", dir.display()),
+        )?;
+        rt.prebuilt = prebuilt(&rt, dir, &program)?;
+        eprintln!(
+            "xtrain: program dir {}: --remat {}, --offload {} (as it was compiled)",
+            dir.display(),
+            spec.remat.name(),
+            spec.offload.name()
+        );
+        return Ok((rt, spec, program));
+    }
+    let devices = opts.step.mesh.as_ref().map_or(1, |m| m.devices());
+    let mut rt = open(devices)?;
+    one_process(
+        &rt.platform(),
+        rt.devices.len(),
+        devices,
+        &[],
+        &format!(
+            "--mesh {}",
+            opts.step.mesh.as_ref().map_or(String::new(), |m| m
+                .axes
+                .iter()
+                .map(|(a, n)| format!("{a}={n}"))
+                .collect::<Vec<_>>()
+                .join(","))
+        ),
+    )?;
+    let spec = opts.step.spec(cfg.clone(), batch, seq)?;
+    if let Some(o) = opts.step.offload {
+        crate::device::platform::check_offload(&rt.platform(), o, "this step")?;
+    }
+    let choices = crate::program::fit_choices(opts.step.remat, opts.step.offload);
+    if rt.platform() != "cpu" && (choices.len() > 1 || !choices[0].1.is_none()) {
+        // On an accelerator: the first of save-proj and layer remat (--remat auto) and the least
+        // offload (--offload auto) that fits its memory, or the ones asked for, checked against
+        // the device's and the host's memory before any weight loads.
+        let (spec, program) = crate::device::memory::offload::choose(
+            &mut rt,
+            &choices,
+            crate::program::default_choice(opts.step.remat, opts.step.offload),
+            |(remat, offload)| {
+                let s = StepSpec {
+                    remat,
+                    offload,
+                    ..spec.clone()
+                };
+                let p = program::build_train_step(&s)?;
+                Ok((s, p))
+            },
+            opts.use_cache,
+        )?;
+        return Ok((rt, spec, program));
+    }
+    let program = program::build_train_step(&spec)?;
+    Ok((rt, spec, program))
+}
+
+/// `xtrain train` is one process, on the devices its plugin gives it: a step whose mesh needs
+/// more (`what`: a program dir compiled for several hosts, such as `tpu:v5p:4x4x2` or
+/// `cuda:h100:2x8`, or a `--mesh` larger than this host) is refused before anything is loaded,
+/// rather than failing inside the plugin. `builds` are the program dir's (its multi-host
+/// targets are named). The CPU plugin makes as many devices as asked, so it never refuses.
+pub fn one_process(
+    platform: &str,
+    devices: usize,
+    partitions: i64,
+    builds: &[Build],
+    what: &str,
+) -> Result<()> {
+    if partitions <= devices as i64 {
+        return Ok(());
+    }
+    let hosts: Vec<String> = builds
+        .iter()
+        .filter(|b| b.hosts > 1)
+        .map(|b| format!("{} ({} devices on {} hosts)", b.target, b.devices, b.hosts))
+        .collect();
+    let compiled = if hosts.is_empty() {
+        String::new()
+    } else {
+        format!(" It was compiled for {}.", hosts.join(", "))
+    };
+    bail!(
+        "{what} needs {partitions} devices, but this process has {devices} ({platform}).{compiled} \
+         `xtrain train` runs as one process on one host's devices: training across several \
+         hosts (one process per host) is not supported. Train on a mesh of at most {devices} \
+         devices (e.g. --mesh fsdp={devices}, with --quant nf4 or --offload where the model \
+         does not fit), or compile for one host (`xtrain compile --target \
+         <platform>:<device>:<count>`)"
+    )
+}
+
+/// The executable of a program dir's builds that was compiled for this plugin and these
+/// devices, if one was; otherwise the dir's program text is compiled here, and the reason is
+/// said. Either way the program is the dir's own text.
+fn prebuilt(
+    rt: &Runtime,
+    dir: &std::path::Path,
+    program: &Program,
+) -> Result<Option<crate::device::runtime::Prebuilt>> {
+    use crate::formats::program_dir;
+    let builds = program_dir::read_builds(dir)?;
+    let mut why_not = Vec::new();
+    for build in &builds {
+        match crate::device::cache::matches(rt, build) {
+            Ok(()) => {
+                // A missing or damaged executable is only a lost compile: the program text it
+                // was compiled from is checked against the manifest and compiled here instead.
+                let executable = match program_dir::read_executable(dir, build) {
+                    Ok(e) => e,
+                    Err(e) => {
+                        eprintln!(
+                            "xtrain: compiling {} here, the same program: {e:#}",
+                            dir.join("train_step.mlir").display()
+                        );
+                        return Ok(None);
+                    }
+                };
+                return Ok(Some(crate::device::runtime::Prebuilt {
+                    program_sha256: program_dir::sha256_hex(program.text.as_bytes()),
+                    executable,
+                    from: format!(
+                        "by `xtrain compile` for {} ({})",
+                        build.target,
+                        dir.join(&build.executable).display()
+                    ),
+                }));
+            }
+            Err(why) => why_not.push(why),
+        }
+    }
+    if !builds.is_empty() {
+        eprintln!(
+            "xtrain: compiling {} here, the same program (this machine has {}; its executables \
+             are for other devices: {})",
+            dir.join("train_step.mlir").display(),
+            crate::device::cache::describe(rt),
+            why_not.join("; ")
+        );
+    }
+    Ok(None)
+}

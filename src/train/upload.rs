@@ -1,0 +1,127 @@
+//! The step compiled (or loaded from the cache) and the weights and starting state uploaded, as
+//! the run shows it: a spinner while compiling, a bar of the bytes while loading, then how long
+//! loading took and the peak host memory while loading.
+
+use crate::device::memory::fit::{argument_bytes_per_device, explain_out_of_memory_on};
+use crate::device::runtime::Runtime;
+use crate::device::trainer::Trainer;
+use crate::formats::weights::CheckpointWeights;
+use crate::program::{self, Program, StepSpec};
+use crate::train::checkpoint::Checkpoint;
+use crate::train::options::TrainOptions;
+use crate::train::progress;
+use anyhow::Result;
+use std::cell::Cell;
+use std::rc::Rc;
+use std::time::Instant;
+
+/// When loading started and the host memory the process held then (`VmRSS`).
+type LoadStart = (Instant, Option<u64>);
+
+/// Compile the step (or load it from the cache), then upload the weights (read shard by shard
+/// from the checkpoint: a bar shows the bytes) and the starting state. Says how long loading
+/// took and the peak host memory while loading (`VmHWM`; on the CPU plugin the devices' buffers
+/// are host memory too), unless `--log-every 0`.
+pub(super) fn compile_and_upload(
+    opts: &TrainOptions,
+    rt: Runtime,
+    spec: StepSpec,
+    program: Program,
+    weights: CheckpointWeights,
+    start: &Checkpoint,
+) -> Result<Trainer> {
+    let available = device_memory(&rt);
+    let platform = rt.platform();
+    let (spec_, args) = (spec.clone(), argument_bytes_per_device(&program));
+    let frozen: Vec<(String, u64)> = program
+        .args
+        .iter()
+        .filter(|a| a.role == program::Role::Frozen)
+        .map(|a| {
+            let n: i64 = a.shape.iter().product();
+            (a.name.clone(), n as u64 * a.dtype.size_bytes() as u64)
+        })
+        .collect();
+    let total: u64 = frozen.iter().map(|(_, b)| b).sum();
+    let largest = weights.largest_tensor_bytes(&spec.model);
+    let shown = opts.log_every > 0;
+    let compiling = (shown && !opts.verbose).then(|| progress::spinner("compiling the step"));
+    // When loading started, and the host memory then.
+    let started: Rc<Cell<Option<LoadStart>>> = Rc::new(Cell::new(None));
+    let loading = progress::bytes("loading weights", total);
+    let weights = {
+        let (started, loading, compiling) = (started.clone(), loading.clone(), compiling.clone());
+        weights.on_progress(move |event| match event {
+            None => {
+                if let Some(c) = &compiling {
+                    progress::clear(c);
+                }
+                // The peak from here on is loading's.
+                progress::reset_peak();
+                started.set(Some((Instant::now(), progress::resident_bytes())));
+                loading.reset_elapsed();
+                loading.reset_eta();
+                if shown {
+                    progress::show(&loading);
+                }
+            }
+            Some(k) => loading.inc(frozen.get(k).map_or(0, |(_, b)| *b)),
+        })
+    };
+    let trainer = Trainer::new(
+        rt,
+        spec,
+        program,
+        weights,
+        &start.lora,
+        &start.moments,
+        opts.use_cache,
+        opts.verbose,
+    );
+    // Done or failed: no bar stays drawn under what is said next.
+    if let Some(c) = &compiling {
+        progress::clear(c);
+    }
+    progress::clear(&loading);
+    let mut trainer = trainer.map_err(|e| {
+        explain_out_of_memory_on(
+            e,
+            "the training step",
+            args,
+            &spec_,
+            available,
+            Some(&platform),
+        )
+    })?;
+    // A progress line like the steps' (quiet with --log-every 0).
+    if let Some((t0, before)) = started.get().filter(|_| opts.log_every > 0 || opts.verbose) {
+        let devices = trainer.program.partitions.max(1);
+        let peak_bytes = progress::peak_bytes();
+        if opts.verbose {
+            // Exact figures, for tests and benchmarks (tests/loading.rs).
+            eprintln!(
+                "xtrain: loading bytes: peak {} before {} weights {total} largest {largest}",
+                peak_bytes.unwrap_or(0),
+                before.unwrap_or(0)
+            );
+        }
+        let peak = peak_bytes.map_or("unknown".into(), progress::gib);
+        let before = before.map_or("unknown".into(), progress::gib);
+        eprintln!(
+            "xtrain: loaded {} of weights onto {devices} device{} in {:.1}s (largest tensor {})",
+            progress::gib(total),
+            if devices == 1 { "" } else { "s" },
+            t0.elapsed().as_secs_f64(),
+            progress::gib(largest),
+        );
+        eprintln!("xtrain: peak host memory while loading {peak} (VmHWM; {before} before loading)");
+    }
+    trainer.dropout_seed = opts.seed;
+    trainer.step = start.state.step;
+    Ok(trainer)
+}
+
+/// The memory of the plugin's first device, if it says.
+pub(super) fn device_memory(rt: &Runtime) -> Option<i64> {
+    rt.devices.first()?.info().ok()?.memory_bytes
+}
