@@ -1,0 +1,528 @@
+//! Flags and recipe keys: out of range, contradictory or doing nothing is refused (or warned about)
+//! before any work.
+
+use super::*;
+
+#[test]
+fn step_options_that_do_not_fit_the_batch() {
+    let dir = tempdir("rel-step-options");
+    let out = dir.join("prog");
+    for (options, message) in [
+        (
+            &["--seq", "48", "--attention-block", "32"][..],
+            "--attention-block 32 must be a positive divisor of the sequence length 48",
+        ),
+        (
+            &["--batch", "3", "--grad-accum", "2"][..],
+            "--grad-accum 2 must divide the batch size 3",
+        ),
+        (
+            &["--matmul-result", "bf32"][..],
+            "invalid value 'bf32' for '--matmul-result <MATMUL_RESULT>'",
+        ),
+        (
+            &["--attention-scores", "bf16"][..],
+            "invalid value 'bf16' for '--attention-scores <ATTENTION_SCORES>'",
+        ),
+        (
+            &["--keep-softmax-stats", "maybe"][..],
+            "invalid value 'maybe' for '--keep-softmax-stats <BOOL>'",
+        ),
+        (
+            &["--remat", "none", "--keep-softmax-stats", "true"][..],
+            "--keep-softmax-stats is for --remat layer",
+        ),
+        (
+            &["--pin-mlp-activations", "true"][..],
+            "--pin-mlp-activations places activations on a device mesh, but this step runs on one device",
+        ),
+        (
+            &["--remat", "save_proj"][..],
+            "--remat must be auto, none, layer or save-proj, got `save_proj`",
+        ),
+    ] {
+        let mut args = vec!["compile", "--model", "tiny-llama3"];
+        args.extend(options);
+        args.extend(["--out", out.to_str().unwrap()]);
+        let e = fails(&args);
+        assert!(e.contains(message), "{options:?}: {e}");
+    }
+    assert!(!out.exists(), "nothing is written for a refused step");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn every_flag_is_range_checked_before_any_work() {
+    let dir = tempdir("rel-ranges");
+    let model = tiny_text_model(&dir);
+    let m = model.to_str().unwrap();
+    let data = dir.join("d.jsonl");
+    std::fs::write(&data, "{\"text\": \"hello\"}\n").unwrap();
+    let out = dir.join("out");
+    let train = |extra: &[&str]| -> Vec<String> {
+        let mut v: Vec<String> = ["train", "--model", m, "--data", data.to_str().unwrap()]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        v.extend(["--out".into(), out.to_str().unwrap().into()]);
+        v.extend(extra.iter().map(|s| s.to_string()));
+        v
+    };
+    for (flags, message) in [
+        (&["--lr", "nan"][..], "--lr must be a number >= 0, got NaN"),
+        (&["--lr=-1"][..], "--lr must be a number >= 0"),
+        (
+            &["--eval-fraction", "1.5"][..],
+            "--eval-fraction must be in [0, 1), got 1.5",
+        ),
+        (
+            &["--lora-alpha", "0"][..],
+            "--lora-alpha must be a positive number, got 0",
+        ),
+        (
+            &["--loss-chunk", "0"][..],
+            "--loss-chunk 0 must be a positive divisor",
+        ),
+        (
+            &["--batch-size", "0"][..],
+            "--batch-size must be at least 1, got 0",
+        ),
+        (&["--seq=-1"][..], "--seq must be at least 2"),
+        (&["--epochs", "0"][..], "--epochs must be at least 1"),
+        (&["--eps", "0"][..], "--eps must be a positive number"),
+        (
+            &["--min-lr-ratio", "2"][..],
+            "--min-lr-ratio must be in [0, 1]",
+        ),
+        (
+            &["--stop-after", "0"][..],
+            "--stop-after must be at least 1",
+        ),
+        (
+            &["--schedule", "cosin"][..],
+            "--schedule must be constant, linear or cosine",
+        ),
+        (
+            &["--mesh", "fdsp=8"][..],
+            "unknown axis `fdsp` (did you mean `fsdp`?)",
+        ),
+        (&["--mesh", "dp=2"][..], "unknown axis `dp`"),
+        (&["--mesh", "fsdp=8,model=8"][..], "unknown axis `model`"),
+        (
+            &["--eval-fraction", "0.1", "--eval-data", "x.jsonl"][..],
+            "--eval-fraction and --eval-data were both given",
+        ),
+        (
+            &["--sharding-rules", "rules.txt"][..],
+            "places tensors on a mesh: give --mesh too",
+        ),
+    ] {
+        let e = fails(&refs(&train(flags)));
+        assert!(e.contains(message), "{flags:?}: {e}");
+        assert!(!out.exists(), "{flags:?}: nothing written");
+    }
+    let generate = |extra: &[&str]| -> Vec<String> {
+        let mut v: Vec<String> = ["generate", "--model", m, "--prompt", "hi"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        v.extend(extra.iter().map(|s| s.to_string()));
+        v
+    };
+    for (flags, message) in [
+        (
+            &["--temperature", "nan"][..],
+            "--temperature must be a number >= 0",
+        ),
+        (
+            &["--temperature=-1"][..],
+            "--temperature must be a number >= 0",
+        ),
+        (&["--context", "0"][..], "--context must be at least 2"),
+        (&["--context=-4"][..], "got -4"),
+    ] {
+        let e = fails(&refs(&generate(flags)));
+        assert!(e.contains(message), "{flags:?}: {e}");
+    }
+    // compile: the batch, a mesh that splits nothing, unknown rule names, and NF4 on a model
+    // whose projections are not whole blocks of 64.
+    let odd = dir.join("odd");
+    std::fs::create_dir_all(&odd).unwrap();
+    let mut c: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("model/config.json")).unwrap(),
+    )
+    .unwrap();
+    c["hidden_size"] = 36.into();
+    c["intermediate_size"] = 36.into();
+    c["num_attention_heads"] = 4.into();
+    c["num_key_value_heads"] = 4.into();
+    c["head_dim"] = 10.into();
+    std::fs::write(odd.join("config.json"), c.to_string()).unwrap();
+    let rules = dir.join("rules.txt");
+    std::fs::write(&rules, "batchh = data\n").unwrap();
+    let prog = dir.join("prog");
+    for (flags, message) in [
+        (
+            &["--model", "tiny-llama3", "--batch", "0"][..],
+            "--batch must be at least 1, got 0",
+        ),
+        (
+            &["--model", "tiny-llama3", "--batch", "4", "--mesh", "data=3"][..],
+            "--mesh data=3 splits nothing",
+        ),
+        (
+            &[
+                "--model",
+                "tiny-llama3",
+                "--mesh",
+                "data=2",
+                "--sharding-rules",
+                rules.to_str().unwrap(),
+            ][..],
+            "unknown logical axis `batchh` (did you mean `batch`?)",
+        ),
+        (
+            &["--model", odd.to_str().unwrap(), "--quant", "nf4"][..],
+            "--quant nf4 quantizes in blocks of 64 values",
+        ),
+    ] {
+        let mut a = vec!["compile"];
+        a.extend(flags);
+        a.extend(["--out", prog.to_str().unwrap()]);
+        let e = fails(&a);
+        assert!(e.contains(message), "{flags:?}: {e}");
+        assert!(!prog.exists());
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Flags of `compile` that only mean something when it compiles (`--check`) are refused without
+/// it, instead of being silently ignored.
+#[test]
+fn compile_flags_that_need_check_are_refused() {
+    let dir = tempdir("rel-compile-check-flags");
+    let out = dir.join("p");
+    for (flags, message) in [
+        (
+            &["--xla-dump", "dump"][..],
+            "--xla-dump dump writes what XLA's compiler made of the program, which runs only with --check",
+        ),
+        (
+            &["--no-estimate"][..],
+            "--no-estimate skips the TPU estimate of --check; without --check there is none",
+        ),
+        (
+            &["--no-estimate", "--check", "--target", "cuda:h100:1"][..],
+            "--no-estimate is for --check with a TPU --target",
+        ),
+        (
+            &["--plugin", "cuda", "--target", "cuda:h100:1"][..],
+            "--plugin names the plugin that compiles the program with --check",
+        ),
+        (
+            &["--target", "cuda:h100:1", "--target", "cuda:h100:1"][..],
+            "--target cuda:h100:1 is given twice",
+        ),
+        (
+            &["--target", "cuda:h100:1", "--target", "tpu:v5p:2x2x1"][..],
+            "--target cuda:h100:1 has 1 devices but --target tpu:v5p:2x2x1 has 4",
+        ),
+    ] {
+        let mut args = vec!["compile", "--model", "tiny-llama3", "--out", out.to_str().unwrap()];
+        args.extend(flags);
+        let e = fails(&args);
+        assert!(e.contains(message), "{flags:?}: {e}");
+        assert!(!out.exists(), "{flags:?}: nothing is written");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `--grad-accum 0` is out of range, said as the other ranges are (it was "must divide the
+/// batch size"), by train and compile alike.
+#[test]
+fn grad_accum_zero_is_out_of_range() {
+    let dir = tempdir("rel-grad-accum-0");
+    let model = fixtures().join("model");
+    let e = fails(&refs(&train_on(
+        &model,
+        &dir.join("run"),
+        &["--grad-accum", "0"],
+    )));
+    assert!(e.contains("--grad-accum must be at least 1, got 0"), "{e}");
+    assert!(!dir.join("run").exists());
+    let e = fails(&[
+        "compile",
+        "--model",
+        model.to_str().unwrap(),
+        "--grad-accum",
+        "0",
+        "--out",
+        dir.join("prog").to_str().unwrap(),
+    ]);
+    assert!(e.contains("--grad-accum must be at least 1, got 0"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+// ---------------------------------------------------------------- flags and recipe keys
+
+#[test]
+fn a_flag_typed_twice_is_refused_naming_it_and_both_values() {
+    let dir = tempdir("rel-twice");
+    let model = fixtures().join("model");
+    let (a, b) = (dir.join("a"), dir.join("b"));
+    let mut args = train_on(&model, &a, &[]);
+    args.extend(["--out".to_string(), b.to_str().unwrap().to_string()]);
+    let e = fails(&refs(&args));
+    assert!(
+        e.contains(&format!(
+            "--out is given twice on the command line ({}, then {}); give it once",
+            a.display(),
+            b.display()
+        )),
+        "{e}"
+    );
+    assert!(!a.exists() && !b.exists(), "nothing trained");
+    // A switch too.
+    let e = fails(&refs(&train_on(&model, &a, &["--no-plot"])));
+    assert!(
+        e.contains("--no-plot is given twice on the command line"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_recipe_key_the_command_line_overrides_is_said_and_not_a_duplicate() {
+    let dir = tempdir("rel-recipe-override");
+    let model = fixtures().join("model");
+    let recipe = dir.join("r.toml");
+    std::fs::write(&recipe, "lora_r = 8\nsteps = 1\n").unwrap();
+    let mut args = train_on(&model, &dir.join("run"), &[]);
+    args.extend(["--config".to_string(), recipe.to_str().unwrap().to_string()]);
+    let o = xtrain(&refs(&args));
+    let err = stderr_of(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains(&format!(
+            "--lora-r 4 on the command line overrides the recipe {}'s --lora-r 8",
+            recipe.display()
+        )),
+        "{err}"
+    );
+    assert_eq!(adapter_rank(&dir.join("run/adapter")), 4);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_recipe_table_with_lora_r_and_lora_dash_r_is_refused_naming_both_keys() {
+    let dir = tempdir("rel-recipe-same-flag");
+    let recipe = dir.join("r.toml");
+    std::fs::write(&recipe, "lora_r = 8\nlora-r = 16\n").unwrap();
+    let e = fails(&[
+        "compile",
+        "--config",
+        recipe.to_str().unwrap(),
+        "--model",
+        "tiny-llama3",
+        "--out",
+        dir.join("p").to_str().unwrap(),
+    ]);
+    assert!(
+        e.contains("keys `lora-r` and `lora_r` in the top level both set --lora-r; keep one")
+            || e.contains(
+                "keys `lora_r` and `lora-r` in the top level both set --lora-r; keep one"
+            ),
+        "{e}"
+    );
+    std::fs::write(&recipe, "[train]\nlora_alpha = 8\nlora-alpha = 16\n").unwrap();
+    let e = fails(&[
+        "compile",
+        "--config",
+        recipe.to_str().unwrap(),
+        "--model",
+        "tiny-llama3",
+        "--out",
+        dir.join("p").to_str().unwrap(),
+    ]);
+    assert!(e.contains("in [train] both set --lora-alpha"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn eval_every_without_eval_data_is_refused() {
+    let dir = tempdir("rel-eval-every");
+    let model = fixtures().join("model");
+    let e = fails(&refs(&train_on(
+        &model,
+        &dir.join("run"),
+        &["--eval-every", "20"],
+    )));
+    assert!(
+        e.contains("--eval-every 20 (the command line) evaluates on held-out examples, but there are none: give --eval-data FILE or --eval-fraction F"),
+        "{e}"
+    );
+    assert!(!dir.join("run").exists());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn steps_and_epochs_both_typed_are_refused() {
+    let dir = tempdir("rel-steps-epochs");
+    let model = fixtures().join("model");
+    let e = fails(&refs(&train_on(
+        &model,
+        &dir.join("run"),
+        &["--steps", "3", "--epochs", "2"],
+    )));
+    assert!(
+        e.contains("--steps 3 and --epochs 2 were both given (the command line): --steps sets the run's length, so --epochs would do nothing; give one of them"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn epochs_typed_over_a_recipes_steps_sets_the_length_and_says_so() {
+    let dir = tempdir("rel-epochs-over-recipe");
+    let model = tiny_text_model(&dir);
+    let data = dir.join("d.jsonl");
+    let lines: String = (0..6)
+        .map(|i| format!("{{\"instruction\": \"Say {i}\", \"output\": \"{i}!\"}}\n"))
+        .collect();
+    std::fs::write(&data, lines).unwrap();
+    let recipe = dir.join("r.toml");
+    std::fs::write(&recipe, "steps = 50\n").unwrap();
+    let out = dir.join("run");
+    let o = train_cmd(&model, &data, &out)
+        .args(["--config", recipe.to_str().unwrap(), "--epochs", "2"])
+        .args([
+            "--batch-size",
+            "2",
+            "--seq",
+            "32",
+            "--lora-r",
+            "4",
+            "--log-every",
+            "0",
+        ])
+        .output()
+        .unwrap();
+    let err = stderr_of(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains(&format!(
+            "--epochs 2 (the command line) sets the run's length instead of --steps 50 (the recipe {})",
+            recipe.display()
+        )),
+        "{err}"
+    );
+    let m = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let steps = m.lines().filter(|l| l.contains("\"loss\"")).count();
+    assert!(steps < 50, "two epochs, not the recipe's 50 steps: {steps}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn min_lr_ratio_with_a_constant_schedule_is_refused() {
+    let dir = tempdir("rel-min-lr");
+    let model = fixtures().join("model");
+    let e = fails(&refs(&train_on(
+        &model,
+        &dir.join("run"),
+        &["--min-lr-ratio", "0.1"],
+    )));
+    assert!(
+        e.contains("--min-lr-ratio 0.1 (the command line) sets where a linear or cosine schedule ends, but --schedule is constant (the default)"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_warmup_longer_than_the_run_is_warned_about() {
+    let dir = tempdir("rel-warmup");
+    let model = fixtures().join("model");
+    let o = xtrain(&refs(&train_on(
+        &model,
+        &dir.join("run"),
+        &["--warmup", "100", "--lr", "1e-3"],
+    )));
+    let err = stderr_of(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains("warning: --warmup 100 is longer than the run (2 steps): the learning rate rises to 2e-5 at the last step and never reaches --lr 1e-3"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn an_empty_mesh_is_refused() {
+    let dir = tempdir("rel-empty-mesh");
+    let model = fixtures().join("model");
+    let e = fails(&refs(&train_on(&model, &dir.join("run"), &["--mesh", ""])));
+    assert!(
+        e.contains("--mesh is empty: give its axes, such as --mesh fsdp=8, or leave it out"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn log_every_0_prints_no_progress_and_its_help_says_what_it_still_prints() {
+    let dir = tempdir("rel-log-every-0");
+    let model = fixtures().join("model");
+    let o = xtrain(&refs(&train_on(
+        &model,
+        &dir.join("run"),
+        &["--steps", "3"],
+    )));
+    let err = stderr_of(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        !err.contains("step 1/") && !err.contains("loaded") && !err.contains("peak host memory"),
+        "{err}"
+    );
+    let help = String::from_utf8_lossy(&xtrain(&["train", "--help"]).stdout).to_string();
+    let help = help.split_whitespace().collect::<Vec<_>>().join(" ");
+    assert!(
+        help.contains("0: no progress (no bars, step lines or loading lines); evaluation results, notes on what the run sets up"),
+        "{help}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A `--target` typed over a recipe's replaces it (said as an override) rather than joining it:
+/// `--target` may be repeated, so keeping both would compile for the recipe's hardware too.
+#[test]
+fn a_target_typed_over_a_recipes_replaces_it() {
+    let dir = tempdir("rel-recipe-target");
+    let recipe = dir.join("r.toml");
+    std::fs::write(
+        &recipe,
+        "model = \"tiny-llama3\"\nbatch_size = 4\nseq = 64\n[compile]\ntarget = \"tpu:v5p:2x2x1\"\n",
+    )
+    .unwrap();
+    let out = dir.join("p");
+    let o = xtrain(&[
+        "compile",
+        "--config",
+        recipe.to_str().unwrap(),
+        "--target",
+        "cuda:h100:4",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr),
+    );
+    assert!(o.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("--target cuda:h100:4 on the command line overrides the recipe"),
+        "{stderr}"
+    );
+    assert!(stdout.contains("target cuda:h100:4: 4 devices"), "{stdout}");
+    assert!(!stdout.contains("tpu:v5p"), "{stdout}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -1,0 +1,111 @@
+//! Numerical faults: a non-finite or blown-up update is not applied, and the run says how many
+//! steps it skipped.
+
+use super::*;
+
+#[test]
+fn a_blown_up_update_stops_with_the_state_from_before_it() {
+    let dir = tempdir("rel-nan");
+    let model = fixtures().join("model");
+    let out = dir.join("out");
+    // lr 1e30: step 1's loss and gradient are finite, and so is its update, but it would move
+    // the LoRA weights by about 1e30 (step 2's loss was NaN, and the "last good state" was step
+    // 1's, with weights of 1e30). It is refused, and the state from before it kept.
+    let a = train_on(&model, &out, &["--lr", "1e30", "--steps", "3"]);
+    let e = fails(&refs(&a));
+    assert!(
+        e.contains("step 1: the update blows the LoRA weights up: it would move one by")
+            && e.contains("more than 1000 times the largest LoRA weight before it")
+            && e.contains("stopped without applying it"),
+        "{e}"
+    );
+    let ckpt = out.join("checkpoint-0");
+    assert!(e.contains(&ckpt.display().to_string()), "{e}");
+    let st =
+        xtrain::formats::safetensors::SafeTensors::open(&ckpt.join("adapter_model.safetensors"))
+            .unwrap();
+    for name in st.tensors.keys() {
+        let v = st.read(name).unwrap().to_f32().unwrap();
+        assert!(
+            v.iter().all(|x| x.abs() < 1.0),
+            "{name}: the last good state is the fresh adapter"
+        );
+    }
+    assert!(!out.join("checkpoint-1").exists());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn skipped_steps_are_counted_at_the_end_of_the_run() {
+    let dir = tempdir("rel-skip-some");
+    let model = fixtures().join("model");
+    let out = dir.join("out");
+    // A linear decay from lr 1e30 to 0 over 4 steps: steps 1 to 3 blow up and are skipped,
+    // step 4 (lr 0) is applied.
+    let a = train_on(
+        &model,
+        &out,
+        &[
+            "--lr",
+            "1e30",
+            "--schedule",
+            "linear",
+            "--steps",
+            "4",
+            "--skip-nonfinite-steps",
+        ],
+    );
+    let o = xtrain(&refs(&a));
+    let err = stderr_of(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("xtrain: skipped 3 of 4 steps"), "{err}");
+    let m = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    assert_eq!(m.matches("\"nonfinite\":true").count(), 3, "{m}");
+    assert!(out.join("adapter/adapter_model.safetensors").is_file());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn skipping_every_step_fails_and_writes_no_adapter() {
+    let dir = tempdir("rel-skip-all");
+    let model = fixtures().join("model");
+    let out = dir.join("out");
+    let a = train_on(
+        &model,
+        &out,
+        &["--lr", "1e30", "--steps", "4", "--skip-nonfinite-steps"],
+    );
+    let e = fails_after_notes(&refs(&a));
+    assert!(e.contains("xtrain: skipped 4 of 4 steps"), "{e}");
+    assert!(
+        e.contains("error: every step of the run was skipped (4 of 4): nothing was trained, so no adapter is written"),
+        "{e}"
+    );
+    assert!(!out.join("adapter").exists());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn the_nonfinite_guard_covers_the_updated_state() {
+    let dir = tempdir("rel-nonfinite-update");
+    let model = fixtures().join("model");
+    let out = dir.join("out");
+    // lr 1e38 is finite, and so are step 1's loss and gradient; lr / (1 - beta1) is not (f32).
+    let e = fails(&refs(&train_on(&model, &out, &["--lr", "1e38"])));
+    assert!(
+        e.contains("step 1: the loss") && e.contains("but the update is not"),
+        "{e}"
+    );
+    let ckpt = out.join("checkpoint-0");
+    let st =
+        xtrain::formats::safetensors::SafeTensors::open(&ckpt.join("adapter_model.safetensors"))
+            .unwrap();
+    for name in st.tensors.keys() {
+        let v = st.read(name).unwrap().to_f32().unwrap();
+        assert!(
+            v.iter().all(|x| x.is_finite()),
+            "{name}: the last good state is finite"
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
