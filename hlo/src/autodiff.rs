@@ -38,34 +38,8 @@ impl Builder {
     /// Vector-Jacobian product: given (output, cotangent) seeds, the cotangent of each of `wrt`.
     pub fn vjp(&mut self, seeds: &[(Value, Value)], wrt: &[Value]) -> Result<Vec<Value>> {
         let end = self.f.nodes.len();
-        let n_values = self.f.shapes.len();
-        let float = |b: &Builder, v: Value| b.dtype(v).is_float();
-
-        // Values that depend on some `wrt` (through float values only) ...
-        let mut depends = vec![false; n_values];
-        for &w in wrt {
-            depends[w.index()] = true;
-        }
-        for node in &self.f.nodes[..end] {
-            if node.inputs.iter().any(|v| depends[v.index()]) {
-                for &o in &node.outputs {
-                    depends[o.index()] = float(self, o);
-                }
-            }
-        }
-        // ... and that some seed depends on.
-        let mut reaches = vec![false; n_values];
-        for (y, _) in seeds {
-            reaches[y.index()] = true;
-        }
-        for node in self.f.nodes[..end].iter().rev() {
-            if node.outputs.iter().any(|v| reaches[v.index()]) {
-                for &i in &node.inputs {
-                    reaches[i.index()] = true;
-                }
-            }
-        }
-        let active = |v: Value| depends[v.index()] && reaches[v.index()];
+        let active_values = self.active_values(seeds, wrt, end);
+        let active = |v: Value| active_values[v.index()];
 
         let mut ct: HashMap<Value, Value> = HashMap::new();
         let mut bands: HashMap<Value, Vec<Band>> = HashMap::new();
@@ -155,6 +129,43 @@ impl Builder {
                 None => self.zeros_like(*w),
             })
             .collect())
+    }
+
+    /// The values a vjp must carry cotangents through: those that depend on some `wrt` (through
+    /// float values only) and that some seed depends on, among the first `end` nodes' values.
+    fn active_values(&self, seeds: &[(Value, Value)], wrt: &[Value], end: usize) -> Vec<bool> {
+        let n_values = self.f.shapes.len();
+        let float = |b: &Builder, v: Value| b.dtype(v).is_float();
+
+        // Values that depend on some `wrt` (through float values only) ...
+        let mut depends = vec![false; n_values];
+        for &w in wrt {
+            depends[w.index()] = true;
+        }
+        for node in &self.f.nodes[..end] {
+            if node.inputs.iter().any(|v| depends[v.index()]) {
+                for &o in &node.outputs {
+                    depends[o.index()] = float(self, o);
+                }
+            }
+        }
+        // ... and that some seed depends on.
+        let mut reaches = vec![false; n_values];
+        for (y, _) in seeds {
+            reaches[y.index()] = true;
+        }
+        for node in self.f.nodes[..end].iter().rev() {
+            if node.outputs.iter().any(|v| reaches[v.index()]) {
+                for &i in &node.inputs {
+                    reaches[i.index()] = true;
+                }
+            }
+        }
+        depends
+            .iter()
+            .zip(&reaches)
+            .map(|(d, r)| *d && *r)
+            .collect()
     }
 
     /// Emit a copy of remat region `r` (nodes before `end`) reading its inputs through an

@@ -1513,33 +1513,8 @@ pub(crate) fn vjp(
         Op::UseSaved => vec![Some(first), None],
         Op::Unary(u) => vec![unary_vjp(b, *u, node.inputs[0], node.outputs[0], first)?],
         Op::Binary(op) => binary_vjp(b, *op, (node.inputs[0], node.inputs[1]), node.outputs[0], first, needs)?,
-        Op::Select => {
-            let zero = b.zeros_like(first);
-            let p = node.inputs[0];
-            let p = if b.rank(p) == 0 && b.rank(first) != 0 {
-                let d = b.dims(first).to_vec();
-                b.broadcast_in_dim(p, &d, &[])?
-            } else {
-                p
-            };
-            vec![
-                None,
-                if needs[1] { Some(b.select(p, first, zero)?) } else { None },
-                if needs[2] { Some(b.select(p, zero, first)?) } else { None },
-            ]
-        }
-        Op::Clamp => {
-            // The gradient passes where lo <= x <= hi.
-            let (lo, x, hi) = (node.inputs[0], node.inputs[1], node.inputs[2]);
-            let xd = b.dims(x).to_vec();
-            let lo = if b.rank(lo) == 0 { b.broadcast_in_dim(lo, &xd, &[])? } else { lo };
-            let hi = if b.rank(hi) == 0 { b.broadcast_in_dim(hi, &xd, &[])? } else { hi };
-            let a = b.compare(x, lo, CmpDir::Ge)?;
-            let c = b.compare(x, hi, CmpDir::Le)?;
-            let inside = b.and(a, c)?;
-            let zero = b.zeros_like(first);
-            vec![None, if needs[1] { Some(b.select(inside, first, zero)?) } else { None }, None]
-        }
+        Op::Select => select_vjp(b, node, first, needs)?,
+        Op::Clamp => clamp_vjp(b, node, first, needs)?,
         Op::Convert => {
             let dt = b.dtype(node.inputs[0]);
             vec![if dt.is_float() { Some(b.convert(first, dt)?) } else { None }]
@@ -1571,57 +1546,9 @@ pub(crate) fn vjp(
             out.extend(node.inputs[1..].iter().map(|_| None));
             out
         }
-        Op::DynamicUpdateSlice => {
-            let starts = &node.inputs[2..];
-            let gx = if needs[0] {
-                let z = b.zeros_like(node.inputs[1]);
-                Some(b.dynamic_update_slice(first, z, starts)?)
-            } else {
-                None
-            };
-            let gu = if needs[1] {
-                let d = b.dims(node.inputs[1]).to_vec();
-                Some(b.dynamic_slice(first, starts, &d)?)
-            } else {
-                None
-            };
-            let mut out = vec![gx, gu];
-            out.extend(starts.iter().map(|_| None));
-            out
-        }
-        Op::Concatenate { dim } => {
-            let mut at = 0;
-            let mut out = Vec::new();
-            for (i, &x) in node.inputs.iter().enumerate() {
-                let n = b.dims(x)[*dim as usize];
-                out.push(if needs[i] { Some(b.slice_dim(first, *dim as usize, at, at + n)?) } else { None });
-                at += n;
-            }
-            out
-        }
-        Op::Pad { low, high, interior } => {
-            let s = b.shape(node.inputs[0]).clone();
-            let gd = b.dims(first).to_vec();
-            let start: Vec<i64> = low.iter().map(|&l| l.max(0)).collect();
-            let limit: Vec<i64> = (0..s.rank()).map(|i| gd[i] - high[i].max(0)).collect();
-            let strides: Vec<i64> = interior.iter().map(|i| i + 1).collect();
-            if low.iter().chain(high).any(|&p| p < 0) {
-                return crate::builder::err("pad", "vjp of negative padding is not supported");
-            }
-            let gx = if needs[0] { Some(b.slice(first, &start, &limit, &strides)?) } else { None };
-            let gv = if needs[1] {
-                let total = b.sum_all(first)?;
-                let inner = match gx {
-                    Some(v) => v,
-                    None => b.slice(first, &start, &limit, &strides)?,
-                };
-                let kept = b.sum_all(inner)?;
-                Some(b.sub(total, kept)?)
-            } else {
-                None
-            };
-            vec![gx, gv]
-        }
+        Op::DynamicUpdateSlice => dynamic_update_slice_vjp(b, node, first, needs)?,
+        Op::Concatenate { dim } => concatenate_vjp(b, node, first, needs, dim)?,
+        Op::Pad { low, high, interior } => pad_vjp(b, node, first, needs, low, high, interior)?,
         Op::Gather { dims, .. } => {
             let s = b.shape(node.inputs[0]).clone();
             vec![if needs[0] { Some(gather_vjp(b, &s, node.inputs[1], first, dims)?) } else { None }, None]
@@ -1646,4 +1573,148 @@ pub(crate) fn vjp(
             )
         }
     })
+}
+
+fn select_vjp(
+    b: &mut Builder,
+    node: &Node,
+    first: Value,
+    needs: &[bool],
+) -> Result<Vec<Option<Value>>> {
+    let zero = b.zeros_like(first);
+    let p = node.inputs[0];
+    let p = if b.rank(p) == 0 && b.rank(first) != 0 {
+        let d = b.dims(first).to_vec();
+        b.broadcast_in_dim(p, &d, &[])?
+    } else {
+        p
+    };
+    Ok(vec![
+        None,
+        if needs[1] {
+            Some(b.select(p, first, zero)?)
+        } else {
+            None
+        },
+        if needs[2] {
+            Some(b.select(p, zero, first)?)
+        } else {
+            None
+        },
+    ])
+}
+
+fn clamp_vjp(
+    b: &mut Builder,
+    node: &Node,
+    first: Value,
+    needs: &[bool],
+) -> Result<Vec<Option<Value>>> {
+    // The gradient passes where lo <= x <= hi.
+    let (lo, x, hi) = (node.inputs[0], node.inputs[1], node.inputs[2]);
+    let xd = b.dims(x).to_vec();
+    let lo = if b.rank(lo) == 0 {
+        b.broadcast_in_dim(lo, &xd, &[])?
+    } else {
+        lo
+    };
+    let hi = if b.rank(hi) == 0 {
+        b.broadcast_in_dim(hi, &xd, &[])?
+    } else {
+        hi
+    };
+    let a = b.compare(x, lo, CmpDir::Ge)?;
+    let c = b.compare(x, hi, CmpDir::Le)?;
+    let inside = b.and(a, c)?;
+    let zero = b.zeros_like(first);
+    Ok(vec![
+        None,
+        if needs[1] {
+            Some(b.select(inside, first, zero)?)
+        } else {
+            None
+        },
+        None,
+    ])
+}
+
+fn dynamic_update_slice_vjp(
+    b: &mut Builder,
+    node: &Node,
+    first: Value,
+    needs: &[bool],
+) -> Result<Vec<Option<Value>>> {
+    let starts = &node.inputs[2..];
+    let gx = if needs[0] {
+        let z = b.zeros_like(node.inputs[1]);
+        Some(b.dynamic_update_slice(first, z, starts)?)
+    } else {
+        None
+    };
+    let gu = if needs[1] {
+        let d = b.dims(node.inputs[1]).to_vec();
+        Some(b.dynamic_slice(first, starts, &d)?)
+    } else {
+        None
+    };
+    let mut out = vec![gx, gu];
+    out.extend(starts.iter().map(|_| None));
+    Ok(out)
+}
+
+fn concatenate_vjp(
+    b: &mut Builder,
+    node: &Node,
+    first: Value,
+    needs: &[bool],
+    dim: &i64,
+) -> Result<Vec<Option<Value>>> {
+    let mut at = 0;
+    let mut out = Vec::new();
+    for (i, &x) in node.inputs.iter().enumerate() {
+        let n = b.dims(x)[*dim as usize];
+        out.push(if needs[i] {
+            Some(b.slice_dim(first, *dim as usize, at, at + n)?)
+        } else {
+            None
+        });
+        at += n;
+    }
+    Ok(out)
+}
+
+fn pad_vjp(
+    b: &mut Builder,
+    node: &Node,
+    first: Value,
+    needs: &[bool],
+    low: &[i64],
+    high: &[i64],
+    interior: &[i64],
+) -> Result<Vec<Option<Value>>> {
+    let s = b.shape(node.inputs[0]).clone();
+    let gd = b.dims(first).to_vec();
+    let start: Vec<i64> = low.iter().map(|&l| l.max(0)).collect();
+    let limit: Vec<i64> = (0..s.rank()).map(|i| gd[i] - high[i].max(0)).collect();
+    let strides: Vec<i64> = interior.iter().map(|i| i + 1).collect();
+    if low.iter().chain(high).any(|&p| p < 0) {
+        return crate::builder::err("pad", "vjp of negative padding is not supported");
+    }
+    let gx = if needs[0] {
+        Some(b.slice(first, &start, &limit, &strides)?)
+    } else {
+        None
+    };
+    let gv = if needs[1] {
+        let total = b.sum_all(first)?;
+        let inner = match gx {
+            Some(v) => v,
+            None => b.slice(first, &start, &limit, &strides)?,
+        };
+        let kept = b.sum_all(inner)?;
+        Some(b.sub(total, kept)?)
+    } else {
+        None
+    };
+    Ok(vec![gx, gv])
 }

@@ -365,14 +365,7 @@ impl Printer {
             Op::Unary(u) => format!("stablehlo.{} {ins} : {out_t}", u.mlir()),
             Op::Binary(b) => format!("stablehlo.{} {ins} : {out_t}", b.mlir()),
             Op::Compare(dir) => {
-                let dt = f.dtype(node.inputs[0]);
-                let kind = if dt.is_float() {
-                    "FLOAT"
-                } else if dt.is_signed_int() {
-                    "SIGNED"
-                } else {
-                    "UNSIGNED"
-                };
+                let kind = compare_kind(f.dtype(node.inputs[0]));
                 format!("stablehlo.compare {}, {ins}, {kind} : {sig}", dir.mlir())
             }
             Op::Select => generic("select", String::new()),
@@ -382,92 +375,41 @@ impl Printer {
             Op::BroadcastInDim { dims } => format!("stablehlo.broadcast_in_dim {ins}, dims = {} : {sig}", i64_list(dims)),
             Op::Reshape => format!("stablehlo.reshape {ins} : {sig}"),
             Op::Transpose { perm } => format!("stablehlo.transpose {ins}, dims = {} : {sig}", i64_list(perm)),
-            Op::Slice { start, limit, strides } => generic(
-                "slice",
-                format!(
-                    "limit_indices = {}, start_indices = {}, strides = {}",
-                    i64_array(limit),
-                    i64_array(start),
-                    i64_array(strides)
-                ),
-            ),
+            Op::Slice { start, limit, strides } => generic("slice", slice_props(start, limit, strides)),
             Op::DynamicSlice { sizes } => generic("dynamic_slice", format!("slice_sizes = {}", i64_array(sizes))),
             Op::DynamicUpdateSlice => generic("dynamic_update_slice", String::new()),
             Op::Concatenate { dim } => generic("concatenate", format!("dimension = {dim} : i64")),
-            Op::Pad { low, high, interior } => generic(
-                "pad",
+            Op::Pad { low, high, interior } => generic("pad", pad_props(low, high, interior)),
+            Op::Gather { dims, slice_sizes } => generic(
+                "gather",
                 format!(
-                    "edge_padding_high = {}, edge_padding_low = {}, interior_padding = {}",
-                    i64_array(high),
-                    i64_array(low),
-                    i64_array(interior)
+                    "dimension_numbers = #stablehlo.gather<{}>, indices_are_sorted = false, slice_sizes = {}",
+                    dimension_fields(
+                        &[
+                            ("offset_dims", &dims.offset_dims),
+                            ("collapsed_slice_dims", &dims.collapsed_slice_dims),
+                            ("start_index_map", &dims.start_index_map),
+                        ],
+                        dims.index_vector_dim
+                    ),
+                    i64_array(slice_sizes)
                 ),
             ),
-            Op::Gather { dims, slice_sizes } => {
-                let mut fields = Vec::new();
-                for (k, v) in [
-                    ("offset_dims", &dims.offset_dims),
-                    ("collapsed_slice_dims", &dims.collapsed_slice_dims),
-                    ("start_index_map", &dims.start_index_map),
-                ] {
-                    if !v.is_empty() {
-                        fields.push(format!("{k} = {}", i64_list(v)));
-                    }
-                }
-                fields.push(format!("index_vector_dim = {}", dims.index_vector_dim));
-                generic(
-                    "gather",
-                    format!(
-                        "dimension_numbers = #stablehlo.gather<{}>, indices_are_sorted = false, slice_sizes = {}",
-                        fields.join(", "),
-                        i64_array(slice_sizes)
-                    ),
-                )
-            }
             Op::Scatter { dims, combiner } => {
-                let mut fields = Vec::new();
-                for (k, v) in [
-                    ("update_window_dims", &dims.update_window_dims),
-                    ("inserted_window_dims", &dims.inserted_window_dims),
-                    ("scatter_dims_to_operand_dims", &dims.scatter_dims_to_operand_dims),
-                ] {
-                    if !v.is_empty() {
-                        fields.push(format!("{k} = {}", i64_list(v)));
-                    }
-                }
-                fields.push(format!("index_vector_dim = {}", dims.index_vector_dim));
-                let scalar = Shape::scalar(out_t.dtype);
-                let (a, b) = (self.fresh(), self.fresh());
-                let inner = format!("{indent}  ");
-                let body = match combiner {
-                    Combiner::Add => {
-                        let s = self.fresh();
-                        format!("{inner}{s} = stablehlo.add {a}, {b} : {scalar}\n{inner}stablehlo.return {s} : {scalar}\n")
-                    }
-                    _ => format!("{inner}stablehlo.return {b} : {scalar}\n"),
-                };
+                let fields = dimension_fields(
+                    &[
+                        ("update_window_dims", &dims.update_window_dims),
+                        ("inserted_window_dims", &dims.inserted_window_dims),
+                        ("scatter_dims_to_operand_dims", &dims.scatter_dims_to_operand_dims),
+                    ],
+                    dims.index_vector_dim,
+                );
+                let body = self.scatter_combiner(combiner, out_t.dtype, indent);
                 format!(
-                    "\"stablehlo.scatter\"({ins}) <{{indices_are_sorted = false, scatter_dimension_numbers = #stablehlo.scatter<{}>, unique_indices = false}}> ({{\n{indent}^bb0({a}: {scalar}, {b}: {scalar}):\n{body}{indent}}}) : {sig}",
-                    fields.join(", ")
+                    "\"stablehlo.scatter\"({ins}) <{{indices_are_sorted = false, scatter_dimension_numbers = #stablehlo.scatter<{fields}>, unique_indices = false}}> ({body}) : {sig}"
                 )
             }
-            Op::DotGeneral { dims, precision } => {
-                let mut s = format!("stablehlo.dot_general {ins}");
-                if !dims.lhs_batch.is_empty() {
-                    let _ = write!(s, ", batching_dims = {} x {}", i64_list(&dims.lhs_batch), i64_list(&dims.rhs_batch));
-                }
-                let _ = write!(s, ", contracting_dims = {} x {}", i64_list(&dims.lhs_contract), i64_list(&dims.rhs_contract));
-                if let Some(p) = precision {
-                    let p = match p {
-                        Precision::Default => "DEFAULT",
-                        Precision::High => "HIGH",
-                        Precision::Highest => "HIGHEST",
-                    };
-                    let _ = write!(s, ", precision = [{p}, {p}]");
-                }
-                let _ = write!(s, " : {sig}");
-                s
-            }
+            Op::DotGeneral { dims, precision } => dot_general_text(&ins, dims, *precision, &sig),
             Op::Reduce { dims, combiner } => {
                 let op = match combiner {
                     Combiner::Add => "add",
@@ -478,13 +420,8 @@ impl Printer {
                 format!("stablehlo.reduce({x} init: {init}) applies stablehlo.{op} across dimensions = {} : {sig}", i64_list(dims))
             }
             Op::While { cond, body } => {
-                let mut s = format!("\"stablehlo.while\"({ins}) ({{\n");
-                self.region(&mut s, cond, indent);
-                let _ = writeln!(s, "{indent}}}, {{");
-                self.region(&mut s, body, indent);
                 let outs = types(f, &node.outputs);
-                let _ = write!(s, "{indent}}}) : ({in_types}) -> ({outs})");
-                s
+                self.while_text(&ins, &in_types, &outs, cond, body, indent)
             }
             Op::OptimizationBarrier => {
                 let outs = types(f, &node.outputs);
@@ -504,6 +441,108 @@ impl Printer {
             Op::StopGradient | Op::UseSaved => unreachable!("aliases print as their source"),
         }
     }
+
+    /// A while loop: its condition and body regions, then the loop's types.
+    fn while_text(
+        &mut self,
+        ins: &str,
+        in_types: &str,
+        outs: &str,
+        cond: &Func,
+        body: &Func,
+        indent: &str,
+    ) -> String {
+        let mut s = format!("\"stablehlo.while\"({ins}) ({{\n");
+        self.region(&mut s, cond, indent);
+        let _ = writeln!(s, "{indent}}}, {{");
+        self.region(&mut s, body, indent);
+        let _ = write!(s, "{indent}}}) : ({in_types}) -> ({outs})");
+        s
+    }
+
+    /// The region that combines an old and a new element in a scatter: their sum, or the new one.
+    fn scatter_combiner(&mut self, combiner: &Combiner, dtype: DType, indent: &str) -> String {
+        let scalar = Shape::scalar(dtype);
+        let (a, b) = (self.fresh(), self.fresh());
+        let inner = format!("{indent}  ");
+        let body = match combiner {
+            Combiner::Add => {
+                let s = self.fresh();
+                format!("{inner}{s} = stablehlo.add {a}, {b} : {scalar}\n{inner}stablehlo.return {s} : {scalar}\n")
+            }
+            _ => format!("{inner}stablehlo.return {b} : {scalar}\n"),
+        };
+        format!("{{\n{indent}^bb0({a}: {scalar}, {b}: {scalar}):\n{body}{indent}}}")
+    }
+}
+
+fn slice_props(start: &[i64], limit: &[i64], strides: &[i64]) -> String {
+    format!(
+        "limit_indices = {}, start_indices = {}, strides = {}",
+        i64_array(limit),
+        i64_array(start),
+        i64_array(strides)
+    )
+}
+
+fn pad_props(low: &[i64], high: &[i64], interior: &[i64]) -> String {
+    format!(
+        "edge_padding_high = {}, edge_padding_low = {}, interior_padding = {}",
+        i64_array(high),
+        i64_array(low),
+        i64_array(interior)
+    )
+}
+
+/// How a compare of this element type orders its operands.
+fn compare_kind(dt: DType) -> &'static str {
+    if dt.is_float() {
+        "FLOAT"
+    } else if dt.is_signed_int() {
+        "SIGNED"
+    } else {
+        "UNSIGNED"
+    }
+}
+
+/// The non-empty dimension lists of a gather's or scatter's dimension numbers, then the index
+/// vector dimension (which is always printed).
+fn dimension_fields(lists: &[(&str, &Vec<i64>)], index_vector_dim: i64) -> String {
+    let mut fields: Vec<String> = lists
+        .iter()
+        .filter(|(_, v)| !v.is_empty())
+        .map(|(k, v)| format!("{k} = {}", i64_list(v)))
+        .collect();
+    fields.push(format!("index_vector_dim = {index_vector_dim}"));
+    fields.join(", ")
+}
+
+fn dot_general_text(ins: &str, dims: &DotDims, precision: Option<Precision>, sig: &str) -> String {
+    let mut s = format!("stablehlo.dot_general {ins}");
+    if !dims.lhs_batch.is_empty() {
+        let _ = write!(
+            s,
+            ", batching_dims = {} x {}",
+            i64_list(&dims.lhs_batch),
+            i64_list(&dims.rhs_batch)
+        );
+    }
+    let _ = write!(
+        s,
+        ", contracting_dims = {} x {}",
+        i64_list(&dims.lhs_contract),
+        i64_list(&dims.rhs_contract)
+    );
+    if let Some(p) = precision {
+        let p = match p {
+            Precision::Default => "DEFAULT",
+            Precision::High => "HIGH",
+            Precision::Highest => "HIGHEST",
+        };
+        let _ = write!(s, ", precision = [{p}, {p}]");
+    }
+    let _ = write!(s, " : {sig}");
+    s
 }
 
 #[cfg(test)]

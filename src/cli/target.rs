@@ -111,24 +111,7 @@ pub(super) fn check_target(
     }
     let mut estimate = None;
     if let Some(cost) = &build.cost {
-        let get = |k: &str| cost.iter().find(|(n, _)| n == k).map(|(_, v)| *v);
-        println!(
-            "TPU cost analysis per device, the step as compiled (the layer loop's body counted \
-             once): {:.4} TFLOP, {:.4} GB accessed, optimal_seconds {}{}",
-            get("flops").unwrap_or(0.0) / 1e12,
-            get("bytes accessed").unwrap_or(0.0) / 1e9,
-            secs(get("optimal_seconds").unwrap_or(0.0)),
-            if get("optimal_seconds").is_some_and(|s| s <= 0.0) {
-                " (not a time)".to_string()
-            } else if build.unpriced_calls > 0 {
-                format!(
-                    " (with the cost model's -1 s for each of {} ConcatBitcast calls taken out)",
-                    build.unpriced_calls
-                )
-            } else {
-                String::new()
-            }
-        );
+        print_cost_analysis(cost, build.unpriced_calls);
     }
     if t.target.platform == Platform::Tpu && to.estimate {
         estimate = print_estimate(t, spec)?;
@@ -159,6 +142,28 @@ pub(super) fn check_target(
         println!("XLA's dumps: {}", dir.display());
     }
     Ok(fits)
+}
+
+/// The TPU compiler's cost analysis of the step as compiled, one line.
+fn print_cost_analysis(cost: &[(String, f64)], unpriced_calls: usize) {
+    let get = |k: &str| cost.iter().find(|(n, _)| n == k).map(|(_, v)| *v);
+    println!(
+        "TPU cost analysis per device, the step as compiled (the layer loop's body counted \
+         once): {:.4} TFLOP, {:.4} GB accessed, optimal_seconds {}{}",
+        get("flops").unwrap_or(0.0) / 1e12,
+        get("bytes accessed").unwrap_or(0.0) / 1e9,
+        secs(get("optimal_seconds").unwrap_or(0.0)),
+        if get("optimal_seconds").is_some_and(|s| s <= 0.0) {
+            " (not a time)".to_string()
+        } else if unpriced_calls > 0 {
+            format!(
+                " (with the cost model's -1 s for each of {} ConcatBitcast calls taken out)",
+                unpriced_calls
+            )
+        } else {
+            String::new()
+        }
+    );
 }
 
 /// What was added back to the unrolled steps' times, if anything (see

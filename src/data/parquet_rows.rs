@@ -33,19 +33,14 @@ fn describe(t: &Type) -> String {
     format!("{}: {kind}", t.name())
 }
 
-/// Read a Parquet file's examples. A bad row is an error naming the file, row group and row
-/// (counted from 0, as pandas and pyarrow count), unless `skip_bad`.
-pub fn read_parquet(path: &Path, skip_bad: bool, columns: &Columns) -> Result<ReadReport> {
-    let file =
-        std::fs::File::open(path).with_context(|| format!("cannot read {}", path.display()))?;
-    let reader = SerializedFileReader::new(file)
-        .map_err(|e| anyhow!("{} is not a readable Parquet file: {e}", path.display()))?;
-    let schema = reader
-        .metadata()
-        .file_metadata()
-        .schema_descr()
-        .root_schema();
-    let fields = schema.get_fields();
+/// The columns to read (the messages, the alpaca fields, the text: those the file has and the
+/// choice between messages and text keeps), and notes on that choice; an error when the file has
+/// no column to train on.
+fn pick_columns(
+    path: &Path,
+    fields: &[TypePtr],
+    columns: &Columns,
+) -> Result<(Vec<String>, Vec<String>)> {
     let column = |n: &str| fields.iter().find(|f| f.name() == n);
     let has = |n: &str| column(n).is_some();
     let found = || {
@@ -101,7 +96,7 @@ pub fn read_parquet(path: &Path, skip_bad: bool, columns: &Columns) -> Result<Re
             found()
         );
     }
-    let wanted: Vec<&str> = [
+    let wanted: Vec<String> = [
         columns.messages.as_str(),
         "instruction",
         "input",
@@ -110,10 +105,28 @@ pub fn read_parquet(path: &Path, skip_bad: bool, columns: &Columns) -> Result<Re
     ]
     .into_iter()
     .filter(|n| has(n) && (use_messages || *n != columns.messages))
+    .map(str::to_string)
     .collect();
+    Ok((wanted, notes))
+}
+
+/// Read a Parquet file's examples. A bad row is an error naming the file, row group and row
+/// (counted from 0, as pandas and pyarrow count), unless `skip_bad`.
+pub fn read_parquet(path: &Path, skip_bad: bool, columns: &Columns) -> Result<ReadReport> {
+    let file =
+        std::fs::File::open(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let reader = SerializedFileReader::new(file)
+        .map_err(|e| anyhow!("{} is not a readable Parquet file: {e}", path.display()))?;
+    let schema = reader
+        .metadata()
+        .file_metadata()
+        .schema_descr()
+        .root_schema();
+    let fields = schema.get_fields();
+    let (wanted, notes) = pick_columns(path, fields, columns)?;
     let projected: Vec<TypePtr> = fields
         .iter()
-        .filter(|f| wanted.contains(&f.name()))
+        .filter(|f| wanted.iter().any(|w| w == f.name()))
         .cloned()
         .collect();
     let projection = Type::group_type_builder(schema.name())

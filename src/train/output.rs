@@ -113,26 +113,7 @@ impl RunDir {
         let (run, foreign): (Vec<String>, Vec<String>) =
             held.iter().cloned().partition(|n| is_run_file(n));
         if foreign.is_empty() {
-            for note in clean_leftovers(out, None) {
-                eprintln!("xtrain: {note}");
-            }
-            for n in run.iter().filter(|n| n.starts_with(SET_ASIDE)) {
-                let pid = n[SET_ASIDE.len()..].parse::<u32>().unwrap_or(0);
-                if process_alive(pid) {
-                    continue;
-                }
-                // The run that set them aside stopped; the one resuming it finishes its job.
-                let then = if resume.is_some() {
-                    dir.stale_aside.push(out.join(n));
-                    "they are deleted when this run completes"
-                } else {
-                    "delete it, or move them back"
-                };
-                eprintln!(
-                    "xtrain: {} holds the files of an earlier run that an --overwrite run (pid {pid}) was replacing when it stopped; {then}",
-                    out.join(n).display()
-                );
-            }
+            dir.stale_aside = tidy_run_dir(out, &run, resume);
         }
         dir.set_aside = if overwrite {
             if resume.is_some() {
@@ -240,6 +221,34 @@ impl RunDir {
             d.display()
         ))
     }
+}
+
+/// In a run dir that holds only a run's files: remove what killed runs left, and say where an
+/// `--overwrite` run that stopped left an earlier run's files. Returns those set-aside dirs a
+/// resumed run is to delete when it completes.
+fn tidy_run_dir(out: &Path, run: &[String], resume: Option<&Path>) -> Vec<PathBuf> {
+    let mut stale = Vec::new();
+    for note in clean_leftovers(out, None) {
+        eprintln!("xtrain: {note}");
+    }
+    for n in run.iter().filter(|n| n.starts_with(SET_ASIDE)) {
+        let pid = n[SET_ASIDE.len()..].parse::<u32>().unwrap_or(0);
+        if process_alive(pid) {
+            continue;
+        }
+        // The run that set them aside stopped; the one resuming it finishes its job.
+        let then = if resume.is_some() {
+            stale.push(out.join(n));
+            "they are deleted when this run completes"
+        } else {
+            "delete it, or move them back"
+        };
+        eprintln!(
+            "xtrain: {} holds the files of an earlier run that an --overwrite run (pid {pid}) was replacing when it stopped; {then}",
+            out.join(n).display()
+        );
+    }
+    stale
 }
 
 /// `--resume CKPT` into `out` that holds a run: CKPT must be that run's.

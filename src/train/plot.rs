@@ -7,6 +7,7 @@
 //! fonts or fontconfig are needed. The pixels are encoded with `png` and written atomically.
 
 use anyhow::{Context, Result};
+use plotters::coord::Shift;
 use plotters::prelude::*;
 use plotters::style::FontStyle;
 use std::path::Path;
@@ -157,43 +158,53 @@ fn draw(
     }
 
     if let Some(bottom) = bottom {
-        let mut chart = ChartBuilder::on(&bottom)
-            .margin(12)
-            .x_label_area_size(46)
-            .y_label_area_size(70)
-            .build_cartesian_2d(0f64..max_step, 0f64..100f64)?;
-        chart
-            .configure_mesh()
-            .x_desc("step")
-            .y_desc("exact match (%)")
-            .y_labels(6)
-            .y_label_formatter(&|v| format!("{v:.0}"))
-            .x_label_formatter(&|v| format!("{}", v.round() as i64))
-            .label_style((FONT, 15))
-            .axis_desc_style((FONT, 17))
-            .light_line_style(RGBColor(235, 235, 235))
-            .draw()?;
-        chart.draw_series(LineSeries::new(
-            accuracy.iter().copied(),
-            ACCURACY.stroke_width(2),
-        ))?;
-        chart
-            .draw_series(
-                accuracy
-                    .iter()
-                    .map(|&(s, a)| Circle::new((s, a), 6, ACCURACY.filled())),
-            )?
-            .label("held-out exact-match accuracy")
-            .legend(|(x, y)| Circle::new((x + 12, y), 6, ACCURACY.filled()));
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::LowerRight)
-            .label_font((FONT, 16))
-            .background_style(WHITE.mix(0.85))
-            .border_style(RGBColor(180, 180, 180))
-            .draw()?;
+        draw_accuracy(&bottom, &accuracy, max_step)?;
     }
     root.present()?;
+    Ok(())
+}
+
+/// The lower panel: held-out exact-match accuracy (%) against the step.
+fn draw_accuracy(
+    bottom: &DrawingArea<BitMapBackend<'_>, Shift>,
+    accuracy: &[(f64, f64)],
+    max_step: f64,
+) -> DrawResult {
+    let mut chart = ChartBuilder::on(bottom)
+        .margin(12)
+        .x_label_area_size(46)
+        .y_label_area_size(70)
+        .build_cartesian_2d(0f64..max_step, 0f64..100f64)?;
+    chart
+        .configure_mesh()
+        .x_desc("step")
+        .y_desc("exact match (%)")
+        .y_labels(6)
+        .y_label_formatter(&|v| format!("{v:.0}"))
+        .x_label_formatter(&|v| format!("{}", v.round() as i64))
+        .label_style((FONT, 15))
+        .axis_desc_style((FONT, 17))
+        .light_line_style(RGBColor(235, 235, 235))
+        .draw()?;
+    chart.draw_series(LineSeries::new(
+        accuracy.iter().copied(),
+        ACCURACY.stroke_width(2),
+    ))?;
+    chart
+        .draw_series(
+            accuracy
+                .iter()
+                .map(|&(s, a)| Circle::new((s, a), 6, ACCURACY.filled())),
+        )?
+        .label("held-out exact-match accuracy")
+        .legend(|(x, y)| Circle::new((x + 12, y), 6, ACCURACY.filled()));
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::LowerRight)
+        .label_font((FONT, 16))
+        .background_style(WHITE.mix(0.85))
+        .border_style(RGBColor(180, 180, 180))
+        .draw()?;
     Ok(())
 }
 
