@@ -17,3 +17,6 @@ pub mod formats;
 pub mod model;
 pub mod program;
 pub mod train;
+
+#[cfg(test)]
+mod test_support;

@@ -621,3 +621,227 @@ fn dropout(b: &mut Builder, x: Value, p: f64, state: Value) -> Result<(Value, Va
     let zero = b.zeros_like(x);
     Ok((next, b.select(keep, scaled, zero)?))
 }
+
+/// The pieces of the layer on small inputs, each against the equation computed here directly
+/// (the whole model is checked against Hugging Face in tests/oracle.rs). f32 throughout; the
+/// tolerance, 1e-5 on values of order one, is a few f32 roundings of sums over at most 64 terms.
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::test_support::{max_diff, run, values};
+    use pjrt::HostTensor;
+
+    const TOL: f32 = 1e-5;
+
+    fn tiny() -> LlamaConfig {
+        crate::model::presets::preset_config("tiny-llama3")
+            .unwrap()
+            .expect("the tiny-llama3 preset")
+    }
+
+    fn f32_param(b: &mut Builder, name: &str, dims: &[i64]) -> Value {
+        b.param(name, Shape::new(dims, DType::F32))
+    }
+
+    #[test]
+    fn a_requested_query_block_is_taken_only_when_it_divides_the_sequence() {
+        assert_eq!(query_block(64, Some(16)), 16);
+        assert_eq!(query_block(64, Some(64)), 64);
+        assert_eq!(query_block(64, Some(24)), 64);
+        assert_eq!(query_block(64, Some(0)), 64);
+        assert_eq!(query_block(64, Some(128)), 64);
+    }
+
+    #[test]
+    fn the_default_query_block_halves_multiples_of_256_and_keeps_other_sequences_whole() {
+        assert_eq!(query_block(512, None), 256);
+        assert_eq!(query_block(8192, None), 4096);
+        assert_eq!(query_block(384, None), 384);
+        assert_eq!(query_block(64, None), 64);
+    }
+
+    #[test]
+    fn rms_norm_is_g_times_x_over_the_root_mean_square() {
+        let cfg = tiny();
+        let h = cfg.hidden_size;
+        let model = Llama {
+            cfg: &cfg,
+            num: Numerics::default(),
+            placement: None,
+        };
+        let (x, g) = (values(3 * h as usize, 1), values(h as usize, 2));
+        let mut b = Builder::new("main");
+        let xv = f32_param(&mut b, "x", &[3, h]);
+        let gv = f32_param(&mut b, "g", &[h]);
+        let y = model.rms_norm(&mut b, xv, gv).unwrap();
+        let got = run(
+            b.finish(&[("y", y)]),
+            &[
+                HostTensor::from_f32(&x, &[3, h]),
+                HostTensor::from_f32(&g, &[h]),
+            ],
+        )[0]
+        .to_f32()
+        .unwrap();
+        let want: Vec<f32> = x
+            .chunks(h as usize)
+            .flat_map(|row| {
+                let ms = row.iter().map(|v| (v * v) as f64).sum::<f64>() / h as f64;
+                let inv = 1.0 / (ms + cfg.rms_norm_eps).sqrt();
+                row.iter()
+                    .zip(&g)
+                    .map(move |(v, w)| (*v as f64 * inv) as f32 * w)
+            })
+            .collect();
+        assert!(max_diff(&got, &want) <= TOL, "{}", max_diff(&got, &want));
+    }
+
+    /// Position p turns each pair (x_i, x_{i+D/2}) by p times the pair's frequency (the
+    /// split-half layout of Hugging Face's `rotate_half`); position 0 leaves x as it is.
+    #[test]
+    fn rope_turns_each_split_half_pair_by_its_position_times_its_frequency() {
+        let cfg = tiny();
+        let d = cfg.head_dim;
+        let (t, heads) = (5, 2);
+        let model = Llama {
+            cfg: &cfg,
+            num: Numerics::default(),
+            placement: None,
+        };
+        let dims = [1, t, heads, d];
+        let x = values((t * heads * d) as usize, 3);
+        let mut b = Builder::new("main");
+        let xv = f32_param(&mut b, "x", &dims);
+        let tables = model.rope_tables(&mut b, t).unwrap();
+        let y = model.apply_rope(&mut b, xv, tables).unwrap();
+        let got = run(b.finish(&[("y", y)]), &[HostTensor::from_f32(&x, &dims)])[0]
+            .to_f32()
+            .unwrap();
+        let inv = cfg.rope_inv_freq();
+        let half = (d / 2) as usize;
+        let mut want = x.clone();
+        for (n, head) in x.chunks(d as usize).enumerate() {
+            let p = (n / heads as usize) as f64;
+            for i in 0..half {
+                let (c, s) = ((p * inv[i] as f64).cos(), (p * inv[i] as f64).sin());
+                let (a, z) = (head[i] as f64, head[i + half] as f64);
+                want[n * d as usize + i] = (a * c - z * s) as f32;
+                want[n * d as usize + i + half] = (z * c + a * s) as f32;
+            }
+        }
+        assert!(max_diff(&got, &want) <= TOL, "{}", max_diff(&got, &want));
+        let first = (heads * d) as usize;
+        assert_eq!(got[..first], x[..first], "position 0 is not turned");
+    }
+
+    /// Grouped-query attention of a block of queries that starts mid-sequence, with padding at
+    /// the end of the second row: against softmax(q.k / sqrt(D)) v over the keys each query
+    /// may see (s <= its position, s not padding), computed here in f64.
+    #[test]
+    fn attention_sees_only_earlier_real_keys_with_grouped_heads_and_a_block_offset() {
+        let (bs, s, tq, start, kv, g, d) = (2usize, 8usize, 4usize, 4usize, 2usize, 2usize, 4);
+        let lens = [8usize, 5];
+        let q = values(bs * tq * kv * g * d, 4);
+        let k = values(bs * s * kv * d, 5);
+        let v = values(bs * s * kv * d, 6);
+        let real: Vec<bool> = (0..bs * s).map(|i| i % s < lens[i / s]).collect();
+        let i = |v: &[usize]| v.iter().map(|&x| x as i64).collect::<Vec<_>>();
+        let (qd, kd, rd) = (i(&[bs, tq, kv, g, d]), i(&[bs, s, kv, d]), i(&[bs, s]));
+        let mut b = Builder::new("main");
+        let qv = f32_param(&mut b, "q", &qd);
+        let kv_ = f32_param(&mut b, "k", &kd);
+        let vv = f32_param(&mut b, "v", &kd);
+        let rv = b.param("real", Shape::new(&rd, DType::Pred));
+        let out = attend(
+            &mut b,
+            qv,
+            kv_,
+            vv,
+            rv,
+            start as i64,
+            d as i64,
+            Numerics::default(),
+            0,
+            &mut Saves::Off,
+        )
+        .unwrap();
+        let got = run(
+            b.finish(&[("out", out)]),
+            &[
+                HostTensor::from_f32(&q, &qd),
+                HostTensor::from_f32(&k, &kd),
+                HostTensor::from_f32(&v, &kd),
+                HostTensor::from_pred(&real, &rd),
+            ],
+        )[0]
+        .to_f32()
+        .unwrap();
+        let mut want = vec![0f32; got.len()];
+        for (bi, t, h, gi) in (0..bs).flat_map(|bi| {
+            (0..tq)
+                .flat_map(move |t| (0..kv).flat_map(move |h| (0..g).map(move |gi| (bi, t, h, gi))))
+        }) {
+            let qrow = &q[(((bi * tq + t) * kv + h) * g + gi) * d..][..d];
+            let key = |j: usize| &k[((bi * s + j) * kv + h) * d..][..d];
+            let seen: Vec<usize> = (0..s)
+                .filter(|&j| j <= start + t && real[bi * s + j])
+                .collect();
+            let scores: Vec<f64> = seen
+                .iter()
+                .map(|&j| {
+                    let dot: f64 = qrow.iter().zip(key(j)).map(|(a, c)| (a * c) as f64).sum();
+                    dot / (d as f64).sqrt()
+                })
+                .collect();
+            let max = scores.iter().cloned().fold(f64::MIN, f64::max);
+            let weights: Vec<f64> = scores.iter().map(|x| (x - max).exp()).collect();
+            let total: f64 = weights.iter().sum();
+            for e in 0..d {
+                let o: f64 = seen
+                    .iter()
+                    .zip(&weights)
+                    .map(|(&j, w)| w * v[((bi * s + j) * kv + h) * d + e] as f64)
+                    .sum();
+                want[(((bi * tq + t) * kv + h) * g + gi) * d + e] = (o / total) as f32;
+            }
+        }
+        assert!(max_diff(&got, &want) <= TOL, "{}", max_diff(&got, &want));
+    }
+
+    /// The two parts divide to the softmax, and both statistics are recorded under their names.
+    #[test]
+    fn softmax_parts_divide_to_the_softmax_and_record_the_row_max_and_sum() {
+        let (rows, n) = (3usize, 7usize);
+        let x: Vec<f32> = values(rows * n, 7).iter().map(|v| 4.0 * v).collect();
+        let mut b = Builder::new("main");
+        let xv = f32_param(&mut b, "x", &[rows as i64, n as i64]);
+        let mut recorded = Vec::new();
+        let (e, sum) = softmax_parts_last(
+            &mut b,
+            xv,
+            |stat| softmax_stat_name(stat, 3),
+            &mut Saves::Record(&mut recorded),
+        )
+        .unwrap();
+        let names: Vec<&str> = recorded.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, ["attn.max.3", "attn.sum.3"]);
+        let sum = b
+            .broadcast_in_dim(sum, &[rows as i64, n as i64], &[0])
+            .unwrap();
+        let p = b.div(e, sum).unwrap();
+        let got = run(
+            b.finish(&[("p", p)]),
+            &[HostTensor::from_f32(&x, &[rows as i64, n as i64])],
+        )[0]
+        .to_f32()
+        .unwrap();
+        let want: Vec<f32> = x
+            .chunks(n)
+            .flat_map(|row| {
+                let total: f64 = row.iter().map(|v| (*v as f64).exp()).sum();
+                row.iter().map(move |v| ((*v as f64).exp() / total) as f32)
+            })
+            .collect();
+        assert!(max_diff(&got, &want) <= TOL, "{}", max_diff(&got, &want));
+    }
+}

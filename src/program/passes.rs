@@ -545,3 +545,211 @@ impl Layout<'_> {
         self.model().head(b, h, norm, lm_head)
     }
 }
+
+/// The passes' forms of one computation give one result: every remat policy, the loss in chunks
+/// and gradient accumulation against the plain unrolled step, on the tiny model with random
+/// weights and adapters and a padded row (the oracle tests check the plain step against Hugging
+/// Face). f32; 1e-5 relative to the largest gradient, a few f32 roundings of the sums that the
+/// forms order differently.
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::lora::LoraConfig;
+    use crate::program::signature::{Program, Role};
+    use crate::program::spec::StepSpec;
+    use crate::test_support::{max_diff, run_text, values};
+    use pjrt::HostTensor;
+
+    const TOL: f32 = 1e-5;
+    const BATCH: i64 = 2;
+    const SEQ: i64 = 16;
+
+    fn spec(remat: Remat) -> StepSpec {
+        let model = crate::model::presets::preset_config("tiny-llama3")
+            .unwrap()
+            .expect("the tiny-llama3 preset");
+        let lora = LoraConfig {
+            r: 4,
+            alpha: 8.0,
+            dropout: 0.0,
+            targets: Target::ALL.to_vec(),
+        };
+        StepSpec {
+            remat,
+            ..StepSpec::new(model, lora, BATCH, SEQ, DType::F32)
+        }
+    }
+
+    /// Per-layer names and values of a tensor that is stacked over the layers
+    /// (`model.layers.*.x` [L, ...]) or already one layer's.
+    fn per_layer(name: &str, shape: &[i64], values: &[f32]) -> Vec<(String, Vec<f32>)> {
+        if !name.contains(".layers.*.") {
+            return vec![(name.to_string(), values.to_vec())];
+        }
+        let each = values.len() / shape[0] as usize;
+        values
+            .chunks(each)
+            .enumerate()
+            .map(|(i, v)| {
+                (
+                    name.replace(".layers.*.", &format!(".layers.{i}.")),
+                    v.to_vec(),
+                )
+            })
+            .collect()
+    }
+
+    /// Random values for one layer's (or an unstacked) tensor, seeded by its per-layer name, so
+    /// that every form of the step gets the same weights whether its layers are stacked or not.
+    fn weights(name: &str, shape: &[i64]) -> Vec<f32> {
+        let layers = if name.contains(".layers.*.") {
+            shape[0]
+        } else {
+            1
+        };
+        let each = (shape.iter().product::<i64>() / layers) as usize;
+        (0..layers)
+            .flat_map(|i| {
+                let name = name.replace(".layers.*.", &format!(".layers.{i}."));
+                let seed = name
+                    .bytes()
+                    .fold(7u64, |h, c| h.wrapping_mul(31).wrapping_add(c as u64));
+                values(each, seed).into_iter().map(|v| 0.2 * v)
+            })
+            .collect()
+    }
+
+    /// The loss and each LoRA gradient (by per-layer name) of `spec`'s grads program on one
+    /// fixed batch: random weights and adapters, the second row padded after 11 tokens.
+    fn loss_and_grads(spec: &StepSpec) -> (f32, BTreeMap<String, Vec<f32>>) {
+        let program: Program = crate::program::build_grad_program(spec).unwrap();
+        let vocab = spec.model.vocab_size as usize;
+        let seq = SEQ as usize;
+        let real = |i: usize| i % seq < if i < seq { seq } else { 11 };
+        let tokens = |i: usize| ((i * 7919 + 13) % vocab) as i32;
+        let inputs: Vec<HostTensor> = program
+            .args
+            .iter()
+            .map(|a| {
+                let n = a.shape.iter().product::<i64>() as usize;
+                let ints = |f: &dyn Fn(usize) -> i32| {
+                    HostTensor::from_i32(&(0..n).map(f).collect::<Vec<_>>(), &a.shape)
+                };
+                match a.role {
+                    Role::Frozen | Role::Lora => {
+                        HostTensor::from_f32(&weights(&a.name, &a.shape), &a.shape)
+                    }
+                    Role::InputIds => ints(&tokens),
+                    Role::Labels => ints(&|i| if real(i) { tokens(i) } else { -100 }),
+                    Role::AttentionMask => ints(&|i| real(i) as i32),
+                    other => panic!("the grads program takes no {other:?} argument"),
+                }
+            })
+            .collect();
+        let out = run_text(&program.text, &inputs);
+        let loss = out[0].to_f32().unwrap()[0];
+        let grads = program.results[1..]
+            .iter()
+            .zip(&out[1..])
+            .flat_map(|(r, g)| per_layer(&r.name, &r.shape, &g.to_f32().unwrap()))
+            .collect();
+        (loss, grads)
+    }
+
+    fn same(
+        what: &str,
+        got: &(f32, BTreeMap<String, Vec<f32>>),
+        want: &(f32, BTreeMap<String, Vec<f32>>),
+    ) {
+        let scale = want.1.values().flatten().fold(0f32, |m, g| m.max(g.abs()));
+        assert!(scale > 0.0, "{what}: the gradients are all zero");
+        assert!(
+            (got.0 - want.0).abs() <= TOL * want.0.abs(),
+            "{what}: loss {} against {}",
+            got.0,
+            want.0
+        );
+        assert_eq!(
+            got.1.keys().collect::<Vec<_>>(),
+            want.1.keys().collect::<Vec<_>>(),
+            "{what}: other gradients"
+        );
+        for (name, g) in &got.1 {
+            let d = max_diff(g, &want.1[name]);
+            assert!(
+                d <= TOL * scale,
+                "{what}: {name} differs by {d} (largest gradient {scale})"
+            );
+        }
+    }
+
+    #[test]
+    fn every_remat_policy_gives_the_unrolled_steps_loss_and_gradients() {
+        let plain = loss_and_grads(&spec(Remat::None));
+        same(
+            "--remat layer",
+            &loss_and_grads(&spec(Remat::Layer)),
+            &plain,
+        );
+        same(
+            "--remat save-proj",
+            &loss_and_grads(&spec(Remat::SaveProj)),
+            &plain,
+        );
+        let stats = StepSpec {
+            layer_keeps_softmax_stats: true,
+            attention_block: Some(8),
+            ..spec(Remat::Layer)
+        };
+        same(
+            "--keep-softmax-stats, two blocks",
+            &loss_and_grads(&stats),
+            &plain,
+        );
+    }
+
+    #[test]
+    fn the_loss_in_chunks_and_microbatches_add_up_to_the_whole_batch() {
+        let whole = loss_and_grads(&spec(Remat::Layer));
+        let chunks = StepSpec {
+            loss_chunk: Some(4),
+            ..spec(Remat::Layer)
+        };
+        same("--loss-chunk 4", &loss_and_grads(&chunks), &whole);
+        let micro = StepSpec {
+            microbatches: 2,
+            ..spec(Remat::Layer)
+        };
+        same("--grad-accum 2", &loss_and_grads(&micro), &whole);
+    }
+
+    #[test]
+    fn each_remat_policy_saves_what_it_says() {
+        let names = |s: &StepSpec, bs, t| -> Vec<String> {
+            Layout { spec: s }
+                .saved_points(bs, t)
+                .into_iter()
+                .map(|(n, _)| n)
+                .collect()
+        };
+        assert!(names(&spec(Remat::None), 2, 16).is_empty());
+        assert!(names(&spec(Remat::Layer), 2, 16).is_empty());
+        let stats = StepSpec {
+            layer_keeps_softmax_stats: true,
+            attention_block: Some(8),
+            ..spec(Remat::Layer)
+        };
+        assert_eq!(
+            names(&stats, 2, 16),
+            ["attn.max.0", "attn.sum.0", "attn.max.1", "attn.sum.1"]
+        );
+        let save_proj = spec(Remat::SaveProj);
+        let points = Layout { spec: &save_proj }.saved_points(2, 16);
+        assert_eq!(points.len(), Target::ALL.len() + 1 + 2, "{points:?}");
+        // The tiny model: 4 heads of 16 over 2 KV heads; f32 statistics per query row and head.
+        let stat = Shape::new(&[2, 2, 16, 2], DType::F32);
+        assert!(points.iter().any(|(n, s)| n == "attn.max.0" && *s == stat));
+        let attn = Shape::new(&[2, 16, 64], DType::F32);
+        assert!(points.iter().any(|(n, s)| n == "attn" && *s == attn));
+    }
+}

@@ -534,3 +534,188 @@ pub(super) fn de_dtype<'de, D: serde::Deserializer<'de>>(
     let s: String = serde::Deserialize::deserialize(d)?;
     DType::parse(&s).ok_or_else(|| serde::de::Error::custom(format!("unknown element type `{s}`")))
 }
+
+/// The step's options as `StepOptions::spec` completes and checks them, on the tiny model:
+/// every refusal names its flag, and the program-form flags mean the same on every target.
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::lora::Target;
+
+    fn tiny() -> LlamaConfig {
+        crate::model::presets::preset_config("tiny-llama3")
+            .unwrap()
+            .expect("the tiny-llama3 preset")
+    }
+
+    /// The command line's defaults, as `xtrain train` and `compile` start from them.
+    fn options(dtype: DType) -> StepOptions {
+        StepOptions {
+            lora: LoraConfig {
+                r: 4,
+                alpha: 8.0,
+                dropout: 0.0,
+                targets: Target::ALL.to_vec(),
+            },
+            adam: AdamW::default(),
+            dtype,
+            remat: None,
+            microbatches: 1,
+            mesh: None,
+            nf4: false,
+            loss_chunk: None,
+            attention_block: None,
+            matmul_result: DEFAULT_MATMUL_RESULT,
+            attention_scores: DEFAULT_ATTENTION_SCORES,
+            keep_softmax_stats: false,
+            pin_mlp_activations: false,
+            offload: None,
+        }
+    }
+
+    fn refused(o: &StepOptions, batch: i64, seq: i64) -> String {
+        format!("{:#}", o.spec(tiny(), batch, seq).unwrap_err())
+    }
+
+    #[test]
+    fn the_defaults_give_layer_remat_and_no_offload_where_memory_is_unknown() {
+        let s = options(DType::F32).spec(tiny(), 4, 64).unwrap();
+        assert_eq!((s.remat, s.offload), (Remat::Layer, Offload::NONE));
+        assert_eq!(default_choice(None, None), (Remat::Layer, Offload::NONE));
+    }
+
+    #[test]
+    fn auto_tries_save_proj_then_layer_with_growing_offload() {
+        let activations = Offload::parse("activations").unwrap();
+        let all = Offload::parse("all").unwrap();
+        assert_eq!(
+            fit_choices(None, None),
+            [
+                (Remat::SaveProj, Offload::NONE),
+                (Remat::Layer, Offload::NONE),
+                (Remat::Layer, activations),
+                (Remat::Layer, all),
+            ]
+        );
+        assert_eq!(
+            fit_choices(Some(Remat::Layer), Some(all)),
+            [(Remat::Layer, all)]
+        );
+        assert_eq!(
+            fit_choices(Some(Remat::None), None),
+            [(Remat::None, Offload::NONE)]
+        );
+    }
+
+    #[test]
+    fn remat_and_offload_names_parse_back_to_themselves() {
+        for r in [Remat::None, Remat::Layer, Remat::SaveProj] {
+            assert_eq!(Remat::parse(r.name()).unwrap(), r);
+        }
+        for o in Offload::AUTO_ORDER {
+            assert_eq!(Offload::parse(o.name()).unwrap(), o);
+        }
+        assert_eq!(Remat::parse_choice("auto").unwrap(), None);
+        let e = format!("{:#}", Remat::parse("layers").unwrap_err());
+        assert!(e.contains("--remat") && e.contains("`layers`"), "{e}");
+        let e = format!("{:#}", Offload::parse("cpu").unwrap_err());
+        assert!(e.contains("--offload") && e.contains("`cpu`"), "{e}");
+    }
+
+    /// With f32 compute every result is f32, so the form flags change nothing and the spec
+    /// says so; with bf16 the defaults are f32 matmul results and bf16 scores.
+    #[test]
+    fn the_result_types_follow_the_flags_only_with_bf16_compute() {
+        let f32_spec = StepOptions {
+            matmul_result: ResultType::F32,
+            attention_scores: ResultType::Compute,
+            ..options(DType::F32)
+        }
+        .spec(tiny(), 4, 64)
+        .unwrap();
+        assert!(!f32_spec.wide_matmul_results && !f32_spec.narrow_attention_scores);
+        let bf16 = options(DType::BF16).spec(tiny(), 4, 64).unwrap();
+        assert!(bf16.wide_matmul_results && bf16.narrow_attention_scores);
+        let plain = StepSpec::new(tiny(), options(DType::BF16).lora, 4, 64, DType::BF16);
+        let generated = plain.with_default_form();
+        assert_eq!(
+            (
+                generated.wide_matmul_results,
+                generated.narrow_attention_scores
+            ),
+            (bf16.wide_matmul_results, bf16.narrow_attention_scores)
+        );
+        let e = format!(
+            "{:#}",
+            ResultType::parse("matmul-result", "bf16").unwrap_err()
+        );
+        assert!(e.contains("--matmul-result") && e.contains("`bf16`"), "{e}");
+    }
+
+    #[test]
+    fn sequences_shorter_than_two_or_past_the_models_positions_are_refused() {
+        assert!(refused(&options(DType::F32), 4, 1).contains("--seq must be at least 2"));
+        let e = refused(&options(DType::F32), 1, 131072 * 2);
+        assert!(e.contains("--seq 262144") && e.contains("131072"), "{e}");
+    }
+
+    #[test]
+    fn divisors_of_the_batch_and_the_sequence_are_checked() {
+        let o = |f: &dyn Fn(&mut StepOptions)| {
+            let mut o = options(DType::F32);
+            f(&mut o);
+            o
+        };
+        let e = refused(&o(&|o| o.loss_chunk = Some(24)), 4, 64);
+        assert!(e.contains("--loss-chunk 24") && e.contains("64"), "{e}");
+        let e = refused(&o(&|o| o.microbatches = 3), 4, 64);
+        assert!(
+            e.contains("--grad-accum 3") && e.contains("batch size 4"),
+            "{e}"
+        );
+        let e = refused(&o(&|o| o.microbatches = 0), 4, 64);
+        assert!(e.contains("--grad-accum must be at least 1"), "{e}");
+        let e = refused(&o(&|o| o.attention_block = Some(48)), 4, 64);
+        assert!(
+            e.contains("--attention-block 48") && e.contains("64"),
+            "{e}"
+        );
+        assert!(o(&|o| o.attention_block = Some(16))
+            .spec(tiny(), 4, 64)
+            .is_ok());
+    }
+
+    #[test]
+    fn softmax_statistics_need_remat_and_pins_need_a_mesh() {
+        let stats = StepOptions {
+            keep_softmax_stats: true,
+            remat: Some(Remat::None),
+            ..options(DType::F32)
+        };
+        assert!(refused(&stats, 4, 64).contains("--keep-softmax-stats"));
+        let stats = StepOptions {
+            remat: Some(Remat::Layer),
+            ..stats
+        };
+        assert!(stats.spec(tiny(), 4, 64).unwrap().layer_keeps_softmax_stats);
+        let pin = StepOptions {
+            pin_mlp_activations: true,
+            ..options(DType::F32)
+        };
+        assert!(refused(&pin, 4, 64).contains("--pin-mlp-activations"));
+    }
+
+    /// A model whose MLP projections have 100 x 36 values (not a multiple of the 64-value NF4
+    /// block) is refused naming the tensor's size, before any builder meets it.
+    #[test]
+    fn nf4_refuses_a_projection_that_is_not_whole_blocks() {
+        let mut cfg = tiny();
+        (cfg.hidden_size, cfg.intermediate_size) = (36, 100);
+        let o = StepOptions {
+            nf4: true,
+            ..options(DType::BF16)
+        };
+        let e = format!("{:#}", o.spec(cfg, 4, 64).unwrap_err());
+        assert!(e.contains("--quant nf4") && e.contains("3600"), "{e}");
+    }
+}
