@@ -655,9 +655,7 @@ fn train_uses_a_program_dirs_executable_only_where_it_was_compiled_for() {
 /// The architecture's first invariant: for the same model, shapes, mesh and flags, `xtrain
 /// compile` writes the same program whatever the target (the CPU, 4 H100s, 4 MI300Xs, a TPU v5p
 /// slice of 4 chips), without opening any plugin (the ROCm one cannot even load here without
-/// its runtime libraries); and a program dir compiled (with `--check`) for that TPU slice runs
-/// as is on the CPU and reproduces the Hugging Face + PEFT oracle: its three AdamW steps' losses
-/// (1e-4) and step-3 adapter (1e-5), the tolerances of the oracle tests.
+/// its runtime libraries).
 #[test]
 fn one_program_for_every_target() {
     let f = fixtures();
@@ -717,7 +715,18 @@ fn one_program_for_every_target() {
             "{flags:?}: {hashes:?}"
         );
     }
-    // The TPU program dir, with its TPU executable, trained on the CPU as it is.
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A program dir compiled (with `--check`) for a TPU slice runs as is on the CPU, its text
+/// untouched, and reproduces the Hugging Face + PEFT oracle: its three AdamW steps' losses (1e-4)
+/// and step-3 adapter (1e-5), the tolerances of the oracle tests.
+#[test]
+fn a_program_dir_compiled_for_a_tpu_runs_as_is_on_the_cpu_and_matches_the_oracle() {
+    let f = fixtures();
+    let dir = tempdir("tpu-program-on-cpu");
+    let model = f.join("model");
+    let model = model.to_str().unwrap();
     let tpu = dir.join("tpu-oracle");
     let o = xtrain(&[
         "compile",
