@@ -119,7 +119,12 @@ fn packing_padding_and_truncation() {
     // 3 + 4 fit in one row of 8; the 10-token example is truncated into its own row.
     assert_eq!(rows.len(), 2);
     assert_eq!(rows[0].ids, vec![1, 2, 3, 1, 2, 3, 4, 0]);
-    assert_eq!(rows[0].mask, vec![1, 1, 1, 1, 1, 1, 1, 0]);
+    // Each packed example is its own document: 1 + where it starts.
+    assert_eq!(rows[0].mask, vec![1, 1, 1, 4, 4, 4, 4, 0]);
+    assert_eq!(
+        rows[0].labels[3], -100,
+        "the first example does not predict the second"
+    );
     assert_eq!(rows[0].labels[7], -100);
     assert_eq!(rows[1].ids, (1..=8).collect::<Vec<i32>>());
     assert_eq!(report.truncated, 1);

@@ -67,6 +67,8 @@ impl Batch {
                 );
             }
         }
+        check_documents(&attention_mask.to_i32()?, input_ids.dims[1] as usize)
+            .map_err(|e| anyhow::anyhow!("{}: `attention_mask` {e}", path.display()))?;
         Ok(Batch {
             input_ids,
             labels,
@@ -89,6 +91,27 @@ impl Batch {
     }
 }
 
+/// An attention mask's values are 0 (padding) or 1 + where the token's document starts in its
+/// row (see `data::rows`): 1 (a row of one document, as Hugging Face's masks are, after padding
+/// or another 1), the position + 1 where a document starts, or the value before it, where it
+/// goes on.
+fn check_documents(mask: &[i32], seq: usize) -> std::result::Result<(), String> {
+    for (row, values) in mask.chunks(seq).enumerate() {
+        for (t, &v) in values.iter().enumerate() {
+            let before = if t > 0 { values[t - 1] } else { 0 };
+            let one_document = v == 1 && before <= 1;
+            if !(v == 0 || one_document || v == t as i32 + 1 || (t > 0 && v == before)) {
+                return Err(format!(
+                    "holds {v} at row {row}, position {t}: expected 0 (padding), 1, {} (a \
+                     document starting there) or the value before it (its document going on)",
+                    t + 1
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Stack rows into a batch.
 pub fn batch(rows: &[&Row]) -> Batch {
     let (b, t) = (rows.len() as i64, rows[0].ids.len() as i64);
@@ -101,5 +124,34 @@ pub fn batch(rows: &[&Row]) -> Batch {
         input_ids: HostTensor::from_i32(&cat(|r| &r.ids), &[b, t]),
         labels: HostTensor::from_i32(&cat(|r| &r.labels), &[b, t]),
         attention_mask: HostTensor::from_i32(&cat(|r| &r.mask), &[b, t]),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::check_documents;
+
+    #[test]
+    fn masks_of_one_document_and_of_packed_documents_are_taken() {
+        for mask in [
+            [1, 1, 1, 1, 1, 0],
+            [0, 0, 1, 1, 1, 1],
+            [1, 1, 3, 3, 5, 0],
+            [1, 2, 2, 4, 4, 4],
+        ] {
+            assert_eq!(check_documents(&mask, 6), Ok(()), "{mask:?}");
+        }
+    }
+
+    #[test]
+    fn a_mask_value_that_is_no_document_start_is_refused_naming_row_and_position() {
+        let e = check_documents(&[1, 1, 1, 1, 1, 1, 1, 1, 7, 7], 5).unwrap_err();
+        assert!(
+            e.contains("holds 7 at row 1, position 3") && e.contains("expected 0"),
+            "{e}"
+        );
+        let e = check_documents(&[1, 1, 3, 3, 1, 1], 6).unwrap_err();
+        assert!(e.contains("holds 1 at row 0, position 4"), "{e}");
+        assert!(check_documents(&[-1, 0], 2).is_err());
     }
 }

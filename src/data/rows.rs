@@ -6,10 +6,12 @@ use crate::model::lora::SplitMix;
 use anyhow::{bail, Result};
 
 /// Fixed-length rows ready for batching.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct Row {
     pub ids: Vec<i32>,
     pub labels: Vec<i32>,
+    /// The program's `attention_mask`: 0 for padding, and for a real token 1 + the index in the
+    /// row where its example starts (1 on every token of a row that holds one example).
     pub mask: Vec<i32>,
 }
 
@@ -22,6 +24,9 @@ pub struct RowReport {
 
 /// Pack examples end to end into rows of `seq` tokens (`pack`), or give each its own row padded
 /// with `pad_id`. Examples longer than `seq` are truncated (counted), or an error if `strict`.
+/// A packed example is its own document, as if it were alone in its row: it attends only to
+/// itself, its positions start at 0 (its mask is 1 + where it starts), and the example before it
+/// does not predict its first token (that label is -100).
 pub fn make_rows(
     examples: &[Tokenized],
     seq: usize,
@@ -31,7 +36,8 @@ pub fn make_rows(
 ) -> Result<(Vec<Row>, RowReport)> {
     let mut report = RowReport::default();
     let mut rows = Vec::new();
-    let (mut ids, mut labels): (Vec<i32>, Vec<i32>) = (Vec::new(), Vec::new());
+    // The packed row being filled.
+    let mut row = Row::default();
     for (i, ex) in examples.iter().enumerate() {
         let mut e_ids: Vec<i32> = ex.ids.iter().map(|&x| x as i32).collect();
         let mut e_labels = ex.labels.clone();
@@ -49,41 +55,37 @@ pub fn make_rows(
         }
         if !pack {
             let n = e_ids.len();
-            let mut row = Row {
+            let alone = Row {
                 ids: e_ids,
                 labels: e_labels,
                 mask: vec![1; n],
             };
-            row.ids.resize(seq, pad_id as i32);
-            row.labels.resize(seq, -100);
-            row.mask.resize(seq, 0);
-            rows.push(row);
+            rows.push(finish_packed(alone, seq, pad_id));
             continue;
         }
-        if ids.len() + e_ids.len() > seq {
-            rows.push(finish_packed(
-                std::mem::take(&mut ids),
-                std::mem::take(&mut labels),
-                seq,
-                pad_id,
-            ));
+        if row.ids.len() + e_ids.len() > seq {
+            rows.push(finish_packed(std::mem::take(&mut row), seq, pad_id));
         }
-        ids.extend(e_ids);
-        labels.extend(e_labels);
+        let start = row.ids.len();
+        if start > 0 {
+            e_labels[0] = -100;
+        }
+        row.mask
+            .extend(std::iter::repeat_n(start as i32 + 1, e_ids.len()));
+        row.ids.extend(e_ids);
+        row.labels.extend(e_labels);
     }
-    if !ids.is_empty() {
-        rows.push(finish_packed(ids, labels, seq, pad_id));
+    if !row.ids.is_empty() {
+        rows.push(finish_packed(row, seq, pad_id));
     }
     Ok((rows, report))
 }
 
-fn finish_packed(mut ids: Vec<i32>, mut labels: Vec<i32>, seq: usize, pad_id: u32) -> Row {
-    let n = ids.len();
-    ids.resize(seq, pad_id as i32);
-    labels.resize(seq, -100);
-    let mut mask = vec![1; n];
-    mask.resize(seq, 0);
-    Row { ids, labels, mask }
+fn finish_packed(mut row: Row, seq: usize, pad_id: u32) -> Row {
+    row.ids.resize(seq, pad_id as i32);
+    row.labels.resize(seq, -100);
+    row.mask.resize(seq, 0);
+    row
 }
 
 /// Split off `fraction` of the examples (deterministically, spread evenly over the file) as the
@@ -122,7 +124,94 @@ pub fn epoch_order(n: usize, seed: u64, epoch: u64) -> Vec<usize> {
 
 #[cfg(test)]
 mod tests {
-    use super::split_eval;
+    use super::{make_rows, split_eval, Row};
+    use crate::data::examples::Tokenized;
+    use crate::model::lora::{LoraConfig, Target};
+    use crate::program::StepSpec;
+    use crate::test_support::{assert_same, loss_and_grads_on, LossAndGrads};
+    use hlo::DType;
+
+    /// An example of `n` tokens whose first `prompt` are the prompt (no loss).
+    fn example(n: usize, seed: usize, prompt: usize) -> Tokenized {
+        let ids: Vec<u32> = (0..n)
+            .map(|i| ((i * 7919 + seed * 104_729) % 512) as u32)
+            .collect();
+        let labels = ids
+            .iter()
+            .enumerate()
+            .map(|(i, &t)| if i < prompt { -100 } else { t as i32 })
+            .collect();
+        Tokenized { ids, labels }
+    }
+
+    /// The tiny model's grads program (remat as given) on `rows` rows of 16 tokens.
+    fn run(rows: &[Row], remat: crate::program::Remat) -> LossAndGrads {
+        let model = crate::model::presets::preset_config("tiny-llama3")
+            .unwrap()
+            .expect("the tiny-llama3 preset");
+        let lora = LoraConfig {
+            r: 4,
+            alpha: 8.0,
+            dropout: 0.0,
+            targets: Target::ALL.to_vec(),
+        };
+        let spec = StepSpec {
+            remat,
+            ..StepSpec::new(model, lora, rows.len() as i64, 16, DType::F32)
+        };
+        let cat = |f: fn(&Row) -> &Vec<i32>| rows.iter().flat_map(f).copied().collect::<Vec<_>>();
+        loss_and_grads_on(
+            &spec,
+            &cat(|r| &r.ids),
+            &cat(|r| &r.labels),
+            &cat(|r| &r.mask),
+        )
+    }
+
+    #[test]
+    fn packed_examples_are_documents_of_their_own() {
+        let (rows, _) =
+            make_rows(&[example(5, 1, 2), example(7, 2, 0)], 16, true, 0, false).unwrap();
+        assert_eq!(rows.len(), 1);
+        let row = &rows[0];
+        assert_eq!(row.mask, [vec![1; 5], vec![6; 7], vec![0; 4]].concat());
+        assert_eq!(
+            row.labels[5], -100,
+            "the first example does not predict the second"
+        );
+        assert_eq!(row.labels[6..12], row.ids[6..12]);
+        let (alone, _) = make_rows(&[example(5, 1, 2)], 16, false, 0, false).unwrap();
+        assert_eq!(alone[0].mask, [vec![1; 5], vec![0; 11]].concat());
+    }
+
+    /// Three examples packed into one row give the loss and the gradients that the three,
+    /// each alone in its row, give (f32; 1e-5, a few roundings of sums taken in another order):
+    /// each attends only to itself, its positions start at 0, and the one before it does not
+    /// predict its first token. The same row as one document (positions running on, every
+    /// example seeing the ones before it, as packing was before) does not.
+    #[test]
+    fn a_packed_row_computes_what_its_examples_alone_compute() {
+        use crate::program::Remat;
+        // Text (no prompt) and chats (a prompt): the first token of a text example is a label.
+        let examples = [example(5, 1, 2), example(7, 2, 0), example(4, 3, 0)];
+        let (packed, _) = make_rows(&examples, 16, true, 0, false).unwrap();
+        assert_eq!(packed.len(), 1, "5 + 7 + 4 tokens fill one row of 16");
+        let (alone, _) = make_rows(&examples, 16, false, 0, false).unwrap();
+        let want = run(&alone, Remat::Layer);
+        assert_same("packed", &run(&packed, Remat::Layer), &want, 1e-5);
+        assert_same("packed, unrolled", &run(&packed, Remat::None), &want, 1e-5);
+        let one_document = Row {
+            mask: vec![1; 16],
+            ..packed[0].clone()
+        };
+        let mixed = run(&[one_document], Remat::Layer);
+        assert!(
+            (mixed.0 - want.0).abs() > 1e-3,
+            "one document over the row: loss {} against {}",
+            mixed.0,
+            want.0
+        );
+    }
 
     /// `--eval-fraction` holds out round(f * n) examples, at least one, spread evenly.
     #[test]

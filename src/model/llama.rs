@@ -61,13 +61,15 @@ pub struct LoraPair {
 /// One layer's adapters, by target.
 pub type LayerAdapters = BTreeMap<Target, LoraPair>;
 
-/// What a layer shares with the others: RoPE tables, the padding mask, LoRA's scale, dropout.
+/// What a layer shares with the others: RoPE tables, where each token's document starts, LoRA's
+/// scale, dropout.
 #[derive(Clone, Debug)]
 pub struct LayerContext {
+    /// cos and sin [B, T, D] at each token's position in its document.
     pub rope: (Value, Value),
-    /// Which key positions are real tokens, not padding: [B, S] booleans. The causal part of
-    /// the mask is built where the scores are, from iotas (see [`attend`]).
-    pub real_keys: Value,
+    /// Where each token's document starts in its row, -1 for padding: [B, S] s32 (see
+    /// [`Llama::context`]). The mask is built from it where the scores are (see [`attend`]).
+    pub doc_starts: Value,
     pub lora_scale: f64,
     /// (probability, this layer's RNG state `tensor<2xui64>`) when LoRA dropout is on; the state
     /// advances through the layer's projections.
@@ -233,17 +235,19 @@ pub fn query_block(t: i64, requested: Option<i64>) -> i64 {
 }
 
 /// softmax(q k^T / sqrt(D), masked) v for q [B, TQ, KV, G, D] (the queries at positions
-/// `start..start + TQ`), k and v [B, S, KV, D] and `real` [B, S] (which keys are not padding):
-/// out [B, TQ, KV, G, D]. Query t sees key s when s <= t and s is real. Softmax in f32; its row
-/// max and sum are save points `attn.max.{block}` and `attn.sum.{block}` (see
-/// [`Llama::softmax_stat_points`]).
+/// `start..start + TQ`), k and v [B, S, KV, D], `query_docs` [B, TQ] (where each query's document
+/// starts, 0 for padding) and `key_docs` [B, S] (where each key's document starts, -1 for
+/// padding): out [B, TQ, KV, G, D]. Query t sees key s when s <= t and s is in its document, which
+/// for keys before t means `key_docs[s] >= query_docs[t]`; a padding query sees every earlier real
+/// key, as with Hugging Face's masks. Softmax in f32; its row max and sum are save points
+/// `attn.max.{block}` and `attn.sum.{block}` (see [`Llama::softmax_stat_points`]).
 #[allow(clippy::too_many_arguments)]
 fn attend(
     b: &mut Builder,
     q: Value,
     k: Value,
     v: Value,
-    real: Value,
+    (query_docs, key_docs): (Value, Value),
     start: i64,
     d: i64,
     num: Numerics,
@@ -269,9 +273,13 @@ fn attend(
     let q_pos = b.add(q_pos, offset)?;
     let k_pos = b.iota(Shape::new(&[tq, s], DType::S32), 1)?;
     let causal = b.compare(k_pos, q_pos, CmpDir::Le)?;
-    let causal = b.broadcast_in_dim(causal, &sd, &[2, 4])?;
-    let real = b.broadcast_in_dim(real, &sd, &[0, 4])?;
-    let allowed = b.and(causal, real)?;
+    let bts = [sd[0], tq, s];
+    let causal = b.broadcast_in_dim(causal, &bts, &[1, 2])?;
+    let query_docs = b.broadcast_in_dim(query_docs, &bts, &[0, 1])?;
+    let key_docs = b.broadcast_in_dim(key_docs, &bts, &[0, 2])?;
+    let in_document = b.compare(key_docs, query_docs, CmpDir::Ge)?;
+    let allowed = b.and(causal, in_document)?;
+    let allowed = b.broadcast_in_dim(allowed, &sd, &[0, 2, 4])?;
     let blocked = b.full(f32::MIN as f64, Shape::new(&sd, DType::F32));
     let scores = b.select(allowed, scores, blocked)?;
     let (e, sum) = softmax_parts_last(b, scores, |stat| softmax_stat_name(stat, block), saves)?;
@@ -319,19 +327,28 @@ impl Llama<'_> {
         })
     }
 
-    /// RoPE tables for T positions and which of the [B, S] keys are real tokens.
+    /// Where each token's document starts and the RoPE tables at each token's position in it,
+    /// from `attention_mask` [B, T]: 0 for padding, and for a real token 1 + the index in its row
+    /// where its document starts. A row of one document (a Hugging Face mask) is all 1 on its
+    /// tokens; rows packed from several examples restart positions at each example, and each
+    /// example attends only within itself (see `data::rows`).
     pub fn context(
         &self,
         b: &mut Builder,
         attention_mask: Value,
         lora_scale: f64,
     ) -> Result<LayerContext> {
-        let t = b.dims(attention_mask)[1];
-        let rope = b.scoped("rope", |b| self.rope_tables(b, t))?;
-        let real_keys = b.scoped("mask", |b| self.real_keys(b, attention_mask))?;
+        let doc_starts = b.scoped("mask", |b| {
+            let one = b.full(1.0, b.shape(attention_mask).clone());
+            b.sub(attention_mask, one)
+        })?;
+        let rope = b.scoped("rope", |b| {
+            let positions = self.positions(b, doc_starts)?;
+            self.rope_tables(b, positions)
+        })?;
         Ok(LayerContext {
             rope,
-            real_keys,
+            doc_starts,
             lora_scale,
             dropout: None,
         })
@@ -419,18 +436,31 @@ impl Llama<'_> {
         b.mul(normed, g)
     }
 
-    /// cos and sin tables [T, D] for positions 0..T, in the split-half layout.
-    fn rope_tables(&self, b: &mut Builder, t: i64) -> Result<(Value, Value)> {
+    /// Each token's position in its document, [B, T] s32: its index in the row less where its
+    /// document starts (padding, `doc_starts` -1, counts from the row's start).
+    fn positions(&self, b: &mut Builder, doc_starts: Value) -> Result<Value> {
+        let shape = b.shape(doc_starts).clone();
+        let index = b.iota(shape.clone(), 1)?;
+        let zero = b.zeros(shape);
+        let starts = b.max(doc_starts, zero)?;
+        b.sub(index, starts)
+    }
+
+    /// cos and sin tables [B, T, D] for positions [B, T], in the split-half layout.
+    fn rope_tables(&self, b: &mut Builder, positions: Value) -> Result<(Value, Value)> {
         let inv = self.cfg.rope_inv_freq();
         let half = inv.len() as i64;
         let inv = b.constant(
             hlo::Literal::Float(inv.iter().map(|&f| f as f64).collect()),
             Shape::new(&[half], DType::F32),
         )?;
-        let pos = b.iota(Shape::new(&[t, half], DType::F32), 0)?;
-        let inv = b.broadcast_in_dim(inv, &[t, half], &[1])?;
+        let (bs, t) = (b.dims(positions)[0], b.dims(positions)[1]);
+        let dims = [bs, t, half];
+        let pos = b.convert(positions, DType::F32)?;
+        let pos = b.broadcast_in_dim(pos, &dims, &[0, 1])?;
+        let inv = b.broadcast_in_dim(inv, &dims, &[2])?;
         let freqs = b.mul(pos, inv)?;
-        let angles = b.concatenate(&[freqs, freqs], 1)?;
+        let angles = b.concatenate(&[freqs, freqs], 2)?;
         let cos = b.cos(angles)?;
         let sin = b.sin(angles)?;
         Ok((
@@ -439,7 +469,7 @@ impl Llama<'_> {
         ))
     }
 
-    /// x * cos + rotate_half(x) * sin, for x [B, T, ..heads.., D].
+    /// x * cos + rotate_half(x) * sin, for x [B, T, ..heads.., D] and tables [B, T, D].
     fn apply_rope(&self, b: &mut Builder, x: Value, (cos, sin): (Value, Value)) -> Result<Value> {
         let dims = b.dims(x).to_vec();
         let r = dims.len();
@@ -448,17 +478,11 @@ impl Llama<'_> {
         let x2 = b.slice_dim(x, r - 1, d / 2, d)?;
         let neg_x2 = b.neg(x2)?;
         let rotated = b.concatenate(&[neg_x2, x1], r as i64 - 1)?;
-        let cos = b.broadcast_in_dim(cos, &dims, &[1, r as i64 - 1])?;
-        let sin = b.broadcast_in_dim(sin, &dims, &[1, r as i64 - 1])?;
+        let cos = b.broadcast_in_dim(cos, &dims, &[0, 1, r as i64 - 1])?;
+        let sin = b.broadcast_in_dim(sin, &dims, &[0, 1, r as i64 - 1])?;
         let a = b.mul(x, cos)?;
         let c = b.mul(rotated, sin)?;
         b.add(a, c)
-    }
-
-    /// Which key positions are real tokens (mask != 0), not padding: [B, S] booleans.
-    fn real_keys(&self, b: &mut Builder, attention_mask: Value) -> Result<Value> {
-        let zero = b.zeros_like(attention_mask);
-        b.compare(attention_mask, zero, CmpDir::Ne)
     }
 
     /// `x W^T` plus the layer's LoRA term for `target` when there is one.
@@ -510,7 +534,7 @@ impl Llama<'_> {
         ctx: &mut LayerContext,
         saves: &mut Saves,
     ) -> Result<Value> {
-        let (rope, real_keys) = (ctx.rope, ctx.real_keys);
+        let (rope, doc_starts) = (ctx.rope, ctx.doc_starts);
         let c = self.cfg;
         let (bs, t) = (b.dims(x)[0], b.dims(x)[1]);
         let (kvh, d) = (c.num_key_value_heads, c.head_dim);
@@ -529,14 +553,21 @@ impl Llama<'_> {
             // diagonal, where every score is masked, are never computed (a quarter of the
             // attention work at 2 blocks, nearly half at many).
             let tb = query_block(t, self.num.attention_block);
+            // A padding query sees what a query at a document's start would, and more: every
+            // earlier real key (see [`attend`]).
+            let zero = b.zeros(b.shape(doc_starts).clone());
+            let query_docs = b.max(doc_starts, zero)?;
             let mut outs = Vec::new();
             for i in 0..t / tb {
                 let (start, seen) = (i * tb, (i + 1) * tb);
                 let qi = b.slice_dim(q, 1, start, start + tb)?;
                 let ki = b.slice_dim(k, 1, 0, seen)?;
                 let vi = b.slice_dim(v, 1, 0, seen)?;
-                let real = b.slice_dim(real_keys, 1, 0, seen)?;
-                outs.push(attend(b, qi, ki, vi, real, start, d, self.num, i, saves)?);
+                let docs = (
+                    b.slice_dim(query_docs, 1, start, start + tb)?,
+                    b.slice_dim(doc_starts, 1, 0, seen)?,
+                );
+                outs.push(attend(b, qi, ki, vi, docs, start, d, self.num, i, saves)?);
             }
             let out = if outs.len() == 1 {
                 outs[0]
@@ -697,9 +728,10 @@ mod tests {
     }
 
     /// Position p turns each pair (x_i, x_{i+D/2}) by p times the pair's frequency (the
-    /// split-half layout of Hugging Face's `rotate_half`); position 0 leaves x as it is.
+    /// split-half layout of Hugging Face's `rotate_half`); position 0 leaves x as it is. The
+    /// positions restart where a document starts: a row of two documents, tokens 0-1 and 2-4.
     #[test]
-    fn rope_turns_each_split_half_pair_by_its_position_times_its_frequency() {
+    fn rope_turns_each_split_half_pair_by_its_position_in_its_document() {
         let cfg = tiny();
         let d = cfg.head_dim;
         let (t, heads) = (5, 2);
@@ -712,16 +744,25 @@ mod tests {
         let x = values((t * heads * d) as usize, 3);
         let mut b = Builder::new("main");
         let xv = f32_param(&mut b, "x", &dims);
-        let tables = model.rope_tables(&mut b, t).unwrap();
+        let starts = b.param("doc_starts", Shape::new(&[1, t], DType::S32));
+        let positions = model.positions(&mut b, starts).unwrap();
+        let tables = model.rope_tables(&mut b, positions).unwrap();
         let y = model.apply_rope(&mut b, xv, tables).unwrap();
-        let got = run(b.finish(&[("y", y)]), &[HostTensor::from_f32(&x, &dims)])[0]
-            .to_f32()
-            .unwrap();
+        let got = run(
+            b.finish(&[("y", y)]),
+            &[
+                HostTensor::from_f32(&x, &dims),
+                HostTensor::from_i32(&[0, 0, 2, 2, 2], &[1, t]),
+            ],
+        )[0]
+        .to_f32()
+        .unwrap();
+        let position = [0, 1, 0, 1, 2];
         let inv = cfg.rope_inv_freq();
         let half = (d / 2) as usize;
         let mut want = x.clone();
         for (n, head) in x.chunks(d as usize).enumerate() {
-            let p = (n / heads as usize) as f64;
+            let p = position[n / heads as usize] as f64;
             for i in 0..half {
                 let (c, s) = ((p * inv[i] as f64).cos(), (p * inv[i] as f64).sin());
                 let (a, z) = (head[i] as f64, head[i + half] as f64);
@@ -732,32 +773,43 @@ mod tests {
         assert!(max_diff(&got, &want) <= TOL, "{}", max_diff(&got, &want));
         let first = (heads * d) as usize;
         assert_eq!(got[..first], x[..first], "position 0 is not turned");
+        let third = 2 * first..3 * first;
+        assert_eq!(
+            got[third.clone()],
+            x[third],
+            "a document's first token is at position 0"
+        );
     }
 
-    /// Grouped-query attention of a block of queries that starts mid-sequence, with padding at
-    /// the end of the second row: against softmax(q.k / sqrt(D)) v over the keys each query
-    /// may see (s <= its position, s not padding), computed here in f64.
+    /// Grouped-query attention of a block of queries that starts mid-sequence, in a row packed
+    /// from two documents (tokens 0-2 and 3-7) and a row of one document padded after 5
+    /// tokens: against softmax(q.k / sqrt(D)) v over the keys each query may see, computed here
+    /// in f64. A query sees the earlier keys of its own document; a padding query every earlier
+    /// real key.
     #[test]
-    fn attention_sees_only_earlier_real_keys_with_grouped_heads_and_a_block_offset() {
+    fn attention_sees_only_earlier_keys_of_its_document_with_grouped_heads_and_a_block_offset() {
         let (bs, s, tq, start, kv, g, d) = (2usize, 8usize, 4usize, 4usize, 2usize, 2usize, 4);
-        let lens = [8usize, 5];
+        let starts: [i32; 16] = [0, 0, 0, 3, 3, 3, 3, 3, 0, 0, 0, 0, 0, -1, -1, -1];
         let q = values(bs * tq * kv * g * d, 4);
         let k = values(bs * s * kv * d, 5);
         let v = values(bs * s * kv * d, 6);
-        let real: Vec<bool> = (0..bs * s).map(|i| i % s < lens[i / s]).collect();
+        let query_docs: Vec<i32> = (0..bs)
+            .flat_map(|bi| (start..start + tq).map(move |t| starts[bi * s + t].max(0)))
+            .collect();
         let i = |v: &[usize]| v.iter().map(|&x| x as i64).collect::<Vec<_>>();
-        let (qd, kd, rd) = (i(&[bs, tq, kv, g, d]), i(&[bs, s, kv, d]), i(&[bs, s]));
+        let (qd, kd) = (i(&[bs, tq, kv, g, d]), i(&[bs, s, kv, d]));
         let mut b = Builder::new("main");
         let qv = f32_param(&mut b, "q", &qd);
         let kv_ = f32_param(&mut b, "k", &kd);
         let vv = f32_param(&mut b, "v", &kd);
-        let rv = b.param("real", Shape::new(&rd, DType::Pred));
+        let qdocs = b.param("query_docs", Shape::new(&i(&[bs, tq]), DType::S32));
+        let kdocs = b.param("key_docs", Shape::new(&i(&[bs, s]), DType::S32));
         let out = attend(
             &mut b,
             qv,
             kv_,
             vv,
-            rv,
+            (qdocs, kdocs),
             start as i64,
             d as i64,
             Numerics::default(),
@@ -771,7 +823,8 @@ mod tests {
                 HostTensor::from_f32(&q, &qd),
                 HostTensor::from_f32(&k, &kd),
                 HostTensor::from_f32(&v, &kd),
-                HostTensor::from_pred(&real, &rd),
+                HostTensor::from_i32(&query_docs, &i(&[bs, tq])),
+                HostTensor::from_i32(&starts, &i(&[bs, s])),
             ],
         )[0]
         .to_f32()
@@ -783,8 +836,12 @@ mod tests {
         }) {
             let qrow = &q[(((bi * tq + t) * kv + h) * g + gi) * d..][..d];
             let key = |j: usize| &k[((bi * s + j) * kv + h) * d..][..d];
-            let seen: Vec<usize> = (0..s)
-                .filter(|&j| j <= start + t && real[bi * s + j])
+            let doc = starts[bi * s + start + t];
+            let seen: Vec<usize> = (0..=start + t)
+                .filter(|&j| {
+                    let key_doc = starts[bi * s + j];
+                    key_doc >= 0 && (doc < 0 || key_doc == doc)
+                })
                 .collect();
             let scores: Vec<f64> = seen
                 .iter()

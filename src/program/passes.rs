@@ -16,7 +16,7 @@ use std::collections::BTreeMap;
 
 /// The invariants both layer loops are given (see [`Layout::loop_invariants`]): the values, and
 /// how many of them are stacked weights and stacked LoRA tensors, and whether a dropout key
-/// follows the RoPE tables and the padding mask.
+/// follows the RoPE tables and the document starts.
 struct LoopInputs {
     values: Vec<Value>,
     stacked: usize,
@@ -194,7 +194,7 @@ impl Layout<'_> {
 
     /// The loop invariants of the layer loops (training's two, the forward-only one), as they
     /// are passed: the stacked weights, the stacked LoRA tensors, the RoPE tables and the
-    /// padding mask [B, S], and the dropout key if there is one.
+    /// document starts [B, S], and the dropout key if there is one.
     fn loop_invariants(
         &self,
         m: &ModelValues,
@@ -203,7 +203,7 @@ impl Layout<'_> {
     ) -> LoopInputs {
         let stacked = self.layer_values(&m.frozen);
         let mut values: Vec<Value> = stacked.iter().chain(&m.lora).copied().collect();
-        values.extend([ctx.rope.0, ctx.rope.1, ctx.real_keys]);
+        values.extend([ctx.rope.0, ctx.rope.1, ctx.doc_starts]);
         values.extend(key);
         LoopInputs {
             values,
@@ -218,7 +218,7 @@ impl Layout<'_> {
         let (ns, nl) = (at.stacked, at.lora);
         let c = LayerContext {
             rope: (inv[ns + nl], inv[ns + nl + 1]),
-            real_keys: inv[ns + nl + 2],
+            doc_starts: inv[ns + nl + 2],
             lora_scale: self.spec.lora.scale(),
             dropout: None,
         };
@@ -555,10 +555,8 @@ impl Layout<'_> {
 mod tests {
     use super::*;
     use crate::model::lora::LoraConfig;
-    use crate::program::signature::{Program, Role};
     use crate::program::spec::StepSpec;
-    use crate::test_support::{max_diff, run_text, values};
-    use pjrt::HostTensor;
+    use crate::test_support::{assert_same, loss_and_grads_on, LossAndGrads};
 
     const TOL: f32 = 1e-5;
     const BATCH: i64 = 2;
@@ -580,107 +578,24 @@ mod tests {
         }
     }
 
-    /// Per-layer names and values of a tensor that is stacked over the layers
-    /// (`model.layers.*.x` [L, ...]) or already one layer's.
-    fn per_layer(name: &str, shape: &[i64], values: &[f32]) -> Vec<(String, Vec<f32>)> {
-        if !name.contains(".layers.*.") {
-            return vec![(name.to_string(), values.to_vec())];
-        }
-        let each = values.len() / shape[0] as usize;
-        values
-            .chunks(each)
-            .enumerate()
-            .map(|(i, v)| {
-                (
-                    name.replace(".layers.*.", &format!(".layers.{i}.")),
-                    v.to_vec(),
-                )
-            })
-            .collect()
-    }
-
-    /// Random values for one layer's (or an unstacked) tensor, seeded by its per-layer name, so
-    /// that every form of the step gets the same weights whether its layers are stacked or not.
-    fn weights(name: &str, shape: &[i64]) -> Vec<f32> {
-        let layers = if name.contains(".layers.*.") {
-            shape[0]
-        } else {
-            1
-        };
-        let each = (shape.iter().product::<i64>() / layers) as usize;
-        (0..layers)
-            .flat_map(|i| {
-                let name = name.replace(".layers.*.", &format!(".layers.{i}."));
-                let seed = name
-                    .bytes()
-                    .fold(7u64, |h, c| h.wrapping_mul(31).wrapping_add(c as u64));
-                values(each, seed).into_iter().map(|v| 0.2 * v)
-            })
-            .collect()
-    }
-
-    /// The loss and each LoRA gradient (by per-layer name) of `spec`'s grads program on one
-    /// fixed batch: random weights and adapters, the second row padded after 11 tokens.
-    fn loss_and_grads(spec: &StepSpec) -> (f32, BTreeMap<String, Vec<f32>>) {
-        let program: Program = crate::program::build_grad_program(spec).unwrap();
+    /// The loss and gradients of `spec` on one fixed batch, the second row padded after 11
+    /// tokens.
+    fn loss_and_grads(spec: &StepSpec) -> LossAndGrads {
         let vocab = spec.model.vocab_size as usize;
         let seq = SEQ as usize;
         let real = |i: usize| i % seq < if i < seq { seq } else { 11 };
         let tokens = |i: usize| ((i * 7919 + 13) % vocab) as i32;
-        let inputs: Vec<HostTensor> = program
-            .args
-            .iter()
-            .map(|a| {
-                let n = a.shape.iter().product::<i64>() as usize;
-                let ints = |f: &dyn Fn(usize) -> i32| {
-                    HostTensor::from_i32(&(0..n).map(f).collect::<Vec<_>>(), &a.shape)
-                };
-                match a.role {
-                    Role::Frozen | Role::Lora => {
-                        HostTensor::from_f32(&weights(&a.name, &a.shape), &a.shape)
-                    }
-                    Role::InputIds => ints(&tokens),
-                    Role::Labels => ints(&|i| if real(i) { tokens(i) } else { -100 }),
-                    Role::AttentionMask => ints(&|i| real(i) as i32),
-                    other => panic!("the grads program takes no {other:?} argument"),
-                }
-            })
+        let n = (BATCH * SEQ) as usize;
+        let ids: Vec<i32> = (0..n).map(tokens).collect();
+        let labels: Vec<i32> = (0..n)
+            .map(|i| if real(i) { tokens(i) } else { -100 })
             .collect();
-        let out = run_text(&program.text, &inputs);
-        let loss = out[0].to_f32().unwrap()[0];
-        let grads = program.results[1..]
-            .iter()
-            .zip(&out[1..])
-            .flat_map(|(r, g)| per_layer(&r.name, &r.shape, &g.to_f32().unwrap()))
-            .collect();
-        (loss, grads)
+        let mask: Vec<i32> = (0..n).map(|i| real(i) as i32).collect();
+        loss_and_grads_on(spec, &ids, &labels, &mask)
     }
 
-    fn same(
-        what: &str,
-        got: &(f32, BTreeMap<String, Vec<f32>>),
-        want: &(f32, BTreeMap<String, Vec<f32>>),
-    ) {
-        let scale = want.1.values().flatten().fold(0f32, |m, g| m.max(g.abs()));
-        assert!(scale > 0.0, "{what}: the gradients are all zero");
-        assert!(
-            (got.0 - want.0).abs() <= TOL * want.0.abs(),
-            "{what}: loss {} against {}",
-            got.0,
-            want.0
-        );
-        assert_eq!(
-            got.1.keys().collect::<Vec<_>>(),
-            want.1.keys().collect::<Vec<_>>(),
-            "{what}: other gradients"
-        );
-        for (name, g) in &got.1 {
-            let d = max_diff(g, &want.1[name]);
-            assert!(
-                d <= TOL * scale,
-                "{what}: {name} differs by {d} (largest gradient {scale})"
-            );
-        }
+    fn same(what: &str, got: &LossAndGrads, want: &LossAndGrads) {
+        assert_same(what, got, want, TOL);
     }
 
     #[test]
