@@ -3,29 +3,40 @@
 
 use super::*;
 
-#[test]
-fn bad_plugins_and_output_dirs() {
-    let dir = tempdir("rel-plugin");
-    let out = dir.join("out");
-    let model = fixtures().join("model");
+/// `train` of the fixture model with `--plugin PLUGIN`, expected to fail: its error.
+fn train_with_plugin(name: &str, plugin: &str) -> String {
+    let dir = tempdir(name);
     let e = fails(&refs(&train_on(
-        &model,
-        &out,
-        &["--plugin", "/nonexistent/plugin.so"],
+        &fixtures().join("model"),
+        &dir.join("out"),
+        &["--plugin", plugin],
     )));
+    std::fs::remove_dir_all(&dir).unwrap();
+    e
+}
+
+#[test]
+fn a_plugin_path_that_does_not_exist_is_refused() {
+    let e = train_with_plugin("rel-plugin-missing", "/nonexistent/plugin.so");
     assert!(
         e.contains("plugin file /nonexistent/plugin.so does not exist"),
         "{e}"
     );
+}
+
+#[test]
+fn a_plugin_file_that_is_not_a_shared_object_is_refused() {
+    let dir = tempdir("rel-plugin-not-elf");
     let not_plugin = dir.join("fake.so");
     std::fs::write(&not_plugin, b"not an ELF file").unwrap();
-    let e = fails(&refs(&train_on(
-        &model,
-        &out,
-        &["--plugin", not_plugin.to_str().unwrap()],
-    )));
+    let e = train_with_plugin("rel-plugin-not-elf-run", not_plugin.to_str().unwrap());
     assert!(e.contains("cannot load PJRT plugin"), "{e}");
-    // A real shared object that is not a PJRT plugin: libc.
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A real shared object that is not a PJRT plugin: libc.
+#[test]
+fn a_shared_object_that_is_not_a_pjrt_plugin_is_refused() {
     let libc = [
         "/lib/x86_64-linux-gnu/libc.so.6",
         "/usr/lib/x86_64-linux-gnu/libc.so.6",
@@ -33,19 +44,17 @@ fn bad_plugins_and_output_dirs() {
     .into_iter()
     .find(|p| Path::new(p).exists())
     .expect("libc");
-    let e = fails(&refs(&train_on(&model, &out, &["--plugin", libc])));
+    let e = train_with_plugin("rel-plugin-libc", libc);
     assert!(
         e.contains("not a PJRT plugin: it does not export GetPjrtApi"),
         "{e}"
     );
-    let e = fails(&refs(&train_on(&model, &out, &["--plugin", "cuda-typo"])));
+}
+
+#[test]
+fn an_unknown_plugin_name_is_refused() {
+    let e = train_with_plugin("rel-plugin-unknown", "cuda-typo");
     assert!(e.contains("unknown plugin 'cuda-typo'"), "{e}");
-    // An output path that is a file: refused before any work.
-    let file = dir.join("a-file");
-    std::fs::write(&file, b"x").unwrap();
-    let e = fails(&refs(&train_on(&model, &file, &[])));
-    assert!(e.contains("cannot create output dir"), "{e}");
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
@@ -84,38 +93,44 @@ fn a_plugin_with_an_old_pjrt_api_is_refused_naming_both_versions() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// A GPU recipe run on a machine where the CUDA plugin sees no GPU (here with
-/// CUDA_VISIBLE_DEVICES empty) gets the plugin's error with what to do instead (compile for the
-/// GPU, or train on the CPU), and none of the plugin's absl log lines unless -v.
-#[test]
-fn a_gpu_recipe_without_a_gpu_says_to_compile_for_it_or_train_on_the_cpu() {
-    let dir = tempdir("rel-no-gpu");
+/// `train --config recipes/llama-3.1-8b-h100.toml` of the tiny text model where the CUDA plugin
+/// sees no GPU (CUDA_VISIBLE_DEVICES empty), with `-v` if `verbose`: its stderr, having failed
+/// without writing an adapter.
+fn gpu_recipe_without_a_gpu(name: &str, verbose: bool) -> String {
+    let dir = tempdir(name);
     let recipe = Path::new(env!("CARGO_MANIFEST_DIR")).join("recipes/llama-3.1-8b-h100.toml");
     let model = tiny_text_model(&dir);
     let data = dir.join("d.jsonl");
     std::fs::write(&data, "{\"text\": \"hello there\"}\n".repeat(60)).unwrap();
-    let run = |verbose: bool| {
-        let mut c = xtrain_cmd();
-        if verbose {
-            c.arg("-v");
-        }
-        let o = c
-            .arg("train")
-            .arg("--config")
-            .arg(&recipe)
-            .arg("--model")
-            .arg(&model)
-            .arg("--data")
-            .arg(&data)
-            .args(["--no-pack", "--out"])
-            .arg(dir.join("run"))
-            .env("CUDA_VISIBLE_DEVICES", "")
-            .output()
-            .unwrap();
-        assert!(!o.status.success());
-        String::from_utf8_lossy(&o.stderr).to_string()
-    };
-    let all = run(false);
+    let mut c = xtrain_cmd();
+    if verbose {
+        c.arg("-v");
+    }
+    let o = c
+        .arg("train")
+        .arg("--config")
+        .arg(&recipe)
+        .arg("--model")
+        .arg(&model)
+        .arg("--data")
+        .arg(&data)
+        .args(["--no-pack", "--out"])
+        .arg(dir.join("run"))
+        .env("CUDA_VISIBLE_DEVICES", "")
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(!dir.join("run/adapter").exists());
+    std::fs::remove_dir_all(&dir).unwrap();
+    String::from_utf8_lossy(&o.stderr).to_string()
+}
+
+/// A GPU recipe run on a machine where the CUDA plugin sees no GPU (here with
+/// CUDA_VISIBLE_DEVICES empty) gets the plugin's error with what to do instead (compile for the
+/// GPU, or train on the CPU), and none of the plugin's absl log lines.
+#[test]
+fn a_gpu_recipe_without_a_gpu_says_to_compile_for_it_or_train_on_the_cpu() {
+    let all = gpu_recipe_without_a_gpu("rel-no-gpu", false);
     // Notes on the run's setup come first (the recipe keys the command line overrides, the
     // held-out examples), one `xtrain: ` line each; then the error, alone.
     let (notes, err) = all.rsplit_once("\n").map_or(("", all.as_str()), |(a, b)| {
@@ -145,15 +160,18 @@ fn a_gpu_recipe_without_a_gpu_says_to_compile_for_it_or_train_on_the_cpu() {
         "no absl lines: {err}"
     );
     assert_eq!(err.lines().count(), 1, "{err}");
-    // -v shows them.
-    let verbose = run(true);
+}
+
+/// -v shows the plugin's log lines that the run without it leaves out.
+#[test]
+fn a_gpu_recipe_without_a_gpu_shows_the_plugins_log_lines_with_v() {
+    let all = gpu_recipe_without_a_gpu("rel-no-gpu-quiet", false);
+    let verbose = gpu_recipe_without_a_gpu("rel-no-gpu-verbose", true);
     assert!(verbose.lines().count() > all.lines().count(), "{verbose}");
-    assert!(!dir.join("run/adapter").exists());
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// `xtrain targets tpu:v5e` (a TPU asked for as a GPU description) says that TPUs need none
-/// and shows the form a TPU target takes; an unknown generation lists the known ones.
+/// and shows the form a TPU target takes.
 #[test]
 fn targets_of_a_tpu_says_it_needs_no_description_and_shows_its_form() {
     let o = xtrain(&["targets", "tpu:v5e"]);
@@ -165,6 +183,10 @@ fn targets_of_a_tpu_says_it_needs_no_description_and_shows_its_form() {
             && !out.contains("not a built-in GPU"),
         "{out}"
     );
+}
+
+#[test]
+fn targets_of_an_unknown_tpu_generation_lists_the_known_ones() {
     let e = fails(&["targets", "tpu:v9"]);
     assert!(
         e.contains("unknown TPU generation `v9`") && e.contains("tpu:v5e:<chips>"),

@@ -3,132 +3,192 @@
 
 use super::*;
 
-#[test]
-fn step_options_that_do_not_fit_the_batch() {
-    let dir = tempdir("rel-step-options");
+/// `compile --model tiny-llama3 FLAGS --out DIR/prog` (`FLAGS` may name another model) is
+/// refused saying `message`, and writes nothing, for each of `cases`.
+fn compile_is_refused(name: &str, cases: &[(&[&str], &str)]) {
+    let dir = tempdir(name);
     let out = dir.join("prog");
-    for (options, message) in [
-        (
-            &["--seq", "48", "--attention-block", "32"][..],
-            "--attention-block 32 must be a positive divisor of the sequence length 48",
-        ),
-        (
-            &["--batch", "3", "--grad-accum", "2"][..],
-            "--grad-accum 2 must divide the batch size 3",
-        ),
-        (
-            &["--matmul-result", "bf32"][..],
-            "invalid value 'bf32' for '--matmul-result <MATMUL_RESULT>'",
-        ),
-        (
-            &["--attention-scores", "bf16"][..],
-            "invalid value 'bf16' for '--attention-scores <ATTENTION_SCORES>'",
-        ),
-        (
-            &["--keep-softmax-stats", "maybe"][..],
-            "invalid value 'maybe' for '--keep-softmax-stats <BOOL>'",
-        ),
-        (
-            &["--remat", "none", "--keep-softmax-stats", "true"][..],
-            "--keep-softmax-stats is for --remat layer",
-        ),
-        (
-            &["--pin-mlp-activations", "true"][..],
-            "--pin-mlp-activations places activations on a device mesh, but this step runs on one device",
-        ),
-        (
-            &["--remat", "save_proj"][..],
-            "--remat must be auto, none, layer or save-proj, got `save_proj`",
-        ),
-    ] {
-        let mut args = vec!["compile", "--model", "tiny-llama3"];
-        args.extend(options);
+    for (flags, message) in cases {
+        let mut args = vec!["compile"];
+        if !flags.contains(&"--model") {
+            args.extend(["--model", "tiny-llama3"]);
+        }
+        args.extend(*flags);
         args.extend(["--out", out.to_str().unwrap()]);
         let e = fails(&args);
-        assert!(e.contains(message), "{options:?}: {e}");
+        assert!(e.contains(message), "{flags:?}: {e}");
+        assert!(
+            !out.exists(),
+            "{flags:?}: nothing is written for a refused step"
+        );
     }
-    assert!(!out.exists(), "nothing is written for a refused step");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `train` of the tiny text model with `flags` is refused saying `message` before any work
+/// (nothing written), for each of `cases`.
+fn train_is_refused_before_any_work(name: &str, cases: &[(&[&str], &str)]) {
+    let dir = tempdir(name);
+    let model = tiny_text_model(&dir);
+    let data = dir.join("d.jsonl");
+    std::fs::write(&data, "{\"text\": \"hello\"}\n").unwrap();
+    let out = dir.join("out");
+    for (flags, message) in cases {
+        let mut args: Vec<String> = ["train", "--model", model.to_str().unwrap()]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        args.extend(["--data".into(), data.to_str().unwrap().into()]);
+        args.extend(["--out".into(), out.to_str().unwrap().into()]);
+        args.extend(flags.iter().map(|s| s.to_string()));
+        let e = fails(&refs(&args));
+        assert!(e.contains(message), "{flags:?}: {e}");
+        assert!(!out.exists(), "{flags:?}: nothing written");
+    }
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
-fn every_flag_is_range_checked_before_any_work() {
-    let dir = tempdir("rel-ranges");
-    let model = tiny_text_model(&dir);
-    let m = model.to_str().unwrap();
-    let data = dir.join("d.jsonl");
-    std::fs::write(&data, "{\"text\": \"hello\"}\n").unwrap();
-    let out = dir.join("out");
-    let train = |extra: &[&str]| -> Vec<String> {
-        let mut v: Vec<String> = ["train", "--model", m, "--data", data.to_str().unwrap()]
-            .iter()
-            .map(|s| s.to_string())
-            .collect();
-        v.extend(["--out".into(), out.to_str().unwrap().into()]);
-        v.extend(extra.iter().map(|s| s.to_string()));
-        v
-    };
-    for (flags, message) in [
-        (&["--lr", "nan"][..], "--lr must be a number >= 0, got NaN"),
-        (&["--lr=-1"][..], "--lr must be a number >= 0"),
-        (
-            &["--eval-fraction", "1.5"][..],
-            "--eval-fraction must be in [0, 1), got 1.5",
-        ),
-        (
-            &["--lora-alpha", "0"][..],
-            "--lora-alpha must be a positive number, got 0",
-        ),
-        (
-            &["--loss-chunk", "0"][..],
-            "--loss-chunk 0 must be a positive divisor",
-        ),
-        (
-            &["--batch-size", "0"][..],
-            "--batch-size must be at least 1, got 0",
-        ),
-        (&["--seq=-1"][..], "--seq must be at least 2"),
-        (&["--epochs", "0"][..], "--epochs must be at least 1"),
-        (&["--eps", "0"][..], "--eps must be a positive number"),
-        (
-            &["--min-lr-ratio", "2"][..],
-            "--min-lr-ratio must be in [0, 1]",
-        ),
-        (
-            &["--stop-after", "0"][..],
-            "--stop-after must be at least 1",
-        ),
-        (
-            &["--schedule", "cosin"][..],
-            "--schedule must be constant, linear or cosine",
-        ),
-        (
-            &["--mesh", "fdsp=8"][..],
-            "unknown axis `fdsp` (did you mean `fsdp`?)",
-        ),
-        (&["--mesh", "dp=2"][..], "unknown axis `dp`"),
-        (&["--mesh", "fsdp=8,model=8"][..], "unknown axis `model`"),
-        (
-            &["--eval-fraction", "0.1", "--eval-data", "x.jsonl"][..],
+fn an_attention_block_or_grad_accum_that_does_not_divide_the_batch_is_refused() {
+    compile_is_refused(
+        "rel-step-divisors",
+        &[
+            (
+                &["--seq", "48", "--attention-block", "32"],
+                "--attention-block 32 must be a positive divisor of the sequence length 48",
+            ),
+            (
+                &["--batch", "3", "--grad-accum", "2"],
+                "--grad-accum 2 must divide the batch size 3",
+            ),
+        ],
+    );
+}
+
+#[test]
+fn an_unknown_value_of_a_step_option_is_refused() {
+    compile_is_refused(
+        "rel-step-values",
+        &[
+            (
+                &["--matmul-result", "bf32"],
+                "invalid value 'bf32' for '--matmul-result <MATMUL_RESULT>'",
+            ),
+            (
+                &["--attention-scores", "bf16"],
+                "invalid value 'bf16' for '--attention-scores <ATTENTION_SCORES>'",
+            ),
+            (
+                &["--keep-softmax-stats", "maybe"],
+                "invalid value 'maybe' for '--keep-softmax-stats <BOOL>'",
+            ),
+            (
+                &["--remat", "save_proj"],
+                "--remat must be auto, none, layer or save-proj, got `save_proj`",
+            ),
+        ],
+    );
+}
+
+#[test]
+fn keep_softmax_stats_without_remat_layer_is_refused() {
+    compile_is_refused(
+        "rel-step-softmax-stats",
+        &[(
+            &["--remat", "none", "--keep-softmax-stats", "true"],
+            "--keep-softmax-stats is for --remat layer",
+        )],
+    );
+}
+
+#[test]
+fn pin_mlp_activations_on_one_device_is_refused() {
+    compile_is_refused(
+        "rel-step-pin-mlp",
+        &[(
+            &["--pin-mlp-activations", "true"],
+            "--pin-mlp-activations places activations on a device mesh, but this step runs on one device",
+        )],
+    );
+}
+
+#[test]
+fn a_train_flag_out_of_range_is_refused_before_any_work() {
+    train_is_refused_before_any_work(
+        "rel-ranges-train",
+        &[
+            (&["--lr", "nan"], "--lr must be a number >= 0, got NaN"),
+            (&["--lr=-1"], "--lr must be a number >= 0"),
+            (
+                &["--eval-fraction", "1.5"],
+                "--eval-fraction must be in [0, 1), got 1.5",
+            ),
+            (
+                &["--lora-alpha", "0"],
+                "--lora-alpha must be a positive number, got 0",
+            ),
+            (
+                &["--loss-chunk", "0"],
+                "--loss-chunk 0 must be a positive divisor",
+            ),
+            (
+                &["--batch-size", "0"],
+                "--batch-size must be at least 1, got 0",
+            ),
+            (&["--seq=-1"], "--seq must be at least 2"),
+            (&["--epochs", "0"], "--epochs must be at least 1"),
+            (&["--eps", "0"], "--eps must be a positive number"),
+            (&["--min-lr-ratio", "2"], "--min-lr-ratio must be in [0, 1]"),
+            (&["--stop-after", "0"], "--stop-after must be at least 1"),
+            (
+                &["--schedule", "cosin"],
+                "--schedule must be constant, linear or cosine",
+            ),
+        ],
+    );
+}
+
+#[test]
+fn an_unknown_mesh_axis_is_refused_before_any_work() {
+    train_is_refused_before_any_work(
+        "rel-ranges-mesh-axis",
+        &[
+            (
+                &["--mesh", "fdsp=8"],
+                "unknown axis `fdsp` (did you mean `fsdp`?)",
+            ),
+            (&["--mesh", "dp=2"], "unknown axis `dp`"),
+            (&["--mesh", "fsdp=8,model=8"], "unknown axis `model`"),
+        ],
+    );
+}
+
+#[test]
+fn eval_fraction_and_eval_data_together_are_refused_before_any_work() {
+    train_is_refused_before_any_work(
+        "rel-ranges-eval-both",
+        &[(
+            &["--eval-fraction", "0.1", "--eval-data", "x.jsonl"],
             "--eval-fraction and --eval-data were both given",
-        ),
-        (
-            &["--sharding-rules", "rules.txt"][..],
+        )],
+    );
+}
+
+#[test]
+fn sharding_rules_without_a_mesh_are_refused_before_any_work() {
+    train_is_refused_before_any_work(
+        "rel-ranges-rules-no-mesh",
+        &[(
+            &["--sharding-rules", "rules.txt"],
             "places tensors on a mesh: give --mesh too",
-        ),
-    ] {
-        let e = fails(&refs(&train(flags)));
-        assert!(e.contains(message), "{flags:?}: {e}");
-        assert!(!out.exists(), "{flags:?}: nothing written");
-    }
-    let generate = |extra: &[&str]| -> Vec<String> {
-        let mut v: Vec<String> = ["generate", "--model", m, "--prompt", "hi"]
-            .iter()
-            .map(|s| s.to_string())
-            .collect();
-        v.extend(extra.iter().map(|s| s.to_string()));
-        v
-    };
+        )],
+    );
+}
+
+#[test]
+fn a_generate_flag_out_of_range_is_refused() {
+    let dir = tempdir("rel-ranges-generate");
+    let model = tiny_text_model(&dir);
     for (flags, message) in [
         (
             &["--temperature", "nan"][..],
@@ -141,11 +201,58 @@ fn every_flag_is_range_checked_before_any_work() {
         (&["--context", "0"][..], "--context must be at least 2"),
         (&["--context=-4"][..], "got -4"),
     ] {
-        let e = fails(&refs(&generate(flags)));
+        let mut args = vec!["generate", "--model", model.to_str().unwrap()];
+        args.extend(["--prompt", "hi"]);
+        args.extend(flags);
+        let e = fails(&args);
         assert!(e.contains(message), "{flags:?}: {e}");
     }
-    // compile: the batch, a mesh that splits nothing, unknown rule names, and NF4 on a model
-    // whose projections are not whole blocks of 64.
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn compile_batch_0_is_refused() {
+    compile_is_refused(
+        "rel-ranges-compile-batch",
+        &[(&["--batch", "0"], "--batch must be at least 1, got 0")],
+    );
+}
+
+#[test]
+fn a_mesh_axis_that_splits_nothing_is_refused() {
+    compile_is_refused(
+        "rel-ranges-mesh-splits-nothing",
+        &[(
+            &["--batch", "4", "--mesh", "data=3"],
+            "--mesh data=3 splits nothing",
+        )],
+    );
+}
+
+#[test]
+fn an_unknown_logical_axis_in_the_sharding_rules_is_refused_naming_the_nearest() {
+    let dir = tempdir("rel-ranges-rules");
+    let rules = dir.join("rules.txt");
+    std::fs::write(&rules, "batchh = data\n").unwrap();
+    compile_is_refused(
+        "rel-ranges-rules-compile",
+        &[(
+            &[
+                "--mesh",
+                "data=2",
+                "--sharding-rules",
+                rules.to_str().unwrap(),
+            ],
+            "unknown logical axis `batchh` (did you mean `batch`?)",
+        )],
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// NF4 on a model whose projections are not whole blocks of 64.
+#[test]
+fn nf4_on_projections_that_are_not_whole_blocks_of_64_is_refused() {
+    let dir = tempdir("rel-ranges-nf4");
     let odd = dir.join("odd");
     std::fs::create_dir_all(&odd).unwrap();
     let mut c: serde_json::Value = serde_json::from_str(
@@ -158,41 +265,13 @@ fn every_flag_is_range_checked_before_any_work() {
     c["num_key_value_heads"] = 4.into();
     c["head_dim"] = 10.into();
     std::fs::write(odd.join("config.json"), c.to_string()).unwrap();
-    let rules = dir.join("rules.txt");
-    std::fs::write(&rules, "batchh = data\n").unwrap();
-    let prog = dir.join("prog");
-    for (flags, message) in [
-        (
-            &["--model", "tiny-llama3", "--batch", "0"][..],
-            "--batch must be at least 1, got 0",
-        ),
-        (
-            &["--model", "tiny-llama3", "--batch", "4", "--mesh", "data=3"][..],
-            "--mesh data=3 splits nothing",
-        ),
-        (
-            &[
-                "--model",
-                "tiny-llama3",
-                "--mesh",
-                "data=2",
-                "--sharding-rules",
-                rules.to_str().unwrap(),
-            ][..],
-            "unknown logical axis `batchh` (did you mean `batch`?)",
-        ),
-        (
-            &["--model", odd.to_str().unwrap(), "--quant", "nf4"][..],
+    compile_is_refused(
+        "rel-ranges-nf4-compile",
+        &[(
+            &["--model", odd.to_str().unwrap(), "--quant", "nf4"],
             "--quant nf4 quantizes in blocks of 64 values",
-        ),
-    ] {
-        let mut a = vec!["compile"];
-        a.extend(flags);
-        a.extend(["--out", prog.to_str().unwrap()]);
-        let e = fails(&a);
-        assert!(e.contains(message), "{flags:?}: {e}");
-        assert!(!prog.exists());
-    }
+        )],
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -219,14 +298,6 @@ fn compile_flags_that_need_check_are_refused() {
             &["--plugin", "cuda", "--target", "cuda:h100:1"][..],
             "--plugin names the plugin that compiles the program with --check",
         ),
-        (
-            &["--target", "cuda:h100:1", "--target", "cuda:h100:1"][..],
-            "--target cuda:h100:1 is given twice",
-        ),
-        (
-            &["--target", "cuda:h100:1", "--target", "tpu:v5p:2x2x1"][..],
-            "--target cuda:h100:1 has 1 devices but --target tpu:v5p:2x2x1 has 4",
-        ),
     ] {
         let mut args = vec!["compile", "--model", "tiny-llama3", "--out", out.to_str().unwrap()];
         args.extend(flags);
@@ -235,6 +306,28 @@ fn compile_flags_that_need_check_are_refused() {
         assert!(!out.exists(), "{flags:?}: nothing is written");
     }
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_target_given_twice_is_refused() {
+    compile_is_refused(
+        "rel-target-twice",
+        &[(
+            &["--target", "cuda:h100:1", "--target", "cuda:h100:1"],
+            "--target cuda:h100:1 is given twice",
+        )],
+    );
+}
+
+#[test]
+fn targets_with_different_device_counts_are_refused_naming_both() {
+    compile_is_refused(
+        "rel-target-counts",
+        &[(
+            &["--target", "cuda:h100:1", "--target", "tpu:v5p:2x2x1"],
+            "--target cuda:h100:1 has 1 devices but --target tpu:v5p:2x2x1 has 4",
+        )],
+    );
 }
 
 /// `--grad-accum 0` is out of range, said as the other ranges are (it was "must divide the
@@ -282,8 +375,17 @@ fn a_flag_typed_twice_is_refused_naming_it_and_both_values() {
         "{e}"
     );
     assert!(!a.exists() && !b.exists(), "nothing trained");
-    // A switch too.
-    let e = fails(&refs(&train_on(&model, &a, &["--no-plot"])));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_switch_typed_twice_is_refused_naming_it() {
+    let dir = tempdir("rel-twice-switch");
+    let e = fails(&refs(&train_on(
+        &fixtures().join("model"),
+        &dir.join("a"),
+        &["--no-plot"],
+    )));
     assert!(
         e.contains("--no-plot is given twice on the command line"),
         "{e}"
@@ -334,6 +436,13 @@ fn a_recipe_table_with_lora_r_and_lora_dash_r_is_refused_naming_both_keys() {
             ),
         "{e}"
     );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_recipe_section_with_lora_alpha_and_lora_dash_alpha_is_refused_naming_the_section() {
+    let dir = tempdir("rel-recipe-same-flag-section");
+    let recipe = dir.join("r.toml");
     std::fs::write(&recipe, "[train]\nlora_alpha = 8\nlora-alpha = 16\n").unwrap();
     let e = fails(&[
         "compile",
@@ -469,7 +578,7 @@ fn an_empty_mesh_is_refused() {
 }
 
 #[test]
-fn log_every_0_prints_no_progress_and_its_help_says_what_it_still_prints() {
+fn log_every_0_prints_no_progress() {
     let dir = tempdir("rel-log-every-0");
     let model = fixtures().join("model");
     let o = xtrain(&refs(&train_on(
@@ -483,13 +592,17 @@ fn log_every_0_prints_no_progress_and_its_help_says_what_it_still_prints() {
         !err.contains("step 1/") && !err.contains("loaded") && !err.contains("peak host memory"),
         "{err}"
     );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn the_help_of_log_every_says_what_0_still_prints() {
     let help = String::from_utf8_lossy(&xtrain(&["train", "--help"]).stdout).to_string();
     let help = help.split_whitespace().collect::<Vec<_>>().join(" ");
     assert!(
         help.contains("0: no progress (no bars, step lines or loading lines); evaluation results, notes on what the run sets up"),
         "{help}"
     );
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// A `--target` typed over a recipe's replaces it (said as an override) rather than joining it:

@@ -91,11 +91,24 @@ fn text_run(model: &Path, data: &Path, out: &Path, extra: &[&str]) -> Command {
 
 fn dataset(dir: &Path) -> PathBuf {
     let p = dir.join("d.jsonl");
-    let s: String = (0..30)
-        .map(|i| format!("{{\"instruction\": \"Say {i}\", \"output\": \"{i}!\"}}\n"))
-        .collect();
-    std::fs::write(&p, s).unwrap();
+    std::fs::write(&p, say_examples(30)).unwrap();
     p
+}
+
+/// `n` JSONL lines of instruction data: `{"instruction": "Say i", "output": "i!"}`.
+fn say_examples(n: usize) -> String {
+    (0..n)
+        .map(|i| format!("{{\"instruction\": \"Say {i}\", \"output\": \"{i}!\"}}\n"))
+        .collect()
+}
+
+/// Every tensor of the safetensors file at `path`, by name (to change some and write them back).
+fn all_tensors(path: &Path) -> std::collections::BTreeMap<String, pjrt::HostTensor> {
+    let st = xtrain::formats::safetensors::SafeTensors::open(path).unwrap();
+    st.tensors
+        .keys()
+        .map(|k| (k.clone(), st.read(k).unwrap()))
+        .collect()
 }
 
 fn latest_checkpoint(out: &Path) -> Option<PathBuf> {

@@ -1,30 +1,15 @@
-//! Program dirs from `xtrain compile`: their flags are fixed, an edited manifest is refused, a form
-//! this plugin cannot run is named.
+//! Program dirs from `xtrain compile`: their flags are fixed, one built for another model or
+//! edited (its program or its manifest) is refused, a form this plugin cannot run is named.
 
 use super::*;
 
 #[test]
-fn a_program_dir_fixes_its_flags() {
-    let dir = tempdir("rel-program-flags");
-    let model = fixtures().join("model");
-    let prog = dir.join("prog");
-    let o = xtrain(&[
-        "compile",
-        "--model",
-        model.to_str().unwrap(),
-        "--batch",
-        "2",
-        "--seq",
-        "16",
-        "--lora-r",
-        "4",
-        "--out",
-        prog.to_str().unwrap(),
-    ]);
-    assert!(o.status.success(), "{}", stderr_of(&o));
-    // --lora-r 8 against a program built for r=4: refused, naming both.
+fn train_with_a_program_dir_refuses_another_lora_r_naming_both() {
+    let dir = tempdir("rel-program-lora-r");
+    let prog = program_dir(&dir, &[]);
+    // --lora-r 8 against a program built for r=4.
     let mut a = train_on(
-        &model,
+        &fixtures().join("model"),
         &dir.join("a"),
         &["--program", prog.to_str().unwrap()],
     );
@@ -35,38 +20,77 @@ fn a_program_dir_fixes_its_flags() {
         e.contains("was built with --lora-r 4, but the command line gives --lora-r 8"),
         "{e}"
     );
-    // A form of the program other than its own: refused too (left out, the flag takes what
-    // the program has).
-    let mut b = a.clone();
-    b[r + 1] = "4".into();
-    b.extend(["--keep-softmax-stats".into(), "true".into()]);
-    let e = fails(&refs(&b));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A form of the program other than its own is refused too (left out, the flag takes what the
+/// program has).
+#[test]
+fn train_with_a_program_dir_refuses_another_form_of_its_program() {
+    let dir = tempdir("rel-program-form");
+    let prog = program_dir(&dir, &[]);
+    let e = fails(&refs(&train_on(
+        &fixtures().join("model"),
+        &dir.join("a"),
+        &[
+            "--program",
+            prog.to_str().unwrap(),
+            "--keep-softmax-stats",
+            "true",
+        ],
+    )));
     assert!(
         e.contains(
             "was built with --keep-softmax-stats false, but the command line gives --keep-softmax-stats true"
         ),
         "{e}"
     );
-    // A remat policy other than the program's (layer: `auto` is layer where the memory is not
-    // known) is refused too; `--remat auto` takes the program's.
-    let mut c = a.clone();
-    c[r + 1] = "4".into();
-    c.extend(["--remat".into(), "save-proj".into()]);
-    let e = fails(&refs(&c));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A remat policy other than the program's (layer: `auto` is layer where the memory is not
+/// known) is refused too; `--remat auto` takes the program's.
+#[test]
+fn train_with_a_program_dir_refuses_another_remat_policy() {
+    let dir = tempdir("rel-program-remat-other");
+    let prog = program_dir(&dir, &[]);
+    let e = fails(&refs(&train_on(
+        &fixtures().join("model"),
+        &dir.join("a"),
+        &["--program", prog.to_str().unwrap(), "--remat", "save-proj"],
+    )));
     assert!(
         e.contains("was built with --remat layer, but the command line gives --remat save-proj"),
         "{e}"
     );
-    // Left out, the rank is the program's.
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn train_with_a_program_dir_takes_its_rank_when_lora_r_is_left_out() {
+    let dir = tempdir("rel-program-rank");
+    let prog = program_dir(&dir, &[]);
+    let mut a = train_on(
+        &fixtures().join("model"),
+        &dir.join("a"),
+        &["--program", prog.to_str().unwrap()],
+    );
+    let r = a.iter().position(|s| s == "--lora-r").unwrap();
     a.drain(r..r + 2);
     let o = xtrain(&refs(&a));
     assert!(o.status.success(), "{}", stderr_of(&o));
     assert_eq!(adapter_rank(&dir.join("a/adapter")), 4);
-    // Compiling into it again needs --overwrite.
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn compiling_into_a_program_dir_again_needs_overwrite() {
+    let dir = tempdir("rel-program-again");
+    let prog = program_dir(&dir, &[]);
     let e = fails(&[
         "compile",
         "--model",
-        model.to_str().unwrap(),
+        fixtures().join("model").to_str().unwrap(),
         "--out",
         prog.to_str().unwrap(),
     ]);
@@ -74,9 +98,50 @@ fn a_program_dir_fixes_its_flags() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+#[test]
+fn a_program_dir_built_for_another_model_is_refused() {
+    let dir = tempdir("rel-program-other-model");
+    let prog = dir.join("prog");
+    let o = xtrain(&[
+        "compile",
+        "--model",
+        "llama-3.1-8b",
+        "--seq",
+        "16",
+        "--batch",
+        "2",
+        "--out",
+        prog.to_str().unwrap(),
+    ]);
+    assert!(o.status.success());
+    let e = fails(&refs(&train_on(
+        &fixtures().join("model"),
+        &dir.join("out"),
+        &["--program", prog.to_str().unwrap()],
+    )));
+    assert!(e.contains("was built for another model"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A program dir whose program text was changed after `xtrain compile` wrote it (here one that
+/// would otherwise train: built for this model and these flags).
+#[test]
+fn a_program_dir_whose_program_was_edited_is_refused() {
+    let dir = tempdir("rel-program-tampered");
+    let prog = program_dir(&dir, &[]);
+    std::fs::write(prog.join("train_step.mlir"), "module {}").unwrap();
+    let e = fails(&refs(&train_on(
+        &fixtures().join("model"),
+        &dir.join("out"),
+        &["--program", prog.to_str().unwrap()],
+    )));
+    assert!(e.contains("does not match its manifest"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// An edited manifest (here another LoRA alpha, which the program text has built in) is refused
 /// naming what was edited, rather than trained with the text's alpha and recorded with the
-/// manifest's; so is a program dir of another manifest format.
+/// manifest's.
 #[test]
 fn an_edited_manifest_is_refused() {
     let dir = tempdir("rel-edited-manifest");
@@ -100,7 +165,7 @@ fn an_edited_manifest_is_refused() {
         "{e}"
     );
     assert!(!out.join("adapter").exists());
-    // The manifest as written trains.
+    // The control that belongs with it: the manifest as written trains (the edit was refused).
     std::fs::write(&path, &original).unwrap();
     let o = xtrain(&refs(&train_on(
         &model,
@@ -108,12 +173,21 @@ fn an_edited_manifest_is_refused() {
         &["--program", prog.to_str().unwrap()],
     )));
     assert!(o.status.success(), "{}", stderr_of(&o));
-    // A manifest of the first format (one build, no settings hash).
-    let mut old: serde_json::Value = serde_json::from_str(&original).unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A manifest of the first format (one build, no settings hash).
+#[test]
+fn a_program_dir_of_an_older_manifest_format_is_refused() {
+    let dir = tempdir("rel-old-manifest");
+    let prog = program_dir(&dir, &[]);
+    let path = prog.join("manifest.json");
+    let mut old: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
     old["format"] = "xtrain-program/1".into();
     std::fs::write(&path, old.to_string()).unwrap();
     let e = fails(&refs(&train_on(
-        &model,
+        &fixtures().join("model"),
         &dir.join("run2"),
         &["--program", prog.to_str().unwrap()],
     )));
@@ -125,18 +199,18 @@ fn an_edited_manifest_is_refused() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// What the CPU plugin says of a program dir (or a run) that keeps values in host memory.
+const OFFLOAD_ON_THE_CPU: &str = "keeps values in host memory (--offload activations), but XLA's CPU compiler cannot place values in host memory";
+
 /// A GPU program dir that keeps values in host memory, trained on the CPU, is refused by name
-/// before XLA sees it (which said only "UNIMPLEMENTED: Side-effect ops cannot be replicated");
-/// the same for `train --offload` and `compile --check --offload` on the CPU.
+/// before XLA sees it (which said only "UNIMPLEMENTED: Side-effect ops cannot be replicated").
 #[test]
 fn an_offloaded_program_dir_is_refused_on_the_cpu_by_name() {
     let dir = tempdir("rel-offload-cpu");
     let prog = program_dir(&dir, &["--mesh", "fsdp=2", "--offload", "activations"]);
-    let model = fixtures().join("model");
-    let want = "keeps values in host memory (--offload activations), but XLA's CPU compiler cannot place values in host memory";
     // (after the line that says which flags the program dir fixed)
     let o = xtrain(&refs(&train_on(
-        &model,
+        &fixtures().join("model"),
         &dir.join("run"),
         &["--program", prog.to_str().unwrap()],
     )));
@@ -144,17 +218,26 @@ fn an_offloaded_program_dir_is_refused_on_the_cpu_by_name() {
     assert!(!o.status.success() && !e.contains("panicked"), "{e}");
     assert!(
         e.contains(&format!("error: program dir {}", prog.display()))
-            && e.contains(want)
+            && e.contains(OFFLOAD_ON_THE_CPU)
             && e.contains("--offload none"),
         "{e}"
     );
     assert!(!e.contains("Side-effect"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The same check as a program dir's, for `--offload` typed: by `train` and by
+/// `compile --check` on the CPU alike.
+#[test]
+fn offload_on_the_cpu_is_refused_by_name_by_train_and_compile_check() {
+    let dir = tempdir("rel-offload-cpu-flag");
+    let model = fixtures().join("model");
     let e = fails(&refs(&train_on(
         &model,
         &dir.join("run2"),
         &["--offload", "activations"],
     )));
-    assert!(e.contains(want), "{e}");
+    assert!(e.contains(OFFLOAD_ON_THE_CPU), "{e}");
     let e = fails(&[
         "compile",
         "--model",
@@ -165,7 +248,7 @@ fn an_offloaded_program_dir_is_refused_on_the_cpu_by_name() {
         "--out",
         dir.join("p2").to_str().unwrap(),
     ]);
-    assert!(e.contains(want), "{e}");
+    assert!(e.contains(OFFLOAD_ON_THE_CPU), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -3,30 +3,50 @@
 
 use super::*;
 
+/// The adapter's bytes in run dir `d`.
+fn adapter_bytes(d: &Path) -> Vec<u8> {
+    std::fs::read(d.join("adapter/adapter_model.safetensors")).unwrap()
+}
+
+/// The `step loss` of each step in run dir `d`'s metrics.jsonl.
+fn losses(d: &Path) -> Vec<String> {
+    std::fs::read_to_string(d.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .filter(|l| l.contains("\"loss\""))
+        .map(String::from)
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(&l).unwrap();
+            format!("{} {}", v["step"], v["loss"])
+        })
+        .collect()
+}
+
 #[test]
-fn runs_are_deterministic_and_survive_sigkill_and_sigterm() {
-    let dir = tempdir("rel-kill");
+fn two_uninterrupted_runs_give_the_same_adapter_and_losses() {
+    let dir = tempdir("rel-deterministic");
     let model = tiny_text_model(&dir);
     let data = dataset(&dir);
-    // Two uninterrupted runs: the same bytes.
     let (a, b) = (dir.join("a"), dir.join("b"));
     assert!(text_run(&model, &data, &a, &[]).status().unwrap().success());
     assert!(text_run(&model, &data, &b, &[]).status().unwrap().success());
-    let adapter = |d: &Path| std::fs::read(d.join("adapter/adapter_model.safetensors")).unwrap();
-    assert_eq!(adapter(&a), adapter(&b), "CPU runs are deterministic");
-    let losses = |d: &Path| -> Vec<String> {
-        std::fs::read_to_string(d.join("metrics.jsonl"))
-            .unwrap()
-            .lines()
-            .filter(|l| l.contains("\"loss\""))
-            .map(String::from)
-            .map(|l| {
-                let v: serde_json::Value = serde_json::from_str(&l).unwrap();
-                format!("{} {}", v["step"], v["loss"])
-            })
-            .collect()
-    };
+    assert_eq!(
+        adapter_bytes(&a),
+        adapter_bytes(&b),
+        "CPU runs are deterministic"
+    );
     assert_eq!(losses(&a), losses(&b));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_run_killed_with_sigkill_and_sigterm_and_resumed_ends_as_the_uninterrupted_run() {
+    let dir = tempdir("rel-kill");
+    let model = tiny_text_model(&dir);
+    let data = dataset(&dir);
+    // The uninterrupted run to compare with.
+    let a = dir.join("a");
+    assert!(text_run(&model, &data, &a, &[]).status().unwrap().success());
 
     // Killed with SIGKILL at several points, resumed each time from the latest checkpoint.
     let k = dir.join("killed");
@@ -82,8 +102,8 @@ fn runs_are_deterministic_and_survive_sigkill_and_sigterm() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert!(kills >= 1, "at least one run was killed mid-way");
     assert_eq!(
-        adapter(&k),
-        adapter(&a),
+        adapter_bytes(&k),
+        adapter_bytes(&a),
         "the same final adapter after {kills} kills and a SIGTERM"
     );
     assert_eq!(losses(&k), losses(&a), "the same losses");
@@ -101,19 +121,30 @@ fn runs_are_deterministic_and_survive_sigkill_and_sigterm() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-#[test]
-fn a_run_dir_is_continued_only_with_resume_and_replaced_only_with_overwrite() {
-    let dir = tempdir("rel-outdir");
-    let model = fixtures().join("model");
-    let out = dir.join("run");
-    let o = xtrain(&refs(&train_on(&model, &out, &["--save-every", "1"])));
+// ---------------------------------------------------------------- run dirs
+
+/// A completed run of the fixture model into `out` (2 steps, r=4, `extra` flags).
+fn trained(out: &Path, extra: &[&str]) {
+    let o = xtrain(&refs(&train_on(&fixtures().join("model"), out, extra)));
     assert!(o.status.success(), "{}", stderr_of(&o));
-    let first = names(&out);
-    // Another run into the same --out: refused, naming the way to continue, nothing touched.
-    let mut a = train_on(&model, &out, &["--steps", "1"]);
+}
+
+/// `train_on` into `out` with --lora-r 8 instead of 4 (and 1 step).
+fn train_r8(out: &Path) -> Vec<String> {
+    let mut a = train_on(&fixtures().join("model"), out, &["--steps", "1"]);
     let r = a.iter().position(|s| s == "--lora-r").unwrap();
     a[r + 1] = "8".into();
-    let e = fails(&refs(&a));
+    a
+}
+
+/// Another run into the same --out: refused, naming the way to continue, nothing touched.
+#[test]
+fn a_run_dir_is_continued_only_with_resume() {
+    let dir = tempdir("rel-outdir-resume");
+    let out = dir.join("run");
+    trained(&out, &["--save-every", "1"]);
+    let first = names(&out);
+    let e = fails(&refs(&train_r8(&out)));
     assert!(e.contains("holds a previous run"), "{e}");
     assert!(
         e.contains(&format!("--resume {}", out.join("checkpoint-2").display())),
@@ -121,14 +152,32 @@ fn a_run_dir_is_continued_only_with_resume_and_replaced_only_with_overwrite() {
     );
     assert_eq!(names(&out), first, "nothing written or removed");
     assert_eq!(adapter_rank(&out.join("checkpoint-1")), 4);
-    // With --overwrite: a clean r=8 run, none of the r=4 checkpoints left beside it.
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// With --overwrite: a clean r=8 run, none of the r=4 checkpoints left beside it.
+#[test]
+fn a_run_dir_is_replaced_only_with_overwrite() {
+    let dir = tempdir("rel-outdir-overwrite");
+    let out = dir.join("run");
+    trained(&out, &["--save-every", "1"]);
+    let mut a = train_r8(&out);
     a.push("--overwrite".into());
     let o = xtrain(&refs(&a));
     assert!(o.status.success(), "{}", stderr_of(&o));
     assert_eq!(names(&out), vec!["adapter", "metrics.jsonl", "tensorboard"]);
     assert_eq!(adapter_rank(&out.join("adapter")), 8);
-    // An --overwrite run stopped early keeps the replaced files aside; the run resuming it
-    // deletes them when it completes.
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// An --overwrite run stopped early keeps the replaced files aside; the run resuming it deletes
+/// them when it completes.
+#[test]
+fn an_overwrite_run_stopped_early_keeps_the_replaced_files_until_its_resume_completes() {
+    let dir = tempdir("rel-outdir-replaced");
+    let model = fixtures().join("model");
+    let out = dir.join("run");
+    trained(&out, &["--save-every", "1"]);
     let o = xtrain(&refs(&train_on(
         &model,
         &out,
@@ -150,31 +199,50 @@ fn a_run_dir_is_continued_only_with_resume_and_replaced_only_with_overwrite() {
         "{:?}",
         names(&out)
     );
-    // A directory holding something else is refused; its files are left alone.
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A directory holding something else is refused; its files are left alone.
+#[test]
+fn train_out_at_a_dir_holding_other_files_is_refused_and_they_are_left_alone() {
+    let dir = tempdir("rel-outdir-other");
     let other = dir.join("other");
     std::fs::create_dir_all(&other).unwrap();
     std::fs::write(other.join("notes.txt"), "mine").unwrap();
-    let e = fails(&refs(&train_on(&model, &other, &[])));
+    let e = fails(&refs(&train_on(&fixtures().join("model"), &other, &[])));
     assert!(
         e.contains("holds files that are not a training run's (notes.txt)"),
         "{e}"
     );
     assert_eq!(names(&other), vec!["notes.txt"]);
-    // Another run's checkpoint resumed into a dir holding a run: refused, nothing mixed.
-    let third = dir.join("third");
-    let o = xtrain(&refs(&train_on(&model, &third, &["--save-every", "1"])));
-    assert!(o.status.success(), "{}", stderr_of(&o));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Another run's checkpoint resumed into a dir holding a run: refused, nothing mixed.
+#[test]
+fn another_runs_checkpoint_resumed_into_a_run_dir_is_refused() {
+    let dir = tempdir("rel-outdir-another-run");
+    let (out, third) = (dir.join("run"), dir.join("third"));
+    trained(&out, &["--save-every", "1"]);
+    trained(&third, &["--save-every", "1"]);
     let e = fails(&refs(&train_on(
-        &model,
+        &fixtures().join("model"),
         &out,
         &["--resume", third.join("checkpoint-1").to_str().unwrap()],
     )));
     assert!(e.contains("holds another run than the one --resume"), "{e}");
-    // --overwrite and --resume together make no sense.
-    let ckpt = dir.join("run2");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// --overwrite and --resume together make no sense.
+#[test]
+fn overwrite_and_resume_together_are_refused() {
+    let dir = tempdir("rel-outdir-overwrite-resume");
+    let out = dir.join("run");
+    trained(&out, &[]);
     let e = fails(&refs(&train_on(
-        &model,
-        &ckpt,
+        &fixtures().join("model"),
+        &dir.join("run2"),
         &[
             "--overwrite",
             "--resume",
@@ -185,19 +253,27 @@ fn a_run_dir_is_continued_only_with_resume_and_replaced_only_with_overwrite() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// An output path that is a file: refused before any work.
 #[test]
-fn one_run_at_a_time_in_a_dir_and_a_killed_runs_leftovers_are_removed() {
-    let dir = tempdir("rel-lock");
-    let model = fixtures().join("model");
-    let out = dir.join("run");
-    // Leftovers of killed runs, as write_atomic and write_dir_atomic name them.
-    std::fs::create_dir_all(&out).unwrap();
-    let pid = dead_pid();
-    let leftover = out.join(format!(".checkpoint-3.tmp-{pid}"));
-    std::fs::create_dir_all(&leftover).unwrap();
-    std::fs::write(out.join(format!(".loss.png.tmp-{pid}")), "x").unwrap();
-    let mut first = xtrain_cmd()
-        .args(train_on(&model, &out, &["--steps", "100000"]))
+fn an_output_path_that_is_a_file_is_refused() {
+    let dir = tempdir("rel-out-file");
+    let file = dir.join("a-file");
+    std::fs::write(&file, b"x").unwrap();
+    let e = fails(&refs(&train_on(&fixtures().join("model"), &file, &[])));
+    assert!(e.contains("cannot create output dir"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+// ---------------------------------------------------------------- one run at a time
+
+/// A run of the fixture model into `out` that goes on until killed, once it holds the dir's lock.
+fn long_run_holding(out: &Path) -> std::process::Child {
+    let child = xtrain_cmd()
+        .args(train_on(
+            &fixtures().join("model"),
+            out,
+            &["--steps", "100000"],
+        ))
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
@@ -206,22 +282,69 @@ fn one_run_at_a_time_in_a_dir_and_a_killed_runs_leftovers_are_removed() {
     while !out.join(".xtrain-run").is_file() && t0.elapsed().as_secs() < 60 {
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
-    let e = fails(&refs(&train_on(&model, &out, &["--overwrite"])));
+    child
+}
+
+#[test]
+fn a_second_run_into_a_dir_while_one_runs_is_refused_naming_its_pid() {
+    let dir = tempdir("rel-lock");
+    let out = dir.join("run");
+    let mut first = long_run_holding(&out);
+    let e = fails(&refs(&train_on(
+        &fixtures().join("model"),
+        &out,
+        &["--overwrite"],
+    )));
     assert!(
         e.contains(&format!("another xtrain run (pid {})", first.id())),
         "{e}"
     );
-    // The first run is killed: its lock goes with it, and the next run is not blocked.
     first.kill().unwrap();
-    let o = first.wait_with_output().unwrap();
+    first.wait().unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The first run is killed: its lock goes with it, and the next run is not blocked.
+#[test]
+fn a_killed_runs_lock_does_not_block_the_next_run() {
+    let dir = tempdir("rel-lock-killed");
+    let out = dir.join("run");
+    let mut first = long_run_holding(&out);
+    first.kill().unwrap();
+    first.wait().unwrap();
+    let o = xtrain(&refs(&train_on(
+        &fixtures().join("model"),
+        &out,
+        &["--overwrite"],
+    )));
+    assert!(o.status.success(), "{}", stderr_of(&o));
+    assert!(
+        names(&out).iter().all(|n| !n.contains(".tmp-")),
+        "{:?}",
+        names(&out)
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Leftovers of killed runs, as write_atomic and write_dir_atomic name them, are removed by the
+/// next run into the dir, which says so.
+#[test]
+fn a_killed_runs_leftover_temp_files_are_removed_by_the_next_run() {
+    let dir = tempdir("rel-leftovers");
+    let out = dir.join("run");
+    std::fs::create_dir_all(&out).unwrap();
+    let pid = dead_pid();
+    let leftover = out.join(format!(".checkpoint-3.tmp-{pid}"));
+    std::fs::create_dir_all(&leftover).unwrap();
+    std::fs::write(out.join(format!(".loss.png.tmp-{pid}")), "x").unwrap();
+    let o = xtrain(&refs(&train_on(&fixtures().join("model"), &out, &[])));
     let err = stderr_of(&o);
+    assert!(o.status.success(), "{err}");
     assert!(
         err.contains(&format!("removed {}", leftover.display())) && err.contains("killed run"),
         "{err}"
     );
     assert!(!leftover.exists());
-    let o = xtrain(&refs(&train_on(&model, &out, &["--overwrite"])));
-    assert!(o.status.success(), "{}", stderr_of(&o));
     assert!(
         names(&out).iter().all(|n| !n.contains(".tmp-")),
         "{:?}",
@@ -254,50 +377,96 @@ fn stop_after_writes_the_checkpoint_it_stops_at() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-#[test]
-fn merge_and_import_refuse_a_dir_that_holds_something_and_replace_it_whole_on_overwrite() {
-    let dir = tempdir("rel-merge-out");
-    let model = fixtures().join("model");
-    let adapter = fixtures().join("adapter_init");
-    let merge = |out: &Path, extra: &[&str]| -> Vec<String> {
-        let mut v: Vec<String> = ["merge", "--model", model.to_str().unwrap()]
-            .iter()
-            .map(|s| s.to_string())
-            .collect();
-        v.extend(["--adapter".into(), adapter.to_str().unwrap().into()]);
-        v.extend(["--out".into(), out.to_str().unwrap().into()]);
-        v.extend(extra.iter().map(|s| s.to_string()));
-        v
-    };
-    // A training run's directory: refused, nothing deleted.
-    let run = dir.join("run");
-    std::fs::create_dir_all(run.join("checkpoint-5")).unwrap();
-    std::fs::write(run.join("metrics.jsonl"), "{}\n").unwrap();
-    let e = fails(&refs(&merge(&run, &[])));
-    assert!(
-        e.contains("is not empty") && e.contains("--overwrite"),
-        "{e}"
-    );
-    assert_eq!(names(&run), vec!["checkpoint-5", "metrics.jsonl"]);
-    // `target/.`: the same refusal, nothing deleted.
+// ---------------------------------------------------------------- merge and import output dirs
+
+/// `merge` of the fixture adapter into the fixture model, into `out`, with `extra` flags.
+fn merge_into(out: &Path, extra: &[&str]) -> Vec<String> {
+    let mut v: Vec<String> = [
+        "merge",
+        "--model",
+        fixtures().join("model").to_str().unwrap(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    v.extend([
+        "--adapter".into(),
+        fixtures().join("adapter_init").to_str().unwrap().into(),
+    ]);
+    v.extend(["--out".into(), out.to_str().unwrap().into()]);
+    v.extend(extra.iter().map(|s| s.to_string()));
+    v
+}
+
+/// `dir/target` holding keep.txt, and the path `dir/target/.` that names it.
+fn target_dot(dir: &Path) -> (PathBuf, String) {
     let target = dir.join("target");
     std::fs::create_dir_all(&target).unwrap();
     std::fs::write(target.join("keep.txt"), "x").unwrap();
     let dot = format!("{}/.", target.display());
-    let e = fails(&refs(&merge(Path::new(&dot), &[])));
-    assert!(e.contains("is not empty"), "{e}");
-    assert_eq!(names(&target), vec!["keep.txt"]);
-    // The model it reads: refused even with --overwrite.
-    let e = fails(&refs(&merge(&model, &["--overwrite"])));
-    assert!(e.contains("which this command reads"), "{e}");
-    // A sharded model: refused; with --overwrite replaced whole (no index left to win), and a
-    // killed merge's leftover beside it removed.
+    (target, dot)
+}
+
+/// A copy of the sharded fixture model in `dir/sharded`.
+fn sharded_model(dir: &Path) -> PathBuf {
     let sharded = dir.join("sharded");
     std::fs::create_dir_all(&sharded).unwrap();
     for f in std::fs::read_dir(fixtures().join("model_sharded")).unwrap() {
         let p = f.unwrap().path();
         std::fs::copy(&p, sharded.join(p.file_name().unwrap())).unwrap();
     }
+    sharded
+}
+
+/// No `.tmp-` or `.old-` leftovers in `dir` after a replace.
+fn assert_no_leftovers(dir: &Path) {
+    let leftovers: Vec<String> = names(dir)
+        .into_iter()
+        .filter(|n| n.contains(".tmp-") || n.contains(".old-"))
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+}
+
+/// A training run's directory: refused, nothing deleted.
+#[test]
+fn merge_into_a_training_runs_dir_is_refused_and_nothing_is_deleted() {
+    let dir = tempdir("rel-merge-out-run");
+    let run = dir.join("run");
+    std::fs::create_dir_all(run.join("checkpoint-5")).unwrap();
+    std::fs::write(run.join("metrics.jsonl"), "{}\n").unwrap();
+    let e = fails(&refs(&merge_into(&run, &[])));
+    assert!(
+        e.contains("is not empty") && e.contains("--overwrite"),
+        "{e}"
+    );
+    assert_eq!(names(&run), vec!["checkpoint-5", "metrics.jsonl"]);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `target/.`: the same refusal, nothing deleted.
+#[test]
+fn merge_into_a_dir_named_with_a_trailing_dot_is_refused_and_nothing_is_deleted() {
+    let dir = tempdir("rel-merge-out-dot");
+    let (target, dot) = target_dot(&dir);
+    let e = fails(&refs(&merge_into(Path::new(&dot), &[])));
+    assert!(e.contains("is not empty"), "{e}");
+    assert_eq!(names(&target), vec!["keep.txt"]);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn merge_into_the_model_it_reads_is_refused_even_with_overwrite() {
+    let e = fails(&refs(&merge_into(
+        &fixtures().join("model"),
+        &["--overwrite"],
+    )));
+    assert!(e.contains("which this command reads"), "{e}");
+}
+
+#[test]
+fn import_gguf_into_a_dir_holding_a_sharded_model_is_refused() {
+    let dir = tempdir("rel-import-out-sharded");
+    let sharded = sharded_model(&dir);
     let e = fails(&[
         "import-gguf",
         "/nonexistent/model.gguf",
@@ -305,13 +474,30 @@ fn merge_and_import_refuse_a_dir_that_holds_something_and_replace_it_whole_on_ov
         sharded.to_str().unwrap(),
     ]);
     assert!(e.contains("is not empty"), "{e}");
-    let stale = dir.join(format!(".sharded.tmp-{}", dead_pid()));
-    std::fs::create_dir_all(&stale).unwrap();
-    let o = xtrain(&refs(&merge(Path::new(&dot), &["--overwrite"])));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn merge_with_overwrite_replaces_a_dir_named_with_a_trailing_dot_whole() {
+    let dir = tempdir("rel-merge-overwrite-dot");
+    let (target, dot) = target_dot(&dir);
+    let o = xtrain(&refs(&merge_into(Path::new(&dot), &["--overwrite"])));
     assert!(o.status.success(), "{}", stderr_of(&o));
     assert!(names(&target).contains(&"model.safetensors".to_string()));
     assert!(!target.join("keep.txt").exists());
-    let o = xtrain(&refs(&merge(&sharded, &["--overwrite"])));
+    assert_no_leftovers(&dir);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A sharded model with --overwrite is replaced whole (no index left to win), and a killed
+/// merge's leftover beside it is removed.
+#[test]
+fn merge_with_overwrite_replaces_a_sharded_model_whole_and_removes_a_killed_merges_leftover() {
+    let dir = tempdir("rel-merge-overwrite-sharded");
+    let sharded = sharded_model(&dir);
+    let stale = dir.join(format!(".sharded.tmp-{}", dead_pid()));
+    std::fs::create_dir_all(&stale).unwrap();
+    let o = xtrain(&refs(&merge_into(&sharded, &["--overwrite"])));
     assert!(o.status.success(), "{}", stderr_of(&o));
     assert!(
         stderr_of(&o).contains("left by a killed run"),
@@ -321,98 +507,127 @@ fn merge_and_import_refuse_a_dir_that_holds_something_and_replace_it_whole_on_ov
     assert!(!stale.exists());
     assert!(!sharded.join("model.safetensors.index.json").exists());
     assert!(sharded.join("model.safetensors").is_file());
-    let leftovers: Vec<String> = names(&dir)
-        .into_iter()
-        .filter(|n| n.contains(".tmp-") || n.contains(".old-"))
-        .collect();
-    assert!(leftovers.is_empty(), "{leftovers:?}");
+    assert_no_leftovers(&dir);
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-// ---------------------------------------------------------------- silent wrong results
+// ---------------------------------------------------------------- resumed runs
 
-#[test]
-fn resume_takes_the_checkpoints_settings_and_refuses_contradictions() {
-    let dir = tempdir("rel-resume-settings");
-    let model = fixtures().join("model");
-    // A copy of the batch, changed below to show that other data at the same path is refused.
+/// `train` of the fixture model on `batch` into `out` (no progress, no plot) with `extra`.
+fn train_batch(batch: &Path, out: &Path, extra: &[&str]) -> Vec<String> {
+    let mut v: Vec<String> = [
+        "train",
+        "--model",
+        fixtures().join("model").to_str().unwrap(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    v.extend(["--data".into(), batch.to_str().unwrap().into()]);
+    v.extend(["--out".into(), out.to_str().unwrap().into()]);
+    v.extend(
+        ["--log-every", "0", "--no-plot"]
+            .iter()
+            .map(|s| s.to_string()),
+    );
+    v.extend(extra.iter().map(|s| s.to_string()));
+    v
+}
+
+/// The flags of the run that [`stopped_run`] stops: 4 steps of a cosine schedule, and settings
+/// other than the defaults.
+const RUN_FLAGS: [&str; 16] = [
+    "--steps",
+    "4",
+    "--lr",
+    "1e-3",
+    "--schedule",
+    "cosine",
+    "--lora-r",
+    "4",
+    "--lora-alpha",
+    "16",
+    "--lora-dropout",
+    "0.1",
+    "--weight-decay",
+    "0.01",
+    "--seed",
+    "5",
+];
+
+/// A copy of the fixture batch in `dir/batch.safetensors` (to change, to show that other data at
+/// the same path is refused), and a run on it with [`RUN_FLAGS`] stopped after step 2 in
+/// `dir/part`. Returns (batch, part, its checkpoint-2).
+fn stopped_run(dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
     let batch = dir.join("batch.safetensors");
     std::fs::copy(fixtures().join("inputs.safetensors"), &batch).unwrap();
-    let run = |out: &Path, extra: &[&str]| -> Vec<String> {
-        let mut v: Vec<String> = ["train", "--model", model.to_str().unwrap()]
-            .iter()
-            .map(|s| s.to_string())
-            .collect();
-        v.extend(["--data".into(), batch.to_str().unwrap().into()]);
-        v.extend(["--out".into(), out.to_str().unwrap().into()]);
-        v.extend(
-            ["--log-every", "0", "--no-plot"]
-                .iter()
-                .map(|s| s.to_string()),
-        );
-        v.extend(extra.iter().map(|s| s.to_string()));
-        v
-    };
-    let flags = [
-        "--steps",
-        "4",
-        "--lr",
-        "1e-3",
-        "--schedule",
-        "cosine",
-        "--lora-r",
-        "4",
-        "--lora-alpha",
-        "16",
-        "--lora-dropout",
-        "0.1",
-        "--weight-decay",
-        "0.01",
-        "--seed",
-        "5",
-    ];
-    let full = dir.join("full");
-    let o = xtrain(&refs(&run(&full, &flags)));
-    assert!(o.status.success(), "{}", stderr_of(&o));
     let part = dir.join("part");
-    let mut a = run(&part, &flags);
+    let mut a = train_batch(&batch, &part, &RUN_FLAGS);
     a.extend(["--stop-after".to_string(), "2".to_string()]);
     let o = xtrain(&refs(&a));
     assert!(o.status.success(), "{}", stderr_of(&o));
     let ckpt = part.join("checkpoint-2");
+    (batch, part, ckpt)
+}
+
+/// A flag given with another value than the checkpoint's: refused, naming both.
+#[test]
+fn resume_with_a_flag_of_another_value_than_the_checkpoints_is_refused_naming_both() {
+    let dir = tempdir("rel-resume-contradicts");
+    let (batch, part, ckpt) = stopped_run(&dir);
     let c = ckpt.to_str().unwrap();
-    // A flag given with another value than the checkpoint's: refused, naming both.
-    let e = fails(&refs(&run(&part, &["--resume", c, "--lora-alpha", "32"])));
+    let e = fails(&refs(&train_batch(
+        &batch,
+        &part,
+        &["--resume", c, "--lora-alpha", "32"],
+    )));
     assert!(
         e.contains("run has --lora-alpha 16, but the command line gives --lora-alpha 32"),
         "{e}"
     );
-    let e = fails(&refs(&run(&part, &["--resume", c, "--steps", "9"])));
+    let e = fails(&refs(&train_batch(
+        &batch,
+        &part,
+        &["--resume", c, "--steps", "9"],
+    )));
     assert!(e.contains("--steps 4") && e.contains("--steps 9"), "{e}");
-    // Every flag left out: the checkpoint's values, and the same result as the uninterrupted run
-    // (the cosine schedule over 4 steps, not an lr of 0 over a 1-step "epoch").
-    let o = xtrain(&refs(&run(&part, &["--resume", c])));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Every flag left out: the checkpoint's values, and the same result as the uninterrupted run
+/// (the cosine schedule over 4 steps, not an lr of 0 over a 1-step "epoch").
+#[test]
+fn resume_takes_the_checkpoints_settings_and_ends_as_the_uninterrupted_run() {
+    let dir = tempdir("rel-resume-settings");
+    let (batch, part, ckpt) = stopped_run(&dir);
+    let full = dir.join("full");
+    let o = xtrain(&refs(&train_batch(&batch, &full, &RUN_FLAGS)));
+    assert!(o.status.success(), "{}", stderr_of(&o));
+    let o = xtrain(&refs(&train_batch(
+        &batch,
+        &part,
+        &["--resume", ckpt.to_str().unwrap()],
+    )));
     let err = stderr_of(&o);
     assert!(o.status.success(), "{err}");
     assert!(
         err.contains("taking") && err.contains("--lora-alpha 16"),
         "{err}"
     );
-    let bytes = |d: &Path| std::fs::read(d.join("adapter/adapter_model.safetensors")).unwrap();
     assert_eq!(
-        bytes(&full),
-        bytes(&part),
+        adapter_bytes(&full),
+        adapter_bytes(&part),
         "the resumed run is the uninterrupted one"
     );
-    // Other data than the checkpoint's run saw: refused.
-    let st =
-        xtrain::formats::safetensors::SafeTensors::open(&fixtures().join("inputs.safetensors"))
-            .unwrap();
-    let mut t: std::collections::BTreeMap<String, pjrt::HostTensor> = st
-        .tensors
-        .keys()
-        .map(|k| (k.clone(), st.read(k).unwrap()))
-        .collect();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Other data than the checkpoint's run saw, at the same path: refused.
+#[test]
+fn resume_on_other_data_than_the_checkpoints_run_is_refused() {
+    let dir = tempdir("rel-resume-other-data");
+    let (batch, part, ckpt) = stopped_run(&dir);
+    let mut t = all_tensors(&fixtures().join("inputs.safetensors"));
     let mut ids = t["input_ids"].to_i64().unwrap();
     ids[3] = (ids[3] + 1) % 512;
     t.insert(
@@ -420,7 +635,11 @@ fn resume_takes_the_checkpoints_settings_and_refuses_contradictions() {
         pjrt::HostTensor::from_i64(&ids, &[2, 16]),
     );
     xtrain::formats::safetensors::write(&batch, &t, &Default::default()).unwrap();
-    let o = xtrain(&refs(&run(&part, &["--resume", c])));
+    let o = xtrain(&refs(&train_batch(
+        &batch,
+        &part,
+        &["--resume", ckpt.to_str().unwrap()],
+    )));
     assert!(!o.status.success());
     assert!(
         stderr_of(&o).contains("error: checkpoint"),
@@ -506,76 +725,99 @@ fn without_home_nothing_is_written_to_the_working_directory() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-#[test]
-fn train_out_at_its_own_inputs_with_overwrite_is_refused_before_anything_is_moved() {
-    let dir = tempdir("rel-out-inputs");
-    let model = tiny_text_model(&dir);
+// ---------------------------------------------------------------- train --out at its own inputs
+
+/// The flags of [`own_inputs`]'s runs.
+const SHORT_RUN: [&str; 8] = [
+    "--steps",
+    "1",
+    "--batch-size",
+    "1",
+    "--seq",
+    "32",
+    "--lora-r",
+    "4",
+];
+
+/// The tiny text model in `dir`, and its 8 examples in `dir/run/d.jsonl` and `dir/d.jsonl`.
+/// Returns (model, run, the data inside run, the data outside it).
+fn own_inputs(dir: &Path) -> (PathBuf, PathBuf, PathBuf, PathBuf) {
+    let model = tiny_text_model(dir);
     let run = dir.join("run");
     let data = run.join("d.jsonl");
     std::fs::create_dir_all(&run).unwrap();
-    let lines: String = (0..8)
-        .map(|i| format!("{{\"instruction\": \"Say {i}\", \"output\": \"{i}!\"}}\n"))
-        .collect();
-    std::fs::write(&data, &lines).unwrap();
+    std::fs::write(&data, say_examples(8)).unwrap();
     let outside = dir.join("d.jsonl");
-    std::fs::write(&outside, &lines).unwrap();
-    let flags = [
-        "--steps",
-        "1",
-        "--batch-size",
-        "1",
-        "--seq",
-        "32",
-        "--lora-r",
-        "4",
-    ];
-    let refused = |model: &Path, data: &Path, out: &Path, extra: &[&str], what: &Path| {
-        let mut a: Vec<String> = ["train", "--model", model.to_str().unwrap()]
-            .iter()
-            .map(|s| s.to_string())
-            .collect();
-        a.extend(["--data".into(), data.to_str().unwrap().into()]);
-        a.extend([
-            "--out".into(),
-            out.to_str().unwrap().into(),
-            "--overwrite".into(),
-        ]);
-        a.extend(flags.iter().chain(extra).map(|s| s.to_string()));
-        let before = names(out);
-        let e = fails(&refs(&a));
-        assert!(
-            e.contains("which this command reads; choose another --out")
-                && e.contains(&what.display().to_string()),
-            "{e}"
-        );
-        assert_eq!(names(out), before, "nothing moved");
-    };
-    // The dir that holds --data.
-    refused(&model, &data, &run, &[], &data);
-    // The model dir.
-    refused(&model, &outside, &model, &[], &model);
-    // The dir that holds --eval-data.
-    refused(
+    std::fs::write(&outside, say_examples(8)).unwrap();
+    (model, run, data, outside)
+}
+
+/// `train --out OUT --overwrite` that reads `what` is refused before anything is moved.
+fn refused_as_its_own_input(model: &Path, data: &Path, out: &Path, extra: &[&str], what: &Path) {
+    let mut a: Vec<String> = ["train", "--model", model.to_str().unwrap()]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    a.extend(["--data".into(), data.to_str().unwrap().into()]);
+    a.extend([
+        "--out".into(),
+        out.to_str().unwrap().into(),
+        "--overwrite".into(),
+    ]);
+    a.extend(SHORT_RUN.iter().chain(extra).map(|s| s.to_string()));
+    let before = names(out);
+    let e = fails(&refs(&a));
+    assert!(
+        e.contains("which this command reads; choose another --out")
+            && e.contains(&what.display().to_string()),
+        "{e}"
+    );
+    assert_eq!(names(out), before, "nothing moved");
+}
+
+#[test]
+fn train_out_at_the_dir_holding_its_data_with_overwrite_is_refused_before_anything_is_moved() {
+    let dir = tempdir("rel-out-inputs-data");
+    let (model, run, data, _) = own_inputs(&dir);
+    refused_as_its_own_input(&model, &data, &run, &[], &data);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn train_out_at_its_model_dir_with_overwrite_is_refused_before_anything_is_moved() {
+    let dir = tempdir("rel-out-inputs-model");
+    let (model, _, _, outside) = own_inputs(&dir);
+    refused_as_its_own_input(&model, &outside, &model, &[], &model);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn train_out_at_the_dir_holding_its_eval_data_with_overwrite_is_refused_before_anything_is_moved() {
+    let dir = tempdir("rel-out-inputs-eval-data");
+    let (model, run, data, outside) = own_inputs(&dir);
+    refused_as_its_own_input(
         &model,
         &outside,
         &run,
         &["--eval-data", data.to_str().unwrap()],
         &data,
     );
-    // A run dir whose adapter is --init-adapter.
-    let o = xtrain(&refs(&{
-        let mut a: Vec<String> = ["train", "--model", model.to_str().unwrap()]
-            .iter()
-            .map(|s| s.to_string())
-            .collect();
-        a.extend(["--data".into(), outside.to_str().unwrap().into()]);
-        a.extend(["--out".into(), dir.join("first").to_str().unwrap().into()]);
-        a.extend(flags.iter().map(|s| s.to_string()));
-        a
-    }));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A run dir whose adapter is --init-adapter.
+#[test]
+fn train_out_at_the_run_dir_of_its_init_adapter_with_overwrite_is_refused_before_anything_is_moved()
+{
+    let dir = tempdir("rel-out-inputs-init-adapter");
+    let (model, _, _, outside) = own_inputs(&dir);
+    let o = train_cmd(&model, &outside, &dir.join("first"))
+        .args(SHORT_RUN)
+        .output()
+        .unwrap();
     assert!(o.status.success(), "{}", stderr_of(&o));
     let adapter = dir.join("first/adapter");
-    refused(
+    refused_as_its_own_input(
         &model,
         &outside,
         &dir.join("first"),
