@@ -76,16 +76,36 @@ impl Batch {
         })
     }
 
-    /// Check token ids against the vocabulary.
+    /// Check token ids and labels against the vocabulary (a label may also be -100, no loss),
+    /// and that some position carries a loss.
     pub fn check_vocab(&self, vocab: i64) -> Result<()> {
+        let t = self.dims().1 as usize;
         let ids = self.input_ids.to_i32()?;
         if let Some((i, &bad)) = ids
             .iter()
             .enumerate()
             .find(|(_, &id)| id < 0 || id as i64 >= vocab)
         {
-            let t = self.dims().1 as usize;
             bail!("token id {bad} at batch row {}, position {} is outside the vocabulary (0..{vocab})", i / t, i % t);
+        }
+        let labels = self.labels.to_i32()?;
+        if let Some((i, &bad)) = labels
+            .iter()
+            .enumerate()
+            .find(|(_, &l)| l != -100 && (l < 0 || l as i64 >= vocab))
+        {
+            bail!(
+                "label {bad} at batch row {}, position {} is neither a token of the vocabulary \
+                 (0..{vocab}) nor -100 (no loss)",
+                i / t,
+                i % t
+            );
+        }
+        if self.target_tokens() == 0 {
+            bail!(
+                "no position carries a loss: every label after each row's first position is -100 \
+                 (the first position's label is never predicted)"
+            );
         }
         Ok(())
     }

@@ -75,7 +75,9 @@ pub struct TrainingData {
 pub fn load(opts: &DataOptions, model_dir: &Path, cfg: &LlamaConfig) -> Result<TrainingData> {
     if opts.is_batch_file() {
         let batch = Batch::from_safetensors(&opts.path)?;
-        batch.check_vocab(cfg.vocab_size)?;
+        batch
+            .check_vocab(cfg.vocab_size)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", opts.path.display()))?;
         let (rows, seq) = batch.dims();
         if opts.eval_fraction > 0.0 {
             bail!("--eval-fraction holds out JSONL examples; {} is one pre-tokenized batch (evaluate with --eval-data FILE.jsonl)", opts.path.display());

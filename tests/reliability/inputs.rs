@@ -350,6 +350,52 @@ fn a_token_id_outside_the_vocabulary_is_refused_naming_its_row_and_position() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// The fixture batch with one tensor replaced, written into `dir`.
+fn batch_with(dir: &std::path::Path, name: &str, values: Vec<i64>) -> std::path::PathBuf {
+    let mut t = all_tensors(&fixtures().join("inputs.safetensors"));
+    t.insert(name.into(), pjrt::HostTensor::from_i64(&values, &[2, 16]));
+    let data = dir.join(format!("{name}.safetensors"));
+    xtrain::formats::safetensors::write(&data, &t, &Default::default()).unwrap();
+    data
+}
+
+#[test]
+fn a_label_outside_the_vocabulary_is_refused_naming_the_file_its_row_and_position() {
+    let dir = tempdir("rel-label-range");
+    for bad in [600, -5] {
+        let mut labels = vec![1i64; 32];
+        labels[20] = bad;
+        let data = batch_with(&dir, "labels", labels);
+        let mut a = train_on(&fixtures().join("model"), &dir.join("out"), &[]);
+        a[4] = data.to_str().unwrap().into();
+        let e = fails(&refs(&a));
+        assert!(
+            e.contains(&format!(
+                "labels.safetensors: label {bad} at batch row 1, position 4 is neither a token of \
+                 the vocabulary (0..512) nor -100"
+            )),
+            "{e}"
+        );
+        assert!(!dir.join("out").join("adapter").exists());
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_batch_whose_every_label_is_minus_100_is_refused_as_having_no_loss() {
+    let dir = tempdir("rel-label-none");
+    // Only the first position of each row carries a label, and it is never predicted.
+    let labels = (0..32)
+        .map(|i| if i % 16 == 0 { 3 } else { -100 })
+        .collect();
+    let data = batch_with(&dir, "labels", labels);
+    let mut a = train_on(&fixtures().join("model"), &dir.join("out"), &[]);
+    a[4] = data.to_str().unwrap().into();
+    let e = fails(&refs(&a));
+    assert!(e.contains("no position carries a loss"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 // ---------------------------------------------------------------- adapters
 
 #[test]
