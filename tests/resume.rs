@@ -276,3 +276,39 @@ fn a_resumed_bf16_run_keeps_its_attention_scores_type() {
     assert!(out.join("adapter").is_dir());
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A run of `--steps 2` (constant learning rate) resumed with `--epochs 4` runs four epochs of
+/// its one-batch data: the typed epochs set the length, as in a new run (they were said to, and
+/// the recorded steps stopped the run at step 2 regardless).
+#[test]
+fn epochs_typed_on_resume_set_the_length_of_a_run_that_recorded_steps() {
+    let dir = tempdir("resume-epochs");
+    let f = fixtures();
+    let out = dir.join("run");
+    let o = train_cmd(&f.join("model"), &f.join("inputs.safetensors"), &out)
+        .args(["--steps", "2", "--save-every", "2", "--lora-r", "4"])
+        .args(["--log-every", "0", "--no-plot"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = xtrain_cmd()
+        .args(["train", "--resume"])
+        .arg(out.join("checkpoint-2"))
+        .args(["--epochs", "4"])
+        .output()
+        .unwrap();
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{e}");
+    assert!(
+        e.contains("--epochs 4 sets the resumed run's length instead of its recorded --steps 2"),
+        "{e}"
+    );
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let steps: Vec<u64> = metrics
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|r| r["step"].as_u64())
+        .collect();
+    assert_eq!(steps.last(), Some(&4), "{metrics}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

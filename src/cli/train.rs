@@ -57,7 +57,8 @@ pub struct TrainArgs {
     /// Learning-rate decay after warmup: constant, linear or cosine.
     #[arg(long, default_value = "constant", help_heading = "Schedule")]
     pub schedule: String,
-    /// The learning rate at the last step, as a fraction of --lr (linear/cosine).
+    /// Where a linear or cosine decay heads, as a fraction of --lr (the rate of the step after
+    /// the last).
     #[arg(long, default_value_t = 0.0, help_heading = "Schedule")]
     pub min_lr_ratio: f64,
     #[command(flatten)]

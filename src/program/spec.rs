@@ -358,6 +358,13 @@ pub(super) fn check_spec(spec: &StepSpec) -> Result<()> {
         crate::program::sharding::check_splits(&m.axes, &m.rules, &tensors)?;
     }
     if let Some(c) = spec.loss_chunk {
+        if spec.remat == Remat::None {
+            bail!(
+                "--loss-chunk {c} computes the loss in chunks after the looped layers; with \
+                 --remat none the layers are unrolled and the loss is computed whole, so the \
+                 flag would do nothing: give --remat layer or save-proj, or leave it out"
+            );
+        }
         if c < 1 || spec.seq % c != 0 {
             bail!(
                 "--loss-chunk {c} must be a positive divisor of the sequence length {}",
@@ -668,6 +675,18 @@ mod tests {
         };
         let e = refused(&o(&|o| o.loss_chunk = Some(24)), 4, 64);
         assert!(e.contains("--loss-chunk 24") && e.contains("64"), "{e}");
+        let e = refused(
+            &o(&|o| {
+                o.loss_chunk = Some(16);
+                o.remat = Some(Remat::None)
+            }),
+            4,
+            64,
+        );
+        assert!(
+            e.contains("--loss-chunk 16") && e.contains("--remat none"),
+            "{e}"
+        );
         let e = refused(&o(&|o| o.microbatches = 3), 4, 64);
         assert!(
             e.contains("--grad-accum 3") && e.contains("batch size 4"),

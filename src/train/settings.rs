@@ -480,7 +480,7 @@ pub fn settle(
         }
         let constant = recorded.get("schedule").and_then(|v| v.as_str()) == Some("constant");
         let source = format!("checkpoint {}'s run has", ckpt.display());
-        let taken = reconcile(
+        let mut taken = reconcile(
             o,
             &recorded,
             &source,
@@ -491,6 +491,22 @@ pub fn settle(
             None,
             notes,
         )?;
+        // `--epochs` given for a run that recorded `--steps`: the epochs set the length, as they
+        // do in a new run where only they are given (the recorded steps would outvote them).
+        let recorded_epochs = recorded.get("epochs").and_then(|v| v.as_u64());
+        if constant
+            && o.given("epochs")
+            && !o.given("steps")
+            && o.steps > 0
+            && recorded_epochs != Some(o.epochs)
+        {
+            taken.retain(|t| !t.starts_with("--steps "));
+            notes.push(format!(
+                "--epochs {} sets the resumed run's length instead of its recorded --steps {}",
+                o.epochs, o.steps
+            ));
+            o.steps = 0;
+        }
         note(&taken, &format!("checkpoint {}", ckpt.display()), notes);
     }
     Ok(())
