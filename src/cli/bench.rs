@@ -44,6 +44,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     let devices = options.mesh.as_ref().map_or(1, |m| m.devices());
     let rt = Runtime::open(a.plugin.as_deref(), Some(devices))?;
     let spec = options.spec(cfg, a.batch, a.seq)?;
+    xtrain::device::platform::check_offload(&rt.platform(), spec.offload, "this step")?;
     let r = xtrain::train::bench::run(rt, spec, a.warmup, a.steps, a.export.as_deref())?;
     println!("{}", serde_json::to_string(&r)?);
     Ok(())

@@ -102,7 +102,7 @@ pub fn compile(mut a: CompileArgs, verbose: bool) -> Result<()> {
     } else if a.no_estimate && !targets.iter().any(|t| t.platform == Platform::Tpu) {
         bail!("--no-estimate is for --check with a TPU --target (only TPUs are estimated)");
     }
-    if a.plugin.is_some() && !targets.is_empty() && !a.check {
+    if a.plugin.is_some() && !a.check {
         bail!(
             "--plugin names the plugin that compiles the program with --check; without --check \
              nothing is compiled (the program text is the same for every plugin)"
@@ -119,11 +119,12 @@ pub fn compile(mut a: CompileArgs, verbose: bool) -> Result<()> {
             }
             None => {}
             Some(m) if m.devices() != n => bail!(
-                "--mesh {} has {} devices but --target {} has {n}; give a mesh of {n} devices \
-                 (or leave --mesh out: fsdp={n})",
+                "--mesh {} has {} but --target {} has {n}; give a mesh of {} (or leave --mesh \
+                 out: fsdp={n})",
                 a.step.mesh.as_deref().unwrap_or_default(),
-                m.devices(),
-                targets[0].spec
+                devices(m.devices()),
+                targets[0].spec,
+                devices(n)
             ),
             Some(_) => {}
         }
@@ -212,10 +213,10 @@ fn target_devices(targets: &[Target]) -> Result<Option<i64>> {
     };
     if let Some(other) = targets.iter().find(|t| t.chips != first.chips) {
         bail!(
-            "--target {} has {} devices but --target {} has {}: one program dir holds one program, \
-             for one mesh; compile the targets of each device count into a program dir of its own",
+            "--target {} has {} but --target {} has {}: one program dir holds one program, for \
+             one mesh; compile the targets of each device count into a program dir of its own",
             first.spec,
-            first.chips,
+            devices(first.chips),
             other.spec,
             other.chips
         );
@@ -540,4 +541,13 @@ fn check(
         println!("XLA's HLO dumps: {}", dir.display());
     }
     Ok(())
+}
+
+/// `1 device`, `4 devices`.
+fn devices(n: i64) -> String {
+    if n == 1 {
+        "1 device".into()
+    } else {
+        format!("{n} devices")
+    }
 }

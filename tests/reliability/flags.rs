@@ -298,6 +298,10 @@ fn compile_flags_that_need_check_are_refused() {
             &["--plugin", "cuda", "--target", "cuda:h100:1"][..],
             "--plugin names the plugin that compiles the program with --check",
         ),
+        (
+            &["--plugin", "bogus"][..],
+            "--plugin names the plugin that compiles the program with --check",
+        ),
     ] {
         let mut args = vec!["compile", "--model", "tiny-llama3", "--out", out.to_str().unwrap()];
         args.extend(flags);
@@ -325,7 +329,7 @@ fn targets_with_different_device_counts_are_refused_naming_both() {
         "rel-target-counts",
         &[(
             &["--target", "cuda:h100:1", "--target", "tpu:v5p:2x2x1"],
-            "--target cuda:h100:1 has 1 devices but --target tpu:v5p:2x2x1 has 4",
+            "--target cuda:h100:1 has 1 device but --target tpu:v5p:2x2x1 has 4",
         )],
     );
 }

@@ -253,6 +253,26 @@ fn offload_on_the_cpu_is_refused_by_name_by_train_and_compile_check() {
 }
 
 #[test]
+fn bench_with_offload_on_the_cpu_is_refused_by_name() {
+    let e = fails(&[
+        "bench",
+        "--model",
+        "tiny-llama3",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--lora-r",
+        "4",
+        "--steps",
+        "1",
+        "--offload",
+        "activations",
+    ]);
+    assert!(e.contains(OFFLOAD_ON_THE_CPU), "{e}");
+}
+
+#[test]
 fn a_recipe_value_that_contradicts_a_program_dir_is_named_as_the_recipes() {
     let dir = tempdir("rel-recipe-source");
     let model = fixtures().join("model");
