@@ -80,6 +80,12 @@ fn run_in(opts: &TrainOptions, cfg: &LlamaConfig, interrupted: &AtomicBool) -> R
             schedule.lr
         );
     }
+    if opts.save_every > schedule.total {
+        eprintln!(
+            "xtrain: warning: --save-every {} is longer than the run ({} steps): no checkpoint is written along the way (Ctrl-C still writes one; a killed run starts over)",
+            opts.save_every, schedule.total
+        );
+    }
     let start = start::starting_point(opts, cfg, &spec.lora, &schedule, &data)?;
     let weights = load_weights(opts, cfg)?;
     if stop() {

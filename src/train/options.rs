@@ -142,6 +142,30 @@ impl TrainOptions {
                 self.given_by("eval-every")
             );
         }
+        if self.data.is_batch_file() {
+            // Evaluation examples are tokenized with these (all but --no-pack: they are never
+            // packed); a pre-tokenized batch is used as it is.
+            let text_flags: &[&str] = if self.data.eval_data.is_some() {
+                &["no-pack"]
+            } else {
+                &[
+                    "no-pack",
+                    "train-on-prompt",
+                    "skip-bad-lines",
+                    "strict-length",
+                    "text-column",
+                    "messages-column",
+                ]
+            };
+            if let Some(flag) = text_flags.iter().find(|f| self.given(f)) {
+                bail!(
+                    "--{flag} ({}) shapes JSONL or Parquet examples into rows, but --data {} is one \
+                     pre-tokenized batch, used as it is; leave --{flag} out",
+                    self.given_by(flag),
+                    self.data.path.display()
+                );
+            }
+        }
         if self.given("min-lr-ratio") && self.schedule == "constant" {
             let schedule_by = if self.given("schedule") {
                 self.given_by("schedule")

@@ -643,3 +643,30 @@ fn a_target_typed_over_a_recipes_replaces_it() {
     assert!(!stdout.contains("tpu:v5p"), "{stdout}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Flags that shape JSONL or Parquet examples into rows do nothing to a pre-tokenized batch:
+/// refused, rather than silently ignored (`--eval-fraction` and a contradicting `--batch-size`
+/// already were). With `--eval-data`, whose examples they shape, only `--no-pack` is refused.
+#[test]
+fn text_data_flags_with_a_pre_tokenized_batch_are_refused() {
+    let dir = tempdir("rel-text-flags-batch");
+    let model = fixtures().join("model");
+    for flags in [
+        &["--no-pack"][..],
+        &["--train-on-prompt"],
+        &["--strict-length"],
+        &["--skip-bad-lines"],
+        &["--text-column", "body"],
+    ] {
+        let e = fails(&refs(&train_on(&model, &dir.join("out"), flags)));
+        assert!(
+            e.contains(&format!(
+                "{} (the command line) shapes JSONL or Parquet examples into rows, but --data",
+                flags[0]
+            )) && e.contains("is one pre-tokenized batch"),
+            "{flags:?}: {e}"
+        );
+        assert!(!dir.join("out").exists(), "{flags:?}: nothing is written");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
