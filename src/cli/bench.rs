@@ -3,7 +3,7 @@
 use crate::cli::args::StepArgs;
 use anyhow::{bail, Result};
 use clap::Args;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use xtrain::device::runtime::Runtime;
 
 #[derive(Args)]
@@ -25,11 +25,32 @@ pub struct BenchArgs {
     pub steps: usize,
     #[arg(long, default_value_t = 2)]
     pub warmup: usize,
-    /// Write the weights, LoRA and batch here (safetensors) for peer implementations.
-    #[arg(long)]
+    /// Write the weights, LoRA and batch here (safetensors) for peer implementations: a new file
+    /// (see --overwrite), never one this command reads.
+    #[arg(long, value_name = "FILE")]
     pub export: Option<PathBuf>,
+    /// Replace the file --export names if it exists, once the new one is complete.
+    #[arg(long)]
+    pub overwrite: bool,
     #[arg(long)]
     pub plugin: Option<String>,
+}
+
+impl BenchArgs {
+    /// The files and directories this command reads, which `--export` may not replace: the model
+    /// dir (or config file), the sharding rules and a plugin given as a file.
+    fn inputs(&self) -> Vec<&Path> {
+        let model = Path::new(&self.model);
+        let plugin = self.plugin.as_deref().map(Path::new);
+        [
+            model.exists().then_some(model),
+            self.step.sharding_rules.as_deref(),
+            plugin.filter(|p| p.is_file()),
+        ]
+        .into_iter()
+        .flatten()
+        .collect()
+    }
 }
 
 pub fn bench(a: BenchArgs) -> Result<()> {
@@ -39,13 +60,27 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     if a.steps < 1 {
         bail!("--steps must be at least 1 (the steps timed)");
     }
+    let export = match &a.export {
+        Some(file) => Some(xtrain::formats::outdir::check_writable_file(
+            "--export",
+            file,
+            a.overwrite,
+            &a.inputs(),
+        )?),
+        None if a.overwrite => {
+            bail!(
+                "--overwrite replaces the file --export names; without --export nothing is written"
+            )
+        }
+        None => None,
+    };
     let (cfg, _) = xtrain::model::presets::resolve_model_config(&a.model)?;
     let options = a.step.options()?;
     let devices = options.mesh.as_ref().map_or(1, |m| m.devices());
     let rt = Runtime::open(a.plugin.as_deref(), Some(devices))?;
     let spec = options.spec(cfg, a.batch, a.seq)?;
     xtrain::device::platform::check_offload(&rt.platform(), spec.offload, "this step")?;
-    let r = xtrain::train::bench::run(rt, spec, a.warmup, a.steps, a.export.as_deref())?;
+    let r = xtrain::train::bench::run(rt, spec, a.warmup, a.steps, export.as_deref())?;
     println!("{}", serde_json::to_string(&r)?);
     Ok(())
 }

@@ -19,7 +19,7 @@ pub struct CompileArgs {
     /// A TOML recipe whose keys are these flags (`lora_r = 16`); flags on the command line
     /// override it (see recipes/).
     #[arg(long, value_name = "FILE")]
-    #[allow(dead_code)] // read before parsing, by config::expand
+    // Read before parsing, by config::expand; here only as an input --out may not replace.
     pub config: Option<PathBuf>,
     /// A Hugging Face model directory, a preset (llama-3.1-8b, llama-3.1-70b, llama-3.1-405b,
     /// smollm2-135m, tiny-llama3), or a repo id (org/name; its config.json only).
@@ -78,6 +78,24 @@ pub struct CompileArgs {
 }
 
 impl CompileArgs {
+    /// The files and directories this command reads, which `--out` may not be or hold: the model
+    /// dir (or config file), the `--config` recipe, the sharding rules, the `--target-config`
+    /// file and a plugin given as a file.
+    fn inputs(&self) -> Vec<&std::path::Path> {
+        let model = std::path::Path::new(&self.model);
+        let plugin = self.plugin.as_deref().map(std::path::Path::new);
+        [
+            model.exists().then_some(model),
+            self.config.as_deref(),
+            self.step.sharding_rules.as_deref(),
+            self.target_config.as_deref(),
+            plugin.filter(|p| p.is_file()),
+        ]
+        .into_iter()
+        .flatten()
+        .collect()
+    }
+
     /// The directory the program and its build are written to now (see [`CompileArgs::stage`]);
     /// messages name `out`, where they will be.
     pub(super) fn dir(&self) -> &std::path::Path {
@@ -149,7 +167,7 @@ pub fn compile(mut a: CompileArgs, verbose: bool) -> Result<()> {
     } else {
         Vec::new()
     };
-    a.out = xtrain::formats::outdir::check_writable_dir(&a.out, a.overwrite, &[])?;
+    a.out = xtrain::formats::outdir::check_writable_dir(&a.out, a.overwrite, &a.inputs())?;
     // The program dir is built beside `--out` and moved into place only once complete (the
     // program and, with --check, its builds): a compile that fails or is interrupted leaves what
     // `--out` held as it was (a killed one's staging dir is removed by the next writer).

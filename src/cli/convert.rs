@@ -6,7 +6,7 @@ use std::path::Path;
 use xtrain::formats::outdir::check_writable_dir;
 
 pub fn import_gguf(file: &Path, out: &Path, overwrite: bool) -> Result<()> {
-    let out = check_writable_dir(out, overwrite, &[])?;
+    let out = check_writable_dir(out, overwrite, &[file])?;
     let t0 = std::time::Instant::now();
     let mut shown = 0;
     xtrain::formats::gguf::import(file, &out, |done, total| {

@@ -1,10 +1,13 @@
 //! Output directories: what a command may write into, what killed runs left behind, and who is
 //! writing where.
 //!
-//! Every command that writes a directory (`train`, `merge`, `import-gguf`, `compile`, `bench
-//! --export`) writes into a new or empty one; one that holds anything else is refused unless the
-//! user passes `--overwrite`, and even then the old contents are replaced only once the new output
-//! is complete ([`crate::formats::atomic::write_dir_atomic`]). Temp names are `.NAME.tmp-PID`
+//! Every command that writes a directory (`train`, `merge`, `import-gguf`, `compile`) writes into
+//! a new or empty one; one that holds anything else is refused unless the user passes
+//! `--overwrite`, and even then the old contents are replaced only once the new output is complete
+//! ([`crate::formats::atomic::write_dir_atomic`]). A command that writes one file (`bench
+//! --export`) writes a new one, or replaces an existing one only with `--overwrite`
+//! ([`check_writable_file`]). No output may replace what the command reads, even with
+//! `--overwrite` ([`refuse_inputs_inside`]). Temp names are `.NAME.tmp-PID`
 //! (and `.NAME.old-PID` for a directory being replaced): when the process PID is gone, they are
 //! leftovers of a killed run, which the next command writing there removes and reports.
 
@@ -75,7 +78,7 @@ pub fn check_writable_dir(out: &Path, overwrite: bool, inputs: &[&Path]) -> Resu
     if out.exists() && !out.is_dir() {
         bail!("--out {} exists and is not a directory", out.display());
     }
-    refuse_inputs_inside(&out, inputs)?;
+    refuse_inputs_inside("--out", &out, inputs)?;
     if let (Some(parent), Some(name)) = (out.parent(), out.file_name()) {
         let parent = if parent.as_os_str().is_empty() {
             Path::new(".")
@@ -97,11 +100,12 @@ pub fn check_writable_dir(out: &Path, overwrite: bool, inputs: &[&Path]) -> Resu
     Ok(out)
 }
 
-/// Refuse an output dir `out` that is one of `inputs` (what the command reads: a model dir, a
-/// data file, an adapter) or holds one: writing it (with `--overwrite`, setting its contents
-/// aside first) would take away what the command is about to read. Checked before anything is
-/// written or moved. `out` need not exist (then it holds nothing).
-pub fn refuse_inputs_inside(out: &Path, inputs: &[&Path]) -> Result<()> {
+/// Refuse an output dir `out` (given as `flag`, such as `--out`) that is one of `inputs` (what the
+/// command reads: a model dir, a data file, an adapter) or holds one: writing it (with
+/// `--overwrite`, setting its contents aside first) would take away what the command is about to
+/// read. Both sides are resolved through symlinks and `..`. Checked before anything is written
+/// or moved. `out` need not exist (then it holds nothing).
+pub fn refuse_inputs_inside(flag: &str, out: &Path, inputs: &[&Path]) -> Result<()> {
     let Ok(out) = output_path(out) else {
         return Ok(());
     };
@@ -112,7 +116,7 @@ pub fn refuse_inputs_inside(out: &Path, inputs: &[&Path]) -> Result<()> {
         if let Ok(inp) = input.canonicalize() {
             if inp.starts_with(&out) {
                 bail!(
-                    "--out {} would replace {}, which this command reads; choose another --out",
+                    "{flag} {} would replace {}, which this command reads; choose another {flag}",
                     out.display(),
                     input.display()
                 );
@@ -120,6 +124,72 @@ pub fn refuse_inputs_inside(out: &Path, inputs: &[&Path]) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Check that a command may write the file `path` (given as `flag`, such as `--export`): its
+/// directory exists, and it is new, or `overwrite` is given (the caller then replaces it
+/// atomically, [`crate::formats::atomic::write_atomic`]). An existing `path` that is one of
+/// `inputs` (what the command reads) or lies inside one (a file of the model dir) is refused even
+/// with `overwrite`, through symlinks and `..`. Leftovers of killed writes of `path` are removed
+/// first. Returns `path` as given (a symlink there is replaced, not what it points to).
+pub fn check_writable_file(
+    flag: &str,
+    path: &Path,
+    overwrite: bool,
+    inputs: &[&Path],
+) -> Result<PathBuf> {
+    let name = match path.file_name() {
+        Some(n) if !path.as_os_str().to_string_lossy().ends_with('/') => n,
+        _ => bail!("{flag} {} names no file", path.display()),
+    };
+    if path.is_dir() {
+        bail!(
+            "{flag} {} is a directory; give the name of a file to write",
+            path.display()
+        );
+    }
+    let parent = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    if !parent.is_dir() {
+        bail!(
+            "{flag} {}: the directory {} does not exist",
+            path.display(),
+            parent.display()
+        );
+    }
+    if let Ok(real) = path.canonicalize() {
+        for input in inputs {
+            let Ok(inp) = input.canonicalize() else {
+                continue;
+            };
+            if real == inp {
+                bail!(
+                    "{flag} {} would replace {}, which this command reads; choose another {flag}",
+                    path.display(),
+                    input.display()
+                );
+            }
+            if real.starts_with(&inp) {
+                bail!(
+                    "{flag} {} would replace a file of {}, which this command reads; choose another {flag}",
+                    path.display(),
+                    input.display()
+                );
+            }
+        }
+    }
+    for note in clean_leftovers(parent, Some(&name.to_string_lossy())) {
+        eprintln!("xtrain: {note}");
+    }
+    if path.symlink_metadata().is_ok() && !overwrite {
+        bail!(
+            "{flag} {} exists; choose a new file, or pass --overwrite to replace it once the new one is complete",
+            path.display()
+        );
+    }
+    Ok(path.to_path_buf())
 }
 
 /// Whether process `pid` is alive (or exists under another user).

@@ -53,7 +53,7 @@ pub fn run(opts: &TrainOptions) -> Result<()> {
     settings::settle(&mut opts, &cfg, &mut notes)?;
     opts.validate()?;
     let opts = &opts;
-    crate::formats::outdir::refuse_inputs_inside(&opts.out, &opts.inputs())?;
+    crate::formats::outdir::refuse_inputs_inside("--out", &opts.out, &opts.inputs())?;
     let mut out = RunDir::claim(&opts.out, opts.resume.as_deref(), opts.overwrite)?;
     for n in notes {
         eprintln!("xtrain: {n}");

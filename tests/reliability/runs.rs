@@ -827,3 +827,291 @@ fn train_out_at_the_run_dir_of_its_init_adapter_with_overwrite_is_refused_before
     assert!(adapter.join("adapter_model.safetensors").is_file());
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+// ------------------------------------- bench --export, compile --out and import-gguf --out
+
+/// Every file under `dir` (recursively, by path relative to it) with its bytes.
+fn contents(dir: &Path) -> std::collections::BTreeMap<PathBuf, Vec<u8>> {
+    let mut all = std::collections::BTreeMap::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                todo.push(p);
+            } else {
+                let rel = p.strip_prefix(dir).unwrap().to_path_buf();
+                all.insert(rel, std::fs::read(&p).unwrap());
+            }
+        }
+    }
+    all
+}
+
+/// No staging, temp or set-aside dir of `name` beside it in `parent`: nothing was moved.
+fn nothing_staged(parent: &Path, name: &str) {
+    let staged: Vec<String> = names(parent)
+        .into_iter()
+        .filter(|n| n.starts_with(&format!(".{name}.")))
+        .collect();
+    assert!(staged.is_empty(), "{staged:?}");
+}
+
+/// `xtrain bench` on the model dir `model` (batch 2 x 16, r=4, one step), with `extra` flags.
+fn bench_on(model: &Path, extra: &[&str]) -> Vec<String> {
+    let mut v: Vec<String> = ["bench", "--model", model.to_str().unwrap()]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    v.extend(
+        [
+            "--batch", "2", "--seq", "16", "--lora-r", "4", "--steps", "1", "--warmup", "0",
+        ]
+        .iter()
+        .chain(extra)
+        .map(|s| s.to_string()),
+    );
+    v
+}
+
+/// `bench --export FILE --overwrite` where FILE (as `export`) is a file of the model dir `model`:
+/// refused naming --export and FILE, the model dir byte-identical.
+fn bench_export_refused_in_model(model: &Path, export: &str) {
+    let before = contents(model);
+    let e = fails(&refs(&bench_on(
+        model,
+        &["--export", export, "--overwrite"],
+    )));
+    assert!(
+        e.contains(&format!("--export {export} would replace"))
+            && e.contains("which this command reads; choose another --export"),
+        "{e}"
+    );
+    assert_eq!(contents(model), before, "the model dir is as it was");
+    nothing_staged(model, "model.safetensors");
+}
+
+#[test]
+fn bench_export_at_its_models_weights_with_overwrite_is_refused_and_they_are_left_alone() {
+    let dir = tempdir("rel-bench-export-model");
+    let model = tiny_dir(&dir, "tm");
+    let weights = model.join("model.safetensors");
+    bench_export_refused_in_model(&model, weights.to_str().unwrap());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn bench_export_through_a_symlink_to_its_models_weights_is_refused() {
+    let dir = tempdir("rel-bench-export-symlink");
+    let model = tiny_dir(&dir, "tm");
+    let link = dir.join("link.safetensors");
+    std::os::unix::fs::symlink(model.join("model.safetensors"), &link).unwrap();
+    bench_export_refused_in_model(&model, link.to_str().unwrap());
+    assert!(link.is_symlink(), "the link is left too");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn bench_export_at_its_models_weights_through_dotdot_is_refused() {
+    let dir = tempdir("rel-bench-export-dotdot");
+    let model = tiny_dir(&dir, "tm");
+    let dotdot = format!("{}/../tm/model.safetensors", model.display());
+    bench_export_refused_in_model(&model, &dotdot);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn bench_export_at_an_existing_file_is_refused_without_overwrite() {
+    let dir = tempdir("rel-bench-export-exists");
+    let model = tiny_dir(&dir, "tm");
+    let file = dir.join("peers.safetensors");
+    std::fs::write(&file, "the user's file").unwrap();
+    let e = fails(&refs(&bench_on(
+        &model,
+        &["--export", file.to_str().unwrap()],
+    )));
+    assert!(
+        e.contains(&format!("--export {} exists", file.display())) && e.contains("--overwrite"),
+        "{e}"
+    );
+    assert_eq!(std::fs::read(&file).unwrap(), b"the user's file");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn bench_export_with_overwrite_replaces_an_existing_file_whole() {
+    let dir = tempdir("rel-bench-export-overwrite");
+    let model = tiny_dir(&dir, "tm");
+    let file = dir.join("peers.safetensors");
+    std::fs::write(&file, "an older export").unwrap();
+    let o = xtrain(&refs(&bench_on(
+        &model,
+        &["--export", file.to_str().unwrap(), "--overwrite"],
+    )));
+    assert!(o.status.success(), "{}", stderr_of(&o));
+    let exported = all_tensors(&file);
+    assert!(exported.contains_key("input_ids"), "{:?}", exported.keys());
+    assert_no_leftovers(&dir);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn bench_overwrite_without_export_is_refused() {
+    let e = fails(&refs(&bench_on(
+        &fixtures().join("model"),
+        &["--overwrite"],
+    )));
+    assert!(e.contains("--overwrite") && e.contains("--export"), "{e}");
+}
+
+/// `compile --out OUT --overwrite` (batch 2 x 16, r=4) with `extra` flags, where OUT holds `what`,
+/// which the command reads: refused naming --out and `what` before anything is moved, OUT
+/// byte-identical.
+fn compile_refused_as_its_own_input(out: &Path, extra: &[&str], what: &Path) {
+    let mut a: Vec<String> = [
+        "compile",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--lora-r",
+        "4",
+        "--overwrite",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    a.extend(["--out".into(), out.to_str().unwrap().into()]);
+    a.extend(extra.iter().map(|s| s.to_string()));
+    let real = out.canonicalize().unwrap();
+    let before = contents(&real);
+    let e = fails(&refs(&a));
+    assert!(
+        e.contains(&format!("--out {} would replace", real.display()))
+            && e.contains(&what.display().to_string())
+            && e.contains("which this command reads; choose another --out"),
+        "{e}"
+    );
+    assert_eq!(contents(&real), before, "--out is as it was");
+    nothing_staged(
+        real.parent().unwrap(),
+        &real.file_name().unwrap().to_string_lossy(),
+    );
+}
+
+#[test]
+fn compile_out_at_its_model_dir_with_overwrite_is_refused_before_anything_is_moved() {
+    let dir = tempdir("rel-compile-out-model");
+    let model = tiny_dir(&dir, "tm");
+    compile_refused_as_its_own_input(&model, &["--model", model.to_str().unwrap()], &model);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn compile_out_through_a_symlink_to_its_model_dir_is_refused_before_anything_is_moved() {
+    let dir = tempdir("rel-compile-out-model-symlink");
+    let model = tiny_dir(&dir, "tm");
+    let link = dir.join("link");
+    std::os::unix::fs::symlink(&model, &link).unwrap();
+    compile_refused_as_its_own_input(
+        &link.join("."),
+        &["--model", model.to_str().unwrap()],
+        &model,
+    );
+    assert!(link.is_symlink(), "the link is left too");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn compile_out_holding_its_config_recipe_with_overwrite_is_refused_before_anything_is_moved() {
+    let dir = tempdir("rel-compile-out-recipe");
+    let out = dir.join("out");
+    std::fs::create_dir_all(&out).unwrap();
+    let recipe = out.join("recipe.toml");
+    std::fs::write(&recipe, "lora_alpha = 8.0\n").unwrap();
+    compile_refused_as_its_own_input(
+        &out,
+        &[
+            "--config",
+            recipe.to_str().unwrap(),
+            "--model",
+            fixtures().join("model").to_str().unwrap(),
+        ],
+        &recipe,
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn compile_out_holding_its_sharding_rules_with_overwrite_is_refused_before_anything_is_moved() {
+    let dir = tempdir("rel-compile-out-rules");
+    let out = dir.join("out");
+    std::fs::create_dir_all(&out).unwrap();
+    let rules = out.join("rules.txt");
+    std::fs::write(&rules, "").unwrap();
+    compile_refused_as_its_own_input(
+        &out,
+        &[
+            "--model",
+            fixtures().join("model").to_str().unwrap(),
+            "--mesh",
+            "fsdp=1",
+            "--sharding-rules",
+            rules.to_str().unwrap(),
+        ],
+        &rules,
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn compile_out_holding_its_target_config_with_overwrite_is_refused_before_anything_is_moved() {
+    let dir = tempdir("rel-compile-out-target-config");
+    let out = dir.join("out");
+    std::fs::create_dir_all(&out).unwrap();
+    let o = xtrain(&["targets", "cuda:h100"]);
+    assert!(o.status.success(), "{}", stderr_of(&o));
+    let gpu = out.join("h100.txtpb");
+    std::fs::write(&gpu, &o.stdout).unwrap();
+    compile_refused_as_its_own_input(
+        &out,
+        &[
+            "--model",
+            fixtures().join("model").to_str().unwrap(),
+            "--target",
+            "cuda:h100:1",
+            "--target-config",
+            gpu.to_str().unwrap(),
+        ],
+        &gpu,
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn import_gguf_out_at_the_dir_holding_its_gguf_with_overwrite_is_refused_before_anything_is_moved()
+{
+    let dir = tempdir("rel-import-out-gguf");
+    let out = dir.join("gd");
+    std::fs::create_dir_all(&out).unwrap();
+    let gguf = out.join("m.gguf");
+    std::fs::write(&gguf, b"GGUF and the user's only copy").unwrap();
+    let real = out.canonicalize().unwrap();
+    let before = contents(&out);
+    let e = fails(&[
+        "import-gguf",
+        gguf.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--overwrite",
+    ]);
+    assert!(
+        e.contains(&format!("--out {} would replace", real.display()))
+            && e.contains(&gguf.display().to_string())
+            && e.contains("which this command reads; choose another --out"),
+        "{e}"
+    );
+    assert_eq!(contents(&out), before, "--out is as it was");
+    nothing_staged(&dir, "gd");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
