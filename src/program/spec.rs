@@ -346,6 +346,28 @@ pub(super) fn check_spec(spec: &StepSpec) -> Result<()> {
     if spec.nf4 {
         check_nf4_blocks(&spec.model)?;
     }
+    // B A of rank r on a projection [out, in] has rank at most min(in, out): a larger r only
+    // adds memory and time.
+    if let Some((target, most)) = spec
+        .lora
+        .targets
+        .iter()
+        .map(|&t| {
+            let (i, o) = crate::model::tensors::projection_dims(&spec.model, t);
+            (t, i.min(o))
+        })
+        .min_by_key(|(_, d)| *d)
+    {
+        if spec.lora.r > most {
+            bail!(
+                "--lora-r {} is larger than the adapted `{}` projection's smaller dimension ({most}): \
+                 an update B A of that shape has rank {most} at most, so the rest would only cost \
+                 memory and time; use --lora-r {most} or less",
+                spec.lora.r,
+                target.module()
+            );
+        }
+    }
     if let Some(m) = &spec.mesh {
         crate::program::sharding::check_axes(&m.axes, &m.rules)?;
         let mut tensors = crate::model::tensors::frozen_args(&spec.model, true);
@@ -702,6 +724,24 @@ mod tests {
         assert!(o(&|o| o.attention_block = Some(16))
             .spec(tiny(), 4, 64)
             .is_ok());
+    }
+
+    /// The tiny model's K and V projections are [32, 64]: rank 32 at most.
+    #[test]
+    fn a_rank_above_a_projections_smaller_dimension_is_refused() {
+        let o = |r| StepOptions {
+            lora: LoraConfig {
+                r,
+                ..options(DType::F32).lora
+            },
+            ..options(DType::F32)
+        };
+        let e = refused(&o(33), 4, 64);
+        assert!(
+            e.contains("--lora-r 33") && e.contains("(32)") && e.contains("k_proj"),
+            "{e}"
+        );
+        assert!(o(32).spec(tiny(), 4, 64).is_ok());
     }
 
     #[test]

@@ -466,6 +466,29 @@ pub fn settle(
         )?;
         note(&taken, &format!("program dir {}", dir.display()), notes);
     }
+    if let (Some(dir), None) = (o.init_adapter.clone(), &o.program) {
+        // The adapter's rank, alpha and targets for the flags left out, as a checkpoint's are
+        // for `--resume`; a flag given must agree with the adapter (checked when it is read).
+        let c = crate::formats::peft::read_config(&dir)?;
+        let lora = &mut o.step.lora;
+        let mut taken = Vec::new();
+        if !o.explicit.contains("lora-r") && lora.r != c.r {
+            lora.r = c.r;
+            taken.push(format!("--lora-r {}", c.r));
+        }
+        if !o.explicit.contains("lora-alpha") && (lora.alpha - c.alpha).abs() > 1e-9 {
+            lora.alpha = c.alpha;
+            taken.push(format!("--lora-alpha {}", c.alpha));
+        }
+        if !o.explicit.contains("lora-targets") && lora.targets != c.targets {
+            lora.targets = c.targets.clone();
+            taken.push(format!(
+                "--lora-targets {}",
+                crate::model::lora::Target::list(&c.targets)
+            ));
+        }
+        note(&taken, &format!("--init-adapter {}", dir.display()), notes);
+    }
     if let Some(ckpt) = o.resume.clone() {
         let state = crate::train::checkpoint::read_state(&ckpt)?;
         let mut recorded = recorded_in(&state, &ckpt)?;

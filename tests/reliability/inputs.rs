@@ -398,6 +398,36 @@ fn a_batch_whose_every_label_is_minus_100_is_refused_as_having_no_loss() {
 
 // ---------------------------------------------------------------- adapters
 
+/// `--init-adapter` alone takes the adapter's rank, alpha and targets for the flags left out
+/// (as `--resume` takes a checkpoint's), and says so; it was refused for the default rank.
+#[test]
+fn an_init_adapter_without_lora_flags_takes_its_rank_and_alpha() {
+    let dir = tempdir("rel-adapter-takes-rank");
+    let f = fixtures();
+    let out = dir.join("out");
+    let o = xtrain_cmd()
+        .args(["train", "--model"])
+        .arg(f.join("model"))
+        .arg("--data")
+        .arg(f.join("inputs.safetensors"))
+        .arg("--out")
+        .arg(&out)
+        .arg("--init-adapter")
+        .arg(f.join("adapter_init"))
+        .args(["--steps", "1", "--log-every", "0", "--no-plot"])
+        .output()
+        .unwrap();
+    let e = stderr_of(&o);
+    assert!(o.status.success(), "{e}");
+    assert!(
+        e.contains("taking --lora-r 8, --lora-alpha 16 from --init-adapter"),
+        "{e}"
+    );
+    let config = std::fs::read_to_string(out.join("adapter/adapter_config.json")).unwrap();
+    assert!(config.contains("\"r\": 8"), "{config}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn an_init_adapter_of_another_rank_is_refused_naming_both_and_its_targets() {
     let dir = tempdir("rel-adapter-rank");
