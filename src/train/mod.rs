@@ -138,6 +138,17 @@ fn run_in(opts: &TrainOptions, cfg: &LlamaConfig, interrupted: &AtomicBool) -> R
     }
 }
 
+/// What a blown-up update's message advises: `--lr`, and the weight decay when it is large
+/// enough to move a weight by more than itself each step (lr x decay of it).
+fn what_to_lower(opts: &TrainOptions) -> String {
+    let decay = opts.step.adam.weight_decay;
+    if decay * opts.lr > 1.0 {
+        format!("lower --weight-decay {decay:e}: at lr {:e} it moves each weight by more than itself", opts.lr)
+    } else {
+        "lower --lr".to_string()
+    }
+}
+
 /// The learning-rate schedule over the run's steps (`--steps`, or `--epochs` over the data).
 fn schedule(opts: &TrainOptions, source: &Source) -> Schedule {
     let total = if opts.steps > 0 {
@@ -290,8 +301,9 @@ impl Run<'_> {
             } else {
                 let (moved, before) = self.trainer.last_update.unwrap_or_default();
                 format!(
-                    "the update blows the LoRA weights up: it would move one by {moved:.3e}, more than {} times the largest LoRA weight before it ({before:.3e}), at lr {lr:e} (lower --lr)",
-                    crate::model::optim::BLOWN_UP
+                    "the update blows the LoRA weights up: it would move one by {moved:.3e}, more than {} times the largest LoRA weight before it ({before:.3e}), at lr {lr:e} ({})",
+                    crate::model::optim::BLOWN_UP,
+                    what_to_lower(opts)
                 )
             };
             if !opts.skip_nonfinite {
