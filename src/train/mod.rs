@@ -143,7 +143,10 @@ fn run_in(opts: &TrainOptions, cfg: &LlamaConfig, interrupted: &AtomicBool) -> R
 fn what_to_lower(opts: &TrainOptions) -> String {
     let decay = opts.step.adam.weight_decay;
     if decay * opts.lr > 1.0 {
-        format!("lower --weight-decay {decay:e}: at lr {:e} it moves each weight by more than itself", opts.lr)
+        format!(
+            "lower --weight-decay {decay:e}: at lr {:e} it moves each weight by more than itself",
+            opts.lr
+        )
     } else {
         "lower --lr".to_string()
     }

@@ -49,6 +49,8 @@ pub struct GpuModel {
 pub struct TpuGeneration {
     pub name: String,
     pub peak_bf16_tflops_per_chip: f64,
+    /// Chips in the generation's largest slice (a full pod).
+    pub max_chips: i64,
 }
 
 /// The built-in GPU descriptions, in the table's order.

@@ -118,6 +118,13 @@ impl Target {
                  by `x`, as libtpu names slices (tpu:{generation}:2x2, tpu:{generation}:2x2x1)"
             ),
         };
+        if chips > gen.max_chips {
+            bail!(
+                "--target {spec}: {chips} chips, but the largest {generation} slice (a full pod) \
+                 has {}",
+                gen.max_chips
+            );
+        }
         let mut create_options = Vec::new();
         if chips == 1 {
             // libtpu's default host holds 2x2 chips; one chip must say its host holds one.
@@ -236,5 +243,18 @@ mod tests {
             let e = Target::parse(spec, None).unwrap_err().to_string();
             assert!(e.contains(says), "{spec}: {e}");
         }
+    }
+
+    #[test]
+    fn a_tpu_slice_larger_than_its_generations_pod_is_refused() {
+        let e = format!(
+            "{:#}",
+            Target::parse("tpu:v5e:1024x1024", None).unwrap_err()
+        );
+        assert!(
+            e.contains("1048576 chips") && e.contains("largest v5e slice (a full pod) has 256"),
+            "{e}"
+        );
+        assert_eq!(Target::parse("tpu:v5e:16x16", None).unwrap().chips, 256);
     }
 }
