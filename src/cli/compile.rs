@@ -126,6 +126,7 @@ pub fn compile(mut a: CompileArgs, verbose: bool) -> Result<()> {
              nothing is compiled (the program text is the same for every plugin)"
         );
     }
+    a.step.say_idle_result_types();
     let mut options = a.step.options()?;
     if let Some(n) = target_devices(&targets)? {
         match &options.mesh {

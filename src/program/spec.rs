@@ -509,6 +509,15 @@ pub const DEFAULT_MATMUL_RESULT: ResultType = ResultType::F32;
 /// `--attention-scores`' default, for every target.
 pub const DEFAULT_ATTENTION_SCORES: ResultType = ResultType::Compute;
 
+/// What `--{flag} {value}` (`--matmul-result`, `--attention-scores`) other than the default does
+/// with f32 compute: nothing, since every result is f32 then.
+pub fn idle_result_type(flag: &str, value: &str) -> String {
+    format!(
+        "--{flag} {value} changes nothing with --dtype f32 (every result is f32 then); it is for \
+         --dtype bf16"
+    )
+}
+
 /// `--dtype` as given.
 pub fn parse_dtype(s: &str) -> Result<DType> {
     match s {

@@ -52,6 +52,25 @@ pub fn run(opts: &TrainOptions) -> Result<()> {
     let cfg = LlamaConfig::load(&opts.model)?;
     settings::settle(&mut opts, &cfg, &mut notes)?;
     opts.validate()?;
+    if opts.step.dtype == hlo::DType::F32 {
+        use crate::program::{idle_result_type, DEFAULT_ATTENTION_SCORES, DEFAULT_MATMUL_RESULT};
+        for (flag, value, default) in [
+            (
+                "matmul-result",
+                opts.step.matmul_result,
+                DEFAULT_MATMUL_RESULT,
+            ),
+            (
+                "attention-scores",
+                opts.step.attention_scores,
+                DEFAULT_ATTENTION_SCORES,
+            ),
+        ] {
+            if opts.given(flag) && value != default {
+                notes.push(idle_result_type(flag, value.name()));
+            }
+        }
+    }
     let opts = &opts;
     crate::formats::outdir::refuse_inputs_inside("--out", &opts.out, &opts.inputs())?;
     let mut out = RunDir::claim(&opts.out, opts.resume.as_deref(), opts.overwrite)?;

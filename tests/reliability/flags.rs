@@ -670,3 +670,46 @@ fn text_data_flags_with_a_pre_tokenized_batch_are_refused() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `--matmul-result` and `--attention-scores` other than the defaults change nothing with f32
+/// compute (the program is the same): said, not silently taken.
+#[test]
+fn result_types_with_f32_compute_are_said_to_change_nothing() {
+    let dir = tempdir("rel-idle-result-types");
+    let compile = |name: &str, extra: &[&str]| {
+        let out = dir.join(name);
+        let mut args = vec![
+            "compile",
+            "--model",
+            "tiny-llama3",
+            "--batch",
+            "2",
+            "--seq",
+            "16",
+            "--lora-r",
+            "4",
+            "--out",
+            out.to_str().unwrap(),
+        ];
+        args.extend(extra);
+        let o = xtrain(&args);
+        assert!(o.status.success(), "{}", stderr_of(&o));
+        (
+            stderr_of(&o),
+            std::fs::read(out.join("train_step.mlir")).unwrap(),
+        )
+    };
+    let (_, plain) = compile("plain", &[]);
+    let (e, idle) = compile(
+        "idle",
+        &["--matmul-result", "compute", "--attention-scores", "f32"],
+    );
+    assert_eq!(plain, idle, "the same program");
+    for flag in ["--matmul-result compute", "--attention-scores f32"] {
+        assert!(
+            e.contains(&format!("{flag} changes nothing with --dtype f32")),
+            "{flag}: {e}"
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
