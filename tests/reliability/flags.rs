@@ -713,3 +713,22 @@ fn result_types_with_f32_compute_are_said_to_change_nothing() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn a_save_every_longer_than_the_run_is_warned_about() {
+    let dir = tempdir("rel-save-every-long");
+    let out = dir.join("out");
+    let o = xtrain(&refs(&train_on(
+        &fixtures().join("model"),
+        &out,
+        &["--steps", "2", "--save-every", "100"],
+    )));
+    let e = stderr_of(&o);
+    assert!(o.status.success(), "{e}");
+    assert!(
+        e.contains("--save-every 100 is longer than the run (2 steps): no checkpoint is written"),
+        "{e}"
+    );
+    assert!(out.join("adapter").is_dir());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
