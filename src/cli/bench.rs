@@ -14,8 +14,10 @@ pub struct BenchArgs {
     /// Weights: only `random` (no checkpoint).
     #[arg(long, default_value = "random")]
     pub init: String,
+    /// Rows per step of the random batch.
     #[arg(long, default_value_t = 4)]
     pub batch: i64,
+    /// Tokens per row of the random batch.
     #[arg(long, default_value_t = 256)]
     pub seq: i64,
     #[command(flatten)]
@@ -23,6 +25,7 @@ pub struct BenchArgs {
     /// Steps timed after the warm-up.
     #[arg(long, default_value_t = 6)]
     pub steps: usize,
+    /// Untimed steps run before the timed ones (the first steps pay for warming up the device).
     #[arg(long, default_value_t = 2)]
     pub warmup: usize,
     /// Write the weights, LoRA and batch here (safetensors) for peer implementations: a new file
@@ -32,6 +35,8 @@ pub struct BenchArgs {
     /// Replace the file --export names if it exists, once the new one is complete.
     #[arg(long)]
     pub overwrite: bool,
+    /// PJRT plugin: cpu, cuda, rocm, tpu or a path to a plugin .so (default: $XTRAIN_PLUGIN or
+    /// cpu).
     #[arg(long)]
     pub plugin: Option<String>,
 }

@@ -12,6 +12,7 @@ use xtrain::device::memory::auto::{first_that_fits, Choice};
 use xtrain::device::target::aot::{TargetBuild, TargetDevices};
 use xtrain::device::target::{Platform, Target};
 use xtrain::formats::program_dir::{self, Manifest};
+use xtrain::program::sharding::SplitsNothing;
 use xtrain::program::{default_choice, fit_choices, MeshPlan, Program, Remat, StepSpec};
 
 #[derive(Args)]
@@ -128,9 +129,12 @@ pub fn compile(mut a: CompileArgs, verbose: bool) -> Result<()> {
     }
     a.step.say_idle_result_types();
     let mut options = a.step.options()?;
+    // The mesh `fsdp=N` taken from the targets' device count, where --mesh is left out.
+    let mut derived = None;
     if let Some(n) = target_devices(&targets)? {
         match &options.mesh {
             None if n > 1 => {
+                derived = Some(n);
                 options.mesh = Some(MeshPlan {
                     axes: vec![("fsdp".into(), n)],
                     rules: a.step.rules()?,
@@ -174,7 +178,12 @@ pub fn compile(mut a: CompileArgs, verbose: bool) -> Result<()> {
     // `--out` held as it was (a killed one's staging dir is removed by the next writer).
     let stage = xtrain::formats::atomic::staging_dir(&a.out)?;
     a.stage = Some(stage.clone());
-    let result = compile_choices(&a, &cfg, &options, &devices, verbose);
+    let result = compile_choices(&a, &cfg, &options, &devices, verbose).map_err(|e| {
+        match (derived, e.downcast_ref::<SplitsNothing>()) {
+            (Some(n), Some(s)) => derived_mesh_splits_nothing(&targets[0].spec, n, s),
+            _ => e,
+        }
+    });
     a.stage = None;
     match result {
         Ok(()) => xtrain::formats::atomic::replace_dir_with(&a.out, &stage),
@@ -183,6 +192,37 @@ pub fn compile(mut a: CompileArgs, verbose: bool) -> Result<()> {
             Err(e)
         }
     }
+}
+
+/// The mesh `fsdp=n` that compile took from `--target target` (no --mesh given) splits nothing:
+/// said as the target's, with what would split something (another mesh axis under the sharding
+/// rules, a batch that n divides, or a target of fewer devices that divide a dimension).
+fn derived_mesh_splits_nothing(target: &str, n: i64, s: &SplitsNothing) -> anyhow::Error {
+    let fix = match s.would_split.first() {
+        Some(axis) => format!("give --mesh with an axis that divides, e.g. --mesh {axis}={n}"),
+        None => {
+            let fewer = (2..n)
+                .rev()
+                .find(|d| s.sizes.iter().any(|x| x % d == 0))
+                .map(|d| match target.strip_suffix(&format!(":{n}")) {
+                    Some(base) => format!(" (e.g. --target {base}:{d})"),
+                    None => format!(" (e.g. one of {d} devices)"),
+                })
+                .unwrap_or_default();
+            format!(
+                "no mesh axis of {n} devices divides them, so give a --batch divisible by {n} \
+                 (e.g. --batch {n}, which {}={n} splits), or a --target with a number of devices \
+                 that divides them{fewer}",
+                s.axis
+            )
+        }
+    };
+    anyhow::anyhow!(
+        "the mesh taken from --target {target}, {}={}, splits nothing: {}; {fix}",
+        s.axis,
+        s.size,
+        s.why()
+    )
 }
 
 /// `--target` (each once) and `--target-config`, which describes the one GPU target given.

@@ -4,7 +4,8 @@
 //! line overrides the file. Top-level keys serve both commands: a key that is a flag of the other
 //! command only is left out (and said so); `[train]` and `[compile]` tables hold keys for one
 //! command, overriding the top level. A key that is a flag of neither is an error naming the
-//! nearest flag.
+//! nearest flag; one in the other command's table is said to belong there; a value its flag
+//! cannot take is refused naming the file and the key.
 
 use anyhow::{bail, Context, Result};
 use clap::{ArgAction, Command};
@@ -21,6 +22,9 @@ pub struct Expanded {
     /// The `--config` recipe, and the flags whose value it gives (those not typed on the command
     /// line too).
     pub recipe: Option<(PathBuf, BTreeSet<String>)>,
+    /// Each flag the recipe gave (without `--`), its value, and the key that gave it, as a
+    /// message names it (`` `lr` ``, `` `lr` in [train] ``).
+    pub keys: Vec<(String, Option<String>, String)>,
 }
 
 /// `argv` with the flags of its `--config FILE` inserted right after the subcommand (so that the
@@ -28,7 +32,13 @@ pub struct Expanded {
 /// there is no `--config`. A flag typed twice on the command line is refused, naming it (the
 /// parser would silently take the last value).
 pub fn expand(argv: Vec<OsString>, cli: &Command) -> Result<Expanded> {
-    let unchanged = |argv| Ok(Expanded { argv, recipe: None });
+    let unchanged = |argv| {
+        Ok(Expanded {
+            argv,
+            recipe: None,
+            keys: Vec::new(),
+        })
+    };
     let Some(at) = argv
         .iter()
         .skip(1)
@@ -52,7 +62,8 @@ pub fn expand(argv: Vec<OsString>, cli: &Command) -> Result<Expanded> {
     let flags = recipe_flags(&file, &name, cli)?;
     let mut from_recipe = BTreeSet::new();
     let mut out: Vec<OsString> = argv[..=at].to_vec();
-    for (flag, value) in flags {
+    let mut keys = Vec::new();
+    for (flag, value, key) in flags {
         let long = flag.trim_start_matches("--").to_string();
         match typed.iter().find(|(f, _)| *f == long) {
             Some((_, mine)) => {
@@ -67,6 +78,7 @@ pub fn expand(argv: Vec<OsString>, cli: &Command) -> Result<Expanded> {
                 continue;
             }
             None => {
+                keys.push((long.clone(), value.clone(), key));
                 from_recipe.insert(long);
             }
         }
@@ -77,7 +89,47 @@ pub fn expand(argv: Vec<OsString>, cli: &Command) -> Result<Expanded> {
     Ok(Expanded {
         argv: out,
         recipe: Some((file, from_recipe)),
+        keys,
     })
+}
+
+/// Clap's error for a value it cannot take (`invalid value 'fast' for '--lr <LR>'`), said as
+/// the recipe's where the recipe gave that value: `r.toml: key `lr`: invalid value ...`. None
+/// for other errors, which are clap's to say.
+pub fn recipe_value_error(
+    e: &clap::Error,
+    expanded_recipe: Option<&Path>,
+    keys: &[(String, Option<String>, String)],
+) -> Option<String> {
+    use clap::error::{ContextKind, ContextValue, ErrorKind};
+    let file = expanded_recipe?;
+    if !matches!(
+        e.kind(),
+        ErrorKind::InvalidValue | ErrorKind::ValueValidation
+    ) {
+        return None;
+    }
+    let Some(ContextValue::String(arg)) = e.get(ContextKind::InvalidArg) else {
+        return None;
+    };
+    // `--lr <LR>`: the long flag.
+    let long = arg.strip_prefix("--")?.split([' ', '=']).next()?;
+    let value = match e.get(ContextKind::InvalidValue) {
+        Some(ContextValue::String(v)) => Some(v.as_str()),
+        _ => None,
+    };
+    let of_flag = || keys.iter().filter(|(l, _, _)| l == long);
+    let (_, _, key) = of_flag()
+        .find(|(_, v, _)| value.is_some_and(|x| v.as_deref() == Some(x)))
+        .or_else(|| of_flag().next_back())?;
+    let said = e.render().to_string();
+    let said = said.trim_end();
+    let said = said
+        .strip_suffix("For more information, try '--help'.")
+        .unwrap_or(said)
+        .trim_end();
+    let said = said.strip_prefix("error: ").unwrap_or(said);
+    Some(format!("{}: key {key}: {said}", file.display()))
 }
 
 /// The long flags typed in `args` (a subcommand's arguments), in order, each with its value
@@ -138,8 +190,12 @@ fn typed_flags(args: &[OsString], cmd: &Command) -> Result<Vec<(String, Option<S
     Ok(typed)
 }
 
-/// The flags recipe `path` gives command `name`.
-fn recipe_flags(path: &Path, name: &str, cli: &Command) -> Result<Vec<(String, Option<String>)>> {
+/// The flags recipe `path` gives command `name`, each with the key that gives it.
+fn recipe_flags(
+    path: &Path,
+    name: &str,
+    cli: &Command,
+) -> Result<Vec<(String, Option<String>, String)>> {
     if path.as_os_str().is_empty() {
         bail!("--config needs a file");
     }
@@ -180,13 +236,26 @@ fn recipe_flags(path: &Path, name: &str, cli: &Command) -> Result<Vec<(String, O
             one_key_per_flag(path, &format!("[{key}]"), section.keys())?;
             for k in section.keys() {
                 not_a_setting(path, k)?;
-                if find_flag(c, k).is_none() {
+                if find_flag(c, k).is_some() {
+                    continue;
+                }
+                // A flag of another command: put in the wrong table, not misspelt.
+                if let Some(other) = COMMANDS
+                    .iter()
+                    .find(|o| *o != cmd && find_flag(command(o), k).is_some())
+                {
                     bail!(
-                        "{}: key `{k}` in [{key}] is not a flag of `xtrain {cmd}`{}",
-                        path.display(),
-                        nearest(k, &[c])
+                        "{}: key `{k}` in [{key}] is a `{other}` key (a flag of `xtrain {other}`, \
+                         not of `xtrain {cmd}`): put it under [{other}], or at the top level, \
+                         which serves both commands",
+                        path.display()
                     );
                 }
+                bail!(
+                    "{}: key `{k}` in [{key}] is not a flag of `xtrain {cmd}`{}",
+                    path.display(),
+                    nearest(k, &[c])
+                );
             }
         }
     }
@@ -196,7 +265,8 @@ fn recipe_flags(path: &Path, name: &str, cli: &Command) -> Result<Vec<(String, O
         }
         not_a_setting(path, key)?;
         match find_flag(this, key) {
-            Some(arg) => flags.extend(render(path, key, arg, value)?),
+            Some(arg) => flags
+                .extend(render(path, key, arg, value)?.map(|(f, v)| (f, v, format!("`{key}`")))),
             None if others.iter().any(|c| find_flag(c, key).is_some()) => {
                 left_out.push(key.clone())
             }
@@ -215,7 +285,9 @@ fn recipe_flags(path: &Path, name: &str, cli: &Command) -> Result<Vec<(String, O
     if let Some(toml::Value::Table(section)) = table.get(name) {
         for (key, value) in section {
             let arg = find_flag(this, key).expect("checked above");
-            flags.extend(render(path, key, arg, value)?);
+            flags.extend(
+                render(path, key, arg, value)?.map(|(f, v)| (f, v, format!("`{key}` in [{name}]"))),
+            );
         }
     }
     if !left_out.is_empty() {

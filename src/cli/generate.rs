@@ -23,7 +23,7 @@ pub struct GenerateArgs {
     /// Use the prompt as raw text, without the chat template.
     #[arg(long)]
     pub raw: bool,
-    /// Maximum new tokens.
+    /// Maximum new tokens (at least 1).
     #[arg(long, default_value_t = 64)]
     pub max_new_tokens: usize,
     /// Sampling temperature (0 = greedy).
@@ -42,6 +42,9 @@ pub struct GenerateArgs {
 }
 
 pub fn generate(mut a: GenerateArgs) -> Result<()> {
+    if a.max_new_tokens == 0 {
+        bail!("--max-new-tokens must be at least 1 (0 would generate nothing)");
+    }
     if a.context < 2 {
         bail!(
             "--context must be at least 2 (a prompt token and one generated), got {}",
@@ -54,7 +57,7 @@ pub fn generate(mut a: GenerateArgs) -> Result<()> {
             a.temperature
         );
     }
-    a.model = crate::cli::model::model_dir(&a.model, a.revision.as_deref())?;
+    a.model = crate::cli::model::model_dir(&a.model, a.revision.as_deref(), "generate")?;
     let cfg = xtrain::model::config::LlamaConfig::load(&a.model)?;
     if a.context > cfg.max_position_embeddings {
         bail!(

@@ -71,6 +71,7 @@ enum Command {
         /// With a repo id: the branch, tag or commit (default main).
         #[arg(long)]
         revision: Option<String>,
+        /// The PEFT adapter directory to fold into the weights.
         #[arg(long)]
         adapter: PathBuf,
         /// Output model directory: new or empty (see --overwrite).
@@ -108,7 +109,19 @@ fn parse() -> (Cli, clap::ArgMatches, Option<Recipe>) {
             std::process::exit(2);
         }
     };
-    let matches = cmd.get_matches_from(expanded.argv);
+    let matches = match cmd.try_get_matches_from(expanded.argv) {
+        Ok(m) => m,
+        Err(e) => {
+            let recipe = expanded.recipe.as_ref().map(|(f, _)| f.as_path());
+            match config::recipe_value_error(&e, recipe, &expanded.keys) {
+                Some(said) => {
+                    eprintln!("error: {said}");
+                    std::process::exit(2);
+                }
+                None => e.exit(),
+            }
+        }
+    };
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     (cli, matches, expanded.recipe)
 }
@@ -155,7 +168,7 @@ pub fn main() {
             adapter,
             out,
             overwrite,
-        } => model::model_dir(&model, revision.as_deref())
+        } => model::model_dir(&model, revision.as_deref(), "merge")
             .and_then(|model| convert::merge(&model, &adapter, &out, overwrite)),
     };
     if let Err(e) = result {

@@ -7,9 +7,10 @@ use xtrain::formats::hub::{self, Need};
 use xtrain::model::config::LlamaConfig;
 use xtrain::model::presets;
 
-/// A model with its weights: the directory itself, or the hub cache's snapshot of repo id `model`
-/// at `revision`.
-pub fn model_dir(model: &Path, revision: Option<&str>) -> Result<PathBuf> {
+/// A model with its weights, for command `cmd` (`train`, `generate`, `merge`): the directory
+/// itself, or the hub cache's snapshot of repo id `model` at `revision`. A preset's name is
+/// refused as such: a preset is a config without weights.
+pub fn model_dir(model: &Path, revision: Option<&str>, cmd: &str) -> Result<PathBuf> {
     let s = model.to_string_lossy();
     if model.exists() {
         if let Some(r) = revision {
@@ -22,6 +23,13 @@ pub fn model_dir(model: &Path, revision: Option<&str>) -> Result<PathBuf> {
     }
     if hub::is_repo_id(&s) {
         return hub::resolve(&s, revision, Need::Weights);
+    }
+    if presets::is_preset(&s) {
+        bail!(
+            "--model {s} is a built-in config without weights (usable by `xtrain compile` and \
+             `xtrain bench`); `xtrain {cmd}` needs a model directory or a Hugging Face repo id \
+             with weights"
+        );
     }
     Ok(model.to_path_buf())
 }

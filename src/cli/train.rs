@@ -27,10 +27,10 @@ pub struct TrainArgs {
     /// (input_ids, labels, attention_mask) used for every step.
     #[arg(long, help_heading = "Data")]
     pub data: Option<PathBuf>,
-    /// The column (JSONL key) that holds plain text (default `text`).
+    /// The Parquet column (or JSONL key) that holds plain text (default `text`).
     #[arg(long, help_heading = "Data")]
     pub text_column: Option<String>,
-    /// The column (JSONL key) that holds chat messages (default `messages`).
+    /// The Parquet column (or JSONL key) that holds chat messages (default `messages`).
     #[arg(long, help_heading = "Data")]
     pub messages_column: Option<String>,
     /// Start from this PEFT adapter instead of a fresh one.
@@ -63,10 +63,10 @@ pub struct TrainArgs {
     pub min_lr_ratio: f64,
     #[command(flatten)]
     pub step: StepArgs,
-    /// Rows per step (JSONL data).
+    /// Rows per step (JSONL or Parquet data).
     #[arg(long, default_value_t = 8, help_heading = "Data")]
     pub batch_size: i64,
-    /// Tokens per row (JSONL data).
+    /// Tokens per row (JSONL or Parquet data).
     #[arg(long, default_value_t = 512, help_heading = "Data")]
     pub seq: i64,
     /// Pad each example to its own row instead of packing several per row.
@@ -75,7 +75,8 @@ pub struct TrainArgs {
     /// Also put the loss on the prompt tokens (default: response tokens only).
     #[arg(long, help_heading = "Data")]
     pub train_on_prompt: bool,
-    /// Skip JSONL lines that are not valid examples (counted) instead of stopping.
+    /// Skip JSONL lines or Parquet rows that are not valid examples (counted) instead of
+    /// stopping.
     #[arg(long, help_heading = "Data")]
     pub skip_bad_lines: bool,
     /// Stop on an example longer than --seq instead of truncating it.
@@ -84,7 +85,7 @@ pub struct TrainArgs {
     /// Hold out this fraction of the examples for evaluation (ignored with --eval-data).
     #[arg(long, default_value_t = 0.0, help_heading = "Data")]
     pub eval_fraction: f64,
-    /// A separate JSONL file to evaluate on.
+    /// A separate JSONL or Parquet file to evaluate on.
     #[arg(long, help_heading = "Data")]
     pub eval_data: Option<PathBuf>,
     /// Evaluate every N steps (and at the start and the end).
@@ -163,7 +164,7 @@ pub fn train(
         }
     }
     let model = match &a.model {
-        Some(m) => crate::cli::model::model_dir(m, a.revision.as_deref())?,
+        Some(m) => crate::cli::model::model_dir(m, a.revision.as_deref(), "train")?,
         None => PathBuf::new(),
     };
     let opts = TrainOptions {

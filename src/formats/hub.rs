@@ -214,7 +214,10 @@ pub fn resolve(id: &str, revision: Option<&str>, need: Need) -> Result<PathBuf> 
         Lookup::Found(dir) => return Ok(dir),
         Lookup::Missing(why) => why,
     };
-    let rev_flag = revision.map_or(String::new(), |r| format!(" --revision {r}"));
+    // Pasted into a shell: a revision (a branch or tag name) may hold what the shell expands.
+    let rev_flag = revision.map_or(String::new(), |r| {
+        format!(" --revision {}", crate::formats::shell::word(r))
+    });
     if offline() {
         bail!(
             "--model {id}: not a directory, and not in the Hugging Face hub cache {} ({why}); \

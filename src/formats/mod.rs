@@ -15,4 +15,5 @@ pub mod outdir;
 pub mod peft;
 pub mod program_dir;
 pub mod safetensors;
+pub mod shell;
 pub mod weights;

@@ -350,7 +350,7 @@ fn read_manifest(dir: &Path) -> Result<Manifest> {
              as they were. Compile again with the settings you want (`xtrain compile --out {}`)",
             mpath.display(),
             m.settings_sha256,
-            dir.display()
+            crate::formats::shell::path(dir)
         );
     }
     Ok(m)

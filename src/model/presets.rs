@@ -61,6 +61,11 @@ pub fn preset_for_repo(id: &str) -> Option<&'static str> {
         .map(|(_, p)| *p)
 }
 
+/// Whether `name` is a built-in preset (a config without weights).
+pub fn is_preset(name: &str) -> bool {
+    PRESETS.iter().any(|(n, _)| *n == name)
+}
+
 /// A preset's config by name.
 pub fn preset_config(name: &str) -> Result<Option<LlamaConfig>> {
     match PRESETS.iter().find(|(n, _)| *n == name) {

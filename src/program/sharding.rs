@@ -81,42 +81,118 @@ pub fn check_axes(axes: &[(String, i64)], rules: &Rules) -> Result<()> {
     Ok(())
 }
 
+/// A mesh axis that would split nothing on a program ([`check_splits`]).
+#[derive(Debug)]
+pub struct SplitsNothing {
+    /// The axis and its size.
+    pub axis: String,
+    pub size: i64,
+    /// The dimensions its rules apply to, as `batch 4`, and their sizes.
+    pub tried: Vec<String>,
+    pub sizes: Vec<i64>,
+    /// The other mesh axes of the rules that, in its place at the same size, would split
+    /// something (`tensor`).
+    pub would_split: Vec<String>,
+}
+
+impl SplitsNothing {
+    /// Why: `no dimension it applies to is divisible by 3 (batch 4), so every tensor would be
+    /// replicated over it`.
+    pub fn why(&self) -> String {
+        format!(
+            "no dimension it applies to is divisible by {} ({}), so every tensor would be \
+             replicated over it",
+            self.size,
+            if self.tried.is_empty() {
+                "none".to_string()
+            } else {
+                self.tried.join(", ")
+            }
+        )
+    }
+}
+
+impl std::fmt::Display for SplitsNothing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "--mesh {}={} splits nothing: {}; choose a size that divides them",
+            self.axis,
+            self.size,
+            self.why()
+        )
+    }
+}
+
+impl std::error::Error for SplitsNothing {}
+
+/// Whether mesh axis `name` of `axes` splits some dimension of `tensors` under `rules`.
+fn splits(
+    name: &str,
+    axes: &[(String, i64)],
+    rules: &Rules,
+    tensors: &[(String, Vec<i64>)],
+) -> bool {
+    let mesh = Mesh {
+        axes: axes.to_vec(),
+    };
+    tensors.iter().any(|(t, shape)| {
+        let logical = logical_axes(t, shape.len());
+        rules
+            .sharding(&logical, shape, &mesh)
+            .dims
+            .iter()
+            .any(|d| d.iter().any(|a| a == name))
+    })
+}
+
 /// Refuse a mesh axis that would split nothing on this program: no dimension its rules give it
 /// (the batch, the weights' dims) is divisible by its size, so every tensor would be replicated
-/// over it. `tensors` are (name, shape) of the program's weights and batch.
+/// over it. `tensors` are (name, shape) of the program's weights and batch. The error is a
+/// [`SplitsNothing`].
 pub fn check_splits(
     axes: &[(String, i64)],
     rules: &Rules,
     tensors: &[(String, Vec<i64>)],
 ) -> Result<()> {
-    let mesh = Mesh {
-        axes: axes.to_vec(),
-    };
     for (name, size) in axes {
-        let used = tensors.iter().any(|(t, shape)| {
-            let logical = logical_axes(t, shape.len());
-            rules
-                .sharding(&logical, shape, &mesh)
-                .dims
-                .iter()
-                .any(|d| d.contains(name))
-        });
-        if !used {
-            let mut tried: Vec<String> = Vec::new();
-            for (t, shape) in tensors {
-                for (l, d) in logical_axes(t, shape.len()).iter().zip(shape) {
-                    let entry = format!("{l} {d}");
-                    if rules.0.get(*l).is_some_and(|m| m.contains(name)) && !tried.contains(&entry)
-                    {
-                        tried.push(entry);
-                    }
+        if splits(name, axes, rules, tensors) {
+            continue;
+        }
+        let mut tried: Vec<String> = Vec::new();
+        let mut sizes: Vec<i64> = Vec::new();
+        for (t, shape) in tensors {
+            for (l, d) in logical_axes(t, shape.len()).iter().zip(shape) {
+                let entry = format!("{l} {d}");
+                if rules.0.get(*l).is_some_and(|m| m.contains(name)) && !tried.contains(&entry) {
+                    tried.push(entry);
+                    sizes.push(*d);
                 }
             }
-            bail!(
-                "--mesh {name}={size} splits nothing: no dimension it applies to is divisible by {size} ({}), so every tensor would be replicated over it; choose a size that divides them",
-                if tried.is_empty() { "none".to_string() } else { tried.join(", ") }
-            );
         }
+        let mut others: Vec<&String> = rules.0.values().flatten().collect();
+        others.sort();
+        others.dedup();
+        let would_split = others
+            .into_iter()
+            .filter(|o| !axes.iter().any(|(a, _)| a == *o))
+            .filter(|o| {
+                let instead: Vec<(String, i64)> = axes
+                    .iter()
+                    .map(|(a, n)| (if a == name { (*o).clone() } else { a.clone() }, *n))
+                    .collect();
+                splits(o, &instead, rules, tensors)
+            })
+            .cloned()
+            .collect();
+        return Err(SplitsNothing {
+            axis: name.clone(),
+            size: *size,
+            tried,
+            sizes,
+            would_split,
+        }
+        .into());
     }
     Ok(())
 }

@@ -2,6 +2,7 @@
 
 use crate::device::trainer::Trainer;
 use crate::formats::atomic::write_dir_atomic;
+use crate::formats::outdir::entries;
 use crate::formats::safetensors::SafeTensors;
 use crate::model::config::LlamaConfig;
 use crate::model::lora::{LoraConfig, Target};
@@ -9,7 +10,7 @@ use crate::train::schedule::Schedule;
 use anyhow::{bail, Context, Result};
 use pjrt::HostTensor;
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// Write an adapter directory (complete or not at all).
 pub fn save_adapter(
@@ -49,7 +50,7 @@ pub type Settings = BTreeMap<String, serde_json::Value>;
 /// The command that continues a run from checkpoint `dir`: its every setting, paths included,
 /// is recorded there (`settings::of_run`), so no other flag is needed.
 pub fn resume_command(dir: &Path) -> String {
-    format!("xtrain train --resume {}", dir.display())
+    format!("xtrain train --resume {}", crate::formats::shell::path(dir))
 }
 
 /// A checkpoint as loaded, or where a run starts: the LoRA weights, the AdamW moments (both by
@@ -82,9 +83,61 @@ pub fn save_checkpoint(
     })
 }
 
+/// The latest complete `checkpoint-N` in run dir `out` (the highest N), if any.
+pub fn latest_checkpoint(out: &Path) -> Option<PathBuf> {
+    entries(out)
+        .ok()?
+        .into_iter()
+        .filter_map(|n| {
+            let k: u64 = n.strip_prefix("checkpoint-")?.parse().ok()?;
+            out.join(&n)
+                .join("trainer_state.json")
+                .is_file()
+                .then_some((k, n))
+        })
+        .max()
+        .map(|(_, n)| out.join(n))
+}
+
+/// Why `dir`, given as a checkpoint, is a run's output dir instead (it holds `checkpoint-N`
+/// dirs, `metrics.jsonl` or `adapter/`): naming its latest checkpoint and the command that
+/// continues from it, or saying it has none. None for anything else.
+fn a_run_dir(dir: &Path) -> Option<String> {
+    let names = entries(dir).ok()?;
+    let of_run = |n: &String| {
+        n == "metrics.jsonl"
+            || n == "adapter"
+            || n.strip_prefix("checkpoint-")
+                .is_some_and(|k| k.parse::<u64>().is_ok())
+    };
+    if !names.iter().any(of_run) {
+        return None;
+    }
+    Some(match latest_checkpoint(dir) {
+        Some(c) => format!(
+            "{} is a run's output dir, not a checkpoint; its latest checkpoint is {}: continue \
+             from it with `{}`",
+            dir.display(),
+            c.display(),
+            resume_command(&c)
+        ),
+        None => format!(
+            "{} is a run's output dir, not a checkpoint, and it holds no checkpoint to continue \
+             from (a run saves checkpoint-N dirs with --save-every, and when --stop-after, \
+             Ctrl-C or a non-finite step stops it)",
+            dir.display()
+        ),
+    })
+}
+
 /// A checkpoint's `trainer_state.json`.
 pub fn read_state(dir: &Path) -> Result<TrainerState> {
     let state_path = dir.join("trainer_state.json");
+    if !state_path.exists() {
+        if let Some(why) = a_run_dir(dir) {
+            bail!(why);
+        }
+    }
     serde_json::from_str(&std::fs::read_to_string(&state_path).with_context(|| {
         format!(
             "cannot read {} (is {} a checkpoint?)",

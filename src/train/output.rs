@@ -31,22 +31,6 @@ fn took_a_step(metrics: &Path) -> bool {
     std::fs::read_to_string(metrics).is_ok_and(|t| t.lines().any(|l| l.contains("\"loss\"")))
 }
 
-/// The latest `checkpoint-N` in `out`, if any.
-pub fn latest_checkpoint(out: &Path) -> Option<PathBuf> {
-    entries(out)
-        .ok()?
-        .into_iter()
-        .filter_map(|n| {
-            let k: u64 = n.strip_prefix("checkpoint-")?.parse().ok()?;
-            out.join(&n)
-                .join("trainer_state.json")
-                .is_file()
-                .then_some((k, n))
-        })
-        .max()
-        .map(|(_, n)| out.join(n))
-}
-
 /// The output directory of a run under way.
 pub struct RunDir {
     pub path: PathBuf,
@@ -137,7 +121,7 @@ impl RunDir {
                 Some(ckpt) if previous => check_resume_in(out, ckpt)?,
                 Some(_) => {}
                 None if previous => {
-                    let hint = match latest_checkpoint(out) {
+                    let hint = match crate::train::checkpoint::latest_checkpoint(out) {
                         Some(c) => {
                             format!(
                                 "continue it with `{}`, ",

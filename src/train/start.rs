@@ -107,7 +107,7 @@ fn check_resumed_data(
             "checkpoint {} was trained on other data than {} (its rows differ); resume on the same data, or start a new run from its adapter with --init-adapter {}",
             dir.display(),
             data_name(data),
-            dir.display()
+            crate::formats::shell::path(dir)
         );
     }
     let mut same = st.schedule.clone();

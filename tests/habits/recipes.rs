@@ -144,7 +144,7 @@ fn a_train_key_in_a_recipes_compile_section_is_refused() {
         "recipe-keys-compile-section",
         &[(
             "[compile]\nepochs = 2\n",
-            "key `epochs` in [compile] is not a flag of `xtrain compile`",
+            "key `epochs` in [compile] is a `train` key (a flag of `xtrain train`, not of `xtrain compile`): put it under [train]",
         )],
     );
 }

@@ -732,3 +732,161 @@ fn a_save_every_longer_than_the_run_is_warned_about() {
     assert!(out.join("adapter").is_dir());
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `generate --max-new-tokens 0` would generate nothing (it printed an empty line and exited 0).
+#[test]
+fn generate_max_new_tokens_0_is_refused() {
+    let dir = tempdir("rel-generate-max-new-0");
+    let model = tiny_text_model(&dir);
+    let e = fails(&[
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt",
+        "hi",
+        "--max-new-tokens",
+        "0",
+    ]);
+    assert!(e.contains("--max-new-tokens must be at least 1"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `--eval-data` and `--skip-bad-lines` apply to Parquet files too, and `train --help` says so
+/// (it said "JSONL file" and "JSONL lines").
+#[test]
+fn the_help_of_eval_data_and_skip_bad_lines_names_parquet_too() {
+    let help = String::from_utf8_lossy(&xtrain(&["train", "--help"]).stdout).to_string();
+    let help = help.split_whitespace().collect::<Vec<_>>().join(" ");
+    assert!(
+        help.contains(
+            "--skip-bad-lines Skip JSONL lines or Parquet rows that are not valid examples"
+        ),
+        "{help}"
+    );
+    assert!(
+        help.contains("--eval-data <EVAL_DATA> A separate JSONL or Parquet file to evaluate on"),
+        "{help}"
+    );
+}
+
+/// Every flag of every command has a line of help (`bench --batch`, `--seq`, `--warmup`,
+/// `--plugin` and `merge --adapter` had none).
+#[test]
+fn every_flag_in_the_help_has_a_description() {
+    for cmd in [
+        "train",
+        "compile",
+        "generate",
+        "bench",
+        "merge",
+        "import-gguf",
+        "targets",
+        "plugins",
+    ] {
+        let help = String::from_utf8_lossy(&xtrain(&[cmd, "--help"]).stdout).to_string();
+        let lines: Vec<&str> = help.lines().collect();
+        for (i, line) in lines.iter().enumerate() {
+            let text = line.trim_start();
+            let indent = line.len() - text.len();
+            // A flag's line (not a description's continuation that starts with a flag).
+            if !text.starts_with('-') || indent > 6 {
+                continue;
+            }
+            // Its description: on its line after two spaces, or on the next, indented further.
+            let same_line = text
+                .split_once("  ")
+                .is_some_and(|(_, d)| !d.trim().is_empty());
+            let next_line = lines.get(i + 1).is_some_and(|n| {
+                let t = n.trim_start();
+                !t.is_empty() && !t.starts_with('-') && n.len() - t.len() > indent
+            });
+            assert!(
+                same_line || next_line,
+                "`xtrain {cmd} --help`: {line:?} has no description\n{help}"
+            );
+        }
+    }
+}
+
+/// A flag of `train` put under `[compile]` (or of `compile` under `[train]`) is said to be the
+/// other command's key, not a misspelt flag (it said "the nearest flag is --seq").
+#[test]
+fn a_train_key_under_compile_in_a_recipe_is_said_to_belong_under_train() {
+    let dir = tempdir("rel-recipe-wrong-table");
+    let recipe = dir.join("r.toml");
+    std::fs::write(&recipe, "model = \"tiny-llama3\"\n[compile]\nlr = 1e-4\n").unwrap();
+    let e = fails(&[
+        "compile",
+        "--config",
+        recipe.to_str().unwrap(),
+        "--out",
+        dir.join("p").to_str().unwrap(),
+    ]);
+    assert!(
+        e.contains(&format!(
+            "{}: key `lr` in [compile] is a `train` key (a flag of `xtrain train`, not of \
+             `xtrain compile`): put it under [train]",
+            recipe.display()
+        )),
+        "{e}"
+    );
+    assert!(!e.contains("nearest"), "{e}");
+    assert!(!dir.join("p").exists());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A recipe value the flag cannot take (`lr = "fast"`) is refused naming the recipe and the
+/// key, not as if typed on the command line (clap's "invalid value 'fast' for '--lr <LR>'").
+#[test]
+fn a_recipe_value_of_the_wrong_type_is_refused_naming_the_recipe_and_the_key() {
+    let dir = tempdir("rel-recipe-bad-value");
+    let recipe = dir.join("r.toml");
+    for (text, want) in [
+        (
+            "lr = \"fast\"\n",
+            "key `lr`: invalid value 'fast' for '--lr <LR>': invalid float literal",
+        ),
+        (
+            "[train]\nmatmul_result = \"bf32\"\n",
+            "key `matmul_result` in [train]: invalid value 'bf32' for '--matmul-result",
+        ),
+    ] {
+        std::fs::write(&recipe, text).unwrap();
+        let e = fails(&[
+            "train",
+            "--config",
+            recipe.to_str().unwrap(),
+            "--model",
+            "m",
+            "--data",
+            "d.jsonl",
+            "--out",
+            dir.join("run").to_str().unwrap(),
+        ]);
+        assert!(
+            e.starts_with(&format!("error: {}: {want}", recipe.display())),
+            "{text:?}: {e}"
+        );
+        assert!(!dir.join("run").exists());
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The mesh `compile` takes from `--target cuda:h100:3` (fsdp=3, no --mesh given) that splits
+/// nothing is said to be the target's, with what would split something (it said "--mesh fsdp=3
+/// splits nothing" to a user who gave no --mesh).
+#[test]
+fn a_mesh_taken_from_the_target_that_splits_nothing_is_said_to_come_from_the_target() {
+    compile_is_refused(
+        "rel-target-mesh-splits-nothing",
+        &[(
+            &["--target", "cuda:h100:3"],
+            "the mesh taken from --target cuda:h100:3, fsdp=3, splits nothing: no dimension it \
+             applies to is divisible by 3 (vocab 512, embed 64, q_heads 64, kv_heads 32, mlp \
+             128, batch 1), so every tensor would be replicated over it; no mesh axis of 3 \
+             devices divides them, so give a --batch divisible by 3 (e.g. --batch 3, which \
+             fsdp=3 splits), or a --target with a number of devices that divides them (e.g. \
+             --target cuda:h100:2)",
+        )],
+    );
+}

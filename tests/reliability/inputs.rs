@@ -30,6 +30,31 @@ fn a_model_dir_that_does_not_exist_is_refused_and_no_output_dir_is_made() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// `--model tiny-llama3` names a built-in config, which has no weights to train: said as such
+/// (it said "model directory tiny-llama3 does not exist").
+#[test]
+fn train_with_a_preset_name_as_model_says_it_is_a_config_without_weights() {
+    let dir = tempdir("rel-model-preset");
+    let out = dir.join("out");
+    let o = xtrain_cmd()
+        .current_dir(&dir)
+        .args(refs(&train_on(Path::new("tiny-llama3"), &out, &[])))
+        .output()
+        .unwrap();
+    let e = stderr_of(&o);
+    assert!(!o.status.success(), "{e}");
+    assert!(
+        e.starts_with(
+            "error: --model tiny-llama3 is a built-in config without weights (usable by \
+             `xtrain compile` and `xtrain bench`); `xtrain train` needs a model directory or a \
+             Hugging Face repo id with weights"
+        ),
+        "{e}"
+    );
+    assert!(!out.exists(), "no output dir for a run that never started");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn a_config_json_that_is_not_json_is_refused() {
     let dir = tempdir("rel-config-not-json");

@@ -377,6 +377,92 @@ fn stop_after_writes_the_checkpoint_it_stops_at() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// The command a stopped run prints to continue it quotes a path the shell would split or
+/// expand (a space, a `'`, parentheses), so that pasted into a shell it continues the run.
+#[test]
+fn the_command_to_continue_a_stopped_run_quotes_its_path_and_pastes_into_a_shell() {
+    let dir = tempdir("rel-stop-quoted");
+    let model = fixtures().join("model");
+    let out = dir.join("my run's (1)");
+    let o = xtrain(&refs(&train_on(
+        &model,
+        &out,
+        &["--steps", "4", "--stop-after", "3"],
+    )));
+    let err = stderr_of(&o);
+    assert!(o.status.success(), "{err}");
+    let ckpt = out.join("checkpoint-3");
+    let quoted = format!("'{}'", ckpt.to_str().unwrap().replace('\'', r"'\''"));
+    let command = format!("xtrain train --resume {quoted}");
+    assert!(err.contains(&format!("continue with `{command}`")), "{err}");
+    // Pasted into a shell, with this xtrain first on PATH: the run continues to its end.
+    let bin = Path::new(env!("CARGO_BIN_EXE_xtrain")).parent().unwrap();
+    let path = format!(
+        "{}:{}",
+        bin.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let o = Command::new("sh")
+        .arg("-c")
+        .arg(&command)
+        .env("PATH", path)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{command}: {}", stderr_of(&o));
+    assert!(out.join("adapter/adapter_model.safetensors").is_file());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `--resume` of a run's output dir (not one of its checkpoints) names its latest checkpoint,
+/// the highest step (checkpoint-11, not checkpoint-5, the last by name), and the command that
+/// continues from it (it said "is runs/x a checkpoint?").
+#[test]
+fn resume_of_a_run_dir_names_its_latest_checkpoint_and_the_command_to_continue() {
+    let dir = tempdir("rel-resume-run-dir");
+    let model = fixtures().join("model");
+    let out = dir.join("run");
+    let o = xtrain(&refs(&train_on(
+        &model,
+        &out,
+        &["--steps", "12", "--save-every", "5", "--stop-after", "11"],
+    )));
+    assert!(o.status.success(), "{}", stderr_of(&o));
+    let latest = out.join("checkpoint-11");
+    assert!(out.join("checkpoint-5").is_dir() && latest.is_dir());
+    let e = fails(&["train", "--resume", out.to_str().unwrap()]);
+    assert!(
+        e.contains(&format!(
+            "{} is a run's output dir, not a checkpoint; its latest checkpoint is {}: continue \
+             from it with `xtrain train --resume {}`",
+            out.display(),
+            latest.display(),
+            latest.display()
+        )),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `--resume` of a run's output dir that holds no checkpoint says so.
+#[test]
+fn resume_of_a_run_dir_without_checkpoints_says_it_has_none() {
+    let dir = tempdir("rel-resume-run-dir-none");
+    let model = fixtures().join("model");
+    let out = dir.join("run");
+    let o = xtrain(&refs(&train_on(&model, &out, &["--steps", "1"])));
+    assert!(o.status.success(), "{}", stderr_of(&o));
+    assert!(out.join("adapter").is_dir() && latest_checkpoint(&out).is_none());
+    let e = fails(&["train", "--resume", out.to_str().unwrap()]);
+    assert!(
+        e.contains(&format!(
+            "{} is a run's output dir, not a checkpoint, and it holds no checkpoint to continue from",
+            out.display()
+        )),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 // ---------------------------------------------------------------- merge and import output dirs
 
 /// `merge` of the fixture adapter into the fixture model, into `out`, with `extra` flags.
