@@ -104,7 +104,15 @@ impl CompileArgs {
     }
 }
 
-pub fn compile(mut a: CompileArgs, verbose: bool) -> Result<()> {
+pub fn compile(mut a: CompileArgs, verbose: bool, recipe: Option<super::Recipe>) -> Result<()> {
+    // A recipe's top-level `plugin` serves `train` too: without --check it is left unused, not
+    // refused; typed on the command line, it would do nothing.
+    let plugin_from_recipe = recipe
+        .as_ref()
+        .is_some_and(|(_, flags)| flags.contains("plugin"));
+    if a.plugin.is_some() && !a.check && plugin_from_recipe {
+        a.plugin = None;
+    }
     let cfg = crate::cli::model::model_config(&a.model, a.revision.as_deref())?;
     let targets = parse_targets(&a)?;
     if !a.check {
