@@ -232,31 +232,7 @@ fn recipe_flags(
                     path.display()
                 );
             };
-            let c = command(cmd);
-            one_key_per_flag(path, &format!("[{key}]"), section.keys())?;
-            for k in section.keys() {
-                not_a_setting(path, k)?;
-                if find_flag(c, k).is_some() {
-                    continue;
-                }
-                // A flag of another command: put in the wrong table, not misspelt.
-                if let Some(other) = COMMANDS
-                    .iter()
-                    .find(|o| *o != cmd && find_flag(command(o), k).is_some())
-                {
-                    bail!(
-                        "{}: key `{k}` in [{key}] is a `{other}` key (a flag of `xtrain {other}`, \
-                         not of `xtrain {cmd}`): put it under [{other}], or at the top level, \
-                         which serves both commands",
-                        path.display()
-                    );
-                }
-                bail!(
-                    "{}: key `{k}` in [{key}] is not a flag of `xtrain {cmd}`{}",
-                    path.display(),
-                    nearest(k, &[c])
-                );
-            }
+            check_section(path, key, cmd, section, &command)?;
         }
     }
     for (key, value) in &table {
@@ -298,6 +274,43 @@ fn recipe_flags(
         );
     }
     Ok(flags)
+}
+
+/// The keys of section `[key]` (the flags of `xtrain {cmd}`): each a flag of that command, with
+/// a flag of the other command said to be in the wrong section and anything else misspelt.
+fn check_section<'c>(
+    path: &Path,
+    key: &str,
+    cmd: &str,
+    section: &toml::Table,
+    command: &dyn Fn(&str) -> &'c Command,
+) -> Result<()> {
+    let c = command(cmd);
+    one_key_per_flag(path, &format!("[{key}]"), section.keys())?;
+    for k in section.keys() {
+        not_a_setting(path, k)?;
+        if find_flag(c, k).is_some() {
+            continue;
+        }
+        // A flag of another command: put in the wrong table, not misspelt.
+        if let Some(other) = COMMANDS
+            .iter()
+            .find(|o| **o != cmd && find_flag(command(o), k).is_some())
+        {
+            bail!(
+                "{}: key `{k}` in [{key}] is a `{other}` key (a flag of `xtrain {other}`, \
+                 not of `xtrain {cmd}`): put it under [{other}], or at the top level, \
+                 which serves both commands",
+                path.display()
+            );
+        }
+        bail!(
+            "{}: key `{k}` in [{key}] is not a flag of `xtrain {cmd}`{}",
+            path.display(),
+            nearest(k, &[c])
+        );
+    }
+    Ok(())
 }
 
 /// `config`, `help` and `version` are flags of every command, but none is a setting a recipe can

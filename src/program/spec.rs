@@ -346,28 +346,7 @@ pub(super) fn check_spec(spec: &StepSpec) -> Result<()> {
     if spec.nf4 {
         check_nf4_blocks(&spec.model)?;
     }
-    // B A of rank r on a projection [out, in] has rank at most min(in, out): a larger r only
-    // adds memory and time.
-    if let Some((target, most)) = spec
-        .lora
-        .targets
-        .iter()
-        .map(|&t| {
-            let (i, o) = crate::model::tensors::projection_dims(&spec.model, t);
-            (t, i.min(o))
-        })
-        .min_by_key(|(_, d)| *d)
-    {
-        if spec.lora.r > most {
-            bail!(
-                "--lora-r {} is larger than the adapted `{}` projection's smaller dimension ({most}): \
-                 an update B A of that shape has rank {most} at most, so the rest would only cost \
-                 memory and time; use --lora-r {most} or less",
-                spec.lora.r,
-                target.module()
-            );
-        }
-    }
+    check_lora_rank(spec)?;
     if let Some(m) = &spec.mesh {
         crate::program::sharding::check_axes(&m.axes, &m.rules)?;
         let mut tensors = crate::model::tensors::frozen_args(&spec.model, true);
@@ -422,6 +401,32 @@ pub(super) fn check_spec(spec: &StepSpec) -> Result<()> {
                 "--attention-block {r} must be a positive divisor of the sequence length {}",
                 spec.seq
             );
+        }
+    }
+    Ok(())
+}
+
+/// B A of rank r on a projection [out, in] has rank at most min(in, out): a larger r only adds
+/// memory and time, and is refused naming the projection.
+fn check_lora_rank(spec: &StepSpec) -> Result<()> {
+    if let Some((target, most)) = spec
+        .lora
+        .targets
+        .iter()
+        .map(|&t| {
+            let (i, o) = crate::model::tensors::projection_dims(&spec.model, t);
+            (t, i.min(o))
+        })
+        .min_by_key(|(_, d)| *d)
+    {
+        if spec.lora.r > most {
+            bail!(
+            "--lora-r {} is larger than the adapted `{}` projection's smaller dimension ({most}): \
+             an update B A of that shape has rank {most} at most, so the rest would only cost \
+             memory and time; use --lora-r {most} or less",
+            spec.lora.r,
+            target.module()
+        );
         }
     }
     Ok(())
