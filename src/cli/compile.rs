@@ -104,12 +104,10 @@ impl CompileArgs {
     }
 }
 
-pub fn compile(mut a: CompileArgs, verbose: bool, recipe: Option<super::Recipe>) -> Result<()> {
+/// `plugin_from_recipe`: the `--config` recipe, not the command line, gave `--plugin`.
+pub fn compile(mut a: CompileArgs, verbose: bool, plugin_from_recipe: bool) -> Result<()> {
     // A recipe's top-level `plugin` serves `train` too: without --check it is left unused, not
     // refused; typed on the command line, it would do nothing.
-    let plugin_from_recipe = recipe
-        .as_ref()
-        .is_some_and(|(_, flags)| flags.contains("plugin"));
     if a.plugin.is_some() && !a.check && plugin_from_recipe {
         a.plugin = None;
     }
