@@ -171,29 +171,6 @@ impl StepArgs {
         Ok(adam)
     }
 
-    /// Says that result types other than the defaults change nothing with f32 compute (every
-    /// result is f32 then). For commands whose flags are final (not `train`, whose
-    /// checkpoint or program dir may still set the dtype).
-    pub fn say_idle_result_types(&self) {
-        if self.dtype == DType::F32 {
-            for (flag, value, default) in [
-                ("matmul-result", self.matmul_result, DEFAULT_MATMUL_RESULT),
-                (
-                    "attention-scores",
-                    self.attention_scores,
-                    DEFAULT_ATTENTION_SCORES,
-                ),
-            ] {
-                if value != default {
-                    eprintln!(
-                        "xtrain: note: {}",
-                        xtrain::program::idle_result_type(flag, value.name())
-                    );
-                }
-            }
-        }
-    }
-
     /// The step options these flags give.
     pub fn options(&self) -> Result<StepOptions> {
         Ok(StepOptions {

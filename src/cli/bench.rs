@@ -80,8 +80,10 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         None => None,
     };
     let (cfg, _) = xtrain::model::presets::resolve_model_config(&a.model)?;
-    a.step.say_idle_result_types();
     let options = a.step.options()?;
+    for (_, note) in options.idle_result_types() {
+        eprintln!("xtrain: note: {note}");
+    }
     let devices = options.mesh.as_ref().map_or(1, |m| m.devices());
     let rt = Runtime::open(a.plugin.as_deref(), Some(devices))?;
     let spec = options.spec(cfg, a.batch, a.seq)?;

@@ -133,8 +133,10 @@ pub fn compile(mut a: CompileArgs, verbose: bool, plugin_from_recipe: bool) -> R
              nothing is compiled (the program text is the same for every plugin)"
         );
     }
-    a.step.say_idle_result_types();
     let mut options = a.step.options()?;
+    for (_, note) in options.idle_result_types() {
+        eprintln!("xtrain: note: {note}");
+    }
     // The mesh `fsdp=N` taken from the targets' device count, where --mesh is left out.
     let mut derived = None;
     if let Some(n) = target_devices(&targets)? {

@@ -196,6 +196,13 @@ impl Llama<'_> {
     }
 }
 
+/// `doc_starts` [B, T] with padding (-1) taken as a document starting at 0: where a token's
+/// positions count from, and which keys a query may see (see [`attend`]).
+fn starts_or_zero(b: &mut Builder, doc_starts: Value) -> Result<Value> {
+    let zero = b.zeros(b.shape(doc_starts).clone());
+    b.max(doc_starts, zero)
+}
+
 /// The save point of query block `block`'s softmax statistic `stat` (`max` or `sum`).
 fn softmax_stat_name(stat: &str, block: i64) -> String {
     format!("attn.{stat}.{block}")
@@ -439,10 +446,8 @@ impl Llama<'_> {
     /// Each token's position in its document, [B, T] s32: its index in the row less where its
     /// document starts (padding, `doc_starts` -1, counts from the row's start).
     fn positions(&self, b: &mut Builder, doc_starts: Value) -> Result<Value> {
-        let shape = b.shape(doc_starts).clone();
-        let index = b.iota(shape.clone(), 1)?;
-        let zero = b.zeros(shape);
-        let starts = b.max(doc_starts, zero)?;
+        let index = b.iota(b.shape(doc_starts).clone(), 1)?;
+        let starts = starts_or_zero(b, doc_starts)?;
         b.sub(index, starts)
     }
 
@@ -555,8 +560,7 @@ impl Llama<'_> {
             let tb = query_block(t, self.num.attention_block);
             // A padding query sees what a query at a document's start would, and more: every
             // earlier real key (see [`attend`]).
-            let zero = b.zeros(b.shape(doc_starts).clone());
-            let query_docs = b.max(doc_starts, zero)?;
+            let query_docs = starts_or_zero(b, doc_starts)?;
             let mut outs = Vec::new();
             for i in 0..t / tb {
                 let (start, seen) = (i * tb, (i + 1) * tb);

@@ -29,6 +29,6 @@ pub use build::{
 };
 pub use signature::{Program, Role, TensorSpec};
 pub use spec::{
-    default_choice, fit_choices, idle_result_type, parse_dtype, MeshPlan, Offload, Remat,
-    ResultType, StepOptions, StepSpec, DEFAULT_ATTENTION_SCORES, DEFAULT_MATMUL_RESULT,
+    default_choice, fit_choices, parse_dtype, MeshPlan, Offload, Remat, ResultType, StepOptions,
+    StepSpec, DEFAULT_ATTENTION_SCORES, DEFAULT_MATMUL_RESULT,
 };

@@ -514,15 +514,6 @@ pub const DEFAULT_MATMUL_RESULT: ResultType = ResultType::F32;
 /// `--attention-scores`' default, for every target.
 pub const DEFAULT_ATTENTION_SCORES: ResultType = ResultType::Compute;
 
-/// What `--{flag} {value}` (`--matmul-result`, `--attention-scores`) other than the default does
-/// with f32 compute: nothing, since every result is f32 then.
-pub fn idle_result_type(flag: &str, value: &str) -> String {
-    format!(
-        "--{flag} {value} changes nothing with --dtype f32 (every result is f32 then); it is for \
-         --dtype bf16"
-    )
-}
-
 /// `--dtype` as given.
 pub fn parse_dtype(s: &str) -> Result<DType> {
     match s {
@@ -533,6 +524,34 @@ pub fn parse_dtype(s: &str) -> Result<DType> {
 }
 
 impl StepOptions {
+    /// The result-type flags (`matmul-result`, `attention-scores`) set to other than their
+    /// defaults with f32 compute, where they change nothing (every result is f32 then): each
+    /// flag with the note that says so.
+    pub fn idle_result_types(&self) -> Vec<(&'static str, String)> {
+        if self.dtype != DType::F32 {
+            return Vec::new();
+        }
+        [
+            ("matmul-result", self.matmul_result, DEFAULT_MATMUL_RESULT),
+            (
+                "attention-scores",
+                self.attention_scores,
+                DEFAULT_ATTENTION_SCORES,
+            ),
+        ]
+        .into_iter()
+        .filter(|(_, value, default)| value != default)
+        .map(|(flag, value, _)| {
+            let note = format!(
+                "--{flag} {} changes nothing with --dtype f32 (every result is f32 then); it is \
+                 for --dtype bf16",
+                value.name()
+            );
+            (flag, note)
+        })
+        .collect()
+    }
+
     /// The spec of the step for `model` and batches of `batch` x `seq` tokens.
     pub fn spec(&self, model: LlamaConfig, batch: i64, seq: i64) -> Result<StepSpec> {
         let dtype = self.dtype;

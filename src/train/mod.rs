@@ -52,23 +52,9 @@ pub fn run(opts: &TrainOptions) -> Result<()> {
     let cfg = LlamaConfig::load(&opts.model)?;
     settings::settle(&mut opts, &cfg, &mut notes)?;
     opts.validate()?;
-    if opts.step.dtype == hlo::DType::F32 {
-        use crate::program::{idle_result_type, DEFAULT_ATTENTION_SCORES, DEFAULT_MATMUL_RESULT};
-        for (flag, value, default) in [
-            (
-                "matmul-result",
-                opts.step.matmul_result,
-                DEFAULT_MATMUL_RESULT,
-            ),
-            (
-                "attention-scores",
-                opts.step.attention_scores,
-                DEFAULT_ATTENTION_SCORES,
-            ),
-        ] {
-            if opts.given(flag) && value != default {
-                notes.push(idle_result_type(flag, value.name()));
-            }
+    for (flag, note) in opts.step.idle_result_types() {
+        if opts.given(flag) {
+            notes.push(note);
         }
     }
     let opts = &opts;
