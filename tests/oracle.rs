@@ -301,21 +301,28 @@ fn lora_logits_loss_and_all_28_gradients_match() {
 
     // The same gradients with layers unrolled, looped (both remat policies; remat layer also
     // keeping the softmax statistics, as TPU programs do), with the loss computed 4 positions
-    // at a time, and with causal attention in blocks of 4 query rows.
+    // at a time, with causal attention in blocks of 4 query rows, and over key/value blocks
+    // (the flash recurrence with its own backward rule) that divide the 16 positions or not.
     let _ = &s;
-    for (remat, chunk, block, stats) in [
-        (Remat::None, None, None, false),
-        (Remat::Layer, None, None, false),
-        (Remat::SaveProj, None, None, false),
-        (Remat::Layer, Some(4), None, false),
-        (Remat::None, None, Some(4), false),
-        (Remat::SaveProj, None, Some(4), false),
-        (Remat::Layer, None, Some(4), true),
+    for (remat, chunk, block, stats, keys) in [
+        (Remat::None, None, None, false, None),
+        (Remat::Layer, None, None, false, None),
+        (Remat::SaveProj, None, None, false, None),
+        (Remat::Layer, Some(4), None, false, None),
+        (Remat::None, None, Some(4), false, None),
+        (Remat::SaveProj, None, Some(4), false, None),
+        (Remat::Layer, None, Some(4), true, None),
+        (Remat::None, None, None, false, Some(4)),
+        (Remat::Layer, None, None, false, Some(5)),
+        (Remat::SaveProj, None, None, false, Some(6)),
+        (Remat::Layer, Some(4), None, true, Some(3)),
     ] {
         let mut sp = spec_with("model", remat);
         sp.loss_chunk = chunk;
         sp.attention_block = block;
         sp.layer_keeps_softmax_stats = stats;
+        sp.key_block = keys;
+        let block = (block, keys);
         let program = program::build_grad_program(&sp).unwrap();
         let out = execute(
             &program,
@@ -361,14 +368,24 @@ fn zeros_like_lora(init: &BTreeMap<String, HostTensor>) -> BTreeMap<String, Host
 
 #[test]
 fn three_adamw_steps_match_torch() {
-    // With layers unrolled and with layers looped: the same numbers.
-    for remat in [Remat::None, Remat::Layer] {
-        three_adamw_steps(remat);
+    // With layers unrolled and with layers looped, and with attention over key/value blocks of
+    // 5 (the sequence padded to 20): the same numbers.
+    for (remat, keys) in [
+        (Remat::None, None),
+        (Remat::Layer, None),
+        (Remat::Layer, Some(5)),
+    ] {
+        three_adamw_steps(remat, keys);
     }
 }
 
-fn three_adamw_steps(remat: Remat) {
-    let program = program::build_train_step(&spec_with("model", remat)).unwrap();
+fn three_adamw_steps(remat: Remat, key_block: Option<i64>) {
+    let spec = StepSpec {
+        key_block,
+        ..spec_with("model", remat)
+    };
+    let program = program::build_train_step(&spec).unwrap();
+    let remat = (remat, key_block);
     let rt = runtime();
     let exe = rt.compile(&program, &CompileOptions::default()).unwrap();
     let init = adapter("adapter_init");

@@ -107,7 +107,17 @@ impl Builder {
                         .push(Band { dim, start, g });
                     continue;
                 }
-                let grads = crate::ops::vjp(self, &view, &cts, &needs)?;
+                let grads = match node.op {
+                    crate::graph::Op::CustomVjp(id) => {
+                        let rule = self.vjp_rules[id as usize].clone();
+                        let n = node.outputs.len();
+                        let (outs, ins) = view.inputs.split_at(n);
+                        let mut grads = vec![None; n];
+                        grads.extend(rule(self, ins, outs, &cts)?);
+                        grads
+                    }
+                    _ => crate::ops::vjp(self, &view, &cts, &needs)?,
+                };
                 for ((&input, g), need) in node.inputs.iter().zip(grads).zip(&needs) {
                     if let (Some(g), true) = (g, *need) {
                         accumulate(self, &mut ct, input, g)?;

@@ -29,7 +29,16 @@ pub struct Builder {
     next_remat: u32,
     /// Emit [`Builder::fori_loop`] bodies inline, once per iteration, instead of a while loop.
     pub(crate) unroll_loops: bool,
+    /// The gradient rules of this function's [`Op::CustomVjp`] nodes, by index.
+    pub(crate) vjp_rules: Vec<VjpRule>,
 }
+
+/// A gradient rule given to [`Builder::custom_vjp`]: from the computation's inputs, its outputs
+/// and the outputs' cotangents (None where an output has none), the inputs' cotangents (None
+/// for an input that needs none, e.g. an integer one).
+pub type VjpRule = std::rc::Rc<
+    dyn Fn(&mut Builder, &[Value], &[Value], &[Option<Value>]) -> Result<Vec<Option<Value>>>,
+>;
 
 impl Builder {
     pub fn new(name: &str) -> Builder {
@@ -46,6 +55,7 @@ impl Builder {
             remat: None,
             next_remat: 0,
             unroll_loops: false,
+            vjp_rules: Vec::new(),
         }
     }
 
@@ -158,6 +168,19 @@ impl Builder {
         let r = f(self);
         self.remat = outer;
         r
+    }
+
+    /// `outputs`, computed from `inputs` by nodes already built, with `rule` as their gradient:
+    /// autodiff gives each input its cotangent by the rule and never differentiates the nodes in
+    /// between (a loop, which has no generic rule, or a computation whose plain derivative
+    /// would keep too much alive). Returns the outputs to use from here on.
+    pub fn custom_vjp(&mut self, inputs: &[Value], outputs: &[Value], rule: VjpRule) -> Vec<Value> {
+        let id = self.vjp_rules.len() as u32;
+        self.vjp_rules.push(rule);
+        let shapes = outputs.iter().map(|&v| self.shape(v).clone()).collect();
+        let mut operands = outputs.to_vec();
+        operands.extend_from_slice(inputs);
+        self.push(Op::CustomVjp(id), operands, shapes)
     }
 
     fn loc(&self) -> Option<String> {

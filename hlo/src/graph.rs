@@ -319,6 +319,11 @@ pub enum Op {
     /// backward pass reuse a value saved by the forward pass; printed as nothing, so the
     /// recomputation is dead code that XLA removes.
     UseSaved,
+    /// `(outputs.., inputs..)` of a computation with its own gradient rule (rule `n` of the
+    /// builder that made it; see [`crate::Builder::custom_vjp`]): evaluates to the outputs, and
+    /// autodiff gives the inputs their cotangents by the rule instead of through the nodes that
+    /// computed the outputs. Printed as nothing: its outputs are the computation's.
+    CustomVjp(u32),
 }
 
 impl Op {
@@ -353,6 +358,7 @@ impl Op {
             Op::Uninitialized => "uninitialized",
             Op::StopGradient => "stop_gradient",
             Op::UseSaved => "use_saved",
+            Op::CustomVjp(_) => "custom_vjp",
         }
     }
 }

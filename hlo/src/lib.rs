@@ -33,7 +33,7 @@ mod ops;
 mod print;
 mod types;
 
-pub use builder::{Builder, Error, Result};
+pub use builder::{Builder, Error, Result, VjpRule};
 pub use graph::{
     BinaryOp, CmpDir, Combiner, DotDims, Func, FuncResult, GatherDims, Literal, MemoryKind, Mesh,
     Node, Op, Param, ParamAttrs, Precision, ScatterDims, Sharding, UnaryOp, Value,

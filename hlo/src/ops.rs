@@ -1433,6 +1433,22 @@ impl Builder {
         Ok(out[1..1 + nc].to_vec())
     }
 
+    /// [`Builder::fori_loop`] as a `stablehlo.while` even where loops are unrolled: for loops
+    /// inside a layer whose trip count grows with the sequence (attention's block pairs), which
+    /// unrolled would make the program grow with it too.
+    pub fn rolled_fori_loop(
+        &mut self,
+        n: i64,
+        init: &[Value],
+        invariants: &[Value],
+        body: impl FnMut(&mut Builder, Value, &[Value], &[Value]) -> Result<Vec<Value>>,
+    ) -> Result<Vec<Value>> {
+        let unroll = std::mem::replace(&mut self.unroll_loops, false);
+        let out = self.fori_loop(n, init, invariants, body);
+        self.unroll_loops = unroll;
+        out
+    }
+
     /// Values that XLA may not move computations across (used to keep recomputation apart).
     pub fn optimization_barrier(&mut self, xs: &[Value]) -> Vec<Value> {
         if xs.is_empty() {
@@ -1511,6 +1527,7 @@ pub(crate) fn vjp(
     Ok(match &node.op {
         Op::Constant(_) | Op::Iota { .. } | Op::Compare(_) | Op::RngBitGenerator | Op::BitcastConvert | Op::StopGradient | Op::Uninitialized => none,
         Op::UseSaved => vec![Some(first), None],
+        Op::CustomVjp(_) => unreachable!("autodiff applies a custom rule itself"),
         Op::Unary(u) => vec![unary_vjp(b, *u, node.inputs[0], node.outputs[0], first)?],
         Op::Binary(op) => binary_vjp(b, *op, (node.inputs[0], node.inputs[1]), node.outputs[0], first, needs)?,
         Op::Select => select_vjp(b, node, first, needs)?,

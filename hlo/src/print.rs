@@ -313,14 +313,17 @@ impl Printer {
 
     fn body(&mut self, out: &mut String, f: &Func, names: &mut Names, indent: &str) {
         for node in &f.nodes {
-            let alias = match node.op {
-                Op::StopGradient => Some(node.inputs[0]),
-                Op::UseSaved => Some(node.inputs[1]),
+            let alias: Option<Vec<Value>> = match node.op {
+                Op::StopGradient => Some(vec![node.inputs[0]]),
+                Op::UseSaved => Some(vec![node.inputs[1]]),
+                Op::CustomVjp(_) => Some(node.inputs[..node.outputs.len()].to_vec()),
                 _ => None,
             };
-            if let Some(src) = alias {
-                let src = names.get(src).to_string();
-                names.0.insert(node.outputs[0], src);
+            if let Some(srcs) = alias {
+                for (&out, src) in node.outputs.iter().zip(srcs) {
+                    let src = names.get(src).to_string();
+                    names.0.insert(out, src);
+                }
                 continue;
             }
             let result = self.fresh();
@@ -438,7 +441,9 @@ impl Printer {
                 "\"stablehlo.rng_bit_generator\"({ins}) <{{rng_algorithm = #stablehlo<rng_algorithm THREE_FRY>}}> : ({in_types}) -> ({})",
                 types(f, &node.outputs)
             ),
-            Op::StopGradient | Op::UseSaved => unreachable!("aliases print as their source"),
+            Op::StopGradient | Op::UseSaved | Op::CustomVjp(_) => {
+                unreachable!("aliases print as their source")
+            }
         }
     }
 

@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use xtrain::model::lora::{LoraConfig, Target};
 use xtrain::model::optim::AdamW;
 use xtrain::program::{
-    parse_dtype, Offload, Remat, ResultType, StepOptions, DEFAULT_ATTENTION_SCORES,
+    parse_dtype, KeyBlocks, Offload, Remat, ResultType, StepOptions, DEFAULT_ATTENTION_SCORES,
     DEFAULT_MATMUL_RESULT,
 };
 
@@ -91,6 +91,11 @@ pub struct StepArgs {
     /// computed); default: two blocks when the sequence is a multiple of 256, else one.
     #[arg(long, help_heading = "Program form")]
     pub attention_block: Option<i64>,
+    /// Attention over key/value blocks of N tokens with the flash-attention recurrence, its
+    /// memory linear in the sequence; off: every key at once; auto: 512 above 4096 tokens, else
+    /// off.
+    #[arg(long, default_value = "auto", value_name = "N|off|auto", value_parser = KeyBlocks::parse, help_heading = "Program form")]
+    pub key_block: KeyBlocks,
     /// With --dtype bf16, the type matmuls give their result in before it is rounded to bf16:
     /// f32 (the accumulator; the form XLA CPU runs on the CPU's native bf16 GEMM) or compute
     /// (bf16). The arithmetic is the same (f32 accumulation, one rounding).
@@ -183,6 +188,7 @@ impl StepArgs {
             nf4: self.nf4,
             loss_chunk: self.loss_chunk,
             attention_block: self.attention_block,
+            key_block: self.key_block,
             matmul_result: self.matmul_result,
             attention_scores: self.attention_scores,
             keep_softmax_stats: self.keep_softmax_stats,

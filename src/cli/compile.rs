@@ -493,10 +493,16 @@ fn form_flags(spec: &StepSpec) -> String {
             name(!spec.narrow_attention_scores)
         ));
     }
-    flags.push(format!(
-        "--attention-block {}",
-        xtrain::model::llama::query_block(spec.seq, spec.attention_block)
-    ));
+    match spec.key_block {
+        Some(k) => flags.push(format!("--key-block {k}")),
+        None => {
+            flags.push("--key-block off".to_string());
+            flags.push(format!(
+                "--attention-block {}",
+                xtrain::model::llama::query_block(spec.seq, spec.attention_block)
+            ));
+        }
+    }
     if spec.remat == Remat::Layer {
         flags.push(format!(
             "--keep-softmax-stats {}",

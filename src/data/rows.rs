@@ -146,6 +146,15 @@ mod tests {
 
     /// The tiny model's grads program (remat as given) on `rows` rows of 16 tokens.
     fn run(rows: &[Row], remat: crate::program::Remat) -> LossAndGrads {
+        run_with(rows, remat, None)
+    }
+
+    /// [`run`] with attention over key/value blocks of `key_block` tokens.
+    fn run_with(
+        rows: &[Row],
+        remat: crate::program::Remat,
+        key_block: Option<i64>,
+    ) -> LossAndGrads {
         let model = crate::model::presets::preset_config("tiny-llama3")
             .unwrap()
             .expect("the tiny-llama3 preset");
@@ -157,6 +166,7 @@ mod tests {
         };
         let spec = StepSpec {
             remat,
+            key_block,
             ..StepSpec::new(model, lora, rows.len() as i64, 16, DType::F32)
         };
         let cat = |f: fn(&Row) -> &Vec<i32>| rows.iter().flat_map(f).copied().collect::<Vec<_>>();
@@ -187,8 +197,9 @@ mod tests {
     /// Three examples packed into one row give the loss and the gradients that the three,
     /// each alone in its row, give (f32; 1e-5, a few roundings of sums taken in another order):
     /// each attends only to itself, its positions start at 0, and the one before it does not
-    /// predict its first token. The same row as one document (positions running on, every
-    /// example seeing the ones before it, as packing was before) does not.
+    /// predict its first token; with attention over every key at once and over key/value
+    /// blocks. The same row as one document (positions running on, every example seeing the
+    /// ones before it, as packing was before) does not.
     #[test]
     fn a_packed_row_computes_what_its_examples_alone_compute() {
         use crate::program::Remat;
@@ -200,6 +211,9 @@ mod tests {
         let want = run(&alone, Remat::Layer);
         assert_same("packed", &run(&packed, Remat::Layer), &want, 1e-5);
         assert_same("packed, unrolled", &run(&packed, Remat::None), &want, 1e-5);
+        // Over key/value blocks of 3 (the documents' edges inside blocks; padded to 18).
+        let blocks = run_with(&packed, Remat::Layer, Some(3));
+        assert_same("packed, key blocks of 3", &blocks, &want, 1e-5);
         let one_document = Row {
             mask: vec![1; 16],
             ..packed[0].clone()

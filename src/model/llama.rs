@@ -10,6 +10,7 @@
 //! Every projection `x W^T` may carry a LoRA term `(alpha/r) dropout(x) A^T B^T`.
 
 use crate::model::config::LlamaConfig;
+use crate::model::flash;
 use crate::model::lora::Target;
 use hlo::{Builder, CmpDir, DType, DotDims, Result, Shape, Value};
 use std::collections::BTreeMap;
@@ -85,7 +86,7 @@ pub enum Saves<'a> {
 }
 
 impl Saves<'_> {
-    fn point(&mut self, b: &mut Builder, name: &str, v: Value) -> Result<Value> {
+    pub(crate) fn point(&mut self, b: &mut Builder, name: &str, v: Value) -> Result<Value> {
         match self {
             Saves::Off => Ok(v),
             Saves::Record(list) => {
@@ -117,6 +118,9 @@ pub struct Numerics {
     pub compute: DType,
     /// Query rows per causal attention block (see [`query_block`]); None: the default rule.
     pub attention_block: Option<i64>,
+    /// Attention over key/value blocks of this many tokens with the flash recurrence (see
+    /// `model::flash`), instead of every key at once; None: every key at once.
+    pub key_block: Option<i64>,
     /// Element type matmuls give their result in before it is rounded to `compute`: `compute`
     /// itself, or f32 (the accumulator). The arithmetic is the same either way (products are
     /// accumulated in f32 and rounded once; kernels may sum in another order); the form is for
@@ -139,6 +143,7 @@ impl Numerics {
         Numerics {
             compute,
             attention_block: None,
+            key_block: None,
             matmul_result: compute,
             scores: DType::F32,
         }
@@ -173,12 +178,17 @@ pub const ATTENTION_OUTPUT: &str = "attn";
 impl Llama<'_> {
     /// The softmax statistics of a layer's attention for batches of `bs` x `t` tokens: for each
     /// query block, the row max and the row sum, [B, KV, TB, G] in f32 (names and shapes), as
-    /// [`softmax_parts_last`] marks them. A few bytes per token and head, and what a recomputation
+    /// [`softmax_parts_last`] marks them; over key blocks, the one statistic `m + log l` per row
+    /// ([`flash::LSE`]). A few bytes per token and head, and what a recomputation
     /// needs to skip the softmax's two row reductions.
     pub fn softmax_stat_points(&self, bs: i64, t: i64) -> Vec<(String, Shape)> {
         let c = self.cfg;
         let kvh = c.num_key_value_heads;
         let g = c.num_attention_heads / kvh;
+        if let Some(kb) = self.num.key_block {
+            let tb = flash::key_block(t, kb);
+            return vec![(flash::LSE.to_string(), flash::lse_shape(bs, t, kvh, g, tb))];
+        }
         let tb = query_block(t, self.num.attention_block);
         let shape = Shape::new(&[bs, kvh, tb, g], DType::F32);
         (0..t / tb)
@@ -554,13 +564,18 @@ impl Llama<'_> {
             let v = b.reshape(v, &[bs, t, kvh, d])?;
             let q = self.apply_rope(b, q, rope)?;
             let k = self.apply_rope(b, k, rope)?;
+            // A padding query sees what a query at a document's start would, and more: every
+            // earlier real key (see [`attend`]).
+            let query_docs = starts_or_zero(b, doc_starts)?;
+            if let Some(kb) = self.num.key_block {
+                let tb = flash::key_block(t, kb);
+                let docs = (query_docs, doc_starts);
+                return flash::attend(b, q, k, v, docs, tb, self.num, (ATTENTION_OUTPUT, saves));
+            }
             // Causal: the queries of block i see keys 0..(i+1)*TB only, so the blocks above the
             // diagonal, where every score is masked, are never computed (a quarter of the
             // attention work at 2 blocks, nearly half at many).
             let tb = query_block(t, self.num.attention_block);
-            // A padding query sees what a query at a document's start would, and more: every
-            // earlier real key (see [`attend`]).
-            let query_docs = starts_or_zero(b, doc_starts)?;
             let mut outs = Vec::new();
             for i in 0..t / tb {
                 let (start, seen) = (i * tb, (i + 1) * tb);

@@ -6,6 +6,7 @@
 //! on it.
 
 pub mod config;
+pub mod flash;
 pub mod llama;
 pub mod lora;
 pub mod loss;

@@ -124,6 +124,7 @@ impl Layout<'_> {
             num: Numerics {
                 compute: self.spec.compute_dtype,
                 attention_block: self.spec.attention_block,
+                key_block: self.spec.key_block,
                 matmul_result: if self.spec.wide_matmul_results {
                     DType::F32
                 } else {

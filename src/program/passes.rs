@@ -623,6 +623,34 @@ mod tests {
         );
     }
 
+    /// Attention over key/value blocks (`model::flash`, its own backward rule) against every
+    /// key at once: blocks that divide the sequence (4) and blocks that do not (5, 6: the
+    /// sequence is padded to whole blocks), unrolled and under each remat policy, with the
+    /// padded row and grouped heads of the fixed batch.
+    #[test]
+    fn attention_over_key_blocks_gives_the_whole_key_forms_loss_and_gradients() {
+        let plain = loss_and_grads(&spec(Remat::None));
+        for (remat, block, keep_stats) in [
+            (Remat::None, 4, false),
+            (Remat::None, 5, false),
+            (Remat::Layer, 6, false),
+            (Remat::Layer, 4, true),
+            (Remat::SaveProj, 5, false),
+            (Remat::SaveProj, 16, false),
+        ] {
+            let s = StepSpec {
+                key_block: Some(block),
+                layer_keeps_softmax_stats: keep_stats,
+                ..spec(remat)
+            };
+            let what = format!(
+                "--remat {} --key-block {block} --keep-softmax-stats {keep_stats}",
+                remat.name()
+            );
+            same(&what, &loss_and_grads(&s), &plain);
+        }
+    }
+
     #[test]
     fn the_loss_in_chunks_and_microbatches_add_up_to_the_whole_batch() {
         let whole = loss_and_grads(&spec(Remat::Layer));

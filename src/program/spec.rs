@@ -108,6 +108,11 @@ pub struct StepSpec {
     /// 256, else one).
     #[serde(default)]
     pub attention_block: Option<i64>,
+    /// Attention over key/value blocks of this many tokens with the flash recurrence, its
+    /// memory linear in the sequence (`--key-block`; see `model::flash`); None: every key at
+    /// once, the queries in blocks of `attention_block`.
+    #[serde(default)]
+    pub key_block: Option<i64>,
     /// bf16 matmuls give their f32 accumulator, rounded to bf16 right after, instead of a bf16
     /// result (`--matmul-result f32`): the same arithmetic in another form (see
     /// [`crate::model::llama::Numerics::matmul_result`]).
@@ -263,6 +268,7 @@ impl StepSpec {
             nf4: false,
             loss_chunk: None,
             attention_block: None,
+            key_block: None,
             wide_matmul_results: false,
             narrow_attention_scores: false,
             layer_keeps_softmax_stats: false,
@@ -395,6 +401,18 @@ pub(super) fn check_spec(spec: &StepSpec) -> Result<()> {
              one device; give --mesh (or a --target of several devices), or leave the flag out"
         );
     }
+    if let (Some(_), Some(k)) = (spec.attention_block, spec.key_block) {
+        bail!(
+            "--attention-block sets the query blocks of attention over every key at once; with \
+             --key-block {k} the query blocks are the key blocks: give one of the two (or \
+             --key-block off)"
+        );
+    }
+    if let Some(k) = spec.key_block {
+        if k < 1 {
+            bail!("--key-block must be a positive number of tokens, got {k}");
+        }
+    }
     if let Some(r) = spec.attention_block {
         if r < 1 || spec.seq % r != 0 {
             bail!(
@@ -470,6 +488,8 @@ pub struct StepOptions {
     /// Compute the loss this many positions at a time (looped layers).
     pub loss_chunk: Option<i64>,
     pub attention_block: Option<i64>,
+    /// `--key-block`: attention over key/value blocks, or every key at once.
+    pub key_block: KeyBlocks,
     /// `--matmul-result`: the type bf16 matmuls give their result in.
     pub matmul_result: ResultType,
     /// `--attention-scores`: the type the attention scores are written in.
@@ -505,6 +525,61 @@ impl ResultType {
         match self {
             ResultType::F32 => "f32",
             ResultType::Compute => "compute",
+        }
+    }
+}
+
+/// `--key-block`: attention over key/value blocks of N tokens with the flash recurrence (memory
+/// linear in the sequence; see `model::flash`), every key at once (`off`: the queries in
+/// blocks of `--attention-block`), or `auto`: [`KeyBlocks::resolve`]'s rule for the sequence.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KeyBlocks {
+    Auto,
+    Off,
+    Size(i64),
+}
+
+/// The key/value block `--key-block auto` takes for long sequences.
+pub const DEFAULT_KEY_BLOCK: i64 = 512;
+/// `--key-block auto` attends over key/value blocks for sequences longer than this.
+pub const KEY_BLOCKS_ABOVE: i64 = 4096;
+
+impl KeyBlocks {
+    /// `--key-block` as given: a positive number of tokens, `off` or `auto`.
+    pub fn parse(s: &str) -> Result<KeyBlocks> {
+        match s {
+            "auto" => Ok(KeyBlocks::Auto),
+            "off" => Ok(KeyBlocks::Off),
+            n => match n.parse::<i64>() {
+                Ok(n) if n >= 1 => Ok(KeyBlocks::Size(n)),
+                _ => {
+                    bail!("--key-block must be a positive number of tokens, off or auto, got `{s}`")
+                }
+            },
+        }
+    }
+
+    pub fn name(self) -> String {
+        match self {
+            KeyBlocks::Auto => "auto".into(),
+            KeyBlocks::Off => "off".into(),
+            KeyBlocks::Size(n) => n.to_string(),
+        }
+    }
+
+    /// The key/value block for sequences of `seq` tokens (None: every key at once). `auto`
+    /// takes [`DEFAULT_KEY_BLOCK`] above [`KEY_BLOCKS_ABOVE`] tokens, where the whole-key form's
+    /// score blocks ([heads, T/2, T] per row in f32: 2 GiB for 8B at 8k) outgrow the rest of a
+    /// layer's activations, and every key at once below, where it runs in fewer, larger kernels.
+    /// An `--attention-block` asks for the whole-key form, so `auto` keeps it.
+    pub fn resolve(self, seq: i64, attention_block: Option<i64>) -> Option<i64> {
+        match self {
+            KeyBlocks::Size(n) => Some(n),
+            KeyBlocks::Off => None,
+            KeyBlocks::Auto if seq > KEY_BLOCKS_ABOVE && attention_block.is_none() => {
+                Some(DEFAULT_KEY_BLOCK)
+            }
+            KeyBlocks::Auto => None,
         }
     }
 }
@@ -569,6 +644,7 @@ impl StepOptions {
             nf4: self.nf4,
             loss_chunk: self.loss_chunk,
             attention_block: self.attention_block,
+            key_block: self.key_block.resolve(seq, self.attention_block),
             // With f32 compute every result is f32 either way; the spec says so.
             wide_matmul_results: self.matmul_result == ResultType::F32 && dtype != DType::F32,
             narrow_attention_scores: self.attention_scores == ResultType::Compute
@@ -627,6 +703,7 @@ mod tests {
             nf4: false,
             loss_chunk: None,
             attention_block: None,
+            key_block: KeyBlocks::Auto,
             matmul_result: DEFAULT_MATMUL_RESULT,
             attention_scores: DEFAULT_ATTENTION_SCORES,
             keep_softmax_stats: false,

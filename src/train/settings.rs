@@ -6,7 +6,7 @@
 //! with, and never trains another rank than the one its program was built for.
 
 use crate::model::lora::Target;
-use crate::program::{sharding, MeshPlan, Remat, ResultType, StepSpec};
+use crate::program::{sharding, KeyBlocks, MeshPlan, Remat, ResultType, StepSpec};
 use crate::train::checkpoint::{Settings, TrainerState};
 use crate::train::options::TrainOptions;
 use anyhow::{bail, Context, Result};
@@ -136,6 +136,7 @@ pub fn of_run(o: &TrainOptions) -> Settings {
     put("grad-accum", json!(s.microbatches));
     put("loss-chunk", json!(s.loss_chunk));
     put("attention-block", json!(s.attention_block));
+    put("key-block", json!(s.key_block.name()));
     put("mesh", json!(mesh_text(&s.mesh)));
     put(
         "sharding-rules",
@@ -178,6 +179,10 @@ pub fn of_spec(spec: &StepSpec) -> Settings {
     put("grad-accum", json!(spec.microbatches));
     put("loss-chunk", json!(spec.loss_chunk));
     put("attention-block", json!(spec.attention_block));
+    put(
+        "key-block",
+        json!(spec.key_block.map_or("off".to_string(), |k| k.to_string())),
+    );
     // The program's form, as its flags give it (with f32 compute, f32 and compute are one).
     let bf16 = spec.compute_dtype != hlo::DType::F32;
     put(
@@ -228,6 +233,10 @@ fn of_options_for_spec(o: &TrainOptions) -> Settings {
     m.insert("loss-chunk".into(), json!(s.loss_chunk));
     m.insert("attention-block".into(), json!(s.attention_block));
     m.insert("mesh".into(), json!(mesh_text(&s.mesh)));
+    // `--key-block auto` (the default) accepts what the program was built with.
+    if s.key_block != KeyBlocks::Auto {
+        m.insert("key-block".into(), json!(s.key_block.name()));
+    }
     // With f32 compute, f32 and compute are one type: the flags are then whatever was built.
     let bf16 = s.dtype != hlo::DType::F32;
     let result = |r: ResultType, as_f32: &'static str| if bf16 { r.name() } else { as_f32 };
@@ -316,6 +325,7 @@ fn apply(o: &mut TrainOptions, flag: &str, v: &Value, spec: Option<&StepSpec>) -
         "grad-accum" => s.microbatches = i64_()?,
         "loss-chunk" => s.loss_chunk = v.as_i64(),
         "attention-block" => s.attention_block = v.as_i64(),
+        "key-block" => s.key_block = KeyBlocks::parse(str_()?)?,
         "attention-scores" => s.attention_scores = ResultType::parse("attention-scores", str_()?)?,
         "matmul-result" => s.matmul_result = ResultType::parse("matmul-result", str_()?)?,
         "keep-softmax-stats" => s.keep_softmax_stats = bool_()?,
