@@ -49,6 +49,45 @@ fn run_spec(
     std::collections::BTreeMap<String, Vec<f32>>,
     i64,
 ) {
+    let batch = Batch::from_safetensors(&fixtures().join("inputs.safetensors")).unwrap();
+    run_on(s, &batch)
+}
+
+/// The oracle batch with packed rows: row 0 holds documents at 0 and 6, row 1 three padding
+/// tokens and then documents at 3 and 10; the first token of each packed document is not
+/// predicted by the one before.
+fn packed_batch() -> Batch {
+    let b = Batch::from_safetensors(&fixtures().join("inputs.safetensors")).unwrap();
+    let mask: Vec<i32> = (0..16)
+        .map(|t| if t < 6 { 1 } else { 7 })
+        .chain((0..16).map(|t| match t {
+            0..3 => 0,
+            3..10 => 4,
+            _ => 11,
+        }))
+        .collect();
+    let mut labels = b.input_ids.to_i32().unwrap();
+    for (i, l) in labels.iter_mut().enumerate() {
+        if mask[i] == 0 || [0, 6, 16 + 3, 16 + 10].contains(&i) {
+            *l = -100;
+        }
+    }
+    Batch {
+        labels: pjrt::HostTensor::from_i32(&labels, &[2, 16]),
+        attention_mask: pjrt::HostTensor::from_i32(&mask, &[2, 16]),
+        ..b
+    }
+}
+
+fn run_on(
+    s: StepSpec,
+    batch: &Batch,
+) -> (
+    Vec<f32>,
+    Vec<f32>,
+    std::collections::BTreeMap<String, Vec<f32>>,
+    i64,
+) {
     let program = program::build_train_step(&s).unwrap();
     let frozen = program.frozen_shapes();
     let weights = xtrain::formats::weights::load(
@@ -80,10 +119,9 @@ fn run_spec(
         false,
     )
     .unwrap();
-    let batch = Batch::from_safetensors(&fixtures().join("inputs.safetensors")).unwrap();
     let (mut losses, mut norms) = (Vec::new(), Vec::new());
     for _ in 0..2 {
-        let (l, g) = t.step(&batch, 1e-3).unwrap();
+        let (l, g) = t.step(batch, 1e-3).unwrap();
         losses.push(l);
         norms.push(g);
     }
@@ -140,6 +178,44 @@ fn meshes_match_one_device() {
                 args * 8 <= args1 + 8 * 1024,
                 "fsdp=8 per-device arguments {args} vs {args1} on 1 device"
             );
+        }
+    }
+}
+
+/// The sequence split over a context axis (rows in the two-chunk balanced layout, keys and
+/// values gathered, attention over key/value blocks) computes what one device computes with
+/// every key at once: two steps on packed rows with padding, to 1e-5 (a few f32 roundings of
+/// sums taken in another order). Key blocks of 2 make several blocks per chunk.
+#[test]
+fn a_sequence_split_over_the_context_axis_computes_what_one_device_does() {
+    let batch = packed_batch();
+    let (l1, g1, w1, _) = run_on(spec(None, Remat::Layer), &batch);
+    for (mesh, remat, key_block) in [
+        ("context=4", Remat::Layer, None),
+        ("fsdp=2,context=2", Remat::Layer, Some(2)),
+        ("context=2,tensor=2", Remat::SaveProj, None),
+        ("context=2", Remat::None, Some(4)),
+    ] {
+        let s = StepSpec {
+            key_block: key_block.or(Some(xtrain::program::DEFAULT_KEY_BLOCK)),
+            ..spec(Some(mesh), remat)
+        };
+        assert!(s.context_size() > 1, "{mesh}");
+        let (l, g, w, _) = run_on(s, &batch);
+        let what = format!("{mesh} --remat {} --key-block {key_block:?}", remat.name());
+        for (a, b) in l.iter().zip(&l1).chain(g.iter().zip(&g1)) {
+            assert!(
+                (a - b).abs() <= 1e-5,
+                "{what}: loss/grad norm {l:?} {g:?} vs {l1:?} {g1:?}"
+            );
+        }
+        for (name, v) in &w {
+            let d = v
+                .iter()
+                .zip(&w1[name])
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0f32, f32::max);
+            assert!(d <= 1e-5, "{what}: {name} differs by {d} (tolerance 1e-5)");
         }
     }
 }

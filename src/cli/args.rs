@@ -94,7 +94,7 @@ pub struct StepArgs {
     /// Attention over key/value blocks of N tokens with the flash-attention recurrence, its
     /// memory linear in the sequence; off: every key at once; auto: 512 above 4096 tokens, else
     /// off.
-    #[arg(long, default_value = "auto", value_name = "N|off|auto", value_parser = KeyBlocks::parse, help_heading = "Program form")]
+    #[arg(long, default_value = "auto", value_name = "N|off|auto", value_parser = KeyBlocks::parse, allow_negative_numbers = true, help_heading = "Program form")]
     pub key_block: KeyBlocks,
     /// With --dtype bf16, the type matmuls give their result in before it is rounded to bf16:
     /// f32 (the accumulator; the form XLA CPU runs on the CPU's native bf16 GEMM) or compute

@@ -493,8 +493,17 @@ fn form_flags(spec: &StepSpec) -> String {
             name(!spec.narrow_attention_scores)
         ));
     }
+    let cp = spec.context_size();
     match spec.key_block {
-        Some(k) => flags.push(format!("--key-block {k}")),
+        Some(k) if cp > 1 => flags.push(format!(
+            "--key-block {k} (blocks of {} tokens: the sequence is split into chunks of {})",
+            xtrain::model::context::key_block(spec.seq, cp, k),
+            spec.seq / (2 * cp)
+        )),
+        Some(k) => flags.push(format!(
+            "--key-block {k} (blocks of {})",
+            xtrain::model::flash::key_block(spec.seq, k)
+        )),
         None => {
             flags.push("--key-block off".to_string());
             flags.push(format!(

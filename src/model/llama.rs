@@ -10,8 +10,8 @@
 //! Every projection `x W^T` may carry a LoRA term `(alpha/r) dropout(x) A^T B^T`.
 
 use crate::model::config::LlamaConfig;
-use crate::model::flash;
 use crate::model::lora::Target;
+use crate::model::{context, flash};
 use hlo::{Builder, CmpDir, DType, DotDims, Result, Shape, Value};
 use std::collections::BTreeMap;
 
@@ -164,6 +164,16 @@ pub struct Llama<'a> {
     /// `StepSpec::pin_mlp_activations`): how activations named by logical axes are placed on
     /// it (see [`Llama::pin`]). None on one device, or where nothing is pinned.
     pub placement: Option<&'a dyn Placement>,
+    /// The sequence split over a mesh's `context` axis (see `model::context`); None on a mesh
+    /// without one, or on one device.
+    pub context: Option<ContextSplit<'a>>,
+}
+
+/// How many devices split the sequence, and the mesh they are on.
+#[derive(Clone, Copy)]
+pub struct ContextSplit<'a> {
+    pub size: i64,
+    pub placement: &'a dyn Placement,
 }
 
 /// How a tensor whose dims are named by logical axes (`batch`, `length`, `mlp`, ...) is placed on
@@ -185,6 +195,10 @@ impl Llama<'_> {
         let c = self.cfg;
         let kvh = c.num_key_value_heads;
         let g = c.num_attention_heads / kvh;
+        if let Some(cs) = self.context {
+            let shape = context::lse_shape(bs, t, cs.size, kvh, g);
+            return vec![(flash::LSE.to_string(), shape)];
+        }
         if let Some(kb) = self.num.key_block {
             let tb = flash::key_block(t, kb);
             return vec![(flash::LSE.to_string(), flash::lse_shape(bs, t, kvh, g, tb))];
@@ -340,8 +354,32 @@ impl Llama<'_> {
     pub fn embed(&self, b: &mut Builder, embed: Value, ids: Value) -> Result<Value> {
         b.scoped("embed", |b| {
             let e = b.convert(embed, self.num.compute)?;
-            b.take_rows(e, ids)
+            let ids = match self.context {
+                Some(cs) => context::to_balanced(b, ids, cs.size)?,
+                None => ids,
+            };
+            let h = b.take_rows(e, ids)?;
+            self.pin_sequence(b, h)
         })
+    }
+
+    /// With the sequence split over the context axis, `h` [B, T, H] pinned there (rows in
+    /// balanced order); else `h`.
+    fn pin_sequence(&self, b: &mut Builder, h: Value) -> Result<Value> {
+        let Some(cs) = self.context else {
+            return Ok(h);
+        };
+        let sharding = cs.placement.place(&["batch", "length", "none"], b.dims(h));
+        b.sharding_constraint(h, sharding)
+    }
+
+    /// The last hidden state [B, T, H] with its rows in natural order (they are in balanced
+    /// order inside the layers when the sequence is split over the context axis).
+    pub fn in_natural_order(&self, b: &mut Builder, h: Value) -> Result<Value> {
+        match self.context {
+            Some(cs) => b.scoped("context", |b| context::to_natural(b, h, cs.size)),
+            None => Ok(h),
+        }
     }
 
     /// Where each token's document starts and the RoPE tables at each token's position in it,
@@ -356,8 +394,12 @@ impl Llama<'_> {
         lora_scale: f64,
     ) -> Result<LayerContext> {
         let doc_starts = b.scoped("mask", |b| {
-            let one = b.full(1.0, b.shape(attention_mask).clone());
-            b.sub(attention_mask, one)
+            let mask = match self.context {
+                Some(cs) => context::to_balanced(b, attention_mask, cs.size)?,
+                None => attention_mask,
+            };
+            let one = b.full(1.0, b.shape(mask).clone());
+            b.sub(mask, one)
         })?;
         let rope = b.scoped("rope", |b| {
             let positions = self.positions(b, doc_starts)?;
@@ -381,6 +423,7 @@ impl Llama<'_> {
         ctx: &mut LayerContext,
         saves: &mut Saves,
     ) -> Result<Value> {
+        let h = self.pin_sequence(b, h)?;
         let x = b.scoped("input_norm", |b| self.rms_norm(b, h, w.input_norm))?;
         let attn = self.attention(b, x, w, lora, ctx, saves)?;
         let h = b.add(h, attn)?;
@@ -431,6 +474,7 @@ impl Llama<'_> {
             )?;
             b.pop_scope();
         }
+        let h = self.in_natural_order(b, h)?;
         self.head(b, h, w.norm, w.lm_head)
     }
 
@@ -457,6 +501,11 @@ impl Llama<'_> {
     /// document starts (padding, `doc_starts` -1, counts from the row's start).
     fn positions(&self, b: &mut Builder, doc_starts: Value) -> Result<Value> {
         let index = b.iota(b.shape(doc_starts).clone(), 1)?;
+        // Rows in balanced order keep their natural index.
+        let index = match self.context {
+            Some(cs) => context::to_balanced(b, index, cs.size)?,
+            None => index,
+        };
         let starts = starts_or_zero(b, doc_starts)?;
         b.sub(index, starts)
     }
@@ -564,39 +613,64 @@ impl Llama<'_> {
             let v = b.reshape(v, &[bs, t, kvh, d])?;
             let q = self.apply_rope(b, q, rope)?;
             let k = self.apply_rope(b, k, rope)?;
-            // A padding query sees what a query at a document's start would, and more: every
-            // earlier real key (see [`attend`]).
-            let query_docs = starts_or_zero(b, doc_starts)?;
-            if let Some(kb) = self.num.key_block {
-                let tb = flash::key_block(t, kb);
-                let docs = (query_docs, doc_starts);
-                return flash::attend(b, q, k, v, docs, tb, self.num, (ATTENTION_OUTPUT, saves));
-            }
-            // Causal: the queries of block i see keys 0..(i+1)*TB only, so the blocks above the
-            // diagonal, where every score is masked, are never computed (a quarter of the
-            // attention work at 2 blocks, nearly half at many).
-            let tb = query_block(t, self.num.attention_block);
-            let mut outs = Vec::new();
-            for i in 0..t / tb {
-                let (start, seen) = (i * tb, (i + 1) * tb);
-                let qi = b.slice_dim(q, 1, start, start + tb)?;
-                let ki = b.slice_dim(k, 1, 0, seen)?;
-                let vi = b.slice_dim(v, 1, 0, seen)?;
-                let docs = (
-                    b.slice_dim(query_docs, 1, start, start + tb)?,
-                    b.slice_dim(doc_starts, 1, 0, seen)?,
-                );
-                outs.push(attend(b, qi, ki, vi, docs, start, d, self.num, i, saves)?);
-            }
-            let out = if outs.len() == 1 {
-                outs[0]
-            } else {
-                b.concatenate(&outs, 1)?
-            };
-            let out = b.reshape(out, &[bs, t, c.num_attention_heads * d])?;
-            saves.point(b, ATTENTION_OUTPUT, out)
+            self.attend_sequence(b, [q, k, v], doc_starts, &mut *saves)
         })?;
         self.project(b, Target::O, attn, w.o, lora, ctx, saves)
+    }
+
+    /// Causal attention over the whole sequence for q [B, T, KV, G, D], k and v [B, T, KV, D]
+    /// (after RoPE) and `doc_starts` [B, T], in the form the step asks for: split over the
+    /// context axis, over key/value blocks, or every key at once in query blocks. Returns
+    /// [B, T, heads x D] after the save point [`ATTENTION_OUTPUT`].
+    fn attend_sequence(
+        &self,
+        b: &mut Builder,
+        [q, k, v]: [Value; 3],
+        doc_starts: Value,
+        saves: &mut Saves,
+    ) -> Result<Value> {
+        let (bs, t, d) = (b.dims(q)[0], b.dims(q)[1], self.cfg.head_dim);
+        if let Some(cs) = self.context {
+            let kb = self
+                .num
+                .key_block
+                .unwrap_or(crate::program::DEFAULT_KEY_BLOCK);
+            let tb = context::key_block(t, cs.size, kb);
+            let at = (ATTENTION_OUTPUT, saves);
+            let split = (cs.size, tb);
+            return context::attend(b, q, k, v, doc_starts, split, self.num, at, cs.placement);
+        }
+        // A padding query sees what a query at a document's start would, and more: every
+        // earlier real key (see [`attend`]).
+        let query_docs = starts_or_zero(b, doc_starts)?;
+        if let Some(kb) = self.num.key_block {
+            let tb = flash::key_block(t, kb);
+            let docs = (query_docs, doc_starts);
+            return flash::attend(b, q, k, v, docs, tb, self.num, (ATTENTION_OUTPUT, saves));
+        }
+        // Causal: the queries of block i see keys 0..(i+1)*TB only, so the blocks above the
+        // diagonal, where every score is masked, are never computed (a quarter of the
+        // attention work at 2 blocks, nearly half at many).
+        let tb = query_block(t, self.num.attention_block);
+        let mut outs = Vec::new();
+        for i in 0..t / tb {
+            let (start, seen) = (i * tb, (i + 1) * tb);
+            let qi = b.slice_dim(q, 1, start, start + tb)?;
+            let ki = b.slice_dim(k, 1, 0, seen)?;
+            let vi = b.slice_dim(v, 1, 0, seen)?;
+            let docs = (
+                b.slice_dim(query_docs, 1, start, start + tb)?,
+                b.slice_dim(doc_starts, 1, 0, seen)?,
+            );
+            outs.push(attend(b, qi, ki, vi, docs, start, d, self.num, i, saves)?);
+        }
+        let out = if outs.len() == 1 {
+            outs[0]
+        } else {
+            b.concatenate(&outs, 1)?
+        };
+        let out = b.reshape(out, &[bs, t, self.cfg.num_attention_heads * d])?;
+        saves.point(b, ATTENTION_OUTPUT, out)
     }
 
     fn mlp(
@@ -718,6 +792,7 @@ mod tests {
             cfg: &cfg,
             num: Numerics::default(),
             placement: None,
+            context: None,
         };
         let (x, g) = (values(3 * h as usize, 1), values(h as usize, 2));
         let mut b = Builder::new("main");
@@ -758,6 +833,7 @@ mod tests {
             cfg: &cfg,
             num: Numerics::default(),
             placement: None,
+            context: None,
         };
         let dims = [1, t, heads, d];
         let x = values((t * heads * d) as usize, 3);

@@ -6,6 +6,7 @@
 //! on it.
 
 pub mod config;
+pub mod context;
 pub mod flash;
 pub mod llama;
 pub mod lora;

@@ -142,6 +142,15 @@ impl Layout<'_> {
                 .as_ref()
                 .filter(|_| self.spec.pin_mlp_activations)
                 .map(|m| m as &dyn crate::model::llama::Placement),
+            context: self
+                .spec
+                .mesh
+                .as_ref()
+                .filter(|_| self.spec.context_size() > 1)
+                .map(|m| crate::model::llama::ContextSplit {
+                    size: self.spec.context_size(),
+                    placement: m as &dyn crate::model::llama::Placement,
+                }),
         }
     }
 

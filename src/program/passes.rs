@@ -176,17 +176,24 @@ impl Layout<'_> {
         let h0 = self.constrain_batch(b, h0)?;
         let ctx = model.context(b, mask, self.spec.lora.scale())?;
         let (fwd, inv) = self.forward_loop(b, m, h0, &ctx, key)?;
+        let h_last = model.in_natural_order(b, fwd[0])?;
         let (loss, dh) = match self.spec.loss_chunk {
             Some(chunk) => {
-                self.chunked_loss_and_dh(b, fwd[0], norm, lm_head, labels, denom, chunk)?
+                self.chunked_loss_and_dh(b, h_last, norm, lm_head, labels, denom, chunk)?
             }
             None => {
-                let logits = model.head(b, fwd[0], norm, lm_head)?;
+                let logits = model.head(b, h_last, norm, lm_head)?;
                 let targets = next_token_targets(b, labels)?;
                 let (loss, dlogits) = cross_entropy_loss_and_grad(b, logits, targets, denom)?;
-                let dh = b.vjp(&[(logits, dlogits)], &[fwd[0]])?[0];
+                let dh = b.vjp(&[(logits, dlogits)], &[h_last])?[0];
                 (loss, dh)
             }
+        };
+        // The gradient of the last hidden state in the layers' row order.
+        let dh = if h_last == fwd[0] {
+            dh
+        } else {
+            b.vjp(&[(h_last, dh)], &[fwd[0]])?[0]
         };
         let grads = self.backward_loop(b, m, &fwd, &inv, dh)?;
         Ok((loss, grads))
@@ -507,7 +514,7 @@ impl Layout<'_> {
                     model.layer(b, h, &lw, &adapters, &mut c, &mut Saves::Off)
                 })?;
             }
-            return Ok(h);
+            return model.in_natural_order(b, h);
         }
         let at = self.loop_invariants(m, &ctx, None);
         let out = b.fori_loop(
@@ -529,7 +536,7 @@ impl Layout<'_> {
                 Ok(vec![h])
             },
         )?;
-        Ok(out[0])
+        model.in_natural_order(b, out[0])
     }
 
     /// Logits for a forward-only program.

@@ -204,12 +204,14 @@ pub struct Rules(pub BTreeMap<String, Vec<String>>);
 impl Default for Rules {
     /// Llama defaults: tensor parallel over heads, MLP and vocab; FSDP over the first dim that
     /// takes it (a projection's output dim, else the embedding dim), so that every weight, LoRA
-    /// matrix and optimizer moment is split over the FSDP axis; data (and FSDP) over the batch.
+    /// matrix and optimizer moment is split over the FSDP axis; data (and FSDP) over the batch;
+    /// context over the sequence (see `model::context`).
     /// LoRA's rank and the layer axis are never sharded.
     fn default() -> Self {
         let mut m = BTreeMap::new();
         for (logical, mesh) in [
             ("batch", vec!["data", "fsdp"]),
+            ("length", vec!["context"]),
             ("embed", vec!["fsdp"]),
             ("mlp", vec!["tensor", "fsdp"]),
             ("q_heads", vec!["tensor", "fsdp"]),

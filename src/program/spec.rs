@@ -249,6 +249,11 @@ pub fn default_choice(remat: Option<Remat>, offload: Option<Offload>) -> (Remat,
 }
 
 impl StepSpec {
+    /// How many devices split the sequence (see `model::context`): 1 without a context axis.
+    pub fn context_size(&self) -> i64 {
+        self.mesh.as_ref().map_or(1, MeshPlan::context_size)
+    }
+
     /// One device, remat per layer, AdamW's defaults, no gradient accumulation, quantization,
     /// loss chunks or attention-block override, matmul results in the compute type: the plain
     /// step, for callers that set only what they need on top
@@ -305,6 +310,15 @@ impl MeshPlan {
 
     pub fn devices(&self) -> i64 {
         self.mesh().device_count()
+    }
+
+    /// How many devices split the sequence: the product of the mesh axes the rules give the
+    /// `length` axis (the `context` axis by default), 1 where there are none.
+    pub fn context_size(&self) -> i64 {
+        let mesh = self.mesh();
+        self.rules.0.get("length").map_or(1, |axes| {
+            axes.iter().filter_map(|a| mesh.axis_size(a)).product()
+        })
     }
 
     /// The sharding of a tensor named `name` (its logical axes come from the name).
@@ -401,6 +415,13 @@ pub(super) fn check_spec(spec: &StepSpec) -> Result<()> {
              one device; give --mesh (or a --target of several devices), or leave the flag out"
         );
     }
+    if spec.attention_block.is_some() && spec.context_size() > 1 {
+        bail!(
+            "--attention-block sets the query blocks of attention over every key at once, which \
+             a sequence split over the context axis does not use (it attends over key/value \
+             blocks: --key-block sets their size); leave it out"
+        );
+    }
     if let (Some(_), Some(k)) = (spec.attention_block, spec.key_block) {
         bail!(
             "--attention-block sets the query blocks of attention over every key at once; with \
@@ -411,6 +432,23 @@ pub(super) fn check_spec(spec: &StepSpec) -> Result<()> {
     if let Some(k) = spec.key_block {
         if k < 1 {
             bail!("--key-block must be a positive number of tokens, got {k}");
+        }
+    }
+    let cp = spec.context_size();
+    if cp > 1 {
+        if spec.seq % (2 * cp) != 0 {
+            bail!(
+                "the mesh splits the sequence over {cp} devices, in 2 x {cp} chunks (two per \
+                 device, so that the causal work is balanced): --seq {} must be a multiple of {}",
+                spec.seq,
+                2 * cp
+            );
+        }
+        if spec.key_block.is_none() {
+            bail!(
+                "a sequence split over the context axis is attended over key/value blocks: give \
+                 --key-block N or auto, not off"
+            );
         }
     }
     if let Some(r) = spec.attention_block {
@@ -572,10 +610,13 @@ impl KeyBlocks {
     /// score blocks ([heads, T/2, T] per row in f32: 2 GiB for 8B at 8k) outgrow the rest of a
     /// layer's activations, and every key at once below, where it runs in fewer, larger kernels.
     /// An `--attention-block` asks for the whole-key form, so `auto` keeps it.
-    pub fn resolve(self, seq: i64, attention_block: Option<i64>) -> Option<i64> {
+    /// With the sequence split over a context axis (`context` > 1) `auto` always takes key
+    /// blocks, the only form that splits it.
+    pub fn resolve(self, seq: i64, attention_block: Option<i64>, context: i64) -> Option<i64> {
         match self {
             KeyBlocks::Size(n) => Some(n),
             KeyBlocks::Off => None,
+            KeyBlocks::Auto if context > 1 => Some(DEFAULT_KEY_BLOCK),
             KeyBlocks::Auto if seq > KEY_BLOCKS_ABOVE && attention_block.is_none() => {
                 Some(DEFAULT_KEY_BLOCK)
             }
@@ -644,7 +685,11 @@ impl StepOptions {
             nf4: self.nf4,
             loss_chunk: self.loss_chunk,
             attention_block: self.attention_block,
-            key_block: self.key_block.resolve(seq, self.attention_block),
+            key_block: self.key_block.resolve(
+                seq,
+                self.attention_block,
+                self.mesh.as_ref().map_or(1, MeshPlan::context_size),
+            ),
             // With f32 compute every result is f32 either way; the spec says so.
             wide_matmul_results: self.matmul_result == ResultType::F32 && dtype != DType::F32,
             narrow_attention_scores: self.attention_scores == ResultType::Compute
