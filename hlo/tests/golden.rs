@@ -244,3 +244,31 @@ fn shape_errors_name_the_op_and_the_shapes() {
         "exponential: needs a float operand, got tensor<2xi32>"
     );
 }
+
+/// A loop with a gradient rule of its own (`custom_vjp`): the marker prints as nothing, the
+/// forward loop stays, and the gradient is the rule's (3 x^2 g for x^3), not the loop's.
+#[test]
+fn golden_custom_vjp() {
+    let mut b = Builder::new("main");
+    let x = b.param("x", Shape::new(&[3], DType::F32));
+    let one = b.full_like(x, 1.0);
+    let cube = b
+        .scoped("cube", |b| {
+            b.fori_loop(3, &[one], &[x], |bb, _, c, inv| {
+                Ok(vec![bb.mul(c[0], inv[0])?])
+            })
+        })
+        .unwrap();
+    let rule: VjpRule = std::rc::Rc::new(|b, ins, _outs, cts| {
+        let sq = b.mul(ins[0], ins[0])?;
+        let three = b.mul_scalar(sq, 3.0)?;
+        Ok(vec![cts[0].map(|g| b.mul(three, g)).transpose()?])
+    });
+    let y = b.custom_vjp(&[x], &[cube[0]], rule)[0];
+    let f = b.sum_all(y).unwrap();
+    let g = b.grad(f, &[x]).unwrap();
+    let text = Module::new("custom_vjp", b.finish(&[("f", f), ("dx", g[0])])).to_text();
+    assert_eq!(text.matches("stablehlo.while").count(), 1, "{text}");
+    assert!(!text.contains("custom_vjp("), "{text}");
+    check_golden("custom_vjp", &text);
+}

@@ -314,3 +314,48 @@ fn barrier_and_remat_region() {
         },
     );
 }
+
+/// A computation with a gradient rule of its own: x^3 as a loop of multiplications (a while
+/// loop has no generic vjp rule, so autodiff must use the given one, 3 x^2 g), inside a remat
+/// region too (the rule then reads the recomputed inputs).
+#[test]
+fn custom_vjp_rules() {
+    let cube = |b: &mut hlo::Builder, x: hlo::Value| -> hlo::Result<hlo::Value> {
+        let one = b.full_like(x, 1.0);
+        let out = b.fori_loop(3, &[one], &[x], |bb, _, c, inv| {
+            Ok(vec![bb.mul(c[0], inv[0])?])
+        })?;
+        let rule: hlo::VjpRule = std::rc::Rc::new(|b, ins, _outs, cts| {
+            let Some(g) = cts[0] else {
+                return Ok(vec![None]);
+            };
+            let sq = b.mul(ins[0], ins[0])?;
+            let three = b.mul_scalar(sq, 3.0)?;
+            Ok(vec![Some(b.mul(three, g)?)])
+        });
+        Ok(b.custom_vjp(&[x], &[out[0]], rule)[0])
+    };
+    check_vjp(
+        "custom rule around a loop",
+        &[rand(40, &[2, 3], -1.5, 1.5)],
+        &[0],
+        TOL,
+        |b, p| {
+            let y = cube(b, p[0])?;
+            b.tanh(y)
+        },
+    );
+    check_vjp(
+        "custom rule in a remat region",
+        &[rand(41, &[2, 3], -1.5, 1.5), rand(42, &[2, 3], -1.5, 1.5)],
+        &[0, 1],
+        TOL,
+        |b, p| {
+            let y = b.remat(|b| {
+                let s = b.mul(p[0], p[1])?;
+                cube(b, s)
+            })?;
+            b.sin(y)
+        },
+    );
+}

@@ -180,6 +180,17 @@ fn unpriced_note(e: &xtrain::device::target::aot::Estimate) -> String {
 
 /// The TPU compiler's estimate of the whole step, from unrolled 1- and 2-layer steps.
 fn print_estimate(t: &TargetDevices, spec: &StepSpec) -> Result<Option<StepEstimate>> {
+    if let Some(k) = spec.key_block {
+        // The estimate unrolls the layers; the attention's loop over key/value blocks stays a
+        // loop (unrolled it would grow the program with the sequence), and a cost analysis
+        // prices a loop body once, not once per trip: what it would give is no step time.
+        println!(
+            "no step time estimate: this step attends over key/value blocks (--key-block {k}) in \
+             a loop, whose body the TPU cost model prices once rather than once per trip; the \
+             memory figures above are the compiler's own"
+        );
+        return Ok(None);
+    }
     eprintln!("xtrain: estimating the step from unrolled 1- and 2-layer steps");
     let e = t.estimate(spec)?;
     if !e.has_time() {

@@ -205,18 +205,20 @@ impl Default for Rules {
     /// Llama defaults: tensor parallel over heads, MLP and vocab; FSDP over the first dim that
     /// takes it (a projection's output dim, else the embedding dim), so that every weight, LoRA
     /// matrix and optimizer moment is split over the FSDP axis; data (and FSDP) over the batch;
-    /// context over the sequence (see `model::context`).
+    /// context over the sequence (see `model::context`), and over the weights after FSDP, so
+    /// that devices that share a sequence share its weights' memory too, as FSDP devices do
+    /// (an activation's sequence dim comes first and takes it there).
     /// LoRA's rank and the layer axis are never sharded.
     fn default() -> Self {
         let mut m = BTreeMap::new();
         for (logical, mesh) in [
             ("batch", vec!["data", "fsdp"]),
             ("length", vec!["context"]),
-            ("embed", vec!["fsdp"]),
-            ("mlp", vec!["tensor", "fsdp"]),
-            ("q_heads", vec!["tensor", "fsdp"]),
-            ("kv_heads", vec!["tensor", "fsdp"]),
-            ("vocab", vec!["tensor", "fsdp"]),
+            ("embed", vec!["fsdp", "context"]),
+            ("mlp", vec!["tensor", "fsdp", "context"]),
+            ("q_heads", vec!["tensor", "fsdp", "context"]),
+            ("kv_heads", vec!["tensor", "fsdp", "context"]),
+            ("vocab", vec!["tensor", "fsdp", "context"]),
         ] {
             m.insert(
                 logical.to_string(),
