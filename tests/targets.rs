@@ -666,13 +666,25 @@ fn one_program_for_every_target() {
         &["--dtype", "f32"][..],
         &["--dtype", "bf16", "--remat", "save-proj"],
         &["--dtype", "bf16", "--quant", "nf4", "--grad-accum", "2"],
+        // Attention over key/value blocks that do not divide the sequence, and the sequence
+        // split over a context axis (the mesh given to every target).
+        &["--dtype", "bf16", "--key-block", "5"],
+        &["--dtype", "bf16", "--mesh", "context=2,fsdp=2"],
     ] {
         let mut hashes = Vec::new();
+        let own_mesh = flags.contains(&"--mesh");
         for (name, place) in [
-            ("cpu", ["--mesh", "fsdp=4"]),
-            ("cuda", ["--target", "cuda:h100:4"]),
-            ("rocm", ["--target", "rocm:mi300x:4"]),
-            ("tpu", ["--target", "tpu:v5p:2x2x1"]),
+            (
+                "cpu",
+                if own_mesh {
+                    &[][..]
+                } else {
+                    &["--mesh", "fsdp=4"][..]
+                },
+            ),
+            ("cuda", &["--target", "cuda:h100:4"][..]),
+            ("rocm", &["--target", "rocm:mi300x:4"][..]),
+            ("tpu", &["--target", "tpu:v5p:2x2x1"][..]),
         ] {
             let out = dir.join(name);
             let mut args = vec![

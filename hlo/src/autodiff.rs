@@ -107,17 +107,7 @@ impl Builder {
                         .push(Band { dim, start, g });
                     continue;
                 }
-                let grads = match node.op {
-                    crate::graph::Op::CustomVjp(id) => {
-                        let rule = self.vjp_rules[id as usize].clone();
-                        let n = node.outputs.len();
-                        let (outs, ins) = view.inputs.split_at(n);
-                        let mut grads = vec![None; n];
-                        grads.extend(rule(self, ins, outs, &cts)?);
-                        grads
-                    }
-                    _ => crate::ops::vjp(self, &view, &cts, &needs)?,
-                };
+                let grads = self.node_vjp(&view, &cts, &needs)?;
                 for ((&input, g), need) in node.inputs.iter().zip(grads).zip(&needs) {
                     if let (Some(g), true) = (g, *need) {
                         accumulate(self, &mut ct, input, g)?;
@@ -139,6 +129,26 @@ impl Builder {
                 None => self.zeros_like(*w),
             })
             .collect())
+    }
+
+    /// The cotangents of `node`'s inputs from its outputs' (`cts`): by the op's vjp rule, or for
+    /// a [`crate::graph::Op::CustomVjp`] by the rule it was given (nothing for the outputs it
+    /// marks, which are its first inputs).
+    fn node_vjp(
+        &mut self,
+        node: &Node,
+        cts: &[Option<Value>],
+        needs: &[bool],
+    ) -> Result<Vec<Option<Value>>> {
+        let crate::graph::Op::CustomVjp(id) = node.op else {
+            return crate::ops::vjp(self, node, cts, needs);
+        };
+        let rule = self.vjp_rules[id as usize].clone();
+        let n = node.outputs.len();
+        let (outs, ins) = node.inputs.split_at(n);
+        let mut grads = vec![None; n];
+        grads.extend(rule(self, ins, outs, cts)?);
+        Ok(grads)
     }
 
     /// The values a vjp must carry cotangents through: those that depend on some `wrt` (through

@@ -432,60 +432,12 @@ fn forward_loop(
         },
     ];
     let invariants = [t.q, t.query_docs, t.k, t.v, t.key_docs];
-    let tb = grid.tb;
     let out = b.scoped("context_blocks", |b| {
         b.rolled_fori_loop(
             grid.visits() * grid.nbc,
             &init,
             &invariants,
-            |b, s, carry, inv| {
-                let (n, u) = step_of(b, s, grid.nbc)?;
-                let (second, key, chunk) = visit(b, n, grid)?;
-                let [qb, kb, vb, qdocs, kdocs] =
-                    visit_blocks(b, &unpack(inv), (second, key, u), tb)?;
-                let s = visit_scores(b, [qb, kb, qdocs, kdocs], (chunk, key, u), grid)?;
-                let sd = b.dims(s).to_vec();
-                let keep = [0, 1, 2, 3, 4];
-                let block = |b: &mut Builder, all: Value| -> Result<Value> {
-                    let r = rows(b, all, 4, u, tb)?;
-                    pick(b, r, second)
-                };
-                let m = block(b, carry[0])?;
-                let l = block(b, carry[1])?;
-                let acc = block(b, carry[2])?;
-                let m_block = b.reduce_max(s, &[5])?;
-                let m_new = b.max(m, m_block)?;
-                let wide = b.broadcast_in_dim(m_new, &sd, &keep)?;
-                let shifted = b.sub(s, wide)?;
-                let e = b.exp(shifted)?;
-                let old = b.sub(m, m_new)?;
-                let correction = b.exp(old)?;
-                let l_kept = b.mul(l, correction)?;
-                let e_sum = b.reduce_sum(e, &[5])?;
-                let l_new = b.add(l_kept, e_sum)?;
-                let e = b.convert(e, grid.num.compute)?;
-                let dims = DotDims {
-                    lhs_batch: vec![0, 1, 2],
-                    rhs_batch: vec![0, 1, 3],
-                    lhs_contract: vec![5],
-                    rhs_contract: vec![2],
-                };
-                let ev = b.dot_general(e, vb, dims, None, Some(DType::F32))?;
-                let ad = b.dims(ev).to_vec();
-                let correction = b.broadcast_in_dim(correction, &ad, &keep)?;
-                let acc_kept = b.mul(acc, correction)?;
-                let acc_new = b.add(acc_kept, ev)?;
-                let write = |b: &mut Builder, all: Value, new: Value| -> Result<Value> {
-                    let r = rows(b, all, 4, u, tb)?;
-                    let r = put(b, r, new, second)?;
-                    put_rows(b, all, r, 4, u, tb)
-                };
-                Ok(vec![
-                    write(b, carry[0], m_new)?,
-                    write(b, carry[1], l_new)?,
-                    write(b, carry[2], acc_new)?,
-                ])
-            },
+            |b, s, carry, inv| forward_visit(b, s, carry, inv, grid),
         )
     })?;
     let (m, l, acc) = (out[0], out[1], out[2]);
@@ -551,75 +503,7 @@ fn backward(
     ];
     let grads = b.scoped("context_blocks.grad", |b| {
         b.rolled_fori_loop(visits * nbc, &init, &invariants, |b, s, carry, inv| {
-            let (n, u) = step_of(b, s, nbc)?;
-            let (second, key, chunk) = visit(b, n, grid)?;
-            let [qb, kb, vb, qdocs, kdocs] = visit_blocks(b, &unpack(inv), (second, key, u), tb)?;
-            let block = |b: &mut Builder, all: Value| -> Result<Value> {
-                let r = rows(b, all, 4, u, tb)?;
-                pick(b, r, second)
-            };
-            let dout_b = block(b, inv[5])?;
-            let lse_b = block(b, inv[6])?;
-            let delta_b = block(b, inv[7])?;
-            let s = visit_scores(b, [qb, kb, qdocs, kdocs], (chunk, key, u), grid)?;
-            let sd = b.dims(s).to_vec();
-            let keep = [0, 1, 2, 3, 4];
-            let lse_wide = b.broadcast_in_dim(lse_b, &sd, &keep)?;
-            let shifted = b.sub(s, lse_wide)?;
-            let probs = b.exp(shifted)?;
-            let compute = grid.num.compute;
-            let probs_c = b.convert(probs, compute)?;
-            // dv of the visited key block: p^T dout, over the queries and their group heads
-            let over_queries = DotDims {
-                lhs_batch: vec![0, 1, 2],
-                rhs_batch: vec![0, 1, 2],
-                lhs_contract: vec![3, 4],
-                rhs_contract: vec![3, 4],
-            };
-            let dv_b = b.dot_general(probs_c, dout_b, over_queries, None, Some(DType::F32))?;
-            let dims = DotDims {
-                lhs_batch: vec![0, 1, 2],
-                rhs_batch: vec![0, 1, 3],
-                lhs_contract: vec![5],
-                rhs_contract: vec![4],
-            };
-            let dprobs = b.dot_general(dout_b, vb, dims, None, Some(DType::F32))?;
-            let delta_wide = b.broadcast_in_dim(delta_b, &sd, &keep)?;
-            let centered = b.sub(dprobs, delta_wide)?;
-            let ds = b.mul(probs, centered)?;
-            let ds = b.mul_scalar(ds, 1.0 / (grid.d as f64).sqrt())?;
-            let ds = b.convert(ds, compute)?;
-            let dims = DotDims {
-                lhs_batch: vec![0, 1, 2],
-                rhs_batch: vec![0, 1, 3],
-                lhs_contract: vec![5],
-                rhs_contract: vec![2],
-            };
-            let dq_b = b.dot_general(ds, kb, dims, None, Some(DType::F32))?;
-            let dims = DotDims {
-                lhs_batch: vec![0, 1, 2],
-                rhs_batch: vec![0, 1, 3],
-                lhs_contract: vec![3, 4],
-                rhs_contract: vec![2, 4],
-            };
-            let dk_b = b.dot_general(ds, qb, dims, None, Some(DType::F32))?;
-            // dq: add to the query block's rows of its chunk
-            let rows_q = rows(b, carry[0], 4, u, tb)?;
-            let old = pick(b, rows_q, second)?;
-            let new = b.add(old, dq_b)?;
-            let rows_q = put(b, rows_q, new, second)?;
-            let dq = put_rows(b, carry[0], rows_q, 4, u, tb)?;
-            // dk, dv: add to this visit's slot, [B, CP, 1, TB, KV, D]
-            let add_visit = |b: &mut Builder, all: Value, blk: Value| -> Result<Value> {
-                let blk = b.transpose(blk, &[0, 1, 3, 2, 4])?;
-                let blk = b.reshape(blk, &[bs, cp, 1, tb, kvh, d])?;
-                let slot = rows(b, all, 2, n, 1)?;
-                let sum = b.add(slot, blk)?;
-                put_rows(b, all, sum, 2, n, 1)
-            };
-            let dk = add_visit(b, carry[1], dk_b)?;
-            let dv = add_visit(b, carry[2], dv_b)?;
-            Ok(vec![dq, dk, dv])
+            backward_visit(b, s, carry, inv, grid)
         })
     })?;
     let dq = b.transpose(grads[0], &[0, 1, 2, 4, 3, 5, 6])?;
@@ -675,4 +559,146 @@ fn keys_of_visits(b: &mut Builder, per_visit: Value, grid: Grid) -> Result<Value
     let per_device = b.dot_general(hit, x, dims, Some(Precision::Highest), Some(DType::F32))?;
     let summed = b.reduce_sum(per_device, &[0])?;
     b.reshape(summed, &[grid.nk, bs * width])
+}
+
+/// One step `s` of the backward loop: the visit's query block adds its share to dq (carry[0])
+/// and the visited key block's to this visit's slot of dk and dv (carry[1], carry[2]);
+/// invariants (the tables, dout, lse, delta).
+fn backward_visit(
+    b: &mut Builder,
+    s: Value,
+    carry: &[Value],
+    inv: &[Value],
+    grid: Grid,
+) -> Result<Vec<Value>> {
+    let (tb, nbc) = (grid.tb, grid.nbc);
+    let dims = b.dims(carry[0]).to_vec();
+    let (bs, cp, kvh, d) = (dims[0], dims[1], dims[3], dims[6]);
+    let (n, u) = step_of(b, s, nbc)?;
+    let (second, key, chunk) = visit(b, n, grid)?;
+    let [qb, kb, vb, qdocs, kdocs] = visit_blocks(b, &unpack(inv), (second, key, u), tb)?;
+    let block = |b: &mut Builder, all: Value| -> Result<Value> {
+        let r = rows(b, all, 4, u, tb)?;
+        pick(b, r, second)
+    };
+    let dout_b = block(b, inv[5])?;
+    let lse_b = block(b, inv[6])?;
+    let delta_b = block(b, inv[7])?;
+    let s = visit_scores(b, [qb, kb, qdocs, kdocs], (chunk, key, u), grid)?;
+    let sd = b.dims(s).to_vec();
+    let keep = [0, 1, 2, 3, 4];
+    let lse_wide = b.broadcast_in_dim(lse_b, &sd, &keep)?;
+    let shifted = b.sub(s, lse_wide)?;
+    let probs = b.exp(shifted)?;
+    let compute = grid.num.compute;
+    let probs_c = b.convert(probs, compute)?;
+    // dv of the visited key block: p^T dout, over the queries and their group heads
+    let over_queries = DotDims {
+        lhs_batch: vec![0, 1, 2],
+        rhs_batch: vec![0, 1, 2],
+        lhs_contract: vec![3, 4],
+        rhs_contract: vec![3, 4],
+    };
+    let dv_b = b.dot_general(probs_c, dout_b, over_queries, None, Some(DType::F32))?;
+    let dims = DotDims {
+        lhs_batch: vec![0, 1, 2],
+        rhs_batch: vec![0, 1, 3],
+        lhs_contract: vec![5],
+        rhs_contract: vec![4],
+    };
+    let dprobs = b.dot_general(dout_b, vb, dims, None, Some(DType::F32))?;
+    let delta_wide = b.broadcast_in_dim(delta_b, &sd, &keep)?;
+    let centered = b.sub(dprobs, delta_wide)?;
+    let ds = b.mul(probs, centered)?;
+    let ds = b.mul_scalar(ds, 1.0 / (grid.d as f64).sqrt())?;
+    let ds = b.convert(ds, compute)?;
+    let dims = DotDims {
+        lhs_batch: vec![0, 1, 2],
+        rhs_batch: vec![0, 1, 3],
+        lhs_contract: vec![5],
+        rhs_contract: vec![2],
+    };
+    let dq_b = b.dot_general(ds, kb, dims, None, Some(DType::F32))?;
+    let dims = DotDims {
+        lhs_batch: vec![0, 1, 2],
+        rhs_batch: vec![0, 1, 3],
+        lhs_contract: vec![3, 4],
+        rhs_contract: vec![2, 4],
+    };
+    let dk_b = b.dot_general(ds, qb, dims, None, Some(DType::F32))?;
+    // dq: add to the query block's rows of its chunk
+    let rows_q = rows(b, carry[0], 4, u, tb)?;
+    let old = pick(b, rows_q, second)?;
+    let new = b.add(old, dq_b)?;
+    let rows_q = put(b, rows_q, new, second)?;
+    let dq = put_rows(b, carry[0], rows_q, 4, u, tb)?;
+    // dk, dv: add to this visit's slot, [B, CP, 1, TB, KV, D]
+    let add_visit = |b: &mut Builder, all: Value, blk: Value| -> Result<Value> {
+        let blk = b.transpose(blk, &[0, 1, 3, 2, 4])?;
+        let blk = b.reshape(blk, &[bs, cp, 1, tb, kvh, d])?;
+        let slot = rows(b, all, 2, n, 1)?;
+        let sum = b.add(slot, blk)?;
+        put_rows(b, all, sum, 2, n, 1)
+    };
+    let dk = add_visit(b, carry[1], dk_b)?;
+    let dv = add_visit(b, carry[2], dv_b)?;
+    Ok(vec![dq, dk, dv])
+}
+
+/// One step `s` of the forward loop: the visit's query block takes in the visited key block,
+/// updating its rows' running maximum, sum and output (carry: m, l, acc); invariants: the
+/// tables.
+fn forward_visit(
+    b: &mut Builder,
+    s: Value,
+    carry: &[Value],
+    inv: &[Value],
+    grid: Grid,
+) -> Result<Vec<Value>> {
+    let tb = grid.tb;
+    let (n, u) = step_of(b, s, grid.nbc)?;
+    let (second, key, chunk) = visit(b, n, grid)?;
+    let [qb, kb, vb, qdocs, kdocs] = visit_blocks(b, &unpack(inv), (second, key, u), tb)?;
+    let s = visit_scores(b, [qb, kb, qdocs, kdocs], (chunk, key, u), grid)?;
+    let sd = b.dims(s).to_vec();
+    let keep = [0, 1, 2, 3, 4];
+    let block = |b: &mut Builder, all: Value| -> Result<Value> {
+        let r = rows(b, all, 4, u, tb)?;
+        pick(b, r, second)
+    };
+    let m = block(b, carry[0])?;
+    let l = block(b, carry[1])?;
+    let acc = block(b, carry[2])?;
+    let m_block = b.reduce_max(s, &[5])?;
+    let m_new = b.max(m, m_block)?;
+    let wide = b.broadcast_in_dim(m_new, &sd, &keep)?;
+    let shifted = b.sub(s, wide)?;
+    let e = b.exp(shifted)?;
+    let old = b.sub(m, m_new)?;
+    let correction = b.exp(old)?;
+    let l_kept = b.mul(l, correction)?;
+    let e_sum = b.reduce_sum(e, &[5])?;
+    let l_new = b.add(l_kept, e_sum)?;
+    let e = b.convert(e, grid.num.compute)?;
+    let dims = DotDims {
+        lhs_batch: vec![0, 1, 2],
+        rhs_batch: vec![0, 1, 3],
+        lhs_contract: vec![5],
+        rhs_contract: vec![2],
+    };
+    let ev = b.dot_general(e, vb, dims, None, Some(DType::F32))?;
+    let ad = b.dims(ev).to_vec();
+    let correction = b.broadcast_in_dim(correction, &ad, &keep)?;
+    let acc_kept = b.mul(acc, correction)?;
+    let acc_new = b.add(acc_kept, ev)?;
+    let write = |b: &mut Builder, all: Value, new: Value| -> Result<Value> {
+        let r = rows(b, all, 4, u, tb)?;
+        let r = put(b, r, new, second)?;
+        put_rows(b, all, r, 4, u, tb)
+    };
+    Ok(vec![
+        write(b, carry[0], m_new)?,
+        write(b, carry[1], l_new)?,
+        write(b, carry[2], acc_new)?,
+    ])
 }

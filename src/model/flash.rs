@@ -269,54 +269,7 @@ fn forward_loop(b: &mut Builder, p: &Padded, blocks: Blocks) -> Result<(Value, V
     let invariants = [p.q, p.k, p.v, p.query_docs, p.key_docs];
     let out = b.scoped("key_blocks", |b| {
         b.rolled_fori_loop(pairs(tp, tb), &init, &invariants, |b, _, c, inv| {
-            let (i, j, acc, m, l, out, lse) = (c[0], c[1], c[2], c[3], c[4], c[5], c[6]);
-            let [qi, kj, vj, qdi, kdj] = pair_inputs(b, &unpack(inv), (i, j), tb)?;
-            let s = block_scores(b, (qi, kj), (qdi, kdj), (i, j), blocks)?;
-            let sd = b.dims(s).to_vec();
-            let keep = [0, 1, 2, 3];
-            let m_block = b.reduce_max(s, &[4])?;
-            let m_new = b.max(m, m_block)?;
-            let shifted = b.broadcast_in_dim(m_new, &sd, &keep)?;
-            let shifted = b.sub(s, shifted)?;
-            let e = b.exp(shifted)?;
-            let old = b.sub(m, m_new)?;
-            let correction = b.exp(old)?;
-            let l_kept = b.mul(l, correction)?;
-            let e_sum = b.reduce_sum(e, &[4])?;
-            let l_new = b.add(l_kept, e_sum)?;
-            // As the whole-sequence form: the exponentials rounded to the compute type, the
-            // product with v accumulated and kept in f32 until it is divided.
-            let e = b.convert(e, blocks.num.compute)?;
-            let dims = DotDims {
-                lhs_batch: vec![0, 1],
-                rhs_batch: vec![0, 2],
-                lhs_contract: vec![4],
-                rhs_contract: vec![1],
-            };
-            let ev = b.dot_general(e, vj, dims, None, Some(DType::F32))?;
-            let ad = b.dims(ev).to_vec();
-            let correction = b.broadcast_in_dim(correction, &ad, &keep)?;
-            let acc_kept = b.mul(acc, correction)?;
-            let acc_new = b.add(acc_kept, ev)?;
-            // Row i's output and statistic, final once j reaches the diagonal (its last block).
-            let l_wide = b.broadcast_in_dim(l_new, &ad, &keep)?;
-            let out_i = b.div(acc_new, l_wide)?;
-            let out_i = b.convert(out_i, blocks.num.compute)?;
-            let starts = block_starts(b, 5, 2, i, tb)?;
-            let out = b.dynamic_update_slice(out, out_i, &starts)?;
-            let log_l = b.log(l_new)?;
-            let lse_i = b.add(m_new, log_l)?;
-            let starts = block_starts(b, 4, 2, i, tb)?;
-            let lse = b.dynamic_update_slice(lse, lse_i, &starts)?;
-            // After the diagonal the next row starts afresh.
-            let (diag, next_i, next_j) = next_pair(b, i, j)?;
-            let zeros = b.zeros_like(acc_new);
-            let acc_next = b.select(diag, zeros, acc_new)?;
-            let lowest = b.full(f32::MIN as f64, row.clone());
-            let m_next = b.select(diag, lowest, m_new)?;
-            let zeros = b.zeros(row.clone());
-            let l_next = b.select(diag, zeros, l_new)?;
-            Ok(vec![next_i, next_j, acc_next, m_next, l_next, out, lse])
+            forward_pair(b, c, inv, blocks)
         })
     })?;
     Ok((out[5], out[6]))
@@ -378,67 +331,7 @@ fn backward(
     ];
     let grads = b.scoped("key_blocks.grad", |b| {
         b.rolled_fori_loop(pairs(tp, tb), &init, &invariants, |b, _, c, inv| {
-            let (i, j) = (c[0], c[1]);
-            let [qi, kj, vj, qdi, kdj] = pair_inputs(b, &unpack(inv), (i, j), tb)?;
-            let dout_i = block_of(b, inv[5], 2, i, tb)?;
-            let lse_i = block_of(b, inv[6], 2, i, tb)?;
-            let delta_i = block_of(b, inv[7], 2, i, tb)?;
-            let s = block_scores(b, (qi, kj), (qdi, kdj), (i, j), blocks)?;
-            let sd = b.dims(s).to_vec();
-            let keep = [0, 1, 2, 3];
-            let lse_wide = b.broadcast_in_dim(lse_i, &sd, &keep)?;
-            let shifted = b.sub(s, lse_wide)?;
-            let probs = b.exp(shifted)?;
-            let compute = blocks.num.compute;
-            let probs_c = b.convert(probs, compute)?;
-            // dv_j += p^T dout_i, over the queries and their group heads
-            let over_queries = DotDims {
-                lhs_batch: vec![0, 1],
-                rhs_batch: vec![0, 1],
-                lhs_contract: vec![2, 3],
-                rhs_contract: vec![2, 3],
-            };
-            let dv_j = b.dot_general(
-                probs_c,
-                dout_i,
-                over_queries.clone(),
-                None,
-                Some(DType::F32),
-            )?;
-            // dp = dout_i v_j^T
-            let dims = DotDims {
-                lhs_batch: vec![0, 1],
-                rhs_batch: vec![0, 2],
-                lhs_contract: vec![4],
-                rhs_contract: vec![3],
-            };
-            let dprobs = b.dot_general(dout_i, vj, dims, None, Some(DType::F32))?;
-            let delta_wide = b.broadcast_in_dim(delta_i, &sd, &keep)?;
-            let centered = b.sub(dprobs, delta_wide)?;
-            let ds = b.mul(probs, centered)?;
-            let ds = b.mul_scalar(ds, 1.0 / (blocks.d as f64).sqrt())?;
-            let ds = b.convert(ds, compute)?;
-            // dq_i += ds k_j
-            let dims = DotDims {
-                lhs_batch: vec![0, 1],
-                rhs_batch: vec![0, 2],
-                lhs_contract: vec![4],
-                rhs_contract: vec![1],
-            };
-            let dq_i = b.dot_general(ds, kj, dims, None, Some(DType::F32))?;
-            // dk_j += ds^T q_i
-            let dims = DotDims {
-                lhs_batch: vec![0, 1],
-                rhs_batch: vec![0, 2],
-                lhs_contract: vec![2, 3],
-                rhs_contract: vec![1, 3],
-            };
-            let dk_j = b.dot_general(ds, qi, dims, None, Some(DType::F32))?;
-            let dq = add_to_block(b, c[2], dq_i, 2, i, tb)?;
-            let dk = add_to_block(b, c[3], dk_j, 2, j, tb)?;
-            let dv = add_to_block(b, c[4], dv_j, 2, j, tb)?;
-            let (_, next_i, next_j) = next_pair(b, i, j)?;
-            Ok(vec![next_i, next_j, dq, dk, dv])
+            backward_pair(b, c, inv, blocks)
         })
     })?;
     // Back to the inputs' layouts and types, the padding cut off.
@@ -458,4 +351,131 @@ fn backward(
         None,
         None,
     ])
+}
+
+/// One step of the backward loop: block pair (i, j) = carry[0..2] adds its share to dq_i, dk_j
+/// and dv_j (carry[2..5]); invariants (q, k, v, query starts, key starts, dout, lse, delta).
+fn backward_pair(
+    b: &mut Builder,
+    c: &[Value],
+    inv: &[Value],
+    blocks: Blocks,
+) -> Result<Vec<Value>> {
+    let tb = blocks.tb;
+    let (i, j) = (c[0], c[1]);
+    let [qi, kj, vj, qdi, kdj] = pair_inputs(b, &unpack(inv), (i, j), tb)?;
+    let dout_i = block_of(b, inv[5], 2, i, tb)?;
+    let lse_i = block_of(b, inv[6], 2, i, tb)?;
+    let delta_i = block_of(b, inv[7], 2, i, tb)?;
+    let s = block_scores(b, (qi, kj), (qdi, kdj), (i, j), blocks)?;
+    let sd = b.dims(s).to_vec();
+    let keep = [0, 1, 2, 3];
+    let lse_wide = b.broadcast_in_dim(lse_i, &sd, &keep)?;
+    let shifted = b.sub(s, lse_wide)?;
+    let probs = b.exp(shifted)?;
+    let compute = blocks.num.compute;
+    let probs_c = b.convert(probs, compute)?;
+    // dv_j += p^T dout_i, over the queries and their group heads
+    let over_queries = DotDims {
+        lhs_batch: vec![0, 1],
+        rhs_batch: vec![0, 1],
+        lhs_contract: vec![2, 3],
+        rhs_contract: vec![2, 3],
+    };
+    let dv_j = b.dot_general(
+        probs_c,
+        dout_i,
+        over_queries.clone(),
+        None,
+        Some(DType::F32),
+    )?;
+    // dp = dout_i v_j^T
+    let dims = DotDims {
+        lhs_batch: vec![0, 1],
+        rhs_batch: vec![0, 2],
+        lhs_contract: vec![4],
+        rhs_contract: vec![3],
+    };
+    let dprobs = b.dot_general(dout_i, vj, dims, None, Some(DType::F32))?;
+    let delta_wide = b.broadcast_in_dim(delta_i, &sd, &keep)?;
+    let centered = b.sub(dprobs, delta_wide)?;
+    let ds = b.mul(probs, centered)?;
+    let ds = b.mul_scalar(ds, 1.0 / (blocks.d as f64).sqrt())?;
+    let ds = b.convert(ds, compute)?;
+    // dq_i += ds k_j
+    let dims = DotDims {
+        lhs_batch: vec![0, 1],
+        rhs_batch: vec![0, 2],
+        lhs_contract: vec![4],
+        rhs_contract: vec![1],
+    };
+    let dq_i = b.dot_general(ds, kj, dims, None, Some(DType::F32))?;
+    // dk_j += ds^T q_i
+    let dims = DotDims {
+        lhs_batch: vec![0, 1],
+        rhs_batch: vec![0, 2],
+        lhs_contract: vec![2, 3],
+        rhs_contract: vec![1, 3],
+    };
+    let dk_j = b.dot_general(ds, qi, dims, None, Some(DType::F32))?;
+    let dq = add_to_block(b, c[2], dq_i, 2, i, tb)?;
+    let dk = add_to_block(b, c[3], dk_j, 2, j, tb)?;
+    let dv = add_to_block(b, c[4], dv_j, 2, j, tb)?;
+    let (_, next_i, next_j) = next_pair(b, i, j)?;
+    Ok(vec![next_i, next_j, dq, dk, dv])
+}
+
+/// One step of the forward loop: block pair (i, j) of carry (i, j, acc, m, l, out, lse) updates
+/// row block i's running statistics and output; invariants (q, k, v, query starts, key starts).
+fn forward_pair(b: &mut Builder, c: &[Value], inv: &[Value], blocks: Blocks) -> Result<Vec<Value>> {
+    let tb = blocks.tb;
+    let row = b.shape(c[3]).clone();
+    let (i, j, acc, m, l, out, lse) = (c[0], c[1], c[2], c[3], c[4], c[5], c[6]);
+    let [qi, kj, vj, qdi, kdj] = pair_inputs(b, &unpack(inv), (i, j), tb)?;
+    let s = block_scores(b, (qi, kj), (qdi, kdj), (i, j), blocks)?;
+    let sd = b.dims(s).to_vec();
+    let keep = [0, 1, 2, 3];
+    let m_block = b.reduce_max(s, &[4])?;
+    let m_new = b.max(m, m_block)?;
+    let shifted = b.broadcast_in_dim(m_new, &sd, &keep)?;
+    let shifted = b.sub(s, shifted)?;
+    let e = b.exp(shifted)?;
+    let old = b.sub(m, m_new)?;
+    let correction = b.exp(old)?;
+    let l_kept = b.mul(l, correction)?;
+    let e_sum = b.reduce_sum(e, &[4])?;
+    let l_new = b.add(l_kept, e_sum)?;
+    // As the whole-sequence form: the exponentials rounded to the compute type, the
+    // product with v accumulated and kept in f32 until it is divided.
+    let e = b.convert(e, blocks.num.compute)?;
+    let dims = DotDims {
+        lhs_batch: vec![0, 1],
+        rhs_batch: vec![0, 2],
+        lhs_contract: vec![4],
+        rhs_contract: vec![1],
+    };
+    let ev = b.dot_general(e, vj, dims, None, Some(DType::F32))?;
+    let ad = b.dims(ev).to_vec();
+    let correction = b.broadcast_in_dim(correction, &ad, &keep)?;
+    let acc_kept = b.mul(acc, correction)?;
+    let acc_new = b.add(acc_kept, ev)?;
+    // Row i's output and statistic, final once j reaches the diagonal (its last block).
+    let l_wide = b.broadcast_in_dim(l_new, &ad, &keep)?;
+    let out_i = b.div(acc_new, l_wide)?;
+    let out_i = b.convert(out_i, blocks.num.compute)?;
+    let starts = block_starts(b, 5, 2, i, tb)?;
+    let out = b.dynamic_update_slice(out, out_i, &starts)?;
+    let log_l = b.log(l_new)?;
+    let lse_i = b.add(m_new, log_l)?;
+    let starts = block_starts(b, 4, 2, i, tb)?;
+    let lse = b.dynamic_update_slice(lse, lse_i, &starts)?;
+    // After the diagonal the next row starts afresh.
+    let (diag, next_i, next_j) = next_pair(b, i, j)?;
+    let zeros = b.zeros_like(acc_new);
+    let acc_next = b.select(diag, zeros, acc_new)?;
+    let lowest = b.full(f32::MIN as f64, row.clone());
+    let m_next = b.select(diag, lowest, m_new)?;
+    let zeros = b.zeros(row.clone());
+    let l_next = b.select(diag, zeros, l_new)?;
+    Ok(vec![next_i, next_j, acc_next, m_next, l_next, out, lse])
 }

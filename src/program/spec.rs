@@ -415,6 +415,21 @@ pub(super) fn check_spec(spec: &StepSpec) -> Result<()> {
              one device; give --mesh (or a --target of several devices), or leave the flag out"
         );
     }
+    check_attention_form(spec)?;
+    if let Some(r) = spec.attention_block {
+        if r < 1 || spec.seq % r != 0 {
+            bail!(
+                "--attention-block {r} must be a positive divisor of the sequence length {}",
+                spec.seq
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The attention's form: a key block, a context split and the query blocks of the whole-key
+/// form that go together.
+fn check_attention_form(spec: &StepSpec) -> Result<()> {
     if spec.attention_block.is_some() && spec.context_size() > 1 {
         bail!(
             "--attention-block sets the query blocks of attention over every key at once, which \
@@ -448,14 +463,6 @@ pub(super) fn check_spec(spec: &StepSpec) -> Result<()> {
             bail!(
                 "a sequence split over the context axis is attended over key/value blocks: give \
                  --key-block N or auto, not off"
-            );
-        }
-    }
-    if let Some(r) = spec.attention_block {
-        if r < 1 || spec.seq % r != 0 {
-            bail!(
-                "--attention-block {r} must be a positive divisor of the sequence length {}",
-                spec.seq
             );
         }
     }

@@ -70,6 +70,7 @@ pub const LAYOUT_AND_REPORTING: &[&str] = &[
     "grad-accum",
     "loss-chunk",
     "attention-block",
+    "key-block",
     "mesh",
     "sharding-rules",
     "matmul-result",

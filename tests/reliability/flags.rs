@@ -65,6 +65,45 @@ fn an_attention_block_or_grad_accum_that_does_not_divide_the_batch_is_refused() 
     );
 }
 
+/// Long-context flags: a key block that is not a positive number of tokens, a context axis the
+/// sequence cannot give two chunks per device, and the forms that a key block or a context
+/// axis does not take.
+#[test]
+fn a_bad_key_block_or_context_split_is_refused() {
+    let bad_value = "--key-block must be a positive number of tokens, off or auto";
+    compile_is_refused(
+        "rel-long-context",
+        &[
+            (&["--key-block", "0"], bad_value),
+            (&["--key-block", "-4"], bad_value),
+            (&["--key-block", "nan"], bad_value),
+            (
+                &["--seq", "20", "--mesh", "context=4"],
+                "--seq 20 must be a multiple of 8",
+            ),
+            (
+                &["--seq", "16", "--mesh", "context=2", "--key-block", "off"],
+                "give --key-block N or auto, not off",
+            ),
+            (
+                &[
+                    "--seq",
+                    "16",
+                    "--mesh",
+                    "context=2",
+                    "--attention-block",
+                    "8",
+                ],
+                "which a sequence split over the context axis does not use",
+            ),
+            (
+                &["--seq", "16", "--key-block", "8", "--attention-block", "8"],
+                "with --key-block 8 the query blocks are the key blocks",
+            ),
+        ],
+    );
+}
+
 #[test]
 fn an_unknown_value_of_a_step_option_is_refused() {
     compile_is_refused(
