@@ -31,6 +31,9 @@ pub struct Builder {
     pub(crate) unroll_loops: bool,
     /// The gradient rules of this function's [`Op::CustomVjp`] nodes, by index.
     pub(crate) vjp_rules: Vec<VjpRule>,
+    /// Trips per body of the loops [`Builder::rolled_fori_loop`] builds (see
+    /// [`Builder::price_rolled_loops`]); 1 in every program that is run.
+    pub(crate) trips_per_rolled_body: i64,
 }
 
 /// A gradient rule given to [`Builder::custom_vjp`]: from the computation's inputs, its outputs
@@ -56,6 +59,7 @@ impl Builder {
             next_remat: 0,
             unroll_loops: false,
             vjp_rules: Vec::new(),
+            trips_per_rolled_body: 1,
         }
     }
 
@@ -66,6 +70,15 @@ impl Builder {
     /// computation as the loop, for compilers whose cost analysis counts a loop body once.
     pub fn unroll_loops(&mut self, unroll: bool) {
         self.unroll_loops = unroll;
+    }
+
+    /// For pricing only: each loop built by [`Builder::rolled_fori_loop`] from now on holds
+    /// `trips` trips of its body and runs n / trips times, the remainder dropped, so the program
+    /// no longer computes what it says. A cost analysis that counts a loop body once prices one
+    /// trip as the difference between such a program and the plain one (see
+    /// `device::target::aot::Estimate`).
+    pub fn price_rolled_loops(&mut self, trips: i64) {
+        self.trips_per_rolled_body = trips.max(1);
     }
 
     /// Whether loops built now are unrolled ([`Builder::unroll_loops`]).

@@ -1441,10 +1441,26 @@ impl Builder {
         n: i64,
         init: &[Value],
         invariants: &[Value],
-        body: impl FnMut(&mut Builder, Value, &[Value], &[Value]) -> Result<Vec<Value>>,
+        mut body: impl FnMut(&mut Builder, Value, &[Value], &[Value]) -> Result<Vec<Value>>,
     ) -> Result<Vec<Value>> {
         let unroll = std::mem::replace(&mut self.unroll_loops, false);
-        let out = self.fori_loop(n, init, invariants, body);
+        let trips = self.trips_per_rolled_body;
+        let out = if trips > 1 && n >= trips {
+            // Pricing only (`price_rolled_loops`): `trips` trips per body.
+            self.fori_loop(n / trips, init, invariants, |bb, i, carry, inv| {
+                let k = bb.scalar(trips as f64, DType::S32);
+                let first = bb.mul(i, k)?;
+                let mut carry = carry.to_vec();
+                for t in 0..trips {
+                    let offset = bb.scalar(t as f64, DType::S32);
+                    let at = bb.add(first, offset)?;
+                    carry = body(bb, at, &carry, inv)?;
+                }
+                Ok(carry)
+            })
+        } else {
+            self.fori_loop(n, init, invariants, body)
+        };
         self.unroll_loops = unroll;
         out
     }

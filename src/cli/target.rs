@@ -180,19 +180,26 @@ fn unpriced_note(e: &xtrain::device::target::aot::Estimate) -> String {
 
 /// The TPU compiler's estimate of the whole step, from unrolled 1- and 2-layer steps.
 fn print_estimate(t: &TargetDevices, spec: &StepSpec) -> Result<Option<StepEstimate>> {
-    if let Some(k) = spec.key_block {
-        // The estimate unrolls the layers; the attention's loop over key/value blocks stays a
-        // loop (unrolled it would grow the program with the sequence), and a cost analysis
-        // prices a loop body once, not once per trip: what it would give is no step time.
-        println!(
-            "no step time estimate: this step attends over key/value blocks (--key-block {k}) in \
-             a loop, whose body the TPU cost model prices once rather than once per trip; the \
-             memory figures above are the compiler's own"
-        );
-        return Ok(None);
-    }
-    eprintln!("xtrain: estimating the step from unrolled 1- and 2-layer steps");
+    eprintln!(
+        "xtrain: estimating the step from unrolled 1- and 2-layer steps{}",
+        if spec.key_block.is_some() {
+            " (and the same with two trips in each attention loop body)"
+        } else {
+            ""
+        }
+    );
     let e = t.estimate(spec)?;
+    if let (Some(trip), Some(l)) = (e.trip_seconds(), &e.loops) {
+        println!(
+            "attention over key/value blocks: {} trips of each of a layer's loops, priced per \
+             trip (the cost model counts a loop body once): one trip of a layer's loops {}, \
+             from unrolled steps whose loop bodies hold two trips ({} and {})",
+            l.trips,
+            secs(trip),
+            secs(l.seconds[0]),
+            secs(l.seconds[1])
+        );
+    }
     if !e.has_time() {
         println!(
             "no step time estimate: the TPU cost model's optimal_seconds for the unrolled 1- and \

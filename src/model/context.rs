@@ -23,7 +23,7 @@
 //! not skipped: 1 key chunk in 2CP + 1.
 
 use crate::model::flash::LSE;
-use crate::model::llama::{Numerics, Placement, Saves};
+use crate::model::forward::{Numerics, Placement, Saves};
 use hlo::{Builder, CmpDir, DType, DotDims, Precision, Result, Shape, Value};
 use std::rc::Rc;
 

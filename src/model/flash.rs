@@ -27,9 +27,12 @@
 //! with no visible key (a padding query before any real token) averages its block uniformly
 //! instead of dividing by zero; such rows feed no loss.
 
-use crate::model::llama::{Numerics, Saves};
+use crate::model::forward::{Numerics, Saves};
 use hlo::{Builder, CmpDir, DType, DotDims, Result, Shape, Value};
 use std::rc::Rc;
+
+/// The key/value block `--key-block auto` takes (see `program::KeyBlocks::resolve`).
+pub const DEFAULT_KEY_BLOCK: i64 = 512;
 
 /// The save point of the attention's row statistic `m + log l`, [B, KV, T', G] f32 over the
 /// padded sequence T'.

@@ -8,6 +8,7 @@
 pub mod config;
 pub mod context;
 pub mod flash;
+pub mod forward;
 pub mod llama;
 pub mod lora;
 pub mod loss;

@@ -145,10 +145,22 @@ pub fn build_train_step_unrolled(spec: &StepSpec) -> Result<Program> {
     train_step(spec, true)
 }
 
+/// [`build_train_step_unrolled`] whose rolled loops (attention over key/value blocks) hold
+/// `trips` trips per body, for pricing one trip (see `hlo::Builder::price_rolled_loops`): not a
+/// program to run.
+pub fn build_train_step_priced(spec: &StepSpec, trips: i64) -> Result<Program> {
+    train_step_with(spec, true, trips)
+}
+
 fn train_step(spec: &StepSpec, unroll_loops: bool) -> Result<Program> {
+    train_step_with(spec, unroll_loops, 1)
+}
+
+fn train_step_with(spec: &StepSpec, unroll_loops: bool, trips: i64) -> Result<Program> {
     check_spec(spec)?;
     let mut p = ProgramBuilder::new(spec, "train_step");
     p.b.unroll_loops(unroll_loops);
+    p.b.price_rolled_loops(trips);
     let mv = p.model_params(true);
     let lora_args: Vec<TensorSpec> = p
         .args

@@ -25,7 +25,7 @@ mod spec;
 
 pub use build::{
     build_eval, build_forward, build_grad_program, build_next_token, build_train_step,
-    build_train_step_unrolled,
+    build_train_step_priced, build_train_step_unrolled,
 };
 pub use signature::{Program, Role, TensorSpec};
 pub use spec::{

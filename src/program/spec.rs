@@ -254,6 +254,22 @@ impl StepSpec {
         self.mesh.as_ref().map_or(1, MeshPlan::context_size)
     }
 
+    /// The trips of each of a layer's attention loops over key/value blocks (None without key
+    /// blocks): the causal block pairs (`model::flash`), or on a context axis the visits times
+    /// the query blocks of a chunk (`model::context`).
+    pub fn attention_loop_trips(&self) -> Option<i64> {
+        let kb = self.key_block?;
+        let cp = self.context_size();
+        if cp > 1 {
+            let tb = crate::model::context::key_block(self.seq, cp, kb);
+            let per_chunk = self.seq / (2 * cp) / tb;
+            return Some((2 * cp + 1) * per_chunk * per_chunk);
+        }
+        let tb = crate::model::flash::key_block(self.seq, kb);
+        let blocks = crate::model::flash::padded(self.seq, tb) / tb;
+        Some(blocks * (blocks + 1) / 2)
+    }
+
     /// One device, remat per layer, AdamW's defaults, no gradient accumulation, quantization,
     /// loss chunks or attention-block override, matmul results in the compute type: the plain
     /// step, for callers that set only what they need on top
@@ -585,7 +601,7 @@ pub enum KeyBlocks {
 }
 
 /// The key/value block `--key-block auto` takes for long sequences.
-pub const DEFAULT_KEY_BLOCK: i64 = 512;
+pub use crate::model::flash::DEFAULT_KEY_BLOCK;
 /// `--key-block auto` attends over key/value blocks for sequences longer than this.
 pub const KEY_BLOCKS_ABOVE: i64 = 4096;
 

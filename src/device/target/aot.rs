@@ -313,7 +313,10 @@ pub fn unpriced_calls(optimized_hlo: &str) -> usize {
 
 /// A TPU compiler's estimate of a looped step, which its cost analysis cannot give directly: it
 /// counts a loop body once. Built from unrolled programs of the same step with 1 and 2 layers:
-/// c(L) = c(1) + (L - 1) (c(2) - c(1)).
+/// c(L) = c(1) + (L - 1) (c(2) - c(1)). A step whose attention loops over key/value blocks keeps
+/// those loops in the unrolled programs (unrolled they would grow with the sequence); their body
+/// is priced per trip from two more programs whose loop bodies hold two trips each
+/// ([`LoopPricing`]).
 pub struct Estimate {
     pub layers: i64,
     /// The cost model's `optimal_seconds` of the unrolled 1- and 2-layer steps (with
@@ -324,27 +327,63 @@ pub struct Estimate {
     pub unrolled_bytes_accessed: [f64; 2],
     /// The unpriced calls added back in each.
     pub unpriced_calls: [usize; 2],
+    /// For a step with attention loops: how their trips are priced.
+    pub loops: Option<LoopPricing>,
+}
+
+/// The attention loops' bodies priced per trip: the same 1- and 2-layer figures of steps whose
+/// loop bodies hold two trips. One trip of a layer's loops costs the growth of the per-layer
+/// figure, (c2(2) - c2(1)) - (c(2) - c(1)), and each loop runs `trips` times.
+pub struct LoopPricing {
+    pub trips: i64,
+    pub seconds: [f64; 2],
+    pub flops: [f64; 2],
+    pub bytes_accessed: [f64; 2],
 }
 
 impl Estimate {
-    /// c(L) = c(1) + (L - 1) (c(2) - c(1)) of a figure of the two unrolled steps.
-    fn extrapolated(&self, unrolled: [f64; 2]) -> f64 {
-        unrolled[0] + (self.layers - 1) as f64 * (unrolled[1] - unrolled[0])
+    /// c(L) = c(1) + (L - 1) (c(2) - c(1)) of a figure of the two unrolled steps, plus, with
+    /// attention loops, the trips the cost model left out: L (trips - 1) x one trip's cost.
+    fn extrapolated(&self, unrolled: [f64; 2], two_trips: Option<[f64; 2]>) -> f64 {
+        let per_layer = unrolled[1] - unrolled[0];
+        let looped = unrolled[0] + (self.layers - 1) as f64 * per_layer;
+        match (&self.loops, two_trips) {
+            (Some(l), Some(two)) => {
+                looped + (self.layers * (l.trips - 1)) as f64 * self.trip(unrolled, two)
+            }
+            _ => looped,
+        }
+    }
+
+    /// One trip of a layer's attention loops: the per-layer figure's growth when each loop body
+    /// holds a second trip.
+    fn trip(&self, unrolled: [f64; 2], two: [f64; 2]) -> f64 {
+        (two[1] - two[0]) - (unrolled[1] - unrolled[0])
     }
 
     /// The whole step's `optimal_seconds` (a time only where [`Estimate::has_time`] says so).
     pub fn seconds(&self) -> f64 {
-        self.extrapolated(self.unrolled_seconds)
+        self.extrapolated(
+            self.unrolled_seconds,
+            self.loops.as_ref().map(|l| l.seconds),
+        )
     }
 
     /// The whole step's FLOPs per device.
     pub fn flops(&self) -> f64 {
-        self.extrapolated(self.unrolled_flops)
+        self.extrapolated(self.unrolled_flops, self.loops.as_ref().map(|l| l.flops))
     }
 
     /// The whole step's bytes accessed per device.
     pub fn bytes_accessed(&self) -> f64 {
-        self.extrapolated(self.unrolled_bytes_accessed)
+        let two = self.loops.as_ref().map(|l| l.bytes_accessed);
+        self.extrapolated(self.unrolled_bytes_accessed, two)
+    }
+
+    /// With attention loops, the cost model's `optimal_seconds` of one trip of a layer's loops.
+    pub fn trip_seconds(&self) -> Option<f64> {
+        let l = self.loops.as_ref()?;
+        Some(self.trip(self.unrolled_seconds, l.seconds))
     }
 
     /// Whether the cost model gave times to extrapolate: positive ones, once its unpriced calls
@@ -354,6 +393,7 @@ impl Estimate {
         self.unrolled_seconds
             .iter()
             .chain([&self.seconds()])
+            .chain(self.trip_seconds().as_ref())
             .all(|s| s.is_finite() && *s > 0.0)
     }
 }
@@ -366,14 +406,50 @@ impl TargetDevices {
     /// `DIR/layers-1` and `DIR/layers-2` (the optimized HLO behind the estimate, for finding
     /// what a change moved; `tools/hlo-kernels.py` reads it).
     pub fn estimate(&self, spec: &StepSpec) -> Result<Estimate> {
+        let (costs, unpriced) = self.unrolled_costs(spec, 1)?;
+        let loops = match spec.attention_loop_trips() {
+            Some(trips) if trips > 1 => {
+                let (two, _) = self.unrolled_costs(spec, 2)?;
+                Some(LoopPricing {
+                    trips,
+                    seconds: [two[0].0, two[1].0],
+                    flops: [two[0].1, two[1].1],
+                    bytes_accessed: [two[0].2, two[1].2],
+                })
+            }
+            _ => None,
+        };
+        Ok(Estimate {
+            layers: spec.model.num_hidden_layers,
+            unrolled_seconds: [costs[0].0, costs[1].0],
+            unrolled_flops: [costs[0].1, costs[1].1],
+            unrolled_bytes_accessed: [costs[0].2, costs[1].2],
+            unpriced_calls: unpriced,
+            loops,
+        })
+    }
+
+    /// (optimal_seconds, flops, bytes accessed) of the unrolled 1- and 2-layer steps whose
+    /// attention loops hold `trips` trips per body, and their unpriced calls.
+    #[allow(clippy::type_complexity)]
+    fn unrolled_costs(
+        &self,
+        spec: &StepSpec,
+        trips: i64,
+    ) -> Result<(Vec<(f64, f64, f64)>, [usize; 2])> {
         let mut costs = Vec::new();
         let mut unpriced = [0; 2];
         for layers in [1, 2] {
             let mut small = spec.clone();
             small.model.num_hidden_layers = layers;
-            let program = crate::program::build_train_step_unrolled(&small)?;
-            let dump = std::env::var_os("XTRAIN_ESTIMATE_DUMP")
-                .map(|d| PathBuf::from(d).join(format!("layers-{layers}")));
+            let program = crate::program::build_train_step_priced(&small, trips)?;
+            let dump = std::env::var_os("XTRAIN_ESTIMATE_DUMP").map(|d| {
+                let name = match trips {
+                    1 => format!("layers-{layers}"),
+                    _ => format!("layers-{layers}-trips-{trips}"),
+                };
+                PathBuf::from(d).join(name)
+            });
             let build = self.compile(&program, dump.as_deref())?;
             unpriced[layers as usize - 1] = build.unpriced_calls;
             let cost = build
@@ -391,13 +467,7 @@ impl TargetDevices {
                 get("bytes accessed")?,
             ));
         }
-        Ok(Estimate {
-            layers: spec.model.num_hidden_layers,
-            unrolled_seconds: [costs[0].0, costs[1].0],
-            unrolled_flops: [costs[0].1, costs[1].1],
-            unrolled_bytes_accessed: [costs[0].2, costs[1].2],
-            unpriced_calls: unpriced,
-        })
+        Ok((costs, unpriced))
     }
 }
 
@@ -478,7 +548,29 @@ mod tests {
             unrolled_flops: [1.0; 2],
             unrolled_bytes_accessed: [1.0; 2],
             unpriced_calls: [0; 2],
+            loops: None,
         }
+    }
+
+    /// With attention loops, each layer's loops are priced at `trips` times one trip, a trip
+    /// being the per-layer growth when the loop bodies hold two: 1 layer 0.05 s, 2 layers 0.09 s
+    /// (0.04 s per layer, its loops counted once); with two trips per body 0.06 and 0.11 s (one
+    /// trip more: 0.01 s). 32 layers of 10 trips: 0.05 + 31 x 0.04 + 32 x 9 x 0.01 = 4.17 s.
+    #[test]
+    fn attention_loops_are_priced_per_trip() {
+        let mut e = estimate([0.05, 0.09], 32);
+        e.loops = Some(super::LoopPricing {
+            trips: 10,
+            seconds: [0.06, 0.11],
+            flops: [1.0; 2],
+            bytes_accessed: [1.0; 2],
+        });
+        assert!((e.seconds() - 4.17).abs() < 1e-9, "{}", e.seconds());
+        assert!((e.trip_seconds().unwrap() - 0.01).abs() < 1e-12);
+        assert!(e.has_time());
+        // A second trip that costs nothing, or less, is no price: no time.
+        e.loops.as_mut().unwrap().seconds = [0.05, 0.09];
+        assert!(!e.has_time());
     }
 
     /// A step time is given only from positive times: libtpu's negative `optimal_seconds` on
