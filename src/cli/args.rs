@@ -92,7 +92,7 @@ pub struct StepArgs {
     #[arg(long, help_heading = "Program form")]
     pub attention_block: Option<i64>,
     /// Attention over key/value blocks of N tokens with the flash-attention recurrence, its
-    /// memory linear in the sequence; off: every key at once; auto: 512 above 4096 tokens, else
+    /// memory linear in the sequence; off: every key at once; auto: 512 above 8192 tokens, else
     /// off.
     #[arg(long, default_value = "auto", value_name = "N|off|auto", value_parser = KeyBlocks::parse, allow_negative_numbers = true, help_heading = "Program form")]
     pub key_block: KeyBlocks,

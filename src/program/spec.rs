@@ -603,7 +603,7 @@ pub enum KeyBlocks {
 /// The key/value block `--key-block auto` takes for long sequences.
 pub use crate::model::flash::DEFAULT_KEY_BLOCK;
 /// `--key-block auto` attends over key/value blocks for sequences longer than this.
-pub const KEY_BLOCKS_ABOVE: i64 = 4096;
+pub const KEY_BLOCKS_ABOVE: i64 = 8192;
 
 impl KeyBlocks {
     /// `--key-block` as given: a positive number of tokens, `off` or `auto`.
@@ -629,11 +629,12 @@ impl KeyBlocks {
     }
 
     /// The key/value block for sequences of `seq` tokens (None: every key at once). `auto`
-    /// takes [`DEFAULT_KEY_BLOCK`] above [`KEY_BLOCKS_ABOVE`] tokens, where the whole-key form's
-    /// score blocks ([heads, T/2, T] per row in f32: 2 GiB for 8B at 8k) outgrow the rest of a
-    /// layer's activations, and every key at once below, where it runs in fewer, larger kernels.
-    /// An `--attention-block` asks for the whole-key form, so `auto` keeps it.
-    /// With the sequence split over a context axis (`context` > 1) `auto` always takes key
+    /// takes [`DEFAULT_KEY_BLOCK`] above [`KEY_BLOCKS_ABOVE`] tokens, and every key at once up to
+    /// it: at 8192 tokens every key at once still fits a GPU or TPU for 8B, and it was the faster
+    /// form both on the CPU (1.15x) and by the TPU cost model (1.5x; docs/performance.md),
+    /// while from 16384 on its [heads, T/2, T] score blocks outgrow a device (8B on one H100:
+    /// 92 against 66 GiB). An `--attention-block` asks for the whole-key form, so `auto` keeps
+    /// it. With the sequence split over a context axis (`context` > 1) `auto` always takes key
     /// blocks, the only form that splits it.
     pub fn resolve(self, seq: i64, attention_block: Option<i64>, context: i64) -> Option<i64> {
         match self {
@@ -782,6 +783,25 @@ mod tests {
 
     fn refused(o: &StepOptions, batch: i64, seq: i64) -> String {
         format!("{:#}", o.spec(tiny(), batch, seq).unwrap_err())
+    }
+
+    /// `--key-block auto`: every key at once up to 8192 tokens, blocks of 512 above, always
+    /// blocks on a context axis, and the whole-key form when `--attention-block` asks for it; a
+    /// size or `off` as given.
+    #[test]
+    fn key_blocks_resolve_by_the_sequence_the_context_and_the_attention_block() {
+        let auto = KeyBlocks::Auto;
+        assert_eq!(auto.resolve(8192, None, 1), None);
+        assert_eq!(auto.resolve(8193, None, 1), Some(DEFAULT_KEY_BLOCK));
+        assert_eq!(auto.resolve(131072, Some(1024), 1), None);
+        assert_eq!(auto.resolve(16, None, 2), Some(DEFAULT_KEY_BLOCK));
+        assert_eq!(KeyBlocks::Size(64).resolve(16, None, 1), Some(64));
+        assert_eq!(KeyBlocks::Off.resolve(131072, None, 1), None);
+        for bad in ["0", "-3", "1.5", "nan", ""] {
+            assert!(KeyBlocks::parse(bad).is_err(), "{bad}");
+        }
+        assert_eq!(KeyBlocks::parse("off").unwrap(), KeyBlocks::Off);
+        assert_eq!(KeyBlocks::parse("2048").unwrap().name(), "2048");
     }
 
     #[test]
