@@ -12,7 +12,8 @@
 //! l'   = l exp(m - m') + rowsum(p)
 //! acc' = acc exp(m - m') + p v_j
 //! ```
-//! and at the diagonal block writes `out_i = acc / l` and the row statistic `lse_i = m + log l`.
+//! and writes `out_i = acc / l` and the row statistic `lse_i = m + log l` (the write at the
+//! diagonal block, row i's last, is the one that stays).
 //! The backward pass is a rule of its own ([`hlo::Builder::custom_vjp`]): the same loop
 //! recomputes each block's probabilities `p = exp(s - lse_i)` from the saved statistic and adds
 //! the block's share to dq_i, dk_j and dv_j:
