@@ -660,7 +660,6 @@ fn forward_visit(
     let (second, key, chunk) = visit(b, n, grid)?;
     let [qb, kb, vb, qdocs, kdocs] = visit_blocks(b, &unpack(inv), (second, key, u), tb)?;
     let s = visit_scores(b, [qb, kb, qdocs, kdocs], (chunk, key, u), grid)?;
-    let sd = b.dims(s).to_vec();
     let keep = [0, 1, 2, 3, 4];
     let block = |b: &mut Builder, all: Value| -> Result<Value> {
         let r = rows(b, all, 4, u, tb)?;
@@ -669,16 +668,7 @@ fn forward_visit(
     let m = block(b, carry[0])?;
     let l = block(b, carry[1])?;
     let acc = block(b, carry[2])?;
-    let m_block = b.reduce_max(s, &[5])?;
-    let m_new = b.max(m, m_block)?;
-    let wide = b.broadcast_in_dim(m_new, &sd, &keep)?;
-    let shifted = b.sub(s, wide)?;
-    let e = b.exp(shifted)?;
-    let old = b.sub(m, m_new)?;
-    let correction = b.exp(old)?;
-    let l_kept = b.mul(l, correction)?;
-    let e_sum = b.reduce_sum(e, &[5])?;
-    let l_new = b.add(l_kept, e_sum)?;
+    let (e, correction, m_new, l_new) = crate::model::flash::online_softmax_step(b, s, m, l)?;
     let e = b.convert(e, grid.num.compute)?;
     let dims = DotDims {
         lhs_batch: vec![0, 1, 2],

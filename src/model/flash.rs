@@ -437,18 +437,8 @@ fn forward_pair(b: &mut Builder, c: &[Value], inv: &[Value], blocks: Blocks) -> 
     let (i, j, acc, m, l, out, lse) = (c[0], c[1], c[2], c[3], c[4], c[5], c[6]);
     let [qi, kj, vj, qdi, kdj] = pair_inputs(b, &unpack(inv), (i, j), tb)?;
     let s = block_scores(b, (qi, kj), (qdi, kdj), (i, j), blocks)?;
-    let sd = b.dims(s).to_vec();
     let keep = [0, 1, 2, 3];
-    let m_block = b.reduce_max(s, &[4])?;
-    let m_new = b.max(m, m_block)?;
-    let shifted = b.broadcast_in_dim(m_new, &sd, &keep)?;
-    let shifted = b.sub(s, shifted)?;
-    let e = b.exp(shifted)?;
-    let old = b.sub(m, m_new)?;
-    let correction = b.exp(old)?;
-    let l_kept = b.mul(l, correction)?;
-    let e_sum = b.reduce_sum(e, &[4])?;
-    let l_new = b.add(l_kept, e_sum)?;
+    let (e, correction, m_new, l_new) = online_softmax_step(b, s, m, l)?;
     // As the whole-sequence form: the exponentials rounded to the compute type, the
     // product with v accumulated and kept in f32 until it is divided.
     let e = b.convert(e, blocks.num.compute)?;
@@ -482,4 +472,29 @@ fn forward_pair(b: &mut Builder, c: &[Value], inv: &[Value], blocks: Blocks) -> 
     let zeros = b.zeros(row.clone());
     let l_next = b.select(diag, zeros, l_new)?;
     Ok(vec![next_i, next_j, acc_next, m_next, l_next, out, lse])
+}
+
+/// One key block's step of the flash recurrence for scores `s` (f32, keys on the last dim)
+/// and the rows' running max `m` and sum `l`: (exp(s - m'), exp(m - m'), m', l') with
+/// m' = max(m, rowmax(s)) and l' = l exp(m - m') + rowsum(exp(s - m')).
+pub(crate) fn online_softmax_step(
+    b: &mut Builder,
+    s: Value,
+    m: Value,
+    l: Value,
+) -> Result<(Value, Value, Value, Value)> {
+    let sd = b.dims(s).to_vec();
+    let last = sd.len() as i64 - 1;
+    let keep: Vec<i64> = (0..last).collect();
+    let m_block = b.reduce_max(s, &[last])?;
+    let m_new = b.max(m, m_block)?;
+    let shifted = b.broadcast_in_dim(m_new, &sd, &keep)?;
+    let shifted = b.sub(s, shifted)?;
+    let e = b.exp(shifted)?;
+    let old = b.sub(m, m_new)?;
+    let correction = b.exp(old)?;
+    let l_kept = b.mul(l, correction)?;
+    let e_sum = b.reduce_sum(e, &[last])?;
+    let l_new = b.add(l_kept, e_sum)?;
+    Ok((e, correction, m_new, l_new))
 }
