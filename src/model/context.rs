@@ -23,7 +23,7 @@
 //! not skipped: 1 key chunk in 2CP + 1.
 
 use crate::model::flash::LSE;
-use crate::model::forward::{Numerics, Placement, Saves};
+use crate::model::forward::{mask_scores, Numerics, Placement, Saves};
 use hlo::{Builder, CmpDir, DType, DotDims, Precision, Result, Shape, Value};
 use std::rc::Rc;
 
@@ -368,7 +368,6 @@ fn visit_scores(
     let scores = b.dot_general(q, k, dims, None, Some(grid.num.scores))?;
     let scores = b.convert(scores, DType::F32)?;
     let scores = b.mul_scalar(scores, 1.0 / (grid.d as f64).sqrt())?;
-    let sd = b.dims(scores).to_vec();
     let (cp, tb) = (grid.cp, grid.tb);
     let square = [cp, tb, tb];
     // Natural positions [CP, TB, TB] of the queries (dim 1) and the keys (dim 2).
@@ -387,17 +386,7 @@ fn visit_scores(
     let k_start = b.mul(key, tbv)?;
     let q_pos = position(b, q_start, 1)?;
     let k_pos = position(b, k_start, 2)?;
-    let causal = b.compare(k_pos, q_pos, CmpDir::Le)?;
-    let bs = sd[0];
-    let full = [bs, cp, tb, tb];
-    let causal = b.broadcast_in_dim(causal, &full, &[1, 2, 3])?;
-    let qdocs = b.broadcast_in_dim(qdocs, &full, &[0, 1, 2])?;
-    let kdocs = b.broadcast_in_dim(kdocs, &full, &[0, 1, 3])?;
-    let in_document = b.compare(kdocs, qdocs, CmpDir::Ge)?;
-    let allowed = b.and(causal, in_document)?;
-    let allowed = b.broadcast_in_dim(allowed, &sd, &[0, 1, 3, 5])?;
-    let blocked = b.full(f32::MIN as f64, Shape::new(&sd, DType::F32));
-    b.select(allowed, scores, blocked)
+    mask_scores(b, scores, (q_pos, k_pos), (qdocs, kdocs), &[0, 1, 3, 5])
 }
 
 /// The visit and query block of loop step `s`: (n, u) = (s / NBc, s % NBc).

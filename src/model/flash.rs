@@ -28,7 +28,7 @@
 //! with no visible key (a padding query before any real token) averages its block uniformly
 //! instead of dividing by zero; such rows feed no loss.
 
-use crate::model::forward::{Numerics, Saves};
+use crate::model::forward::{mask_scores, Numerics, Saves};
 use hlo::{Builder, CmpDir, DType, DotDims, Result, Shape, Value};
 use std::rc::Rc;
 
@@ -203,7 +203,6 @@ fn block_scores(
     let scores = b.dot_general(qi, kj, dims, None, Some(blocks.num.scores))?;
     let scores = b.convert(scores, DType::F32)?;
     let scores = b.mul_scalar(scores, 1.0 / (blocks.d as f64).sqrt())?;
-    let sd = b.dims(scores).to_vec();
     let tb = blocks.tb;
     let square = Shape::new(&[tb, tb], DType::S32);
     let position = |b: &mut Builder, dim: i64, block: Value| -> Result<Value> {
@@ -215,16 +214,8 @@ fn block_scores(
     };
     let q_pos = position(b, 0, i)?;
     let k_pos = position(b, 1, j)?;
-    let causal = b.compare(k_pos, q_pos, CmpDir::Le)?;
-    let bts = [sd[0], tb, tb];
-    let causal = b.broadcast_in_dim(causal, &bts, &[1, 2])?;
-    let query_docs = b.broadcast_in_dim(query_docs_i, &bts, &[0, 1])?;
-    let key_docs = b.broadcast_in_dim(key_docs_j, &bts, &[0, 2])?;
-    let in_document = b.compare(key_docs, query_docs, CmpDir::Ge)?;
-    let allowed = b.and(causal, in_document)?;
-    let allowed = b.broadcast_in_dim(allowed, &sd, &[0, 2, 4])?;
-    let blocked = b.full(f32::MIN as f64, Shape::new(&sd, DType::F32));
-    b.select(allowed, scores, blocked)
+    let docs = (query_docs_i, key_docs_j);
+    mask_scores(b, scores, (q_pos, k_pos), docs, &[0, 2, 4])
 }
 
 /// The blocks of pair (i, j): (q_i, k_j, v_j, query starts of i, key starts of j).

@@ -2,7 +2,7 @@
 //! `context`): the numerics, the remat policy's save points, and how an activation named by
 //! logical axes is placed on a device mesh.
 
-use hlo::{Builder, DType, Result, Value};
+use hlo::{Builder, CmpDir, DType, Result, Shape, Value};
 use std::collections::BTreeMap;
 
 /// Named intermediates a remat policy keeps from the forward pass (the frozen projections'
@@ -78,4 +78,36 @@ impl Default for Numerics {
 /// the step's device mesh (implemented by the program's mesh and sharding rules).
 pub trait Placement {
     fn place(&self, logical: &[&str], dims: &[i64]) -> hlo::Sharding;
+}
+
+/// `scores` (f32) with the lowest f32 wherever a query may not see a key: a key later than its
+/// query, or one before the query's document (each form of attention: `llama::attend`, and the
+/// loops of `flash` and `context`).
+///
+/// `q_pos` and `k_pos` are the natural positions [..., TQ, TK] of the queries and keys the
+/// scores pair (leading dims shared by the batch, e.g. the context dimension); `query_docs`
+/// [B, ..., TQ] is each query's document start (0 for padding, which sees from the start) and
+/// `key_docs` [B, ..., TK] each key's (-1 for padding, before every document). `into` places the
+/// mask's dims [B, ..., TQ, TK] among the scores'.
+pub fn mask_scores(
+    b: &mut Builder,
+    scores: Value,
+    (q_pos, k_pos): (Value, Value),
+    (query_docs, key_docs): (Value, Value),
+    into: &[i64],
+) -> Result<Value> {
+    let causal = b.compare(k_pos, q_pos, CmpDir::Le)?;
+    let mut mask = vec![b.dims(query_docs)[0]];
+    mask.extend_from_slice(b.dims(causal));
+    let m = mask.len() as i64;
+    let causal = b.broadcast_in_dim(causal, &mask, &(1..m).collect::<Vec<_>>())?;
+    let query_docs = b.broadcast_in_dim(query_docs, &mask, &(0..m - 1).collect::<Vec<_>>())?;
+    let key_dims: Vec<i64> = (0..m - 2).chain([m - 1]).collect();
+    let key_docs = b.broadcast_in_dim(key_docs, &mask, &key_dims)?;
+    let in_document = b.compare(key_docs, query_docs, CmpDir::Ge)?;
+    let allowed = b.and(causal, in_document)?;
+    let sd = b.dims(scores).to_vec();
+    let allowed = b.broadcast_in_dim(allowed, &sd, into)?;
+    let blocked = b.full(f32::MIN as f64, Shape::new(&sd, DType::F32));
+    b.select(allowed, scores, blocked)
 }

@@ -10,6 +10,7 @@
 //! Every projection `x W^T` may carry a LoRA term `(alpha/r) dropout(x) A^T B^T`.
 
 use crate::model::config::LlamaConfig;
+use crate::model::forward::mask_scores;
 pub use crate::model::forward::{Numerics, Placement, Saves};
 use crate::model::lora::Target;
 use crate::model::{context, flash};
@@ -229,16 +230,13 @@ fn attend(
     let offset = b.full(start as f64, Shape::new(&[tq, s], DType::S32));
     let q_pos = b.add(q_pos, offset)?;
     let k_pos = b.iota(Shape::new(&[tq, s], DType::S32), 1)?;
-    let causal = b.compare(k_pos, q_pos, CmpDir::Le)?;
-    let bts = [sd[0], tq, s];
-    let causal = b.broadcast_in_dim(causal, &bts, &[1, 2])?;
-    let query_docs = b.broadcast_in_dim(query_docs, &bts, &[0, 1])?;
-    let key_docs = b.broadcast_in_dim(key_docs, &bts, &[0, 2])?;
-    let in_document = b.compare(key_docs, query_docs, CmpDir::Ge)?;
-    let allowed = b.and(causal, in_document)?;
-    let allowed = b.broadcast_in_dim(allowed, &sd, &[0, 2, 4])?;
-    let blocked = b.full(f32::MIN as f64, Shape::new(&sd, DType::F32));
-    let scores = b.select(allowed, scores, blocked)?;
+    let scores = mask_scores(
+        b,
+        scores,
+        (q_pos, k_pos),
+        (query_docs, key_docs),
+        &[0, 2, 4],
+    )?;
     let (e, sum) = softmax_parts_last(b, scores, |stat| softmax_stat_name(stat, block), saves)?;
     // out [B, KV, TQ, G, D] = (e . v) / sum, normalized after the product as flash attention
     // does: the division is over [TQ, D] instead of [TQ, S], and the backward pass needs no
