@@ -7,6 +7,9 @@ usage: jax_step.py EXPORT.safetensors --config CONFIG.json --steps N --warmup W 
                    --lora-alpha A --targets q,v [--dtype f32|bf16] [--remat none|layer|save-proj]
        jax_step.py --random --batch B --seq T --config CONFIG.json ...   (weights made on the
                    device, for models too large to export: tools/gpu-bench.sh)
+       jax_step.py ... --context CP [--key-block TB]   (long context: the sequence split over a
+                   `context` mesh axis as xtrain's --mesh context=CP splits it; with --aot the
+                   target's devices, else CP host devices; tools/aot-bench --context)
 
 bf16 is xtrain's mixed precision: bf16 frozen weights and activations (LoRA terms included),
 RMSNorm statistics, attention scores, softmax and the loss in f32, LoRA parameters and AdamW in f32.
@@ -16,6 +19,7 @@ import argparse, json, struct, time
 import numpy as np
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -72,18 +76,151 @@ def rope_tables(cfg, d, T, cd):
     return jnp.asarray(np.cos(ang)).astype(cd), jnp.asarray(np.sin(ang)).astype(cd)
 
 
-def make_step(cfg, a, B, T, cd, targets, unroll=False):
+def balanced_chunks(cp):
+    """The natural chunk at each place of context parallelism's balanced order: the sequence cut
+    into 2CP chunks, device r holding chunks r and 2CP-1-r (the Llama 3 paper's layout)."""
+    return [c for r in range(cp) for c in (r, 2 * cp - 1 - r)]
+
+
+def reorder(x, cp, to_natural=False, axis=1):
+    """`x`'s rows along `axis` from natural into balanced order, or back: slices joined."""
+    order = balanced_chunks(cp)
+    if to_natural:
+        order = [order.index(c) for c in range(2 * cp)]
+    C = x.shape[axis] // (2 * cp)
+    return jnp.concatenate([jax.lax.slice_in_dim(x, c * C, (c + 1) * C, axis=axis) for c in order], axis)
+
+
+def context_attention(mesh, cp, T, tb, G, cd, trips_per_body=1):
+    """Causal attention with the sequence split over the mesh's `context` axis: keys and values
+    all-gathered in each layer, rows in balanced order, and on each device the flash recurrence
+    over key/value blocks of `tb` tokens with its own backward pass (jax.custom_vjp), which
+    recomputes each block's probabilities from the saved row statistic (max + log sum).
+
+    Each device runs one loop of (2CP+1) x NBc x NBc trips (NBc = blocks per chunk): its first
+    chunk's query blocks against key chunks 0..r, then its second chunk's against 0..2CP-1-r; the
+    work above the diagonal of a chunk's own key chunk is masked, not skipped. q [B, T, KV, G, D]
+    and k, v [B, T, KV, D] arrive in balanced order, sharded over `context`; the result is
+    [B, T, KV, G, D] in the same order. `trips_per_body` > 1 puts that many trips in each loop
+    body (for pricing only, by a cost model that counts a loop body once; a remainder is dropped)."""
+    from jax.sharding import PartitionSpec as P
+    C = T // (2 * cp)
+    nbc = C // tb
+    trips = (2 * cp + 1) * nbc * nbc
+    # pricing only: whole bodies (a remainder trip outside the loop would be priced on its own)
+    trips -= trips % trips_per_body
+    lowest = jnp.finfo(jnp.float32).min
+
+    def where(s, r):
+        """Trip s on device r: (the query block's first row among the device's 2C, its natural
+        position, the key block's first position)."""
+        n, u = s // nbc, s % nbc
+        first = (r + 1) * nbc
+        second = n >= first
+        key = jnp.where(second, n - first, n)
+        chunk = jnp.where(second, 2 * cp - 1 - r, r)
+        return second * C + u * tb, chunk * C + u * tb, key * tb
+
+    def block(q, k, v, s, r):
+        row, q_at, k_at = where(s, r)
+        qb = jax.lax.dynamic_slice_in_dim(q, row, tb, 1)
+        kb = jax.lax.dynamic_slice_in_dim(k, k_at, tb, 1)
+        vb = jax.lax.dynamic_slice_in_dim(v, k_at, tb, 1)
+        sc = jnp.einsum("bqhgd,bkhd->bhgqk", qb, kb, preferred_element_type=jnp.float32) / np.sqrt(q.shape[-1])
+        causal = (k_at + jnp.arange(tb))[None, :] <= (q_at + jnp.arange(tb))[:, None]
+        return row, k_at, qb, kb, vb, jnp.where(causal, sc, lowest)
+
+    def forward(q, k, v):
+        B, _, KV, _, D = q.shape
+        r = jax.lax.axis_index("context")
+
+        def trip(s, carry):
+            m, l, acc = carry
+            row, _, _, _, vb, sc = block(q, k, v, s, r)
+            mb, lb, ab = (jax.lax.dynamic_slice_in_dim(x, row, tb, 3) for x in (m, l, acc))
+            m_new = jnp.maximum(mb, sc.max(-1))
+            p = jnp.exp(sc - m_new[..., None])
+            corr = jnp.exp(mb - m_new)
+            l_new = lb * corr + p.sum(-1)
+            a_new = ab * corr[..., None] + jnp.einsum("bhgqk,bkhd->bhgqd", p.astype(cd), vb,
+                                                      preferred_element_type=jnp.float32)
+            return tuple(jax.lax.dynamic_update_slice_in_dim(x, y, row, 3)
+                         for x, y in ((m, m_new), (l, l_new), (acc, a_new)))
+
+        rows = (B, KV, G, 2 * C)
+        m, l, acc = jax.lax.fori_loop(0, trips, trip, (jnp.full(rows, lowest), jnp.zeros(rows),
+                                                       jnp.zeros(rows + (D,))), unroll=trips_per_body)
+        out = (acc / l[..., None]).astype(cd)  # [B, KV, G, 2C, D]
+        return out, m + jnp.log(l)
+
+    @jax.custom_vjp
+    def attend(q, k, v):
+        return forward(q, k, v)
+
+    def attend_fwd(q, k, v):
+        out, lse = forward(q, k, v)
+        # named for the save-proj policy: xtrain's save-proj keeps attention's output and row
+        # statistic, so that the backward pass does not rerun the forward loop
+        out = checkpoint_name(out, "attention_out")
+        lse = checkpoint_name(lse, "attention_lse")
+        return (out, lse), (q, k, v, out, lse)
+
+    def attend_bwd(res, cts):
+        q, k, v, out, lse = res
+        dout = cts[0]  # the statistic's cotangent is zero: only `out` leaves the layer
+        r = jax.lax.axis_index("context")
+        delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), -1)
+
+        def trip(s, carry):
+            dq, dk, dv = carry
+            row, k_at, qb, kb, vb, sc = block(q, k, v, s, r)
+            lb, db = (jax.lax.dynamic_slice_in_dim(x, row, tb, 3) for x in (lse, delta))
+            ob = jax.lax.dynamic_slice_in_dim(dout, row, tb, 3)
+            p = jnp.exp(sc - lb[..., None])
+            dvb = jnp.einsum("bhgqk,bhgqd->bkhd", p.astype(cd), ob, preferred_element_type=jnp.float32)
+            dp = jnp.einsum("bhgqd,bkhd->bhgqk", ob, vb, preferred_element_type=jnp.float32)
+            ds = (p * (dp - db[..., None]) / np.sqrt(q.shape[-1])).astype(cd)
+            dqb = jnp.einsum("bhgqk,bkhd->bqhgd", ds, kb, preferred_element_type=jnp.float32)
+            dkb = jnp.einsum("bhgqk,bqhgd->bkhd", ds, qb, preferred_element_type=jnp.float32)
+            add = lambda x, y, at: jax.lax.dynamic_update_slice_in_dim(
+                x, jax.lax.dynamic_slice_in_dim(x, at, tb, 1) + y, at, 1)
+            return add(dq, dqb, row), add(dk, dkb, k_at), add(dv, dvb, k_at)
+
+        f32 = lambda x: jnp.zeros(x.shape, jnp.float32)
+        dq, dk, dv = jax.lax.fori_loop(0, trips, trip, (f32(q), f32(k), f32(v)), unroll=trips_per_body)
+        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+    attend.defvjp(attend_fwd, attend_bwd)
+
+    def per_device(q, k, v):
+        gather = lambda x: reorder(jax.lax.all_gather(x, "context", axis=1, tiled=True), cp, to_natural=True)
+        out, _ = attend(q, gather(k), gather(v))
+        return jnp.moveaxis(out, 3, 1)  # [B, 2C, KV, G, D]
+
+    seq = P(None, "context")
+    return jax.shard_map(per_device, mesh=mesh, in_specs=(seq, seq, seq), out_specs=seq, check_vma=False)
+
+
+def make_step(cfg, a, B, T, cd, targets, unroll=False, context=None):
     """The training step as a function of every weight: (lora, m, v, t, frozen, ends, ids, labels)
     -> (lora, m, v, loss), ends = (embed, norm, head). Layers in lax.scan, or a Python loop when
     `unroll` (for compilers whose cost analysis counts a loop body once); remat per layer with
-    --remat layer (jax.checkpoint, which keeps the recomputation apart in an unrolled program)."""
+    --remat layer (jax.checkpoint, which keeps the recomputation apart in an unrolled program).
+    `context` = (mesh, CP): the sequence split over the mesh's `context` axis
+    (context_attention; rows in balanced order from the embedding's input to the last layer)."""
     H = cfg["hidden_size"]
     nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     d = cfg.get("head_dim") or H // nh
     eps = cfg["rms_norm_eps"]
     scale = a.lora_alpha / a.lora_r
     cos, sin = rope_tables(cfg, d, T, cd)
-    causal = jnp.tril(jnp.ones((T, T), bool))
+    causal = None if context else jnp.tril(jnp.ones((T, T), bool))
+    if context:
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        mesh, cp = context
+        cos, sin = reorder(cos, cp, axis=0), reorder(sin, cp, axis=0)  # the rows' natural positions
+        attention = context_attention(mesh, cp, T, a.key_block, nh // nkv, cd, a.trips_per_body)
+        along = lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(None, "context")))
 
     def rms(x, g):
         x = x.astype(jnp.float32)
@@ -106,6 +243,12 @@ def make_step(cfg, a, B, T, cd, targets, unroll=False):
         q = rope(lin(x, "self_attn.q_proj", "q").reshape(B, T, nh, d))
         k = rope(lin(x, "self_attn.k_proj", "k").reshape(B, T, nkv, d))
         v = lin(x, "self_attn.v_proj", "v").reshape(B, T, nkv, d)
+        if context:
+            o = attention(q.reshape(B, T, nkv, nh // nkv, d), k, v).reshape(B, T, nh * d)
+            h = along(h + lin(o, "self_attn.o_proj", "o"))
+            x = rms(h, w["post_attention_layernorm"])
+            m = jax.nn.silu(lin(x, "mlp.gate_proj", "gate")) * lin(x, "mlp.up_proj", "up")
+            return along(h + lin(m, "mlp.down_proj", "down")), None
         k = jnp.repeat(k, nh // nkv, axis=2)
         v = jnp.repeat(v, nh // nkv, axis=2)
         s = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32) / np.sqrt(d)
@@ -121,18 +264,27 @@ def make_step(cfg, a, B, T, cd, targets, unroll=False):
     elif a.remat == "save-proj":
         # xtrain's --remat save-proj keeps each layer's input and its projections' outputs; the
         # projections are this layer's only dots without batch dimensions (attention's have them)
-        body = jax.checkpoint(layer, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+        policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+        if context:
+            policy = jax.checkpoint_policies.save_from_both_policies(
+                policy, jax.checkpoint_policies.save_only_these_names("attention_out", "attention_lse"))
+        body = jax.checkpoint(layer, policy=policy)
     else:
         body = layer
 
     def loss_fn(lora, frozen, ends, ids, labels):
         embed, norm, head = ends
-        h = embed[ids]
+        if context:
+            h = along(embed[reorder(ids, cp)])
+        else:
+            h = embed[ids]
         if unroll:
             for l in range(cfg["num_hidden_layers"]):
                 h, _ = body(h, jax.tree.map(lambda x: x[l], (frozen, lora)))
         else:
             h, _ = jax.lax.scan(body, h, (frozen, lora))
+        if context:
+            h = along(reorder(h, cp, to_natural=True))  # the logits and loss stay split by sequence
         logits = (rms(h, norm) @ head.T).astype(jnp.float32)
         lp = jax.nn.log_softmax(logits[:, :-1], -1)
         tgt = labels[:, 1:]
@@ -148,6 +300,7 @@ def make_step(cfg, a, B, T, cd, targets, unroll=False):
         upd = lambda p, m, v: p - lr / (1 - b1 ** t) * m / (jnp.sqrt(v) / jnp.sqrt(1 - b2 ** t) + e)
         return jax.tree.map(upd, lora, m, v), m, v, loss
 
+    step.loss_fn = loss_fn  # for checking one form's gradients against another's
     return step
 
 
@@ -155,6 +308,12 @@ PROJ = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj
         "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
 KINDS = ["input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
          "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+
+
+def context_trips(a, cp):
+    """Trips of each of a layer's attention loops in the context form."""
+    nbc = a.seq // (2 * cp) // a.key_block
+    return (2 * cp + 1) * nbc * nbc
 
 
 def aot(a, cfg, targets, cd):
@@ -173,7 +332,10 @@ def aot(a, cfg, targets, cd):
                                             topology=f"1x{hosts}x{per_host}")
     devices = np.array(topo.devices)
     n = len(devices)
-    mesh = Mesh(devices, ("fsdp",))
+    if a.context and a.context != n:
+        raise SystemExit(f"--context {a.context}: the context axis takes all of {a.aot}'s {n} devices")
+    axis = "context" if a.context else "fsdp"
+    mesh = Mesh(devices, (axis,))
     L, H, F, V = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     d = cfg.get("head_dim") or H // nh
@@ -186,7 +348,7 @@ def aot(a, cfg, targets, cd):
         spec = [None] * len(shape)
         for i in range(skip, len(shape)):
             if shape[i] % n == 0 and shape[i] >= n:
-                spec[i] = "fsdp"
+                spec[i] = axis
                 break
         return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P(*spec)))
 
@@ -199,9 +361,12 @@ def aot(a, cfg, targets, cd):
         out, inp = shapes[PROJ[tg]]
         lora[f"{tg}_A"] = fsdp((L, a.lora_r, inp), jnp.float32, skip=1)
         lora[f"{tg}_B"] = fsdp((L, out, a.lora_r), jnp.float32, skip=1)
-    ids = fsdp((B, T), jnp.int32)
+    if a.context:
+        ids = jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=NamedSharding(mesh, P(None, axis)))
+    else:
+        ids = fsdp((B, T), jnp.int32)
     t = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(mesh, P()))
-    step = make_step(cfg, a, B, T, cd, targets, unroll=a.unroll)
+    step = make_step(cfg, a, B, T, cd, targets, unroll=a.unroll, context=(mesh, n) if a.context else None)
     lora_s = jax.tree.map(lambda x: x.sharding, lora)
     jitted = jax.jit(step, donate_argnums=(0, 1, 2),
                      out_shardings=(lora_s, lora_s, lora_s, NamedSharding(mesh, P())))
@@ -210,6 +375,8 @@ def aot(a, cfg, targets, cd):
     compile_s = time.time() - t0
     mem = compiled.memory_analysis()
     out = {"target": a.aot, "devices": n, "layers": L, "batch": B, "seq": T, "compile_s": compile_s,
+           "mesh": axis, **({"key_block": a.key_block, "trips": context_trips(a, n),
+                             "trips_per_body": a.trips_per_body} if a.context else {}),
            "memory": {k: getattr(mem, k) for k in dir(mem) if k.endswith("_in_bytes")}}
     try:
         cost = compiled.cost_analysis()
@@ -253,7 +420,20 @@ def main():
     p.add_argument("--layers", type=int, help="with --aot: override the config's number of layers")
     p.add_argument("--unroll", action="store_true", help="with --aot: layers as a Python loop, not lax.scan")
     p.add_argument("--hlo-out", help="with --aot: write the optimized HLO text here")
+    p.add_argument("--context", type=int, metavar="CP", default=0,
+                   help="split the sequence over a `context` mesh axis of CP devices (with --aot: all "
+                        "the target's devices), attention over key/value blocks (context_attention); "
+                        "without --aot, CP host devices")
+    p.add_argument("--key-block", type=int, default=512, help="with --context: tokens per key/value block")
+    p.add_argument("--trips-per-body", type=int, default=1,
+                   help="with --context: trips of the attention loops in each loop body (pricing)")
     a = p.parse_args()
+    if a.context:
+        if a.seq % (2 * a.context * a.key_block):
+            p.error(f"--seq {a.seq} must be a multiple of 2 x --context x --key-block = {2 * a.context * a.key_block}")
+        if not a.aot:
+            import os
+            os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={a.context}"
     cfg = json.load(open(a.config))
     if a.layers:
         cfg["num_hidden_layers"] = a.layers
@@ -277,8 +457,15 @@ def main():
                 lora[f"{tg}_{w}"] = jnp.stack([t[f"base_model.model.model.layers.{l}.{PROJ[tg]}.lora_{w}.weight"] for l in range(L)])
         ids, labels = jnp.asarray(t["input_ids"]), jnp.asarray(t["labels"])
     B, T = ids.shape
+    if a.context:
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+        mesh = Mesh(np.array(jax.devices()[:a.context]), ("context",))
+        ids, labels = (jax.device_put(x, NamedSharding(mesh, P(None, "context"))) for x in (ids, labels))
+        frozen, embed, norm, head, lora = jax.device_put((frozen, embed, norm, head, lora), NamedSharding(mesh, P()))
+        step = jax.jit(make_step(cfg, a, B, T, cd, targets, context=(mesh, a.context)))
+    else:
+        step = jax.jit(make_step(cfg, a, B, T, cd, targets))
     ends = (embed, norm, head)
-    step = jax.jit(make_step(cfg, a, B, T, cd, targets))
 
     zeros = jax.tree.map(jnp.zeros_like, lora)
     m, v = zeros, zeros
