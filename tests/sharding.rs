@@ -28,27 +28,41 @@ fn spec(mesh: Option<&str>, remat: Remat) -> StepSpec {
     }
 }
 
-/// Two steps on the oracle batch: (losses, grad norms, final LoRA weights by name).
-fn run(
-    mesh: Option<&str>,
-    remat: Remat,
-) -> (
+/// Two steps' results: (losses, grad norms, final LoRA weights by name, argument bytes per
+/// device).
+type Steps = (
     Vec<f32>,
     Vec<f32>,
     std::collections::BTreeMap<String, Vec<f32>>,
     i64,
-) {
+);
+
+/// `got` equals `one_device` to 1e-5 (a few f32 roundings of sums taken in another order):
+/// both losses and grad norms, and every LoRA weight after the two steps.
+fn assert_matches_one_device(what: &str, got: &Steps, one_device: &Steps) {
+    let ((l, g, w, _), (l1, g1, w1, _)) = (got, one_device);
+    for (a, b) in l.iter().zip(l1).chain(g.iter().zip(g1)) {
+        assert!(
+            (a - b).abs() <= 1e-5,
+            "{what}: loss/grad norm {l:?} {g:?} vs {l1:?} {g1:?}"
+        );
+    }
+    for (name, v) in w {
+        let d = v
+            .iter()
+            .zip(&w1[name])
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        assert!(d <= 1e-5, "{what}: {name} differs by {d} (tolerance 1e-5)");
+    }
+}
+
+/// Two steps on the oracle batch.
+fn run(mesh: Option<&str>, remat: Remat) -> Steps {
     run_spec(spec(mesh, remat))
 }
 
-fn run_spec(
-    s: StepSpec,
-) -> (
-    Vec<f32>,
-    Vec<f32>,
-    std::collections::BTreeMap<String, Vec<f32>>,
-    i64,
-) {
+fn run_spec(s: StepSpec) -> Steps {
     let batch = Batch::from_safetensors(&fixtures().join("inputs.safetensors")).unwrap();
     run_on(s, &batch)
 }
@@ -79,15 +93,7 @@ fn packed_batch() -> Batch {
     }
 }
 
-fn run_on(
-    s: StepSpec,
-    batch: &Batch,
-) -> (
-    Vec<f32>,
-    Vec<f32>,
-    std::collections::BTreeMap<String, Vec<f32>>,
-    i64,
-) {
+fn run_on(s: StepSpec, batch: &Batch) -> Steps {
     let program = program::build_train_step(&s).unwrap();
     let frozen = program.frozen_shapes();
     let weights = xtrain::formats::weights::load(
@@ -138,8 +144,9 @@ fn run_on(
 
 #[test]
 fn meshes_match_one_device() {
-    let (l1, g1, w1, args1) = run(None, Remat::Layer);
-    assert!((l1[0] - 6.63896).abs() < 1e-5);
+    let one = run(None, Remat::Layer);
+    assert!((one.0[0] - 6.63896).abs() < 1e-5);
+    let args1 = one.3;
     // The last case is the form TPU steps take: the MLP's activations pinned on the mesh.
     for (mesh, pin) in [
         ("fsdp=8", false),
@@ -147,7 +154,7 @@ fn meshes_match_one_device() {
         ("tensor=2", false),
         ("data=2,fsdp=2,tensor=2", true),
     ] {
-        let (l, g, w, args) = run_spec(StepSpec {
+        let got = run_spec(StepSpec {
             pin_mlp_activations: pin,
             ..spec(Some(mesh), Remat::Layer)
         });
@@ -156,20 +163,8 @@ fn meshes_match_one_device() {
         } else {
             mesh.to_string()
         };
-        for (a, b) in l.iter().zip(&l1).chain(g.iter().zip(&g1)) {
-            assert!(
-                (a - b).abs() <= 1e-5,
-                "{mesh}: loss/grad norm {l:?} {g:?} vs {l1:?} {g1:?}"
-            );
-        }
-        for (name, v) in &w {
-            let d = v
-                .iter()
-                .zip(&w1[name])
-                .map(|(a, b)| (a - b).abs())
-                .fold(0.0f32, f32::max);
-            assert!(d <= 1e-5, "{mesh}: {name} differs by {d} (tolerance 1e-5)");
-        }
+        assert_matches_one_device(&mesh, &got, &one);
+        let args = got.3;
         eprintln!("{mesh}: per-device argument bytes {args} (1 device: {args1})");
         if mesh == "fsdp=8" {
             // Every weight of the tiny model divides by 8 along its embed dim: 1/8 the bytes
@@ -189,7 +184,7 @@ fn meshes_match_one_device() {
 #[test]
 fn a_sequence_split_over_the_context_axis_computes_what_one_device_does() {
     let batch = packed_batch();
-    let (l1, g1, w1, _) = run_on(spec(None, Remat::Layer), &batch);
+    let one = run_on(spec(None, Remat::Layer), &batch);
     for (mesh, remat, key_block) in [
         ("context=4", Remat::Layer, None),
         ("fsdp=2,context=2", Remat::Layer, Some(2)),
@@ -201,22 +196,8 @@ fn a_sequence_split_over_the_context_axis_computes_what_one_device_does() {
             ..spec(Some(mesh), remat)
         };
         assert!(s.context_size() > 1, "{mesh}");
-        let (l, g, w, _) = run_on(s, &batch);
         let what = format!("{mesh} --remat {} --key-block {key_block:?}", remat.name());
-        for (a, b) in l.iter().zip(&l1).chain(g.iter().zip(&g1)) {
-            assert!(
-                (a - b).abs() <= 1e-5,
-                "{what}: loss/grad norm {l:?} {g:?} vs {l1:?} {g1:?}"
-            );
-        }
-        for (name, v) in &w {
-            let d = v
-                .iter()
-                .zip(&w1[name])
-                .map(|(a, b)| (a - b).abs())
-                .fold(0.0f32, f32::max);
-            assert!(d <= 1e-5, "{what}: {name} differs by {d} (tolerance 1e-5)");
-        }
+        assert_matches_one_device(&what, &run_on(s, &batch), &one);
     }
 }
 
