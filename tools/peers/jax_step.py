@@ -383,9 +383,12 @@ def aot(a, cfg, targets, cd):
         cost = cost[0] if isinstance(cost, list) else cost
         out["cost"] = {k: float(v) for k, v in cost.items() if "{" not in k}
         # libtpu 0.0.42.1's cost model prices each ConcatBitcast call (it joins the views of an
-        # async-sliced fetch and moves nothing) at -1 s; add them back as xtrain does
-        # (xtrain::device::target::aot::unpriced_calls)
-        unpriced = compiled.as_text().count('custom_call_target="ConcatBitcast"')
+        # async-sliced fetch and moves nothing) and each PrepareAsyncCallStart / Done (the
+        # bracket of an async call; the call inside is priced) at -1 s; add them back as xtrain
+        # does (xtrain::device::target::aot::unpriced_calls)
+        text = compiled.as_text()
+        unpriced = sum(text.count(f'custom_call_target="{c}"')
+                       for c in ("ConcatBitcast", "PrepareAsyncCallStart", "PrepareAsyncCallDone"))
         if unpriced and "optimal_seconds" in out["cost"]:
             out["cost"]["optimal_seconds"] += unpriced
             out["unpriced_calls"] = unpriced

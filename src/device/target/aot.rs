@@ -301,15 +301,29 @@ impl TargetDevices {
 
 /// Calls in an optimized TPU module that libtpu 0.0.42.1's cost model prices at exactly -1 s
 /// each: `ConcatBitcast`, the custom call that joins the views of a buffer fetched in async
-/// slices. It moves no data itself (the slices are priced), and its -1 s is a "no cost known"
-/// value summed in as if a time: the v6e steps' negative `optimal_seconds` are these, to the
-/// call (docs/performance.md). So each is added back, i.e. priced at 0, and the output says how
-/// many were.
+/// slices, and `PrepareAsyncCallStart` / `PrepareAsyncCallDone`, the bracket around an async
+/// call (the call inside is priced). They move no data themselves, and their -1 s is a "no cost
+/// known" value summed in as if a time: the v6e steps' negative `optimal_seconds` are the
+/// ConcatBitcasts, to the call, and a long-context JAX step's -2 s its one bracket
+/// (docs/performance.md). So each is added back, i.e. priced at 0, and the output says how many
+/// were.
 pub fn unpriced_calls(optimized_hlo: &str) -> usize {
-    optimized_hlo
-        .matches("custom_call_target=\"ConcatBitcast\"")
-        .count()
+    UNPRICED_CALLS
+        .iter()
+        .map(|c| {
+            optimized_hlo
+                .matches(&format!("custom_call_target=\"{c}\""))
+                .count()
+        })
+        .sum()
 }
+
+/// The custom calls [`unpriced_calls`] counts.
+const UNPRICED_CALLS: [&str; 3] = [
+    "ConcatBitcast",
+    "PrepareAsyncCallStart",
+    "PrepareAsyncCallDone",
+];
 
 /// A TPU compiler's estimate of a looped step, which its cost analysis cannot give directly: it
 /// counts a loop body once. Built from unrolled programs of the same step with 1 and 2 layers:
@@ -531,13 +545,15 @@ mod tests {
     /// The calls are counted from the optimized module's text, wherever they are (a loop body
     /// too: the cost analysis counts its one copy); other custom calls are priced.
     #[test]
-    fn concat_bitcasts_are_the_unpriced_calls() {
+    fn concat_bitcasts_and_async_call_brackets_are_the_unpriced_calls() {
         let hlo = r#"
   %custom-call.8 = bf16[1,2048,4096]{2,1,0:T(8,128)(2,1)S(1)} custom-call(%slice-done, %slice-done.1), custom_call_target="ConcatBitcast", backend_config={}
   %custom-call.9 = bf16[8]{0} custom-call(%p), custom_call_target="AllocateBuffer"
   %custom-call.10 = bf16[1,2048,4096]{2,1,0} custom-call(%a, %b), custom_call_target="ConcatBitcast"
+  %custom-call.11 = () custom-call(), custom_call_target="PrepareAsyncCallStart"
+  %custom-call.12 = () custom-call(%t), custom_call_target="PrepareAsyncCallDone"
 "#;
-        assert_eq!(unpriced_calls(hlo), 2);
+        assert_eq!(unpriced_calls(hlo), 4);
         assert_eq!(unpriced_calls("%x = f32[] add(%a, %b)"), 0);
     }
 
