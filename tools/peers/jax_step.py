@@ -431,6 +431,9 @@ def main():
     p.add_argument("--trips-per-body", type=int, default=1,
                    help="with --context: trips of the attention loops in each loop body (pricing)")
     a = p.parse_args()
+    for flag, value, low in (("--context", a.context, 0), ("--key-block", a.key_block, 1), ("--trips-per-body", a.trips_per_body, 1)):
+        if value < low:
+            p.error(f"{flag} must be at least {low}, got {value}")
     if a.context:
         if a.seq % (2 * a.context * a.key_block):
             p.error(f"--seq {a.seq} must be a multiple of 2 x --context x --key-block = {2 * a.context * a.key_block}")
