@@ -20,9 +20,11 @@ root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 cfg = json.load(open(os.path.join(root, "models/tiny-llama3/config.json")))
 targets = ["q", "k", "v", "o", "gate", "up", "down"]
 failed = False
-for cp, seq, block, remat, dtype in [(4, 64, 4, "none", "f32"), (2, 48, 4, "save-proj", "f32"),
-                                     (4, 64, 8, "layer", "f32"), (2, 64, 8, "save-proj", "bf16")]:
-    a = SimpleNamespace(lora_r=8, lora_alpha=16, batch=2, seq=seq, remat=remat, key_block=block, trips_per_body=1)
+for cp, seq, block, remat, dtype, form in [(4, 64, 4, "none", "f32", "flat"), (2, 48, 4, "save-proj", "f32", "flat"),
+                                           (4, 64, 8, "layer", "f32", "flat"), (2, 64, 8, "save-proj", "bf16", "flat"),
+                                           (4, 64, 4, "none", "f32", "nested"), (2, 48, 4, "save-proj", "f32", "nested")]:
+    a = SimpleNamespace(lora_r=8, lora_alpha=16, batch=2, seq=seq, remat=remat, key_block=block, trips_per_body=1,
+                        loop_form=form)
     cd = jnp.float32 if dtype == "f32" else jnp.bfloat16
     d = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     frozen, embed, norm, head, lora, ids, labels = js.random_inputs(cfg, targets, a, cd, d)
@@ -37,7 +39,7 @@ for cp, seq, block, remat, dtype in [(4, 64, 4, "none", "f32"), (2, 48, 4, "save
     worst = max(float(jnp.max(jnp.abs(g0[k] - g1[k])) / jnp.max(jnp.abs(g0[k]))) for k in g0)
     ok = dtype != "f32" or (abs(float(l0) - float(l1)) <= 1e-5 and worst <= 1e-5)
     failed |= not ok
-    print(f"context={cp} seq={seq} key block {block} remat {remat} {dtype}: loss {float(l0):.6f} vs "
+    print(f"context={cp} seq={seq} key block {block} remat {remat} {dtype} {form} loops: loss {float(l0):.6f} vs "
           f"{float(l1):.6f}, largest gradient difference / largest gradient {worst:.2e}"
           + ("" if dtype != "f32" else (" ok" if ok else " FAILED (tolerance 1e-5)")))
 sys.exit(1 if failed else 0)

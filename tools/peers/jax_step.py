@@ -91,7 +91,7 @@ def reorder(x, cp, to_natural=False, axis=1):
     return jnp.concatenate([jax.lax.slice_in_dim(x, c * C, (c + 1) * C, axis=axis) for c in order], axis)
 
 
-def context_attention(mesh, cp, T, tb, G, cd, trips_per_body=1):
+def context_attention(mesh, cp, T, tb, G, cd, trips_per_body=1, nested=False):
     """Causal attention with the sequence split over the mesh's `context` axis: keys and values
     all-gathered in each layer, rows in balanced order, and on each device the flash recurrence
     over key/value blocks of `tb` tokens with its own backward pass (jax.custom_vjp), which
@@ -102,13 +102,24 @@ def context_attention(mesh, cp, T, tb, G, cd, trips_per_body=1):
     work above the diagonal of a chunk's own key chunk is masked, not skipped. q [B, T, KV, G, D]
     and k, v [B, T, KV, D] arrive in balanced order, sharded over `context`; the result is
     [B, T, KV, G, D] in the same order. `trips_per_body` > 1 puts that many trips in each loop
-    body (for pricing only, by a cost model that counts a loop body once; a remainder is dropped)."""
+    body (for pricing only, by a cost model that counts a loop body once; a remainder is dropped).
+
+    `nested`: the same trips in nested loops whose inner trips carry one block's state: the
+    forward pass and the query gradients loop over the query blocks u and, inside, over the
+    (2CP+1) NBc key-block visits, carrying the two query blocks u of the device's chunks; the key
+    and value gradients loop over the visits and, inside, over u, carrying the visit's key block.
+    Each loop's inner trips write nothing long; the outer trips write one block. (3 loops where
+    the flat form has 2: the backward pass recomputes the probabilities twice.)"""
     from jax.sharding import PartitionSpec as P
     C = T // (2 * cp)
     nbc = C // tb
-    trips = (2 * cp + 1) * nbc * nbc
-    # pricing only: whole bodies (a remainder trip outside the loop would be priced on its own)
-    trips -= trips % trips_per_body
+    visits = (2 * cp + 1) * nbc
+    trips = visits * nbc
+
+    def run(n):
+        """How many trips a loop of n runs: n, or for pricing whole bodies of trips_per_body
+        (a remainder outside the loop would be priced on its own; pricing only)."""
+        return n if trips_per_body == 1 else max(n - n % trips_per_body, trips_per_body)
     lowest = jnp.finfo(jnp.float32).min
 
     def where(s, r):
@@ -148,10 +159,92 @@ def context_attention(mesh, cp, T, tb, G, cd, trips_per_body=1):
                          for x, y in ((m, m_new), (l, l_new), (acc, a_new)))
 
         rows = (B, KV, G, 2 * C)
-        m, l, acc = jax.lax.fori_loop(0, trips, trip, (jnp.full(rows, lowest), jnp.zeros(rows),
+        m, l, acc = jax.lax.fori_loop(0, run(trips), trip, (jnp.full(rows, lowest), jnp.zeros(rows),
                                                        jnp.zeros(rows + (D,))), unroll=trips_per_body)
         out = (acc / l[..., None]).astype(cd)  # [B, KV, G, 2C, D]
         return out, m + jnp.log(l)
+
+    def first_or_second(n, r):
+        """Whether visit n serves the device's second chunk, as an index (0 or 1)."""
+        return (n >= (r + 1) * nbc).astype(jnp.int32)
+
+    def forward_nested(q, k, v):
+        B, _, KV, _, D = q.shape
+        r = jax.lax.axis_index("context")
+
+        def query_block(u, carry):
+            def trip(n, st):
+                m, l, acc = st  # [2, B, KV, G, TB(, D)]: the query blocks u of both chunks
+                _, _, _, _, vb, sc = block(q, k, v, n * nbc + u, r)
+                c = first_or_second(n, r)
+                mb, lb, ab = m[c], l[c], acc[c]
+                m_new = jnp.maximum(mb, sc.max(-1))
+                p = jnp.exp(sc - m_new[..., None])
+                corr = jnp.exp(mb - m_new)
+                a_new = ab * corr[..., None] + jnp.einsum("bhgqk,bkhd->bhgqd", p.astype(cd), vb,
+                                                          preferred_element_type=jnp.float32)
+                return m.at[c].set(m_new), l.at[c].set(lb * corr + p.sum(-1)), acc.at[c].set(a_new)
+
+            st = (B, KV, G, tb)
+            init = (jnp.full((2,) + st, lowest), jnp.zeros((2,) + st), jnp.zeros((2,) + st + (D,)))
+            m, l, acc = jax.lax.fori_loop(0, run(visits), trip, init, unroll=trips_per_body)
+            out_all, lse_all = carry
+            for c in (0, 1):
+                at = c * C + u * tb
+                out_all = jax.lax.dynamic_update_slice_in_dim(out_all, (acc[c] / l[c][..., None]).astype(cd), at, 3)
+                lse_all = jax.lax.dynamic_update_slice_in_dim(lse_all, m[c] + jnp.log(l[c]), at, 3)
+            return out_all, lse_all
+
+        rows = (B, KV, G, 2 * C)
+        return jax.lax.fori_loop(0, nbc, query_block, (jnp.zeros(rows + (D,), cd), jnp.zeros(rows)))
+
+    def backward_nested(q, k, v, out, lse, dout):
+        r = jax.lax.axis_index("context")
+        delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), -1)
+        scale = 1 / np.sqrt(q.shape[-1])
+
+        def grads(n, u):
+            """(q, k, v blocks, dS, P, dO block) of visit n and query block u."""
+            row, _, qb, kb, vb, sc = block(q, k, v, n * nbc + u, r)
+            lb, db = (jax.lax.dynamic_slice_in_dim(x, row, tb, 3) for x in (lse, delta))
+            ob = jax.lax.dynamic_slice_in_dim(dout, row, tb, 3)
+            p = jnp.exp(sc - lb[..., None])
+            dp = jnp.einsum("bhgqd,bkhd->bhgqk", ob, vb, preferred_element_type=jnp.float32)
+            return qb, kb, (p * (dp - db[..., None]) * scale).astype(cd), p, ob
+
+        def query_block(u, dq_all):
+            def trip(n, dq):
+                _, kb, ds, _, _ = grads(n, u)
+                c = first_or_second(n, r)
+                return dq.at[c].add(jnp.einsum("bhgqk,bkhd->bqhgd", ds, kb, preferred_element_type=jnp.float32))
+
+            B, _, KV, _, D = q.shape
+            dq = jax.lax.fori_loop(0, run(visits), trip, jnp.zeros((2, B, tb, KV, G, D)), unroll=trips_per_body)
+            for c in (0, 1):
+                dq_all = jax.lax.dynamic_update_slice_in_dim(dq_all, dq[c], c * C + u * tb, 1)
+            return dq_all
+
+        def key_visit(n, dkv_all):
+            def trip(u, dkv):
+                qb, _, ds, p, ob = grads(n, u)
+                dk, dv = dkv
+                return (dk + jnp.einsum("bhgqk,bqhgd->bkhd", ds, qb, preferred_element_type=jnp.float32),
+                        dv + jnp.einsum("bhgqk,bhgqd->bkhd", p.astype(cd), ob, preferred_element_type=jnp.float32))
+
+            B, _, KV, D = k.shape
+            zero = jnp.zeros((B, tb, KV, D))
+            dk, dv = jax.lax.fori_loop(0, run(nbc), trip, (zero, zero), unroll=trips_per_body)
+            at = where(n * nbc, r)[2]
+            add = lambda x, y: jax.lax.dynamic_update_slice_in_dim(x, jax.lax.dynamic_slice_in_dim(x, at, tb, 1) + y, at, 1)
+            return add(dkv_all[0], dk), add(dkv_all[1], dv)
+
+        f32 = lambda x: jnp.zeros(x.shape, jnp.float32)
+        dq = jax.lax.fori_loop(0, nbc, query_block, f32(q))
+        dk, dv = jax.lax.fori_loop(0, visits, key_visit, (f32(k), f32(v)))
+        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+    if nested:
+        forward = forward_nested  # noqa: F811 (the flat form above stays the default)
 
     @jax.custom_vjp
     def attend(q, k, v):
@@ -168,6 +261,8 @@ def context_attention(mesh, cp, T, tb, G, cd, trips_per_body=1):
     def attend_bwd(res, cts):
         q, k, v, out, lse = res
         dout = cts[0]  # the statistic's cotangent is zero: only `out` leaves the layer
+        if nested:
+            return backward_nested(q, k, v, out, lse, dout)
         r = jax.lax.axis_index("context")
         delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), -1)
 
@@ -187,7 +282,7 @@ def context_attention(mesh, cp, T, tb, G, cd, trips_per_body=1):
             return add(dq, dqb, row), add(dk, dkb, k_at), add(dv, dvb, k_at)
 
         f32 = lambda x: jnp.zeros(x.shape, jnp.float32)
-        dq, dk, dv = jax.lax.fori_loop(0, trips, trip, (f32(q), f32(k), f32(v)), unroll=trips_per_body)
+        dq, dk, dv = jax.lax.fori_loop(0, run(trips), trip, (f32(q), f32(k), f32(v)), unroll=trips_per_body)
         return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
     attend.defvjp(attend_fwd, attend_bwd)
@@ -219,7 +314,8 @@ def make_step(cfg, a, B, T, cd, targets, unroll=False, context=None):
         from jax.sharding import NamedSharding, PartitionSpec as P
         mesh, cp = context
         cos, sin = reorder(cos, cp, axis=0), reorder(sin, cp, axis=0)  # the rows' natural positions
-        attention = context_attention(mesh, cp, T, a.key_block, nh // nkv, cd, a.trips_per_body)
+        attention = context_attention(mesh, cp, T, a.key_block, nh // nkv, cd, a.trips_per_body,
+                                      nested=getattr(a, "loop_form", "flat") == "nested")
         along = lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(None, "context")))
 
     def rms(x, g):
@@ -428,6 +524,9 @@ def main():
                         "the target's devices), attention over key/value blocks (context_attention); "
                         "without --aot, CP host devices")
     p.add_argument("--key-block", type=int, default=512, help="with --context: tokens per key/value block")
+    p.add_argument("--loop-form", choices=["flat", "nested"], default="flat",
+                   help="with --context: flat (one loop over the block pairs, as xtrain's) or nested "
+                        "(inner loops carry one block's state; context_attention)")
     p.add_argument("--trips-per-body", type=int, default=1,
                    help="with --context: trips of the attention loops in each loop body (pricing)")
     a = p.parse_args()
