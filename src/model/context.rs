@@ -88,6 +88,23 @@ impl Grid {
     fn visits(&self) -> i64 {
         (2 * self.cp + 1) * self.nbc
     }
+
+    /// Trips of each attention loop.
+    fn trips(&self) -> i64 {
+        trips(self.cp, self.nbc)
+    }
+}
+
+/// Trips of each attention loop over `cp` devices with `nbc` key blocks per chunk: every visit
+/// ((2CP + 1) x NBc of them) with each query block of a chunk.
+fn trips(cp: i64, nbc: i64) -> i64 {
+    (2 * cp + 1) * nbc * nbc
+}
+
+/// Trips of each of a layer's attention loops for `t` tokens over `cp` devices and a requested
+/// key block (what a cost model that counts a loop body once leaves out).
+pub fn loop_trips(t: i64, cp: i64, requested: i64) -> i64 {
+    trips(cp, t / (2 * cp) / key_block(t, cp, requested))
 }
 
 /// Pins values to the mesh by logical axis names (nothing where the mesh splits nothing).
@@ -422,12 +439,9 @@ fn forward_loop(
     ];
     let invariants = [t.q, t.query_docs, t.k, t.v, t.key_docs];
     let out = b.scoped("context_blocks", |b| {
-        b.rolled_fori_loop(
-            grid.visits() * grid.nbc,
-            &init,
-            &invariants,
-            |b, s, carry, inv| forward_visit(b, s, carry, inv, grid),
-        )
+        b.rolled_fori_loop(grid.trips(), &init, &invariants, |b, s, carry, inv| {
+            forward_visit(b, s, carry, inv, grid)
+        })
     })?;
     let (m, l, acc) = (out[0], out[1], out[2]);
     let ad = b.dims(acc).to_vec();
@@ -457,7 +471,7 @@ fn backward(
     let (q, k, v) = (ins[0], ins[1], ins[2]);
     let qd = b.dims(q).to_vec();
     let (bs, t, kvh, g, d) = (qd[0], qd[1], qd[2], qd[3], qd[4]);
-    let (cp, c, tb, nbc, nk) = (grid.cp, grid.c, grid.tb, grid.nbc, grid.nk);
+    let (cp, c, tb, nk) = (grid.cp, grid.c, grid.tb, grid.nk);
     let tab = tables(b, [q, k, v], (ins[3], ins[4]), grid, &pin)?;
     // out and dout as [B, CP, 2, KV, C, G, D]
     let rows_major = |b: &mut Builder, x: Value| -> Result<Value> {
@@ -491,7 +505,7 @@ fn backward(
         delta,
     ];
     let grads = b.scoped("context_blocks.grad", |b| {
-        b.rolled_fori_loop(visits * nbc, &init, &invariants, |b, s, carry, inv| {
+        b.rolled_fori_loop(grid.trips(), &init, &invariants, |b, s, carry, inv| {
             backward_visit(b, s, carry, inv, grid)
         })
     })?;

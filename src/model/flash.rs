@@ -245,6 +245,13 @@ fn pairs(tp: i64, tb: i64) -> i64 {
     n * (n + 1) / 2
 }
 
+/// Trips of each of a layer's attention loops for `t` tokens and a requested key block: its
+/// causal block pairs (what a cost model that counts a loop body once leaves out).
+pub fn loop_trips(t: i64, requested: i64) -> i64 {
+    let tb = key_block(t, requested);
+    pairs(padded(t, tb), tb)
+}
+
 /// The forward loop: (out [B, KV, T', G, D] in the compute type, lse [B, KV, T', G] f32).
 fn forward_loop(b: &mut Builder, p: &Padded, blocks: Blocks) -> Result<(Value, Value)> {
     let qd = b.dims(p.q).to_vec();

@@ -259,15 +259,10 @@ impl StepSpec {
     /// the query blocks of a chunk (`model::context`).
     pub fn attention_loop_trips(&self) -> Option<i64> {
         let kb = self.key_block?;
-        let cp = self.context_size();
-        if cp > 1 {
-            let tb = crate::model::context::key_block(self.seq, cp, kb);
-            let per_chunk = self.seq / (2 * cp) / tb;
-            return Some((2 * cp + 1) * per_chunk * per_chunk);
-        }
-        let tb = crate::model::flash::key_block(self.seq, kb);
-        let blocks = crate::model::flash::padded(self.seq, tb) / tb;
-        Some(blocks * (blocks + 1) / 2)
+        Some(match self.context_size() {
+            1 => crate::model::flash::loop_trips(self.seq, kb),
+            cp => crate::model::context::loop_trips(self.seq, cp, kb),
+        })
     }
 
     /// One device, remat per layer, AdamW's defaults, no gradient accumulation, quantization,
@@ -974,5 +969,28 @@ mod tests {
         };
         let e = format!("{:#}", o.spec(cfg, 4, 64).unwrap_err());
         assert!(e.contains("--quant nf4") && e.contains("3600"), "{e}");
+    }
+
+    /// The trips the TPU estimate prices per layer: the causal block pairs on one device (8k
+    /// over blocks of 512: 16 x 17 / 2 = 136), and on a context axis of 8 every visit of the
+    /// (2 x 8 + 1) key chunks' blocks with each query block of a chunk (32k: 4 blocks per chunk,
+    /// 17 x 4 x 4 = 272; 128k: 16, 4352); none without key blocks.
+    #[test]
+    fn attention_loop_trips_count_the_loops_trips() {
+        let at = |seq: i64, mesh: Option<&str>, key_block: Option<i64>| {
+            StepSpec {
+                key_block,
+                mesh: mesh.map(|m| MeshPlan {
+                    axes: crate::program::sharding::parse_mesh(m).unwrap().axes,
+                    rules: crate::program::sharding::Rules::default(),
+                }),
+                ..StepSpec::new(tiny(), options(DType::F32).lora, 1, seq, DType::F32)
+            }
+            .attention_loop_trips()
+        };
+        assert_eq!(at(8192, None, Some(512)), Some(136));
+        assert_eq!(at(32768, Some("context=8"), Some(512)), Some(272));
+        assert_eq!(at(131072, Some("context=8"), Some(512)), Some(4352));
+        assert_eq!(at(8192, None, None), None);
     }
 }
