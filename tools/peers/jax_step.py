@@ -91,6 +91,15 @@ def reorder(x, cp, to_natural=False, axis=1):
     return jnp.concatenate([jax.lax.slice_in_dim(x, c * C, (c + 1) * C, axis=axis) for c in order], axis)
 
 
+def context_grid(T, cp, tb):
+    """The context form's loop sizes: (key blocks per chunk NBc, key-block visits per device
+    (2CP+1) x NBc, trips of each of a layer's attention loops: every visit with each query block
+    of a chunk)."""
+    nbc = T // (2 * cp) // tb
+    visits = (2 * cp + 1) * nbc
+    return nbc, visits, visits * nbc
+
+
 def context_attention(mesh, cp, T, tb, G, cd, trips_per_body=1, nested=False):
     """Causal attention with the sequence split over the mesh's `context` axis: keys and values
     all-gathered in each layer, rows in balanced order, and on each device the flash recurrence
@@ -112,9 +121,7 @@ def context_attention(mesh, cp, T, tb, G, cd, trips_per_body=1, nested=False):
     the flat form has 2: the backward pass recomputes the probabilities twice.)"""
     from jax.sharding import PartitionSpec as P
     C = T // (2 * cp)
-    nbc = C // tb
-    visits = (2 * cp + 1) * nbc
-    trips = visits * nbc
+    nbc, visits, trips = context_grid(T, cp, tb)
 
     def run(n):
         """How many trips a loop of n runs: n, or for pricing whole bodies of trips_per_body
@@ -141,7 +148,7 @@ def context_attention(mesh, cp, T, tb, G, cd, trips_per_body=1, nested=False):
         causal = (k_at + jnp.arange(tb))[None, :] <= (q_at + jnp.arange(tb))[:, None]
         return row, k_at, qb, kb, vb, jnp.where(causal, sc, lowest)
 
-    def forward(q, k, v):
+    def forward_flat(q, k, v):
         B, _, KV, _, D = q.shape
         r = jax.lax.axis_index("context")
 
@@ -243,8 +250,7 @@ def context_attention(mesh, cp, T, tb, G, cd, trips_per_body=1, nested=False):
         dk, dv = jax.lax.fori_loop(0, visits, key_visit, (f32(k), f32(v)))
         return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
-    if nested:
-        forward = forward_nested  # noqa: F811 (the flat form above stays the default)
+    forward = forward_nested if nested else forward_flat
 
     @jax.custom_vjp
     def attend(q, k, v):
@@ -406,12 +412,6 @@ KINDS = ["input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v
          "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
 
 
-def context_trips(a, cp):
-    """Trips of each of a layer's attention loops in the context form."""
-    nbc = a.seq // (2 * cp) // a.key_block
-    return (2 * cp + 1) * nbc * nbc
-
-
 def aot(a, cfg, targets, cd):
     """Compile the step for an absent TPU slice or GPU (the target's plugin, no device) and print
     the compiler's figures: memory per device, and for TPUs its cost analysis."""
@@ -471,7 +471,7 @@ def aot(a, cfg, targets, cd):
     compile_s = time.time() - t0
     mem = compiled.memory_analysis()
     out = {"target": a.aot, "devices": n, "layers": L, "batch": B, "seq": T, "compile_s": compile_s,
-           "mesh": axis, **({"key_block": a.key_block, "trips": context_trips(a, n),
+           "mesh": axis, **({"key_block": a.key_block, "trips": context_grid(a.seq, n, a.key_block)[2],
                              "trips_per_body": a.trips_per_body} if a.context else {}),
            "memory": {k: getattr(mem, k) for k in dir(mem) if k.endswith("_in_bytes")}}
     try:
