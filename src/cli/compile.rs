@@ -495,11 +495,18 @@ fn form_flags(spec: &StepSpec) -> String {
     }
     let cp = spec.context_size();
     match spec.key_block {
-        Some(k) if cp > 1 => flags.push(format!(
-            "--key-block {k} (blocks of {} tokens: the sequence is split into chunks of {})",
-            xtrain::model::context::key_block(spec.seq, cp, k),
-            spec.seq / (2 * cp)
-        )),
+        Some(k) if cp > 1 => {
+            let tb = xtrain::model::context::key_block(spec.seq, cp, k);
+            let c = spec.seq / (2 * cp);
+            let padded = xtrain::model::flash::padded(c, tb);
+            let pad = match padded > c {
+                true => format!(", each padded to {padded}"),
+                false => String::new(),
+            };
+            flags.push(format!(
+                "--key-block {k} (blocks of {tb} tokens; the sequence is split into chunks of {c}{pad})"
+            ))
+        }
         Some(k) => flags.push(format!(
             "--key-block {k} (blocks of {})",
             xtrain::model::flash::key_block(spec.seq, k)
