@@ -40,5 +40,5 @@ pub use graph::{
     ManualComputation, MemoryKind, Mesh, Node, Op, Param, ParamAttrs, Precision, ScatterDims,
     Sharding, UnaryOp, Value,
 };
-pub use print::Module;
+pub use print::{function_text, Module};
 pub use types::{DType, Shape};

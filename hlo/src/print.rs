@@ -123,6 +123,15 @@ struct Decompositions {
     text: String,
 }
 
+/// `f` printed alone as `func.func private @name`, for putting in a program's text in place of
+/// another function of the same signature (a kernel for a composite's decomposition). It must
+/// hold no composite of its own.
+pub fn function_text(f: &Func, name: &str) -> String {
+    let mut out = String::new();
+    Printer::new(&Rc::new(Decompositions::default())).func(&mut out, f, "private", name);
+    out
+}
+
 /// Turn a human name into a legal MLIR identifier (letters, digits, `$._-`; not starting with
 /// a digit).
 fn sanitize(name: &str) -> String {

@@ -48,6 +48,11 @@ pub struct CompileArgs {
     /// Also compile it with the plugin and print XLA's memory figures and the compile time.
     #[arg(long)]
     pub check: bool,
+    /// With --check: a kernel to compile in place of the composite ops it implements
+    /// (repeatable), e.g. `every-key`; each build records what it replaced. The program's text
+    /// is the same with or without.
+    #[arg(long = "kernel", value_name = "NAME")]
+    pub kernel: Vec<String>,
     /// With --check: write XLA's optimized HLO here.
     #[arg(long)]
     pub xla_dump: Option<PathBuf>,
@@ -172,10 +177,21 @@ pub fn compile(mut a: CompileArgs, verbose: bool, plugin_from_recipe: bool) -> R
         }
     }
     // The compilers of the targets, opened only to compile (--check): the text needs none.
+    if !a.kernel.is_empty() && !a.check {
+        anyhow::bail!(
+            "--kernel {} replaces a composite when the program is compiled: add --check (the \
+             program's text is the same with or without)",
+            a.kernel.join(" --kernel ")
+        );
+    }
     let devices: Vec<TargetDevices> = if a.check {
         targets
             .iter()
-            .map(|t| TargetDevices::open(t, a.plugin.as_deref(), verbose))
+            .map(|t| {
+                let mut d = TargetDevices::open(t, a.plugin.as_deref(), verbose)?;
+                d.kernels = xtrain::device::kernels::chosen(&a.kernel, t.platform.plugin())?;
+                Ok(d)
+            })
             .collect::<Result<_>>()?
     } else {
         Vec::new()
@@ -574,8 +590,11 @@ fn check(
 ) -> Result<()> {
     let platform = xtrain::device::platform::named_platform(a.plugin.as_deref());
     xtrain::device::platform::check_offload(platform, spec.offload, "this step")?;
-    let rt = xtrain::device::runtime::Runtime::open(a.plugin.as_deref(), Some(program.partitions))?;
+    let mut rt =
+        xtrain::device::runtime::Runtime::open(a.plugin.as_deref(), Some(program.partitions))?;
     xtrain::device::platform::check_offload(&rt.platform(), spec.offload, "this step")?;
+    rt.use_kernels(&a.kernel)?;
+    let kernels = xtrain::device::kernels::say_used(&rt.kernels, &rt.kernel_text(program)?.1)?;
     let mut options = pjrt::CompileOptions::default();
     if let Some(dir) = &a.xla_dump {
         std::fs::create_dir_all(dir)?;
@@ -607,6 +626,7 @@ fn check(
         memory_report: None,
         executable: exe.serialize()?,
         extra_options: Vec::new(),
+        kernels,
     };
     let by = Compiler {
         target: a.plugin.clone().unwrap_or_else(|| rt.platform()),
