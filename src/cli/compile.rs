@@ -13,7 +13,7 @@ use xtrain::device::target::aot::{TargetBuild, TargetDevices};
 use xtrain::device::target::{Platform, Target};
 use xtrain::formats::program_dir::{self, Manifest};
 use xtrain::program::sharding::SplitsNothing;
-use xtrain::program::{default_choice, fit_choices, MeshPlan, Program, Remat, StepSpec};
+use xtrain::program::{default_choice, fit_choices, MeshPlan, Program, StepSpec};
 
 #[derive(Args)]
 pub struct CompileArgs {
@@ -488,66 +488,9 @@ fn write_program(a: &CompileArgs, spec: &StepSpec) -> Result<(Program, Manifest)
         gib(arg_bytes),
         spec.model.param_count()
     );
-    println!("form: {}", form_flags(spec));
+    println!("form: {}", spec.form());
     println!("program sha256 {}", manifest.program_sha256);
     Ok((program, manifest))
-}
-
-/// The flags of the program's form as the spec has them (the same for every target; see
-/// docs/architecture.md), so that a user sees what the defaults chose.
-fn form_flags(spec: &StepSpec) -> String {
-    let bf16 = spec.compute_dtype == hlo::DType::BF16;
-    let mut flags = Vec::new();
-    if bf16 {
-        let name = |f32_: bool| if f32_ { "f32" } else { "compute" };
-        flags.push(format!(
-            "--matmul-result {}",
-            name(spec.wide_matmul_results)
-        ));
-        flags.push(format!(
-            "--attention-scores {}",
-            name(!spec.narrow_attention_scores)
-        ));
-    }
-    let cp = spec.context_size();
-    match spec.key_block {
-        Some(k) if cp > 1 => {
-            let tb = xtrain::model::context::key_block(spec.seq, cp, k);
-            let c = spec.seq / (2 * cp);
-            let padded = xtrain::model::flash::padded(c, tb);
-            let pad = match padded > c {
-                true => format!(", each padded to {padded}"),
-                false => String::new(),
-            };
-            flags.push(format!(
-                "--key-block {k} (blocks of {tb} tokens; the sequence is split into chunks of {c}{pad})"
-            ))
-        }
-        Some(k) => flags.push(format!(
-            "--key-block {k} (blocks of {})",
-            xtrain::model::flash::key_block(spec.seq, k)
-        )),
-        None => {
-            flags.push("--key-block off".to_string());
-            flags.push(format!(
-                "--attention-block {}",
-                xtrain::model::llama::query_block(spec.seq, spec.attention_block)
-            ));
-        }
-    }
-    if spec.remat == Remat::Layer {
-        flags.push(format!(
-            "--keep-softmax-stats {}",
-            spec.layer_keeps_softmax_stats
-        ));
-    }
-    if spec.mesh.is_some() {
-        flags.push(format!(
-            "--pin-mlp-activations {}",
-            spec.pin_mlp_activations
-        ));
-    }
-    flags.join(", ")
 }
 
 /// The mesh and which device sits where on it.
