@@ -504,7 +504,7 @@ mod tests {
 
     #[test]
     fn unknown_kernels_and_platforms_are_refused_by_name() {
-        let e = chosen(&["fast".into()], "cpu").unwrap_err().to_string();
+        let e = chosen(&["fast".into()], "cpu").err().unwrap().to_string();
         assert!(
             e.contains("--kernel fast: no such kernel (built in: every-key)"),
             "{e}"
