@@ -1,0 +1,295 @@
+//! The attention kernel's loops: the forward pass over pairs of query blocks, the dQ pass
+//! likewise, and the dK/dV pass over the rectangles and triangles of key blocks (see the module
+//! docs of `model::flash`). Each is a decomposition of one of the composites.
+
+use super::blocks::*;
+use hlo::{Builder, CmpDir, DType, DotDims, Result, Shape, Value};
+
+/// The forward decomposition: inputs (q, k, v, query starts, key starts, chunk ids) in the
+/// kernel's layout; (out [B, KV, 2, Cp, G, D] in the compute type, lse [B, KV, 2, Cp, G]).
+pub(super) fn kernel_forward(b: &mut Builder, p: &[Value], ch: Chunks) -> Result<Vec<Value>> {
+    let tab = Tables::of(p);
+    let qd = b.dims(tab.q).to_vec();
+    let (bs, kvh, g, d) = (qd[0], qd[1], qd[4], qd[5]);
+    let init = [
+        b.zeros(Shape::new(&[bs, kvh, 2, ch.cp, g, d], ch.num.compute)),
+        b.zeros(Shape::new(&[bs, kvh, 2, ch.cp, g], DType::F32)),
+    ];
+    let out = b.scoped("forward", |b| {
+        b.fori_loop(ch.nb(), &init, &tab.list(), |b, u, c, inv| {
+            let tab = Tables::of(inv);
+            let a = first_diagonal(b, tab.ids, u, ch)?;
+            let rows = Shape::new(&[bs, kvh, 2, ch.tb, g], DType::F32);
+            let init = [
+                b.full(f32::MIN as f64, rows.clone()),
+                b.zeros(rows),
+                b.zeros(Shape::new(&[bs, kvh, 2, ch.tb, g, d], DType::F32)),
+            ];
+            let mut inv = tab.list().to_vec();
+            inv.extend([u, a]);
+            let run = b.rolled_fori_loop(ch.nk() + 1, &init, &inv, |b, t, c, inv| {
+                forward_trip(b, t, c, inv, ch)
+            })?;
+            let (m, l, acc) = (run[0], run[1], run[2]);
+            let ad = b.dims(acc).to_vec();
+            let l_wide = b.broadcast_in_dim(l, &ad, &[0, 1, 2, 3, 4])?;
+            let o = b.div(acc, l_wide)?;
+            let o = b.convert(o, ch.num.compute)?;
+            let log_l = b.log(l)?;
+            let lse = b.add(m, log_l)?;
+            Ok(vec![
+                write_pair(b, c[0], o, u, ch)?,
+                write_pair(b, c[1], lse, u, ch)?,
+            ])
+        })
+    })?;
+    Ok(out)
+}
+
+/// `all` [B, KV, 2, Cp, ...] with a pair's rows [B, KV, 2, TB, ...] written: slot 0 at block
+/// u, slot 1 at block nb-1-u.
+fn write_pair(b: &mut Builder, all: Value, pair: Value, u: Value, ch: Chunks) -> Result<Value> {
+    let mut all = all;
+    for slot in 0..2 {
+        let x = b.slice_dim(pair, 2, slot, slot + 1)?;
+        let block = match slot {
+            0 => u,
+            _ => {
+                let last = s32(b, ch.nb() - 1);
+                b.sub(last, u)?
+            }
+        };
+        let at = times(b, block, ch.tb)?;
+        let zero = s32(b, 0);
+        let slot = s32(b, slot);
+        let starts: Vec<Value> = (0..b.rank(all))
+            .map(|r| match r {
+                2 => slot,
+                3 => at,
+                _ => zero,
+            })
+            .collect();
+        all = b.dynamic_update_slice(all, x, &starts)?;
+    }
+    Ok(all)
+}
+
+/// One inner trip of the forward pass: the pair's running max, sum and output (carry) take in
+/// one key block; invariants (the tables, u, a).
+fn forward_trip(
+    b: &mut Builder,
+    t: Value,
+    c: &[Value],
+    inv: &[Value],
+    ch: Chunks,
+) -> Result<Vec<Value>> {
+    let tab = Tables::of(inv);
+    let (slot, block, j) = query_pair_trip(b, t, (inv[6], inv[7]), ch)?;
+    let pr = pair(b, &tab, (slot, block, j), ch)?;
+    let m = pair_slot(b, c[0], slot)?;
+    let l = pair_slot(b, c[1], slot)?;
+    let acc = pair_slot(b, c[2], slot)?;
+    let (e, correction, m_new, l_new) = online_softmax_step(b, pr.s, m, l)?;
+    // As the whole-sequence form: the exponentials rounded to the compute type, the product
+    // with v accumulated and kept in f32 until it is divided.
+    let e = b.convert(e, ch.num.compute)?;
+    let dims = DotDims {
+        lhs_batch: vec![0, 1],
+        rhs_batch: vec![0, 1],
+        lhs_contract: vec![4],
+        rhs_contract: vec![2],
+    };
+    let ev = b.dot_general(e, pr.v, dims, None, Some(DType::F32))?;
+    let ad = b.dims(ev).to_vec();
+    let correction = b.broadcast_in_dim(correction, &ad, &[0, 1, 2, 3])?;
+    let kept = b.mul(acc, correction)?;
+    let acc_new = b.add(kept, ev)?;
+    Ok(vec![
+        put_pair_slot(b, c[0], m_new, slot)?,
+        put_pair_slot(b, c[1], l_new, slot)?,
+        put_pair_slot(b, c[2], acc_new, slot)?,
+    ])
+}
+
+/// The backward decomposition: inputs (q, k, v, query starts, key starts, chunk ids, out, lse,
+/// dout) in the kernel's layout; (dq [B, KV, 2, Cp, G, D], dk and dv [B, KV, NC Cp, D]) in the
+/// inputs' types.
+pub(super) fn kernel_backward(b: &mut Builder, p: &[Value], ch: Chunks) -> Result<Vec<Value>> {
+    let tab = Tables::of(p);
+    let (out, lse, dout) = (p[6], p[7], p[8]);
+    let delta = b.scoped("delta", |b| {
+        let o = b.convert(out, DType::F32)?;
+        let dof = b.convert(dout, DType::F32)?;
+        let prod = b.mul(o, dof)?;
+        b.reduce_sum(prod, &[5])
+    })?;
+    let rows = [dout, lse, delta];
+    let dq = b.scoped("dq", |b| dq_pass(b, &tab, rows, ch))?;
+    let (dk, dv) = b.scoped("dkv", |b| dkv_pass(b, &tab, rows, ch))?;
+    Ok(vec![
+        b.convert(dq, b.dtype(tab.q))?,
+        b.convert(dk, b.dtype(tab.k))?,
+        b.convert(dv, b.dtype(tab.v))?,
+    ])
+}
+
+/// The dQ pass: outer over the query block pairs, inner over their key blocks (as the forward
+/// pass), carrying the pair's dq.
+fn dq_pass(b: &mut Builder, tab: &Tables, rows: [Value; 3], ch: Chunks) -> Result<Value> {
+    let qd = b.dims(tab.q).to_vec();
+    let (bs, kvh, g, d) = (qd[0], qd[1], qd[4], qd[5]);
+    let init = [b.zeros(Shape::new(&[bs, kvh, 2, ch.cp, g, d], DType::F32))];
+    let mut inv = tab.list().to_vec();
+    inv.extend(rows);
+    let out = b.fori_loop(ch.nb(), &init, &inv, |b, u, c, inv| {
+        let tab = Tables::of(inv);
+        let a = first_diagonal(b, tab.ids, u, ch)?;
+        let init = [b.zeros(Shape::new(&[bs, kvh, 2, ch.tb, g, d], DType::F32))];
+        let mut inner = inv.to_vec();
+        inner.extend([u, a]);
+        let run = b.rolled_fori_loop(ch.nk() + 1, &init, &inner, |b, t, c, inv| {
+            let tab = Tables::of(inv);
+            let (slot, block, j) = query_pair_trip(b, t, (inv[9], inv[10]), ch)?;
+            let pr = pair(b, &tab, (slot, block, j), ch)?;
+            let dout = query_rows(b, inv[6], slot, block, ch.tb)?;
+            let lse = query_rows(b, inv[7], slot, block, ch.tb)?;
+            let delta = query_rows(b, inv[8], slot, block, ch.tb)?;
+            let (_, ds) = probs_and_ds(b, pr.s, pr.v, (dout, lse, delta), ch)?;
+            let dq = query_grad(b, ds, pr.k)?;
+            let old = pair_slot(b, c[0], slot)?;
+            let new = b.add(old, dq)?;
+            Ok(vec![put_pair_slot(b, c[0], new, slot)?])
+        })?;
+        Ok(vec![write_pair(b, c[0], run[0], u, ch)?])
+    })?;
+    Ok(out[0])
+}
+
+/// The dK/dV pass: outer over key blocks, inner over the query blocks that see them, carrying
+/// the key block's dk and dv; the rectangles of earlier chunks first, then the two triangles.
+fn dkv_pass(b: &mut Builder, tab: &Tables, rows: [Value; 3], ch: Chunks) -> Result<(Value, Value)> {
+    let kd = b.dims(tab.k).to_vec();
+    let (bs, kvh, d) = (kd[0], kd[1], kd[3]);
+    let init = [
+        b.zeros(Shape::new(&[bs, kvh, ch.nc * ch.cp, d], DType::F32)),
+        b.zeros(Shape::new(&[bs, kvh, ch.nc * ch.cp, d], DType::F32)),
+    ];
+    let mut inv = tab.list().to_vec();
+    inv.extend(rows);
+    let nb = ch.nb();
+    // The rectangles: key block j of an earlier chunk than query chunk `slot`, against each of
+    // its nb query blocks. Outer trip o: slot 0's c0 nb blocks, then slot 1's c1 nb.
+    let rect = b.scoped("rectangles", |b| {
+        b.fori_loop((ch.nc - 1) * nb, &init, &inv, |b, o, c, inv| {
+            let tab = Tables::of(inv);
+            let zero = s32(b, 0);
+            let c0 = chunk_id(b, tab.ids, zero)?;
+            let first = times(b, c0, nb)?;
+            let second = b.compare(o, first, CmpDir::Ge)?;
+            let slot = b.convert(second, DType::S32)?;
+            let later = b.sub(o, first)?;
+            let j = b.select(second, later, o)?;
+            let key = Shape::new(&[bs, kvh, ch.tb, d], DType::F32);
+            let init = [b.zeros(key.clone()), b.zeros(key)];
+            let mut inner = inv.to_vec();
+            inner.extend([slot, j]);
+            let run = b.rolled_fori_loop(nb, &init, &inner, |b, u, c, inv| {
+                let (slot, j) = (inv[9], inv[10]);
+                let (dk, dv) = key_trip(b, inv, (slot, u, j), ch)?;
+                Ok(vec![b.add(c[0], dk)?, b.add(c[1], dv)?])
+            })?;
+            Ok(vec![
+                add_key_block(b, c[0], run[0], j, ch)?,
+                add_key_block(b, c[1], run[1], j, ch)?,
+            ])
+        })
+    })?;
+    // The triangles: key block x of chunk c0 (seen by its query blocks x..nb) with key block
+    // nb-1-x of chunk c1 (seen by nb-1-x..nb): nb + 1 query blocks in all.
+    let tri = b.scoped("triangles", |b| {
+        b.fori_loop(nb, &rect, &inv, |b, x, c, inv| {
+            let tab = Tables::of(inv);
+            let key = Shape::new(&[bs, kvh, 2, ch.tb, d], DType::F32);
+            let init = [b.zeros(key.clone()), b.zeros(key)];
+            let mut inner = inv.to_vec();
+            inner.push(x);
+            // Not a priced loop: its trips cost what the rectangles' do, and the estimate
+            // counts the nest's trips as the rectangles' and the triangles' together.
+            let run = b.fori_loop(nb + 1, &init, &inner, |b, t, c, inv| {
+                let x = inv[9];
+                let nbv = s32(b, nb);
+                let split = b.sub(nbv, x)?;
+                let second = b.compare(t, split, CmpDir::Ge)?;
+                let slot = b.convert(second, DType::S32)?;
+                let ones = s32(b, 1);
+                let first_u = b.add(x, t)?;
+                let second_u = b.sub(t, ones)?;
+                let u = b.select(second, second_u, first_u)?;
+                let tab = Tables::of(inv);
+                let j = {
+                    let chunk = chunk_id(b, tab.ids, slot)?;
+                    let base = b.mul(chunk, nbv)?;
+                    let last = s32(b, nb - 1);
+                    let mirrored = b.sub(last, x)?;
+                    let off = b.select(second, mirrored, x)?;
+                    b.add(base, off)?
+                };
+                let (dk, dv) = key_trip(b, inv, (slot, u, j), ch)?;
+                let add = |b: &mut Builder, pair: Value, g: Value| -> Result<Value> {
+                    let old = pair_slot(b, pair, slot)?;
+                    let new = b.add(old, g)?;
+                    put_pair_slot(b, pair, new, slot)
+                };
+                Ok(vec![add(b, c[0], dk)?, add(b, c[1], dv)?])
+            })?;
+            let mut out = c.to_vec();
+            for slot in 0..2 {
+                let nbv = s32(b, nb);
+                let sv = s32(b, slot);
+                let chunk = chunk_id(b, tab.ids, sv)?;
+                let base = b.mul(chunk, nbv)?;
+                let off = match slot {
+                    0 => x,
+                    _ => {
+                        let last = s32(b, nb - 1);
+                        b.sub(last, x)?
+                    }
+                };
+                let j = b.add(base, off)?;
+                for (k, o) in out.iter_mut().enumerate() {
+                    let g = b.slice_dim(run[k], 2, slot, slot + 1)?;
+                    let gd = b.dims(g).to_vec();
+                    let g = b.reshape(g, &[gd[0], gd[1], gd[3], gd[4]])?;
+                    *o = add_key_block(b, *o, g, j, ch)?;
+                }
+            }
+            Ok(out)
+        })
+    })?;
+    Ok((tri[0], tri[1]))
+}
+
+/// One dK/dV trip: query block `u` of slot `slot` against key block `j`; invariants (the
+/// tables, dout, lse, delta, ...). Returns (dk_j, dv_j) shares [B, KV, TB, D] f32.
+fn key_trip(
+    b: &mut Builder,
+    inv: &[Value],
+    (slot, u, j): (Value, Value, Value),
+    ch: Chunks,
+) -> Result<(Value, Value)> {
+    let tab = Tables::of(inv);
+    let pr = pair(b, &tab, (slot, u, j), ch)?;
+    let dout = query_rows(b, inv[6], slot, u, ch.tb)?;
+    let lse = query_rows(b, inv[7], slot, u, ch.tb)?;
+    let delta = query_rows(b, inv[8], slot, u, ch.tb)?;
+    let (probs, ds) = probs_and_ds(b, pr.s, pr.v, (dout, lse, delta), ch)?;
+    key_grads(b, (probs, ds), (pr.q, dout), ch)
+}
+
+/// `all` [B, KV, NK TB, D] with `g` [B, KV, TB, D] added to key block `j`.
+fn add_key_block(b: &mut Builder, all: Value, g: Value, j: Value, ch: Chunks) -> Result<Value> {
+    let old = key_rows(b, all, 2, j, ch.tb)?;
+    let new = b.add(old, g)?;
+    let at = times(b, j, ch.tb)?;
+    put_window(b, all, new, 2, at)
+}

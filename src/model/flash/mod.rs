@@ -1,0 +1,290 @@
+//! Causal attention over key/value blocks with the flash-attention recurrence, in nested loops:
+//! the memory it needs grows with the sequence, not with its square, and no loop trip touches
+//! more than a block or two of queries and keys.
+//!
+//! # The layout the loops see
+//! Each device holds two *query chunks* of C tokens, padded to whole blocks of TB (Cp tokens,
+//! nb = Cp / TB blocks each), and every key and value of the sequence in NC chunks laid out the
+//! same way. Its chunks' natural indices `ids = (c0, c1)` are an operand, so that every device
+//! runs the same program: on one device the sequence is cut in two halves (ids (0, 1), NC = 2);
+//! over a `context` axis of CP devices, device r holds chunks r and 2CP-1-r of NC = 2CP
+//! (`model::context`). Either way c0 + c1 = NC - 1, which is what balances the loops.
+//!
+//! # The forward pass
+//! ```text
+//! s    = q_i k_j^T / sqrt(D), masked            [TB, TB] per head: the only score block alive
+//! m'   = max(m, rowmax(s))
+//! p    = exp(s - m')
+//! l'   = l exp(m - m') + rowsum(p)
+//! acc' = acc exp(m - m') + p v_j
+//! out_i = acc / l,  lse_i = m + log l            (once the row's last key block is in)
+//! ```
+//! The outer loop walks pairs of query blocks, block u of the first chunk and block nb-1-u of
+//! the second: they see (c0 nb + u + 1) + (c1 nb + nb - u) = NC nb + 1 key blocks between them
+//! on every device and in every trip, so the inner loop has a constant NK + 1 trips (NK = NC nb
+//! key blocks) and never computes a block above the diagonal. Its carry is the pair's running
+//! max, sum and output; the outer trip writes the pair's rows of the output once.
+//!
+//! # The backward pass
+//! A rule of its own ([`hlo::Builder::custom_vjp`]) that recomputes each block's probabilities
+//! `p = exp(s - lse_i)` from the saved row statistic, in two passes so that every inner loop
+//! carries one block's gradients:
+//! ```text
+//! delta_i = rowsum(dout_i * out_i)              (once, before the loops)
+//! dp      = dout_i v_j^T,   ds = p * (dp - delta_i) / sqrt(D)
+//! dK/dV pass (outer: key blocks, inner: query blocks):  dv_j += p^T dout_i,  dk_j += ds^T q_i
+//! dQ pass    (outer: query block pairs, inner: keys):   dq_i += ds k_j
+//! ```
+//! The dK/dV pass visits the same block pairs as the forward pass: for each query chunk, the key
+//! blocks of earlier chunks against all its query blocks (a rectangle: (NC - 1) nb outer trips
+//! of nb inner ones, over both chunks) and its own chunk's triangle (nb outer trips that pair
+//! key block x of the first triangle with key block nb-1-x of the second: nb + 1 inner trips).
+//!
+//! Trip counts are constants, masks are iota compares (causal and document starts), and no loop
+//! body branches. Grouped heads attend without repeating keys and values ([B, KV, ..., G, D]).
+//!
+//! # One op, replaceable
+//! The forward and backward passes are each one `stablehlo.composite` ([`ATTENTION`] and
+//! [`ATTENTION_GRAD`], version [`VERSION`]) whose decomposition is the nested loops above and
+//! whose operands are one device's: a target may put a kernel of its own in the decomposition's
+//! place before its compiler sees the program (`device::kernels`); every other target inlines
+//! it. The attributes name what a kernel needs to know: the block, the chunk lengths, the scale
+//! and the head counts.
+//!
+//! Masked scores are the lowest f32 rather than -inf, as in the whole-sequence form, so a row
+//! with no visible key (a padding query) averages its block uniformly instead of dividing by
+//! zero; such rows feed no loss.
+
+mod blocks;
+mod loops;
+
+use crate::model::forward::{Numerics, Saves};
+pub use blocks::{padded, Chunks};
+use hlo::{Builder, DType, Result, Shape, Value};
+use loops::{kernel_backward, kernel_forward};
+use std::rc::Rc;
+
+/// The key/value block `--key-block auto` takes (see `program::KeyBlocks::resolve`).
+pub const DEFAULT_KEY_BLOCK: i64 = 512;
+
+/// The save point of the attention's row statistic `m + log l`, [B, KV, NC', Cp, G] f32: every
+/// device's two query chunks (NC' = 2 on one device, 2CP over a context axis), padded.
+pub const LSE: &str = "attn.lse";
+
+/// The composites' names and version: what a kernel that replaces them is looked up by.
+pub const ATTENTION: &str = "xtrain.attention";
+pub const ATTENTION_GRAD: &str = "xtrain.attention_grad";
+pub const VERSION: i32 = 1;
+
+/// The key/value block for a sequence of `t` tokens on one device: the requested size, at
+/// most half the sequence (the two query chunks hold one block or more each).
+pub fn key_block(t: i64, requested: i64) -> i64 {
+    requested.clamp(1, ((t + 1) / 2).max(1))
+}
+
+/// The [`LSE`] save point's shape on one device for batches of `bs` x `t` tokens.
+pub fn lse_shape(bs: i64, t: i64, kv_heads: i64, groups: i64, tb: i64) -> Shape {
+    let cp = padded(t, 2 * tb) / 2;
+    Shape::new(&[bs, kv_heads, 2, cp, groups], DType::F32)
+}
+
+/// Trips of each of a layer's attention loop nests (forward, dQ, dK/dV) for `nb` blocks per
+/// query chunk and `nk` key blocks: nb (NK + 1), what a cost model that counts a loop body once
+/// leaves out.
+pub fn nest_trips(nb: i64, nk: i64) -> i64 {
+    nb * (nk + 1)
+}
+
+/// [`nest_trips`] on one device for `t` tokens and a requested key block.
+pub fn loop_trips(t: i64, requested: i64) -> i64 {
+    let tb = key_block(t, requested);
+    let nb = padded(t, 2 * tb) / 2 / tb;
+    nest_trips(nb, 2 * nb)
+}
+
+/// softmax(q k^T / sqrt(D), masked) v over key/value blocks of `tb` on one device, for q
+/// [B, T, KV, G, D], k and v [B, T, KV, D], `query_docs` [B, T] (where each query's document
+/// starts, 0 for padding) and `key_docs` [B, T] (-1 for padding), with the masking rule of the
+/// whole-sequence form (`model::llama::attend`). Returns the output [B, T, KV x G x D] after the
+/// save points `out_point` (the output) and [`LSE`].
+#[allow(clippy::too_many_arguments)]
+pub fn attend(
+    b: &mut Builder,
+    q: Value,
+    k: Value,
+    v: Value,
+    (query_docs, key_docs): (Value, Value),
+    tb: i64,
+    num: Numerics,
+    (out_point, saves): (&str, &mut Saves),
+) -> Result<Value> {
+    let qd = b.dims(q).to_vec();
+    let (bs, t, kvh, g, d) = (qd[0], qd[1], qd[2], qd[3], qd[4]);
+    // Two halves of whole blocks: the padding at the end is a key no query sees.
+    let tp = padded(t, 2 * tb);
+    let chunks = Chunks::new(2, tp / 2, tb, d, num);
+    let pad = |b: &mut Builder, x: Value, fill: f64| pad_dim(b, x, 1, tp - t, fill);
+    let ins = [
+        pad(b, q, 0.0)?,
+        pad(b, k, 0.0)?,
+        pad(b, v, 0.0)?,
+        pad(b, query_docs, 0.0)?,
+        pad(b, key_docs, -1.0)?,
+    ];
+    let ids = one_device_ids(b)?;
+    let fwd = forward_on_device(b, &ins, ids, chunks)?;
+    let out = b.slice_dim(fwd[0], 1, 0, t)?;
+    let out = b.reshape(out, &[bs, t, kvh * g * d])?;
+    let out = saves.point(b, out_point, out)?;
+    let lse = saves.point(b, LSE, fwd[1])?;
+    let rule: hlo::VjpRule = Rc::new(move |b, ins, outs, cts| {
+        let Some(dout) = cts[0] else {
+            return Ok(vec![None; ins.len()]);
+        };
+        // out and its cotangent back as [B, T', KV, G, D], padded as the inputs are.
+        let padded_rows = |b: &mut Builder, x: Value| -> Result<Value> {
+            let x = b.reshape(x, &[bs, t, kvh, g, d])?;
+            pad_dim(b, x, 1, tp - t, 0.0)
+        };
+        let out = padded_rows(b, outs[0])?;
+        let dout = padded_rows(b, dout)?;
+        let ids = one_device_ids(b)?;
+        let grads = backward_on_device(b, ins, (ids, out, outs[1], dout), chunks)?;
+        Ok(grads.into_iter().map(Some).chain([None, None]).collect())
+    });
+    let outs = b.custom_vjp(&ins, &[out, lse], rule);
+    Ok(outs[0])
+}
+
+/// The chunk ids [1, 2] of one device: the sequence's two halves.
+fn one_device_ids(b: &mut Builder) -> Result<Value> {
+    b.constant(
+        hlo::Literal::Int(vec![0, 1]),
+        Shape::new(&[1, 2], DType::S32),
+    )
+}
+
+/// `x` with `n` more rows of `fill` at the end of dim `dim`.
+pub(crate) fn pad_dim(b: &mut Builder, x: Value, dim: usize, n: i64, fill: f64) -> Result<Value> {
+    if n == 0 {
+        return Ok(x);
+    }
+    let r = b.rank(x);
+    let mut high = vec![0; r];
+    high[dim] = n;
+    let fill = b.scalar(fill, b.dtype(x));
+    b.pad(x, fill, &vec![0; r], &high, &vec![0; r])
+}
+
+/// One device's forward pass, from its shard of the operands in the model's layout: q
+/// [B, 2C, KV, G, D] (its two chunks), k and v [B, NC C, KV, D] (every chunk, natural order),
+/// query starts [B, 2C], key starts [B, NC C] and its chunk ids [1, 2]. Returns (out
+/// [B, 2C, KV, G, D], lse [B, KV, 2, Cp, G]).
+pub(crate) fn forward_on_device(
+    b: &mut Builder,
+    ins: &[Value],
+    ids: Value,
+    ch: Chunks,
+) -> Result<Vec<Value>> {
+    let (q, k, v, qdocs, kdocs) = (ins[0], ins[1], ins[2], ins[3], ins[4]);
+    let qd = b.dims(q).to_vec();
+    let (kvh, g) = (qd[2], qd[3]);
+    let kin = [
+        ("q", to_kernel_queries(b, q, ch)?),
+        ("k", to_kernel_keys(b, k, ch)?),
+        ("v", to_kernel_keys(b, v, ch)?),
+        ("query_docs", to_kernel_rows(b, qdocs, 2, ch, 0.0)?),
+        ("key_docs", to_kernel_keys_flat(b, kdocs, ch)?),
+        ("chunk_ids", b.reshape(ids, &[2])?),
+    ];
+    let outs = b.composite(
+        (ATTENTION, VERSION),
+        ch.attributes((kvh, g)),
+        &kin,
+        |b, p| kernel_forward(b, p, ch),
+    )?;
+    Ok(vec![from_kernel_queries(b, outs[0], ch)?, outs[1]])
+}
+
+/// One device's backward pass: the operands as [`forward_on_device`] takes them, its chunk ids,
+/// and (out, lse) with out's cotangent; returns the cotangents of q [B, 2C, KV, G, D], k and v
+/// [B, NC C, KV, D] (this device's share: every device adds to every key).
+pub(crate) fn backward_on_device(
+    b: &mut Builder,
+    ins: &[Value],
+    (ids, out, lse, dout): (Value, Value, Value, Value),
+    ch: Chunks,
+) -> Result<Vec<Value>> {
+    let (q, k, v, qdocs, kdocs) = (ins[0], ins[1], ins[2], ins[3], ins[4]);
+    let qd = b.dims(q).to_vec();
+    let (kvh, g) = (qd[2], qd[3]);
+    let kin = [
+        ("q", to_kernel_queries(b, q, ch)?),
+        ("k", to_kernel_keys(b, k, ch)?),
+        ("v", to_kernel_keys(b, v, ch)?),
+        ("query_docs", to_kernel_rows(b, qdocs, 2, ch, 0.0)?),
+        ("key_docs", to_kernel_keys_flat(b, kdocs, ch)?),
+        ("chunk_ids", b.reshape(ids, &[2])?),
+        ("out", to_kernel_queries(b, out, ch)?),
+        ("lse", lse),
+        ("dout", to_kernel_queries(b, dout, ch)?),
+    ];
+    let outs = b.composite(
+        (ATTENTION_GRAD, VERSION),
+        ch.attributes((kvh, g)),
+        &kin,
+        |b, p| kernel_backward(b, p, ch),
+    )?;
+    let dq = from_kernel_queries(b, outs[0], ch)?;
+    let dk = from_kernel_keys(b, outs[1], ch)?;
+    let dv = from_kernel_keys(b, outs[2], ch)?;
+    Ok(vec![dq, dk, dv])
+}
+
+// ------------------------------------------------------------ the kernel's layouts
+
+/// [B, N C, ...] -> [B, N, Cp, ...]: each chunk padded to whole blocks with `fill`.
+fn to_kernel_rows(b: &mut Builder, x: Value, n: i64, ch: Chunks, fill: f64) -> Result<Value> {
+    let mut dims = b.dims(x).to_vec();
+    dims.splice(1..2, [n, ch.c]);
+    let x = b.reshape(x, &dims)?;
+    pad_dim(b, x, 2, ch.cp - ch.c, fill)
+}
+
+/// Queries (or anything shaped like them) [B, 2C, KV, G, D] -> [B, KV, 2, Cp, G, D].
+fn to_kernel_queries(b: &mut Builder, x: Value, ch: Chunks) -> Result<Value> {
+    let x = to_kernel_rows(b, x, 2, ch, 0.0)?;
+    b.transpose(x, &[0, 3, 1, 2, 4, 5])
+}
+
+/// [B, KV, 2, Cp, G, D] -> [B, 2C, KV, G, D], the padding cut off.
+fn from_kernel_queries(b: &mut Builder, x: Value, ch: Chunks) -> Result<Value> {
+    let x = b.slice_dim(x, 3, 0, ch.c)?;
+    let x = b.transpose(x, &[0, 2, 3, 1, 4, 5])?;
+    let d = b.dims(x).to_vec();
+    b.reshape(x, &[d[0], 2 * ch.c, d[3], d[4], d[5]])
+}
+
+/// Keys or values [B, NC C, KV, D] -> [B, KV, NC Cp, D].
+fn to_kernel_keys(b: &mut Builder, x: Value, ch: Chunks) -> Result<Value> {
+    let x = to_kernel_rows(b, x, ch.nc, ch, 0.0)?;
+    let x = b.transpose(x, &[0, 3, 1, 2, 4])?;
+    let d = b.dims(x).to_vec();
+    b.reshape(x, &[d[0], d[1], ch.nc * ch.cp, d[4]])
+}
+
+/// Key document starts [B, NC C] -> [B, NC Cp], the padding -1 (before every document).
+fn to_kernel_keys_flat(b: &mut Builder, x: Value, ch: Chunks) -> Result<Value> {
+    let x = to_kernel_rows(b, x, ch.nc, ch, -1.0)?;
+    let bs = b.dims(x)[0];
+    b.reshape(x, &[bs, ch.nc * ch.cp])
+}
+
+/// [B, KV, NC Cp, D] -> [B, NC C, KV, D], the padding cut off.
+fn from_kernel_keys(b: &mut Builder, x: Value, ch: Chunks) -> Result<Value> {
+    let d = b.dims(x).to_vec();
+    let x = b.reshape(x, &[d[0], d[1], ch.nc, ch.cp, d[3]])?;
+    let x = b.slice_dim(x, 3, 0, ch.c)?;
+    let x = b.transpose(x, &[0, 2, 3, 1, 4])?;
+    b.reshape(x, &[d[0], ch.nc * ch.c, d[1], d[3]])
+}
