@@ -22,7 +22,7 @@ use std::path::{Path, PathBuf};
 use xtrain::model::lora::{LoraConfig, Target};
 use xtrain::model::presets::resolve_model_config;
 use xtrain::program::sharding::{parse_mesh, Rules};
-use xtrain::program::{self, MeshPlan, Remat, StepSpec};
+use xtrain::program::{self, MeshPlan, Quant, Remat, ResultType, StepSpec};
 
 /// The tiny model's flags every tiny configuration starts from.
 const TINY: &[&str] = &[
@@ -146,7 +146,14 @@ const COMPILES: &[(&str, bool, &[&str])] = &[
     (
         "8b-bf16",
         false,
-        &["--model", "llama-3.1-8b", "--dtype", "bf16", "--lora-r", "16"],
+        &[
+            "--model",
+            "llama-3.1-8b",
+            "--dtype",
+            "bf16",
+            "--lora-r",
+            "16",
+        ],
     ),
     (
         "8b-nf4-fsdp8",
@@ -167,14 +174,7 @@ const COMPILES: &[(&str, bool, &[&str])] = &[
     (
         "8b-f32-none",
         false,
-        &[
-            "--model",
-            "llama-3.1-8b",
-            "--seq",
-            "256",
-            "--remat",
-            "none",
-        ],
+        &["--model", "llama-3.1-8b", "--seq", "256", "--remat", "none"],
     ),
 ];
 
@@ -319,14 +319,14 @@ fn library_specs() -> Vec<(&'static str, StepSpec)> {
         (
             "bf16-wide",
             StepSpec {
-                wide_matmul_results: true,
+                matmul_result: ResultType::F32,
                 ..base(DType::BF16)
             },
         ),
         (
             "nf4",
             StepSpec {
-                nf4: true,
+                quant: Quant::Nf4,
                 ..base(DType::F32)
             },
         ),
@@ -341,7 +341,7 @@ fn library_specs() -> Vec<(&'static str, StepSpec)> {
             "save-proj-accum-chunk-block",
             StepSpec {
                 remat: Remat::SaveProj,
-                microbatches: 2,
+                grad_accum: 2,
                 loss_chunk: Some(16),
                 attention_block: Some(32),
                 ..base(DType::BF16)
@@ -358,7 +358,7 @@ fn library_specs() -> Vec<(&'static str, StepSpec)> {
             "mesh-tensor2-nf4-none",
             StepSpec {
                 mesh: Some(mesh("tensor=2")),
-                nf4: true,
+                quant: Quant::Nf4,
                 remat: Remat::None,
                 ..base(DType::BF16)
             },

@@ -139,7 +139,7 @@ fn nf4_base_weights_take_about_half_a_byte_per_parameter() {
         targets: xtrain::model::lora::Target::ALL.to_vec(),
     };
     let spec = StepSpec {
-        nf4: true,
+        quant: xtrain::program::Quant::Nf4,
         ..StepSpec::new(cfg.clone(), lora, 1, 128, hlo::DType::BF16)
     };
     let p = program::build_train_step(&spec).unwrap();
@@ -192,7 +192,11 @@ fn smollm2_loss_with_nf4_is_close_to_bf16() {
             targets: vec![xtrain::model::lora::Target::Q],
         };
         let spec = StepSpec {
-            nf4,
+            quant: if nf4 {
+                xtrain::program::Quant::Nf4
+            } else {
+                xtrain::program::Quant::None
+            },
             ..StepSpec::new(cfg.clone(), lora, 1, 32, hlo::DType::BF16)
         };
         let p = program::build_grad_program(&spec).unwrap();

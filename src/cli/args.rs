@@ -11,8 +11,8 @@ use std::path::PathBuf;
 use xtrain::model::lora::{LoraConfig, Target};
 use xtrain::model::optim::AdamW;
 use xtrain::program::{
-    parse_dtype, KeyBlocks, Offload, Remat, ResultType, StepOptions, DEFAULT_ATTENTION_SCORES,
-    DEFAULT_MATMUL_RESULT,
+    parse_dtype, KeyBlocks, Offload, Quant, Remat, ResultType, StepOptions,
+    DEFAULT_ATTENTION_SCORES, DEFAULT_MATMUL_RESULT,
 };
 
 #[derive(Args)]
@@ -121,7 +121,7 @@ pub struct StepArgs {
     /// of 64, double-quantized scales), dequantized in the step right before each matmul.
     #[arg(long = "quant", id = "quant", value_name = "QUANT", default_value = "none", hide_default_value = true,
           action = clap::ArgAction::Set, value_parser = parse_quant, help_heading = "Scale")]
-    pub nf4: bool,
+    pub quant: Quant,
     /// Keep in host memory instead of the device's: frozen (the frozen layer weights, each
     /// layer copied in just before use), activations (what the backward pass reads back), all,
     /// none, or auto (the least of these that makes the step fit the device; none on CPU and when
@@ -183,9 +183,9 @@ impl StepArgs {
             adam: self.adam()?,
             dtype: self.dtype,
             remat: self.remat.0,
-            microbatches: self.grad_accum,
+            grad_accum: self.grad_accum,
             mesh: self.mesh()?,
-            nf4: self.nf4,
+            quant: self.quant,
             loss_chunk: self.loss_chunk,
             attention_block: self.attention_block,
             key_block: self.key_block,
@@ -229,12 +229,8 @@ fn offload_or_auto(s: &str) -> Result<OrAuto<Offload>> {
 }
 
 /// `--quant`: whether the base weights are NF4.
-fn parse_quant(s: &str) -> Result<bool> {
-    match s {
-        "none" => Ok(false),
-        "nf4" => Ok(true),
-        other => bail!("--quant must be nf4 or none, got `{other}`"),
-    }
+fn parse_quant(s: &str) -> Result<Quant> {
+    Quant::parse(s)
 }
 
 /// `--matmul-result` or `--attention-scores`: f32 or compute (clap lists them and refuses others).

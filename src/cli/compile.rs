@@ -455,16 +455,16 @@ fn write_program(a: &CompileArgs, spec: &StepSpec) -> Result<(Program, Manifest)
     println!(
         "step: --dtype {} (weights {}, compute {}), --batch {}, --seq {}, --lora-r {} (alpha {}, on {}), --remat {}, --grad-accum {}{}{}",
         a.step.dtype,
-        spec.weight_dtype,
-        spec.compute_dtype,
+        spec.dtype,
+        spec.dtype,
         spec.batch,
         spec.seq,
         spec.lora.r,
         spec.lora.alpha,
         targets.join(","),
         spec.remat.name(),
-        spec.microbatches,
-        if spec.nf4 { ", --quant nf4" } else { "" },
+        spec.grad_accum,
+        if spec.quant.is_nf4() { ", --quant nf4" } else { "" },
         mesh,
     );
     println!(
@@ -480,17 +480,13 @@ fn write_program(a: &CompileArgs, spec: &StepSpec) -> Result<(Program, Manifest)
 /// The flags of the program's form as the spec has them (the same for every target; see
 /// docs/architecture.md), so that a user sees what the defaults chose.
 fn form_flags(spec: &StepSpec) -> String {
-    let bf16 = spec.compute_dtype == hlo::DType::BF16;
+    let bf16 = spec.dtype == hlo::DType::BF16;
     let mut flags = Vec::new();
     if bf16 {
-        let name = |f32_: bool| if f32_ { "f32" } else { "compute" };
-        flags.push(format!(
-            "--matmul-result {}",
-            name(spec.wide_matmul_results)
-        ));
+        flags.push(format!("--matmul-result {}", spec.matmul_result.name()));
         flags.push(format!(
             "--attention-scores {}",
-            name(!spec.narrow_attention_scores)
+            spec.attention_scores.name()
         ));
     }
     let cp = spec.context_size();
@@ -513,10 +509,7 @@ fn form_flags(spec: &StepSpec) -> String {
         }
     }
     if spec.remat == Remat::Layer {
-        flags.push(format!(
-            "--keep-softmax-stats {}",
-            spec.layer_keeps_softmax_stats
-        ));
+        flags.push(format!("--keep-softmax-stats {}", spec.keep_softmax_stats));
     }
     if spec.mesh.is_some() {
         flags.push(format!(

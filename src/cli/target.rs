@@ -237,12 +237,12 @@ fn print_estimate(t: &TargetDevices, spec: &StepSpec) -> Result<Option<StepEstim
                 100.0 * m,
                 model_flops / 1e12,
                 // The only peak xtrain knows; the matrix units give no more in another dtype.
-                if spec.compute_dtype == hlo::DType::BF16 {
+                if spec.dtype == hlo::DType::BF16 {
                     String::new()
                 } else {
                     format!(
                         ": this step computes in {}, for which xtrain knows no peak of its own",
-                        spec.compute_dtype
+                        spec.dtype
                     )
                 }
             ),

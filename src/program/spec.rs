@@ -72,8 +72,12 @@ impl Remat {
     }
 }
 
-/// What the program is built for.
+/// What the program is built for. Each field is named as the flag that sets it (`--grad-accum`,
+/// `--quant`, `--matmul-result`), and is written so in `manifest.json` (kebab-case). A manifest
+/// of an earlier xtrain, which named some of them otherwise (`microbatches`, `nf4`,
+/// `wide_matmul_results`, `weight_dtype` beside `compute_dtype`), still reads: the aliases below.
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
 pub struct StepSpec {
     pub model: LlamaConfig,
     pub lora: LoraConfig,
@@ -81,60 +85,103 @@ pub struct StepSpec {
     /// Rows of the batch the step takes (all microbatches together).
     pub batch: i64,
     pub seq: i64,
-    /// Element type of the frozen weights as the program takes them.
-    #[serde(serialize_with = "ser_dtype", deserialize_with = "de_dtype")]
-    pub weight_dtype: DType,
-    /// Element type of activations and matmuls.
-    #[serde(serialize_with = "ser_dtype", deserialize_with = "de_dtype")]
-    pub compute_dtype: DType,
+    /// Element type of the frozen weights as the program takes them, and of activations and
+    /// matmuls (an earlier xtrain wrote the same type twice, as `weight_dtype` and
+    /// `compute_dtype`).
+    #[serde(
+        alias = "compute_dtype",
+        serialize_with = "ser_dtype",
+        deserialize_with = "de_dtype"
+    )]
+    pub dtype: DType,
     pub remat: Remat,
     /// Gradient accumulation: the batch is split into this many microbatches, looped inside
     /// the step, with one optimizer update.
-    pub microbatches: i64,
+    #[serde(alias = "microbatches")]
+    pub grad_accum: i64,
     /// The device mesh and sharding rules (None: one device).
     #[serde(default)]
     pub mesh: Option<MeshPlan>,
     /// QLoRA: the projections' frozen weights as NF4 (4-bit NormalFloat, double-quantized
     /// scales), dequantized inside the step right before each matmul.
-    #[serde(default)]
-    pub nf4: bool,
+    #[serde(default, alias = "nf4", deserialize_with = "de_quant")]
+    pub quant: Quant,
     /// With looped layers, compute the loss and its gradient this many positions at a time, so
     /// the [B, T, V] logits never exist whole (None: all at once; off by default, since on a
     /// mesh it did not lower the memory: docs/performance.md).
-    #[serde(default)]
+    #[serde(default, alias = "loss_chunk")]
     pub loss_chunk: Option<i64>,
     /// Query rows per causal attention block (blocks above the diagonal are skipped); None: the
     /// model's rule (`model::llama::query_block`: two blocks when the sequence is a multiple of
     /// 256, else one).
-    #[serde(default)]
+    #[serde(default, alias = "attention_block")]
     pub attention_block: Option<i64>,
     /// Attention over key/value blocks of this many tokens with the flash recurrence, its
     /// memory linear in the sequence (`--key-block`; see `model::flash`); None: every key at
     /// once, the queries in blocks of `attention_block`.
-    #[serde(default)]
+    #[serde(default, alias = "key_block")]
     pub key_block: Option<i64>,
-    /// bf16 matmuls give their f32 accumulator, rounded to bf16 right after, instead of a bf16
-    /// result (`--matmul-result f32`): the same arithmetic in another form (see
-    /// [`crate::model::llama::Numerics::matmul_result`]).
-    #[serde(default)]
-    pub wide_matmul_results: bool,
-    /// The attention scores are written in the compute type (bf16 with bf16 compute, as Hugging
-    /// Face's eager attention has them) instead of f32 before the softmax
-    /// (`--attention-scores compute`; see [`crate::model::llama::Numerics::scores`]).
-    #[serde(default)]
-    pub narrow_attention_scores: bool,
-    /// `--remat layer` also keeps each layer's softmax row max and sum (`--keep-softmax-stats`),
-    /// so the recomputation skips the row max's pass over the scores.
-    #[serde(default)]
-    pub layer_keeps_softmax_stats: bool,
+    /// The type bf16 matmuls give their result in: f32 (their accumulator, rounded to bf16 right
+    /// after) or the compute type: the same arithmetic in another form (see
+    /// [`crate::model::llama::Numerics::matmul_result`]). f32 with f32 compute.
+    #[serde(
+        default = "ResultType::compute",
+        alias = "wide_matmul_results",
+        deserialize_with = "de_matmul_result"
+    )]
+    pub matmul_result: ResultType,
+    /// The type the attention scores are written in before the softmax: the compute type (bf16
+    /// with bf16 compute, as Hugging Face's eager attention has them) or f32 (see
+    /// [`crate::model::llama::Numerics::scores`]). f32 with f32 compute.
+    #[serde(
+        default = "ResultType::f32",
+        alias = "narrow_attention_scores",
+        deserialize_with = "de_attention_scores"
+    )]
+    pub attention_scores: ResultType,
+    /// `--remat layer` also keeps each layer's softmax row max and sum, so the recomputation
+    /// skips the row max's pass over the scores.
+    #[serde(default, alias = "layer_keeps_softmax_stats")]
+    pub keep_softmax_stats: bool,
     /// On a mesh, the MLP's hidden activations are pinned where the sharding rules put
-    /// activations (`--pin-mlp-activations`; see `model::llama::Llama::pin`) instead of left
-    /// to the partitioner.
-    #[serde(default)]
+    /// activations (see `model::llama::Llama::pin`) instead of left to the partitioner.
+    #[serde(default, alias = "pin_mlp_activations")]
     pub pin_mlp_activations: bool,
     /// What the step keeps in host memory instead of the device's (looped layers only).
     #[serde(default, skip_serializing_if = "Offload::is_none")]
     pub offload: Offload,
+}
+
+/// `--quant`: the frozen projections as the checkpoint has them, or as NF4 (QLoRA).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Quant {
+    #[default]
+    None,
+    Nf4,
+}
+
+impl Quant {
+    /// `--quant` as given.
+    pub fn parse(s: &str) -> Result<Quant> {
+        match s {
+            "none" => Ok(Quant::None),
+            "nf4" => Ok(Quant::Nf4),
+            other => bail!("--quant must be nf4 or none, got `{other}`"),
+        }
+    }
+
+    /// The `--quant` value that gives this.
+    pub fn name(self) -> &'static str {
+        match self {
+            Quant::None => "none",
+            Quant::Nf4 => "nf4",
+        }
+    }
+
+    pub fn is_nf4(self) -> bool {
+        self == Quant::Nf4
+    }
 }
 
 /// Host offload (XLA memory kinds; `pinned_host` memory that the device reads by DMA): the
@@ -276,18 +323,18 @@ impl StepSpec {
             adam: AdamW::default(),
             batch,
             seq,
-            weight_dtype: dtype,
-            compute_dtype: dtype,
+            dtype,
             remat: Remat::Layer,
-            microbatches: 1,
+            grad_accum: 1,
             mesh: None,
-            nf4: false,
+            quant: Quant::None,
             loss_chunk: None,
             attention_block: None,
             key_block: None,
-            wide_matmul_results: false,
-            narrow_attention_scores: false,
-            layer_keeps_softmax_stats: false,
+            // The results in the compute type (with f32 compute, f32 either way).
+            matmul_result: ResultType::Compute,
+            attention_scores: ResultType::F32,
+            keep_softmax_stats: false,
             pin_mlp_activations: false,
             offload: Offload::NONE,
         }
@@ -296,10 +343,9 @@ impl StepSpec {
     /// This spec with the program form's defaults (`--matmul-result`, `--attention-scores`) for
     /// its compute type, as the commands that take no such flags (`generate`) build it.
     pub fn with_default_form(self) -> StepSpec {
-        let bf16 = self.compute_dtype != DType::F32;
         StepSpec {
-            wide_matmul_results: bf16 && DEFAULT_MATMUL_RESULT == ResultType::F32,
-            narrow_attention_scores: bf16 && DEFAULT_ATTENTION_SCORES == ResultType::Compute,
+            matmul_result: ResultType::in_effect(DEFAULT_MATMUL_RESULT, self.dtype),
+            attention_scores: ResultType::in_effect(DEFAULT_ATTENTION_SCORES, self.dtype),
             ..self
         }
     }
@@ -374,7 +420,7 @@ pub(super) fn check_spec(spec: &StepSpec) -> Result<()> {
             spec.model.max_position_embeddings
         );
     }
-    if spec.nf4 {
+    if spec.quant.is_nf4() {
         check_nf4_blocks(&spec.model)?;
     }
     check_lora_rank(spec)?;
@@ -404,17 +450,17 @@ pub(super) fn check_spec(spec: &StepSpec) -> Result<()> {
             );
         }
     }
-    if spec.microbatches < 1 {
-        bail!("--grad-accum must be at least 1, got {}", spec.microbatches);
+    if spec.grad_accum < 1 {
+        bail!("--grad-accum must be at least 1, got {}", spec.grad_accum);
     }
-    if spec.batch % spec.microbatches != 0 {
+    if spec.batch % spec.grad_accum != 0 {
         bail!(
             "--grad-accum {} must divide the batch size {}",
-            spec.microbatches,
+            spec.grad_accum,
             spec.batch
         );
     }
-    if spec.layer_keeps_softmax_stats && spec.remat == Remat::None {
+    if spec.keep_softmax_stats && spec.remat == Remat::None {
         bail!(
             "--keep-softmax-stats is for --remat layer (save-proj keeps the statistics anyway); \
              with --remat none the backward pass recomputes nothing"
@@ -535,12 +581,12 @@ pub struct StepOptions {
     pub dtype: DType,
     /// `--remat` when it names a policy; None for `auto` (see [`fit_choices`]).
     pub remat: Option<Remat>,
-    /// Gradient accumulation: microbatches per step.
-    pub microbatches: i64,
+    /// `--grad-accum`: microbatches per step.
+    pub grad_accum: i64,
     /// Device mesh and sharding rules (None: one device).
     pub mesh: Option<MeshPlan>,
-    /// QLoRA: NF4 base weights.
-    pub nf4: bool,
+    /// `--quant`: NF4 base weights (QLoRA), or as the checkpoint has them.
+    pub quant: Quant,
     /// Compute the loss this many positions at a time (looped layers).
     pub loss_chunk: Option<i64>,
     pub attention_block: Option<i64>,
@@ -561,13 +607,40 @@ pub struct StepOptions {
 
 /// The element type an intermediate result is given in: f32, or the step's compute type (bf16
 /// with `--dtype bf16`; with f32 compute both are f32).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum ResultType {
     F32,
     Compute,
 }
 
 impl ResultType {
+    fn f32() -> ResultType {
+        ResultType::F32
+    }
+
+    fn compute() -> ResultType {
+        ResultType::Compute
+    }
+
+    /// The type a result given as `self` has with compute type `dtype`: with f32 compute, f32
+    /// and compute are one type, said as f32.
+    pub fn in_effect(self, dtype: DType) -> ResultType {
+        if dtype == DType::F32 {
+            ResultType::F32
+        } else {
+            self
+        }
+    }
+
+    /// The element type it is with compute type `compute`.
+    pub fn dtype(self, compute: DType) -> DType {
+        match self {
+            ResultType::F32 => DType::F32,
+            ResultType::Compute => compute,
+        }
+    }
+
     /// `--matmul-result` or `--attention-scores` (named by `flag`) as given.
     pub fn parse(flag: &str, s: &str) -> Result<ResultType> {
         match s {
@@ -696,12 +769,11 @@ impl StepOptions {
             adam: self.adam.clone(),
             batch,
             seq,
-            weight_dtype: dtype,
-            compute_dtype: dtype,
+            dtype,
             remat: self.remat.unwrap_or(Remat::Layer),
-            microbatches: self.microbatches,
+            grad_accum: self.grad_accum,
             mesh: self.mesh.clone(),
-            nf4: self.nf4,
+            quant: self.quant,
             loss_chunk: self.loss_chunk,
             attention_block: self.attention_block,
             key_block: self.key_block.resolve(
@@ -710,10 +782,9 @@ impl StepOptions {
                 self.mesh.as_ref().map_or(1, MeshPlan::context_size),
             ),
             // With f32 compute every result is f32 either way; the spec says so.
-            wide_matmul_results: self.matmul_result == ResultType::F32 && dtype != DType::F32,
-            narrow_attention_scores: self.attention_scores == ResultType::Compute
-                && dtype != DType::F32,
-            layer_keeps_softmax_stats: self.keep_softmax_stats,
+            matmul_result: ResultType::in_effect(self.matmul_result, dtype),
+            attention_scores: ResultType::in_effect(self.attention_scores, dtype),
+            keep_softmax_stats: self.keep_softmax_stats,
             pin_mlp_activations: self.pin_mlp_activations,
             offload: self.offload.unwrap_or(Offload::NONE),
         };
@@ -735,6 +806,55 @@ pub(super) fn de_dtype<'de, D: serde::Deserializer<'de>>(
 ) -> std::result::Result<DType, D::Error> {
     let s: String = serde::Deserialize::deserialize(d)?;
     DType::parse(&s).ok_or_else(|| serde::de::Error::custom(format!("unknown element type `{s}`")))
+}
+
+/// `quant`, or an earlier manifest's `nf4` (true or false).
+fn de_quant<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Quant, D::Error> {
+    use serde::Deserialize;
+    #[derive(serde::Deserialize)]
+    #[serde(untagged)]
+    enum Written {
+        Nf4(bool),
+        Quant(Quant),
+    }
+    Ok(match Written::deserialize(d)? {
+        Written::Nf4(true) => Quant::Nf4,
+        Written::Nf4(false) => Quant::None,
+        Written::Quant(q) => q,
+    })
+}
+
+/// A result type, or an earlier manifest's bool that said it (`wide_matmul_results: true` is
+/// f32, `narrow_attention_scores: true` the compute type); `yes` is the type a true said.
+fn de_result_type<'de, D: serde::Deserializer<'de>>(
+    d: D,
+    yes: ResultType,
+    no: ResultType,
+) -> std::result::Result<ResultType, D::Error> {
+    use serde::Deserialize;
+    #[derive(serde::Deserialize)]
+    #[serde(untagged)]
+    enum Written {
+        Said(bool),
+        Type(ResultType),
+    }
+    Ok(match Written::deserialize(d)? {
+        Written::Said(true) => yes,
+        Written::Said(false) => no,
+        Written::Type(t) => t,
+    })
+}
+
+fn de_matmul_result<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> std::result::Result<ResultType, D::Error> {
+    de_result_type(d, ResultType::F32, ResultType::Compute)
+}
+
+fn de_attention_scores<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> std::result::Result<ResultType, D::Error> {
+    de_result_type(d, ResultType::Compute, ResultType::F32)
 }
 
 /// The step's options as `StepOptions::spec` completes and checks them, on the tiny model:
@@ -762,9 +882,9 @@ mod tests {
             adam: AdamW::default(),
             dtype,
             remat: None,
-            microbatches: 1,
+            grad_accum: 1,
             mesh: None,
-            nf4: false,
+            quant: Quant::None,
             loss_chunk: None,
             attention_block: None,
             key_block: KeyBlocks::Auto,
@@ -855,17 +975,21 @@ mod tests {
         }
         .spec(tiny(), 4, 64)
         .unwrap();
-        assert!(!f32_spec.wide_matmul_results && !f32_spec.narrow_attention_scores);
+        let f32_ = ResultType::F32;
+        assert_eq!(
+            (f32_spec.matmul_result, f32_spec.attention_scores),
+            (f32_, f32_)
+        );
         let bf16 = options(DType::BF16).spec(tiny(), 4, 64).unwrap();
-        assert!(bf16.wide_matmul_results && bf16.narrow_attention_scores);
+        assert_eq!(
+            (bf16.matmul_result, bf16.attention_scores),
+            (f32_, ResultType::Compute)
+        );
         let plain = StepSpec::new(tiny(), options(DType::BF16).lora, 4, 64, DType::BF16);
         let generated = plain.with_default_form();
         assert_eq!(
-            (
-                generated.wide_matmul_results,
-                generated.narrow_attention_scores
-            ),
-            (bf16.wide_matmul_results, bf16.narrow_attention_scores)
+            (generated.matmul_result, generated.attention_scores),
+            (bf16.matmul_result, bf16.attention_scores)
         );
         let e = format!(
             "{:#}",
@@ -902,12 +1026,12 @@ mod tests {
             e.contains("--loss-chunk 16") && e.contains("--remat none"),
             "{e}"
         );
-        let e = refused(&o(&|o| o.microbatches = 3), 4, 64);
+        let e = refused(&o(&|o| o.grad_accum = 3), 4, 64);
         assert!(
             e.contains("--grad-accum 3") && e.contains("batch size 4"),
             "{e}"
         );
-        let e = refused(&o(&|o| o.microbatches = 0), 4, 64);
+        let e = refused(&o(&|o| o.grad_accum = 0), 4, 64);
         assert!(e.contains("--grad-accum must be at least 1"), "{e}");
         let e = refused(&o(&|o| o.attention_block = Some(48)), 4, 64);
         assert!(
@@ -949,7 +1073,7 @@ mod tests {
             remat: Some(Remat::Layer),
             ..stats
         };
-        assert!(stats.spec(tiny(), 4, 64).unwrap().layer_keeps_softmax_stats);
+        assert!(stats.spec(tiny(), 4, 64).unwrap().keep_softmax_stats);
         let pin = StepOptions {
             pin_mlp_activations: true,
             ..options(DType::F32)
@@ -964,7 +1088,7 @@ mod tests {
         let mut cfg = tiny();
         (cfg.hidden_size, cfg.intermediate_size) = (36, 100);
         let o = StepOptions {
-            nf4: true,
+            quant: Quant::Nf4,
             ..options(DType::BF16)
         };
         let e = format!("{:#}", o.spec(cfg, 4, 64).unwrap_err());

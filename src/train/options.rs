@@ -227,7 +227,7 @@ impl TrainOptions {
         // the flags, so a bad one is refused before the data is read.
         let seq = (!self.data.is_batch_file()).then_some(self.data.seq);
         let batch = (!self.data.is_batch_file()).then_some(self.data.batch_size);
-        let m = self.step.microbatches;
+        let m = self.step.grad_accum;
         if m < 1 {
             bail!("--grad-accum must be at least 1, got {m}");
         }
