@@ -87,10 +87,12 @@ pub struct StepArgs {
     /// for long sequences and large vocabularies on one device).
     #[arg(long, help_heading = "Scale")]
     pub loss_chunk: Option<i64>,
-    /// Query rows per block of causal attention (blocks wholly above the diagonal are not
-    /// computed); default: two blocks when the sequence is a multiple of 256, else one.
-    #[arg(long, help_heading = "Program form")]
-    pub attention_block: Option<i64>,
+    /// Query rows per block of causal attention over every key at once (blocks wholly above the
+    /// diagonal are not computed); auto (or off): two blocks when the sequence is a multiple of
+    /// 256, else one, the value to give over a recipe's or a resumed run's.
+    #[arg(long, default_value = "auto", value_name = "N|auto|off", value_parser = attention_block_or_auto,
+          allow_negative_numbers = true, help_heading = "Program form")]
+    pub attention_block: OrAuto<i64>,
     /// Attention over key/value blocks of N tokens with the flash-attention recurrence, its
     /// memory linear in the sequence; off: every key at once; auto: 512 above 8192 tokens, else
     /// off.
@@ -187,7 +189,7 @@ impl StepArgs {
             mesh: self.mesh()?,
             quant: self.quant,
             loss_chunk: self.loss_chunk,
-            attention_block: self.attention_block,
+            attention_block: self.attention_block.0,
             key_block: self.key_block,
             matmul_result: self.matmul_result,
             attention_scores: self.attention_scores,
@@ -222,6 +224,20 @@ pub struct OrAuto<T>(pub Option<T>);
 
 fn remat_or_auto(s: &str) -> Result<OrAuto<Remat>> {
     Remat::parse_choice(s).map(OrAuto)
+}
+
+/// `--attention-block`: a positive number of query rows, or `auto` (also `off`) for the model's
+/// rule.
+fn attention_block_or_auto(s: &str) -> Result<OrAuto<i64>> {
+    match s {
+        "auto" | "off" => Ok(OrAuto(None)),
+        n => match n.parse::<i64>() {
+            Ok(n) if n >= 1 => Ok(OrAuto(Some(n))),
+            _ => bail!(
+                "--attention-block must be a positive number of query rows, auto or off, got `{s}`"
+            ),
+        },
+    }
 }
 
 fn offload_or_auto(s: &str) -> Result<OrAuto<Offload>> {

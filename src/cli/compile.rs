@@ -13,7 +13,9 @@ use xtrain::device::target::aot::{TargetBuild, TargetDevices};
 use xtrain::device::target::{Platform, Target};
 use xtrain::formats::program_dir::{self, Manifest};
 use xtrain::program::sharding::SplitsNothing;
-use xtrain::program::{default_choice, fit_choices, MeshPlan, Program, Remat, StepSpec};
+use xtrain::program::{
+    default_choice, fit_choices, AttentionBlockUnused, MeshPlan, Program, Remat, StepSpec,
+};
 
 #[derive(Args)]
 pub struct CompileArgs {
@@ -104,8 +106,14 @@ impl CompileArgs {
     }
 }
 
-/// `plugin_from_recipe`: the `--config` recipe, not the command line, gave `--plugin`.
-pub fn compile(mut a: CompileArgs, verbose: bool, plugin_from_recipe: bool) -> Result<()> {
+/// `recipe`: the `--config` recipe and the flags it gave (not typed on the command line).
+pub fn compile(
+    mut a: CompileArgs,
+    verbose: bool,
+    recipe: Option<crate::cli::Recipe>,
+) -> Result<()> {
+    let from_recipe = |flag: &str| recipe.as_ref().is_some_and(|(_, f)| f.contains(flag));
+    let plugin_from_recipe = from_recipe("plugin");
     // A recipe's top-level `plugin` serves `train` too: without --check it is left unused, not
     // refused; typed on the command line, it would do nothing.
     if a.plugin.is_some() && !a.check && plugin_from_recipe {
@@ -187,6 +195,15 @@ pub fn compile(mut a: CompileArgs, verbose: bool, plugin_from_recipe: bool) -> R
     let stage = xtrain::formats::atomic::staging_dir(&a.out)?;
     a.stage = Some(stage.clone());
     let result = compile_choices(&a, &cfg, &options, &devices, verbose).map_err(|e| {
+        if let Some(unused) = e.downcast_ref::<AttentionBlockUnused>() {
+            let source = match &recipe {
+                Some((file, _)) if from_recipe("attention-block") => {
+                    format!("the recipe {} gives", file.display())
+                }
+                _ => "the command line gives".to_string(),
+            };
+            return unused.from_source(&source);
+        }
         match (derived, e.downcast_ref::<SplitsNothing>()) {
             (Some(n), Some(s)) => derived_mesh_splits_nothing(&targets[0].spec, n, s),
             _ => e,
@@ -338,8 +355,41 @@ fn compile_choices(
         }
         check_targets(a, targets, spec, program, manifest, choice, next)
     };
-    first_that_fits(&choices, build, take)?;
+    let taken = first_that_fits(&choices, build, take)?;
+    if let (true, Some(((remat, offload), _))) = (a.check, taken) {
+        say_what_auto_chose(options, remat, offload, targets);
+    }
     Ok(())
+}
+
+/// `--remat auto` or `--offload auto` with `--check`: what auto chose, and for which targets'
+/// memory (the one choice of the step that follows the target; without one, the choice where
+/// the memory is not known).
+fn say_what_auto_chose(
+    options: &xtrain::program::StepOptions,
+    remat: Remat,
+    offload: xtrain::program::Offload,
+    targets: &[TargetDevices],
+) {
+    let mut chose = Vec::new();
+    if options.remat.is_none() {
+        chose.push(format!("--remat {}", remat.name()));
+    }
+    if options.offload.is_none() {
+        chose.push(format!("--offload {}", offload.name()));
+    }
+    if chose.is_empty() {
+        return;
+    }
+    let names: Vec<&str> = targets.iter().map(|t| t.target.spec.as_str()).collect();
+    let why = match names.len() {
+        0 => "this machine's plugin: without --target the devices' memory is not known, so auto \
+              is remat per layer and no offload"
+            .to_string(),
+        1 => format!("{}, by its devices' memory", names[0]),
+        _ => format!("{}, by every one's devices' memory", names.join(", ")),
+    };
+    println!("auto chose {} for {why}", chose.join(" "));
 }
 
 /// `--check --target`: compile one choice's step for every target, until one it does not fit.

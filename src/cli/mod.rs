@@ -127,7 +127,7 @@ fn parse() -> (Cli, clap::ArgMatches, Option<Recipe>) {
 }
 
 /// A `--config` recipe and the flags whose value it gave.
-type Recipe = (PathBuf, std::collections::BTreeSet<String>);
+pub(crate) type Recipe = (PathBuf, std::collections::BTreeSet<String>);
 
 /// Parse the command line and run the command; an error is printed as `error: ...` with exit code 1.
 pub fn main() {
@@ -153,10 +153,7 @@ pub fn main() {
             given_flags(matches.subcommand_matches("train")),
             recipe,
         ),
-        Command::Compile(a) => {
-            let plugin_from_recipe = recipe.is_some_and(|(_, flags)| flags.contains("plugin"));
-            compile::compile(*a, cli.verbose, plugin_from_recipe)
-        }
+        Command::Compile(a) => compile::compile(*a, cli.verbose, recipe),
         Command::ImportGguf {
             file,
             out,

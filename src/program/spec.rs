@@ -487,19 +487,28 @@ pub(super) fn check_spec(spec: &StepSpec) -> Result<()> {
 /// The attention's form: a key block, a context split and the query blocks of the whole-key
 /// form that go together.
 fn check_attention_form(spec: &StepSpec) -> Result<()> {
-    if spec.attention_block.is_some() && spec.context_size() > 1 {
-        bail!(
-            "--attention-block sets the query blocks of attention over every key at once, which \
-             a sequence split over the context axis does not use (it attends over key/value \
-             blocks: --key-block sets their size); leave it out"
-        );
-    }
-    if let (Some(_), Some(k)) = (spec.attention_block, spec.key_block) {
-        bail!(
-            "--attention-block sets the query blocks of attention over every key at once; with \
-             --key-block {k} the query blocks are the key blocks: give one of the two (or \
-             --key-block off)"
-        );
+    if let Some(r) = spec.attention_block {
+        if spec.context_size() > 1 {
+            return Err(AttentionBlockUnused {
+                block: r,
+                why: "which a sequence split over the context axis does not use (it attends \
+                      over key/value blocks: --key-block sets their size)"
+                    .into(),
+                other: String::new(),
+            }
+            .into());
+        }
+        if let Some(k) = spec.key_block {
+            return Err(AttentionBlockUnused {
+                block: r,
+                why: format!(
+                    "with key/value blocks of {k} (--key-block {k}, or auto above \
+                     {KEY_BLOCKS_ABOVE} tokens) the query blocks are the key blocks"
+                ),
+                other: format!(", or --key-block off to keep every key at once"),
+            }
+            .into());
+        }
     }
     if let Some(k) = spec.key_block {
         if k < 1 {
@@ -524,6 +533,45 @@ fn check_attention_form(spec: &StepSpec) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// `--attention-block N` where attention does not take query blocks of its own (a context axis,
+/// key/value blocks): refused as a type of its own, so that a command can name where N came from
+/// (a recipe, a checkpoint's run) before the refusal.
+#[derive(Debug)]
+pub struct AttentionBlockUnused {
+    pub block: i64,
+    /// Why the value is not used.
+    pub why: String,
+    /// The other way out, if any (", or ...").
+    pub other: String,
+}
+
+impl std::fmt::Display for AttentionBlockUnused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "--attention-block {} sets the query blocks of attention over every key at once, {}: \
+             give --attention-block auto (or leave it out){}",
+            self.block, self.why, self.other
+        )
+    }
+}
+
+impl std::error::Error for AttentionBlockUnused {}
+
+impl AttentionBlockUnused {
+    /// The refusal with where the value came from: `source` is "the recipe FILE gives",
+    /// "checkpoint DIR's run has", ...
+    pub fn from_source(&self, source: &str) -> anyhow::Error {
+        anyhow::anyhow!(
+            "{source} --attention-block {}, which sets the query blocks of attention over every \
+             key at once, {}: give --attention-block auto{}",
+            self.block,
+            self.why,
+            self.other
+        )
+    }
 }
 
 /// B A of rank r on a projection [out, in] has rank at most min(in, out): a larger r only adds
@@ -701,17 +749,15 @@ impl KeyBlocks {
     /// it: at 8192 tokens every key at once still fits a GPU or TPU for 8B, and it was the faster
     /// form both on the CPU (1.15x) and by the TPU cost model (1.5x; docs/performance.md),
     /// while from 16384 on its [heads, T/2, T] score blocks outgrow a device (8B on one H100:
-    /// 92 against 66 GiB). An `--attention-block` asks for the whole-key form, so `auto` keeps
-    /// it. With the sequence split over a context axis (`context` > 1) `auto` always takes key
-    /// blocks, the only form that splits it.
-    pub fn resolve(self, seq: i64, attention_block: Option<i64>, context: i64) -> Option<i64> {
+    /// 92 against 66 GiB). With the sequence split over a context axis (`context` > 1) `auto`
+    /// always takes key blocks, the only form that splits it. One rule, whatever else is given:
+    /// an `--attention-block` (a TPU recipe's) with auto's key blocks is refused by the spec's
+    /// check, naming both, not taken as a reason to keep every key at once.
+    pub fn resolve(self, seq: i64, context: i64) -> Option<i64> {
         match self {
             KeyBlocks::Size(n) => Some(n),
             KeyBlocks::Off => None,
-            KeyBlocks::Auto if context > 1 => Some(DEFAULT_KEY_BLOCK),
-            KeyBlocks::Auto if seq > KEY_BLOCKS_ABOVE && attention_block.is_none() => {
-                Some(DEFAULT_KEY_BLOCK)
-            }
+            KeyBlocks::Auto if context > 1 || seq > KEY_BLOCKS_ABOVE => Some(DEFAULT_KEY_BLOCK),
             KeyBlocks::Auto => None,
         }
     }
@@ -776,11 +822,9 @@ impl StepOptions {
             quant: self.quant,
             loss_chunk: self.loss_chunk,
             attention_block: self.attention_block,
-            key_block: self.key_block.resolve(
-                seq,
-                self.attention_block,
-                self.mesh.as_ref().map_or(1, MeshPlan::context_size),
-            ),
+            key_block: self
+                .key_block
+                .resolve(seq, self.mesh.as_ref().map_or(1, MeshPlan::context_size)),
             // With f32 compute every result is f32 either way; the spec says so.
             matmul_result: ResultType::in_effect(self.matmul_result, dtype),
             attention_scores: ResultType::in_effect(self.attention_scores, dtype),
@@ -900,18 +944,47 @@ mod tests {
         format!("{:#}", o.spec(tiny(), batch, seq).unwrap_err())
     }
 
-    /// `--key-block auto`: every key at once up to 8192 tokens, blocks of 512 above, always
-    /// blocks on a context axis, and the whole-key form when `--attention-block` asks for it; a
-    /// size or `off` as given.
+    /// One rule for `--key-block auto`: an `--attention-block` (as a TPU recipe gives) does not
+    /// turn auto's key blocks off above 8192 tokens (it did, silently, at 16k-32k); the two
+    /// together are refused as a typed error, which says how to keep either form.
     #[test]
-    fn key_blocks_resolve_by_the_sequence_the_context_and_the_attention_block() {
+    fn an_attention_block_does_not_turn_auto_key_blocks_off() {
+        let mut cfg = tiny();
+        cfg.max_position_embeddings = 32768;
+        let o = StepOptions {
+            attention_block: Some(512),
+            ..options(DType::BF16)
+        };
+        let e = o.spec(cfg.clone(), 1, 16384).unwrap_err();
+        let unused = e.downcast_ref::<AttentionBlockUnused>().expect("typed");
+        assert_eq!(unused.block, 512);
+        let e = format!("{e:#}");
+        assert!(
+            e.contains("--attention-block 512 sets the query blocks")
+                && e.contains("auto above 8192 tokens")
+                && e.contains("give --attention-block auto")
+                && e.contains("--key-block off"),
+            "{e}"
+        );
+        // Up to 8192 tokens auto keeps every key at once, in the blocks asked for.
+        assert_eq!(o.spec(cfg.clone(), 1, 8192).unwrap().key_block, None);
+        let off = StepOptions {
+            key_block: KeyBlocks::Off,
+            ..o
+        };
+        assert_eq!(off.spec(cfg, 1, 16384).unwrap().attention_block, Some(512));
+    }
+
+    /// `--key-block auto`: every key at once up to 8192 tokens, blocks of 512 above, always
+    /// blocks on a context axis; a size or `off` as given.
+    #[test]
+    fn key_blocks_resolve_by_the_sequence_and_the_context() {
         let auto = KeyBlocks::Auto;
-        assert_eq!(auto.resolve(8192, None, 1), None);
-        assert_eq!(auto.resolve(8193, None, 1), Some(DEFAULT_KEY_BLOCK));
-        assert_eq!(auto.resolve(131072, Some(1024), 1), None);
-        assert_eq!(auto.resolve(16, None, 2), Some(DEFAULT_KEY_BLOCK));
-        assert_eq!(KeyBlocks::Size(64).resolve(16, None, 1), Some(64));
-        assert_eq!(KeyBlocks::Off.resolve(131072, None, 1), None);
+        assert_eq!(auto.resolve(8192, 1), None);
+        assert_eq!(auto.resolve(8193, 1), Some(DEFAULT_KEY_BLOCK));
+        assert_eq!(auto.resolve(16, 2), Some(DEFAULT_KEY_BLOCK));
+        assert_eq!(KeyBlocks::Size(64).resolve(16, 1), Some(64));
+        assert_eq!(KeyBlocks::Off.resolve(131072, 1), None);
         for bad in ["0", "-3", "1.5", "nan", ""] {
             assert!(KeyBlocks::parse(bad).is_err(), "{bad}");
         }

@@ -74,7 +74,8 @@ fn run_in(opts: &TrainOptions, cfg: &LlamaConfig, interrupted: &AtomicBool) -> R
     if stop() {
         return Ok(Finished::Interrupted(None));
     }
-    let (rt, spec, program) = plan::plan(opts, cfg, data.batch, data.seq)?;
+    let (rt, spec, program) =
+        plan::plan(opts, cfg, data.batch, data.seq).map_err(|e| opts.name_the_source(e))?;
     let schedule = schedule(opts, &data.source);
     if schedule.warmup > schedule.total {
         eprintln!(

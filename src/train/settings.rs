@@ -531,6 +531,7 @@ fn reconcile(
         }
         taken.push(format!("--{flag} {}", show(want)));
         pinned.0.insert(flag.clone(), source.to_string());
+        o.taken_from.insert(flag.clone(), source.to_string());
     }
     Ok(taken)
 }
@@ -842,6 +843,7 @@ mod tests {
             explicit: Default::default(),
             recipe: None,
             sharding_rules: None,
+            taken_from: Default::default(),
         }
     }
 
