@@ -16,6 +16,9 @@ use std::path::{Path, PathBuf};
 /// The commands that take `--config`.
 pub const COMMANDS: &[&str] = &["train", "compile"];
 
+/// A `--config` recipe and the flags whose value it gave.
+pub type Recipe = (std::path::PathBuf, std::collections::BTreeSet<String>);
+
 /// A command line with its recipe's flags in place.
 pub struct Expanded {
     pub argv: Vec<OsString>,

@@ -8,11 +8,10 @@ mod bench;
 mod compile;
 mod config;
 mod convert;
-mod figures;
 mod generate;
 mod model;
 mod plugins;
-mod target;
+mod targets;
 mod train;
 
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
@@ -126,8 +125,7 @@ fn parse() -> (Cli, clap::ArgMatches, Option<Recipe>) {
     (cli, matches, expanded.recipe)
 }
 
-/// A `--config` recipe and the flags whose value it gave.
-pub(crate) type Recipe = (PathBuf, std::collections::BTreeSet<String>);
+use config::Recipe;
 
 /// Parse the command line and run the command; an error is printed as `error: ...` with exit code 1.
 pub fn main() {
@@ -161,7 +159,7 @@ pub fn main() {
         } => convert::import_gguf(&file, &out, overwrite),
         Command::Generate(a) => generate::generate(a),
         Command::Bench(a) => bench::bench(*a),
-        Command::Targets { name } => target::targets(name.as_deref()),
+        Command::Targets { name } => targets::targets(name.as_deref()),
         Command::Merge {
             model,
             revision,

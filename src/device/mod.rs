@@ -20,6 +20,7 @@ pub mod cache;
 pub mod generate;
 pub mod memory;
 pub mod platform;
+pub mod plugins;
 pub mod runtime;
 pub mod shards;
 pub mod target;
