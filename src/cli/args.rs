@@ -160,7 +160,7 @@ impl StepArgs {
     /// The sharding rules: `--sharding-rules`, else the defaults.
     pub fn rules(&self) -> Result<xtrain::program::sharding::Rules> {
         match &self.sharding_rules {
-            Some(p) => xtrain::program::sharding::Rules::load(p),
+            Some(p) => xtrain::formats::sharding_rules::read_rules(p),
             None => Ok(xtrain::program::sharding::Rules::default()),
         }
     }

@@ -15,5 +15,6 @@ pub mod outdir;
 pub mod peft;
 pub mod program_dir;
 pub mod safetensors;
+pub mod sharding_rules;
 pub mod shell;
 pub mod weights;

@@ -22,6 +22,7 @@ mod passes;
 pub mod sharding;
 mod signature;
 mod spec;
+pub mod spelling;
 
 pub use build::{
     build_eval, build_forward, build_grad_program, build_next_token, build_train_step,

@@ -318,7 +318,7 @@ impl RunSettings {
         // The mesh under the sharding rules of `--sharding-rules`, or the default rules.
         o.sharding_rules = (!sharding_rules.is_empty()).then(|| sharding_rules.into());
         let rules = match &o.sharding_rules {
-            Some(p) => sharding::Rules::load(p)?,
+            Some(p) => crate::formats::sharding_rules::read_rules(p)?,
             None => sharding::Rules::default(),
         };
         let axes = sharding::parse_mesh(&mesh)?.axes;
