@@ -45,7 +45,7 @@ pub fn survey(verbose: bool) -> Vec<FoundPlugin> {
     pjrt::discover::find_all()
         .into_iter()
         .map(|f| FoundPlugin {
-            loaded: load(&f.name, &f.path, verbose),
+            loaded: load(f.name, &f.path, verbose),
             name: f.name.to_string(),
             source: f.source.to_string(),
             path: f.path,

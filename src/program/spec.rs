@@ -505,7 +505,7 @@ fn check_attention_form(spec: &StepSpec) -> Result<()> {
                     "with key/value blocks of {k} (--key-block {k}, or auto above \
                      {KEY_BLOCKS_ABOVE} tokens) the query blocks are the key blocks"
                 ),
-                other: format!(", or --key-block off to keep every key at once"),
+                other: ", or --key-block off to keep every key at once".to_string(),
             }
             .into());
         }
