@@ -5,7 +5,6 @@
 //! cache, and every write atomic (a temp file or directory renamed into place). It may use `program` (for the manifest's spec and signature)
 //! and `model`; it knows nothing of devices or training.
 
-pub mod assets;
 pub mod atomic;
 pub mod gguf;
 pub mod host;
