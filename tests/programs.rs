@@ -17,8 +17,8 @@
 mod common;
 use common::*;
 use hlo::DType;
-use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
+use xtrain::formats::program_dir::sha256_hex as sha;
 use xtrain::model::lora::{LoraConfig, Target};
 use xtrain::model::presets::resolve_model_config;
 use xtrain::program::sharding::{parse_mesh, Rules};
@@ -189,13 +189,6 @@ const TINY_STEP: &[&str] = &[
     "--lora-r",
     "2",
 ];
-
-fn sha(bytes: &[u8]) -> String {
-    Sha256::digest(bytes)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
-}
 
 fn golden(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
