@@ -42,6 +42,11 @@ pub struct CompileArgs {
     /// Also compile it with the plugin and print XLA's memory figures and the compile time.
     #[arg(long)]
     pub check: bool,
+    /// With --check: a kernel to compile in place of the composite ops it implements
+    /// (repeatable), e.g. `every-key`; each build records what it replaced. The program's text
+    /// is the same with or without.
+    #[arg(long = "kernel", value_name = "NAME")]
+    pub kernel: Vec<String>,
     /// With --check: write XLA's optimized HLO here.
     #[arg(long)]
     pub xla_dump: Option<PathBuf>,
@@ -112,6 +117,7 @@ pub fn compile(
         out: a.out,
         overwrite: a.overwrite,
         check: a.check,
+        kernels: a.kernel,
         xla_dump: a.xla_dump,
         plugin: a.plugin,
         targets: a.target,

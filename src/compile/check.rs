@@ -20,8 +20,11 @@ pub(super) fn check(
     let a = w.o;
     let platform = crate::device::platform::named_platform(a.plugin.as_deref());
     crate::device::platform::check_offload(platform, spec.offload, "this step")?;
-    let rt = crate::device::runtime::Runtime::open(a.plugin.as_deref(), Some(program.partitions))?;
+    let mut rt =
+        crate::device::runtime::Runtime::open(a.plugin.as_deref(), Some(program.partitions))?;
     crate::device::platform::check_offload(&rt.platform(), spec.offload, "this step")?;
+    rt.use_kernels(&a.kernels)?;
+    let kernels = crate::device::kernels::say_used(&rt.kernels, &rt.kernel_text(program)?.1)?;
     let t0 = std::time::Instant::now();
     let exe = rt.compile_dumping(program, a.xla_dump.as_deref())?;
     let compile_s = t0.elapsed().as_secs_f64();
@@ -44,6 +47,7 @@ pub(super) fn check(
         memory_report: None,
         executable: exe.serialize()?,
         extra_options: Vec::new(),
+        kernels,
     };
     let by = Compiler {
         target: a.plugin.clone().unwrap_or_else(|| rt.platform()),

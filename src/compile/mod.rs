@@ -99,11 +99,22 @@ pub fn run(o: &CompileOptions) -> Result<CompileReport> {
             );
         }
     }
+    if !o.kernels.is_empty() && !o.check {
+        bail!(
+            "--kernel {} replaces a composite when the program is compiled: add --check (the \
+             program's text is the same with or without)",
+            o.kernels.join(" --kernel ")
+        );
+    }
     // The compilers of the targets, opened only to compile (--check): the text needs none.
     let compilers: Vec<TargetDevices> = if o.check {
         targets
             .iter()
-            .map(|t| TargetDevices::open(t, o.plugin.as_deref(), o.verbose))
+            .map(|t| {
+                let mut d = TargetDevices::open(t, o.plugin.as_deref(), o.verbose)?;
+                d.kernels = crate::device::kernels::chosen(&o.kernels, t.platform.plugin())?;
+                Ok(d)
+            })
             .collect::<Result<_>>()?
     } else {
         Vec::new()

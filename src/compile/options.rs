@@ -27,6 +27,9 @@ pub struct CompileOptions {
     pub inputs: Vec<PathBuf>,
     /// Also compile the program (with this machine's plugin, or for `targets`).
     pub check: bool,
+    /// With `check`: the kernels (`--kernel`) to compile in place of the composites they
+    /// implement.
+    pub kernels: Vec<String>,
     /// With `check`: write XLA's optimized HLO here.
     pub xla_dump: Option<PathBuf>,
     /// With `check` and no target: the plugin to compile with; with targets: their plugin file.

@@ -4,7 +4,7 @@
 use crate::compile::figures::gib;
 use crate::compile::options::Writing;
 use crate::formats::program_dir::{self, Manifest};
-use crate::program::{MeshPlan, Program, Remat, StepSpec};
+use crate::program::{MeshPlan, Program, StepSpec};
 use anyhow::Result;
 
 /// Build the step and write its program dir, saying what it holds.
@@ -72,52 +72,9 @@ pub(super) fn write_program(w: &Writing, spec: &StepSpec) -> Result<(Program, Ma
         gib(arg_bytes),
         spec.model.param_count()
     );
-    println!("form: {}", form_flags(spec));
+    println!("form: {}", spec.form());
     println!("program sha256 {}", manifest.program_sha256);
     Ok((program, manifest))
-}
-
-/// The flags of the program's form as the spec has them (the same for every target; see
-/// docs/architecture.md), so that a user sees what the defaults chose.
-fn form_flags(spec: &StepSpec) -> String {
-    let bf16 = spec.dtype == hlo::DType::BF16;
-    let mut flags = Vec::new();
-    if bf16 {
-        flags.push(format!("--matmul-result {}", spec.matmul_result.name()));
-        flags.push(format!(
-            "--attention-scores {}",
-            spec.attention_scores.name()
-        ));
-    }
-    let cp = spec.context_size();
-    match spec.key_block {
-        Some(k) if cp > 1 => flags.push(format!(
-            "--key-block {k} (blocks of {} tokens: the sequence is split into chunks of {})",
-            crate::model::context::key_block(spec.seq, cp, k),
-            spec.seq / (2 * cp)
-        )),
-        Some(k) => flags.push(format!(
-            "--key-block {k} (blocks of {})",
-            crate::model::flash::key_block(spec.seq, k)
-        )),
-        None => {
-            flags.push("--key-block off".to_string());
-            flags.push(format!(
-                "--attention-block {}",
-                crate::model::llama::query_block(spec.seq, spec.attention_block)
-            ));
-        }
-    }
-    if spec.remat == Remat::Layer {
-        flags.push(format!("--keep-softmax-stats {}", spec.keep_softmax_stats));
-    }
-    if spec.mesh.is_some() {
-        flags.push(format!(
-            "--pin-mlp-activations {}",
-            spec.pin_mlp_activations
-        ));
-    }
-    flags.join(", ")
 }
 
 /// The mesh and which device sits where on it.

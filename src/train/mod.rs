@@ -76,6 +76,11 @@ fn run_in(opts: &TrainOptions, cfg: &LlamaConfig, interrupted: &AtomicBool) -> R
     }
     let (rt, spec, program) =
         plan::plan(opts, cfg, data.batch, data.seq).map_err(|e| opts.name_the_source(e))?;
+    if spec.key_block.is_some() {
+        // The attention's form decides its speed and memory at long context: said as compile
+        // says it.
+        eprintln!("xtrain: form: {}", spec.form());
+    }
     let schedule = schedule(opts, &data.source);
     if schedule.warmup > schedule.total {
         eprintln!(

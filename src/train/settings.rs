@@ -844,6 +844,7 @@ mod tests {
             recipe: None,
             sharding_rules: None,
             taken_from: Default::default(),
+            kernels: Vec::new(),
         }
     }
 
