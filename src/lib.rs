@@ -7,10 +7,13 @@
 //! - [`formats`]: files on disk (safetensors, checkpoints, adapters, GGUF, program dirs);
 //! - [`data`]: JSONL examples to tokenized rows to batches;
 //! - [`device`]: a PJRT plugin, compiled programs, the trainer's state on the devices;
-//! - [`train`]: the recipes that put them together (`xtrain train`, `xtrain bench`).
+//! - [`train`]: the recipes that put them together (`xtrain train`, `xtrain bench`);
+//! - [`compile`]: `xtrain compile`, the step's program dir without weights, compiled with
+//!   `--check` for this machine or for absent targets.
 //!
 //! The command line (`src/cli`) is the binary's, on top of all of them.
 
+pub mod compile;
 pub mod data;
 pub mod device;
 pub mod formats;

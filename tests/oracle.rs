@@ -320,7 +320,7 @@ fn lora_logits_loss_and_all_28_gradients_match() {
         let mut sp = spec_with("model", remat);
         sp.loss_chunk = chunk;
         sp.attention_block = block;
-        sp.layer_keeps_softmax_stats = stats;
+        sp.keep_softmax_stats = stats;
         sp.key_block = keys;
         let block = (block, keys);
         let program = program::build_grad_program(&sp).unwrap();

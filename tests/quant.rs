@@ -2,6 +2,8 @@
 //! against the host's, the compiled argument bytes per parameter, and SmolLM2's loss with NF4
 //! base weights against bf16.
 
+mod assets;
+
 use pjrt::{CompileOptions, ElementType, HostTensor};
 use xtrain::device::runtime::Runtime;
 use xtrain::model::quant::{self, NF4};
@@ -139,7 +141,7 @@ fn nf4_base_weights_take_about_half_a_byte_per_parameter() {
         targets: xtrain::model::lora::Target::ALL.to_vec(),
     };
     let spec = StepSpec {
-        nf4: true,
+        quant: xtrain::program::Quant::Nf4,
         ..StepSpec::new(cfg.clone(), lora, 1, 128, hlo::DType::BF16)
     };
     let p = program::build_train_step(&spec).unwrap();
@@ -175,7 +177,7 @@ fn nf4_base_weights_take_about_half_a_byte_per_parameter() {
 
 #[test]
 fn smollm2_loss_with_nf4_is_close_to_bf16() {
-    let dir = xtrain::formats::assets::smollm2().unwrap();
+    let dir = assets::smollm2().unwrap();
     let cfg = xtrain::model::config::LlamaConfig::load(&dir).unwrap();
     let tok = xtrain::data::text::TextTokenizer::load(&dir).unwrap();
     let ex = xtrain::data::Example::Text("The capital of France is Paris. The capital of Japan is Tokyo. The capital of Kenya is Nairobi.".into());
@@ -192,7 +194,11 @@ fn smollm2_loss_with_nf4_is_close_to_bf16() {
             targets: vec![xtrain::model::lora::Target::Q],
         };
         let spec = StepSpec {
-            nf4,
+            quant: if nf4 {
+                xtrain::program::Quant::Nf4
+            } else {
+                xtrain::program::Quant::None
+            },
             ..StepSpec::new(cfg.clone(), lora, 1, 32, hlo::DType::BF16)
         };
         let p = program::build_grad_program(&spec).unwrap();

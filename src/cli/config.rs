@@ -16,6 +16,9 @@ use std::path::{Path, PathBuf};
 /// The commands that take `--config`.
 pub const COMMANDS: &[&str] = &["train", "compile"];
 
+/// A `--config` recipe and the flags whose value it gave.
+pub type Recipe = (std::path::PathBuf, std::collections::BTreeSet<String>);
+
 /// A command line with its recipe's flags in place.
 pub struct Expanded {
     pub argv: Vec<OsString>,
@@ -469,35 +472,11 @@ fn nearest(key: &str, cmds: &[&Command]) -> String {
         .iter()
         .find(|(k, _)| *k == want)
         .and_then(|(_, flag)| longs().find(|l| l == flag));
-    let best = synonym.or_else(|| longs().min_by_key(|l| (edit_distance(&want, l), l.len())));
+    let best = synonym.or_else(|| {
+        longs().min_by_key(|l| (xtrain::program::spelling::edit_distance(&want, l), l.len()))
+    });
     match best {
         Some(l) => format!("; the nearest flag is --{l} (`{}`)", l.replace('-', "_")),
         None => String::new(),
-    }
-}
-
-/// Levenshtein distance.
-fn edit_distance(a: &str, b: &str) -> usize {
-    let b: Vec<char> = b.chars().collect();
-    let mut row: Vec<usize> = (0..=b.len()).collect();
-    for (i, ca) in a.chars().enumerate() {
-        let mut prev = row[0];
-        row[0] = i + 1;
-        for (j, cb) in b.iter().enumerate() {
-            let cur = row[j + 1];
-            row[j + 1] = (prev + usize::from(ca != *cb)).min(row[j] + 1).min(cur + 1);
-            prev = cur;
-        }
-    }
-    row[b.len()]
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn edit_distance_counts_edits() {
-        assert_eq!(super::edit_distance("lora-rank", "lora-r"), 3);
-        assert_eq!(super::edit_distance("lr", "lr"), 0);
-        assert_eq!(super::edit_distance("", "abc"), 3);
     }
 }

@@ -8,11 +8,10 @@ mod bench;
 mod compile;
 mod config;
 mod convert;
-mod figures;
 mod generate;
 mod model;
 mod plugins;
-mod target;
+mod targets;
 mod train;
 
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
@@ -126,8 +125,7 @@ fn parse() -> (Cli, clap::ArgMatches, Option<Recipe>) {
     (cli, matches, expanded.recipe)
 }
 
-/// A `--config` recipe and the flags whose value it gave.
-type Recipe = (PathBuf, std::collections::BTreeSet<String>);
+use config::Recipe;
 
 /// Parse the command line and run the command; an error is printed as `error: ...` with exit code 1.
 pub fn main() {
@@ -153,10 +151,7 @@ pub fn main() {
             given_flags(matches.subcommand_matches("train")),
             recipe,
         ),
-        Command::Compile(a) => {
-            let plugin_from_recipe = recipe.is_some_and(|(_, flags)| flags.contains("plugin"));
-            compile::compile(*a, cli.verbose, plugin_from_recipe)
-        }
+        Command::Compile(a) => compile::compile(*a, cli.verbose, recipe),
         Command::ImportGguf {
             file,
             out,
@@ -164,7 +159,7 @@ pub fn main() {
         } => convert::import_gguf(&file, &out, overwrite),
         Command::Generate(a) => generate::generate(a),
         Command::Bench(a) => bench::bench(*a),
-        Command::Targets { name } => target::targets(name.as_deref()),
+        Command::Targets { name } => targets::targets(name.as_deref()),
         Command::Merge {
             model,
             revision,

@@ -213,6 +213,7 @@ pub fn train(
         skip_nonfinite: a.skip_nonfinite_steps,
         explicit,
         recipe,
+        taken_from: Default::default(),
     };
     xtrain::train::run(&opts)
 }

@@ -21,6 +21,7 @@ pub mod generate;
 pub mod kernels;
 pub mod memory;
 pub mod platform;
+pub mod plugins;
 pub mod runtime;
 pub mod shards;
 pub mod target;

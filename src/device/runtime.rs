@@ -132,6 +132,25 @@ impl Runtime {
 
     /// Compile a program (on as many devices as it has partitions), checking its arguments on
     /// every execute.
+    /// [`Runtime::compile`] with the usual options, XLA's optimized HLO written as text into
+    /// `dump` when given (`compile --check --xla-dump DIR`).
+    pub fn compile_dumping(
+        &self,
+        program: &Program,
+        dump: Option<&std::path::Path>,
+    ) -> Result<Executable> {
+        let mut options = CompileOptions::default();
+        if let Some(dir) = dump {
+            std::fs::create_dir_all(dir)?;
+            options = options.with_override(
+                "xla_dump_to",
+                pjrt::OptionValue::String(dir.to_string_lossy().into()),
+            );
+            options = options.with_override("xla_dump_hlo_as_text", pjrt::OptionValue::Bool(true));
+        }
+        self.compile(program, &options)
+    }
+
     pub fn compile(&self, program: &Program, options: &CompileOptions) -> Result<Executable> {
         let (text, _) = self.kernel_text(program)?;
         let program = &Program {

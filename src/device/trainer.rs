@@ -302,7 +302,7 @@ impl Trainer {
         if self.eval_exe.is_none() {
             let mut spec = self.spec.clone();
             spec.batch = batches[0].dims().0;
-            spec.microbatches = 1;
+            spec.grad_accum = 1;
             let program = program::build_eval(&spec)?;
             let (exe, _) = crate::device::cache::compile_cached(
                 &self.rt,

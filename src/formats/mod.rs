@@ -5,7 +5,6 @@
 //! cache, and every write atomic (a temp file or directory renamed into place). It may use `program` (for the manifest's spec and signature)
 //! and `model`; it knows nothing of devices or training.
 
-pub mod assets;
 pub mod atomic;
 pub mod gguf;
 pub mod host;
@@ -15,5 +14,6 @@ pub mod outdir;
 pub mod peft;
 pub mod program_dir;
 pub mod safetensors;
+pub mod sharding_rules;
 pub mod shell;
 pub mod weights;

@@ -57,6 +57,77 @@ fn settings_sha256(m: &Manifest) -> Result<String> {
     Ok(sha256_hex(text.as_bytes()))
 }
 
+/// [`settings_sha256`] as an xtrain before 2026-12-04 wrote it, whose spec named some fields
+/// otherwise (`weight_dtype` and `compute_dtype`, `microbatches`, `nf4`, `wide_matmul_results`,
+/// `narrow_attention_scores`, `layer_keeps_softmax_stats`), so that its program dirs still
+/// load.
+fn settings_sha256_before_flag_names(m: &Manifest) -> Result<String> {
+    use crate::program::{Offload, ResultType};
+    /// The spec's fields in that xtrain's order and names.
+    #[derive(serde::Serialize)]
+    struct Spec<'a> {
+        model: &'a LlamaConfig,
+        lora: &'a crate::model::lora::LoraConfig,
+        adam: &'a crate::model::optim::AdamW,
+        batch: i64,
+        seq: i64,
+        weight_dtype: &'a str,
+        compute_dtype: &'a str,
+        remat: crate::program::Remat,
+        microbatches: i64,
+        mesh: &'a Option<crate::program::MeshPlan>,
+        nf4: bool,
+        loss_chunk: Option<i64>,
+        attention_block: Option<i64>,
+        key_block: Option<i64>,
+        wide_matmul_results: bool,
+        narrow_attention_scores: bool,
+        layer_keeps_softmax_stats: bool,
+        pin_mlp_activations: bool,
+        #[serde(skip_serializing_if = "Offload::is_none")]
+        offload: Offload,
+    }
+    #[derive(serde::Serialize)]
+    struct Settings<'a> {
+        format: &'a str,
+        program_sha256: &'a str,
+        spec: Spec<'a>,
+        args: &'a [TensorSpecOwned],
+        results: &'a [TensorSpecOwned],
+    }
+    let s = &m.spec;
+    // It said the result types as bools, both false with f32 compute.
+    let bf16 = s.dtype != hlo::DType::F32;
+    let text = serde_json::to_string(&Settings {
+        format: &m.format,
+        program_sha256: &m.program_sha256,
+        spec: Spec {
+            model: &s.model,
+            lora: &s.lora,
+            adam: &s.adam,
+            batch: s.batch,
+            seq: s.seq,
+            weight_dtype: s.dtype.mlir(),
+            compute_dtype: s.dtype.mlir(),
+            remat: s.remat,
+            microbatches: s.grad_accum,
+            mesh: &s.mesh,
+            nf4: s.quant.is_nf4(),
+            loss_chunk: s.loss_chunk,
+            attention_block: s.attention_block,
+            key_block: s.key_block,
+            wide_matmul_results: bf16 && s.matmul_result == ResultType::F32,
+            narrow_attention_scores: bf16 && s.attention_scores == ResultType::Compute,
+            layer_keeps_softmax_stats: s.keep_softmax_stats,
+            pin_mlp_activations: s.pin_mlp_activations,
+            offload: s.offload,
+        },
+        args: &m.args,
+        results: &m.results,
+    })?;
+    Ok(sha256_hex(text.as_bytes()))
+}
+
 /// A compiled executable of a program dir (`train_step.<target>.executable`): which plugin and
 /// devices it was compiled for, and the compiler's figures for it.
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
@@ -361,7 +432,7 @@ fn read_manifest(dir: &Path) -> Result<Manifest> {
         );
     }
     let want = settings_sha256(&m)?;
-    if want != m.settings_sha256 {
+    if want != m.settings_sha256 && settings_sha256_before_flag_names(&m)? != m.settings_sha256 {
         bail!(
             "{} was edited after `xtrain compile` wrote it: its settings (spec, arguments, \
              results) hash to {want}, but it says {}; the program was built from the settings \
@@ -413,4 +484,61 @@ pub fn read_dir(dir: &Path) -> Result<(Program, StepSpec)> {
         .map(|a| a.to_spec())
         .collect::<Result<_>>()?;
     Ok((Program::new(program, args, results, &m.spec), m.spec))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::program::{Quant, ResultType};
+
+    /// A program dir's manifest as xtrain wrote it on 2026-12-03, before the spec's fields were
+    /// named as their flags (`weight_dtype`, `microbatches`, `nf4`, `wide_matmul_results`, ...):
+    /// it still reads, its settings hash still holds, and its spec is the one it was built for.
+    #[test]
+    fn a_manifest_written_before_the_flag_names_still_reads() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/formats-2026-12-03");
+        let m = read_manifest(&dir).unwrap();
+        let s = &m.spec;
+        assert_eq!(s.dtype, hlo::DType::BF16);
+        assert_eq!(s.quant, Quant::Nf4);
+        assert_eq!(s.grad_accum, 1);
+        assert_eq!(
+            (s.matmul_result, s.attention_scores),
+            (ResultType::F32, ResultType::Compute)
+        );
+        assert!(s.keep_softmax_stats && !s.pin_mlp_activations);
+        // Written again, it is written with the flags' names, and hashes as this xtrain writes.
+        let text = serde_json::to_string(&m.spec).unwrap();
+        for name in [
+            "\"grad-accum\"",
+            "\"quant\"",
+            "\"matmul-result\"",
+            "\"dtype\"",
+        ] {
+            assert!(text.contains(name), "{name} in {text}");
+        }
+        assert!(!text.contains("weight_dtype") && !text.contains("microbatches"));
+        let again: StepSpec = serde_json::from_str(&text).unwrap();
+        assert_eq!(&again, s);
+    }
+
+    /// The same manifest with a setting edited by hand is refused, by either hash.
+    #[test]
+    fn an_edited_manifest_written_before_the_flag_names_is_refused() {
+        let from = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/formats-2026-12-03/manifest.json");
+        let dir = std::env::temp_dir().join(format!("xtrain-old-manifest-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let text = std::fs::read_to_string(from).unwrap();
+        let edited = text.replace("\"microbatches\": 1", "\"microbatches\": 2");
+        assert_ne!(text, edited);
+        std::fs::write(dir.join("manifest.json"), edited).unwrap();
+        let e = format!("{:#}", read_manifest(&dir).err().unwrap());
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(
+            e.contains("was edited after `xtrain compile` wrote it"),
+            "{e}"
+        );
+    }
 }

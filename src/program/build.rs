@@ -51,7 +51,7 @@ impl<'s> ProgramBuilder<'s> {
     pub(super) fn model_params(&mut self, with_lora: bool) -> ModelValues {
         let spec = self.spec;
         let stacked = spec.remat.scan();
-        let frozen = frozen_args_typed(&spec.model, stacked, spec.nf4, spec.weight_dtype)
+        let frozen = frozen_args_typed(&spec.model, stacked, spec.quant.is_nf4(), spec.dtype)
             .into_iter()
             .map(|(name, shape, dtype)| self.param(&name, &shape, dtype, Role::Frozen))
             .collect();
@@ -311,7 +311,7 @@ pub fn build_next_token(spec: &StepSpec, with_lora: bool) -> Result<Program> {
     let iota = b.iota(Shape::new(&[spec.batch, t], DType::S32), 1)?;
     let pb = b.broadcast_in_dim(pos, &[spec.batch, t], &[0])?;
     let hit = b.compare(iota, pb, hlo::CmpDir::Eq)?;
-    let one_hot = b.convert(hit, spec.compute_dtype)?;
+    let one_hot = b.convert(hit, spec.dtype)?;
     let dims = hlo::DotDims {
         lhs_batch: vec![0],
         rhs_batch: vec![0],

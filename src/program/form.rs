@@ -8,17 +8,13 @@ impl StepSpec {
     /// docs/architecture.md), so that a user sees what the defaults chose.
     pub fn form(&self) -> String {
         let spec = self;
-        let bf16 = spec.compute_dtype == hlo::DType::BF16;
+        let bf16 = spec.dtype == hlo::DType::BF16;
         let mut flags = Vec::new();
         if bf16 {
-            let name = |f32_: bool| if f32_ { "f32" } else { "compute" };
-            flags.push(format!(
-                "--matmul-result {}",
-                name(spec.wide_matmul_results)
-            ));
+            flags.push(format!("--matmul-result {}", spec.matmul_result.name()));
             flags.push(format!(
                 "--attention-scores {}",
-                name(!spec.narrow_attention_scores)
+                spec.attention_scores.name()
             ));
         }
         let cp = spec.context_size();
@@ -48,10 +44,7 @@ impl StepSpec {
             }
         }
         if spec.remat == Remat::Layer {
-            flags.push(format!(
-                "--keep-softmax-stats {}",
-                spec.layer_keeps_softmax_stats
-            ));
+            flags.push(format!("--keep-softmax-stats {}", spec.keep_softmax_stats));
         }
         if spec.mesh.is_some() {
             flags.push(format!(

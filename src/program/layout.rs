@@ -122,19 +122,11 @@ impl Layout<'_> {
         Llama {
             cfg: &self.spec.model,
             num: Numerics {
-                compute: self.spec.compute_dtype,
+                compute: self.spec.dtype,
                 attention_block: self.spec.attention_block,
                 key_block: self.spec.key_block,
-                matmul_result: if self.spec.wide_matmul_results {
-                    DType::F32
-                } else {
-                    self.spec.compute_dtype
-                },
-                scores: if self.spec.narrow_attention_scores {
-                    self.spec.compute_dtype
-                } else {
-                    DType::F32
-                },
+                matmul_result: self.spec.matmul_result.dtype(self.spec.dtype),
+                scores: self.spec.attention_scores.dtype(self.spec.dtype),
             },
             placement: self
                 .spec
@@ -169,7 +161,7 @@ impl Layout<'_> {
         layer_kinds(&self.spec.model)
             .iter()
             .map(|(k, _)| {
-                if self.spec.nf4 && is_projection(k) {
+                if self.spec.quant.is_nf4() && is_projection(k) {
                     4
                 } else {
                     1
@@ -204,7 +196,7 @@ impl Layout<'_> {
                         b,
                         &w[at..at + 4],
                         &shape,
-                        self.spec.compute_dtype,
+                        self.spec.dtype,
                     )
                 })?
             } else {

@@ -23,6 +23,7 @@ mod passes;
 pub mod sharding;
 mod signature;
 mod spec;
+pub mod spelling;
 
 pub use build::{
     build_eval, build_forward, build_grad_program, build_next_token, build_train_step,
@@ -30,7 +31,7 @@ pub use build::{
 };
 pub use signature::{Program, Role, TensorSpec};
 pub use spec::{
-    default_choice, fit_choices, parse_dtype, KeyBlocks, MeshPlan, Offload, Remat, ResultType,
-    StepOptions, StepSpec, DEFAULT_ATTENTION_SCORES, DEFAULT_KEY_BLOCK, DEFAULT_MATMUL_RESULT,
-    KEY_BLOCKS_ABOVE,
+    default_choice, fit_choices, parse_dtype, AttentionBlockUnused, KeyBlocks, MeshPlan, Offload,
+    Quant, Remat, ResultType, StepOptions, StepSpec, DEFAULT_ATTENTION_SCORES, DEFAULT_KEY_BLOCK,
+    DEFAULT_MATMUL_RESULT, KEY_BLOCKS_ABOVE,
 };

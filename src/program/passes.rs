@@ -73,7 +73,7 @@ impl Layout<'_> {
     /// What a remat policy saves in the forward loop besides each layer's input, by name and
     /// per-layer shape, for batches of `bs` x `t` tokens.
     /// - `layer` keeps, with `--keep-softmax-stats`
-    ///   ([`crate::program::StepSpec::layer_keeps_softmax_stats`]), the softmax's row max and sum
+    ///   ([`crate::program::StepSpec::keep_softmax_stats`]), the softmax's row max and sum
     ///   (f32, [B, KV, TB, G] per query block: 4/head_dim of the attention output's bytes in
     ///   bf16; the statistics flash attention keeps for its backward pass), so the
     ///   recomputation skips the row max's pass over the scores.
@@ -84,13 +84,13 @@ impl Layout<'_> {
         let model = self.model();
         match self.spec.remat {
             Remat::None => return Vec::new(),
-            Remat::Layer if self.spec.layer_keeps_softmax_stats => {
+            Remat::Layer if self.spec.keep_softmax_stats => {
                 return model.softmax_stat_points(bs, t)
             }
             Remat::Layer => return Vec::new(),
             Remat::SaveProj => {}
         }
-        let compute = self.spec.compute_dtype;
+        let compute = self.spec.dtype;
         let mut points: Vec<(String, Shape)> = Target::ALL
             .iter()
             .map(|target| {
@@ -249,7 +249,7 @@ impl Layout<'_> {
         let l = self.spec.model.num_hidden_layers;
         let (bs, t, hd) = (b.dims(h0)[0], b.dims(h0)[1], b.dims(h0)[2]);
         let saved = self.saved_points(bs, t);
-        let compute = self.spec.compute_dtype;
+        let compute = self.spec.dtype;
         // Every slot of a stack is written before it is read, so the fill does not matter. Each
         // stack gets its own (0, 1, 2, ...) because XLA would otherwise merge the equal fills into
         // one broadcast and copy it into every stack of that shape before the loop. The looped
@@ -318,7 +318,7 @@ impl Layout<'_> {
         dh: Value,
     ) -> hlo::Result<Vec<Value>> {
         let l = self.spec.model.num_hidden_layers;
-        let compute = self.spec.compute_dtype;
+        let compute = self.spec.dtype;
         let (bs, t) = (b.dims(dh)[0], b.dims(dh)[1]);
         let points = self.saved_points(bs, t);
         let mut carry = vec![dh];
@@ -433,7 +433,7 @@ impl Layout<'_> {
         key: Option<Value>,
     ) -> hlo::Result<(Value, Vec<Value>)> {
         let denom = self.denominator(b, labels)?;
-        let micro = self.spec.microbatches;
+        let micro = self.spec.grad_accum;
         if micro <= 1 {
             return self.loss_and_grads(b, m, ids, labels, mask, key, denom);
         }
@@ -619,7 +619,7 @@ mod tests {
             &plain,
         );
         let stats = StepSpec {
-            layer_keeps_softmax_stats: true,
+            keep_softmax_stats: true,
             attention_block: Some(8),
             ..spec(Remat::Layer)
         };
@@ -647,7 +647,7 @@ mod tests {
         ] {
             let s = StepSpec {
                 key_block: Some(block),
-                layer_keeps_softmax_stats: keep_stats,
+                keep_softmax_stats: keep_stats,
                 ..spec(remat)
             };
             let what = format!(
@@ -667,7 +667,7 @@ mod tests {
         };
         same("--loss-chunk 4", &loss_and_grads(&chunks), &whole);
         let micro = StepSpec {
-            microbatches: 2,
+            grad_accum: 2,
             ..spec(Remat::Layer)
         };
         same("--grad-accum 2", &loss_and_grads(&micro), &whole);
@@ -685,7 +685,7 @@ mod tests {
         assert!(names(&spec(Remat::None), 2, 16).is_empty());
         assert!(names(&spec(Remat::Layer), 2, 16).is_empty());
         let stats = StepSpec {
-            layer_keeps_softmax_stats: true,
+            keep_softmax_stats: true,
             attention_block: Some(8),
             ..spec(Remat::Layer)
         };

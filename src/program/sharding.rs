@@ -42,21 +42,8 @@ pub const LOGICAL_AXES: [&str; 9] = [
 
 /// ` (did you mean `x`?)` for the known name closest to `name`, when one is close.
 pub fn did_you_mean<'a>(name: &str, known: impl Iterator<Item = &'a str>) -> String {
-    fn distance(a: &str, b: &str) -> usize {
-        let (a, b): (Vec<char>, Vec<char>) = (a.chars().collect(), b.chars().collect());
-        let mut prev: Vec<usize> = (0..=b.len()).collect();
-        for i in 1..=a.len() {
-            let mut cur = vec![i; b.len() + 1];
-            for j in 1..=b.len() {
-                let sub = prev[j - 1] + usize::from(a[i - 1] != b[j - 1]);
-                cur[j] = sub.min(prev[j] + 1).min(cur[j - 1] + 1);
-            }
-            prev = cur;
-        }
-        prev[b.len()]
-    }
     known
-        .map(|k| (distance(name, k), k))
+        .map(|k| (crate::program::spelling::edit_distance(name, k), k))
         .filter(|(d, k)| *d <= 2 && *d < k.len())
         .min()
         .map(|(_, k)| format!(" (did you mean `{k}`?)"))
@@ -230,12 +217,12 @@ impl Default for Rules {
 }
 
 impl Rules {
-    /// Defaults overridden by a rules file: one `logical = mesh_axis[,mesh_axis]` per line
-    /// (empty right side = replicated), `#` comments.
-    pub fn load(path: &std::path::Path) -> Result<Rules> {
+    /// Defaults overridden by the text of a rules file (`file` names it in messages; the file
+    /// is read by `formats::sharding_rules`: nothing here reads a file): one
+    /// `logical = mesh_axis[,mesh_axis]` per line (empty right side = replicated), `#` comments.
+    pub fn parse(text: &str, file: &std::path::Path) -> Result<Rules> {
+        let path = file;
         let mut r = Rules::default();
-        let text = std::fs::read_to_string(path)
-            .with_context(|| format!("cannot read {}", path.display()))?;
         for (i, line) in text.lines().enumerate() {
             let line = line.split('#').next().unwrap_or("").trim();
             if line.is_empty() {

@@ -72,8 +72,12 @@ impl Remat {
     }
 }
 
-/// What the program is built for.
+/// What the program is built for. Each field is named as the flag that sets it (`--grad-accum`,
+/// `--quant`, `--matmul-result`), and is written so in `manifest.json` (kebab-case). A manifest
+/// of an earlier xtrain, which named some of them otherwise (`microbatches`, `nf4`,
+/// `wide_matmul_results`, `weight_dtype` beside `compute_dtype`), still reads: the aliases below.
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
 pub struct StepSpec {
     pub model: LlamaConfig,
     pub lora: LoraConfig,
@@ -81,60 +85,103 @@ pub struct StepSpec {
     /// Rows of the batch the step takes (all microbatches together).
     pub batch: i64,
     pub seq: i64,
-    /// Element type of the frozen weights as the program takes them.
-    #[serde(serialize_with = "ser_dtype", deserialize_with = "de_dtype")]
-    pub weight_dtype: DType,
-    /// Element type of activations and matmuls.
-    #[serde(serialize_with = "ser_dtype", deserialize_with = "de_dtype")]
-    pub compute_dtype: DType,
+    /// Element type of the frozen weights as the program takes them, and of activations and
+    /// matmuls (an earlier xtrain wrote the same type twice, as `weight_dtype` and
+    /// `compute_dtype`).
+    #[serde(
+        alias = "compute_dtype",
+        serialize_with = "ser_dtype",
+        deserialize_with = "de_dtype"
+    )]
+    pub dtype: DType,
     pub remat: Remat,
     /// Gradient accumulation: the batch is split into this many microbatches, looped inside
     /// the step, with one optimizer update.
-    pub microbatches: i64,
+    #[serde(alias = "microbatches")]
+    pub grad_accum: i64,
     /// The device mesh and sharding rules (None: one device).
     #[serde(default)]
     pub mesh: Option<MeshPlan>,
     /// QLoRA: the projections' frozen weights as NF4 (4-bit NormalFloat, double-quantized
     /// scales), dequantized inside the step right before each matmul.
-    #[serde(default)]
-    pub nf4: bool,
+    #[serde(default, alias = "nf4", deserialize_with = "de_quant")]
+    pub quant: Quant,
     /// With looped layers, compute the loss and its gradient this many positions at a time, so
     /// the [B, T, V] logits never exist whole (None: all at once; off by default, since on a
     /// mesh it did not lower the memory: docs/performance.md).
-    #[serde(default)]
+    #[serde(default, alias = "loss_chunk")]
     pub loss_chunk: Option<i64>,
     /// Query rows per causal attention block (blocks above the diagonal are skipped); None: the
     /// model's rule (`model::llama::query_block`: two blocks when the sequence is a multiple of
     /// 256, else one).
-    #[serde(default)]
+    #[serde(default, alias = "attention_block")]
     pub attention_block: Option<i64>,
     /// Attention over key/value blocks of this many tokens with the flash recurrence, its
     /// memory linear in the sequence (`--key-block`; see `model::flash`); None: every key at
     /// once, the queries in blocks of `attention_block`.
-    #[serde(default)]
+    #[serde(default, alias = "key_block")]
     pub key_block: Option<i64>,
-    /// bf16 matmuls give their f32 accumulator, rounded to bf16 right after, instead of a bf16
-    /// result (`--matmul-result f32`): the same arithmetic in another form (see
-    /// [`crate::model::llama::Numerics::matmul_result`]).
-    #[serde(default)]
-    pub wide_matmul_results: bool,
-    /// The attention scores are written in the compute type (bf16 with bf16 compute, as Hugging
-    /// Face's eager attention has them) instead of f32 before the softmax
-    /// (`--attention-scores compute`; see [`crate::model::llama::Numerics::scores`]).
-    #[serde(default)]
-    pub narrow_attention_scores: bool,
-    /// `--remat layer` also keeps each layer's softmax row max and sum (`--keep-softmax-stats`),
-    /// so the recomputation skips the row max's pass over the scores.
-    #[serde(default)]
-    pub layer_keeps_softmax_stats: bool,
+    /// The type bf16 matmuls give their result in: f32 (their accumulator, rounded to bf16 right
+    /// after) or the compute type: the same arithmetic in another form (see
+    /// [`crate::model::llama::Numerics::matmul_result`]). f32 with f32 compute.
+    #[serde(
+        default = "ResultType::compute",
+        alias = "wide_matmul_results",
+        deserialize_with = "de_matmul_result"
+    )]
+    pub matmul_result: ResultType,
+    /// The type the attention scores are written in before the softmax: the compute type (bf16
+    /// with bf16 compute, as Hugging Face's eager attention has them) or f32 (see
+    /// [`crate::model::llama::Numerics::scores`]). f32 with f32 compute.
+    #[serde(
+        default = "ResultType::f32",
+        alias = "narrow_attention_scores",
+        deserialize_with = "de_attention_scores"
+    )]
+    pub attention_scores: ResultType,
+    /// `--remat layer` also keeps each layer's softmax row max and sum, so the recomputation
+    /// skips the row max's pass over the scores.
+    #[serde(default, alias = "layer_keeps_softmax_stats")]
+    pub keep_softmax_stats: bool,
     /// On a mesh, the MLP's hidden activations are pinned where the sharding rules put
-    /// activations (`--pin-mlp-activations`; see `model::llama::Llama::pin`) instead of left
-    /// to the partitioner.
-    #[serde(default)]
+    /// activations (see `model::llama::Llama::pin`) instead of left to the partitioner.
+    #[serde(default, alias = "pin_mlp_activations")]
     pub pin_mlp_activations: bool,
     /// What the step keeps in host memory instead of the device's (looped layers only).
     #[serde(default, skip_serializing_if = "Offload::is_none")]
     pub offload: Offload,
+}
+
+/// `--quant`: the frozen projections as the checkpoint has them, or as NF4 (QLoRA).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Quant {
+    #[default]
+    None,
+    Nf4,
+}
+
+impl Quant {
+    /// `--quant` as given.
+    pub fn parse(s: &str) -> Result<Quant> {
+        match s {
+            "none" => Ok(Quant::None),
+            "nf4" => Ok(Quant::Nf4),
+            other => bail!("--quant must be nf4 or none, got `{other}`"),
+        }
+    }
+
+    /// The `--quant` value that gives this.
+    pub fn name(self) -> &'static str {
+        match self {
+            Quant::None => "none",
+            Quant::Nf4 => "nf4",
+        }
+    }
+
+    pub fn is_nf4(self) -> bool {
+        self == Quant::Nf4
+    }
 }
 
 /// Host offload (XLA memory kinds; `pinned_host` memory that the device reads by DMA): the
@@ -276,18 +323,18 @@ impl StepSpec {
             adam: AdamW::default(),
             batch,
             seq,
-            weight_dtype: dtype,
-            compute_dtype: dtype,
+            dtype,
             remat: Remat::Layer,
-            microbatches: 1,
+            grad_accum: 1,
             mesh: None,
-            nf4: false,
+            quant: Quant::None,
             loss_chunk: None,
             attention_block: None,
             key_block: None,
-            wide_matmul_results: false,
-            narrow_attention_scores: false,
-            layer_keeps_softmax_stats: false,
+            // The results in the compute type (with f32 compute, f32 either way).
+            matmul_result: ResultType::Compute,
+            attention_scores: ResultType::F32,
+            keep_softmax_stats: false,
             pin_mlp_activations: false,
             offload: Offload::NONE,
         }
@@ -296,10 +343,9 @@ impl StepSpec {
     /// This spec with the program form's defaults (`--matmul-result`, `--attention-scores`) for
     /// its compute type, as the commands that take no such flags (`generate`) build it.
     pub fn with_default_form(self) -> StepSpec {
-        let bf16 = self.compute_dtype != DType::F32;
         StepSpec {
-            wide_matmul_results: bf16 && DEFAULT_MATMUL_RESULT == ResultType::F32,
-            narrow_attention_scores: bf16 && DEFAULT_ATTENTION_SCORES == ResultType::Compute,
+            matmul_result: ResultType::in_effect(DEFAULT_MATMUL_RESULT, self.dtype),
+            attention_scores: ResultType::in_effect(DEFAULT_ATTENTION_SCORES, self.dtype),
             ..self
         }
     }
@@ -378,7 +424,7 @@ pub(super) fn check_spec(spec: &StepSpec) -> Result<()> {
             spec.model.max_position_embeddings
         );
     }
-    if spec.nf4 {
+    if spec.quant.is_nf4() {
         check_nf4_blocks(&spec.model)?;
     }
     check_lora_rank(spec)?;
@@ -408,17 +454,17 @@ pub(super) fn check_spec(spec: &StepSpec) -> Result<()> {
             );
         }
     }
-    if spec.microbatches < 1 {
-        bail!("--grad-accum must be at least 1, got {}", spec.microbatches);
+    if spec.grad_accum < 1 {
+        bail!("--grad-accum must be at least 1, got {}", spec.grad_accum);
     }
-    if spec.batch % spec.microbatches != 0 {
+    if spec.batch % spec.grad_accum != 0 {
         bail!(
             "--grad-accum {} must divide the batch size {}",
-            spec.microbatches,
+            spec.grad_accum,
             spec.batch
         );
     }
-    if spec.layer_keeps_softmax_stats && spec.remat == Remat::None {
+    if spec.keep_softmax_stats && spec.remat == Remat::None {
         bail!(
             "--keep-softmax-stats is for --remat layer (save-proj keeps the statistics anyway); \
              with --remat none the backward pass recomputes nothing"
@@ -445,19 +491,28 @@ pub(super) fn check_spec(spec: &StepSpec) -> Result<()> {
 /// The attention's form: a key block, a context split and the query blocks of the whole-key
 /// form that go together.
 fn check_attention_form(spec: &StepSpec) -> Result<()> {
-    if spec.attention_block.is_some() && spec.context_size() > 1 {
-        bail!(
-            "--attention-block sets the query blocks of attention over every key at once, which \
-             a sequence split over the context axis does not use (it attends over key/value \
-             blocks: --key-block sets their size); leave it out"
-        );
-    }
-    if let (Some(_), Some(k)) = (spec.attention_block, spec.key_block) {
-        bail!(
-            "--attention-block sets the query blocks of attention over every key at once; with \
-             --key-block {k} the query blocks are the key blocks: give one of the two (or \
-             --key-block off)"
-        );
+    if let Some(r) = spec.attention_block {
+        if spec.context_size() > 1 {
+            return Err(AttentionBlockUnused {
+                block: r,
+                why: "which a sequence split over the context axis does not use (it attends \
+                      over key/value blocks: --key-block sets their size)"
+                    .into(),
+                other: String::new(),
+            }
+            .into());
+        }
+        if let Some(k) = spec.key_block {
+            return Err(AttentionBlockUnused {
+                block: r,
+                why: format!(
+                    "with key/value blocks of {k} (--key-block {k}, or auto above \
+                     {KEY_BLOCKS_ABOVE} tokens) the query blocks are the key blocks"
+                ),
+                other: ", or --key-block off to keep every key at once".to_string(),
+            }
+            .into());
+        }
     }
     if let Some(k) = spec.key_block {
         if k < 1 {
@@ -482,6 +537,45 @@ fn check_attention_form(spec: &StepSpec) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// `--attention-block N` where attention does not take query blocks of its own (a context axis,
+/// key/value blocks): refused as a type of its own, so that a command can name where N came from
+/// (a recipe, a checkpoint's run) before the refusal.
+#[derive(Debug)]
+pub struct AttentionBlockUnused {
+    pub block: i64,
+    /// Why the value is not used.
+    pub why: String,
+    /// The other way out, if any (", or ...").
+    pub other: String,
+}
+
+impl std::fmt::Display for AttentionBlockUnused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "--attention-block {} sets the query blocks of attention over every key at once, {}: \
+             give --attention-block auto (or leave it out){}",
+            self.block, self.why, self.other
+        )
+    }
+}
+
+impl std::error::Error for AttentionBlockUnused {}
+
+impl AttentionBlockUnused {
+    /// The refusal with where the value came from: `source` is "the recipe FILE gives",
+    /// "checkpoint DIR's run has", ...
+    pub fn from_source(&self, source: &str) -> anyhow::Error {
+        anyhow::anyhow!(
+            "{source} --attention-block {}, which sets the query blocks of attention over every \
+             key at once, {}: give --attention-block auto{}",
+            self.block,
+            self.why,
+            self.other
+        )
+    }
 }
 
 /// B A of rank r on a projection [out, in] has rank at most min(in, out): a larger r only adds
@@ -539,12 +633,12 @@ pub struct StepOptions {
     pub dtype: DType,
     /// `--remat` when it names a policy; None for `auto` (see [`fit_choices`]).
     pub remat: Option<Remat>,
-    /// Gradient accumulation: microbatches per step.
-    pub microbatches: i64,
+    /// `--grad-accum`: microbatches per step.
+    pub grad_accum: i64,
     /// Device mesh and sharding rules (None: one device).
     pub mesh: Option<MeshPlan>,
-    /// QLoRA: NF4 base weights.
-    pub nf4: bool,
+    /// `--quant`: NF4 base weights (QLoRA), or as the checkpoint has them.
+    pub quant: Quant,
     /// Compute the loss this many positions at a time (looped layers).
     pub loss_chunk: Option<i64>,
     pub attention_block: Option<i64>,
@@ -565,13 +659,40 @@ pub struct StepOptions {
 
 /// The element type an intermediate result is given in: f32, or the step's compute type (bf16
 /// with `--dtype bf16`; with f32 compute both are f32).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum ResultType {
     F32,
     Compute,
 }
 
 impl ResultType {
+    fn f32() -> ResultType {
+        ResultType::F32
+    }
+
+    fn compute() -> ResultType {
+        ResultType::Compute
+    }
+
+    /// The type a result given as `self` has with compute type `dtype`: with f32 compute, f32
+    /// and compute are one type, said as f32.
+    pub fn in_effect(self, dtype: DType) -> ResultType {
+        if dtype == DType::F32 {
+            ResultType::F32
+        } else {
+            self
+        }
+    }
+
+    /// The element type it is with compute type `compute`.
+    pub fn dtype(self, compute: DType) -> DType {
+        match self {
+            ResultType::F32 => DType::F32,
+            ResultType::Compute => compute,
+        }
+    }
+
     /// `--matmul-result` or `--attention-scores` (named by `flag`) as given.
     pub fn parse(flag: &str, s: &str) -> Result<ResultType> {
         match s {
@@ -632,17 +753,15 @@ impl KeyBlocks {
     /// it: at 8192 tokens every key at once still fits a GPU or TPU for 8B, and it was the faster
     /// form both on the CPU (1.15x) and by the TPU cost model (1.5x; docs/performance.md),
     /// while from 16384 on its [heads, T/2, T] score blocks outgrow a device (8B on one H100:
-    /// 92 against 66 GiB). An `--attention-block` asks for the whole-key form, so `auto` keeps
-    /// it. With the sequence split over a context axis (`context` > 1) `auto` always takes key
-    /// blocks, the only form that splits it.
-    pub fn resolve(self, seq: i64, attention_block: Option<i64>, context: i64) -> Option<i64> {
+    /// 92 against 66 GiB). With the sequence split over a context axis (`context` > 1) `auto`
+    /// always takes key blocks, the only form that splits it. One rule, whatever else is given:
+    /// an `--attention-block` (a TPU recipe's) with auto's key blocks is refused by the spec's
+    /// check, naming both, not taken as a reason to keep every key at once.
+    pub fn resolve(self, seq: i64, context: i64) -> Option<i64> {
         match self {
             KeyBlocks::Size(n) => Some(n),
             KeyBlocks::Off => None,
-            KeyBlocks::Auto if context > 1 => Some(DEFAULT_KEY_BLOCK),
-            KeyBlocks::Auto if seq > KEY_BLOCKS_ABOVE && attention_block.is_none() => {
-                Some(DEFAULT_KEY_BLOCK)
-            }
+            KeyBlocks::Auto if context > 1 || seq > KEY_BLOCKS_ABOVE => Some(DEFAULT_KEY_BLOCK),
             KeyBlocks::Auto => None,
         }
     }
@@ -700,24 +819,20 @@ impl StepOptions {
             adam: self.adam.clone(),
             batch,
             seq,
-            weight_dtype: dtype,
-            compute_dtype: dtype,
+            dtype,
             remat: self.remat.unwrap_or(Remat::Layer),
-            microbatches: self.microbatches,
+            grad_accum: self.grad_accum,
             mesh: self.mesh.clone(),
-            nf4: self.nf4,
+            quant: self.quant,
             loss_chunk: self.loss_chunk,
             attention_block: self.attention_block,
-            key_block: self.key_block.resolve(
-                seq,
-                self.attention_block,
-                self.mesh.as_ref().map_or(1, MeshPlan::context_size),
-            ),
+            key_block: self
+                .key_block
+                .resolve(seq, self.mesh.as_ref().map_or(1, MeshPlan::context_size)),
             // With f32 compute every result is f32 either way; the spec says so.
-            wide_matmul_results: self.matmul_result == ResultType::F32 && dtype != DType::F32,
-            narrow_attention_scores: self.attention_scores == ResultType::Compute
-                && dtype != DType::F32,
-            layer_keeps_softmax_stats: self.keep_softmax_stats,
+            matmul_result: ResultType::in_effect(self.matmul_result, dtype),
+            attention_scores: ResultType::in_effect(self.attention_scores, dtype),
+            keep_softmax_stats: self.keep_softmax_stats,
             pin_mlp_activations: self.pin_mlp_activations,
             offload: self.offload.unwrap_or(Offload::NONE),
         };
@@ -739,6 +854,55 @@ pub(super) fn de_dtype<'de, D: serde::Deserializer<'de>>(
 ) -> std::result::Result<DType, D::Error> {
     let s: String = serde::Deserialize::deserialize(d)?;
     DType::parse(&s).ok_or_else(|| serde::de::Error::custom(format!("unknown element type `{s}`")))
+}
+
+/// `quant`, or an earlier manifest's `nf4` (true or false).
+fn de_quant<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Quant, D::Error> {
+    use serde::Deserialize;
+    #[derive(serde::Deserialize)]
+    #[serde(untagged)]
+    enum Written {
+        Nf4(bool),
+        Quant(Quant),
+    }
+    Ok(match Written::deserialize(d)? {
+        Written::Nf4(true) => Quant::Nf4,
+        Written::Nf4(false) => Quant::None,
+        Written::Quant(q) => q,
+    })
+}
+
+/// A result type, or an earlier manifest's bool that said it (`wide_matmul_results: true` is
+/// f32, `narrow_attention_scores: true` the compute type); `yes` is the type a true said.
+fn de_result_type<'de, D: serde::Deserializer<'de>>(
+    d: D,
+    yes: ResultType,
+    no: ResultType,
+) -> std::result::Result<ResultType, D::Error> {
+    use serde::Deserialize;
+    #[derive(serde::Deserialize)]
+    #[serde(untagged)]
+    enum Written {
+        Said(bool),
+        Type(ResultType),
+    }
+    Ok(match Written::deserialize(d)? {
+        Written::Said(true) => yes,
+        Written::Said(false) => no,
+        Written::Type(t) => t,
+    })
+}
+
+fn de_matmul_result<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> std::result::Result<ResultType, D::Error> {
+    de_result_type(d, ResultType::F32, ResultType::Compute)
+}
+
+fn de_attention_scores<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> std::result::Result<ResultType, D::Error> {
+    de_result_type(d, ResultType::Compute, ResultType::F32)
 }
 
 /// The step's options as `StepOptions::spec` completes and checks them, on the tiny model:
@@ -766,9 +930,9 @@ mod tests {
             adam: AdamW::default(),
             dtype,
             remat: None,
-            microbatches: 1,
+            grad_accum: 1,
             mesh: None,
-            nf4: false,
+            quant: Quant::None,
             loss_chunk: None,
             attention_block: None,
             key_block: KeyBlocks::Auto,
@@ -784,18 +948,47 @@ mod tests {
         format!("{:#}", o.spec(tiny(), batch, seq).unwrap_err())
     }
 
-    /// `--key-block auto`: every key at once up to 8192 tokens, blocks of 512 above, always
-    /// blocks on a context axis, and the whole-key form when `--attention-block` asks for it; a
-    /// size or `off` as given.
+    /// One rule for `--key-block auto`: an `--attention-block` (as a TPU recipe gives) does not
+    /// turn auto's key blocks off above 8192 tokens (it did, silently, at 16k-32k); the two
+    /// together are refused as a typed error, which says how to keep either form.
     #[test]
-    fn key_blocks_resolve_by_the_sequence_the_context_and_the_attention_block() {
+    fn an_attention_block_does_not_turn_auto_key_blocks_off() {
+        let mut cfg = tiny();
+        cfg.max_position_embeddings = 32768;
+        let o = StepOptions {
+            attention_block: Some(512),
+            ..options(DType::BF16)
+        };
+        let e = o.spec(cfg.clone(), 1, 16384).unwrap_err();
+        let unused = e.downcast_ref::<AttentionBlockUnused>().expect("typed");
+        assert_eq!(unused.block, 512);
+        let e = format!("{e:#}");
+        assert!(
+            e.contains("--attention-block 512 sets the query blocks")
+                && e.contains("auto above 8192 tokens")
+                && e.contains("give --attention-block auto")
+                && e.contains("--key-block off"),
+            "{e}"
+        );
+        // Up to 8192 tokens auto keeps every key at once, in the blocks asked for.
+        assert_eq!(o.spec(cfg.clone(), 1, 8192).unwrap().key_block, None);
+        let off = StepOptions {
+            key_block: KeyBlocks::Off,
+            ..o
+        };
+        assert_eq!(off.spec(cfg, 1, 16384).unwrap().attention_block, Some(512));
+    }
+
+    /// `--key-block auto`: every key at once up to 8192 tokens, blocks of 512 above, always
+    /// blocks on a context axis; a size or `off` as given.
+    #[test]
+    fn key_blocks_resolve_by_the_sequence_and_the_context() {
         let auto = KeyBlocks::Auto;
-        assert_eq!(auto.resolve(8192, None, 1), None);
-        assert_eq!(auto.resolve(8193, None, 1), Some(DEFAULT_KEY_BLOCK));
-        assert_eq!(auto.resolve(131072, Some(1024), 1), None);
-        assert_eq!(auto.resolve(16, None, 2), Some(DEFAULT_KEY_BLOCK));
-        assert_eq!(KeyBlocks::Size(64).resolve(16, None, 1), Some(64));
-        assert_eq!(KeyBlocks::Off.resolve(131072, None, 1), None);
+        assert_eq!(auto.resolve(8192, 1), None);
+        assert_eq!(auto.resolve(8193, 1), Some(DEFAULT_KEY_BLOCK));
+        assert_eq!(auto.resolve(16, 2), Some(DEFAULT_KEY_BLOCK));
+        assert_eq!(KeyBlocks::Size(64).resolve(16, 1), Some(64));
+        assert_eq!(KeyBlocks::Off.resolve(131072, 1), None);
         for bad in ["0", "-3", "1.5", "nan", ""] {
             assert!(KeyBlocks::parse(bad).is_err(), "{bad}");
         }
@@ -859,17 +1052,21 @@ mod tests {
         }
         .spec(tiny(), 4, 64)
         .unwrap();
-        assert!(!f32_spec.wide_matmul_results && !f32_spec.narrow_attention_scores);
+        let f32_ = ResultType::F32;
+        assert_eq!(
+            (f32_spec.matmul_result, f32_spec.attention_scores),
+            (f32_, f32_)
+        );
         let bf16 = options(DType::BF16).spec(tiny(), 4, 64).unwrap();
-        assert!(bf16.wide_matmul_results && bf16.narrow_attention_scores);
+        assert_eq!(
+            (bf16.matmul_result, bf16.attention_scores),
+            (f32_, ResultType::Compute)
+        );
         let plain = StepSpec::new(tiny(), options(DType::BF16).lora, 4, 64, DType::BF16);
         let generated = plain.with_default_form();
         assert_eq!(
-            (
-                generated.wide_matmul_results,
-                generated.narrow_attention_scores
-            ),
-            (bf16.wide_matmul_results, bf16.narrow_attention_scores)
+            (generated.matmul_result, generated.attention_scores),
+            (bf16.matmul_result, bf16.attention_scores)
         );
         let e = format!(
             "{:#}",
@@ -906,12 +1103,12 @@ mod tests {
             e.contains("--loss-chunk 16") && e.contains("--remat none"),
             "{e}"
         );
-        let e = refused(&o(&|o| o.microbatches = 3), 4, 64);
+        let e = refused(&o(&|o| o.grad_accum = 3), 4, 64);
         assert!(
             e.contains("--grad-accum 3") && e.contains("batch size 4"),
             "{e}"
         );
-        let e = refused(&o(&|o| o.microbatches = 0), 4, 64);
+        let e = refused(&o(&|o| o.grad_accum = 0), 4, 64);
         assert!(e.contains("--grad-accum must be at least 1"), "{e}");
         let e = refused(&o(&|o| o.attention_block = Some(48)), 4, 64);
         assert!(
@@ -953,7 +1150,7 @@ mod tests {
             remat: Some(Remat::Layer),
             ..stats
         };
-        assert!(stats.spec(tiny(), 4, 64).unwrap().layer_keeps_softmax_stats);
+        assert!(stats.spec(tiny(), 4, 64).unwrap().keep_softmax_stats);
         let pin = StepOptions {
             pin_mlp_activations: true,
             ..options(DType::F32)
@@ -968,7 +1165,7 @@ mod tests {
         let mut cfg = tiny();
         (cfg.hidden_size, cfg.intermediate_size) = (36, 100);
         let o = StepOptions {
-            nf4: true,
+            quant: Quant::Nf4,
             ..options(DType::BF16)
         };
         let e = format!("{:#}", o.spec(cfg, 4, 64).unwrap_err());

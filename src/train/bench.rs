@@ -221,7 +221,7 @@ pub fn run(
     let program = program::build_train_step(&spec)?;
     let bytes = program.text.len();
     let t0 = Instant::now();
-    let frozen = if export.is_some() || spec.nf4 {
+    let frozen = if export.is_some() || spec.quant.is_nf4() {
         // Per-layer f32 weights under HF names: what peers read, and what the NF4 quantizer takes.
         let weights = random_weights(&spec, 1);
         if let Some(p) = export {

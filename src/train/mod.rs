@@ -74,7 +74,8 @@ fn run_in(opts: &TrainOptions, cfg: &LlamaConfig, interrupted: &AtomicBool) -> R
     if stop() {
         return Ok(Finished::Interrupted(None));
     }
-    let (rt, spec, program) = plan::plan(opts, cfg, data.batch, data.seq)?;
+    let (rt, spec, program) =
+        plan::plan(opts, cfg, data.batch, data.seq).map_err(|e| opts.name_the_source(e))?;
     if spec.key_block.is_some() {
         // The attention's form decides its speed and memory at long context: said as compile
         // says it.

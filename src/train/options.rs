@@ -58,6 +58,9 @@ pub struct TrainOptions {
     pub recipe: Option<(PathBuf, BTreeSet<String>)>,
     /// `--sharding-rules`, as given (the rules themselves are in `step.mesh`).
     pub sharding_rules: Option<PathBuf>,
+    /// The flags left out whose value was taken from a checkpoint or a program dir, each with
+    /// where from ("checkpoint DIR's run has"), for messages (`train::settings` fills it).
+    pub taken_from: std::collections::BTreeMap<String, String>,
 }
 
 impl TrainOptions {
@@ -74,6 +77,24 @@ impl TrainOptions {
                 format!("the recipe {}", file.display())
             }
             _ => "the command line".to_string(),
+        }
+    }
+
+    /// Where the value of `--flag` in force came from, said before it: "the command line
+    /// gives", "the recipe FILE gives", "checkpoint DIR's run has".
+    pub fn source_of(&self, flag: &str) -> String {
+        match self.taken_from.get(flag) {
+            Some(source) => source.clone(),
+            None => format!("{} gives", self.given_by(flag)),
+        }
+    }
+
+    /// An error of the step's spec with the source of the value it refuses named (a recipe's or
+    /// a checkpoint's `--attention-block` is not the command line's), where it can say one.
+    pub fn name_the_source(&self, e: anyhow::Error) -> anyhow::Error {
+        match e.downcast_ref::<crate::program::AttentionBlockUnused>() {
+            Some(unused) => unused.from_source(&self.source_of("attention-block")),
+            None => e,
         }
     }
 
@@ -230,7 +251,7 @@ impl TrainOptions {
         // the flags, so a bad one is refused before the data is read.
         let seq = (!self.data.is_batch_file()).then_some(self.data.seq);
         let batch = (!self.data.is_batch_file()).then_some(self.data.batch_size);
-        let m = self.step.microbatches;
+        let m = self.step.grad_accum;
         if m < 1 {
             bail!("--grad-accum must be at least 1, got {m}");
         }

@@ -4,9 +4,14 @@
 //! value for a flag left at its default, and refuses a flag given with another value, naming
 //! both: a run never continues with another alpha, schedule or batch than the one it started
 //! with, and never trains another rank than the one its program was built for.
+//!
+//! The flags' names are written once, as the fields of [`RunSettings`] (every setting of a run)
+//! and `ProgramSettings` (those a program dir fixes); values are compared by flag in their JSON
+//! form, and one is taken by replacing it in the run's settings and applying them back
+//! ([`RunSettings::apply_to`]), so that no function maps names to fields by hand.
 
 use crate::model::lora::Target;
-use crate::program::{sharding, KeyBlocks, MeshPlan, Remat, ResultType, StepSpec};
+use crate::program::{sharding, KeyBlocks, MeshPlan, Offload, Quant, Remat, ResultType, StepSpec};
 use crate::train::checkpoint::{Settings, TrainerState};
 use crate::train::options::TrainOptions;
 use anyhow::{bail, Context, Result};
@@ -30,14 +35,6 @@ fn mesh_text(m: &Option<MeshPlan>) -> String {
         let axes: Vec<String> = m.axes.iter().map(|(n, s)| format!("{n}={s}")).collect();
         axes.join(",")
     })
-}
-
-fn quant_text(nf4: bool) -> &'static str {
-    if nf4 {
-        "nf4"
-    } else {
-        "none"
-    }
 }
 
 /// A path as recorded: absolute (resolved through symlinks where it exists), "" for none.
@@ -87,266 +84,379 @@ pub const LAYOUT_AND_REPORTING: &[&str] = &[
     "peak-tflops",
 ];
 
-/// What a run records in its checkpoints, by flag: every setting of the run. What decides its
-/// result (the model and data, the adapter, the optimizer, the schedule, the numerics, the
-/// seed), how it is laid out on devices ([`LAYOUT_AND_REPORTING`]: mesh, remat, chunks,
-/// plugin, program dir) and how it reports (output dir, evaluation data, saving, evaluation and
-/// logging cadence), so that `xtrain train --resume CHECKPOINT` alone continues the run as it
-/// was started. Paths are absolute.
-pub fn of_run(o: &TrainOptions) -> Settings {
-    let s = &o.step;
-    let mut m = Settings::new();
-    let mut put = |k: &str, v: Value| {
-        m.insert(k.to_string(), v);
-    };
-    put("model", json!(path_text(Some(&o.model))));
-    put("data", json!(path_text(Some(&o.data.path))));
-    put("eval-data", json!(path_text(o.data.eval_data.as_deref())));
-    put("out", json!(path_text(Some(&o.out))));
-    put("program", json!(path_text(o.program.as_deref())));
-    put("seed", json!(o.seed));
-    put("lora-r", json!(s.lora.r));
-    put("lora-alpha", json!(s.lora.alpha));
-    put("lora-dropout", json!(s.lora.dropout));
-    put("lora-targets", json!(Target::list(&s.lora.targets)));
-    put("lr", json!(o.lr));
-    put("warmup", json!(o.warmup));
-    put("schedule", json!(o.schedule));
-    put("min-lr-ratio", json!(o.min_lr_ratio));
-    put("steps", json!(o.steps));
-    put("epochs", json!(o.epochs));
-    put("betas", json!(format!("{},{}", s.adam.beta1, s.adam.beta2)));
-    put("eps", json!(s.adam.eps));
-    put("weight-decay", json!(s.adam.weight_decay));
-    put("max-grad-norm", json!(s.adam.max_grad_norm));
-    put("dtype", json!(s.dtype.mlir()));
-    put("quant", json!(quant_text(s.nf4)));
-    put("batch-size", json!(o.data.batch_size));
-    put("seq", json!(o.data.seq));
-    put("no-pack", json!(!o.data.pack));
-    put("train-on-prompt", json!(o.data.train_on_prompt));
-    put("skip-bad-lines", json!(o.data.skip_bad_lines));
-    put("strict-length", json!(o.data.strict_length));
-    put("text-column", json!(o.data.columns.text));
-    put("messages-column", json!(o.data.columns.messages));
-    put("eval-fraction", json!(o.data.eval_fraction));
-    put("skip-nonfinite-steps", json!(o.skip_nonfinite));
+/// Every setting of a run, each field named as its flag (`lora-alpha`, `grad-accum`, kebab-case
+/// in the file) and holding the value as a user would type it after the flag: what a run
+/// records in its checkpoints (`trainer_state.json`'s `settings`). What decides its result (the
+/// model and data, the adapter, the optimizer, the schedule, the numerics, the seed), how it is
+/// laid out on devices ([`LAYOUT_AND_REPORTING`]: mesh, remat, chunks, plugin, program dir) and
+/// how it reports (output dir, evaluation data, saving, evaluation and logging cadence), so that
+/// `xtrain train --resume CHECKPOINT` alone continues the run as it was started. Paths are
+/// absolute. A new flag of `train` is a field here, in [`RunSettings::of`] and in
+/// [`RunSettings::apply_to`] (the compiler names the one left out).
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case", deny_unknown_fields)]
+pub struct RunSettings {
+    pub model: String,
+    pub data: String,
+    pub eval_data: String,
+    pub out: String,
+    pub program: String,
+    pub seed: u64,
+    pub lora_r: i64,
+    pub lora_alpha: f64,
+    pub lora_dropout: f64,
+    pub lora_targets: String,
+    pub lr: f64,
+    pub warmup: u64,
+    pub schedule: String,
+    pub min_lr_ratio: f64,
+    pub steps: u64,
+    pub epochs: u64,
+    pub betas: String,
+    pub eps: f64,
+    pub weight_decay: f64,
+    pub max_grad_norm: f64,
+    pub dtype: String,
+    pub quant: String,
+    pub batch_size: i64,
+    pub seq: i64,
+    pub no_pack: bool,
+    pub train_on_prompt: bool,
+    pub skip_bad_lines: bool,
+    pub strict_length: bool,
+    pub text_column: String,
+    pub messages_column: String,
+    pub eval_fraction: f64,
+    pub skip_nonfinite_steps: bool,
     // Layout.
-    put("remat", json!(s.remat.map_or("auto", |r| r.name())));
-    put("offload", json!(s.offload.map_or("auto", |o| o.name())));
-    put("grad-accum", json!(s.microbatches));
-    put("loss-chunk", json!(s.loss_chunk));
-    put("attention-block", json!(s.attention_block));
-    put("key-block", json!(s.key_block.name()));
-    put("mesh", json!(mesh_text(&s.mesh)));
-    put(
-        "sharding-rules",
-        json!(path_text(o.sharding_rules.as_deref())),
-    );
-    put("matmul-result", json!(s.matmul_result.name()));
-    put("attention-scores", json!(s.attention_scores.name()));
-    put("keep-softmax-stats", json!(s.keep_softmax_stats));
-    put("pin-mlp-activations", json!(s.pin_mlp_activations));
-    put("plugin", json!(o.plugin.clone().unwrap_or_default()));
+    pub remat: String,
+    pub offload: String,
+    pub grad_accum: i64,
+    pub loss_chunk: Option<i64>,
+    pub attention_block: Option<i64>,
+    pub key_block: String,
+    pub mesh: String,
+    pub sharding_rules: String,
+    pub matmul_result: String,
+    pub attention_scores: String,
+    pub keep_softmax_stats: bool,
+    pub pin_mlp_activations: bool,
+    pub plugin: String,
     // Reporting.
-    put("save-every", json!(o.save_every));
-    put("eval-every", json!(o.eval_every));
-    put("log-every", json!(o.log_every));
-    put("no-plot", json!(!o.plot));
-    put("peak-tflops", json!(o.peak_tflops));
-    m
+    pub save_every: u64,
+    pub eval_every: u64,
+    pub log_every: u64,
+    pub no_plot: bool,
+    pub peak_tflops: Option<f64>,
 }
 
-/// The settings of the flags a program dir fixes, as it was built.
-pub fn of_spec(spec: &StepSpec) -> Settings {
-    let mut m = Settings::new();
-    let mut put = |k: &str, v: Value| {
-        m.insert(k.to_string(), v);
-    };
-    put("lora-r", json!(spec.lora.r));
-    put("lora-alpha", json!(spec.lora.alpha));
-    put("lora-dropout", json!(spec.lora.dropout));
-    put("lora-targets", json!(Target::list(&spec.lora.targets)));
-    put(
-        "betas",
-        json!(format!("{},{}", spec.adam.beta1, spec.adam.beta2)),
-    );
-    put("eps", json!(spec.adam.eps));
-    put("weight-decay", json!(spec.adam.weight_decay));
-    put("max-grad-norm", json!(spec.adam.max_grad_norm));
-    put("dtype", json!(spec.weight_dtype.mlir()));
-    put("quant", json!(quant_text(spec.nf4)));
-    put("remat", json!(spec.remat.name()));
-    put("grad-accum", json!(spec.microbatches));
-    put("loss-chunk", json!(spec.loss_chunk));
-    put("attention-block", json!(spec.attention_block));
-    put(
-        "key-block",
-        json!(spec.key_block.map_or("off".to_string(), |k| k.to_string())),
-    );
-    // The program's form, as its flags give it (with f32 compute, f32 and compute are one).
-    let bf16 = spec.compute_dtype != hlo::DType::F32;
-    put(
-        "attention-scores",
-        json!(if spec.narrow_attention_scores || !bf16 {
-            "compute"
-        } else {
-            "f32"
-        }),
-    );
-    put(
-        "matmul-result",
-        json!(if spec.wide_matmul_results || !bf16 {
-            "f32"
-        } else {
-            "compute"
-        }),
-    );
-    put("keep-softmax-stats", json!(spec.layer_keeps_softmax_stats));
-    put("pin-mlp-activations", json!(spec.pin_mlp_activations));
-    put("mesh", json!(mesh_text(&spec.mesh)));
-    put("offload", json!(spec.offload.name()));
-    put("batch-size", json!(spec.batch));
-    put("seq", json!(spec.seq));
-    m
+/// The settings of `value` (a [`RunSettings`] or [`ProgramSettings`]) by flag, the form a
+/// checkpoint records and settings are compared in.
+fn by_flag<T: serde::Serialize>(value: &T) -> Settings {
+    match serde_json::to_value(value) {
+        Ok(Value::Object(m)) => m.into_iter().collect(),
+        _ => unreachable!("settings serialize as a JSON object"),
+    }
 }
 
-/// The same flags' values in `o`, to compare with [`of_spec`].
-fn of_options_for_spec(o: &TrainOptions) -> Settings {
-    let s = &o.step;
-    let of_spec_flags = [
-        "lora-r",
-        "lora-alpha",
-        "lora-dropout",
-        "lora-targets",
-        "betas",
-        "eps",
-        "weight-decay",
-        "max-grad-norm",
-        "dtype",
-        "quant",
-        "batch-size",
-        "seq",
-    ];
-    let mut m = of_run(o);
-    m.retain(|k, _| of_spec_flags.contains(&k.as_str()));
-    m.insert("grad-accum".into(), json!(s.microbatches));
-    m.insert("loss-chunk".into(), json!(s.loss_chunk));
-    m.insert("attention-block".into(), json!(s.attention_block));
-    m.insert("mesh".into(), json!(mesh_text(&s.mesh)));
-    // `--key-block auto` (the default) accepts what the program was built with.
-    if s.key_block != KeyBlocks::Auto {
-        m.insert("key-block".into(), json!(s.key_block.name()));
+impl RunSettings {
+    /// The settings of the run `o` would be.
+    pub fn of(o: &TrainOptions) -> RunSettings {
+        let s = &o.step;
+        RunSettings {
+            model: path_text(Some(&o.model)),
+            data: path_text(Some(&o.data.path)),
+            eval_data: path_text(o.data.eval_data.as_deref()),
+            out: path_text(Some(&o.out)),
+            program: path_text(o.program.as_deref()),
+            seed: o.seed,
+            lora_r: s.lora.r,
+            lora_alpha: s.lora.alpha,
+            lora_dropout: s.lora.dropout,
+            lora_targets: Target::list(&s.lora.targets),
+            lr: o.lr,
+            warmup: o.warmup,
+            schedule: o.schedule.clone(),
+            min_lr_ratio: o.min_lr_ratio,
+            steps: o.steps,
+            epochs: o.epochs,
+            betas: format!("{},{}", s.adam.beta1, s.adam.beta2),
+            eps: s.adam.eps,
+            weight_decay: s.adam.weight_decay,
+            max_grad_norm: s.adam.max_grad_norm,
+            dtype: s.dtype.mlir().to_string(),
+            quant: s.quant.name().to_string(),
+            batch_size: o.data.batch_size,
+            seq: o.data.seq,
+            no_pack: !o.data.pack,
+            train_on_prompt: o.data.train_on_prompt,
+            skip_bad_lines: o.data.skip_bad_lines,
+            strict_length: o.data.strict_length,
+            text_column: o.data.columns.text.clone(),
+            messages_column: o.data.columns.messages.clone(),
+            eval_fraction: o.data.eval_fraction,
+            skip_nonfinite_steps: o.skip_nonfinite,
+            remat: s.remat.map_or("auto", |r| r.name()).to_string(),
+            offload: s.offload.map_or("auto", |o| o.name()).to_string(),
+            grad_accum: s.grad_accum,
+            loss_chunk: s.loss_chunk,
+            attention_block: s.attention_block,
+            key_block: s.key_block.name(),
+            mesh: mesh_text(&s.mesh),
+            sharding_rules: path_text(o.sharding_rules.as_deref()),
+            matmul_result: s.matmul_result.name().to_string(),
+            attention_scores: s.attention_scores.name().to_string(),
+            keep_softmax_stats: s.keep_softmax_stats,
+            pin_mlp_activations: s.pin_mlp_activations,
+            plugin: o.plugin.clone().unwrap_or_default(),
+            save_every: o.save_every,
+            eval_every: o.eval_every,
+            log_every: o.log_every,
+            no_plot: !o.plot,
+            peak_tflops: o.peak_tflops,
+        }
     }
-    // With f32 compute, f32 and compute are one type: the flags are then whatever was built.
-    let bf16 = s.dtype != hlo::DType::F32;
-    let result = |r: ResultType, as_f32: &'static str| if bf16 { r.name() } else { as_f32 };
-    m.insert(
-        "attention-scores".into(),
-        json!(result(s.attention_scores, "compute")),
-    );
-    m.insert(
-        "matmul-result".into(),
-        json!(result(s.matmul_result, "f32")),
-    );
-    m.insert("keep-softmax-stats".into(), json!(s.keep_softmax_stats));
-    m.insert("pin-mlp-activations".into(), json!(s.pin_mlp_activations));
-    // `--remat auto` and `--offload auto` (the defaults) accept what the program was built with.
-    if let Some(r) = s.remat {
-        m.insert("remat".into(), json!(r.name()));
+
+    /// Set `o` to these settings, all but the paths of [`PATH_FLAGS`] (taken before the model
+    /// is read, by [`take_recorded_paths`]). `RunSettings::of(o).apply_to(o)` changes nothing.
+    fn apply_to(self, o: &mut TrainOptions) -> Result<()> {
+        let RunSettings {
+            model: _,
+            data: _,
+            eval_data: _,
+            out: _,
+            program: _,
+            seed,
+            lora_r,
+            lora_alpha,
+            lora_dropout,
+            lora_targets,
+            lr,
+            warmup,
+            schedule,
+            min_lr_ratio,
+            steps,
+            epochs,
+            betas,
+            eps,
+            weight_decay,
+            max_grad_norm,
+            dtype,
+            quant,
+            batch_size,
+            seq,
+            no_pack,
+            train_on_prompt,
+            skip_bad_lines,
+            strict_length,
+            text_column,
+            messages_column,
+            eval_fraction,
+            skip_nonfinite_steps,
+            remat,
+            offload,
+            grad_accum,
+            loss_chunk,
+            attention_block,
+            key_block,
+            mesh,
+            sharding_rules,
+            matmul_result,
+            attention_scores,
+            keep_softmax_stats,
+            pin_mlp_activations,
+            plugin,
+            save_every,
+            eval_every,
+            log_every,
+            no_plot,
+            peak_tflops,
+        } = self;
+        o.seed = seed;
+        let s = &mut o.step;
+        s.lora.r = lora_r;
+        s.lora.alpha = lora_alpha;
+        s.lora.dropout = lora_dropout;
+        s.lora.targets = Target::parse_list(&lora_targets).context("--lora-targets")?;
+        o.lr = lr;
+        o.warmup = warmup;
+        o.schedule = schedule;
+        o.min_lr_ratio = min_lr_ratio;
+        o.steps = steps;
+        o.epochs = epochs;
+        let (b1, b2) = betas
+            .split_once(',')
+            .and_then(|(a, b)| Some((a.parse().ok()?, b.parse().ok()?)))
+            .ok_or_else(|| anyhow::anyhow!("--betas `{betas}` is not two numbers"))?;
+        (s.adam.beta1, s.adam.beta2) = (b1, b2);
+        s.adam.eps = eps;
+        s.adam.weight_decay = weight_decay;
+        s.adam.max_grad_norm = max_grad_norm;
+        s.dtype = crate::program::parse_dtype(&dtype)?;
+        s.quant = Quant::parse(&quant)?;
+        o.data.batch_size = batch_size;
+        o.data.seq = seq;
+        o.data.pack = !no_pack;
+        o.data.train_on_prompt = train_on_prompt;
+        o.data.skip_bad_lines = skip_bad_lines;
+        o.data.strict_length = strict_length;
+        o.data.columns.text = text_column;
+        o.data.columns.messages = messages_column;
+        o.data.eval_fraction = eval_fraction;
+        o.skip_nonfinite = skip_nonfinite_steps;
+        let s = &mut o.step;
+        s.remat = Remat::parse_choice(&remat)?;
+        s.offload = Offload::parse_choice(&offload)?;
+        s.grad_accum = grad_accum;
+        s.loss_chunk = loss_chunk;
+        s.attention_block = attention_block;
+        s.key_block = KeyBlocks::parse(&key_block)?;
+        s.matmul_result = ResultType::parse("matmul-result", &matmul_result)?;
+        s.attention_scores = ResultType::parse("attention-scores", &attention_scores)?;
+        s.keep_softmax_stats = keep_softmax_stats;
+        s.pin_mlp_activations = pin_mlp_activations;
+        // The mesh under the sharding rules of `--sharding-rules`, or the default rules.
+        o.sharding_rules = (!sharding_rules.is_empty()).then(|| sharding_rules.into());
+        let rules = match &o.sharding_rules {
+            Some(p) => crate::formats::sharding_rules::read_rules(p)?,
+            None => sharding::Rules::default(),
+        };
+        let axes = sharding::parse_mesh(&mesh)?.axes;
+        o.step.mesh = (!axes.is_empty()).then_some(MeshPlan { axes, rules });
+        o.plugin = (!plugin.is_empty()).then_some(plugin);
+        o.save_every = save_every;
+        o.eval_every = eval_every;
+        o.log_every = log_every;
+        o.plot = !no_plot;
+        o.peak_tflops = peak_tflops;
+        Ok(())
     }
-    if let Some(o) = s.offload {
-        m.insert("offload".into(), json!(o.name()));
-    }
-    m
 }
 
-/// Set the flag `flag` of `o` to `v` (a value [`of_run`] or [`of_spec`] wrote).
-fn apply(o: &mut TrainOptions, flag: &str, v: &Value, spec: Option<&StepSpec>) -> Result<()> {
-    let bad = || anyhow::anyhow!("recorded --{flag} {v} is not a valid value");
-    let f64_ = || v.as_f64().ok_or_else(bad);
-    let u64_ = || v.as_u64().ok_or_else(bad);
-    let i64_ = || v.as_i64().ok_or_else(bad);
-    let bool_ = || v.as_bool().ok_or_else(bad);
-    let str_ = || v.as_str().ok_or_else(bad);
-    let s = &mut o.step;
-    match flag {
-        "seed" => o.seed = u64_()?,
-        "lora-r" => s.lora.r = i64_()?,
-        "lora-alpha" => s.lora.alpha = f64_()?,
-        "lora-dropout" => s.lora.dropout = f64_()?,
-        "lora-targets" => s.lora.targets = Target::parse_list(str_()?)?,
-        "lr" => o.lr = f64_()?,
-        "warmup" => o.warmup = u64_()?,
-        "schedule" => o.schedule = str_()?.to_string(),
-        "min-lr-ratio" => o.min_lr_ratio = f64_()?,
-        "steps" => o.steps = u64_()?,
-        "epochs" => o.epochs = u64_()?,
-        "betas" => {
-            let (a, b) = str_()?.split_once(',').ok_or_else(bad)?;
-            s.adam.beta1 = a.parse().map_err(|_| bad())?;
-            s.adam.beta2 = b.parse().map_err(|_| bad())?;
+/// What a run records in its checkpoints, by flag ([`RunSettings`]).
+pub fn of_run(o: &TrainOptions) -> Settings {
+    by_flag(&RunSettings::of(o))
+}
+
+/// The settings a program dir fixes, each field named as its flag (a subset of
+/// [`RunSettings`]'s, written the same way): those of the step it was built for
+/// ([`ProgramSettings::of_spec`]), compared with a run's ([`ProgramSettings::of_options`]). The
+/// choices a run may leave to the program dir (`--remat auto`, `--offload auto`, `--key-block
+/// auto`) are None in a run's.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+struct ProgramSettings {
+    lora_r: i64,
+    lora_alpha: f64,
+    lora_dropout: f64,
+    lora_targets: String,
+    betas: String,
+    eps: f64,
+    weight_decay: f64,
+    max_grad_norm: f64,
+    dtype: String,
+    quant: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    remat: Option<String>,
+    grad_accum: i64,
+    loss_chunk: Option<i64>,
+    attention_block: Option<i64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    key_block: Option<String>,
+    attention_scores: String,
+    matmul_result: String,
+    keep_softmax_stats: bool,
+    pin_mlp_activations: bool,
+    mesh: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    offload: Option<String>,
+    /// None for a `.safetensors` batch, which has the shape it has (checked against the
+    /// program's later).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    batch_size: Option<i64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    seq: Option<i64>,
+}
+
+impl ProgramSettings {
+    /// The settings the program dir of `spec` fixes. The result types are said as they are in
+    /// effect (with f32 compute, f32 and compute are one: f32).
+    fn of_spec(spec: &StepSpec) -> ProgramSettings {
+        ProgramSettings {
+            lora_r: spec.lora.r,
+            lora_alpha: spec.lora.alpha,
+            lora_dropout: spec.lora.dropout,
+            lora_targets: Target::list(&spec.lora.targets),
+            betas: format!("{},{}", spec.adam.beta1, spec.adam.beta2),
+            eps: spec.adam.eps,
+            weight_decay: spec.adam.weight_decay,
+            max_grad_norm: spec.adam.max_grad_norm,
+            dtype: spec.dtype.mlir().to_string(),
+            quant: spec.quant.name().to_string(),
+            remat: Some(spec.remat.name().to_string()),
+            grad_accum: spec.grad_accum,
+            loss_chunk: spec.loss_chunk,
+            attention_block: spec.attention_block,
+            key_block: Some(spec.key_block.map_or("off".to_string(), |k| k.to_string())),
+            attention_scores: in_effect(spec.attention_scores, spec.dtype),
+            matmul_result: in_effect(spec.matmul_result, spec.dtype),
+            keep_softmax_stats: spec.keep_softmax_stats,
+            pin_mlp_activations: spec.pin_mlp_activations,
+            mesh: mesh_text(&spec.mesh),
+            offload: Some(spec.offload.name().to_string()),
+            batch_size: Some(spec.batch),
+            seq: Some(spec.seq),
         }
-        "eps" => s.adam.eps = f64_()?,
-        "weight-decay" => s.adam.weight_decay = f64_()?,
-        "max-grad-norm" => s.adam.max_grad_norm = f64_()?,
-        "dtype" => s.dtype = crate::program::parse_dtype(str_()?)?,
-        "quant" => s.nf4 = str_()? == "nf4",
-        "batch-size" => o.data.batch_size = i64_()?,
-        "seq" => o.data.seq = i64_()?,
-        "no-pack" => o.data.pack = !bool_()?,
-        "train-on-prompt" => o.data.train_on_prompt = bool_()?,
-        "skip-bad-lines" => o.data.skip_bad_lines = bool_()?,
-        "eval-fraction" => o.data.eval_fraction = f64_()?,
-        "strict-length" => o.data.strict_length = bool_()?,
-        "text-column" => o.data.columns.text = str_()?.to_string(),
-        "messages-column" => o.data.columns.messages = str_()?.to_string(),
-        "skip-nonfinite-steps" => o.skip_nonfinite = bool_()?,
-        "sharding-rules" => {
-            let path = str_()?;
-            o.sharding_rules = (!path.is_empty()).then(|| path.into());
-            let rules = match &o.sharding_rules {
-                Some(p) => sharding::Rules::load(p)?,
-                None => sharding::Rules::default(),
-            };
-            if let Some(m) = &mut s.mesh {
-                m.rules = rules;
-            }
-        }
-        "plugin" => {
-            let p = str_()?;
-            o.plugin = (!p.is_empty()).then(|| p.to_string());
-        }
-        "save-every" => o.save_every = u64_()?,
-        "eval-every" => o.eval_every = u64_()?,
-        "log-every" => o.log_every = u64_()?,
-        "no-plot" => o.plot = !bool_()?,
-        "peak-tflops" => o.peak_tflops = v.as_f64(),
-        "remat" => s.remat = Remat::parse_choice(str_()?)?,
-        "grad-accum" => s.microbatches = i64_()?,
-        "loss-chunk" => s.loss_chunk = v.as_i64(),
-        "attention-block" => s.attention_block = v.as_i64(),
-        "key-block" => s.key_block = KeyBlocks::parse(str_()?)?,
-        "attention-scores" => s.attention_scores = ResultType::parse("attention-scores", str_()?)?,
-        "matmul-result" => s.matmul_result = ResultType::parse("matmul-result", str_()?)?,
-        "keep-softmax-stats" => s.keep_softmax_stats = bool_()?,
-        "pin-mlp-activations" => s.pin_mlp_activations = bool_()?,
-        "offload" => s.offload = crate::program::Offload::parse_choice(str_()?)?,
-        "mesh" => {
-            s.mesh = match spec {
-                Some(spec) => spec.mesh.clone(),
-                None => {
-                    let m = sharding::parse_mesh(str_()?)?;
-                    (!m.axes.is_empty()).then(|| MeshPlan {
-                        axes: m.axes,
-                        rules: sharding::Rules::default(),
-                    })
-                }
-            }
-        }
-        other => bail!("unknown recorded setting `{other}`"),
     }
-    Ok(())
+
+    /// The same settings as the run `o` has them.
+    fn of_options(o: &TrainOptions) -> ProgramSettings {
+        let s = &o.step;
+        let run = RunSettings::of(o);
+        ProgramSettings {
+            lora_r: run.lora_r,
+            lora_alpha: run.lora_alpha,
+            lora_dropout: run.lora_dropout,
+            lora_targets: run.lora_targets,
+            betas: run.betas,
+            eps: run.eps,
+            weight_decay: run.weight_decay,
+            max_grad_norm: run.max_grad_norm,
+            dtype: run.dtype,
+            quant: run.quant,
+            remat: s.remat.map(|r| r.name().to_string()),
+            grad_accum: run.grad_accum,
+            loss_chunk: run.loss_chunk,
+            attention_block: run.attention_block,
+            key_block: (s.key_block != KeyBlocks::Auto).then_some(run.key_block),
+            attention_scores: in_effect(s.attention_scores, s.dtype),
+            matmul_result: in_effect(s.matmul_result, s.dtype),
+            keep_softmax_stats: run.keep_softmax_stats,
+            pin_mlp_activations: run.pin_mlp_activations,
+            mesh: run.mesh,
+            offload: s.offload.map(|o| o.name().to_string()),
+            batch_size: Some(run.batch_size),
+            seq: Some(run.seq),
+        }
+    }
+}
+
+/// A result-type flag's value as it is in effect with compute type `dtype`.
+fn in_effect(r: ResultType, dtype: hlo::DType) -> String {
+    r.in_effect(dtype).name().to_string()
+}
+
+/// Set the flag `flag` of `o` to `v`, a value recorded by [`RunSettings`] or
+/// [`ProgramSettings`] (whose flags are [`RunSettings`]' too): `o`'s settings with that one
+/// replaced, applied back.
+fn apply(o: &mut TrainOptions, flag: &str, v: &Value) -> Result<()> {
+    let mut all = by_flag(&RunSettings::of(o));
+    if all.insert(flag.to_string(), v.clone()).is_none() {
+        bail!("unknown recorded setting `{flag}`");
+    }
+    let settings: RunSettings = serde_json::from_value(Value::Object(all.into_iter().collect()))
+        .map_err(|_| anyhow::anyhow!("recorded --{flag} {v} is not a valid value"))?;
+    settings.apply_to(o)
 }
 
 /// Where a value in force came from, for messages.
@@ -381,10 +491,9 @@ fn reconcile(
     notes: &mut Vec<String>,
 ) -> Result<Vec<String>> {
     // A program dir's flags are compared as its spec has them, a checkpoint's as a run's.
-    let now = if spec.is_some() {
-        of_options_for_spec
-    } else {
-        of_run
+    let now = |o: &TrainOptions| match spec {
+        Some(_) => by_flag(&ProgramSettings::of_options(o)),
+        None => of_run(o),
     };
     let mut taken = Vec::new();
     for (flag, want) in recorded {
@@ -415,9 +524,14 @@ fn reconcile(
                 show(have)
             );
         }
-        apply(o, flag, want, spec).with_context(|| format!("{source} --{flag} {}", show(want)))?;
+        apply(o, flag, want).with_context(|| format!("{source} --{flag} {}", show(want)))?;
+        if let (Some(spec), "mesh") = (spec, flag.as_str()) {
+            // The program's mesh with the sharding rules it was built with.
+            o.step.mesh = spec.mesh.clone();
+        }
         taken.push(format!("--{flag} {}", show(want)));
         pinned.0.insert(flag.clone(), source.to_string());
+        o.taken_from.insert(flag.clone(), source.to_string());
     }
     Ok(taken)
 }
@@ -460,11 +574,11 @@ pub fn settle(
         let (_, spec) = crate::formats::program_dir::read_dir_for_model(&dir, cfg, &o.model)?;
         // A .safetensors batch has the shape it has; the program's check against it comes later.
         let batch_file = o.data.is_batch_file();
-        let mut fixed = of_spec(&spec);
+        let mut fixed = ProgramSettings::of_spec(&spec);
         if batch_file {
-            fixed.remove("batch-size");
-            fixed.remove("seq");
+            (fixed.batch_size, fixed.seq) = (None, None);
         }
+        let fixed = by_flag(&fixed);
         let source = format!("program dir {} was built with", dir.display());
         let taken = reconcile(
             o,
@@ -646,5 +760,135 @@ fn set_path(o: &mut TrainOptions, flag: &str, p: PathBuf) {
 fn note(taken: &[String], from: &str, notes: &mut Vec<String>) {
     if !taken.is_empty() {
         notes.push(format!("taking {} from {from}", taken.join(", ")));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::data::{Columns, DataOptions};
+    use crate::model::lora::LoraConfig;
+    use crate::program::StepOptions;
+
+    /// Options whose every recorded value differs from the fixture's, so that taking a value
+    /// shows.
+    fn options() -> TrainOptions {
+        TrainOptions {
+            model: "m".into(),
+            data: DataOptions {
+                path: "d.jsonl".into(),
+                batch_size: 8,
+                seq: 64,
+                pack: false,
+                train_on_prompt: true,
+                skip_bad_lines: true,
+                strict_length: true,
+                eval_fraction: 0.5,
+                eval_data: None,
+                columns: Columns::new(Some("t".into()), Some("m".into())),
+            },
+            step: StepOptions {
+                lora: LoraConfig {
+                    r: 2,
+                    alpha: 3.0,
+                    dropout: 0.25,
+                    targets: vec![Target::Q],
+                },
+                adam: crate::model::optim::AdamW {
+                    beta1: 0.5,
+                    beta2: 0.75,
+                    eps: 0.125,
+                    weight_decay: 0.5,
+                    max_grad_norm: 2.0,
+                },
+                dtype: hlo::DType::BF16,
+                remat: Some(Remat::SaveProj),
+                grad_accum: 2,
+                mesh: Some(MeshPlan {
+                    axes: vec![("fsdp".into(), 2)],
+                    rules: sharding::Rules::default(),
+                }),
+                quant: Quant::Nf4,
+                loss_chunk: Some(8),
+                attention_block: None,
+                key_block: KeyBlocks::Off,
+                matmul_result: ResultType::Compute,
+                attention_scores: ResultType::F32,
+                keep_softmax_stats: true,
+                pin_mlp_activations: true,
+                offload: Some(Offload::NONE),
+            },
+            init_adapter: None,
+            steps: 9,
+            epochs: 3,
+            lr: 0.5,
+            warmup: 4,
+            schedule: "cosine".into(),
+            min_lr_ratio: 0.5,
+            program: None,
+            use_cache: true,
+            eval_every: 7,
+            save_every: 7,
+            resume: None,
+            out: "o".into(),
+            overwrite: false,
+            seed: 7,
+            plugin: Some("cuda".into()),
+            verbose: false,
+            log_every: 7,
+            plot: false,
+            peak_tflops: Some(1.0),
+            stop_after: None,
+            skip_nonfinite: true,
+            explicit: Default::default(),
+            recipe: None,
+            sharding_rules: None,
+            taken_from: Default::default(),
+            kernels: Vec::new(),
+        }
+    }
+
+    /// The settings of a checkpoint as xtrain wrote them on 2026-12-03: each is a flag of
+    /// [`RunSettings`] with a value of its type, and taken one by one (as a resumed run takes
+    /// them) the options then record every one of them as it was.
+    #[test]
+    fn a_checkpoint_written_before_the_typed_settings_is_taken_whole() {
+        let state: TrainerState = serde_json::from_str(include_str!(
+            "../../tests/fixtures/formats-2026-12-03/trainer_state.json"
+        ))
+        .unwrap();
+        let recorded = &state.settings;
+        let mut o = options();
+        for (flag, v) in recorded {
+            if !PATH_FLAGS.contains(&flag.as_str()) {
+                apply(&mut o, flag, v).unwrap_or_else(|e| panic!("--{flag} {v}: {e:#}"));
+            }
+        }
+        let now = of_run(&o);
+        assert_eq!(
+            now.keys().collect::<Vec<_>>(),
+            recorded.keys().collect::<Vec<_>>()
+        );
+        for (flag, v) in recorded {
+            if !PATH_FLAGS.contains(&flag.as_str()) {
+                assert!(
+                    &now[flag] == v || numerically_equal(&now[flag], v),
+                    "--{flag}: recorded {v}, now {}",
+                    now[flag]
+                );
+            }
+        }
+    }
+
+    /// A setting of another type, or one no flag has, is refused naming it.
+    #[test]
+    fn a_recorded_value_of_another_type_or_flag_is_refused() {
+        let mut o = options();
+        let e = format!("{:#}", apply(&mut o, "lora-r", &json!("four")).unwrap_err());
+        assert!(e.contains("--lora-r \"four\" is not a valid value"), "{e}");
+        let e = format!("{:#}", apply(&mut o, "lora-rank", &json!(4)).unwrap_err());
+        assert!(e.contains("unknown recorded setting `lora-rank`"), "{e}");
+        // The options are as they were.
+        assert_eq!(of_run(&o), of_run(&options()));
     }
 }

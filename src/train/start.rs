@@ -54,7 +54,15 @@ pub(super) fn starting_point(
         }
         None => {
             let w = match &opts.init_adapter {
-                Some(dir) => initial_adapter(dir, cfg, lora_cfg)?,
+                Some(dir) => {
+                    // With --program the LoRA settings are the program dir's (a flag given must
+                    // agree with them): the refusal names it as their source.
+                    let asked_by = match &opts.program {
+                        Some(p) => format!("program dir {} was built for", p.display()),
+                        None => "the flags ask for".to_string(),
+                    };
+                    initial_adapter(dir, cfg, lora_cfg, &asked_by)?
+                }
                 None => init_lora(cfg, lora_cfg, opts.seed),
             };
             (
@@ -147,17 +155,19 @@ fn schedule_text(s: &Schedule) -> String {
     )
 }
 
-/// The tensors of `--init-adapter`, refused unless its rank, alpha and targets are the flags'.
+/// The tensors of `--init-adapter`, refused unless its rank, alpha and targets are the run's
+/// (`asked_by` says whose: "the flags ask for", "program dir DIR was built for").
 fn initial_adapter(
     dir: &Path,
     cfg: &LlamaConfig,
     lora_cfg: &LoraConfig,
+    asked_by: &str,
 ) -> Result<BTreeMap<String, HostTensor>> {
     let c = crate::formats::peft::read_config(dir)?;
     if c.r != lora_cfg.r || c.targets != lora_cfg.targets || (c.alpha - lora_cfg.alpha).abs() > 1e-9
     {
         bail!(
-            "--init-adapter {} has r={}, alpha={}, targets {}, but the flags ask for r={}, alpha={}, targets {}",
+            "--init-adapter {} has r={}, alpha={}, targets {}, but {asked_by} r={}, alpha={}, targets {}",
             dir.display(),
             c.r,
             c.alpha,

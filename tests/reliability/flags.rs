@@ -98,7 +98,8 @@ fn a_bad_key_block_or_context_split_is_refused() {
             ),
             (
                 &["--seq", "16", "--key-block", "8", "--attention-block", "8"],
-                "with --key-block 8 the query blocks are the key blocks",
+                "with key/value blocks of 8 (--key-block 8, or auto above 8192 tokens) the query \
+                 blocks are the key blocks",
             ),
         ],
     );
@@ -314,6 +315,54 @@ fn nf4_on_projections_that_are_not_whole_blocks_of_64_is_refused() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// `compile --check` with `--remat auto` and `--offload auto` (the defaults) says what auto
+/// chose and why (it said nothing; with a `--target` it says which target's memory chose).
+#[test]
+fn compile_check_says_what_auto_chose() {
+    let dir = tempdir("rel-auto-chose");
+    let out = dir.join("prog");
+    let o = xtrain(&[
+        "compile",
+        "--model",
+        "tiny-llama3",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--check",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{stdout}");
+    assert!(
+        stdout.contains(
+            "auto chose --remat layer --offload none for this machine's plugin: without --target"
+        ),
+        "{stdout}"
+    );
+    // A policy given is not auto's: only the offload is said.
+    let o = xtrain(&[
+        "compile",
+        "--model",
+        "tiny-llama3",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--remat",
+        "save-proj",
+        "--check",
+        "--overwrite",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{stdout}");
+    assert!(stdout.contains("auto chose --offload none for"), "{stdout}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// Flags of `compile` that only mean something when it compiles (`--check`) are refused without
 /// it, instead of being silently ignored.
 #[test]
@@ -359,6 +408,25 @@ fn a_target_given_twice_is_refused() {
             &["--target", "cuda:h100:1", "--target", "cuda:h100:1"],
             "--target cuda:h100:1 is given twice",
         )],
+    );
+}
+
+/// A TPU layout that is not whole 2x2-chip hosts is refused without --check (libtpu refused it
+/// only with --check), and `--target cpu` says that the CPU is what no --target gives.
+#[test]
+fn a_tpu_layout_libtpu_has_no_slice_of_and_the_cpu_as_a_target_are_refused_when_parsing() {
+    compile_is_refused(
+        "rel-target-layout",
+        &[
+            (
+                &["--target", "tpu:v5e:2x1"],
+                "the chip layout `2x1` is not a v5e slice",
+            ),
+            (
+                &["--target", "cpu"],
+                "the CPU is not a --target; it is what `xtrain compile` writes for without one",
+            ),
+        ],
     );
 }
 
@@ -650,6 +718,59 @@ fn the_help_of_log_every_says_what_0_still_prints() {
 
 /// A `--target` typed over a recipe's replaces it (said as an override) rather than joining it:
 /// `--target` may be repeated, so keeping both would compile for the recipe's hardware too.
+/// A recipe's `--attention-block` on a context axis: the refusal names the recipe (it said
+/// "leave it out", of a flag the user never typed), and `--attention-block auto` (or `off`),
+/// which the parser refused, unsets it; a negative value is refused by xtrain, not clap.
+#[test]
+fn a_recipes_attention_block_is_named_and_unset_by_auto() {
+    let dir = tempdir("rel-recipe-attention-block");
+    let recipe = dir.join("r.toml");
+    std::fs::write(
+        &recipe,
+        "model = \"tiny-llama3\"\nbatch_size = 2\nseq = 16\nattention_block = 8\n",
+    )
+    .unwrap();
+    let out = dir.join("p");
+    let args = |extra: &[&'static str]| {
+        let mut a = vec![
+            "compile".to_string(),
+            "--config".into(),
+            recipe.to_str().unwrap().into(),
+            "--mesh".into(),
+            "context=2".into(),
+            "--overwrite".into(),
+            "--out".into(),
+            out.to_str().unwrap().into(),
+        ];
+        a.extend(extra.iter().map(|s| s.to_string()));
+        a
+    };
+    let e = fails_after_notes(&refs(&args(&[])));
+    assert!(
+        e.contains(&format!(
+            "the recipe {} gives --attention-block 8, which sets the query blocks",
+            recipe.display()
+        )) && e.contains("give --attention-block auto"),
+        "{e}"
+    );
+    for unset in ["auto", "off"] {
+        let o = xtrain(&refs(&args(&["--attention-block", unset])));
+        assert!(
+            o.status.success(),
+            "{unset}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+    let e = fails_after_notes(&refs(&args(&["--attention-block", "-1"])));
+    assert!(
+        e.contains(
+            "--attention-block must be a positive number of query rows, auto or off, got `-1`"
+        ),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn a_target_typed_over_a_recipes_replaces_it() {
     let dir = tempdir("rel-recipe-target");

@@ -475,6 +475,55 @@ fn an_init_adapter_of_another_rank_is_refused_naming_both_and_its_targets() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// With `--program` and no LoRA flag, the LoRA settings are the program dir's: a refused
+/// `--init-adapter` names the program dir as their source (it said "the flags ask for").
+#[test]
+fn an_init_adapter_that_is_not_the_program_dirs_lora_names_the_program_dir() {
+    let dir = tempdir("rel-adapter-program");
+    let prog = dir.join("prog");
+    let o = xtrain(&[
+        "compile",
+        "--model",
+        fixtures().join("model").to_str().unwrap(),
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--lora-r",
+        "16",
+        "--lora-alpha",
+        "16",
+        "--out",
+        prog.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr_of(&o));
+    let f = fixtures();
+    let e = fails_after_notes(&[
+        "train",
+        "--program",
+        prog.to_str().unwrap(),
+        "--model",
+        f.join("model").to_str().unwrap(),
+        "--data",
+        f.join("inputs.safetensors").to_str().unwrap(),
+        "--out",
+        dir.join("out").to_str().unwrap(),
+        "--init-adapter",
+        f.join("adapter_init").to_str().unwrap(),
+        "--steps",
+        "1",
+    ]);
+    assert!(
+        e.contains(&format!(
+            "has r=8, alpha=16, targets q,k,v,o,gate,up,down, but program dir {} was built for r=16",
+            prog.display()
+        )),
+        "{e}"
+    );
+    assert!(!e.contains("the flags ask for"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn an_init_adapter_tensor_of_the_wrong_shape_is_refused_naming_it_and_both_shapes() {
     let dir = tempdir("rel-adapter-shape");

@@ -137,6 +137,41 @@ fn train_r8(out: &Path) -> Vec<String> {
     a
 }
 
+/// A resumed run whose checkpoint recorded `--attention-block`, moved onto a context axis (a
+/// layout change it may make): the refusal names the checkpoint as the value's source (it said
+/// "leave it out" of a flag not given), and `--attention-block auto` unsets it.
+#[test]
+fn a_recorded_attention_block_is_named_on_resume_and_unset_by_auto() {
+    let dir = tempdir("rel-resume-attention-block");
+    let out = dir.join("run");
+    trained(&out, &["--save-every", "1", "--attention-block", "8"]);
+    let ckpt = out.join("checkpoint-1");
+    let resume = |extra: &[&str]| {
+        let mut a = vec![
+            "train",
+            "--resume",
+            ckpt.to_str().unwrap(),
+            "--mesh",
+            "context=2",
+        ];
+        a.extend_from_slice(extra);
+        xtrain(&a)
+    };
+    let o = resume(&[]);
+    let e = stderr_of(&o);
+    assert!(!o.status.success(), "{e}");
+    assert!(
+        e.contains(&format!(
+            "checkpoint {}'s run has --attention-block 8, which sets the query blocks",
+            ckpt.display()
+        )) && e.contains("give --attention-block auto"),
+        "{e}"
+    );
+    let o = resume(&["--attention-block", "auto"]);
+    assert!(o.status.success(), "{}", stderr_of(&o));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// Another run into the same --out: refused, naming the way to continue, nothing touched.
 #[test]
 fn a_run_dir_is_continued_only_with_resume() {

@@ -145,9 +145,9 @@ pub fn fit_advice_on(
         ));
     }
     let params = spec.model.param_count();
-    let weight_bytes = spec.weight_dtype.size_bytes() as i64;
+    let weight_bytes = spec.dtype.size_bytes() as i64;
     // NF4 saves most of the weights' bytes: advice only where they are a good part of the need.
-    if !spec.nf4 && params * weight_bytes / devices >= needed_bytes / 10 {
+    if !spec.quant.is_nf4() && params * weight_bytes / devices >= needed_bytes / 10 {
         ways.push(format!(
             "--quant nf4: 4-bit base weights, about {} for the model's projections instead of {}",
             gib((params as f64 * 0.52) as i64 / devices),
@@ -175,11 +175,11 @@ pub fn fit_advice_on(
             (spec.seq / 8).max(1)
         ));
     }
-    let rows = spec.batch / spec.microbatches.max(1);
+    let rows = spec.batch / spec.grad_accum.max(1);
     if rows > 1 {
         ways.push(format!(
             "a smaller batch per microbatch: --grad-accum {} keeps the batch of {} and halves the activations (or a smaller batch)",
-            spec.microbatches * 2,
+            spec.grad_accum * 2,
             spec.batch
         ));
     } else {

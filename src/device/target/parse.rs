@@ -75,6 +75,13 @@ impl Target {
     /// Parse `--target` (and `--target-config`, a GPU description file in the text form of
     /// XLA's `GpuTargetConfigProto`, as in XLA's `gpu_specs` folder).
     pub fn parse(spec: &str, config_file: Option<&Path>) -> Result<Target> {
+        if spec == "cpu" || spec.starts_with("cpu:") {
+            bail!(
+                "--target {spec}: the CPU is not a --target; it is what `xtrain compile` writes \
+                 for without one (and compiles for with --check, with this machine's CPU plugin; \
+                 --mesh gives it several devices): leave --target out"
+            );
+        }
         let parts: Vec<&str> = spec.splitn(3, ':').collect();
         let [platform, device, count] = parts[..] else {
             bail!(
@@ -111,13 +118,30 @@ impl Target {
             .split('x')
             .map(|d| d.parse::<i64>().ok().filter(|&n| n > 0))
             .collect();
-        let chips: i64 = match sizes {
+        let chips: i64 = match &sizes {
             Some(s) if (2..=3).contains(&s.len()) => s.iter().product(),
             _ => bail!(
                 "--target {spec}: the chip layout `{dims}` must be 2 or 3 positive sizes joined \
                  by `x`, as libtpu names slices (tpu:{generation}:2x2, tpu:{generation}:2x2x1)"
             ),
         };
+        // libtpu's hosts hold 2x2 chips: a slice of more than one chip is whole hosts, its first
+        // two sizes even (it refuses `v5e:2x1` or `v5e:2x3` only when asked to compile).
+        let sizes = sizes.unwrap_or_default();
+        if chips > 1 && sizes[..2].iter().any(|s| s % 2 != 0) {
+            let even = |s: i64| s + s % 2;
+            let fixed: Vec<String> = sizes
+                .iter()
+                .enumerate()
+                .map(|(i, &s)| if i < 2 { even(s) } else { s }.to_string())
+                .collect();
+            bail!(
+                "--target {spec}: the chip layout `{dims}` is not a {generation} slice: libtpu's \
+                 hosts hold 2x2 chips, so a slice of more than one chip has two even first sizes \
+                 (e.g. tpu:{generation}:{}), and one chip is tpu:{generation}:1x1",
+                fixed.join("x")
+            );
+        }
         if chips > gen.max_chips {
             bail!(
                 "--target {spec}: {chips} chips, but the largest {generation} slice (a full pod) \
@@ -242,6 +266,46 @@ mod tests {
         ] {
             let e = Target::parse(spec, None).unwrap_err().to_string();
             assert!(e.contains(says), "{spec}: {e}");
+        }
+    }
+
+    /// `--target cpu` says that the CPU is what compile gives without a target.
+    #[test]
+    fn the_cpu_as_a_target_says_it_is_what_no_target_gives() {
+        for spec in ["cpu", "cpu:x86:4"] {
+            let e = format!("{:#}", Target::parse(spec, None).unwrap_err());
+            assert!(
+                e.contains("what `xtrain compile` writes for without one")
+                    && e.contains("leave --target out"),
+                "{spec}: {e}"
+            );
+        }
+    }
+
+    /// A layout libtpu has no slice of (an odd size among the first two, with more than one
+    /// chip) is refused when parsing, as libtpu would refuse it only with --check.
+    #[test]
+    fn a_tpu_layout_that_is_not_whole_hosts_is_refused_when_parsing() {
+        for (spec, hint) in [
+            ("tpu:v5e:2x1", "tpu:v5e:2x2"),
+            ("tpu:v5e:2x3", "tpu:v5e:2x4"),
+            ("tpu:v5p:1x2x1", "tpu:v5p:2x2x1"),
+            ("tpu:v6e:3x3", "tpu:v6e:4x4"),
+        ] {
+            let e = format!("{:#}", Target::parse(spec, None).unwrap_err());
+            assert!(
+                e.contains("is not a") && e.contains("hosts hold 2x2 chips") && e.contains(hint),
+                "{spec}: {e}"
+            );
+        }
+        for ok in [
+            "tpu:v5e:1x1",
+            "tpu:v5e:2x4",
+            "tpu:v5p:2x2x1",
+            "tpu:v5p:4x4x4",
+            "tpu:v6e:16x16",
+        ] {
+            Target::parse(ok, None).unwrap();
         }
     }
 

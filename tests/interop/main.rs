@@ -1,4 +1,5 @@
-//! What people who fine-tune bring along: models by Hugging Face repo id from the hub cache,
+//! Interop with the tools people who fine-tune bring along (`cargo test --test interop`): models
+//! by Hugging Face repo id from the hub cache,
 //! Parquet data, TensorBoard curves (read back by TensorBoard's own reader) and TOML recipes
 //! (every file in recipes/ compiles). The tests are grouped by what is brought along, one file
 //! each, and the helpers they share are here.

