@@ -134,6 +134,24 @@ pub struct TrainArgs {
     /// PJRT plugin: cpu, cuda, rocm, tpu or a path to a plugin .so (default: $XTRAIN_PLUGIN or cpu).
     #[arg(long, help_heading = "Model")]
     pub plugin: Option<String>,
+    /// Processes in the run, one per host (default: from SLURM, torchrun's WORLD_SIZE, a TPU
+    /// VM's worker list or $XTRAIN_NUM_PROCESSES; else 1). Every process runs the same command.
+    #[arg(long, help_heading = "Hosts")]
+    pub num_processes: Option<usize>,
+    /// This process's index, 0 to --num-processes - 1 (default: SLURM_PROCID, RANK,
+    /// TPU_WORKER_ID, JOB_COMPLETION_INDEX or $XTRAIN_PROCESS_ID). Process 0 serves the run's
+    /// store and writes its outputs.
+    #[arg(long, help_heading = "Hosts")]
+    pub process_id: Option<usize>,
+    /// HOST:PORT where process 0 serves the run's store (default: the first SLURM node,
+    /// MASTER_ADDR:MASTER_PORT, the first TPU worker or $XTRAIN_COORDINATOR; port 8476 where
+    /// the launcher names only a host).
+    #[arg(long, value_name = "HOST:PORT", help_heading = "Hosts")]
+    pub coordinator: Option<String>,
+    /// Seconds a process waits for the others (at the start and at each barrier) before it
+    /// stops, naming who did not come.
+    #[arg(long, value_name = "SECS", help_heading = "Hosts")]
+    pub init_timeout: Option<u64>,
 }
 
 pub fn train(
@@ -207,6 +225,12 @@ pub fn train(
         skip_nonfinite: a.skip_nonfinite_steps,
         explicit,
         recipe,
+        launch: xtrain::device::hosts::launch::LaunchFlags {
+            num_processes: a.num_processes,
+            process_id: a.process_id,
+            coordinator: a.coordinator,
+            init_timeout: a.init_timeout.map(std::time::Duration::from_secs),
+        },
     };
     xtrain::train::run(&opts)
 }

@@ -55,6 +55,9 @@ pub struct TrainOptions {
     pub recipe: Option<(PathBuf, BTreeSet<String>)>,
     /// `--sharding-rules`, as given (the rules themselves are in `step.mesh`).
     pub sharding_rules: Option<PathBuf>,
+    /// `--num-processes`, `--process-id`, `--coordinator`, `--init-timeout` as given (the
+    /// launcher's environment fills in the rest: `device::hosts::launch`).
+    pub launch: crate::device::hosts::launch::LaunchFlags,
 }
 
 impl TrainOptions {
