@@ -296,3 +296,58 @@ fn inconsistent_launch_values_are_refused_before_anything_starts() {
         assert!(e.contains(want), "{extra:?}: {e}");
     }
 }
+
+/// A program dir is run by every process of the run: they agree on its program (by hash) and
+/// meet; the CPU plugin then refuses as for a step built here.
+#[test]
+fn processes_running_a_program_dir_meet_over_its_program() {
+    let f = fixtures();
+    let dir = tempdir("hosts-program");
+    let prog = dir.join("prog");
+    let o = xtrain(&[
+        "compile",
+        "--model",
+        f.join("model").to_str().unwrap(),
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--lora-r",
+        "8",
+        "--lora-alpha",
+        "16",
+        "--mesh",
+        "fsdp=2",
+        "--out",
+        prog.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let port = free_port();
+    let program = ["--program", prog.to_str().unwrap()];
+    let zero = start(
+        &dir.join("out"),
+        port,
+        &refs(&placed(0, 2, 60)),
+        &program,
+        &[],
+    );
+    let one = start(
+        &dir.join("out"),
+        port,
+        &refs(&placed(1, 2, 60)),
+        &program,
+        &[],
+    );
+    for p in [zero, one] {
+        let (ok, said, _) = p.end(Duration::from_secs(60));
+        assert!(!ok);
+        assert!(
+            said.contains("all 2 processes run the same settings"),
+            "{said}"
+        );
+        assert!(
+            said.contains("the CPU plugin cannot run a step across processes"),
+            "{said}"
+        );
+    }
+}

@@ -48,6 +48,15 @@ pub fn run(opts: &TrainOptions, cfg: &LlamaConfig, launch: &Launch) -> Result<()
         "xtrain: {name}: all {} processes run the same settings",
         launch.processes
     );
+    if let Some(dir) = &opts.program {
+        // A multi-host program dir runs with one process per host it was compiled for.
+        let builds = crate::formats::program_dir::read_builds(dir)?;
+        let what = format!("program dir {}", dir.display());
+        if let Err(e) = check_hosts(&builds, launch.processes, &what) {
+            peers.leave();
+            return Err(e);
+        }
+    }
     let platform = named_platform(opts.plugin.as_deref());
     if platform == "cpu" {
         // Every process reaches this: they leave together, none is reported lost.
@@ -88,17 +97,7 @@ fn compile_across(opts: &TrainOptions, cfg: &LlamaConfig, peers: Peers) -> Resul
     let launch = peers.launch.clone();
     let platform = named_platform(opts.plugin.as_deref());
     let (program, spec) = match &opts.program {
-        Some(dir) => {
-            let (program, spec) =
-                crate::formats::program_dir::read_dir_for_model(dir, cfg, &opts.model)?;
-            let builds = crate::formats::program_dir::read_builds(dir)?;
-            check_hosts(
-                &builds,
-                launch.processes,
-                &format!("program dir {}", dir.display()),
-            )?;
-            (program, spec)
-        }
+        Some(dir) => crate::formats::program_dir::read_dir_for_model(dir, cfg, &opts.model)?,
         None => {
             let (remat, offload) =
                 crate::program::default_choice(opts.step.remat, opts.step.offload);
@@ -145,26 +144,37 @@ fn compile_across(opts: &TrainOptions, cfg: &LlamaConfig, peers: Peers) -> Resul
     )
 }
 
-/// A program dir compiled for several hosts runs with as many processes as it has hosts.
+/// A program dir compiled for several hosts runs with one process per host: a run with another
+/// number of processes is refused naming the dir's builds. A dir compiled for one host (or with
+/// no builds) leaves the mesh to be checked against the devices once the plugin is open.
 pub fn check_hosts(
     builds: &[crate::formats::program_dir::Build],
     processes: usize,
     what: &str,
 ) -> Result<()> {
-    let wrong: Vec<String> = builds
+    let compiled: Vec<(&str, i64, i64)> = builds
         .iter()
-        .filter(|b| b.hosts > 1 && b.hosts != processes as i64)
-        .map(|b| format!("{} ({} devices on {} hosts)", b.target, b.devices, b.hosts))
+        .map(|b| (b.target.as_str(), b.devices, b.hosts))
         .collect();
-    if !wrong.is_empty() && !builds.iter().any(|b| b.hosts == processes as i64) {
-        bail!(
-            "{what} was compiled for {}, but this run has {processes} processes: start one \
-             process per host (--num-processes {})",
-            wrong.join(", "),
-            builds.iter().find(|b| b.hosts > 1).map_or(1, |b| b.hosts)
-        );
+    hosts_agree(&compiled, processes, what)
+}
+
+/// [`check_hosts`] on each build's (target, devices, hosts).
+fn hosts_agree(compiled: &[(&str, i64, i64)], processes: usize, what: &str) -> Result<()> {
+    let multi: Vec<&(&str, i64, i64)> = compiled.iter().filter(|b| b.2 > 1).collect();
+    if multi.is_empty() || multi.iter().any(|b| b.2 == processes as i64) {
+        return Ok(());
     }
-    Ok(())
+    let named: Vec<String> = multi
+        .iter()
+        .map(|(t, d, h)| format!("{t} ({d} devices on {h} hosts)"))
+        .collect();
+    bail!(
+        "{what} was compiled for {}, but this run has {processes} processes: start one process \
+         per host (--num-processes {})",
+        named.join(", "),
+        multi[0].2
+    )
 }
 
 /// `XTRAIN_VISIBLE_DEVICES=0,1`: which of this host's GPUs the process takes (the GPU plugins'
@@ -178,5 +188,31 @@ fn visible_devices() -> Result<Option<Vec<i64>>> {
     match ids {
         Ok(ids) if !ids.is_empty() && ids.iter().all(|i| *i >= 0) => Ok(Some(ids)),
         _ => bail!("XTRAIN_VISIBLE_DEVICES={text:?}: expected GPU indices such as 0 or 0,1"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_multi_host_dir_runs_with_one_process_per_host() {
+        let h100 = [("cuda:h100:2x8", 16, 2)];
+        hosts_agree(&h100, 2, "program dir p").unwrap();
+        let e = hosts_agree(&h100, 4, "program dir p")
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            e,
+            "program dir p was compiled for cuda:h100:2x8 (16 devices on 2 hosts), but this run \
+             has 4 processes: start one process per host (--num-processes 2)"
+        );
+        // A pod slice among single-host builds: the run's count must match the slice's.
+        let mixed = [("cuda:h100:8", 8, 1), ("tpu:v5p:4x4x4", 64, 16)];
+        hosts_agree(&mixed, 16, "d").unwrap();
+        assert!(hosts_agree(&mixed, 2, "d").is_err());
+        // One-host builds (or none) say nothing about the number of processes.
+        hosts_agree(&[("cuda:h100:8", 8, 1)], 2, "d").unwrap();
+        hosts_agree(&[], 3, "d").unwrap();
     }
 }
