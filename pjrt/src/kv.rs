@@ -94,6 +94,10 @@ fn guarded<T>(f: impl FnOnce() -> Result<T, KvError>) -> Result<T, KvError> {
 }
 
 /// `PJRT_KeyValueGetCallback`.
+///
+/// # Safety
+/// `args` points to a valid argument struct whose `user_arg` came from [`user_arg`] on a store
+/// that is still alive (the plugin passes back what `PJRT_Client_Create` was given).
 pub unsafe extern "C" fn kv_get(args: *mut PJRT_KeyValueGetCallback_Args) -> *mut PJRT_Error {
     let a = &mut *args;
     let k = key(a.key, a.key_size);
@@ -111,6 +115,10 @@ pub unsafe extern "C" fn kv_get(args: *mut PJRT_KeyValueGetCallback_Args) -> *mu
 }
 
 /// `PJRT_KeyValueTryGetCallback`.
+///
+/// # Safety
+/// `args` points to a valid argument struct whose `user_arg` came from [`user_arg`] on a store
+/// that is still alive (the plugin passes back what `PJRT_Client_Create` was given).
 pub unsafe extern "C" fn kv_try_get(
     args: *mut PJRT_KeyValueTryGetCallback_Args,
 ) -> *mut PJRT_Error {
@@ -136,6 +144,10 @@ pub unsafe extern "C" fn kv_try_get(
 }
 
 /// `PJRT_KeyValuePutCallback`.
+///
+/// # Safety
+/// `args` points to a valid argument struct whose `user_arg` came from [`user_arg`] on a store
+/// that is still alive (the plugin passes back what `PJRT_Client_Create` was given).
 pub unsafe extern "C" fn kv_put(args: *mut PJRT_KeyValuePutCallback_Args) -> *mut PJRT_Error {
     let a = &mut *args;
     let k = key(a.key, a.key_size);

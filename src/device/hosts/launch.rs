@@ -271,7 +271,7 @@ fn environments(env: &dyn Fn(&str) -> Option<String>) -> Result<Vec<FromEnv>> {
 pub fn detect(flags: &LaunchFlags, env: &dyn Fn(&str) -> Option<String>) -> Result<Launch> {
     let envs = environments(env)?;
     let first = |pick: &dyn Fn(&FromEnv) -> Option<&Found<String>>| {
-        envs.iter().find_map(|e| pick(e)).map(|f| Found {
+        envs.iter().find_map(pick).map(|f| Found {
             value: f.value.clone(),
             from: f.from.clone(),
         })
@@ -551,7 +551,8 @@ mod tests {
             coordinator: Some(c.to_string()),
             init_timeout: None,
         };
-        let cases: Vec<(Vec<(&str, &str)>, LaunchFlags, &str)> = vec![
+        type Case<'a> = (Vec<(&'a str, &'a str)>, LaunchFlags, &'a str);
+        let cases: Vec<Case> = vec![
             (
                 vec![],
                 flags(Some(2), Some(2), "h:1"),

@@ -183,11 +183,8 @@ fn serve_connection(stream: TcpStream, shared: &Shared) {
     };
     let mut reader = BufReader::new(stream);
     let mut session: Option<(usize, String)> = None;
-    loop {
-        let request = match receive::<Request>(&mut reader) {
-            Ok(r) => r,
-            Err(_) => break,
-        };
+    // Until the connection closes or sends what is not a request.
+    while let Ok(request) = receive::<Request>(&mut reader) {
         let reply = match request {
             Request::Put { key, value } => {
                 let mut st = shared.state.lock().unwrap();
