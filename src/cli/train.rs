@@ -152,6 +152,11 @@ pub struct TrainArgs {
     /// stops, naming who did not come.
     #[arg(long, value_name = "SECS", help_heading = "Hosts")]
     pub init_timeout: Option<u64>,
+    /// Test mode: one process whose devices (the --mesh) are split into P virtual hosts, each
+    /// reading only the weight slices and batch rows its own devices hold, as separate hosts
+    /// would; the run equals the one-host run.
+    #[arg(long, value_name = "P", help_heading = "Hosts")]
+    pub virtual_hosts: Option<usize>,
 }
 
 pub fn train(
@@ -230,6 +235,7 @@ pub fn train(
             process_id: a.process_id,
             coordinator: a.coordinator,
             init_timeout: a.init_timeout.map(std::time::Duration::from_secs),
+            virtual_hosts: a.virtual_hosts,
         },
     };
     xtrain::train::run(&opts)

@@ -23,6 +23,9 @@ pub struct LaunchFlags {
     pub process_id: Option<usize>,
     pub coordinator: Option<String>,
     pub init_timeout: Option<Duration>,
+    /// `--virtual-hosts P` (a test mode): one process whose devices are split into P hosts,
+    /// each reading its own weights and batch rows.
+    pub virtual_hosts: Option<usize>,
 }
 
 /// One process's place in a run.
@@ -308,6 +311,11 @@ pub fn detect(flags: &LaunchFlags, env: &dyn Fn(&str) -> Option<String>) -> Resu
             },
         },
     };
+    if let Some(v) = flags.virtual_hosts {
+        if v == 0 {
+            bail!("--virtual-hosts must be at least 1");
+        }
+    }
     let init_timeout = flags.init_timeout.unwrap_or(DEFAULT_INIT_TIMEOUT);
     if init_timeout.is_zero() {
         bail!("--init-timeout must be at least 1 second");
@@ -337,6 +345,13 @@ pub fn detect(flags: &LaunchFlags, env: &dyn Fn(&str) -> Option<String>) -> Resu
             processes.value,
             or_default(&processes.from),
             processes.value - 1
+        );
+    }
+    if processes.value > 1 && flags.virtual_hosts.is_some() {
+        bail!(
+            "--virtual-hosts is a test mode of one process; this is {} ({})",
+            format_args!("process {} of {}", process_id.value, processes.value),
+            sources(&[])
         );
     }
     if processes.value == 1 {
@@ -441,6 +456,7 @@ mod tests {
             process_id: Some(3),
             coordinator: Some("node01:1234".into()),
             init_timeout: Some(Duration::from_secs(9)),
+            virtual_hosts: None,
         };
         let l = with(&[], &flags).unwrap();
         assert_eq!((l.processes, l.process_id), (4, 3));
@@ -550,6 +566,7 @@ mod tests {
             process_id: k,
             coordinator: Some(c.to_string()),
             init_timeout: None,
+            virtual_hosts: None,
         };
         type Case<'a> = (Vec<(&'a str, &'a str)>, LaunchFlags, &'a str);
         let cases: Vec<Case> = vec![

@@ -6,4 +6,5 @@
 
 pub mod launch;
 pub mod rendezvous;
+pub mod share;
 pub mod store;
