@@ -384,12 +384,13 @@ fn tiny_run(out: &std::path::Path, flags: &[&str]) -> (String, Vec<f64>, Vec<u8>
 }
 
 /// `--virtual-hosts 2`: the devices split into two hosts, each reading only its own weight
-/// slices and batch rows, gives the one-host run bit for bit, on fsdp, tensor and mixed meshes
-/// (the tiny model's batch of 2 rows).
+/// slices and batch rows, gives the one-host run bit for bit, on fsdp, tensor, mixed and context
+/// meshes (the tiny model's batch of 2 rows; on `context=2` each host takes every row and its
+/// half of the sequence).
 #[test]
 fn virtual_hosts_equal_the_one_host_run_bit_for_bit() {
     let dir = tempdir("hosts-virtual");
-    for mesh in ["fsdp=2", "tensor=2", "fsdp=2,tensor=2", "fsdp=4"] {
+    for mesh in ["fsdp=2", "tensor=2", "fsdp=2,tensor=2", "fsdp=4", "context=2"] {
         let name = mesh.replace([',', '='], "-");
         let (_, one_losses, one_adapter) =
             tiny_run(&dir.join(format!("one-{name}")), &["--mesh", mesh]);
