@@ -390,7 +390,13 @@ fn tiny_run(out: &std::path::Path, flags: &[&str]) -> (String, Vec<f64>, Vec<u8>
 #[test]
 fn virtual_hosts_equal_the_one_host_run_bit_for_bit() {
     let dir = tempdir("hosts-virtual");
-    for mesh in ["fsdp=2", "tensor=2", "fsdp=2,tensor=2", "fsdp=4", "context=2"] {
+    for mesh in [
+        "fsdp=2",
+        "tensor=2",
+        "fsdp=2,tensor=2",
+        "fsdp=4",
+        "context=2",
+    ] {
         let name = mesh.replace([',', '='], "-");
         let (_, one_losses, one_adapter) =
             tiny_run(&dir.join(format!("one-{name}")), &["--mesh", mesh]);

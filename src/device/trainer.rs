@@ -13,6 +13,9 @@ use pjrt::{Buffer, CompileOptions, ElementType, Executable, HostTensor};
 use std::collections::BTreeMap;
 use std::time::Instant;
 
+/// A box of a frozen weight as read (starts, sizes, the shard).
+type ReadBox = (Vec<i64>, Vec<i64>, HostTensor);
+
 /// A compiled training step with its state on the device.
 pub struct Trainer {
     pub rt: Runtime,
@@ -122,7 +125,8 @@ impl Trainer {
                 hosts.len()
             );
         }
-        let mut host_of = vec![0; program.partitions.max(1) as usize];
+        // Which host each device of the mesh belongs to (all to host 0 for one host).
+        let mut host_of = vec![0; spec.mesh.as_ref().map_or(1, |m| m.devices()) as usize];
         for (g, devices) in hosts.iter().enumerate() {
             for &p in devices {
                 if let Some(h) = host_of.get_mut(p) {
@@ -175,11 +179,9 @@ impl Trainer {
                     Some(m) => {
                         // Per host: the shard it read last (a host reads a box once, however
                         // many of its devices hold it).
-                        let mut last: Vec<Option<(Vec<i64>, Vec<i64>, HostTensor)>> =
-                            weights.iter().map(|_| None).collect();
+                        let mut last: Vec<Option<ReadBox>> = weights.iter().map(|_| None).collect();
                         let mut per_device = Vec::new();
-                        for p in 0..m.device_count() as usize {
-                            let g = host_of[p];
+                        for (p, &g) in host_of.iter().enumerate() {
                             let (starts, sizes) = shard_box(&a.shape, sh, m, p);
                             if last[g]
                                 .as_ref()

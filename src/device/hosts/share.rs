@@ -13,7 +13,7 @@ use pjrt::{Buffer, HostTensor};
 /// The devices of each of `hosts` hosts over `devices` devices, in order: host `g` holds devices
 /// `g*n .. (g+1)*n` (`n = devices / hosts`), as each host of a slice holds its own chips.
 pub fn device_groups(devices: usize, hosts: usize) -> Result<Vec<Vec<usize>>> {
-    if hosts == 0 || devices % hosts != 0 {
+    if hosts == 0 || !devices.is_multiple_of(hosts) {
         bail!(
             "--virtual-hosts {hosts} must divide the step's {devices} devices (each virtual host \
              holds the same number)"
