@@ -10,6 +10,7 @@
 
 use crate::device::hosts::launch::Launch;
 use crate::device::hosts::rendezvous::{self, Peers, Settings};
+use crate::device::hosts::store::StoreError;
 use crate::device::platform::named_platform;
 use crate::device::runtime::{InRun, Runtime};
 use crate::model::config::LlamaConfig;
@@ -25,10 +26,7 @@ pub fn run(opts: &TrainOptions, cfg: &LlamaConfig, launch: &Launch) -> Result<()
         let name = name.clone();
         move |why| {
             // A step with a lost peer never completes (its collectives wait forever): end now.
-            eprintln!(
-                "error: {why}. Ending {name} too; resume the run from its newest checkpoint \
-                 with --resume once every host is up"
-            );
+            eprintln!("error: {}", ending(&why, &name));
             std::process::exit(1);
         }
     })?;
@@ -41,8 +39,12 @@ pub fn run(opts: &TrainOptions, cfg: &LlamaConfig, launch: &Launch) -> Result<()
         launch.source
     );
     if let Err(e) = peers.agree(&settings(opts, launch)?) {
+        // A lost peer reads the same whichever thread saw it first.
+        let lost = e
+            .downcast_ref::<StoreError>()
+            .map(|e| ending(&e.to_string(), &name));
         peers.leave();
-        return Err(e);
+        return Err(lost.map_or(e, anyhow::Error::msg));
     }
     eprintln!(
         "xtrain: {name}: all {} processes run the same settings",
@@ -71,6 +73,14 @@ pub fn run(opts: &TrainOptions, cfg: &LlamaConfig, launch: &Launch) -> Result<()
         );
     }
     compile_across(opts, cfg, peers)
+}
+
+/// What a process says as it ends because another is gone.
+fn ending(why: &str, name: &str) -> String {
+    format!(
+        "{why}. Ending {name} too; resume the run from its newest checkpoint with --resume once \
+         every host is up"
+    )
 }
 
 /// What every process must agree on: every setting by flag, the number of processes, the
