@@ -436,14 +436,7 @@ impl Client {
             }
         );
         call!(self.p(), Client_AddressableDevices, &mut a)?;
-        let raws = unsafe { std::slice::from_raw_parts(a.ptr as *const *mut PJRT_Device, a.len) };
-        Ok(raws
-            .iter()
-            .map(|&raw| Device {
-                client: self.inner.clone(),
-                raw,
-            })
-            .collect())
+        Ok(self.device_list(&a))
     }
 
     /// Every device of the client, this process's and (in a client spanning several processes)
@@ -456,14 +449,18 @@ impl Client {
             }
         );
         call!(self.p(), Client_Devices, &mut a)?;
+        Ok(self.device_list(&a))
+    }
+
+    /// The devices a devices call returned (`ptr`, `len`: an array the client owns).
+    fn device_list(&self, a: &PJRT_Client_PtrLen_Args) -> Vec<Device> {
         let raws = unsafe { std::slice::from_raw_parts(a.ptr as *const *mut PJRT_Device, a.len) };
-        Ok(raws
-            .iter()
+        raws.iter()
             .map(|&raw| Device {
                 client: self.inner.clone(),
                 raw,
             })
-            .collect())
+            .collect()
     }
 
     /// Compile StableHLO (or MHLO) text. Errors carry XLA's diagnostic.

@@ -279,38 +279,39 @@ pub fn detect(flags: &LaunchFlags, env: &dyn Fn(&str) -> Option<String>) -> Resu
             from: f.from.clone(),
         })
     };
-    let processes = match flags.num_processes {
-        Some(n) => Found {
-            value: n,
-            from: "--num-processes".into(),
-        },
-        None => match first(&|e| e.processes.as_ref()) {
-            Some(f) => Found {
+    // A number from its flag, else the first environment that has it, else the default.
+    let number = |flag: Option<usize>,
+                  name: &str,
+                  pick: &dyn Fn(&FromEnv) -> Option<&Found<String>>,
+                  default: usize|
+     -> Result<Found<usize>> {
+        Ok(match (flag, first(pick)) {
+            (Some(n), _) => Found {
+                value: n,
+                from: name.into(),
+            },
+            (None, Some(f)) => Found {
                 value: parse_count(&f.value, &f.from)?,
                 from: f.from,
             },
-            None => Found {
-                value: 1,
+            (None, None) => Found {
+                value: default,
                 from: String::new(),
             },
-        },
+        })
     };
-    let process_id = match flags.process_id {
-        Some(k) => Found {
-            value: k,
-            from: "--process-id".into(),
-        },
-        None => match first(&|e| e.process_id.as_ref()) {
-            Some(f) => Found {
-                value: parse_count(&f.value, &f.from)?,
-                from: f.from,
-            },
-            None => Found {
-                value: 0,
-                from: String::new(),
-            },
-        },
-    };
+    let processes = number(
+        flags.num_processes,
+        "--num-processes",
+        &|e| e.processes.as_ref(),
+        1,
+    )?;
+    let process_id = number(
+        flags.process_id,
+        "--process-id",
+        &|e| e.process_id.as_ref(),
+        0,
+    )?;
     if let Some(v) = flags.virtual_hosts {
         if v == 0 {
             bail!("--virtual-hosts must be at least 1");
