@@ -130,7 +130,15 @@ fn difference(mine: &Settings, theirs: &serde_json::Map<String, Value>) -> Optio
     let keys: std::collections::BTreeSet<&String> = mine.keys().chain(theirs.keys()).collect();
     keys.into_iter().find_map(|k| {
         let (a, b) = (theirs.get(k).unwrap_or(&none), mine.get(k).unwrap_or(&none));
-        (a != b).then(|| format!("--{k} {} there, {} here", show(a), show(b)))
+        (a != b).then(|| {
+            let what = match k.as_str() {
+                // Not flags: what the binary and the program dir are.
+                "xtrain-version" => "xtrain".to_string(),
+                "program-sha256" => "the program dir's program, sha256".to_string(),
+                flag => format!("--{flag}"),
+            };
+            format!("{what} {} there, {} here", show(a), show(b))
+        })
     })
 }
 
@@ -212,6 +220,19 @@ mod tests {
         );
         let there = one.join().unwrap();
         assert!(there.contains("--lr 0.001 there, 0.0002 here"), "{there}");
+    }
+
+    #[test]
+    fn what_is_not_a_flag_is_named_as_what_it_is() {
+        let mine = settings(1e-3);
+        let mut theirs: serde_json::Map<String, Value> = mine.clone().into_iter().collect();
+        theirs.insert("xtrain-version".into(), json!("0.2.0"));
+        let mut mine = mine;
+        mine.insert("xtrain-version".into(), json!("0.1.0"));
+        assert_eq!(
+            difference(&mine, &theirs).unwrap(),
+            "xtrain 0.2.0 there, 0.1.0 here"
+        );
     }
 
     #[test]
