@@ -378,8 +378,8 @@ impl Store {
                 Ok(reply)
             }
             Err(e) => Err(StoreError::Lost(format!(
-                "lost the connection to process 0's store at {} ({e}): process 0 is gone \
-                 (killed, crashed or unreachable)",
+                "process 0 (the coordinator at {}) is gone: the connection to its store was \
+                 lost ({e})",
                 self.pool.address
             ))),
         }
