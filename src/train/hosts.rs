@@ -10,7 +10,7 @@
 
 use crate::device::hosts::launch::Launch;
 use crate::device::hosts::rendezvous::{self, Peers, Settings};
-use crate::device::hosts::store::StoreError;
+use crate::device::hosts::wire::StoreError;
 use crate::device::platform::named_platform;
 use crate::device::runtime::{InRun, Runtime};
 use crate::model::config::LlamaConfig;

@@ -5,7 +5,9 @@
 //! comes is named after `--init-timeout`. All of this happens before any plugin is opened.
 
 use crate::device::hosts::launch::Launch;
-use crate::device::hosts::store::{hostname, secs, Session, Store, StoreError, StoreServer};
+use crate::device::hosts::server::StoreServer;
+use crate::device::hosts::store::{Session, Store};
+use crate::device::hosts::wire::{hostname, secs, StoreError};
 use anyhow::{bail, Context, Result};
 use serde_json::Value;
 use std::collections::BTreeMap;

@@ -1,5 +1,5 @@
 //! The run's key-value store, as PyTorch's TCPStore and JAX's coordination service keep one:
-//! process 0 serves it over TCP ([`StoreServer`]), every process (process 0 too, over loopback)
+//! process 0 serves it over TCP ([`crate::device::hosts::server::StoreServer`]), every process (process 0 too, over loopback)
 //! reaches it as a [`Store`]. Operations: `put`, a blocking `get` with a timeout, `try_get`, and
 //! a `barrier`. The GPU plugins exchange their topology and NCCL/RCCL ids through it (handed to
 //! them by `pjrt::KeyValueStore`); xtrain checks that every process runs the same settings
@@ -17,254 +17,11 @@
 //! tells every other process, whose [`Store::watch`] callback ends it; when process 0 goes, the
 //! others see their sessions close. Waiting gets return at once with the same message.
 
-use serde::{Deserialize, Serialize};
-use std::collections::HashMap;
-use std::io::{BufReader, Write};
-use std::net::{Shutdown, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::{Arc, Condvar, Mutex};
+use crate::device::hosts::wire::{hostname, receive, secs, send, Reply, Request, StoreError};
+use std::io::BufReader;
+use std::net::{Shutdown, TcpStream, ToSocketAddrs};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-
-/// What went wrong with the store.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum StoreError {
-    /// A blocking get (or a barrier) waited its whole timeout.
-    #[error("DEADLINE_EXCEEDED: no value for key {key:?} within {}", secs(*timeout))]
-    DeadlineExceeded { key: String, timeout: Duration },
-    /// A process of the run is gone (killed, crashed, or unreachable).
-    #[error("{0}")]
-    Lost(String),
-    /// The coordinator could not be reached or answered nonsense.
-    #[error("{0}")]
-    Unavailable(String),
-}
-
-/// `30 s`, `1.5 s`: a duration as a person reads it.
-pub fn secs(d: Duration) -> String {
-    format!("{} s", (d.as_secs_f64() * 1000.0).round() / 1000.0)
-}
-
-#[derive(Serialize, Deserialize, Debug)]
-#[serde(tag = "op", rename_all = "snake_case")]
-enum Request {
-    Put {
-        key: String,
-        value: Vec<u8>,
-    },
-    Get {
-        key: String,
-        timeout_ms: u64,
-    },
-    TryGet {
-        key: String,
-    },
-    /// Opens a session: this connection lives as long as the process's part in the run.
-    Join {
-        process: usize,
-        host: String,
-    },
-    /// Closes a session on purpose (the process finished).
-    Leave,
-}
-
-#[derive(Serialize, Deserialize, Debug)]
-#[serde(tag = "reply", rename_all = "snake_case")]
-enum Reply {
-    Done,
-    Value { value: Vec<u8> },
-    NotFound,
-    Timeout,
-    Lost { message: String },
-}
-
-fn send<T: Serialize>(stream: &mut TcpStream, msg: &T) -> std::io::Result<()> {
-    let mut bytes = serde_json::to_vec(msg)?;
-    bytes.push(b'\n');
-    stream.write_all(&bytes)?;
-    stream.flush()
-}
-
-fn receive<T: for<'de> Deserialize<'de>>(reader: &mut BufReader<TcpStream>) -> std::io::Result<T> {
-    let mut messages = serde_json::Deserializer::from_reader(reader).into_iter::<T>();
-    match messages.next() {
-        Some(Ok(m)) => Ok(m),
-        Some(Err(e)) if e.is_io() => Err(e.into()),
-        Some(Err(e)) => Err(std::io::Error::new(std::io::ErrorKind::InvalidData, e)),
-        None => Err(std::io::ErrorKind::UnexpectedEof.into()),
-    }
-}
-
-#[derive(Default)]
-struct State {
-    values: HashMap<String, Vec<u8>>,
-    /// Why the run cannot go on (a process left without saying goodbye), once known.
-    lost: Option<String>,
-    /// The open sessions, by process: where news of a lost process is sent.
-    sessions: HashMap<usize, TcpStream>,
-}
-
-struct Shared {
-    state: Mutex<State>,
-    changed: Condvar,
-}
-
-/// Process 0's side: the store's values, served to every process until dropped.
-pub struct StoreServer {
-    port: u16,
-    shared: Arc<Shared>,
-    listener: TcpListener,
-}
-
-impl StoreServer {
-    /// Serve on `port` of every interface (the port the run's `--coordinator` names).
-    pub fn bind(port: u16) -> Result<StoreServer, StoreError> {
-        let listener = TcpListener::bind(("0.0.0.0", port)).map_err(|e| {
-            StoreError::Unavailable(format!(
-                "process 0 cannot serve the run's store on port {port}: {e} (another run or \
-                 program holds it? choose another port in --coordinator HOST:PORT)"
-            ))
-        })?;
-        Self::serve(listener)
-    }
-
-    /// Serve on a listener already bound (tests bind port 0 on loopback).
-    pub fn serve(listener: TcpListener) -> Result<StoreServer, StoreError> {
-        let port = listener
-            .local_addr()
-            .map_err(|e| StoreError::Unavailable(e.to_string()))?
-            .port();
-        let shared = Arc::new(Shared {
-            state: Mutex::new(State::default()),
-            changed: Condvar::new(),
-        });
-        let accepting = listener
-            .try_clone()
-            .map_err(|e| StoreError::Unavailable(e.to_string()))?;
-        let s = shared.clone();
-        std::thread::Builder::new()
-            .name("xtrain-store".into())
-            .spawn(move || {
-                for stream in accepting.incoming() {
-                    let Ok(stream) = stream else { continue };
-                    let s = s.clone();
-                    let _ = std::thread::Builder::new()
-                        .name("xtrain-store-conn".into())
-                        .spawn(move || serve_connection(stream, &s));
-                }
-            })
-            .map_err(|e| StoreError::Unavailable(e.to_string()))?;
-        Ok(StoreServer {
-            port,
-            shared,
-            listener,
-        })
-    }
-
-    pub fn port(&self) -> u16 {
-        self.port
-    }
-}
-
-impl Drop for StoreServer {
-    fn drop(&mut self) {
-        // The accepting thread ends with the process; the sessions close so that peers still
-        // waiting learn that process 0 is gone rather than hang.
-        let _ = &self.listener;
-        if let Ok(state) = self.shared.state.lock() {
-            for s in state.sessions.values() {
-                let _ = s.shutdown(Shutdown::Both);
-            }
-        }
-    }
-}
-
-fn serve_connection(stream: TcpStream, shared: &Shared) {
-    let Ok(mut writer) = stream.try_clone() else {
-        return;
-    };
-    let mut reader = BufReader::new(stream);
-    let mut session: Option<(usize, String)> = None;
-    // Until the connection closes or sends what is not a request.
-    while let Ok(request) = receive::<Request>(&mut reader) {
-        let reply = match request {
-            Request::Put { key, value } => {
-                let mut st = shared.state.lock().unwrap();
-                st.values.insert(key, value);
-                shared.changed.notify_all();
-                Reply::Done
-            }
-            Request::TryGet { key } => {
-                let st = shared.state.lock().unwrap();
-                match (&st.lost, st.values.get(&key)) {
-                    (_, Some(v)) => Reply::Value { value: v.clone() },
-                    (Some(why), None) => Reply::Lost {
-                        message: why.clone(),
-                    },
-                    (None, None) => Reply::NotFound,
-                }
-            }
-            Request::Get { key, timeout_ms } => wait_for(shared, &key, timeout_ms),
-            Request::Join { process, host } => {
-                let mut st = shared.state.lock().unwrap();
-                if let Ok(w) = writer.try_clone() {
-                    st.sessions.insert(process, w);
-                }
-                session = Some((process, host));
-                Reply::Done
-            }
-            Request::Leave => {
-                if let Some((process, _)) = session.take() {
-                    shared.state.lock().unwrap().sessions.remove(&process);
-                    shared.changed.notify_all();
-                }
-                Reply::Done
-            }
-        };
-        if send(&mut writer, &reply).is_err() {
-            break;
-        }
-    }
-    if let Some((process, host)) = session {
-        let message = format!(
-            "process {process} (on {host}) left the run without finishing: it was killed, \
-             crashed or lost its network"
-        );
-        lose(shared, process, message);
-    }
-}
-
-/// Record that the run cannot go on, wake every waiting get, and tell every other session.
-fn lose(shared: &Shared, gone: usize, message: String) {
-    let mut st = shared.state.lock().unwrap();
-    st.sessions.remove(&gone);
-    if st.lost.is_none() {
-        st.lost = Some(message.clone());
-    }
-    let news = Reply::Lost { message };
-    for s in st.sessions.values_mut() {
-        let _ = send(s, &news);
-    }
-    shared.changed.notify_all();
-}
-
-fn wait_for(shared: &Shared, key: &str, timeout_ms: u64) -> Reply {
-    let deadline = Instant::now() + Duration::from_millis(timeout_ms);
-    let mut st = shared.state.lock().unwrap();
-    loop {
-        if let Some(v) = st.values.get(key) {
-            return Reply::Value { value: v.clone() };
-        }
-        if let Some(why) = &st.lost {
-            return Reply::Lost {
-                message: why.clone(),
-            };
-        }
-        let now = Instant::now();
-        if now >= deadline {
-            return Reply::Timeout;
-        }
-        st = shared.changed.wait_timeout(st, deadline - now).unwrap().0;
-    }
-}
 
 /// A connection to the store, with its reader.
 struct Connection {
@@ -534,24 +291,6 @@ impl Drop for Session {
     }
 }
 
-impl StoreServer {
-    /// Wait (up to `timeout`) until no session but `own` is open: every other process has left
-    /// or is gone, so that closing the store strands no one.
-    pub fn wait_for_others_to_leave(&self, own: usize, timeout: Duration) {
-        let deadline = Instant::now() + timeout;
-        let mut st = self.shared.state.lock().unwrap();
-        while st.sessions.keys().any(|p| *p != own) && Instant::now() < deadline {
-            let left = deadline.saturating_duration_since(Instant::now());
-            st = self
-                .shared
-                .changed
-                .wait_timeout(st, left.min(Duration::from_millis(100)))
-                .unwrap()
-                .0;
-        }
-    }
-}
-
 /// The store as a plugin sees it: its keys under this store's prefix, failures with PJRT's
 /// codes.
 impl pjrt::KeyValueStore for Store {
@@ -579,18 +318,11 @@ fn kv_error(e: StoreError) -> pjrt::KvError {
     }
 }
 
-/// This machine's host name, for messages (`?` where it cannot be read).
-pub fn hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|h| h.trim().to_string())
-        .ok()
-        .filter(|h| !h.is_empty())
-        .unwrap_or_else(|| "?".into())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::device::hosts::server::StoreServer;
+    use std::net::TcpListener;
     use std::sync::mpsc;
 
     fn serve() -> (StoreServer, String) {
