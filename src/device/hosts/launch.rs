@@ -306,12 +306,20 @@ pub fn detect(flags: &LaunchFlags, env: &dyn Fn(&str) -> Option<String>) -> Resu
         &|e| e.processes.as_ref(),
         1,
     )?;
-    let process_id = number(
+    let mut process_id = number(
         flags.process_id,
         "--process-id",
         &|e| e.process_id.as_ref(),
         0,
     )?;
+    if processes.from.is_empty() && process_id.from == "JOB_COMPLETION_INDEX" {
+        // An indexed Job with no count given runs independent pods (a sweep): each is a run
+        // of its own.
+        process_id = Found {
+            value: 0,
+            from: String::new(),
+        };
+    }
     if let Some(v) = flags.virtual_hosts {
         if v == 0 {
             bail!("--virtual-hosts must be at least 1");
@@ -525,9 +533,17 @@ mod tests {
     #[test]
     fn a_gke_indexed_job_gives_the_index_and_flags_the_rest() {
         let env = [("JOB_COMPLETION_INDEX", "5")];
-        let e = with(&env, &LaunchFlags::default()).unwrap_err().to_string();
+        // No count given: the Job's pods are independent runs (a sweep), each of one process.
+        let l = with(&env, &LaunchFlags::default()).unwrap();
+        assert!(l.is_single(), "{l:?}");
+        let counted = LaunchFlags {
+            num_processes: Some(4),
+            coordinator: Some("train-0.train:8476".into()),
+            ..LaunchFlags::default()
+        };
+        let e = with(&env, &counted).unwrap_err().to_string();
         assert!(
-            e.contains("JOB_COMPLETION_INDEX") && e.contains("less than"),
+            e.contains("process id 5 (JOB_COMPLETION_INDEX) must be less than the number of processes 4 (--num-processes)"),
             "{e}"
         );
         let flags = LaunchFlags {
