@@ -933,9 +933,9 @@ fn offloaded_steps_keep_weights_and_activations_in_host_memory() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// `xtrain train` runs as one process: a program dir compiled for several hosts (`cuda:h100:2x2`,
-/// 4 GPUs on 2 hosts) needs more devices than one host of 2 GPUs has, and is refused naming its
-/// build and saying that multi-host training is not supported, before anything is loaded (the
+/// A run of one process: a program dir compiled for several hosts (`cuda:h100:2x2`, 4 GPUs on 2
+/// hosts) needs more devices than one host of 2 GPUs has, and is refused naming its build and
+/// pointing to `--num-processes 2` (one process per host), before anything is loaded (the
 /// plugin failed inside instead). The CPU plugin makes the devices it is asked for, so there the
 /// same dir trains. No GPU here: the check is called as `train` calls it, with 2 CUDA devices.
 #[test]
@@ -974,7 +974,7 @@ fn a_multi_host_program_dir_is_refused_where_this_process_has_too_few_devices() 
         e.contains(&format!(
             "{what} needs 4 devices, but this process has 2 (cuda). It was compiled for \
              cuda:h100:2x2 (4 devices on 2 hosts)"
-        )) && e.contains("training across several hosts (one process per host) is not supported")
+        )) && e.contains("start one process per host with the same command and --num-processes 2")
             && e.contains("--mesh fsdp=2"),
         "{e}"
     );

@@ -14,9 +14,11 @@
 pub mod discover;
 pub mod ffi;
 mod host;
+pub mod kv;
 pub mod options;
 
 pub use host::{ElementType, HostTensor};
+pub use kv::{KeyValueStore, KvCode, KvError};
 pub use named::Value;
 pub use options::{CompileOptions, OptionValue};
 pub use topology::{DeviceDescription, MemoryStats, Topology, UnloadedExecutable};
@@ -224,6 +226,26 @@ impl Plugin {
 
     /// Create a client. Each client owns its devices; most programs want one per process.
     pub fn client(self: &Arc<Self>, options: &ClientOptions) -> Result<Client> {
+        self.create_client(options, None)
+    }
+
+    /// Create a client of a run of several processes: the plugin exchanges what its processes
+    /// must share (topology, NCCL/RCCL ids) through `store`, which the client keeps alive. Give
+    /// `options` the run's `num_nodes` and this process's `node_id`
+    /// ([`ClientOptions::distributed`]).
+    pub fn client_with_store(
+        self: &Arc<Self>,
+        options: &ClientOptions,
+        store: Arc<dyn KeyValueStore>,
+    ) -> Result<Client> {
+        self.create_client(options, Some(Box::new(store)))
+    }
+
+    fn create_client(
+        self: &Arc<Self>,
+        options: &ClientOptions,
+        store: Option<kv::Held>,
+    ) -> Result<Client> {
         let values = named::NamedValues::new(&options.options);
         let mut a = args!(
             PJRT_Client_Create_Args,
@@ -232,10 +254,21 @@ impl Plugin {
                 num_options: values.len(),
             }
         );
+        if let Some(held) = &store {
+            // All three: the XLA GPU client ignores a store without try_get.
+            let arg = kv::user_arg(held);
+            a.kv_get_callback = kv::kv_get as *mut c_void;
+            a.kv_get_user_arg = arg;
+            a.kv_try_get_callback = kv::kv_try_get as *mut c_void;
+            a.kv_try_get_user_arg = arg;
+            a.kv_put_callback = kv::kv_put as *mut c_void;
+            a.kv_put_user_arg = arg;
+        }
         call!(self, Client_Create, &mut a)?;
         let inner = Arc::new(ClientInner {
             plugin: self.clone(),
             raw: a.client,
+            _store: store,
         });
         Ok(Client { inner })
     }
@@ -300,6 +333,16 @@ impl ClientOptions {
         }
     }
 
+    /// The create options of one process of a run of `num_nodes` (the XLA GPU plugins' names:
+    /// `num_nodes`, `node_id`), added to these.
+    pub fn distributed(mut self, node_id: usize, num_nodes: usize) -> Self {
+        self.options
+            .push(("num_nodes".into(), Value::Int(num_nodes as i64)));
+        self.options
+            .push(("node_id".into(), Value::Int(node_id as i64)));
+        self
+    }
+
     /// The XLA GPU plugins' share of device memory for their allocator (their default is 0.75,
     /// which leaves a quarter of the GPU unused by a training step).
     pub fn gpu_memory_fraction(fraction: f32) -> Self {
@@ -312,6 +355,9 @@ impl ClientOptions {
 struct ClientInner {
     plugin: Arc<Plugin>,
     raw: *mut PJRT_Client,
+    /// The key-value store the plugin calls back into, dropped only after the client is
+    /// destroyed (fields drop after `Drop::drop`).
+    _store: Option<kv::Held>,
 }
 
 unsafe impl Send for ClientInner {}
@@ -390,14 +436,31 @@ impl Client {
             }
         );
         call!(self.p(), Client_AddressableDevices, &mut a)?;
+        Ok(self.device_list(&a))
+    }
+
+    /// Every device of the client, this process's and (in a client spanning several processes)
+    /// the other processes', in the plugin's order.
+    pub fn global_devices(&self) -> Result<Vec<Device>> {
+        let mut a = args!(
+            PJRT_Client_PtrLen_Args,
+            len {
+                client: self.inner.raw
+            }
+        );
+        call!(self.p(), Client_Devices, &mut a)?;
+        Ok(self.device_list(&a))
+    }
+
+    /// The devices a devices call returned (`ptr`, `len`: an array the client owns).
+    fn device_list(&self, a: &PJRT_Client_PtrLen_Args) -> Vec<Device> {
         let raws = unsafe { std::slice::from_raw_parts(a.ptr as *const *mut PJRT_Device, a.len) };
-        Ok(raws
-            .iter()
+        raws.iter()
             .map(|&raw| Device {
                 client: self.inner.clone(),
                 raw,
             })
-            .collect())
+            .collect()
     }
 
     /// Compile StableHLO (or MHLO) text. Errors carry XLA's diagnostic.

@@ -278,3 +278,47 @@ fn float_create_options_are_passed() {
     let client = plugin.client(&options).expect("client with a float option");
     assert_eq!(client.devices().unwrap().len(), 2);
 }
+
+/// A store handed to `PJRT_Client_Create` lives exactly as long as the client: held while the
+/// client is, released once it is destroyed. (The CPU plugin takes the callbacks and never calls
+/// them; the GPU plugins call them, which `tools/hosts-gpu-check` checks on a GPU.)
+#[test]
+fn a_client_created_with_a_store_holds_it_as_long_as_it_lives() {
+    use pjrt::{KeyValueStore, KvCode, KvError};
+    use std::sync::Arc;
+    use std::time::Duration;
+    struct Empty;
+    impl KeyValueStore for Empty {
+        fn get(&self, key: &str, _: Duration) -> Result<Vec<u8>, KvError> {
+            Err(KvError {
+                code: KvCode::DeadlineExceeded,
+                message: key.into(),
+            })
+        }
+        fn try_get(&self, _: &str) -> Result<Option<Vec<u8>>, KvError> {
+            Ok(None)
+        }
+        fn put(&self, _: &str, _: &[u8]) -> Result<(), KvError> {
+            Ok(())
+        }
+    }
+    let path = pjrt::discover::resolve_or_install(Some("cpu")).expect("CPU plugin");
+    let plugin = Plugin::load(&path).unwrap();
+    let store: Arc<dyn KeyValueStore> = Arc::new(Empty);
+    let client = plugin
+        .client_with_store(&ClientOptions::cpu_device_count(2), store.clone())
+        .unwrap();
+    assert_eq!(Arc::strong_count(&store), 2);
+    // One process: every device of the client is this process's.
+    assert_eq!(client.global_devices().unwrap().len(), 2);
+    assert_eq!(client.devices().unwrap().len(), 2);
+    let kept = client.clone();
+    drop(client);
+    assert_eq!(
+        Arc::strong_count(&store),
+        2,
+        "a clone of the client keeps it"
+    );
+    drop(kept);
+    assert_eq!(Arc::strong_count(&store), 1);
+}

@@ -139,6 +139,29 @@ pub struct TrainArgs {
     /// program's text is unchanged; the run says what was replaced.
     #[arg(long = "kernel", value_name = "NAME", help_heading = "Model")]
     pub kernel: Vec<String>,
+    /// Processes in the run, one per host (default: from SLURM, torchrun's WORLD_SIZE, a TPU
+    /// VM's worker list or $XTRAIN_NUM_PROCESSES; else 1). Every process runs the same command.
+    #[arg(long, help_heading = "Hosts")]
+    pub num_processes: Option<usize>,
+    /// This process's index, 0 to --num-processes - 1 (default: SLURM_PROCID, RANK,
+    /// TPU_WORKER_ID, JOB_COMPLETION_INDEX or $XTRAIN_PROCESS_ID). Process 0 serves the run's
+    /// store and writes its outputs.
+    #[arg(long, help_heading = "Hosts")]
+    pub process_id: Option<usize>,
+    /// HOST:PORT where process 0 serves the run's store (default: the first SLURM node,
+    /// MASTER_ADDR:MASTER_PORT, the first TPU worker or $XTRAIN_COORDINATOR; port 8476 where
+    /// the launcher names only a host).
+    #[arg(long, value_name = "HOST:PORT", help_heading = "Hosts")]
+    pub coordinator: Option<String>,
+    /// Seconds a process waits for the others (at the start and at each barrier) before it
+    /// stops, naming who did not come.
+    #[arg(long, value_name = "SECS", help_heading = "Hosts")]
+    pub init_timeout: Option<u64>,
+    /// Test mode: one process whose devices (the --mesh) are split into P virtual hosts, each
+    /// reading only the weight slices and batch rows its own devices hold, as separate hosts
+    /// would; the run equals the one-host run.
+    #[arg(long, value_name = "P", help_heading = "Hosts")]
+    pub virtual_hosts: Option<usize>,
 }
 
 pub fn train(
@@ -214,6 +237,13 @@ pub fn train(
         explicit,
         recipe,
         taken_from: Default::default(),
+        launch: xtrain::device::hosts::launch::LaunchFlags {
+            num_processes: a.num_processes,
+            process_id: a.process_id,
+            coordinator: a.coordinator,
+            init_timeout: a.init_timeout.map(std::time::Duration::from_secs),
+            virtual_hosts: a.virtual_hosts,
+        },
     };
     xtrain::train::run(&opts)
 }

@@ -1,4 +1,4 @@
-//! Programs on a PJRT plugin's devices, in three parts:
+//! Programs on a PJRT plugin's devices, in four parts:
 //!
 //! - the live runtime, in this folder: opening a plugin ([`runtime`], and what differs per
 //!   [`platform`]), compiling through the executable [`cache`], host tensors to and from each
@@ -10,7 +10,10 @@
 //!   `cuda:h100:8`), the built-in descriptions of known hardware, and compiling for it with no
 //!   client ([`target::aot`]);
 //! - memory policy ([`memory`]): whether a step fits a device, what would make it fit, and the
-//!   remat and offload choices tried until one does.
+//!   remat and offload choices tried until one does;
+//! - runs of several processes, one per host ([`hosts`]): where this process stands, the run's
+//!   key-value store (which the GPU plugins use too), the rendezvous, and each host's share of
+//!   a step.
 //!
 //! It may use `program`, `formats`, `data` and `model`. Plugins, clients and buffers are reached
 //! only from here: elsewhere `pjrt` gives just its host tensor type (and xtrain's cache
@@ -18,6 +21,7 @@
 
 pub mod cache;
 pub mod generate;
+pub mod hosts;
 pub mod kernels;
 pub mod memory;
 pub mod platform;

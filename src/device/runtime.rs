@@ -31,11 +31,31 @@ pub struct Runtime {
     pub kernels: Vec<&'static crate::device::kernels::Kernel>,
 }
 
+/// This process's part of a client that spans a run of several processes: the plugin creates
+/// it through the run's store, as node `node_id` of `num_nodes`.
+pub struct InRun {
+    pub store: std::sync::Arc<dyn pjrt::KeyValueStore>,
+    pub node_id: usize,
+    pub num_nodes: usize,
+    /// The GPU plugins' `visible_devices`: which of this host's GPUs the process takes (all
+    /// where `None`); two processes on one GPU (`[0]` each) is how the run is checked on one.
+    pub visible_devices: Option<Vec<i64>>,
+}
+
 impl Runtime {
     /// Open the plugin (`cpu`, `cuda`, ..., a path, or `$XTRAIN_PLUGIN`; the CPU plugin is
     /// installed on first use) and create a client. `cpu_devices` sets the CPU plugin's number
     /// of virtual devices.
     pub fn open(plugin: Option<&str>, cpu_devices: Option<i64>) -> Result<Runtime> {
+        Self::open_in(plugin, cpu_devices, None)
+    }
+
+    /// [`Runtime::open`], for one process of a run of several when `run` is given.
+    pub fn open_in(
+        plugin: Option<&str>,
+        cpu_devices: Option<i64>,
+        run: Option<InRun>,
+    ) -> Result<Runtime> {
         let path = pjrt::discover::resolve_or_install(plugin)?;
         let name = path.to_string_lossy();
         // The same rule by name as `xtrain`'s commands use before they start (the policy must be
@@ -63,7 +83,18 @@ impl Runtime {
         // their errors come back as PJRT errors. Shown with -v.
         let quiet = gpu && !crate::device::platform::verbose();
         let plugin = crate::device::platform::quiet_unless(!quiet, || Plugin::load(&path))?;
-        let client = crate::device::platform::quiet_unless(!quiet, || plugin.client(&options));
+        let client = crate::device::platform::quiet_unless(!quiet, || match run {
+            Some(r) => {
+                let mut options = options.distributed(r.node_id, r.num_nodes);
+                if let Some(v) = r.visible_devices {
+                    options
+                        .options
+                        .push(("visible_devices".into(), pjrt::Value::Ints(v)));
+                }
+                plugin.client_with_store(&options, r.store)
+            }
+            None => plugin.client(&options),
+        });
         let client = client.map_err(|e| {
             let hint = if gpu {
                 let platform = if name.contains("rocm") {
@@ -159,14 +190,22 @@ impl Runtime {
         };
         let mut options = self.options(options);
         if program.partitions > 1 {
-            if (self.devices.len() as i64) < program.partitions {
+            // A client spanning several processes compiles over every process's devices (each
+            // process then runs its own share); otherwise over this process's.
+            let global = self.client.global_devices()?;
+            let devices = if global.len() > self.devices.len() {
+                &global
+            } else {
+                &self.devices
+            };
+            if (devices.len() as i64) < program.partitions {
                 bail!(
                     "the program needs {} devices but the plugin has {}",
                     program.partitions,
-                    self.devices.len()
+                    devices.len()
                 );
             }
-            let ids: Vec<i64> = self.devices[..program.partitions as usize]
+            let ids: Vec<i64> = devices[..program.partitions as usize]
                 .iter()
                 .map(|d| d.id().map(|i| i as i64))
                 .collect::<std::result::Result<_, _>>()?;

@@ -13,6 +13,9 @@ use pjrt::{Buffer, CompileOptions, ElementType, Executable, HostTensor};
 use std::collections::BTreeMap;
 use std::time::Instant;
 
+/// A box of a frozen weight as read (starts, sizes, the shard).
+type ReadBox = (Vec<i64>, Vec<i64>, HostTensor);
+
 /// A compiled training step with its state on the device.
 pub struct Trainer {
     pub rt: Runtime,
@@ -39,6 +42,11 @@ pub struct Trainer {
     /// them). The program refused the update when the change is more than
     /// [`crate::model::optim::BLOWN_UP`] times the weight.
     pub last_update: Option<(f32, f32)>,
+    /// The devices of each virtual host (`--virtual-hosts`), empty for one host: each host's
+    /// frozen weights and batch rows are read for its own devices only.
+    hosts: Vec<Vec<usize>>,
+    /// Bytes of frozen weights each host's reader handed out (one entry for one host).
+    pub frozen_bytes_read: Vec<u64>,
 }
 
 impl Trainer {
@@ -74,12 +82,59 @@ impl Trainer {
         rt: Runtime,
         spec: StepSpec,
         program: Program,
-        mut weights: impl FrozenWeights,
+        weights: impl FrozenWeights,
         lora: &BTreeMap<String, HostTensor>,
         moments: &BTreeMap<String, HostTensor>,
         use_cache: bool,
         verbose: bool,
     ) -> Result<Trainer> {
+        let one = vec![weights];
+        Self::new_on_hosts(
+            rt,
+            spec,
+            program,
+            one,
+            Vec::new(),
+            lora,
+            moments,
+            use_cache,
+            verbose,
+        )
+    }
+
+    /// [`Trainer::new`] with the devices split into virtual hosts (`hosts`: each host's
+    /// devices; empty for one host), each reading the frozen weights through its own reader
+    /// (`weights`, one per host) and only the boxes its own devices hold, as a separate host
+    /// would. The uploaded arguments are the same as one host's.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new_on_hosts<W: FrozenWeights>(
+        rt: Runtime,
+        spec: StepSpec,
+        program: Program,
+        mut weights: Vec<W>,
+        hosts: Vec<Vec<usize>>,
+        lora: &BTreeMap<String, HostTensor>,
+        moments: &BTreeMap<String, HostTensor>,
+        use_cache: bool,
+        verbose: bool,
+    ) -> Result<Trainer> {
+        if weights.len() != hosts.len().max(1) {
+            bail!(
+                "{} weight readers for {} virtual hosts",
+                weights.len(),
+                hosts.len()
+            );
+        }
+        // Which host each device of the mesh belongs to (all to host 0 for one host).
+        let mut host_of = vec![0; spec.mesh.as_ref().map_or(1, |m| m.devices()) as usize];
+        for (g, devices) in hosts.iter().enumerate() {
+            for &p in devices {
+                if let Some(h) = host_of.get_mut(p) {
+                    *h = g;
+                }
+            }
+        }
+        let mut read = vec![0u64; weights.len()];
         let t0 = Instant::now();
         let (exe, cached) = crate::device::cache::compile_cached(
             &rt,
@@ -117,30 +172,36 @@ impl Trainer {
                 let buffers = match &mesh {
                     None => {
                         let whole = vec![0; a.shape.len()];
-                        let t = weights.shard(k, &a.name, &a.shape, &whole, &a.shape, want)?;
+                        let t = weights[0].shard(k, &a.name, &a.shape, &whole, &a.shape, want)?;
+                        read[0] += t.bytes.len() as u64;
                         vec![rt.upload_to(&t, 0, memory)?]
                     }
                     Some(m) => {
-                        let mut last: Option<(Vec<i64>, Vec<i64>, HostTensor)> = None;
+                        // Per host: the shard it read last (a host reads a box once, however
+                        // many of its devices hold it).
+                        let mut last: Vec<Option<ReadBox>> = weights.iter().map(|_| None).collect();
                         let mut per_device = Vec::new();
-                        for p in 0..m.device_count() as usize {
+                        for (p, &g) in host_of.iter().enumerate() {
                             let (starts, sizes) = shard_box(&a.shape, sh, m, p);
-                            if last
+                            if last[g]
                                 .as_ref()
                                 .is_none_or(|(s, z, _)| (s, z) != (&starts, &sizes))
                             {
-                                drop(last.take()); // the previous shard goes before the next
-                                let t =
-                                    weights.shard(k, &a.name, &a.shape, &starts, &sizes, want)?;
-                                last = Some((starts, sizes, t));
+                                drop(last[g].take()); // the previous shard goes before the next
+                                let t = weights[g]
+                                    .shard(k, &a.name, &a.shape, &starts, &sizes, want)?;
+                                read[g] += t.bytes.len() as u64;
+                                last[g] = Some((starts, sizes, t));
                             }
-                            let t = &last.as_ref().unwrap().2;
+                            let t = &last[g].as_ref().unwrap().2;
                             per_device.push(rt.upload_to(t, p, memory)?);
                         }
                         per_device
                     }
                 };
-                weights.done(k);
+                for w in &mut weights {
+                    w.done(k);
+                }
                 frozen.push(buffers);
             }
             Ok(frozen)
@@ -158,6 +219,8 @@ impl Trainer {
             compile_s,
             last_max_weight: None,
             last_update: None,
+            hosts,
+            frozen_bytes_read: read,
         };
         trainer.set_state(lora, moments)?;
         Ok(trainer)
@@ -230,6 +293,20 @@ impl Trainer {
         }
     }
 
+    /// A batch tensor: as one host puts it, or with virtual hosts each host's own rows.
+    fn put_rows(&self, name: &str, t: &HostTensor) -> Result<Vec<Buffer>> {
+        match &self.spec.mesh {
+            Some(m) if !self.hosts.is_empty() => crate::device::hosts::share::upload_by_host(
+                &self.rt,
+                t,
+                &m.sharding(name, &t.dims),
+                &m.mesh(),
+                &self.hosts,
+            ),
+            _ => self.put(name, t),
+        }
+    }
+
     fn devices(&self) -> usize {
         self.program.partitions as usize
     }
@@ -240,9 +317,9 @@ impl Trainer {
         let mut inputs = vec![
             self.put("step", &HostTensor::from_f32(&[t as f32], &[]))?,
             self.put("lr", &HostTensor::from_f32(&[lr as f32], &[]))?,
-            self.put("input_ids", &batch.input_ids)?,
-            self.put("labels", &batch.labels)?,
-            self.put("attention_mask", &batch.attention_mask)?,
+            self.put_rows("input_ids", &batch.input_ids)?,
+            self.put_rows("labels", &batch.labels)?,
+            self.put_rows("attention_mask", &batch.attention_mask)?,
         ];
         if self.spec.lora.dropout > 0.0 {
             let k = [self.dropout_seed, t << 20];

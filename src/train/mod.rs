@@ -9,6 +9,7 @@
 pub mod bench;
 pub mod checkpoint;
 mod finish;
+mod hosts;
 pub mod log;
 pub mod options;
 pub mod output;
@@ -58,6 +59,11 @@ pub fn run(opts: &TrainOptions) -> Result<()> {
         }
     }
     let opts = &opts;
+    let launch = crate::device::hosts::launch::from_environment(&opts.launch)?;
+    if !launch.is_single() {
+        // Before the output dir is claimed: process 0 alone will write there.
+        return hosts::run(opts, &cfg, &launch);
+    }
     crate::formats::outdir::refuse_inputs_inside("--out", &opts.out, &opts.inputs())?;
     let mut out = RunDir::claim(&opts.out, opts.resume.as_deref(), opts.overwrite)?;
     for n in notes {

@@ -61,6 +61,9 @@ pub struct TrainOptions {
     /// The flags left out whose value was taken from a checkpoint or a program dir, each with
     /// where from ("checkpoint DIR's run has"), for messages (`train::settings` fills it).
     pub taken_from: std::collections::BTreeMap<String, String>,
+    /// `--num-processes`, `--process-id`, `--coordinator`, `--init-timeout` as given (the
+    /// launcher's environment fills in the rest: `device::hosts::launch`).
+    pub launch: crate::device::hosts::launch::LaunchFlags,
 }
 
 impl TrainOptions {

@@ -109,10 +109,11 @@ pub fn plan(
     Ok((rt, spec, program))
 }
 
-/// `xtrain train` is one process, on the devices its plugin gives it: a step whose mesh needs
-/// more (`what`: a program dir compiled for several hosts, such as `tpu:v5p:4x4x2` or
-/// `cuda:h100:2x8`, or a `--mesh` larger than this host) is refused before anything is loaded,
-/// rather than failing inside the plugin. `builds` are the program dir's (its multi-host
+/// A run of one process trains on the devices its plugin gives it: a step whose mesh needs more
+/// (`what`: a program dir compiled for several hosts, such as `tpu:v5p:4x4x2` or `cuda:h100:2x8`,
+/// or a `--mesh` larger than this host) is refused before anything is loaded, rather than
+/// failing inside the plugin; a multi-host dir is pointed to `--num-processes` (one process per
+/// host, `train::hosts`). `builds` are the program dir's (its multi-host
 /// targets are named). The CPU plugin makes as many devices as asked, so it never refuses.
 pub fn one_process(
     platform: &str,
@@ -134,12 +135,20 @@ pub fn one_process(
     } else {
         format!(" It was compiled for {}.", hosts.join(", "))
     };
+    let hosts_needed = builds.iter().map(|b| b.hosts).max().unwrap_or(1);
+    let across = if hosts_needed > 1 {
+        format!(
+            "run it as a multi-host dir: start one process per host with the same command and \
+             --num-processes {hosts_needed} (docs/usage.md, \"Several hosts\"), "
+        )
+    } else {
+        String::new()
+    };
     bail!(
         "{what} needs {partitions} devices, but this process has {devices} ({platform}).{compiled} \
-         `xtrain train` runs as one process on one host's devices: training across several \
-         hosts (one process per host) is not supported. Train on a mesh of at most {devices} \
-         devices (e.g. --mesh fsdp={devices}, with --quant nf4 or --offload where the model \
-         does not fit), or compile for one host (`xtrain compile --target \
+         One process trains on one host's devices: {across}train on a mesh of at most \
+         {devices} devices (e.g. --mesh fsdp={devices}, with --quant nf4 or --offload where \
+         the model does not fit), or compile for one host (`xtrain compile --target \
          <platform>:<device>:<count>`)"
     )
 }

@@ -68,11 +68,24 @@ pub(super) fn compile_and_upload(
             Some(k) => loading.inc(frozen.get(k).map_or(0, |(_, b)| *b)),
         })
     };
-    let trainer = Trainer::new(
+    // `--virtual-hosts P`: P readers of the same checkpoint, one per virtual host, each asked
+    // only for its own devices' boxes (the first also drives the bar).
+    let hosts = match opts.launch.virtual_hosts {
+        Some(p) => {
+            crate::device::hosts::share::device_groups(program.partitions.max(1) as usize, p)?
+        }
+        None => Vec::new(),
+    };
+    let mut readers = vec![weights];
+    for _ in 1..hosts.len() {
+        readers.push(CheckpointWeights::open(&opts.model, &spec.model)?);
+    }
+    let trainer = Trainer::new_on_hosts(
         rt,
         spec,
         program,
-        weights,
+        readers,
+        hosts.clone(),
         &start.lora,
         &start.moments,
         opts.use_cache,
@@ -115,6 +128,15 @@ pub(super) fn compile_and_upload(
             progress::gib(largest),
         );
         eprintln!("xtrain: peak host memory while loading {peak} (VmHWM; {before} before loading)");
+    }
+    for (g, (devices, read)) in hosts.iter().zip(&trainer.frozen_bytes_read).enumerate() {
+        eprintln!(
+            "xtrain: virtual host {g} of {} (devices {}-{}) read {read} of the {total} bytes of \
+             frozen weights",
+            hosts.len(),
+            devices.first().copied().unwrap_or(0),
+            devices.last().copied().unwrap_or(0),
+        );
     }
     trainer.dropout_seed = opts.seed;
     trainer.step = start.state.step;

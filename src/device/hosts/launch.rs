@@ -1,0 +1,660 @@
+//! Which process of a run this one is: how many processes the run has, this one's index, and
+//! where process 0 serves the run's key-value store. Taken from `xtrain train`'s flags
+//! (`--num-processes`, `--process-id`, `--coordinator`), else from the launcher's environment:
+//! SLURM (`srun`), torchrun-style variables, a TPU VM's worker variables, a GKE indexed job, or
+//! `XTRAIN_*` variables. Each value comes from the first place that has it, in that order, so a
+//! flag always wins; the launch says where each came from.
+
+use anyhow::{bail, Context, Result};
+use std::time::Duration;
+
+/// The port process 0 serves the store on when the launcher names only a host: SLURM and TPU
+/// VMs say where process 0 runs, not on which port (torchrun's `MASTER_PORT` does).
+pub const DEFAULT_PORT: u16 = 8476;
+
+/// How long a process waits for the others at the start of a run (and at each barrier) before
+/// it gives up, by default.
+pub const DEFAULT_INIT_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// The flags of `xtrain train` that place a process in a run; `None` where not given.
+#[derive(Clone, Debug, Default)]
+pub struct LaunchFlags {
+    pub num_processes: Option<usize>,
+    pub process_id: Option<usize>,
+    pub coordinator: Option<String>,
+    pub init_timeout: Option<Duration>,
+    /// `--virtual-hosts P` (a test mode): one process whose devices are split into P hosts,
+    /// each reading its own weights and batch rows.
+    pub virtual_hosts: Option<usize>,
+}
+
+/// One process's place in a run.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Launch {
+    /// How many processes (one per host) the run has.
+    pub processes: usize,
+    /// This process's index, 0..processes; process 0 serves the store and writes the outputs.
+    pub process_id: usize,
+    /// `host:port` of process 0's store; `None` for a run of one process.
+    pub coordinator: Option<Coordinator>,
+    pub init_timeout: Duration,
+    /// A name for the run shared by its processes (the launcher's job id where it has one),
+    /// which prefixes every key of the store.
+    pub run: String,
+    /// Where the values came from (`--num-processes`, `SLURM_NTASKS`, ...), for messages.
+    pub source: String,
+}
+
+/// Where process 0 serves the store.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Coordinator {
+    pub host: String,
+    pub port: u16,
+}
+
+impl std::fmt::Display for Coordinator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.host.contains(':') {
+            write!(f, "[{}]:{}", self.host, self.port)
+        } else {
+            write!(f, "{}:{}", self.host, self.port)
+        }
+    }
+}
+
+impl Launch {
+    /// A run of one process: no store, no peers.
+    pub fn single() -> Launch {
+        Launch {
+            processes: 1,
+            process_id: 0,
+            coordinator: None,
+            init_timeout: DEFAULT_INIT_TIMEOUT,
+            run: "run".into(),
+            source: "one process".into(),
+        }
+    }
+
+    pub fn is_single(&self) -> bool {
+        self.processes == 1
+    }
+
+    /// `process 2 of 4`, for messages.
+    pub fn name(&self) -> String {
+        format!("process {} of {}", self.process_id, self.processes)
+    }
+}
+
+/// Parse `--coordinator HOST:PORT` (`[v6addr]:PORT` for an IPv6 address).
+pub fn parse_coordinator(text: &str, what: &str) -> Result<Coordinator> {
+    let (host, port) = match text.strip_prefix('[') {
+        Some(rest) => match rest.split_once("]:") {
+            Some((h, p)) => (h, p),
+            None => bail!("{what} {text:?}: expected [IPV6]:PORT"),
+        },
+        None => match text.rsplit_once(':') {
+            Some((h, p)) if !h.contains(':') => (h, p),
+            _ => bail!("{what} {text:?}: expected HOST:PORT, e.g. node01:8476"),
+        },
+    };
+    if host.is_empty() {
+        bail!("{what} {text:?}: the host is empty (expected HOST:PORT, e.g. node01:8476)");
+    }
+    let port = parse_port(port.trim(), &format!("{what} {text:?}"))?;
+    Ok(Coordinator {
+        host: host.to_string(),
+        port,
+    })
+}
+
+fn parse_port(text: &str, what: &str) -> Result<u16> {
+    match text.parse::<u32>() {
+        Ok(p) if (1..=65535).contains(&p) => Ok(p as u16),
+        _ => bail!("{what}: the port must be a number from 1 to 65535, got {text:?}"),
+    }
+}
+
+fn parse_count(text: &str, what: &str) -> Result<usize> {
+    text.trim()
+        .parse::<usize>()
+        .ok()
+        .with_context(|| format!("{what} must be a whole number, got {text:?}"))
+}
+
+/// The first host of a SLURM node list: `node[01-04],gpu7` -> `node01`, `a,b` -> `a`,
+/// `rack[3,5-6]-n[1-2]` -> `rack3-n1`.
+pub fn first_slurm_host(list: &str) -> Result<String> {
+    let list = list.trim();
+    let bad = || anyhow::anyhow!("SLURM_JOB_NODELIST {list:?} is not a SLURM node list");
+    let mut host = String::new();
+    let mut rest = list;
+    loop {
+        match rest.find(['[', ',']) {
+            None => {
+                host.push_str(rest);
+                break;
+            }
+            Some(i) if rest.as_bytes()[i] == b',' => {
+                host.push_str(&rest[..i]);
+                break;
+            }
+            Some(i) => {
+                host.push_str(&rest[..i]);
+                let close = rest[i..].find(']').ok_or_else(bad)? + i;
+                let first = rest[i + 1..close].split(',').next().unwrap_or("");
+                let first = first.split('-').next().unwrap_or("").trim();
+                if first.is_empty() || !first.bytes().all(|b| b.is_ascii_digit()) {
+                    return Err(bad());
+                }
+                host.push_str(first);
+                rest = &rest[close + 1..];
+            }
+        }
+    }
+    if host.is_empty() {
+        return Err(bad());
+    }
+    Ok(host)
+}
+
+/// One value and where it came from.
+struct Found<T> {
+    value: T,
+    from: String,
+}
+
+/// What one launcher's environment says; `None` for what it does not say.
+#[derive(Default)]
+struct FromEnv {
+    processes: Option<Found<String>>,
+    process_id: Option<Found<String>>,
+    host: Option<Found<String>>,
+    port: Option<Found<String>>,
+    run: Option<String>,
+}
+
+fn found(env: &dyn Fn(&str) -> Option<String>, name: &str) -> Option<Found<String>> {
+    env(name)
+        .filter(|v| !v.trim().is_empty())
+        .map(|value| Found {
+            value,
+            from: name.to_string(),
+        })
+}
+
+/// The launchers' environments, in the order they are asked.
+fn environments(env: &dyn Fn(&str) -> Option<String>) -> Result<Vec<FromEnv>> {
+    let mut all = Vec::new();
+    all.push(FromEnv {
+        processes: found(env, "XTRAIN_NUM_PROCESSES"),
+        process_id: found(env, "XTRAIN_PROCESS_ID"),
+        host: None,
+        port: None,
+        run: env("XTRAIN_RUN_ID"),
+    });
+    if let Some(c) = found(env, "XTRAIN_COORDINATOR") {
+        let parsed = parse_coordinator(&c.value, "XTRAIN_COORDINATOR")?;
+        all[0].host = Some(Found {
+            value: parsed.host,
+            from: c.from.clone(),
+        });
+        all[0].port = Some(Found {
+            value: parsed.port.to_string(),
+            from: c.from,
+        });
+    }
+    // SLURM: one task per host (`srun --ntasks-per-node=1`).
+    if let Some(id) = found(env, "SLURM_PROCID") {
+        let host = match found(env, "SLURM_JOB_NODELIST").or_else(|| found(env, "SLURM_NODELIST")) {
+            Some(list) => Some(Found {
+                value: first_slurm_host(&list.value)?,
+                from: format!("the first host of {}", list.from),
+            }),
+            None => None,
+        };
+        all.push(FromEnv {
+            processes: found(env, "SLURM_NTASKS").or_else(|| found(env, "SLURM_NPROCS")),
+            process_id: Some(id),
+            host,
+            port: found(env, "MASTER_PORT"),
+            run: env("SLURM_JOB_ID").map(|j| format!("slurm-{j}")),
+        });
+    }
+    // torchrun and the launchers that copy it (one process per host: --nproc-per-node=1).
+    if let Some(rank) = found(env, "RANK") {
+        all.push(FromEnv {
+            processes: found(env, "WORLD_SIZE"),
+            process_id: Some(rank),
+            host: found(env, "MASTER_ADDR"),
+            port: found(env, "MASTER_PORT"),
+            run: env("TORCHELASTIC_RUN_ID"),
+        });
+    }
+    // A Cloud TPU VM slice: every worker has the list of workers' host names.
+    if let Some(id) = found(env, "TPU_WORKER_ID") {
+        let hosts = found(env, "TPU_WORKER_HOSTNAMES");
+        let list: Vec<String> = hosts
+            .as_ref()
+            .map(|h| {
+                h.value
+                    .split(',')
+                    .map(|s| s.trim().to_string())
+                    .filter(|s| !s.is_empty())
+                    .collect()
+            })
+            .unwrap_or_default();
+        all.push(FromEnv {
+            processes: hosts.as_ref().map(|h| Found {
+                value: list.len().to_string(),
+                from: format!("the {} hosts of {}", list.len(), h.from),
+            }),
+            process_id: Some(id),
+            host: list.first().map(|first| Found {
+                value: first.clone(),
+                from: "the first host of TPU_WORKER_HOSTNAMES".into(),
+            }),
+            port: None,
+            run: None,
+        });
+    }
+    // A GKE indexed Job gives the index only: the count and process 0's address come from
+    // flags (or XTRAIN_* variables in the Job's spec).
+    if let Some(index) = found(env, "JOB_COMPLETION_INDEX") {
+        all.push(FromEnv {
+            process_id: Some(index),
+            ..FromEnv::default()
+        });
+    }
+    Ok(all)
+}
+
+/// This process's place in the run, from the flags and then the environment (`env` looks a
+/// variable up: `|k| std::env::var(k).ok()` outside tests). A run of one process when nothing
+/// says otherwise.
+pub fn detect(flags: &LaunchFlags, env: &dyn Fn(&str) -> Option<String>) -> Result<Launch> {
+    let envs = environments(env)?;
+    let first = |pick: &dyn Fn(&FromEnv) -> Option<&Found<String>>| {
+        envs.iter().find_map(pick).map(|f| Found {
+            value: f.value.clone(),
+            from: f.from.clone(),
+        })
+    };
+    // A number from its flag, else the first environment that has it, else the default.
+    let number = |flag: Option<usize>,
+                  name: &str,
+                  pick: &dyn Fn(&FromEnv) -> Option<&Found<String>>,
+                  default: usize|
+     -> Result<Found<usize>> {
+        Ok(match (flag, first(pick)) {
+            (Some(n), _) => Found {
+                value: n,
+                from: name.into(),
+            },
+            (None, Some(f)) => Found {
+                value: parse_count(&f.value, &f.from)?,
+                from: f.from,
+            },
+            (None, None) => Found {
+                value: default,
+                from: String::new(),
+            },
+        })
+    };
+    let processes = number(
+        flags.num_processes,
+        "--num-processes",
+        &|e| e.processes.as_ref(),
+        1,
+    )?;
+    let mut process_id = number(
+        flags.process_id,
+        "--process-id",
+        &|e| e.process_id.as_ref(),
+        0,
+    )?;
+    if processes.from.is_empty() && process_id.from == "JOB_COMPLETION_INDEX" {
+        // An indexed Job with no count given runs independent pods (a sweep): each is a run
+        // of its own.
+        process_id = Found {
+            value: 0,
+            from: String::new(),
+        };
+    }
+    if let Some(v) = flags.virtual_hosts {
+        if v == 0 {
+            bail!("--virtual-hosts must be at least 1");
+        }
+    }
+    let init_timeout = flags.init_timeout.unwrap_or(DEFAULT_INIT_TIMEOUT);
+    if init_timeout.is_zero() {
+        bail!("--init-timeout must be at least 1 second");
+    }
+    let run = envs
+        .iter()
+        .find_map(|e| e.run.clone())
+        .unwrap_or_else(|| "run".into());
+    let sources = |extra: &[&str]| {
+        let mut s: Vec<&str> = [processes.from.as_str(), process_id.from.as_str()]
+            .into_iter()
+            .chain(extra.iter().copied())
+            .filter(|s| !s.is_empty())
+            .collect();
+        s.dedup();
+        s.join(", ")
+    };
+    if processes.value == 0 {
+        bail!("{} is 0: a run has at least one process", processes.from);
+    }
+    if process_id.value >= processes.value {
+        bail!(
+            "the process id {} ({}) must be less than the number of processes {} ({}): ids run \
+             from 0 to {}",
+            process_id.value,
+            or_default(&process_id.from),
+            processes.value,
+            or_default(&processes.from),
+            processes.value - 1
+        );
+    }
+    if processes.value > 1 && flags.virtual_hosts.is_some() {
+        bail!(
+            "--virtual-hosts is a test mode of one process; this is {} ({})",
+            format_args!("process {} of {}", process_id.value, processes.value),
+            sources(&[])
+        );
+    }
+    if processes.value == 1 {
+        if let Some(c) = &flags.coordinator {
+            parse_coordinator(c, "--coordinator")?;
+        }
+        return Ok(Launch {
+            init_timeout,
+            run,
+            source: if processes.from.is_empty() {
+                "one process".into()
+            } else {
+                sources(&[])
+            },
+            ..Launch::single()
+        });
+    }
+    let coordinator = match &flags.coordinator {
+        Some(c) => Found {
+            value: parse_coordinator(c, "--coordinator")?,
+            from: "--coordinator".into(),
+        },
+        None => {
+            let Some(host) = first(&|e| e.host.as_ref()) else {
+                bail!(
+                    "a run of {} processes ({}) needs the address of process 0: pass \
+                     --coordinator HOST:PORT (process 0's host name and a free port), or set \
+                     MASTER_ADDR and MASTER_PORT",
+                    processes.value,
+                    sources(&[])
+                );
+            };
+            let port = match first(&|e| e.port.as_ref()) {
+                Some(p) => parse_port(p.value.trim(), &p.from)?,
+                None => DEFAULT_PORT,
+            };
+            Found {
+                value: Coordinator {
+                    host: host.value,
+                    port,
+                },
+                from: host.from,
+            }
+        }
+    };
+    Ok(Launch {
+        processes: processes.value,
+        process_id: process_id.value,
+        source: sources(&[coordinator.from.as_str()]),
+        coordinator: Some(coordinator.value),
+        init_timeout,
+        run,
+    })
+}
+
+fn or_default(from: &str) -> &str {
+    if from.is_empty() {
+        "the default"
+    } else {
+        from
+    }
+}
+
+/// [`detect`] on this process's environment.
+pub fn from_environment(flags: &LaunchFlags) -> Result<Launch> {
+    detect(flags, &|k| std::env::var(k).ok())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with(vars: &[(&str, &str)], flags: &LaunchFlags) -> Result<Launch> {
+        let map: std::collections::HashMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        detect(flags, &|k| map.get(k).cloned())
+    }
+
+    fn coord(host: &str, port: u16) -> Option<Coordinator> {
+        Some(Coordinator {
+            host: host.into(),
+            port,
+        })
+    }
+
+    #[test]
+    fn nothing_said_is_one_process() {
+        let l = with(&[], &LaunchFlags::default()).unwrap();
+        assert_eq!(
+            (l.processes, l.process_id, l.coordinator.clone()),
+            (1, 0, None)
+        );
+        assert!(l.is_single());
+    }
+
+    #[test]
+    fn flags_place_the_process() {
+        let flags = LaunchFlags {
+            num_processes: Some(4),
+            process_id: Some(3),
+            coordinator: Some("node01:1234".into()),
+            init_timeout: Some(Duration::from_secs(9)),
+            virtual_hosts: None,
+        };
+        let l = with(&[], &flags).unwrap();
+        assert_eq!((l.processes, l.process_id), (4, 3));
+        assert_eq!(l.coordinator, coord("node01", 1234));
+        assert_eq!(l.init_timeout, Duration::from_secs(9));
+        assert_eq!(l.source, "--num-processes, --process-id, --coordinator");
+    }
+
+    #[test]
+    fn slurm_gives_rank_count_and_the_first_node() {
+        let env = [
+            ("SLURM_PROCID", "1"),
+            ("SLURM_NTASKS", "4"),
+            ("SLURM_JOB_NODELIST", "gpu-node[07-10]"),
+            ("SLURM_JOB_ID", "4242"),
+        ];
+        let l = with(&env, &LaunchFlags::default()).unwrap();
+        assert_eq!((l.processes, l.process_id), (4, 1));
+        assert_eq!(l.coordinator, coord("gpu-node07", DEFAULT_PORT));
+        assert_eq!(l.run, "slurm-4242");
+        assert!(l.source.contains("SLURM_NTASKS"), "{}", l.source);
+    }
+
+    #[test]
+    fn slurm_node_lists_name_their_first_host() {
+        for (list, first) in [
+            ("node01", "node01"),
+            ("a,b,c", "a"),
+            ("node[01-04]", "node01"),
+            ("node[3,5-6],other", "node3"),
+            ("rack[2-3]-n[10-12]", "rack2-n10"),
+        ] {
+            assert_eq!(first_slurm_host(list).unwrap(), first, "{list}");
+        }
+        for bad in ["node[", "node[a-b]", "", "[]"] {
+            let e = first_slurm_host(bad).unwrap_err().to_string();
+            assert!(e.contains("SLURM_JOB_NODELIST"), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn torchrun_gives_rank_world_size_and_master() {
+        let env = [
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "10.0.0.5"),
+            ("MASTER_PORT", "29500"),
+        ];
+        let l = with(&env, &LaunchFlags::default()).unwrap();
+        assert_eq!((l.processes, l.process_id), (2, 0));
+        assert_eq!(l.coordinator, coord("10.0.0.5", 29500));
+    }
+
+    #[test]
+    fn a_tpu_vm_counts_its_workers() {
+        let env = [
+            ("TPU_WORKER_ID", "2"),
+            ("TPU_WORKER_HOSTNAMES", "t1v-0,t1v-1,t1v-2,t1v-3"),
+        ];
+        let l = with(&env, &LaunchFlags::default()).unwrap();
+        assert_eq!((l.processes, l.process_id), (4, 2));
+        assert_eq!(l.coordinator, coord("t1v-0", DEFAULT_PORT));
+    }
+
+    #[test]
+    fn a_gke_indexed_job_gives_the_index_and_flags_the_rest() {
+        let env = [("JOB_COMPLETION_INDEX", "5")];
+        // No count given: the Job's pods are independent runs (a sweep), each of one process.
+        let l = with(&env, &LaunchFlags::default()).unwrap();
+        assert!(l.is_single(), "{l:?}");
+        let counted = LaunchFlags {
+            num_processes: Some(4),
+            coordinator: Some("train-0.train:8476".into()),
+            ..LaunchFlags::default()
+        };
+        let e = with(&env, &counted).unwrap_err().to_string();
+        assert!(
+            e.contains("process id 5 (JOB_COMPLETION_INDEX) must be less than the number of processes 4 (--num-processes)"),
+            "{e}"
+        );
+        let flags = LaunchFlags {
+            num_processes: Some(8),
+            coordinator: Some("train-0.train:8476".into()),
+            ..LaunchFlags::default()
+        };
+        let l = with(&env, &flags).unwrap();
+        assert_eq!((l.processes, l.process_id), (8, 5));
+        assert_eq!(l.coordinator, coord("train-0.train", 8476));
+        let env = [
+            ("JOB_COMPLETION_INDEX", "5"),
+            ("XTRAIN_NUM_PROCESSES", "6"),
+            ("XTRAIN_COORDINATOR", "train-0.train:9000"),
+        ];
+        let l = with(&env, &LaunchFlags::default()).unwrap();
+        assert_eq!((l.processes, l.process_id), (6, 5));
+        assert_eq!(l.coordinator, coord("train-0.train", 9000));
+    }
+
+    #[test]
+    fn flags_win_over_the_environment() {
+        let env = [("RANK", "1"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h")];
+        let flags = LaunchFlags {
+            process_id: Some(0),
+            ..LaunchFlags::default()
+        };
+        let l = with(&env, &flags).unwrap();
+        assert_eq!((l.processes, l.process_id), (2, 0));
+        assert_eq!(l.source, "WORLD_SIZE, --process-id, MASTER_ADDR");
+    }
+
+    #[test]
+    fn inconsistent_values_are_refused_naming_them() {
+        let flags = |n, k, c: &str| LaunchFlags {
+            num_processes: n,
+            process_id: k,
+            coordinator: Some(c.to_string()),
+            init_timeout: None,
+            virtual_hosts: None,
+        };
+        type Case<'a> = (Vec<(&'a str, &'a str)>, LaunchFlags, &'a str);
+        let cases: Vec<Case> = vec![
+            (
+                vec![],
+                flags(Some(2), Some(2), "h:1"),
+                "less than the number of processes 2",
+            ),
+            (
+                vec![],
+                flags(Some(0), Some(0), "h:1"),
+                "--num-processes is 0",
+            ),
+            (vec![], flags(Some(2), Some(0), "h:0"), "from 1 to 65535"),
+            (
+                vec![],
+                flags(Some(2), Some(0), "h:99999"),
+                "from 1 to 65535",
+            ),
+            (vec![], flags(Some(2), Some(0), "h"), "expected HOST:PORT"),
+            (vec![], flags(Some(2), Some(0), ":80"), "the host is empty"),
+            (
+                vec![("RANK", "x"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h")],
+                LaunchFlags::default(),
+                "RANK must be a whole number",
+            ),
+            (
+                vec![("RANK", "3"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h")],
+                LaunchFlags::default(),
+                "process id 3 (RANK)",
+            ),
+            (
+                vec![
+                    ("RANK", "1"),
+                    ("WORLD_SIZE", "2"),
+                    ("MASTER_ADDR", "h"),
+                    ("MASTER_PORT", "http"),
+                ],
+                LaunchFlags::default(),
+                "MASTER_PORT: the port must be",
+            ),
+            (
+                vec![("RANK", "1"), ("WORLD_SIZE", "2")],
+                LaunchFlags::default(),
+                "needs the address of process 0",
+            ),
+        ];
+        for (env, f, want) in cases {
+            let e = format!("{:#}", with(&env, &f).unwrap_err());
+            assert!(e.contains(want), "{env:?} {f:?}: {e}");
+        }
+        let zero = LaunchFlags {
+            init_timeout: Some(Duration::ZERO),
+            ..LaunchFlags::default()
+        };
+        assert!(with(&[], &zero)
+            .unwrap_err()
+            .to_string()
+            .contains("--init-timeout"));
+    }
+
+    #[test]
+    fn ipv6_coordinators_keep_their_brackets() {
+        let c = parse_coordinator("[fe80::1]:8476", "--coordinator").unwrap();
+        assert_eq!(
+            c,
+            Coordinator {
+                host: "fe80::1".into(),
+                port: 8476
+            }
+        );
+        assert_eq!(c.to_string(), "[fe80::1]:8476");
+    }
+}

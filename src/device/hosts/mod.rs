@@ -1,0 +1,13 @@
+//! Runs of several processes, one per host: where this process stands in the run ([`launch`]:
+//! flags, or SLURM, torchrun, TPU VM and GKE environments), the run's key-value store (served
+//! by process 0 over TCP, [`server`]; reached by every process, [`store`]; what they say,
+//! [`wire`]; the GPU plugins exchange their ids through it), the [`rendezvous`] at the start,
+//! where every process checks that the others run the same settings, and each host's [`share`]
+//! of a step (`--virtual-hosts`).
+
+pub mod launch;
+pub mod rendezvous;
+pub mod server;
+pub mod share;
+pub mod store;
+pub mod wire;

@@ -1,0 +1,251 @@
+//! The start of a run of several processes: process 0 serves the store, every process joins it,
+//! puts what it was started with (the settings by flag, the mesh, the program's hash, xtrain's
+//! version, its host) and reads everyone else's. A process started with other settings is
+//! refused at once, by every process, naming the flag and both values; a process that never
+//! comes is named after `--init-timeout`. All of this happens before any plugin is opened.
+
+use crate::device::hosts::launch::Launch;
+use crate::device::hosts::server::StoreServer;
+use crate::device::hosts::store::{Session, Store};
+use crate::device::hosts::wire::{hostname, secs, StoreError};
+use anyhow::{bail, Context, Result};
+use serde_json::Value;
+use std::collections::BTreeMap;
+
+/// A process's part in a run of several: its place, the store, and its session (held for the
+/// run; process 0 also holds the server).
+pub struct Peers {
+    pub launch: Launch,
+    pub store: Store,
+    session: Session,
+    server: Option<StoreServer>,
+}
+
+/// What a process says about itself at the start: settings by flag (`lr`, `mesh`, `program`),
+/// compared across processes, and where it runs, which is not.
+pub type Settings = BTreeMap<String, Value>;
+
+/// Join the run: process 0 starts serving the store first. `on_lost` is called (from a thread
+/// of its own) when another process leaves the run without finishing or process 0 goes; the
+/// caller ends this process there, since a step with a lost peer never completes.
+pub fn join(launch: &Launch, on_lost: impl FnOnce(String) + Send + 'static) -> Result<Peers> {
+    let coordinator = launch
+        .coordinator
+        .as_ref()
+        .context("a run of several processes needs --coordinator")?;
+    let server = if launch.process_id == 0 {
+        Some(StoreServer::bind(coordinator.port)?)
+    } else {
+        None
+    };
+    let store = Store::connect(&coordinator.to_string(), &launch.run, launch.init_timeout)
+        .with_context(|| format!("{} ({})", launch.name(), launch.source))?;
+    let session = store.watch(launch.process_id, on_lost)?;
+    Ok(Peers {
+        launch: launch.clone(),
+        store,
+        session,
+        server,
+    })
+}
+
+impl Peers {
+    /// Put this process's settings and check every other process's against them, waiting up to
+    /// `--init-timeout` for each. Fails naming the first process whose settings differ (the
+    /// flag, its value there and here), or the processes that did not come.
+    pub fn agree(&self, settings: &Settings) -> Result<()> {
+        let l = &self.launch;
+        let me = serde_json::json!({ "host": hostname(), "settings": settings });
+        self.store.put(
+            &format!("settings/{}", l.process_id),
+            me.to_string().as_bytes(),
+        )?;
+        let deadline = std::time::Instant::now() + l.init_timeout;
+        let mut missing = Vec::new();
+        for p in (0..l.processes).filter(|p| *p != l.process_id) {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            let bytes = match self.store.get(&format!("settings/{p}"), left) {
+                Ok(b) => b,
+                Err(StoreError::DeadlineExceeded { .. }) => {
+                    missing.push(p);
+                    continue;
+                }
+                Err(e) => return Err(e.into()),
+            };
+            let theirs: Value = serde_json::from_slice(&bytes)
+                .with_context(|| format!("process {p}'s settings in the store are not JSON"))?;
+            let host = theirs["host"].as_str().unwrap_or("?").to_string();
+            let empty = serde_json::Map::new();
+            let them = theirs["settings"].as_object().unwrap_or(&empty);
+            if let Some(diff) = difference(settings, them) {
+                bail!(
+                    "process {p} (on {host}) was started with other settings than this one \
+                     ({}, on {}): {diff}. Every process of a run must run the same command \
+                     (only the launcher's variables differ)",
+                    l.name(),
+                    hostname()
+                );
+            }
+        }
+        if !missing.is_empty() {
+            let list: Vec<String> = missing.iter().map(|p| p.to_string()).collect();
+            bail!(
+                "DEADLINE_EXCEEDED: process{} {} of {} did not join the run at {} within \
+                 --init-timeout {} ({}): was every process started, with the same \
+                 --coordinator and --num-processes?",
+                if missing.len() == 1 { "" } else { "es" },
+                list.join(", "),
+                l.processes,
+                l.coordinator
+                    .as_ref()
+                    .map_or(String::new(), |c| c.to_string()),
+                secs(l.init_timeout),
+                l.source
+            );
+        }
+        Ok(())
+    }
+
+    /// Leave the run on purpose (done, or refused for a reason every process finds itself):
+    /// the others are not told of a loss. Process 0 first waits (up to `--init-timeout`) for
+    /// the others to leave, so that closing its store strands no one.
+    pub fn leave(self) {
+        let own = self.launch.process_id;
+        self.session.leave();
+        if let Some(server) = &self.server {
+            server.wait_for_others_to_leave(own, self.launch.init_timeout);
+        }
+    }
+
+    /// Wait at barrier `name` for every process (up to `--init-timeout`).
+    pub fn barrier(&self, name: &str) -> Result<()> {
+        let l = &self.launch;
+        Ok(self
+            .store
+            .barrier(name, l.process_id, l.processes, l.init_timeout)?)
+    }
+}
+
+/// The first flag whose value differs, worded `--lr 0.001 there, 0.0002 here`.
+fn difference(mine: &Settings, theirs: &serde_json::Map<String, Value>) -> Option<String> {
+    let none = Value::Null;
+    let keys: std::collections::BTreeSet<&String> = mine.keys().chain(theirs.keys()).collect();
+    keys.into_iter().find_map(|k| {
+        let (a, b) = (theirs.get(k).unwrap_or(&none), mine.get(k).unwrap_or(&none));
+        (a != b).then(|| {
+            let what = match k.as_str() {
+                // Not flags: what the binary and the program dir are.
+                "xtrain-version" => "xtrain".to_string(),
+                "program-sha256" => "the program dir's program, sha256".to_string(),
+                flag => format!("--{flag}"),
+            };
+            format!("{what} {} there, {} here", show(a), show(b))
+        })
+    })
+}
+
+fn show(v: &Value) -> String {
+    match v {
+        Value::Null => "(none)".into(),
+        Value::String(s) if s.is_empty() => "(none)".into(),
+        Value::String(s) => s.clone(),
+        v => v.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::hosts::launch::Coordinator;
+    use serde_json::json;
+    use std::time::Duration;
+
+    fn launch(k: usize, n: usize, port: u16, timeout_ms: u64) -> Launch {
+        Launch {
+            processes: n,
+            process_id: k,
+            coordinator: Some(Coordinator {
+                host: "127.0.0.1".into(),
+                port,
+            }),
+            init_timeout: Duration::from_millis(timeout_ms),
+            run: "t".into(),
+            source: "test".into(),
+        }
+    }
+
+    fn free_port() -> u16 {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+    }
+
+    fn settings(lr: f64) -> Settings {
+        [
+            ("lr".to_string(), json!(lr)),
+            ("mesh".into(), json!("fsdp=2")),
+        ]
+        .into_iter()
+        .collect()
+    }
+
+    #[test]
+    fn processes_with_the_same_settings_agree() {
+        let port = free_port();
+        let zero = join(&launch(0, 2, port, 10_000), |_| {}).unwrap();
+        let one = std::thread::spawn(move || {
+            let p = join(&launch(1, 2, port, 10_000), |_| {}).unwrap();
+            p.agree(&settings(1e-3)).unwrap();
+            p.barrier("end").unwrap();
+            p.leave();
+        });
+        zero.agree(&settings(1e-3)).unwrap();
+        zero.barrier("end").unwrap();
+        zero.leave();
+        one.join().unwrap();
+    }
+
+    #[test]
+    fn other_settings_are_named_by_both() {
+        let port = free_port();
+        let zero = join(&launch(0, 2, port, 10_000), |_| {}).unwrap();
+        let one = std::thread::spawn(move || {
+            let p = join(&launch(1, 2, port, 10_000), |_| {}).unwrap();
+            p.agree(&settings(2e-4)).unwrap_err().to_string()
+        });
+        let here = zero.agree(&settings(1e-3)).unwrap_err().to_string();
+        assert!(
+            here.contains("process 1 (on") && here.contains("--lr 0.0002 there, 0.001 here"),
+            "{here}"
+        );
+        let there = one.join().unwrap();
+        assert!(there.contains("--lr 0.001 there, 0.0002 here"), "{there}");
+    }
+
+    #[test]
+    fn what_is_not_a_flag_is_named_as_what_it_is() {
+        let mine = settings(1e-3);
+        let mut theirs: serde_json::Map<String, Value> = mine.clone().into_iter().collect();
+        theirs.insert("xtrain-version".into(), json!("0.2.0"));
+        let mut mine = mine;
+        mine.insert("xtrain-version".into(), json!("0.1.0"));
+        assert_eq!(
+            difference(&mine, &theirs).unwrap(),
+            "xtrain 0.2.0 there, 0.1.0 here"
+        );
+    }
+
+    #[test]
+    fn a_process_that_never_comes_is_named_after_the_timeout() {
+        let port = free_port();
+        let zero = join(&launch(0, 3, port, 300), |_| {}).unwrap();
+        let e = zero.agree(&settings(1e-3)).unwrap_err().to_string();
+        assert!(
+            e.starts_with("DEADLINE_EXCEEDED: processes 1, 2 of 3"),
+            "{e}"
+        );
+        assert!(e.contains("--init-timeout 0.3 s"), "{e}");
+    }
+}

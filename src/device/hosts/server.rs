@@ -1,0 +1,201 @@
+//! Process 0's side of the run's store: the values, one thread per connection, blocking gets
+//! that wait on a condition variable (many at once), and the sessions: when one closes without
+//! saying goodbye, every other session is told and every waiting get returns.
+
+use crate::device::hosts::wire::{receive, send, Reply, Request, StoreError};
+use std::collections::HashMap;
+use std::io::BufReader;
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+#[derive(Default)]
+struct State {
+    values: HashMap<String, Vec<u8>>,
+    /// Why the run cannot go on (a process left without saying goodbye), once known.
+    lost: Option<String>,
+    /// The open sessions, by process: where news of a lost process is sent.
+    sessions: HashMap<usize, TcpStream>,
+}
+
+struct Shared {
+    state: Mutex<State>,
+    changed: Condvar,
+}
+
+/// Process 0's side: the store's values, served to every process until dropped.
+pub struct StoreServer {
+    port: u16,
+    shared: Arc<Shared>,
+    listener: TcpListener,
+}
+
+impl StoreServer {
+    /// Serve on `port` of every interface (the port the run's `--coordinator` names).
+    pub fn bind(port: u16) -> Result<StoreServer, StoreError> {
+        let listener = TcpListener::bind(("0.0.0.0", port)).map_err(|e| {
+            StoreError::Unavailable(format!(
+                "process 0 cannot serve the run's store on port {port}: {e} (another run or \
+                 program holds it? choose another port in --coordinator HOST:PORT)"
+            ))
+        })?;
+        Self::serve(listener)
+    }
+
+    /// Serve on a listener already bound (tests bind port 0 on loopback).
+    pub fn serve(listener: TcpListener) -> Result<StoreServer, StoreError> {
+        let port = listener
+            .local_addr()
+            .map_err(|e| StoreError::Unavailable(e.to_string()))?
+            .port();
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State::default()),
+            changed: Condvar::new(),
+        });
+        let accepting = listener
+            .try_clone()
+            .map_err(|e| StoreError::Unavailable(e.to_string()))?;
+        let s = shared.clone();
+        std::thread::Builder::new()
+            .name("xtrain-store".into())
+            .spawn(move || {
+                for stream in accepting.incoming() {
+                    let Ok(stream) = stream else { continue };
+                    let s = s.clone();
+                    let _ = std::thread::Builder::new()
+                        .name("xtrain-store-conn".into())
+                        .spawn(move || serve_connection(stream, &s));
+                }
+            })
+            .map_err(|e| StoreError::Unavailable(e.to_string()))?;
+        Ok(StoreServer {
+            port,
+            shared,
+            listener,
+        })
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+}
+
+impl Drop for StoreServer {
+    fn drop(&mut self) {
+        // The accepting thread ends with the process; the sessions close so that peers still
+        // waiting learn that process 0 is gone rather than hang.
+        let _ = &self.listener;
+        if let Ok(state) = self.shared.state.lock() {
+            for s in state.sessions.values() {
+                let _ = s.shutdown(Shutdown::Both);
+            }
+        }
+    }
+}
+
+fn serve_connection(stream: TcpStream, shared: &Shared) {
+    let Ok(mut writer) = stream.try_clone() else {
+        return;
+    };
+    let mut reader = BufReader::new(stream);
+    let mut session: Option<(usize, String)> = None;
+    // Until the connection closes or sends what is not a request.
+    while let Ok(request) = receive::<Request>(&mut reader) {
+        let reply = match request {
+            Request::Put { key, value } => {
+                let mut st = shared.state.lock().unwrap();
+                st.values.insert(key, value);
+                shared.changed.notify_all();
+                Reply::Done
+            }
+            Request::TryGet { key } => {
+                let st = shared.state.lock().unwrap();
+                match (&st.lost, st.values.get(&key)) {
+                    (_, Some(v)) => Reply::Value { value: v.clone() },
+                    (Some(why), None) => Reply::Lost {
+                        message: why.clone(),
+                    },
+                    (None, None) => Reply::NotFound,
+                }
+            }
+            Request::Get { key, timeout_ms } => wait_for(shared, &key, timeout_ms),
+            Request::Join { process, host } => {
+                let mut st = shared.state.lock().unwrap();
+                if let Ok(w) = writer.try_clone() {
+                    st.sessions.insert(process, w);
+                }
+                session = Some((process, host));
+                Reply::Done
+            }
+            Request::Leave => {
+                if let Some((process, _)) = session.take() {
+                    shared.state.lock().unwrap().sessions.remove(&process);
+                    shared.changed.notify_all();
+                }
+                Reply::Done
+            }
+        };
+        if send(&mut writer, &reply).is_err() {
+            break;
+        }
+    }
+    if let Some((process, host)) = session {
+        let message = format!(
+            "process {process} (on {host}) left the run without finishing: it was killed, \
+             crashed or lost its network"
+        );
+        lose(shared, process, message);
+    }
+}
+
+/// Record that the run cannot go on, wake every waiting get, and tell every other session.
+fn lose(shared: &Shared, gone: usize, message: String) {
+    let mut st = shared.state.lock().unwrap();
+    st.sessions.remove(&gone);
+    if st.lost.is_none() {
+        st.lost = Some(message.clone());
+    }
+    let news = Reply::Lost { message };
+    for s in st.sessions.values_mut() {
+        let _ = send(s, &news);
+    }
+    shared.changed.notify_all();
+}
+
+fn wait_for(shared: &Shared, key: &str, timeout_ms: u64) -> Reply {
+    let deadline = Instant::now() + Duration::from_millis(timeout_ms);
+    let mut st = shared.state.lock().unwrap();
+    loop {
+        if let Some(v) = st.values.get(key) {
+            return Reply::Value { value: v.clone() };
+        }
+        if let Some(why) = &st.lost {
+            return Reply::Lost {
+                message: why.clone(),
+            };
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            return Reply::Timeout;
+        }
+        st = shared.changed.wait_timeout(st, deadline - now).unwrap().0;
+    }
+}
+
+impl StoreServer {
+    /// Wait (up to `timeout`) until no session but `own` is open: every other process has left
+    /// or is gone, so that closing the store strands no one.
+    pub fn wait_for_others_to_leave(&self, own: usize, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        let mut st = self.shared.state.lock().unwrap();
+        while st.sessions.keys().any(|p| *p != own) && Instant::now() < deadline {
+            let left = deadline.saturating_duration_since(Instant::now());
+            st = self
+                .shared
+                .changed
+                .wait_timeout(st, left.min(Duration::from_millis(100)))
+                .unwrap()
+                .0;
+        }
+    }
+}

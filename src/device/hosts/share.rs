@@ -1,0 +1,123 @@
+//! Each host's share of a step, from the step's sharding: which devices a host holds, which
+//! rows of a batch they need, and a batch tensor uploaded as separate hosts would upload it
+//! (each host its own rows, each of its devices its box within them). `xtrain train
+//! --virtual-hosts P` (a test mode) splits one process's devices into P such hosts; the frozen
+//! weights are read the same way by `device::trainer`, one reader per host, each asked only for
+//! its own devices' boxes.
+
+use crate::device::runtime::Runtime;
+use crate::program::sharding::shard_box;
+use anyhow::{bail, Result};
+use pjrt::{Buffer, HostTensor};
+
+/// The devices of each of `hosts` hosts over `devices` devices, in order: host `g` holds devices
+/// `g*n .. (g+1)*n` (`n = devices / hosts`), as each host of a slice holds its own chips.
+pub fn device_groups(devices: usize, hosts: usize) -> Result<Vec<Vec<usize>>> {
+    if hosts == 0 || !devices.is_multiple_of(hosts) {
+        bail!(
+            "--virtual-hosts {hosts} must divide the step's {devices} devices (each virtual host \
+             holds the same number)"
+        );
+    }
+    let n = devices / hosts;
+    Ok((0..hosts).map(|g| (g * n..(g + 1) * n).collect()).collect())
+}
+
+/// The rows (dim 0: `start, count`) of a tensor of `dims` that `devices` hold under `sharding`:
+/// the rows one host's loader must produce. Its devices' rows form one range (whole batch rows
+/// are never split across hosts by a contiguous device split of the mesh); where they would not,
+/// the range covering them is taken.
+pub fn rows_held(
+    dims: &[i64],
+    sharding: &hlo::Sharding,
+    mesh: &hlo::Mesh,
+    devices: &[usize],
+) -> (i64, i64) {
+    let boxes = devices.iter().map(|&p| shard_box(dims, sharding, mesh, p));
+    let (lo, hi) = boxes.fold((i64::MAX, i64::MIN), |(lo, hi), (s, z)| {
+        (lo.min(s[0]), hi.max(s[0] + z[0]))
+    });
+    (lo, hi - lo)
+}
+
+/// Upload batch tensor `t` (the whole batch, as every host's loader yields it in the same order)
+/// as the hosts `groups` would: host `g` keeps only the rows its devices hold, and each of its
+/// devices gets its box cut from those rows. The result is one buffer per device, in device
+/// order: every host's argument lists, joined for one execute.
+pub fn upload_by_host(
+    rt: &Runtime,
+    t: &HostTensor,
+    sharding: &hlo::Sharding,
+    mesh: &hlo::Mesh,
+    groups: &[Vec<usize>],
+) -> Result<Vec<Buffer>> {
+    let mut per_device: Vec<Option<Buffer>> =
+        (0..mesh.device_count() as usize).map(|_| None).collect();
+    for devices in groups {
+        let (first, count) = if t.dims.is_empty() {
+            (0, 0)
+        } else {
+            rows_held(&t.dims, sharding, mesh, devices)
+        };
+        // The host's own rows: all it has of this batch.
+        let mine = if t.dims.is_empty() {
+            t.clone()
+        } else {
+            let mut starts = vec![0; t.dims.len()];
+            let mut sizes = t.dims.clone();
+            starts[0] = first;
+            sizes[0] = count;
+            crate::device::shards::slice(t, &starts, &sizes)
+        };
+        for &p in devices {
+            let (mut starts, sizes) = shard_box(&t.dims, sharding, mesh, p);
+            if let Some(s) = starts.first_mut() {
+                *s -= first;
+            }
+            let shard = crate::device::shards::slice(&mine, &starts, &sizes);
+            per_device[p] = Some(rt.upload_to(&shard, p, None)?);
+        }
+    }
+    per_device
+        .into_iter()
+        .enumerate()
+        .map(|(p, b)| match b {
+            Some(b) => Ok(b),
+            None => bail!("device {p} belongs to no virtual host"),
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn devices_split_into_equal_hosts_in_order() {
+        assert_eq!(device_groups(4, 2).unwrap(), vec![vec![0, 1], vec![2, 3]]);
+        let e = device_groups(4, 3).unwrap_err().to_string();
+        assert!(
+            e.contains("--virtual-hosts 3 must divide the step's 4 devices"),
+            "{e}"
+        );
+    }
+
+    fn plan(mesh: &str) -> crate::program::MeshPlan {
+        crate::program::MeshPlan {
+            axes: crate::program::sharding::parse_mesh(mesh).unwrap().axes,
+            rules: Default::default(),
+        }
+    }
+
+    #[test]
+    fn a_host_loads_only_the_rows_its_devices_hold() {
+        let fsdp = plan("fsdp=4");
+        let rows = fsdp.sharding("input_ids", &[8, 16]);
+        assert_eq!(rows_held(&[8, 16], &rows, &fsdp.mesh(), &[0, 1]), (0, 4));
+        assert_eq!(rows_held(&[8, 16], &rows, &fsdp.mesh(), &[2, 3]), (4, 4));
+        // Tensor parallelism replicates the batch over its axis: both hosts need every row.
+        let tensor = plan("tensor=4");
+        let rows = tensor.sharding("input_ids", &[8, 16]);
+        assert_eq!(rows_held(&[8, 16], &rows, &tensor.mesh(), &[2, 3]), (0, 8));
+    }
+}

@@ -1,0 +1,511 @@
+//! The run's key-value store, as PyTorch's TCPStore and JAX's coordination service keep one:
+//! process 0 serves it over TCP ([`crate::device::hosts::server::StoreServer`]), every process (process 0 too, over loopback)
+//! reaches it as a [`Store`]. Operations: `put`, a blocking `get` with a timeout, `try_get`, and
+//! a `barrier`. The GPU plugins exchange their topology and NCCL/RCCL ids through it (handed to
+//! them by `pjrt::KeyValueStore`); xtrain checks that every process runs the same settings
+//! through it, and counts a checkpoint only after every process passed a barrier.
+//!
+//! Transport and framing: std's blocking `TcpStream`, one thread per connection on the server,
+//! and one JSON object per message read with `serde_json`'s stream deserializer (a JSON object
+//! delimits itself, so no length prefix is needed). The store holds tens of connections and a
+//! few kilobytes, so threads cost nothing that matters, and no async runtime (tokio) is built
+//! for it. A blocking `get` waits on the server (a condition variable), so many gets wait at
+//! once: the client takes an idle connection from its pool, or opens another, per call.
+//!
+//! A lost process: each process holds one more connection, its session, open for the whole run.
+//! When a session closes without saying goodbye (the process was killed or crashed) the server
+//! tells every other process, whose [`Store::watch`] callback ends it; when process 0 goes, the
+//! others see their sessions close. Waiting gets return at once with the same message.
+
+use crate::device::hosts::wire::{hostname, receive, secs, send, Reply, Request, StoreError};
+use std::io::BufReader;
+use std::net::{Shutdown, TcpStream, ToSocketAddrs};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// A connection to the store, with its reader.
+struct Connection {
+    writer: TcpStream,
+    reader: BufReader<TcpStream>,
+}
+
+impl Connection {
+    fn open(address: &str, timeout: Duration) -> Result<Connection, StoreError> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let last = match connect_once(address) {
+                Ok(stream) => {
+                    let _ = stream.set_nodelay(true);
+                    let reader = stream
+                        .try_clone()
+                        .map_err(|e| StoreError::Unavailable(e.to_string()))?;
+                    return Ok(Connection {
+                        writer: stream,
+                        reader: BufReader::new(reader),
+                    });
+                }
+                Err(e) => e,
+            };
+            if Instant::now() >= deadline {
+                return Err(StoreError::Unavailable(format!(
+                    "could not reach process 0's store at {address} within {} ({last}): is \
+                     process 0 running, and is --coordinator its host name and a port it can \
+                     open?",
+                    secs(timeout)
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    fn call(&mut self, request: &Request, read_timeout: Option<Duration>) -> Result<Reply, String> {
+        send(&mut self.writer, request).map_err(|e| e.to_string())?;
+        let _ = self.reader.get_ref().set_read_timeout(read_timeout);
+        receive::<Reply>(&mut self.reader).map_err(|e| e.to_string())
+    }
+}
+
+fn connect_once(address: &str) -> Result<TcpStream, String> {
+    let addrs = address.to_socket_addrs().map_err(|e| e.to_string())?;
+    let mut last = String::from("the host name resolves to no address");
+    for a in addrs {
+        match TcpStream::connect_timeout(&a, Duration::from_secs(5)) {
+            Ok(s) => return Ok(s),
+            Err(e) => last = e.to_string(),
+        }
+    }
+    Err(last)
+}
+
+struct Pool {
+    address: String,
+    connect_timeout: Duration,
+    idle: Mutex<Vec<Connection>>,
+}
+
+/// A process's handle on the run's store, its keys under a prefix (`xtrain/RUN/`, and a
+/// scope's own under that: [`Store::scope`]). Cheap to clone; safe to use from many threads.
+#[derive(Clone)]
+pub struct Store {
+    pool: Arc<Pool>,
+    prefix: String,
+}
+
+impl Store {
+    /// Reach the store at `address` (`host:port`), retrying for `connect_timeout` while
+    /// process 0 starts. Keys are put under `xtrain/RUN/`.
+    pub fn connect(
+        address: &str,
+        run: &str,
+        connect_timeout: Duration,
+    ) -> Result<Store, StoreError> {
+        let first = Connection::open(address, connect_timeout)?;
+        Ok(Store {
+            pool: Arc::new(Pool {
+                address: address.to_string(),
+                connect_timeout,
+                idle: Mutex::new(vec![first]),
+            }),
+            prefix: format!("xtrain/{run}/"),
+        })
+    }
+
+    /// The same store with keys under `PREFIX/SCOPE/` (`pjrt/cuda` for a plugin's own keys).
+    pub fn scope(&self, scope: &str) -> Store {
+        Store {
+            pool: self.pool.clone(),
+            prefix: format!("{}{}/", self.prefix, scope.trim_matches('/')),
+        }
+    }
+
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    fn call(&self, request: Request, read_timeout: Option<Duration>) -> Result<Reply, StoreError> {
+        let taken = self.pool.idle.lock().unwrap().pop();
+        let mut conn = match taken {
+            Some(c) => c,
+            None => Connection::open(&self.pool.address, self.pool.connect_timeout)?,
+        };
+        match conn.call(&request, read_timeout) {
+            Ok(Reply::Lost { message }) => Err(StoreError::Lost(message)),
+            Ok(reply) => {
+                self.pool.idle.lock().unwrap().push(conn);
+                Ok(reply)
+            }
+            Err(e) => Err(StoreError::Lost(format!(
+                "process 0 (the coordinator at {}) is gone: the connection to its store was \
+                 lost ({e})",
+                self.pool.address
+            ))),
+        }
+    }
+
+    pub fn put(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
+        let key = format!("{}{key}", self.prefix);
+        self.call(
+            Request::Put {
+                key,
+                value: value.to_vec(),
+            },
+            None,
+        )
+        .map(|_| ())
+    }
+
+    /// The value of `key`, waiting up to `timeout` for some process to put it.
+    pub fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>, StoreError> {
+        let full = format!("{}{key}", self.prefix);
+        let request = Request::Get {
+            key: full.clone(),
+            timeout_ms: timeout.as_millis().min(u64::MAX as u128) as u64,
+        };
+        // The server answers by the deadline; the margin only guards against a server that
+        // stopped answering without closing the connection.
+        match self.call(request, Some(timeout + Duration::from_secs(10)))? {
+            Reply::Value { value } => Ok(value),
+            Reply::Timeout => Err(StoreError::DeadlineExceeded { key: full, timeout }),
+            other => Err(StoreError::Unavailable(format!(
+                "the store answered {other:?} to a get"
+            ))),
+        }
+    }
+
+    /// The value of `key` if some process has put it, without waiting.
+    pub fn try_get(&self, key: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        let key = format!("{}{key}", self.prefix);
+        match self.call(Request::TryGet { key }, None)? {
+            Reply::Value { value } => Ok(Some(value)),
+            Reply::NotFound => Ok(None),
+            other => Err(StoreError::Unavailable(format!(
+                "the store answered {other:?} to a try_get"
+            ))),
+        }
+    }
+
+    /// Wait until all `processes` reached the barrier `name` (each calls it once), for at
+    /// most `timeout`; an error names the processes that did not arrive.
+    pub fn barrier(
+        &self,
+        name: &str,
+        process: usize,
+        processes: usize,
+        timeout: Duration,
+    ) -> Result<(), StoreError> {
+        self.put(&format!("barrier/{name}/{process}"), b"1")?;
+        let deadline = Instant::now() + timeout;
+        for p in 0..processes {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.get(&format!("barrier/{name}/{p}"), left) {
+                Ok(_) => {}
+                Err(StoreError::DeadlineExceeded { .. }) => {
+                    let mut missing = Vec::new();
+                    for q in p..processes {
+                        if self.try_get(&format!("barrier/{name}/{q}"))?.is_none() {
+                            missing.push(q.to_string());
+                        }
+                    }
+                    return Err(StoreError::Lost(format!(
+                        "DEADLINE_EXCEEDED at barrier {name:?}: process{} {} of {processes} did \
+                         not arrive within {}",
+                        if missing.len() == 1 { "" } else { "es" },
+                        missing.join(", "),
+                        secs(timeout)
+                    )));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    /// Open this process's session and watch it: `on_lost` is called once, from a thread of
+    /// its own, with what happened when another process leaves the run without finishing or
+    /// process 0 goes. Dropping the returned [`Session`] leaves the run on purpose.
+    pub fn watch(
+        &self,
+        process: usize,
+        on_lost: impl FnOnce(String) + Send + 'static,
+    ) -> Result<Session, StoreError> {
+        let mut conn = Connection::open(&self.pool.address, self.pool.connect_timeout)?;
+        let host = hostname();
+        match conn.call(&Request::Join { process, host }, None) {
+            Ok(Reply::Done) => {}
+            Ok(other) => {
+                return Err(StoreError::Unavailable(format!(
+                    "the store answered {other:?} to a join"
+                )))
+            }
+            Err(e) => return Err(StoreError::Unavailable(e)),
+        }
+        let writer = conn.writer;
+        let leaving = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let quiet = leaving.clone();
+        let address = self.pool.address.clone();
+        let mut reader = conn.reader;
+        let _ = reader.get_ref().set_read_timeout(None);
+        std::thread::Builder::new()
+            .name("xtrain-session".into())
+            .spawn(move || {
+                let why = match receive::<Reply>(&mut reader) {
+                    Ok(Reply::Lost { message }) => message,
+                    Ok(other) => format!("the store sent {other:?} unasked"),
+                    Err(e) => format!(
+                        "process 0 (the coordinator at {address}) is gone: its store closed the \
+                         connection ({e})"
+                    ),
+                };
+                if !quiet.load(std::sync::atomic::Ordering::SeqCst) {
+                    on_lost(why);
+                }
+            })
+            .map_err(|e| StoreError::Unavailable(e.to_string()))?;
+        Ok(Session { writer, leaving })
+    }
+}
+
+/// This process's membership of the run. [`Session::leave`] leaves on purpose; dropping it
+/// otherwise (an error on the way) closes it as a crash would, so that the other processes are
+/// told rather than left waiting.
+pub struct Session {
+    writer: TcpStream,
+    leaving: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Session {
+    /// Leave the run on purpose: the others are not told of a loss.
+    pub fn leave(mut self) {
+        self.leaving
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        let _ = send(&mut self.writer, &Request::Leave);
+    }
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        // This process's own watcher must not report its own session's close.
+        self.leaving
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        let _ = self.writer.shutdown(Shutdown::Both);
+    }
+}
+
+/// The store as a plugin sees it: its keys under this store's prefix, failures with PJRT's
+/// codes.
+impl pjrt::KeyValueStore for Store {
+    fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>, pjrt::KvError> {
+        Store::get(self, key, timeout).map_err(kv_error)
+    }
+
+    fn try_get(&self, key: &str) -> Result<Option<Vec<u8>>, pjrt::KvError> {
+        Store::try_get(self, key).map_err(kv_error)
+    }
+
+    fn put(&self, key: &str, value: &[u8]) -> Result<(), pjrt::KvError> {
+        Store::put(self, key, value).map_err(kv_error)
+    }
+}
+
+fn kv_error(e: StoreError) -> pjrt::KvError {
+    let code = match &e {
+        StoreError::DeadlineExceeded { .. } => pjrt::KvCode::DeadlineExceeded,
+        StoreError::Lost(_) | StoreError::Unavailable(_) => pjrt::KvCode::Unavailable,
+    };
+    pjrt::KvError {
+        code,
+        message: e.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::hosts::server::StoreServer;
+    use std::net::TcpListener;
+    use std::sync::mpsc;
+
+    fn serve() -> (StoreServer, String) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let server = StoreServer::serve(listener).unwrap();
+        let address = format!("127.0.0.1:{}", server.port());
+        (server, address)
+    }
+
+    fn store(address: &str) -> Store {
+        Store::connect(address, "test", Duration::from_secs(5)).unwrap()
+    }
+
+    #[test]
+    fn put_get_and_try_get_under_the_runs_prefix() {
+        let (_server, address) = serve();
+        let a = store(&address);
+        let b = store(&address);
+        assert_eq!(a.try_get("k").unwrap(), None);
+        a.put("k", &[0, 1, 255]).unwrap();
+        assert_eq!(b.get("k", Duration::from_secs(1)).unwrap(), vec![0, 1, 255]);
+        assert_eq!(b.try_get("k").unwrap(), Some(vec![0, 1, 255]));
+        // A scope's keys are apart from the run's.
+        assert_eq!(a.scope("pjrt/cuda").try_get("k").unwrap(), None);
+        assert_eq!(a.scope("pjrt/cuda").prefix(), "xtrain/test/pjrt/cuda/");
+        let other_run = Store::connect(&address, "other", Duration::from_secs(1)).unwrap();
+        assert_eq!(other_run.try_get("k").unwrap(), None);
+    }
+
+    #[test]
+    fn a_get_times_out_naming_the_key_and_the_timeout() {
+        let (_server, address) = serve();
+        let s = store(&address);
+        let started = Instant::now();
+        let e = s.get("never", Duration::from_millis(300)).unwrap_err();
+        assert!(started.elapsed() >= Duration::from_millis(300));
+        assert!(started.elapsed() < Duration::from_secs(5));
+        assert_eq!(
+            e,
+            StoreError::DeadlineExceeded {
+                key: "xtrain/test/never".into(),
+                timeout: Duration::from_millis(300)
+            }
+        );
+        let text = e.to_string();
+        assert!(
+            text.starts_with("DEADLINE_EXCEEDED") && text.contains("0.3 s"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn many_gets_wait_at_once_and_all_see_the_put() {
+        let (_server, address) = serve();
+        let s = store(&address);
+        let (tx, rx) = mpsc::channel();
+        for i in 0..8 {
+            let s = s.clone();
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                tx.send((i, s.get("later", Duration::from_secs(10))))
+                    .unwrap();
+            });
+        }
+        std::thread::sleep(Duration::from_millis(200));
+        s.put("later", b"v").unwrap();
+        for _ in 0..8 {
+            let (_, got) = rx.recv_timeout(Duration::from_secs(10)).unwrap();
+            assert_eq!(got.unwrap(), b"v");
+        }
+    }
+
+    #[test]
+    fn a_barrier_waits_for_all_and_names_who_is_missing() {
+        let (_server, address) = serve();
+        let stores: Vec<Store> = (0..3).map(|_| store(&address)).collect();
+        let handles: Vec<_> = stores
+            .iter()
+            .enumerate()
+            .map(|(p, s)| {
+                let s = s.clone();
+                std::thread::spawn(move || s.barrier("b1", p, 3, Duration::from_secs(10)))
+            })
+            .collect();
+        for h in handles {
+            h.join().unwrap().unwrap();
+        }
+        let e = stores[0]
+            .barrier("b2", 0, 3, Duration::from_millis(200))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("DEADLINE_EXCEEDED") && e.contains("processes 1, 2 of 3"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_process_that_leaves_without_finishing_ends_the_others_waits() {
+        let (_server, address) = serve();
+        let watcher = store(&address);
+        let (tx, rx) = mpsc::channel();
+        let _mine = watcher.watch(0, move |why| tx.send(why).unwrap()).unwrap();
+        // Process 1 joins, then its connection drops as a killed process's would.
+        let mut peer = Connection::open(&address, Duration::from_secs(5)).unwrap();
+        let reply = peer.call(
+            &Request::Join {
+                process: 1,
+                host: "peer".into(),
+            },
+            None,
+        );
+        assert!(matches!(reply, Ok(Reply::Done)));
+        let waiting = {
+            let s = watcher.clone();
+            std::thread::spawn(move || s.get("never", Duration::from_secs(30)))
+        };
+        std::thread::sleep(Duration::from_millis(100));
+        drop(peer);
+        let why = rx.recv_timeout(Duration::from_secs(5)).unwrap();
+        assert!(why.contains("process 1 (on peer) left the run"), "{why}");
+        let e = waiting.join().unwrap().unwrap_err();
+        assert!(
+            matches!(&e, StoreError::Lost(m) if m.contains("process 1")),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_session_dropped_on_purpose_is_no_loss() {
+        let (_server, address) = serve();
+        let s = store(&address);
+        let (tx, rx) = mpsc::channel::<String>();
+        let tx2 = tx.clone();
+        let _watch = s.watch(0, move |why| tx.send(why).unwrap()).unwrap();
+        let done = s.watch(1, move |why| tx2.send(why).unwrap()).unwrap();
+        done.leave();
+        assert!(rx.recv_timeout(Duration::from_millis(500)).is_err());
+        s.put("still", b"up").unwrap();
+    }
+
+    #[test]
+    fn the_store_answers_a_plugin_with_pjrt_codes() {
+        use pjrt::KeyValueStore;
+        let (_server, address) = serve();
+        let s = store(&address).scope("pjrt/cuda");
+        KeyValueStore::put(&s, "id", b"x").unwrap();
+        assert_eq!(
+            KeyValueStore::try_get(&s, "id").unwrap(),
+            Some(b"x".to_vec())
+        );
+        let e = KeyValueStore::get(&s, "none", Duration::from_millis(50)).unwrap_err();
+        assert_eq!(e.code, pjrt::KvCode::DeadlineExceeded);
+        assert!(
+            e.message.contains("xtrain/test/pjrt/cuda/none"),
+            "{}",
+            e.message
+        );
+    }
+
+    #[test]
+    fn losing_process_0_is_seen_by_the_others() {
+        let (server, address) = serve();
+        let s = store(&address);
+        let (tx, rx) = mpsc::channel();
+        let _watch = s.watch(1, move |why| tx.send(why).unwrap()).unwrap();
+        drop(server);
+        let why = rx.recv_timeout(Duration::from_secs(5)).unwrap();
+        assert!(why.contains("process 0 (the coordinator at"), "{why}");
+    }
+
+    #[test]
+    fn an_absent_coordinator_is_named_after_the_timeout() {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let address = format!("127.0.0.1:{port}");
+        let e = match Store::connect(&address, "t", Duration::from_millis(300)) {
+            Err(e) => e.to_string(),
+            Ok(_) => panic!("connected to nothing"),
+        };
+        assert!(e.contains(&address) && e.contains("0.3 s"), "{e}");
+    }
+}

@@ -1,0 +1,440 @@
+//! Runs of several processes on loopback, each a real `xtrain train` as a launcher starts it:
+//! they meet through process 0's store, refuse a process started with other settings (before
+//! any plugin is opened), end when a process is missing or killed (within `--init-timeout`,
+//! naming it), and on the CPU plugin refuse to run a step across processes once they have met.
+
+mod common;
+use common::*;
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// One process of a run, its stderr collected as it comes.
+struct Process {
+    child: Child,
+    stderr: Arc<Mutex<String>>,
+}
+
+impl Process {
+    fn said(&self) -> String {
+        self.stderr.lock().unwrap().clone()
+    }
+
+    /// Wait (up to `limit`) until its stderr holds `text`.
+    fn wait_to_say(&self, text: &str, limit: Duration) {
+        let start = Instant::now();
+        while !self.said().contains(text) {
+            assert!(
+                start.elapsed() < limit,
+                "no {text:?} within {limit:?}:\n{}",
+                self.said()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Wait for it to end (at most `limit`, else it is killed and the test fails); the exit
+    /// status's success, what it said, and how long it took.
+    fn end(mut self, limit: Duration) -> (bool, String, Duration) {
+        let start = Instant::now();
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                // Let the reader thread take the last lines.
+                std::thread::sleep(Duration::from_millis(100));
+                return (status.success(), self.said(), start.elapsed());
+            }
+            if start.elapsed() > limit {
+                let _ = self.child.kill();
+                panic!("still running after {limit:?}:\n{}", self.said());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+/// Start process `id` of `count` with the tiny model's pre-tokenized batch; `extra` flags are
+/// added, `env` variables set.
+fn start(
+    out: &std::path::Path,
+    port: u16,
+    flags: &[&str],
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> Process {
+    let f = fixtures();
+    let mut c = train_cmd(&f.join("model"), &f.join("inputs.safetensors"), out);
+    c.args([
+        "--lora-r",
+        "8",
+        "--lora-alpha",
+        "16",
+        "--steps",
+        "1",
+        "--plugin",
+        "cpu",
+    ])
+    .args(["--coordinator", &format!("127.0.0.1:{port}")])
+    .args(flags)
+    .args(extra)
+    .stdout(Stdio::null())
+    .stderr(Stdio::piped());
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    let mut child = c.spawn().unwrap();
+    let pipe = child.stderr.take().unwrap();
+    let stderr = Arc::new(Mutex::new(String::new()));
+    let sink = stderr.clone();
+    std::thread::spawn(move || {
+        for line in BufReader::new(pipe).lines().map_while(Result::ok) {
+            let mut s = sink.lock().unwrap();
+            s.push_str(&line);
+            s.push('\n');
+        }
+    });
+    Process { child, stderr }
+}
+
+fn placed(id: usize, count: usize, timeout: u64) -> Vec<String> {
+    vec![
+        "--num-processes".into(),
+        count.to_string(),
+        "--process-id".into(),
+        id.to_string(),
+        "--init-timeout".into(),
+        timeout.to_string(),
+    ]
+}
+
+#[test]
+fn processes_meet_and_the_cpu_plugin_refuses_to_run_a_step_across_them() {
+    let dir = tempdir("hosts-meet");
+    let port = free_port();
+    // Process 1 is placed by torchrun's variables and starts first: it waits for process 0.
+    let one = start(
+        &dir.join("out"),
+        port,
+        &["--init-timeout", "60"],
+        &[],
+        &[
+            ("RANK", "1"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", &port.to_string()),
+        ],
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    let zero = start(&dir.join("out"), port, &refs(&placed(0, 2, 60)), &[], &[]);
+    for (p, k) in [(zero, 0), (one, 1)] {
+        let (ok, said, took) = p.end(Duration::from_secs(60));
+        assert!(!ok, "process {k} succeeded:\n{said}");
+        assert!(
+            said.contains(&format!(
+                "process {k} of 2 joined the run at 127.0.0.1:{port}"
+            )),
+            "{said}"
+        );
+        assert!(
+            said.contains("all 2 processes run the same settings"),
+            "{said}"
+        );
+        assert!(
+            said.contains("error: the CPU plugin cannot run a step across processes"),
+            "{said}"
+        );
+        assert!(
+            !said.contains("left the run") && !said.contains("panicked"),
+            "{said}"
+        );
+        assert!(took < Duration::from_secs(30), "{took:?}");
+    }
+    assert!(
+        !dir.join("out").exists(),
+        "nothing is written before the processes can train"
+    );
+}
+
+#[test]
+fn a_process_started_with_other_settings_is_refused_by_every_process() {
+    let dir = tempdir("hosts-mismatch");
+    let port = free_port();
+    let zero = start(&dir.join("out"), port, &refs(&placed(0, 2, 60)), &[], &[]);
+    let one = start(
+        &dir.join("out"),
+        port,
+        &refs(&placed(1, 2, 60)),
+        &["--lr", "0.001"],
+        &[],
+    );
+    let (ok0, said0, _) = zero.end(Duration::from_secs(60));
+    let (ok1, said1, _) = one.end(Duration::from_secs(60));
+    assert!(!ok0 && !ok1);
+    assert!(
+        said0.contains("process 1 (on") && said0.contains("--lr 0.001 there, 0.0002 here"),
+        "{said0}"
+    );
+    assert!(said1.contains("--lr 0.0002 there, 0.001 here"), "{said1}");
+    for said in [said0, said1] {
+        // Refused before any plugin is opened.
+        assert!(
+            !said.contains("CPU plugin") && !said.contains("client"),
+            "{said}"
+        );
+    }
+}
+
+#[test]
+fn a_process_that_never_comes_ends_the_others_within_the_init_timeout() {
+    let dir = tempdir("hosts-missing");
+    let port = free_port();
+    let zero = start(&dir.join("out"), port, &refs(&placed(0, 2, 3)), &[], &[]);
+    let (ok, said, took) = zero.end(Duration::from_secs(30));
+    assert!(!ok);
+    assert!(
+        said.contains("error: DEADLINE_EXCEEDED: process 1 of 2 did not join the run")
+            && said.contains("--init-timeout 3 s"),
+        "{said}"
+    );
+    assert!(took < Duration::from_secs(3 + 10), "{took:?}");
+}
+
+#[test]
+fn a_killed_process_ends_every_other_process() {
+    let dir = tempdir("hosts-killed");
+    let port = free_port();
+    // Three processes, of which two start: both wait for the third (a long timeout) when
+    // process 1 is killed.
+    let zero = start(&dir.join("out"), port, &refs(&placed(0, 3, 120)), &[], &[]);
+    let mut one = start(&dir.join("out"), port, &refs(&placed(1, 3, 120)), &[], &[]);
+    one.wait_to_say("joined the run", Duration::from_secs(30));
+    zero.wait_to_say("joined the run", Duration::from_secs(30));
+    one.child.kill().unwrap();
+    let _ = one.child.wait();
+    let (ok, said, took) = zero.end(Duration::from_secs(30));
+    assert!(!ok);
+    assert!(
+        said.contains("process 1 (on") && said.contains("left the run without finishing"),
+        "{said}"
+    );
+    assert!(said.contains("Ending process 0 of 3 too"), "{said}");
+    assert!(took < Duration::from_secs(10), "{took:?}");
+}
+
+#[test]
+fn a_killed_coordinator_ends_every_other_process() {
+    let dir = tempdir("hosts-killed-zero");
+    let port = free_port();
+    let mut zero = start(&dir.join("out"), port, &refs(&placed(0, 3, 120)), &[], &[]);
+    let one = start(&dir.join("out"), port, &refs(&placed(1, 3, 120)), &[], &[]);
+    one.wait_to_say("joined the run", Duration::from_secs(30));
+    zero.child.kill().unwrap();
+    let _ = zero.child.wait();
+    let (ok, said, took) = one.end(Duration::from_secs(30));
+    assert!(!ok);
+    assert!(
+        said.contains("process 0 (the coordinator at 127.0.0.1:"),
+        "{said}"
+    );
+    assert!(took < Duration::from_secs(10), "{took:?}");
+}
+
+#[test]
+fn inconsistent_launch_values_are_refused_before_anything_starts() {
+    let f = fixtures();
+    let dir = tempdir("hosts-flags");
+    let base = [
+        "train",
+        "--model",
+        f.join("model").to_str().unwrap(),
+        "--data",
+        f.join("inputs.safetensors").to_str().unwrap(),
+        "--out",
+        dir.join("out").to_str().unwrap(),
+    ]
+    .map(String::from)
+    .to_vec();
+    for (extra, want) in [
+        (
+            vec![
+                "--num-processes",
+                "2",
+                "--process-id",
+                "2",
+                "--coordinator",
+                "h:1",
+            ],
+            "must be less than the number of processes 2",
+        ),
+        (
+            vec![
+                "--num-processes",
+                "2",
+                "--process-id",
+                "0",
+                "--coordinator",
+                "h:70000",
+            ],
+            "from 1 to 65535",
+        ),
+        (
+            vec!["--num-processes", "2", "--process-id", "0"],
+            "needs the address of process 0",
+        ),
+    ] {
+        let mut args = base.clone();
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let e = fails(&refs(&args));
+        assert!(e.contains(want), "{extra:?}: {e}");
+    }
+}
+
+/// A program dir is run by every process of the run: they agree on its program (by hash) and
+/// meet; the CPU plugin then refuses as for a step built here.
+#[test]
+fn processes_running_a_program_dir_meet_over_its_program() {
+    let f = fixtures();
+    let dir = tempdir("hosts-program");
+    let prog = dir.join("prog");
+    let o = xtrain(&[
+        "compile",
+        "--model",
+        f.join("model").to_str().unwrap(),
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--lora-r",
+        "8",
+        "--lora-alpha",
+        "16",
+        "--mesh",
+        "fsdp=2",
+        "--out",
+        prog.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let port = free_port();
+    let program = ["--program", prog.to_str().unwrap()];
+    let zero = start(
+        &dir.join("out"),
+        port,
+        &refs(&placed(0, 2, 60)),
+        &program,
+        &[],
+    );
+    let one = start(
+        &dir.join("out"),
+        port,
+        &refs(&placed(1, 2, 60)),
+        &program,
+        &[],
+    );
+    for p in [zero, one] {
+        let (ok, said, _) = p.end(Duration::from_secs(60));
+        assert!(!ok);
+        assert!(
+            said.contains("all 2 processes run the same settings"),
+            "{said}"
+        );
+        assert!(
+            said.contains("the CPU plugin cannot run a step across processes"),
+            "{said}"
+        );
+    }
+}
+
+/// One run of the tiny model on the CPU (2 steps, a fixed seed); its stderr, losses and final
+/// adapter bytes.
+fn tiny_run(out: &std::path::Path, flags: &[&str]) -> (String, Vec<f64>, Vec<u8>) {
+    let f = fixtures();
+    let o = train_cmd(&f.join("model"), &f.join("inputs.safetensors"), out)
+        .args([
+            "--lora-r",
+            "8",
+            "--lora-alpha",
+            "16",
+            "--steps",
+            "2",
+            "--lr",
+            "1e-3",
+        ])
+        .args(["--log-every", "1", "--no-plot"])
+        .args(flags)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr).to_string();
+    assert!(o.status.success(), "{flags:?}:\n{err}");
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let losses = metrics
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|v| v["loss"].as_f64())
+        .collect();
+    let adapter = std::fs::read(out.join("adapter/adapter_model.safetensors")).unwrap();
+    (err, losses, adapter)
+}
+
+/// `--virtual-hosts 2`: the devices split into two hosts, each reading only its own weight
+/// slices and batch rows, gives the one-host run bit for bit, on fsdp, tensor, mixed and context
+/// meshes (the tiny model's batch of 2 rows; on `context=2` each host takes every row and its
+/// half of the sequence).
+#[test]
+fn virtual_hosts_equal_the_one_host_run_bit_for_bit() {
+    let dir = tempdir("hosts-virtual");
+    for mesh in [
+        "fsdp=2",
+        "tensor=2",
+        "fsdp=2,tensor=2",
+        "fsdp=4",
+        "context=2",
+    ] {
+        let name = mesh.replace([',', '='], "-");
+        let (_, one_losses, one_adapter) =
+            tiny_run(&dir.join(format!("one-{name}")), &["--mesh", mesh]);
+        let (err, losses, adapter) = tiny_run(
+            &dir.join(format!("two-{name}")),
+            &["--mesh", mesh, "--virtual-hosts", "2"],
+        );
+        assert_eq!(losses.len(), 2, "{err}");
+        assert_eq!(losses, one_losses, "--mesh {mesh}");
+        assert!(adapter == one_adapter, "--mesh {mesh}: the adapters differ");
+        assert!(err.contains("virtual host 1 of 2"), "{err}");
+    }
+}
+
+/// Each virtual host reads only the frozen weights its devices hold: on `fsdp=4` over two hosts,
+/// half each (2026-12-04: 279168 of 558336 bytes each; a weight every device held whole would be
+/// read by both, hence the range).
+#[test]
+fn each_virtual_host_reads_about_its_share_of_the_frozen_weights() {
+    let dir = tempdir("hosts-virtual-bytes");
+    let (err, _, _) = tiny_run(
+        &dir.join("run"),
+        &["--mesh", "fsdp=4", "--virtual-hosts", "2"],
+    );
+    let mut reads = Vec::new();
+    let mut total = 0u64;
+    for line in err.lines().filter(|l| l.contains("virtual host")) {
+        // "virtual host G of 2 (devices A-B) read N of the T bytes of frozen weights"
+        let words: Vec<&str> = line.split_whitespace().collect();
+        let at = words.iter().position(|w| *w == "read").unwrap();
+        reads.push(words[at + 1].parse::<u64>().unwrap());
+        total = words[at + 4].parse().unwrap();
+    }
+    assert_eq!(reads.len(), 2, "{err}");
+    eprintln!("bytes of frozen weights read per virtual host: {reads:?} of {total}");
+    for r in &reads {
+        let share = *r as f64 / total as f64;
+        assert!((0.5..0.6).contains(&share), "{reads:?} of {total}: {share}");
+    }
+    assert!(reads.iter().sum::<u64>() >= total);
+}
