@@ -845,6 +845,7 @@ mod tests {
             sharding_rules: None,
             taken_from: Default::default(),
             kernels: Vec::new(),
+            launch: Default::default(),
         }
     }
 
