@@ -373,6 +373,11 @@ fn a_run_with_dropout_resumed_onto_a_context_mesh_continues_exactly() {
     resumed.set_state(&lora, &moments).unwrap();
     resumed.step = 1;
     let (loss, norm) = resumed.step(&batch, 1e-3).unwrap();
-    let got = (vec![one.0[0], loss], vec![one.1[0], norm], weights(&resumed), 0);
+    let got = (
+        vec![one.0[0], loss],
+        vec![one.1[0], norm],
+        weights(&resumed),
+        0,
+    );
     assert_within("resumed onto context=2", &got, &one, DROPOUT_TOL);
 }

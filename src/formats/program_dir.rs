@@ -297,7 +297,7 @@ pub fn write_build(
 /// A program dir's builds (none when `xtrain compile` ran without `--check`), checked against
 /// its manifest when their executables are read ([`read_executable`]).
 pub fn read_builds(dir: &Path) -> Result<Vec<Build>> {
-    Ok(read_manifest(dir)?.builds)
+    Ok(read_manifest(dir, None)?.builds)
 }
 
 /// The executable of `build`, one of the program dir `dir`'s, if its bytes match the manifest.
@@ -323,7 +323,9 @@ pub fn read_executable(dir: &Path, build: &Build) -> Result<Vec<u8>> {
     Ok(bytes)
 }
 
-fn read_manifest(dir: &Path) -> Result<Manifest> {
+/// The manifest of program dir `dir`, checked; `model` (the run's `--model`, when known) goes
+/// into the advice to compile it again.
+fn read_manifest(dir: &Path, model: Option<&Path>) -> Result<Manifest> {
     let mpath = dir.join("manifest.json");
     let text = std::fs::read_to_string(&mpath).with_context(|| {
         format!(
@@ -347,9 +349,11 @@ fn read_manifest(dir: &Path) -> Result<Manifest> {
         bail!(
             "{} was edited after `xtrain compile` wrote it: its settings (spec, arguments, \
              results) hash to {want}, but it says {}; the program was built from the settings \
-             as they were. Compile again with the settings you want (`xtrain compile --out {}`)",
+             as they were. Compile again with the settings you want: `xtrain compile --model \
+             {} --out {} --overwrite` and their flags",
             mpath.display(),
             m.settings_sha256,
+            model.map_or("MODEL".into(), crate::formats::shell::path),
             crate::formats::shell::path(dir)
         );
     }
@@ -363,7 +367,7 @@ pub fn read_dir_for_model(
     cfg: &LlamaConfig,
     model: &Path,
 ) -> Result<(Program, StepSpec)> {
-    let (program, spec) = read_dir(dir)?;
+    let (program, spec) = read_dir_of(dir, Some(model))?;
     if &spec.model != cfg {
         bail!(
             "program dir {} was built for another model (its config differs from {})",
@@ -376,7 +380,12 @@ pub fn read_dir_for_model(
 
 /// Read a program directory, checking the program text against the manifest's hash.
 pub fn read_dir(dir: &Path) -> Result<(Program, StepSpec)> {
-    let m = read_manifest(dir)?;
+    read_dir_of(dir, None)
+}
+
+/// [`read_dir`] for a run of `model` (named in the advice when the manifest was edited).
+fn read_dir_of(dir: &Path, model: Option<&Path>) -> Result<(Program, StepSpec)> {
+    let m = read_manifest(dir, model)?;
     let ppath = dir.join("train_step.mlir");
     let program = std::fs::read_to_string(&ppath)
         .with_context(|| format!("cannot read {}", ppath.display()))?;

@@ -77,14 +77,7 @@ impl Key {
 
 /// Whether dropout keeps element `feature` of the input of `target` at `row` (of the pass, as
 /// the layers see it) and natural position `position`: the host's form of what [`apply`] builds.
-pub fn keeps(
-    key: Key,
-    p: f64,
-    target: Target,
-    row: u64,
-    position: u64,
-    feature: u64,
-) -> bool {
+pub fn keeps(key: Key, p: f64, target: Target, row: u64, position: u64, feature: u64) -> bool {
     let words = [
         key.seed as u32,
         (key.seed >> 32) as u32,
@@ -288,8 +281,8 @@ mod tests {
             ("row", mask(Key::new(42, 7, 2, 0), Target::Q, 1)),
             ("first row", mask(Key::new(42, 7, 2, 1), Target::Q, 0)),
         ] {
-            let same = base.iter().zip(&other).filter(|(a, b)| a == b).count() as f64
-                / base.len() as f64;
+            let same =
+                base.iter().zip(&other).filter(|(a, b)| a == b).count() as f64 / base.len() as f64;
             assert!((same - 0.58).abs() < 0.02, "{what}: agree on {same}");
         }
         assert_eq!(threshold(0.0), 0);

@@ -68,6 +68,9 @@ pub(super) fn compile_and_upload(
             Some(k) => loading.inc(frozen.get(k).map_or(0, |(_, b)| *b)),
         })
     };
+    if opts.verbose {
+        eprintln!("xtrain: compiling the step (Ctrl-C abandons the compile)");
+    }
     let trainer = Trainer::new(
         rt,
         spec,
