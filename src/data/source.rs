@@ -75,12 +75,12 @@ pub struct TrainingData {
 pub fn load(opts: &DataOptions, model_dir: &Path, cfg: &LlamaConfig) -> Result<TrainingData> {
     if opts.is_batch_file() {
         let (batch, notes) = Batch::read(&opts.path)?;
-        for n in notes {
-            eprintln!("xtrain: note: {n}");
-        }
         batch
             .check_vocab(cfg.vocab_size)
             .map_err(|e| anyhow::anyhow!("{}: {e}", opts.path.display()))?;
+        for n in notes {
+            eprintln!("xtrain: note: {n}");
+        }
         let (rows, seq) = batch.dims();
         if opts.eval_fraction > 0.0 {
             bail!("--eval-fraction holds out JSONL examples; {} is one pre-tokenized batch (evaluate with --eval-data FILE.jsonl)", opts.path.display());

@@ -498,7 +498,7 @@ fn a_packed_batch_with_labels_at_document_starts_and_padding_trains_as_with_minu
     );
     assert!(
         said.contains(
-            "xtrain: note: careless.safetensors: 5 of its 30 labels after a row's first position \
+            "careless.safetensors: 5 of its 30 labels after a row's first position \
              are at a document's first token or on padding (by `attention_mask`): they carry no \
              loss"
         ),
@@ -549,6 +549,88 @@ fn a_batch_without_an_attention_mask_is_said_to_be_taken_as_all_ones() {
              one document per row)"
         ),
         "{said}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Float labels (a `labels` tensor saved as F32) are refused in safetensors' words, not XLA's
+/// ("cannot convert F32 to S32").
+#[test]
+fn float_labels_are_refused_naming_the_file_and_the_type_in_safetensors_words() {
+    let dir = tempdir("rel-float-labels");
+    let mut t = all_tensors(&fixtures().join("inputs.safetensors"));
+    let ids = t["input_ids"].to_i64().unwrap();
+    let floats: Vec<f32> = ids.iter().map(|&x| x as f32).collect();
+    t.insert(
+        "labels".into(),
+        pjrt::HostTensor::from_f32(&floats, &[2, 16]),
+    );
+    let data = dir.join("float.safetensors");
+    xtrain::formats::safetensors::write(&data, &t, &Default::default()).unwrap();
+    let mut a = train_on(&fixtures().join("model"), &dir.join("out"), &[]);
+    a[4] = data.to_str().unwrap().into();
+    let e = fails(&refs(&a));
+    assert!(
+        e.contains(
+            "float.safetensors: `labels` holds F32 values, but token ids, labels and attention \
+             masks are whole numbers: save it as I64 (torch.long) or I32"
+        ) && !e.contains("S32"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A length that comes from a pre-tokenized batch, with no `--seq` given, is named as the
+/// batch's, not as `--seq 16`: in the context split's refusal and in the evaluation data's
+/// report.
+#[test]
+fn a_batchs_length_is_not_called_seq_when_no_seq_was_given() {
+    let dir = tempdir("rel-batch-length");
+    let ids: Vec<i64> = (0..40).map(|i| (i * 7 + 3) % 500).collect();
+    let b20 = dir.join("b20.safetensors");
+    let t = [
+        (
+            "input_ids".to_string(),
+            pjrt::HostTensor::from_i64(&ids, &[2, 20]),
+        ),
+        (
+            "attention_mask".to_string(),
+            pjrt::HostTensor::from_i64(&[1; 40], &[2, 20]),
+        ),
+    ];
+    xtrain::formats::safetensors::write(&b20, &t.into(), &Default::default()).unwrap();
+    let mut a = train_on(&fixtures().join("model"), &dir.join("out"), &[]);
+    a[4] = b20.to_str().unwrap().into();
+    a.extend(["--mesh", "context=4", "--key-block", "2"].map(String::from));
+    let e = fails(&refs(&a));
+    assert!(
+        e.contains("the batch's length 20 (b20.safetensors is 2x20: a pre-tokenized batch sets the length) must be a multiple of 8")
+            && !e.contains("--seq 20"),
+        "{e}"
+    );
+    let model = tiny_text_model(&dir);
+    let eval = dir.join("eval.jsonl");
+    let long = "x".repeat(40);
+    std::fs::write(
+        &eval,
+        format!("{{\"instruction\": \"{long}\", \"output\": \"ok\"}}\n{{\"instruction\": \"a\", \"output\": \"b\"}}\n"),
+    )
+    .unwrap();
+    let mut a = train_on(
+        &model,
+        &dir.join("out2"),
+        &["--eval-data", eval.to_str().unwrap()],
+    );
+    a[4] = fixtures()
+        .join("inputs.safetensors")
+        .to_str()
+        .unwrap()
+        .into();
+    let err = stderr_of(&xtrain(&refs(&a)));
+    assert!(
+        err.contains("within the 16 tokens of inputs.safetensors's rows")
+            && !err.contains("--seq 16"),
+        "{err}"
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
