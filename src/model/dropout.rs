@@ -16,9 +16,9 @@
 //! (once per token), then, per element, the token's hash xor the feature's. An element is kept
 //! when its 32-bit hash is at least `p x 2^32`.
 //!
-//! [`Key`] is the layer's key as the program carries it: `tensor<3xui64>` = (seed, (step << 20)
-//! + layer, the batch row of the first row this pass sees). [`keeps`] is the same function on
-//! the host, which the unit test holds the program to.
+//! [`Key`] is the layer's key as the program carries it: `tensor<3xui64>` holding the seed,
+//! `(step << 20) + layer` and the batch row of the first row this pass sees. [`keeps`] is the
+//! same function on the host, which the unit test holds the program to.
 
 use crate::model::lora::Target;
 use hlo::{Builder, CmpDir, DType, Result, Shape, Value};
