@@ -521,3 +521,58 @@ fn the_step_computes_no_gradient_of_a_frozen_weight() {
     let backward = 2 * (7 + 28 + 4) - 6 + 1;
     assert_eq!(dots, forward + backward, "dot_general count");
 }
+
+/// A kernel in place of the attention composites (`--kernel every-key`: every key at once in
+/// plain StableHLO, instead of the nested key-block loops) gives the oracle's loss and every
+/// LoRA gradient, with the tolerances of the key-block rows above; the program's text keeps its
+/// loops, and only the compiled text holds the kernel.
+#[test]
+fn a_kernel_in_place_of_the_attention_composites_matches_the_oracle() {
+    let init = adapter("adapter_init");
+    let lo = read("lora_outputs.safetensors");
+    let kernels = xtrain::device::kernels::chosen(&["every-key".to_string()], "cpu").unwrap();
+    for (remat, keys) in [(Remat::Layer, 5), (Remat::SaveProj, 4)] {
+        let mut sp = spec_with("model", remat);
+        sp.key_block = Some(keys);
+        let program = program::build_grad_program(&sp).unwrap();
+        let (text, used) = xtrain::device::kernels::replace(&program.text, &kernels).unwrap();
+        let names: Vec<String> = used.iter().map(|u| u.to_string()).collect();
+        assert_eq!(
+            names,
+            [
+                "xtrain.attention v1 -> every-key",
+                "xtrain.attention_grad v1 -> every-key"
+            ]
+        );
+        assert!(program.text.contains("stablehlo.while") && text.len() != program.text.len());
+        let replaced = Program { text, ..program };
+        let out = execute(
+            &replaced,
+            &inputs(&replaced, "model", &init, &BTreeMap::new()),
+        );
+        let loss = out["loss"].scalar_f32().unwrap();
+        assert!(
+            (loss - 6.63896).abs() <= 1e-5,
+            "{remat:?} {keys}: loss {loss}"
+        );
+        let mut checked = 0;
+        for (name, t) in out.iter().filter(|(n, _)| n.starts_with("grad.")) {
+            let got = f32s(t);
+            let want = f32s(&lo.read(name).unwrap());
+            let diff: f32 = got
+                .iter()
+                .zip(&want)
+                .map(|(a, b)| (a - b) * (a - b))
+                .sum::<f32>()
+                .sqrt();
+            let norm: f32 = want.iter().map(|b| b * b).sum::<f32>().sqrt();
+            assert!(
+                diff / norm <= 1e-4,
+                "{remat:?} {keys} {name}: relative error {} (tolerance 1e-4)",
+                diff / norm
+            );
+            checked += 1;
+        }
+        assert_eq!(checked, 28);
+    }
+}

@@ -185,6 +185,20 @@ fn meshes_match_one_device() {
     }
 }
 
+/// Attention over key/value blocks on a mesh without a context axis (its composites partitioned
+/// by XLA, batch over fsdp and heads over tensor) computes what one device computes with every
+/// key at once, to 1e-5.
+#[test]
+fn key_blocks_on_a_batch_and_head_mesh_compute_what_one_device_does() {
+    let batch = packed_batch();
+    let one = run_on(spec(None, Remat::Layer), &batch);
+    let s = StepSpec {
+        key_block: Some(4),
+        ..spec(Some("fsdp=2,tensor=2"), Remat::SaveProj)
+    };
+    assert_matches_one_device("fsdp=2,tensor=2 --key-block 4", &run_on(s, &batch), &one);
+}
+
 /// The sequence split over a context axis (rows in the two-chunk balanced layout, keys and
 /// values gathered, attention over key/value blocks) computes what one device computes with
 /// every key at once: two steps on packed rows with padding, to 1e-5 (a few f32 roundings of

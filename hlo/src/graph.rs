@@ -324,6 +324,42 @@ pub enum Op {
     /// autodiff gives the inputs their cotangents by the rule instead of through the nodes that
     /// computed the outputs. Printed as nothing: its outputs are the computation's.
     CustomVjp(u32),
+    /// A named op with a decomposition of its own (`stablehlo.composite`): a compiler inlines
+    /// the decomposition unless it has an implementation of that name and version to put in its
+    /// place. Autodiff never enters it (wrap it in a custom vjp).
+    Composite(Box<Composite>),
+    /// A computation written per device (`sdy.manual_computation` over every mesh axis): its
+    /// body sees each device's shard of the operands, as the in-shardings cut them, and its
+    /// results are put together by the out-shardings. Autodiff never enters it.
+    ManualComputation(Box<ManualComputation>),
+}
+
+/// A composite attribute's value.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Attr {
+    Int(i64),
+    Float(f64),
+    Str(String),
+}
+
+/// What [`Op::Composite`] holds: its name and version (what an implementation is looked up
+/// by), its attributes, and the function it stands for.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Composite {
+    pub name: String,
+    pub version: i32,
+    pub attributes: Vec<(String, Attr)>,
+    pub decomposition: Func,
+}
+
+/// What [`Op::ManualComputation`] holds: how each operand and result is cut over the mesh, the
+/// mesh's axes (all of them manual), and the per-device body.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ManualComputation {
+    pub in_shardings: Vec<Sharding>,
+    pub out_shardings: Vec<Sharding>,
+    pub manual_axes: Vec<String>,
+    pub body: Func,
 }
 
 impl Op {
@@ -359,6 +395,8 @@ impl Op {
             Op::StopGradient => "stop_gradient",
             Op::UseSaved => "use_saved",
             Op::CustomVjp(_) => "custom_vjp",
+            Op::Composite(_) => "composite",
+            Op::ManualComputation(_) => "manual_computation",
         }
     }
 }
@@ -446,6 +484,8 @@ impl Func {
                 let own = (n.op.name() == name) as usize;
                 let nested = match &n.op {
                     Op::While { cond, body } => cond.count_ops(name) + body.count_ops(name),
+                    Op::Composite(c) => c.decomposition.count_ops(name),
+                    Op::ManualComputation(m) => m.body.count_ops(name),
                     _ => 0,
                 };
                 own + nested

@@ -31,12 +31,14 @@ mod builder;
 mod graph;
 mod ops;
 mod print;
+mod regions;
 mod types;
 
 pub use builder::{Builder, Error, Result, VjpRule};
 pub use graph::{
-    BinaryOp, CmpDir, Combiner, DotDims, Func, FuncResult, GatherDims, Literal, MemoryKind, Mesh,
-    Node, Op, Param, ParamAttrs, Precision, ScatterDims, Sharding, UnaryOp, Value,
+    Attr, BinaryOp, CmpDir, Combiner, Composite, DotDims, Func, FuncResult, GatherDims, Literal,
+    ManualComputation, MemoryKind, Mesh, Node, Op, Param, ParamAttrs, Precision, ScatterDims,
+    Sharding, UnaryOp, Value,
 };
-pub use print::Module;
+pub use print::{function_text, Module};
 pub use types::{DType, Shape};

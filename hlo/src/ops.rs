@@ -1396,6 +1396,8 @@ impl Builder {
 
         let mut bb = Builder::new("body");
         bb.scope = self.scope.clone();
+        // A rolled loop nested in this one is priced as the outer ones are.
+        bb.trips_per_rolled_body = self.trips_per_rolled_body;
         let params: Vec<Value> = state_types
             .iter()
             .enumerate()
@@ -1603,6 +1605,12 @@ pub(crate) fn vjp(
             return crate::builder::err(
                 "while",
                 "has no generic vjp rule; differentiate the loop body and build the backward loop (see scan helpers)",
+            )
+        }
+        Op::Composite(_) | Op::ManualComputation(_) => {
+            return crate::builder::err(
+                node.op.name(),
+                "has no generic vjp rule; give the computation one with custom_vjp",
             )
         }
     })

@@ -8,6 +8,7 @@ use crate::graph::*;
 use crate::types::{DType, Shape};
 use std::collections::HashMap;
 use std::fmt::Write;
+use std::rc::Rc;
 
 /// A module: the entry function `main` (first), helper functions, and an optional device mesh.
 #[derive(Clone, Debug)]
@@ -47,6 +48,7 @@ impl Module {
                 .collect();
             let _ = writeln!(out, "  sdy.mesh @mesh = <[{}]>", axes.join(", "));
         }
+        let decomps = Rc::new(self.decompositions());
         for (i, f) in self.funcs.iter().enumerate() {
             // XLA runs the function called `main`; the others are helpers.
             let (vis, name) = if i == 0 {
@@ -54,11 +56,80 @@ impl Module {
             } else {
                 ("private", sanitize(&f.name))
             };
-            Printer::default().func(&mut out, f, vis, &name);
+            Printer::new(&decomps).func(&mut out, f, vis, &name);
         }
+        out.push_str(&decomps.text);
         out.push_str("}\n");
         out
     }
+
+    /// The composites' decompositions as private functions, inner ones first, each distinct
+    /// text once: named after the composite (`@xtrain.attention.impl`, then `.impl.1`, ...).
+    fn decompositions(&self) -> Decompositions {
+        fn walk<'a>(f: &'a Func, found: &mut Vec<(&'a str, &'a Func)>) {
+            for n in &f.nodes {
+                match &n.op {
+                    Op::While { cond, body } => {
+                        walk(cond, found);
+                        walk(body, found);
+                    }
+                    Op::ManualComputation(m) => walk(&m.body, found),
+                    Op::Composite(c) => {
+                        walk(&c.decomposition, found);
+                        found.push((&c.name, &c.decomposition));
+                    }
+                    _ => {}
+                }
+            }
+        }
+        let mut found = Vec::new();
+        for f in &self.funcs {
+            walk(f, &mut found);
+        }
+        let mut d = Decompositions::default();
+        let mut by_text: HashMap<String, String> = HashMap::new();
+        let mut per_name: HashMap<String, usize> = HashMap::new();
+        for (name, f) in found {
+            let mut body = String::new();
+            let known = Rc::new(std::mem::take(&mut d));
+            Printer::new(&known).func(&mut body, f, "private", "NAME");
+            d = Rc::try_unwrap(known).unwrap_or_default();
+            let symbol = match by_text.get(&body) {
+                Some(s) => s.clone(),
+                None => {
+                    let k = per_name.entry(name.to_string()).or_default();
+                    let symbol = match *k {
+                        0 => format!("{}.impl", sanitize(name)),
+                        k => format!("{}.impl.{k}", sanitize(name)),
+                    };
+                    *k += 1;
+                    let text = body.replacen("@NAME(", &format!("@{symbol}("), 1);
+                    d.text.push_str(&text);
+                    by_text.insert(body, symbol.clone());
+                    symbol
+                }
+            };
+            d.names.insert(f as *const Func as usize, symbol);
+        }
+        d
+    }
+}
+
+/// The printed decompositions and the symbol of each composite's (by the address of its
+/// function, which lives as long as the module being printed).
+#[derive(Default)]
+struct Decompositions {
+    names: HashMap<usize, String>,
+    text: String,
+}
+
+/// `f` printed alone as `func.func private @name`, for putting in a program's text in place of
+/// another function of the same signature (a kernel for a composite's decomposition). It must
+/// hold no composite of its own.
+pub fn function_text(f: &Func, name: &str) -> String {
+    let mut out = String::new();
+    Printer::new(&Rc::new(Decompositions::default())).func(&mut out, f, "private", name);
+    out
 }
 
 /// Turn a human name into a legal MLIR identifier (letters, digits, `$._-`; not starting with
@@ -82,6 +153,14 @@ fn sanitize(name: &str) -> String {
 
 fn escape(s: &str) -> String {
     s.replace('\\', "\\\\").replace('"', "\\\"")
+}
+
+fn attr_text(a: &Attr) -> String {
+    match a {
+        Attr::Int(v) => format!("{v} : i64"),
+        Attr::Float(v) => format!("{} : f32", float_text(*v, DType::F32)),
+        Attr::Str(v) => format!("\"{}\"", escape(v)),
+    }
 }
 
 fn i64_list(v: &[i64]) -> String {
@@ -199,9 +278,9 @@ fn hex_bytes(lit: &Literal, dtype: DType) -> String {
     bytes.iter().map(|b| format!("{b:02X}")).collect()
 }
 
-#[derive(Default)]
 struct Printer {
     counter: usize,
+    decomps: Rc<Decompositions>,
 }
 
 struct Names(HashMap<Value, String>);
@@ -227,6 +306,13 @@ fn types(f: &Func, vs: &[Value]) -> String {
 }
 
 impl Printer {
+    fn new(decomps: &Rc<Decompositions>) -> Printer {
+        Printer {
+            counter: 0,
+            decomps: decomps.clone(),
+        }
+    }
+
     fn fresh(&mut self) -> String {
         let n = self.counter;
         self.counter += 1;
@@ -441,10 +527,73 @@ impl Printer {
                 "\"stablehlo.rng_bit_generator\"({ins}) <{{rng_algorithm = #stablehlo<rng_algorithm THREE_FRY>}}> : ({in_types}) -> ({})",
                 types(f, &node.outputs)
             ),
+            Op::Composite(c) => {
+                let symbol = &self.decomps.names[&(&c.decomposition as *const Func as usize)];
+                let attrs: Vec<String> = c
+                    .attributes
+                    .iter()
+                    .map(|(k, v)| format!("{k} = {}", attr_text(v)))
+                    .collect();
+                let outs = types(f, &node.outputs);
+                let outs = if node.outputs.len() == 1 { outs } else { format!("({outs})") };
+                format!(
+                    "stablehlo.composite \"{}\" {ins} {{composite_attributes = {{{}}}, decomposition = @{symbol}, version = {} : i32}} : ({in_types}) -> {outs}",
+                    escape(&c.name),
+                    attrs.join(", "),
+                    c.version
+                )
+            }
+            Op::ManualComputation(m) => {
+                let outs = types(f, &node.outputs);
+                let outs = if node.outputs.len() == 1 { outs } else { format!("({outs})") };
+                self.manual_text(&ins, &in_types, &outs, m, indent)
+            }
             Op::StopGradient | Op::UseSaved | Op::CustomVjp(_) => {
                 unreachable!("aliases print as their source")
             }
         }
+    }
+
+    /// A manual computation: the shardings, the per-device body, then the global types.
+    fn manual_text(
+        &mut self,
+        ins: &str,
+        in_types: &str,
+        outs: &str,
+        m: &ManualComputation,
+        indent: &str,
+    ) -> String {
+        let list = |ss: &[Sharding]| ss.iter().map(sharding_attr).collect::<Vec<_>>().join(", ");
+        let axes: Vec<String> = m.manual_axes.iter().map(|a| format!("\"{a}\"")).collect();
+        let mut names = Names(HashMap::new());
+        let args: Vec<String> = m
+            .body
+            .params
+            .iter()
+            .map(|p| {
+                let n = self.fresh();
+                names.0.insert(p.value, n.clone());
+                format!("{n}: {}", m.body.shape(p.value))
+            })
+            .collect();
+        let mut s = format!(
+            "sdy.manual_computation({ins}) in_shardings=[{}] out_shardings=[{}] manual_axes={{{}}} ({}) {{\n",
+            list(&m.in_shardings),
+            list(&m.out_shardings),
+            axes.join(", "),
+            args.join(", ")
+        );
+        let inner = format!("{indent}  ");
+        self.body(&mut s, &m.body, &mut names, &inner);
+        let rv: Vec<Value> = m.body.results.iter().map(|r| r.value).collect();
+        let _ = writeln!(
+            s,
+            "{inner}sdy.return {} : {}",
+            names.list(&rv),
+            types(&m.body, &rv)
+        );
+        let _ = write!(s, "{indent}}} : ({in_types}) -> {outs}");
+        s
     }
 
     /// A while loop: its condition and body regions, then the loop's types.

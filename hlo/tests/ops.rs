@@ -712,3 +712,87 @@ fn uninitialized_buffers_print_as_allocate_buffer_and_xla_cpu_refuses_them() {
         .expect("XLA CPU has no AllocateBuffer");
     assert!(e.to_string().contains("AllocateBuffer"), "{e}");
 }
+
+/// A composite inside a manual computation over two devices: each device adds its shard's
+/// row index (an operand cut by the mesh) to its rows through the composite's decomposition,
+/// which the CPU compiler inlines; the results are put back together by the out-sharding.
+#[test]
+fn a_composite_runs_per_device_in_a_manual_computation() {
+    let mesh = Mesh {
+        axes: vec![("x".into(), 2)],
+    };
+    let split = Sharding {
+        dims: vec![vec!["x".into()], vec![]],
+    };
+    let mut b = Builder::new("main");
+    let x = b.param_with(
+        "x",
+        Shape::new(&[4, 2], DType::F32),
+        ParamAttrs {
+            sharding: Some(split.clone()),
+            ..ParamAttrs::default()
+        },
+    );
+    let ids = b
+        .constant(
+            Literal::Float(vec![10.0, 20.0]),
+            Shape::new(&[2, 1], DType::F32),
+        )
+        .unwrap();
+    let outs = b
+        .manual_computation(
+            &mesh,
+            &[(x, split.clone()), (ids, split.clone())],
+            std::slice::from_ref(&split),
+            |b, local| {
+                assert_eq!(b.dims(local[0]), &[2, 2], "each device sees its two rows");
+                let attrs = vec![("shift".to_string(), Attr::Int(1))];
+                let outs = b.composite(
+                    ("test.add_row_id", 1),
+                    attrs,
+                    &[("x", local[0]), ("id", local[1])],
+                    |b, p| {
+                        let id = b.reshape(p[1], &[])?;
+                        let id = b.broadcast_in_dim(id, &[2, 2], &[])?;
+                        Ok(vec![b.add(p[0], id)?])
+                    },
+                )?;
+                Ok(outs)
+            },
+        )
+        .unwrap();
+    let func = b.finish_with(vec![FuncResult {
+        value: outs[0],
+        name: "y".into(),
+        sharding: Some(split),
+    }]);
+    let text = Module::new("manual", func).with_mesh(mesh).to_text();
+    assert!(text.contains("sdy.manual_computation"), "{text}");
+    assert!(
+        text.contains("stablehlo.composite \"test.add_row_id\"")
+            && text.contains("func.func private @test.add_row_id.impl("),
+        "{text}"
+    );
+    let c = client();
+    let exe = c
+        .compile(&text, &pjrt::CompileOptions::spmd(vec![0, 1]))
+        .unwrap_or_else(|e| panic!("{e}\n{text}"));
+    let devs = c.devices().unwrap();
+    let shard = |v: &[f32], d: usize| {
+        c.to_device(&HostTensor::from_f32(v, &[2, 2]), &devs[d])
+            .unwrap()
+    };
+    let (s0, s1) = (
+        shard(&[1.0, 2.0, 3.0, 4.0], 0),
+        shard(&[5.0, 6.0, 7.0, 8.0], 1),
+    );
+    let out = exe.execute(&[vec![&s0], vec![&s1]]).unwrap();
+    assert_eq!(
+        out[0][0].to_host().unwrap().to_f32().unwrap(),
+        vec![11.0, 12.0, 13.0, 14.0]
+    );
+    assert_eq!(
+        out[1][0].to_host().unwrap().to_f32().unwrap(),
+        vec![25.0, 26.0, 27.0, 28.0]
+    );
+}

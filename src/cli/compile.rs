@@ -13,7 +13,7 @@ use xtrain::device::target::aot::{TargetBuild, TargetDevices};
 use xtrain::device::target::{Platform, Target};
 use xtrain::formats::program_dir::{self, Manifest};
 use xtrain::program::sharding::SplitsNothing;
-use xtrain::program::{default_choice, fit_choices, MeshPlan, Program, Remat, StepSpec};
+use xtrain::program::{default_choice, fit_choices, MeshPlan, Program, StepSpec};
 
 #[derive(Args)]
 pub struct CompileArgs {
@@ -48,6 +48,11 @@ pub struct CompileArgs {
     /// Also compile it with the plugin and print XLA's memory figures and the compile time.
     #[arg(long)]
     pub check: bool,
+    /// With --check: a kernel to compile in place of the composite ops it implements
+    /// (repeatable), e.g. `every-key`; each build records what it replaced. The program's text
+    /// is the same with or without.
+    #[arg(long = "kernel", value_name = "NAME")]
+    pub kernel: Vec<String>,
     /// With --check: write XLA's optimized HLO here.
     #[arg(long)]
     pub xla_dump: Option<PathBuf>,
@@ -172,10 +177,21 @@ pub fn compile(mut a: CompileArgs, verbose: bool, plugin_from_recipe: bool) -> R
         }
     }
     // The compilers of the targets, opened only to compile (--check): the text needs none.
+    if !a.kernel.is_empty() && !a.check {
+        anyhow::bail!(
+            "--kernel {} replaces a composite when the program is compiled: add --check (the \
+             program's text is the same with or without)",
+            a.kernel.join(" --kernel ")
+        );
+    }
     let devices: Vec<TargetDevices> = if a.check {
         targets
             .iter()
-            .map(|t| TargetDevices::open(t, a.plugin.as_deref(), verbose))
+            .map(|t| {
+                let mut d = TargetDevices::open(t, a.plugin.as_deref(), verbose)?;
+                d.kernels = xtrain::device::kernels::chosen(&a.kernel, t.platform.plugin())?;
+                Ok(d)
+            })
             .collect::<Result<_>>()?
     } else {
         Vec::new()
@@ -472,59 +488,9 @@ fn write_program(a: &CompileArgs, spec: &StepSpec) -> Result<(Program, Manifest)
         gib(arg_bytes),
         spec.model.param_count()
     );
-    println!("form: {}", form_flags(spec));
+    println!("form: {}", spec.form());
     println!("program sha256 {}", manifest.program_sha256);
     Ok((program, manifest))
-}
-
-/// The flags of the program's form as the spec has them (the same for every target; see
-/// docs/architecture.md), so that a user sees what the defaults chose.
-fn form_flags(spec: &StepSpec) -> String {
-    let bf16 = spec.compute_dtype == hlo::DType::BF16;
-    let mut flags = Vec::new();
-    if bf16 {
-        let name = |f32_: bool| if f32_ { "f32" } else { "compute" };
-        flags.push(format!(
-            "--matmul-result {}",
-            name(spec.wide_matmul_results)
-        ));
-        flags.push(format!(
-            "--attention-scores {}",
-            name(!spec.narrow_attention_scores)
-        ));
-    }
-    let cp = spec.context_size();
-    match spec.key_block {
-        Some(k) if cp > 1 => flags.push(format!(
-            "--key-block {k} (blocks of {} tokens: the sequence is split into chunks of {})",
-            xtrain::model::context::key_block(spec.seq, cp, k),
-            spec.seq / (2 * cp)
-        )),
-        Some(k) => flags.push(format!(
-            "--key-block {k} (blocks of {})",
-            xtrain::model::flash::key_block(spec.seq, k)
-        )),
-        None => {
-            flags.push("--key-block off".to_string());
-            flags.push(format!(
-                "--attention-block {}",
-                xtrain::model::llama::query_block(spec.seq, spec.attention_block)
-            ));
-        }
-    }
-    if spec.remat == Remat::Layer {
-        flags.push(format!(
-            "--keep-softmax-stats {}",
-            spec.layer_keeps_softmax_stats
-        ));
-    }
-    if spec.mesh.is_some() {
-        flags.push(format!(
-            "--pin-mlp-activations {}",
-            spec.pin_mlp_activations
-        ));
-    }
-    flags.join(", ")
 }
 
 /// The mesh and which device sits where on it.
@@ -567,8 +533,11 @@ fn check(
 ) -> Result<()> {
     let platform = xtrain::device::platform::named_platform(a.plugin.as_deref());
     xtrain::device::platform::check_offload(platform, spec.offload, "this step")?;
-    let rt = xtrain::device::runtime::Runtime::open(a.plugin.as_deref(), Some(program.partitions))?;
+    let mut rt =
+        xtrain::device::runtime::Runtime::open(a.plugin.as_deref(), Some(program.partitions))?;
     xtrain::device::platform::check_offload(&rt.platform(), spec.offload, "this step")?;
+    rt.use_kernels(&a.kernel)?;
+    let kernels = xtrain::device::kernels::say_used(&rt.kernels, &rt.kernel_text(program)?.1)?;
     let mut options = pjrt::CompileOptions::default();
     if let Some(dir) = &a.xla_dump {
         std::fs::create_dir_all(dir)?;
@@ -600,6 +569,7 @@ fn check(
         memory_report: None,
         executable: exe.serialize()?,
         extra_options: Vec::new(),
+        kernels,
     };
     let by = Compiler {
         target: a.plugin.clone().unwrap_or_else(|| rt.platform()),

@@ -308,6 +308,7 @@ pub(super) fn record(
         usable_memory_per_device: by.usable_memory_per_device,
         compile_s: build.compile_s,
         compile_options: build.extra_options.clone(),
+        kernels: build.kernels.clone(),
         per_device: MemoryFigures {
             argument_bytes: m.argument_bytes,
             output_bytes: m.output_bytes,

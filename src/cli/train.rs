@@ -134,6 +134,11 @@ pub struct TrainArgs {
     /// PJRT plugin: cpu, cuda, rocm, tpu or a path to a plugin .so (default: $XTRAIN_PLUGIN or cpu).
     #[arg(long, help_heading = "Model")]
     pub plugin: Option<String>,
+    /// A kernel to compile in place of the composite ops it implements (repeatable), e.g.
+    /// `every-key`: attention over every key at once instead of the key-block loops. The
+    /// program's text is unchanged; the run says what was replaced.
+    #[arg(long = "kernel", value_name = "NAME", help_heading = "Model")]
+    pub kernel: Vec<String>,
 }
 
 pub fn train(
@@ -199,6 +204,7 @@ pub fn train(
         overwrite: a.overwrite,
         seed: a.seed,
         plugin: a.plugin,
+        kernels: a.kernel,
         verbose,
         log_every: a.log_every,
         plot: !a.no_plot,

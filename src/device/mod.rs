@@ -18,6 +18,7 @@
 
 pub mod cache;
 pub mod generate;
+pub mod kernels;
 pub mod memory;
 pub mod platform;
 pub mod runtime;

@@ -26,6 +26,9 @@ pub struct Runtime {
     /// An executable compiled ahead of time for this plugin and these devices (a program dir's
     /// build, see [`Prebuilt`]), used instead of compiling its program.
     pub prebuilt: Option<Prebuilt>,
+    /// Kernels put in place of the program's composites before it is compiled (`--kernel`,
+    /// see [`crate::device::kernels`]).
+    pub kernels: Vec<&'static crate::device::kernels::Kernel>,
 }
 
 impl Runtime {
@@ -95,6 +98,7 @@ impl Runtime {
             client,
             devices,
             prebuilt: None,
+            kernels: Vec::new(),
         })
     }
 
@@ -129,6 +133,11 @@ impl Runtime {
     /// Compile a program (on as many devices as it has partitions), checking its arguments on
     /// every execute.
     pub fn compile(&self, program: &Program, options: &CompileOptions) -> Result<Executable> {
+        let (text, _) = self.kernel_text(program)?;
+        let program = &Program {
+            text,
+            ..program.clone()
+        };
         let mut options = self.options(options);
         if program.partitions > 1 {
             if (self.devices.len() as i64) < program.partitions {
@@ -169,6 +178,24 @@ impl Runtime {
         };
         exe.expect_inputs(expected_inputs(program));
         Ok(exe)
+    }
+
+    /// The text this runtime's compiler sees for `program`: the program with [`Runtime::kernels`]
+    /// in place of the composites they implement, and what they replaced.
+    pub fn kernel_text(
+        &self,
+        program: &Program,
+    ) -> Result<(String, Vec<crate::device::kernels::KernelUse>)> {
+        if self.kernels.is_empty() {
+            return Ok((program.text.clone(), Vec::new()));
+        }
+        crate::device::kernels::replace(&program.text, &self.kernels)
+    }
+
+    /// Choose the kernels `--kernel` names for this plugin's platform.
+    pub fn use_kernels(&mut self, names: &[String]) -> Result<()> {
+        self.kernels = crate::device::kernels::chosen(names, &self.platform())?;
+        Ok(())
     }
 
     pub fn upload(&self, t: &HostTensor) -> Result<Buffer> {

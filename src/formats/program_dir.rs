@@ -104,6 +104,24 @@ pub struct Build {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub estimate: Option<StepEstimate>,
     pub executable_sha256: String,
+    /// The kernels that replaced composites of the program in this build (`--kernel`): the
+    /// program's text stays the dir's; its compiler saw the kernels' bodies instead.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub kernels: Vec<KernelUse>,
+}
+
+/// Which kernel replaced which composite in a build (`device::kernels`).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct KernelUse {
+    pub composite: String,
+    pub version: i32,
+    pub kernel: String,
+}
+
+impl std::fmt::Display for KernelUse {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} v{} -> {}", self.composite, self.version, self.kernel)
+    }
 }
 
 /// Bytes per device, as the compiler reports them.

@@ -78,6 +78,8 @@ impl Default for Numerics {
 /// the step's device mesh (implemented by the program's mesh and sharding rules).
 pub trait Placement {
     fn place(&self, logical: &[&str], dims: &[i64]) -> hlo::Sharding;
+    /// The mesh the shardings name (for computations written per device).
+    fn mesh(&self) -> hlo::Mesh;
 }
 
 /// `scores` (f32) with the lowest f32 wherever a query may not see a key: a key later than its

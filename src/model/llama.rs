@@ -112,7 +112,9 @@ impl Llama<'_> {
         let kvh = c.num_key_value_heads;
         let g = c.num_attention_heads / kvh;
         if let Some(cs) = self.context {
-            let shape = context::lse_shape(bs, t, cs.size, kvh, g);
+            let kb = self.num.key_block.unwrap_or(flash::DEFAULT_KEY_BLOCK);
+            let tb = context::key_block(t, cs.size, kb);
+            let shape = context::lse_shape(bs, t, cs.size, kvh, g, tb);
             return vec![(flash::LSE.to_string(), shape)];
         }
         if let Some(kb) = self.num.key_block {

@@ -17,6 +17,7 @@
 //! does not grow with depth.
 
 mod build;
+mod form;
 mod layout;
 mod passes;
 pub mod sharding;

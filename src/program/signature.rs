@@ -60,6 +60,7 @@ impl TensorSpec {
 }
 
 /// A built program: its text and its signature.
+#[derive(Clone)]
 pub struct Program {
     pub text: String,
     pub args: Vec<TensorSpec>,

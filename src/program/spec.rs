@@ -344,6 +344,10 @@ impl crate::model::llama::Placement for MeshPlan {
     fn place(&self, logical: &[&str], dims: &[i64]) -> hlo::Sharding {
         self.rules.sharding(logical, dims, &self.mesh())
     }
+
+    fn mesh(&self) -> hlo::Mesh {
+        MeshPlan::mesh(self)
+    }
 }
 
 pub(super) fn check_spec(spec: &StepSpec) -> Result<()> {
@@ -971,10 +975,10 @@ mod tests {
         assert!(e.contains("--quant nf4") && e.contains("3600"), "{e}");
     }
 
-    /// The trips the TPU estimate prices per layer: the causal block pairs on one device (8k
-    /// over blocks of 512: 16 x 17 / 2 = 136), and on a context axis of 8 every visit of the
-    /// (2 x 8 + 1) key chunks' blocks with each query block of a chunk (32k: 4 blocks per chunk,
-    /// 17 x 4 x 4 = 272; 128k: 16, 4352); none without key blocks.
+    /// The trips the TPU estimate prices per layer, nb (NK + 1) per loop nest for nb blocks per
+    /// query chunk and NK key blocks: on one device two chunks of the sequence (8k over blocks of
+    /// 512: 8 x 17 = 136, the causal block pairs), on a context axis of 8 sixteen chunks (32k: 4
+    /// blocks per chunk, 4 x 65 = 260; 128k: 16 x 257 = 4112); none without key blocks.
     #[test]
     fn attention_loop_trips_count_the_loops_trips() {
         let at = |seq: i64, mesh: Option<&str>, key_block: Option<i64>| {
@@ -989,8 +993,8 @@ mod tests {
             .attention_loop_trips()
         };
         assert_eq!(at(8192, None, Some(512)), Some(136));
-        assert_eq!(at(32768, Some("context=8"), Some(512)), Some(272));
-        assert_eq!(at(131072, Some("context=8"), Some(512)), Some(4352));
+        assert_eq!(at(32768, Some("context=8"), Some(512)), Some(260));
+        assert_eq!(at(131072, Some("context=8"), Some(512)), Some(4112));
         assert_eq!(at(8192, None, None), None);
     }
 }

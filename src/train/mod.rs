@@ -84,6 +84,11 @@ fn run_in(
         return Ok(Finished::Interrupted(None));
     }
     let (rt, spec, program) = plan::plan(opts, cfg, data.batch, data.seq)?;
+    if spec.key_block.is_some() {
+        // The attention's form decides its speed and memory at long context: said as compile
+        // says it.
+        eprintln!("xtrain: form: {}", spec.form());
+    }
     let schedule = schedule(opts, &data.source);
     if schedule.warmup > schedule.total {
         eprintln!(

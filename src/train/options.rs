@@ -37,6 +37,9 @@ pub struct TrainOptions {
     pub overwrite: bool,
     pub seed: u64,
     pub plugin: Option<String>,
+    /// Kernels put in place of the program's composites when it is compiled (`--kernel`,
+    /// `device::kernels`): the program stays the same, its compiler sees the kernels.
+    pub kernels: Vec<String>,
     pub verbose: bool,
     pub log_every: u64,
     pub plot: bool,

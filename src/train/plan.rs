@@ -58,6 +58,8 @@ pub fn plan(
             );
         }
         let mut rt = open(program.partitions)?;
+        rt.use_kernels(&opts.kernels)?;
+        crate::device::kernels::say_used(&rt.kernels, &rt.kernel_text(&program)?.1)?;
         let builds = crate::formats::program_dir::read_builds(dir)?;
         one_process(
             &rt.platform(),
@@ -101,6 +103,11 @@ pub fn plan(
         .step
         .spec(cfg.clone(), batch, seq)
         .map_err(|e| name_the_batchs_length(e, opts, batch, seq))?;
+    rt.use_kernels(&opts.kernels)?;
+    if !rt.kernels.is_empty() {
+        let program = program::build_train_step(&spec)?;
+        crate::device::kernels::say_used(&rt.kernels, &rt.kernel_text(&program)?.1)?;
+    }
     if let Some(o) = opts.step.offload {
         crate::device::platform::check_offload(&rt.platform(), o, "this step")?;
     }
@@ -177,7 +184,28 @@ fn prebuilt(
     let builds = program_dir::read_builds(dir)?;
     let mut why_not = Vec::new();
     for build in &builds {
-        match crate::device::cache::matches(rt, build) {
+        let kernels = rt.kernel_text(program)?.1;
+        let matched = crate::device::cache::matches(rt, build).and_then(|()| {
+            match build.kernels == kernels {
+                true => Ok(()),
+                false => Err(format!(
+                    "{} was compiled with kernels [{}], this run asks for [{}]",
+                    build.target,
+                    build
+                        .kernels
+                        .iter()
+                        .map(|k| k.to_string())
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                    kernels
+                        .iter()
+                        .map(|k| k.to_string())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )),
+            }
+        });
+        match matched {
             Ok(()) => {
                 // A missing or damaged executable is only a lost compile: the program text it
                 // was compiled from is checked against the manifest and compiled here instead.

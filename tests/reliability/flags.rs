@@ -939,3 +939,50 @@ fn a_mesh_taken_from_the_target_that_splits_nothing_is_said_to_come_from_the_tar
         )],
     );
 }
+
+/// The context axis keeps the key block asked for whatever the chunk's length: each chunk is
+/// padded to whole blocks inside the step, where the block used to shrink to the largest size
+/// dividing the chunk (2 tokens for 8,200 tokens over context=2, whose compile then ran for
+/// more than 10 minutes). `compile` says the block, the chunk and its padding; a typed block
+/// below 64 tokens is kept, since it was asked for.
+#[test]
+fn the_context_axis_keeps_the_key_block_asked_for() {
+    let dir = tempdir("rel-context-blocks");
+    for (seq, mesh, block, said) in [
+        (
+            "8200",
+            "context=2",
+            "auto",
+            "--key-block 512 (blocks of 512 tokens; the sequence is split into chunks of 2050, \
+             each padded to 2560)",
+        ),
+        (
+            "100000",
+            "context=8",
+            "auto",
+            "(blocks of 512 tokens; the sequence is split into chunks of 6250, each padded to 6656)",
+        ),
+        (
+            "32000",
+            "context=8",
+            "auto",
+            "(blocks of 512 tokens; the sequence is split into chunks of 2000, each padded to 2048)",
+        ),
+        (
+            "8200",
+            "context=2",
+            "3",
+            "(blocks of 3 tokens; the sequence is split into chunks of 2050, each padded to 2052)",
+        ),
+    ] {
+        let out = dir.join(format!("{seq}-{block}"));
+        let o = xtrain(&[
+            "compile", "--model", "llama-3.1-8b", "--dtype", "bf16", "--batch", "1", "--seq", seq,
+            "--mesh", mesh, "--key-block", block, "--out", out.to_str().unwrap(),
+        ]);
+        let text = String::from_utf8_lossy(&o.stdout);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        assert!(text.contains(said), "{seq} {mesh} {block}: {text}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}

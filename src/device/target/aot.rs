@@ -19,6 +19,8 @@ pub struct TargetDevices {
     topology: Topology,
     pub devices: Vec<DeviceDescription>,
     pub platform_version: String,
+    /// Kernels put in place of the program's composites before it is compiled (`--kernel`).
+    pub kernels: Vec<&'static crate::device::kernels::Kernel>,
 }
 
 /// What compiling a program for a target gave.
@@ -38,6 +40,8 @@ pub struct TargetBuild {
     /// Compile options beyond xtrain's usual ones that this compile needed (`name=value`; see
     /// [`crate::device::platform::TRITON_GEMM_OFF`]).
     pub extra_options: Vec<String>,
+    /// The kernels that replaced composites of the program (`--kernel`).
+    pub kernels: Vec<crate::device::kernels::KernelUse>,
 }
 
 /// The plugin file for a target: `--plugin` if given (it must be of the target's platform),
@@ -139,6 +143,7 @@ impl TargetDevices {
             topology,
             devices,
             platform_version,
+            kernels: Vec::new(),
         })
     }
 
@@ -194,6 +199,14 @@ impl TargetDevices {
     /// Compile `program` for every device of the target. `dump` keeps XLA's dumps there (else
     /// they go to a temporary directory, read for the optimized HLO and removed).
     pub fn compile(&self, program: &Program, dump: Option<&Path>) -> Result<TargetBuild> {
+        let (text, kernels) = match self.kernels.is_empty() {
+            true => (program.text.clone(), Vec::new()),
+            false => crate::device::kernels::replace(&program.text, &self.kernels)?,
+        };
+        let program = &Program {
+            text,
+            ..program.clone()
+        };
         let n = self.devices.len() as i64;
         if program.partitions != n {
             bail!(
@@ -277,6 +290,7 @@ impl TargetDevices {
             memory_report,
             executable,
             extra_options,
+            kernels,
         })
     }
 

@@ -1,0 +1,514 @@
+//! Kernels: a target's own implementation of a composite op of the program, put in place of the
+//! composite's decomposition just before the target's compiler sees the text.
+//!
+//! The program dir keeps the one program for every target (`stablehlo.composite` ops whose
+//! decompositions every plugin can inline: `model::flash`'s attention). A kernel is looked up
+//! by the composite's name and version and by the platform it runs on; where one is chosen
+//! (`--kernel NAME`), the decomposition's function is rewritten with the kernel's body and the
+//! build records which kernel replaced what ([`KernelUse`], in the manifest's builds), so that
+//! a run says what it ran. The composite's attributes and the decomposition's signature are all
+//! a kernel is given: it needs nothing else of the program.
+//!
+//! Built in: `every-key`, attention over every key at once in plain StableHLO (a reference for
+//! the mechanism and for the nested loops it replaces, any platform). A fused kernel (cuDNN's
+//! flash attention on NVIDIA GPUs, Pallas splash attention on TPUs, a ROCm kernel) plugs in the
+//! same way, as a custom call in the function's body: docs/architecture.md says how.
+
+pub use crate::formats::program_dir::KernelUse;
+use anyhow::{bail, Context, Result};
+use hlo::{Builder, CmpDir, DType, DotDims, Func, Shape, Value};
+use std::collections::BTreeMap;
+
+/// A composite attribute as the program text gives it.
+#[derive(Clone, Debug, PartialEq)]
+pub enum AttrValue {
+    Int(i64),
+    Float(f64),
+    Str(String),
+}
+
+/// What a kernel is built from: the composite's attributes and its decomposition's signature.
+#[derive(Clone, Debug)]
+pub struct Site {
+    pub attributes: BTreeMap<String, AttrValue>,
+    pub params: Vec<Shape>,
+    pub results: Vec<Shape>,
+}
+
+impl Site {
+    fn int(&self, name: &str) -> Result<i64> {
+        match self.attributes.get(name) {
+            Some(AttrValue::Int(v)) => Ok(*v),
+            other => bail!("the composite's attribute {name} is {other:?}, not an integer"),
+        }
+    }
+
+    fn float(&self, name: &str) -> Result<f64> {
+        match self.attributes.get(name) {
+            Some(AttrValue::Float(v)) => Ok(*v),
+            other => bail!("the composite's attribute {name} is {other:?}, not a float"),
+        }
+    }
+}
+
+/// One implementation of one composite.
+pub struct Kernel {
+    /// The name `--kernel` takes (one name may cover several composites, e.g. an op and its
+    /// gradient).
+    pub name: &'static str,
+    pub composite: &'static str,
+    pub version: i32,
+    /// The platforms it may run on (PJRT's names: cpu, cuda, rocm, tpu).
+    pub platforms: &'static [&'static str],
+    build: fn(&Site) -> Result<Func>,
+}
+
+const ALL_PLATFORMS: &[&str] = &["cpu", "cuda", "rocm", "tpu"];
+
+/// The built-in kernels.
+pub const KERNELS: &[Kernel] = &[
+    Kernel {
+        name: "every-key",
+        composite: crate::model::flash::ATTENTION,
+        version: crate::model::flash::VERSION,
+        platforms: ALL_PLATFORMS,
+        build: every_key_forward,
+    },
+    Kernel {
+        name: "every-key",
+        composite: crate::model::flash::ATTENTION_GRAD,
+        version: crate::model::flash::VERSION,
+        platforms: ALL_PLATFORMS,
+        build: every_key_backward,
+    },
+];
+
+/// The kernels `--kernel NAME` names, for `platform`; a clear refusal for an unknown name or
+/// one that does not run there.
+pub fn chosen(names: &[String], platform: &str) -> Result<Vec<&'static Kernel>> {
+    let mut out = Vec::new();
+    for name in names {
+        let all: Vec<&Kernel> = KERNELS.iter().filter(|k| k.name == name).collect();
+        if all.is_empty() {
+            let mut known: Vec<&str> = KERNELS.iter().map(|k| k.name).collect();
+            known.dedup();
+            bail!(
+                "--kernel {name}: no such kernel (built in: {})",
+                known.join(", ")
+            );
+        }
+        let here: Vec<&Kernel> = all
+            .into_iter()
+            .filter(|k| k.platforms.contains(&platform))
+            .collect();
+        if here.is_empty() {
+            bail!("--kernel {name} does not run on the {platform} plugin");
+        }
+        out.extend(here);
+    }
+    Ok(out)
+}
+
+/// Say which composites the chosen kernels replace (nothing where none were chosen), and refuse
+/// a kernel whose composite the program lacks: a `--kernel` that would change nothing. Returns
+/// what was replaced, for the build's record.
+pub fn say_used(chosen: &[&Kernel], used: &[KernelUse]) -> Result<Vec<KernelUse>> {
+    for k in chosen {
+        if !used.iter().any(|u| u.kernel == k.name) {
+            bail!(
+                "--kernel {}: the program has no composite it implements ({} v{}: attention is \
+                 one with --key-block or a context mesh)",
+                k.name,
+                k.composite,
+                k.version
+            );
+        }
+    }
+    if !used.is_empty() {
+        let list: Vec<String> = used.iter().map(|u| u.to_string()).collect();
+        eprintln!(
+            "xtrain: kernels in place of composites: {} (the program's text is unchanged)",
+            list.join(", ")
+        );
+    }
+    Ok(used.to_vec())
+}
+
+/// `text` with the decomposition of every composite a kernel of `kernels` implements replaced
+/// by that kernel, and what was replaced (nothing: the text as it was). A composite no kernel
+/// names keeps its decomposition; a kernel whose composite the program lacks is not used.
+pub fn replace(text: &str, kernels: &[&Kernel]) -> Result<(String, Vec<KernelUse>)> {
+    let mut out = text.to_string();
+    let mut uses: Vec<KernelUse> = Vec::new();
+    let mut done: Vec<String> = Vec::new();
+    for call in composite_calls(text)? {
+        let Some(k) = kernels
+            .iter()
+            .find(|k| k.composite == call.name && k.version == call.version)
+        else {
+            continue;
+        };
+        if done.contains(&call.decomposition) {
+            continue;
+        }
+        let (start, end) = function_span(&out, &call.decomposition)?;
+        let (params, results) = signature(&out[start..end])
+            .with_context(|| format!("the function @{}", call.decomposition))?;
+        let site = Site {
+            attributes: call.attributes.clone(),
+            params,
+            results: results.clone(),
+        };
+        let func =
+            (k.build)(&site).with_context(|| format!("kernel {} for {}", k.name, call.name))?;
+        let got: Vec<Shape> = func
+            .results
+            .iter()
+            .map(|r| func.shape(r.value).clone())
+            .collect();
+        if got != results {
+            bail!(
+                "kernel {} gives {got:?} where {} v{} gives {results:?}",
+                k.name,
+                call.name,
+                call.version
+            );
+        }
+        let body = hlo::function_text(&func, &call.decomposition);
+        out.replace_range(start..end, &body);
+        done.push(call.decomposition.clone());
+        let u = KernelUse {
+            composite: call.name.clone(),
+            version: call.version,
+            kernel: k.name.to_string(),
+        };
+        if !uses.contains(&u) {
+            uses.push(u);
+        }
+    }
+    Ok((out, uses))
+}
+
+/// A `stablehlo.composite` of the program text.
+#[derive(Clone, Debug)]
+struct Call {
+    name: String,
+    version: i32,
+    decomposition: String,
+    attributes: BTreeMap<String, AttrValue>,
+}
+
+fn composite_calls(text: &str) -> Result<Vec<Call>> {
+    let call = regex::Regex::new(
+        r#"stablehlo\.composite "([^"]+)" [^{]*\{composite_attributes = \{([^}]*)\}, decomposition = @([^,\s]+), version = (-?\d+) : i32\}"#,
+    )
+    .expect("a valid pattern");
+    let mut out = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        if !line.contains("stablehlo.composite ") {
+            continue;
+        }
+        let Some(c) = call.captures(line) else {
+            bail!(
+                "line {}: a composite whose form xtrain does not read: {line}",
+                n + 1
+            );
+        };
+        out.push(Call {
+            name: c[1].to_string(),
+            version: c[4].parse()?,
+            decomposition: c[3].to_string(),
+            attributes: attributes(&c[2]).with_context(|| format!("line {}", n + 1))?,
+        });
+    }
+    Ok(out)
+}
+
+/// `block = 4 : i64, causal = "x", scale = 2.5e-01 : f32` as values by name.
+fn attributes(text: &str) -> Result<BTreeMap<String, AttrValue>> {
+    let mut out = BTreeMap::new();
+    for part in text.split(", ").filter(|p| !p.is_empty()) {
+        let Some((name, value)) = part.split_once(" = ") else {
+            bail!("attribute {part:?} has no value");
+        };
+        let v = if let Some(s) = value.strip_prefix('"') {
+            AttrValue::Str(s.trim_end_matches('"').to_string())
+        } else if let Some(i) = value.strip_suffix(" : i64") {
+            AttrValue::Int(i.parse()?)
+        } else if let Some(f) = value.strip_suffix(" : f32") {
+            AttrValue::Float(f.parse()?)
+        } else {
+            bail!("attribute {name} = {value}: not an i64, f32 or string");
+        };
+        out.insert(name.to_string(), v);
+    }
+    Ok(out)
+}
+
+/// The byte range of `func.func private @name(...)` through its closing line.
+fn function_span(text: &str, name: &str) -> Result<(usize, usize)> {
+    let head = format!("  func.func private @{name}(");
+    let start = text
+        .find(&head)
+        .with_context(|| format!("the program has no function @{name}"))?;
+    let end = text[start..]
+        .find("\n  }\n")
+        .map(|e| start + e + "\n  }\n".len())
+        .with_context(|| format!("the function @{name} does not end"))?;
+    Ok((start, end))
+}
+
+/// The parameter and result types of a function's first line.
+fn signature(func: &str) -> Result<(Vec<Shape>, Vec<Shape>)> {
+    let head = func.lines().next().unwrap_or_default();
+    let Some((params, results)) = head.split_once(") -> (") else {
+        bail!("no signature in {head}");
+    };
+    let tensor = regex::Regex::new(r"tensor<([^>]*)>").expect("a valid pattern");
+    let shapes = |s: &str| -> Result<Vec<Shape>> {
+        tensor
+            .captures_iter(s)
+            .map(|c| parse_tensor(&c[1]))
+            .collect()
+    };
+    Ok((shapes(params)?, shapes(results)?))
+}
+
+/// `2x3xbf16` (the inside of `tensor<...>`) as a shape.
+fn parse_tensor(s: &str) -> Result<Shape> {
+    let mut parts: Vec<&str> = s.split('x').collect();
+    let ty = parts.pop().unwrap_or_default();
+    let dtype = [
+        DType::Pred,
+        DType::S8,
+        DType::S32,
+        DType::S64,
+        DType::U8,
+        DType::U16,
+        DType::U32,
+        DType::U64,
+        DType::F16,
+        DType::BF16,
+        DType::F32,
+        DType::F64,
+    ]
+    .into_iter()
+    .find(|d| d.mlir() == ty)
+    .with_context(|| format!("unknown element type {ty} in tensor<{s}>"))?;
+    let dims = parts
+        .iter()
+        .map(|d| d.parse::<i64>())
+        .collect::<std::result::Result<Vec<_>, _>>()
+        .with_context(|| format!("tensor<{s}>"))?;
+    Ok(Shape::new(&dims, dtype))
+}
+
+// ------------------------------------------------------------ every-key: the reference kernel
+
+/// The attention kernels' sizes from a site: (chunk, padded chunk, scale).
+fn attention_sizes(site: &Site) -> Result<(i64, i64, f64)> {
+    Ok((
+        site.int("chunk")?,
+        site.int("padded_chunk")?,
+        site.float("scale")?,
+    ))
+}
+
+fn params(b: &mut Builder, site: &Site, names: &[&str]) -> Result<Vec<Value>> {
+    if site.params.len() != names.len() {
+        bail!(
+            "the decomposition takes {} operands, the kernel {}",
+            site.params.len(),
+            names.len()
+        );
+    }
+    Ok(names
+        .iter()
+        .zip(&site.params)
+        .map(|(n, s)| b.param(n, s.clone()))
+        .collect())
+}
+
+/// Every query of the device's two chunks against every key: the masked scores
+/// [B, KV, 2, Cp, G, NC Cp] f32, from the natural positions the chunk ids and sizes give.
+fn all_scores(b: &mut Builder, p: &[Value], (c, cp, scale): (i64, i64, f64)) -> Result<Value> {
+    let (q, k, qdocs, kdocs, ids) = (p[0], p[1], p[3], p[4], p[5]);
+    let dims = DotDims {
+        lhs_batch: vec![0, 1],
+        rhs_batch: vec![0, 1],
+        lhs_contract: vec![5],
+        rhs_contract: vec![3],
+    };
+    let s = b.dot_general(q, k, dims, None, Some(DType::F32))?;
+    let s = b.mul_scalar(s, scale)?;
+    let sd = b.dims(s).to_vec();
+    let nk = sd[5];
+    // Query positions [2, Cp]: ids[slot] C + row; key positions [NK]: (y / Cp) C + y % Cp.
+    let q_rows = b.iota(Shape::new(&[2, cp], DType::S32), 1)?;
+    let ids_wide = b.broadcast_in_dim(ids, &[2, cp], &[0])?;
+    let cv = b.full(c as f64, Shape::new(&[2, cp], DType::S32));
+    let q_pos = b.mul(ids_wide, cv)?;
+    let q_pos = b.add(q_pos, q_rows)?;
+    let y = b.iota(Shape::new(&[nk], DType::S32), 0)?;
+    let cpv = b.full(cp as f64, Shape::new(&[nk], DType::S32));
+    let chunk = b.div(y, cpv)?;
+    let row = b.rem(y, cpv)?;
+    let cv = b.full(c as f64, Shape::new(&[nk], DType::S32));
+    let k_pos = b.mul(chunk, cv)?;
+    let k_pos = b.add(k_pos, row)?;
+    let bs = sd[0];
+    let mask = [bs, 2, cp, nk];
+    let q_pos = b.broadcast_in_dim(q_pos, &mask, &[1, 2])?;
+    let k_pos = b.broadcast_in_dim(k_pos, &mask, &[3])?;
+    let causal = b.compare(k_pos, q_pos, CmpDir::Le)?;
+    let qd = b.broadcast_in_dim(qdocs, &mask, &[0, 1, 2])?;
+    let kd = b.broadcast_in_dim(kdocs, &mask, &[0, 3])?;
+    let in_doc = b.compare(kd, qd, CmpDir::Ge)?;
+    let allowed = b.and(causal, in_doc)?;
+    let allowed = b.broadcast_in_dim(allowed, &sd, &[0, 2, 3, 5])?;
+    let blocked = b.full(f32::MIN as f64, Shape::new(&sd, DType::F32));
+    Ok(b.select(allowed, s, blocked)?)
+}
+
+/// Forward: (q, k, v, query starts, key starts, chunk ids) -> (out, lse).
+fn every_key_forward(site: &Site) -> Result<Func> {
+    let sizes = attention_sizes(site)?;
+    let mut b = Builder::new("every_key");
+    let names = ["q", "k", "v", "query_docs", "key_docs", "chunk_ids"];
+    let p = params(&mut b, site, &names)?;
+    let compute = b.dtype(p[0]);
+    let s = all_scores(&mut b, &p, sizes)?;
+    let sd = b.dims(s).to_vec();
+    let rows: Vec<i64> = (0..5).collect();
+    let m = b.reduce_max(s, &[5])?;
+    let mw = b.broadcast_in_dim(m, &sd, &rows)?;
+    let shifted = b.sub(s, mw)?;
+    let e = b.exp(shifted)?;
+    let l = b.reduce_sum(e, &[5])?;
+    let e = b.convert(e, compute)?;
+    let dims = DotDims {
+        lhs_batch: vec![0, 1],
+        rhs_batch: vec![0, 1],
+        lhs_contract: vec![5],
+        rhs_contract: vec![2],
+    };
+    let ev = b.dot_general(e, p[2], dims, None, Some(DType::F32))?;
+    let od = b.dims(ev).to_vec();
+    let lw = b.broadcast_in_dim(l, &od, &rows)?;
+    let out = b.div(ev, lw)?;
+    let out = b.convert(out, compute)?;
+    let log_l = b.log(l)?;
+    let lse = b.add(m, log_l)?;
+    Ok(b.finish(&[("out", out), ("lse", lse)]))
+}
+
+/// Backward: (q, k, v, query starts, key starts, chunk ids, out, lse, dout) -> (dq, dk, dv).
+fn every_key_backward(site: &Site) -> Result<Func> {
+    let sizes = attention_sizes(site)?;
+    let mut b = Builder::new("every_key_grad");
+    let names = [
+        "q",
+        "k",
+        "v",
+        "query_docs",
+        "key_docs",
+        "chunk_ids",
+        "out",
+        "lse",
+        "dout",
+    ];
+    let p = params(&mut b, site, &names)?;
+    let (q, k, v, out, lse, dout) = (p[0], p[1], p[2], p[6], p[7], p[8]);
+    let compute = b.dtype(q);
+    let s = all_scores(&mut b, &p, sizes)?;
+    let sd = b.dims(s).to_vec();
+    let rows: Vec<i64> = (0..5).collect();
+    let lw = b.broadcast_in_dim(lse, &sd, &rows)?;
+    let shifted = b.sub(s, lw)?;
+    let probs = b.exp(shifted)?;
+    let of = b.convert(out, DType::F32)?;
+    let df = b.convert(dout, DType::F32)?;
+    let prod = b.mul(of, df)?;
+    let delta = b.reduce_sum(prod, &[5])?;
+    let dims = DotDims {
+        lhs_batch: vec![0, 1],
+        rhs_batch: vec![0, 1],
+        lhs_contract: vec![5],
+        rhs_contract: vec![3],
+    };
+    let dp = b.dot_general(dout, v, dims, None, Some(DType::F32))?;
+    let dw = b.broadcast_in_dim(delta, &sd, &rows)?;
+    let centered = b.sub(dp, dw)?;
+    let ds = b.mul(probs, centered)?;
+    let ds = b.mul_scalar(ds, sizes.2)?;
+    let ds = b.convert(ds, compute)?;
+    let probs = b.convert(probs, compute)?;
+    let over_queries = DotDims {
+        lhs_batch: vec![0, 1],
+        rhs_batch: vec![0, 1],
+        lhs_contract: vec![2, 3, 4],
+        rhs_contract: vec![2, 3, 4],
+    };
+    let dv = b.dot_general(probs, dout, over_queries.clone(), None, Some(DType::F32))?;
+    let dk = b.dot_general(ds, q, over_queries, None, Some(DType::F32))?;
+    let dims = DotDims {
+        lhs_batch: vec![0, 1],
+        rhs_batch: vec![0, 1],
+        lhs_contract: vec![5],
+        rhs_contract: vec![2],
+    };
+    let dq = b.dot_general(ds, k, dims, None, Some(DType::F32))?;
+    let dq = b.convert(dq, compute)?;
+    let dk = b.convert(dk, b.dtype(k))?;
+    let dv = b.convert(dv, b.dtype(v))?;
+    Ok(b.finish(&[("dq", dq), ("dk", dk), ("dv", dv)]))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn composite_calls_and_signatures_are_read_from_the_text() {
+        let text = "    %3:2 = stablehlo.composite \"xtrain.attention\" %1, %2 {composite_attributes = {block = 4 : i64, causal = \"balanced_chunk_pairs\", scale = 2.5e-1 : f32}, decomposition = @xtrain.attention.impl, version = 1 : i32} : (tensor<2x3xf32>, tensor<2xi32>) -> (tensor<2x3xbf16>, tensor<2xf32>)\n";
+        let calls = composite_calls(text).unwrap();
+        assert_eq!(calls.len(), 1);
+        let c = &calls[0];
+        assert_eq!(
+            (c.name.as_str(), c.version, c.decomposition.as_str()),
+            ("xtrain.attention", 1, "xtrain.attention.impl")
+        );
+        assert_eq!(c.attributes["block"], AttrValue::Int(4));
+        assert_eq!(c.attributes["scale"], AttrValue::Float(0.25));
+        assert_eq!(
+            c.attributes["causal"],
+            AttrValue::Str("balanced_chunk_pairs".into())
+        );
+        let head = "  func.func private @f(%q: tensor<2x3xf32>, %ids: tensor<2xi32>) -> (tensor<2x3xbf16> {xtrain.name = \"out0\"}, tensor<2xf32> {xtrain.name = \"out1\"}) {\n";
+        let (p, r) = signature(head).unwrap();
+        assert_eq!(
+            p,
+            [
+                Shape::new(&[2, 3], DType::F32),
+                Shape::new(&[2], DType::S32)
+            ]
+        );
+        assert_eq!(
+            r,
+            [
+                Shape::new(&[2, 3], DType::BF16),
+                Shape::new(&[2], DType::F32)
+            ]
+        );
+    }
+
+    #[test]
+    fn unknown_kernels_and_platforms_are_refused_by_name() {
+        let e = chosen(&["fast".into()], "cpu").err().unwrap().to_string();
+        assert!(
+            e.contains("--kernel fast: no such kernel (built in: every-key)"),
+            "{e}"
+        );
+        assert_eq!(chosen(&["every-key".into()], "tpu").unwrap().len(), 2);
+    }
+}

@@ -1,0 +1,64 @@
+//! The program's form as flags: the choices of how the step is written that a user may make
+//! (one default each, the same for every target), said by `xtrain compile` and `xtrain train`.
+
+use crate::program::{Remat, StepSpec};
+
+impl StepSpec {
+    /// The flags of the program's form as the spec has them (the same for every target; see
+    /// docs/architecture.md), so that a user sees what the defaults chose.
+    pub fn form(&self) -> String {
+        let spec = self;
+        let bf16 = spec.compute_dtype == hlo::DType::BF16;
+        let mut flags = Vec::new();
+        if bf16 {
+            let name = |f32_: bool| if f32_ { "f32" } else { "compute" };
+            flags.push(format!(
+                "--matmul-result {}",
+                name(spec.wide_matmul_results)
+            ));
+            flags.push(format!(
+                "--attention-scores {}",
+                name(!spec.narrow_attention_scores)
+            ));
+        }
+        let cp = spec.context_size();
+        match spec.key_block {
+            Some(k) if cp > 1 => {
+                let tb = crate::model::context::key_block(spec.seq, cp, k);
+                let c = spec.seq / (2 * cp);
+                let padded = crate::model::flash::padded(c, tb);
+                let pad = match padded > c {
+                    true => format!(", each padded to {padded}"),
+                    false => String::new(),
+                };
+                flags.push(format!(
+                    "--key-block {k} (blocks of {tb} tokens; the sequence is split into chunks of {c}{pad})"
+                ))
+            }
+            Some(k) => flags.push(format!(
+                "--key-block {k} (blocks of {})",
+                crate::model::flash::key_block(spec.seq, k)
+            )),
+            None => {
+                flags.push("--key-block off".to_string());
+                flags.push(format!(
+                    "--attention-block {}",
+                    crate::model::llama::query_block(spec.seq, spec.attention_block)
+                ));
+            }
+        }
+        if spec.remat == Remat::Layer {
+            flags.push(format!(
+                "--keep-softmax-stats {}",
+                spec.layer_keeps_softmax_stats
+            ));
+        }
+        if spec.mesh.is_some() {
+            flags.push(format!(
+                "--pin-mlp-activations {}",
+                spec.pin_mlp_activations
+            ));
+        }
+        flags.join(", ")
+    }
+}

@@ -1,0 +1,177 @@
+//! `--kernel NAME`: a kernel compiled in place of the program's composite ops (attention over
+//! key blocks), the program's text unchanged, the run and the build saying what was replaced.
+
+mod common;
+use common::*;
+use std::path::{Path, PathBuf};
+
+fn examples(path: &Path, n: usize) -> PathBuf {
+    let s: String = (0..n)
+        .map(|i| format!("{{\"instruction\": \"Say {i}\", \"output\": \"{i}!\"}}\n"))
+        .collect();
+    std::fs::write(path, s).unwrap();
+    path.to_path_buf()
+}
+
+const FLAGS: &[&str] = &[
+    "--steps",
+    "3",
+    "--batch-size",
+    "2",
+    "--seq",
+    "40",
+    "--lora-r",
+    "4",
+    "--key-block",
+    "8",
+    "--log-every",
+    "1",
+    "--no-plot",
+];
+
+/// The losses of a run's `metrics.jsonl`, in step order.
+fn losses(out: &Path) -> Vec<f64> {
+    std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?["loss"].as_f64())
+        .collect()
+}
+
+/// The reference kernel in place of the key-block loops trains as they do: the same losses
+/// within f32 rounding of another summation order (1e-5 relative), and the run says which
+/// composites it replaced.
+#[test]
+fn a_run_with_a_kernel_trains_as_the_loops_do_and_says_so() {
+    let dir = tempdir("kernel-run");
+    let model = tiny_text_model(&dir);
+    let data = examples(&dir.join("d.jsonl"), 12);
+    let run = |name: &str, extra: &[&str]| {
+        let out = dir.join(name);
+        let o = train_cmd(&model, &data, &out)
+            .args(FLAGS)
+            .args(extra)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr).to_string();
+        assert!(o.status.success(), "{err}");
+        (losses(&out), err)
+    };
+    let (loops, said) = run("loops", &[]);
+    assert!(said.contains("--key-block 8 (blocks of 8)"), "{said}");
+    let (kernel, said) = run("kernel", &["--kernel", "every-key"]);
+    assert!(
+        said.contains(
+            "kernels in place of composites: xtrain.attention v1 -> every-key, \
+             xtrain.attention_grad v1 -> every-key (the program's text is unchanged)"
+        ),
+        "{said}"
+    );
+    assert_eq!(loops.len(), 3);
+    for (a, b) in loops.iter().zip(&kernel) {
+        assert!(
+            (a - b).abs() <= 1e-5 * a.abs(),
+            "{loops:?} against {kernel:?}"
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_kernel_that_is_unknown_or_replaces_nothing_is_refused() {
+    let dir = tempdir("kernel-refused");
+    let model = tiny_text_model(&dir);
+    let data = examples(&dir.join("d.jsonl"), 4);
+    let m = model.to_str().unwrap();
+    let d = data.to_str().unwrap();
+    let out = dir.join("out");
+    let o = out.to_str().unwrap();
+    let base = [
+        "train",
+        "--model",
+        m,
+        "--data",
+        d,
+        "--out",
+        o,
+        "--steps",
+        "1",
+        "--seq",
+        "40",
+        "--batch-size",
+        "2",
+    ];
+    let e = fails(&[&base[..], &["--key-block", "8", "--kernel", "fast"]].concat());
+    assert!(
+        e.contains("--kernel fast: no such kernel (built in: every-key)"),
+        "{e}"
+    );
+    let e = fails(&[&base[..], &["--key-block", "off", "--kernel", "every-key"]].concat());
+    assert!(
+        e.contains("--kernel every-key: the program has no composite it implements"),
+        "{e}"
+    );
+    assert!(!out.exists(), "a refused run writes nothing");
+    let e = fails(&[
+        "compile",
+        "--model",
+        m,
+        "--batch",
+        "2",
+        "--seq",
+        "24",
+        "--key-block",
+        "4",
+        "--kernel",
+        "every-key",
+        "--out",
+        o,
+    ]);
+    assert!(e.contains("add --check"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `compile --check --kernel`: the program dir's text is the one compiled without the kernel,
+/// and its build records the kernel.
+#[test]
+fn a_build_records_its_kernels_and_the_program_stays_the_same() {
+    let dir = tempdir("kernel-build");
+    let m = fixtures().join("model");
+    let m = m.to_str().unwrap();
+    let compile = |name: &str, extra: &[&str]| -> serde_json::Value {
+        let out = dir.join(name);
+        let args = [
+            &[
+                "compile",
+                "--model",
+                m,
+                "--batch",
+                "2",
+                "--seq",
+                "24",
+                "--key-block",
+                "4",
+                "--check",
+                "--out",
+            ][..],
+            &[out.to_str().unwrap()],
+            extra,
+        ]
+        .concat();
+        let o = xtrain(&args);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        serde_json::from_str(&std::fs::read_to_string(out.join("manifest.json")).unwrap()).unwrap()
+    };
+    let plain = compile("plain", &[]);
+    let with = compile("with", &["--kernel", "every-key"]);
+    assert_eq!(plain["program_sha256"], with["program_sha256"]);
+    assert!(plain["builds"][0].get("kernels").is_none(), "{plain}");
+    assert_eq!(
+        with["builds"][0]["kernels"],
+        serde_json::json!([
+            {"composite": "xtrain.attention", "version": 1, "kernel": "every-key"},
+            {"composite": "xtrain.attention_grad", "version": 1, "kernel": "every-key"}
+        ])
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
