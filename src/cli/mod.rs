@@ -101,6 +101,18 @@ fn parse() -> (Cli, clap::ArgMatches, Option<Recipe>) {
     let cmd = config::COMMANDS.iter().fold(Cli::command(), |c, name| {
         c.mut_subcommand(*name, |s| s.args_override_self(true))
     });
+    // `--lr -1` is a value out of range, said by name, not an "unexpected argument '-1'".
+    let cmd = cmd.mut_subcommands(|s| {
+        s.mut_args(|a| {
+            let takes =
+                a.get_action().takes_values() && a.get_num_args().is_none_or(|n| n.takes_values());
+            if takes && !a.is_positional() {
+                a.allow_negative_numbers(true)
+            } else {
+                a
+            }
+        })
+    });
     let expanded = match config::expand(std::env::args_os().collect(), &cmd) {
         Ok(e) => e,
         Err(e) => {

@@ -20,20 +20,50 @@ impl Batch {
         (self.input_ids.dims[0], self.input_ids.dims[1])
     }
 
-    /// Tokens that carry a loss (labels != -100, excluding the first position).
+    /// Tokens that carry a loss: the labels of [`Batch::loss_labels`] that are not -100.
     pub fn target_tokens(&self) -> i64 {
-        let labels = self.labels.to_i32().unwrap_or_default();
+        let labels = self.loss_labels().to_i32().unwrap_or_default();
+        labels.iter().filter(|&&l| l != -100).count() as i64
+    }
+
+    /// The labels the step's loss sees: `labels` with -100 (no loss) wherever the token before
+    /// is not of the same document: a row's first position, padding (`attention_mask` 0), the
+    /// first token after padding, and a document's first token in a packed row (its mask value
+    /// differs from the one before; see `data::rows`). A row's first token is never predicted,
+    /// and the last token of one document does not predict the first of the next, whatever the
+    /// labels say there: a user's `labels = input_ids` trains as Hugging Face's
+    /// `DataCollatorWithFlattening` (which writes -100 there) does. Every batch the trainer runs
+    /// goes through here.
+    pub fn loss_labels(&self) -> HostTensor {
+        let (Ok(labels), Ok(mask)) = (self.labels.to_i32(), self.attention_mask.to_i32()) else {
+            return self.labels.clone();
+        };
         let t = self.dims().1 as usize;
-        labels
+        let masked: Vec<i32> = labels
             .iter()
             .enumerate()
-            .filter(|(i, &l)| i % t != 0 && l != -100)
-            .count() as i64
+            .map(|(i, &l)| {
+                let same_document = i % t != 0 && mask[i] != 0 && mask[i] == mask[i - 1];
+                if same_document {
+                    l
+                } else {
+                    -100
+                }
+            })
+            .collect();
+        HostTensor::from_i32(&masked, &self.labels.dims)
     }
 
     /// Read a pre-tokenized batch (`input_ids`, `labels`, optional `attention_mask`) from a
     /// safetensors file; integer types are converted to s32.
     pub fn from_safetensors(path: &Path) -> Result<Batch> {
+        Ok(Batch::read(path)?.0)
+    }
+
+    /// [`Batch::from_safetensors`], with what the run should say about the file: that it has no
+    /// `attention_mask` (taken as all ones), and how many of its labels carry no loss because
+    /// of where they are (see [`Batch::loss_labels`]).
+    pub fn read(path: &Path) -> Result<(Batch, Vec<String>)> {
         let st = SafeTensors::open(path)?;
         let get = |name: &str| -> Result<HostTensor> {
             let t = st.read(name)?;
@@ -44,7 +74,16 @@ impl Batch {
                     t.dims
                 );
             }
-            convert(&t, ElementType::S32).with_context(|| format!("{}: `{name}`", path.display()))
+            use ElementType::{S32, S64, S8, U32, U8};
+            if !matches!(t.ty, S64 | S32 | U32 | S8 | U8) {
+                bail!(
+                    "{}: `{name}` holds {} values, but token ids, labels and attention masks are \
+                     whole numbers: save it as I64 (torch.long) or I32",
+                    path.display(),
+                    crate::formats::safetensors::dtype_name(t.ty)
+                );
+            }
+            convert(&t, S32).with_context(|| format!("{}: `{name}`", path.display()))
         };
         let input_ids = get("input_ids")?;
         let labels = if st.tensors.contains_key("labels") {
@@ -52,9 +91,15 @@ impl Batch {
         } else {
             input_ids.clone()
         };
+        let mut notes = Vec::new();
         let attention_mask = if st.tensors.contains_key("attention_mask") {
             get("attention_mask")?
         } else {
+            notes.push(format!(
+                "{} has no `attention_mask`: taken as all ones (every token real, one document \
+                 per row)",
+                path.display()
+            ));
             HostTensor::from_i32(&vec![1; input_ids.element_count()], &input_ids.dims)
         };
         for (name, t) in [("labels", &labels), ("attention_mask", &attention_mask)] {
@@ -69,11 +114,33 @@ impl Batch {
         }
         check_documents(&attention_mask.to_i32()?, input_ids.dims[1] as usize)
             .map_err(|e| anyhow::anyhow!("{}: `attention_mask` {e}", path.display()))?;
-        Ok(Batch {
+        let batch = Batch {
             input_ids,
             labels,
             attention_mask,
-        })
+        };
+        let (given, trained) = (batch.given_targets(), batch.target_tokens());
+        if given > trained {
+            notes.push(format!(
+                "{}: {} of its {given} labels after a row's first position are at a document's \
+                 first token or on padding (by `attention_mask`): they carry no loss, since no \
+                 token of the same document predicts them",
+                path.display(),
+                given - trained
+            ));
+        }
+        Ok((batch, notes))
+    }
+
+    /// Labels after each row's first position that are not -100.
+    fn given_targets(&self) -> i64 {
+        let labels = self.labels.to_i32().unwrap_or_default();
+        let t = self.dims().1 as usize;
+        labels
+            .iter()
+            .enumerate()
+            .filter(|(i, &l)| i % t != 0 && l != -100)
+            .count() as i64
     }
 
     /// Check token ids and labels against the vocabulary (a label may also be -100, no loss),
@@ -103,8 +170,9 @@ impl Batch {
         }
         if self.target_tokens() == 0 {
             bail!(
-                "no position carries a loss: every label after each row's first position is -100 \
-                 (the first position's label is never predicted)"
+                "no position carries a loss: every label after each row's first position is -100, \
+                 on padding (`attention_mask` 0) or at a document's first token (the first \
+                 token of a row or of a document is never predicted)"
             );
         }
         Ok(())
@@ -120,13 +188,31 @@ fn check_documents(mask: &[i32], seq: usize) -> std::result::Result<(), String> 
         for (t, &v) in values.iter().enumerate() {
             let before = if t > 0 { values[t - 1] } else { 0 };
             let one_document = v == 1 && before <= 1;
-            if !(v == 0 || one_document || v == t as i32 + 1 || (t > 0 && v == before)) {
-                return Err(format!(
-                    "holds {v} at row {row}, position {t}: expected 0 (padding), 1, {} (a \
-                     document starting there) or the value before it (its document going on)",
-                    t + 1
-                ));
+            if v == 0 || one_document || v == t as i32 + 1 || (t > 0 && v == before) {
+                continue;
             }
+            let mut allowed = vec!["0 (padding)".to_string()];
+            if before <= 1 {
+                allowed.push("1".into());
+            }
+            allowed.push(format!("{} (a document starting there)", t + 1));
+            if before > 1 {
+                allowed.push(format!("{before} (its document going on)"));
+            }
+            let last = allowed.pop().expect("two at least");
+            let why = if v == 1 {
+                format!(
+                    " (1 marks a document starting at the row's first token, which cannot \
+                     start again after the document starting at position {} has)",
+                    before - 1
+                )
+            } else {
+                String::new()
+            };
+            return Err(format!(
+                "holds {v} at row {row}, position {t}: expected {} or {last}{why}",
+                allowed.join(", ")
+            ));
         }
     }
     Ok(())
@@ -149,7 +235,45 @@ pub fn batch(rows: &[&Row]) -> Batch {
 
 #[cfg(test)]
 mod tests {
-    use super::check_documents;
+    use super::{check_documents, Batch};
+    use pjrt::HostTensor;
+
+    fn batch(ids: &[i32], labels: &[i32], mask: &[i32], t: i64) -> Batch {
+        let dims = [ids.len() as i64 / t, t];
+        Batch {
+            input_ids: HostTensor::from_i32(ids, &dims),
+            labels: HostTensor::from_i32(labels, &dims),
+            attention_mask: HostTensor::from_i32(mask, &dims),
+        }
+    }
+
+    /// `labels = input_ids` on packed rows: a document's first token (row 0, position 3; row 1,
+    /// position 4), padding (row 0's end, row 1's start) and the first token after padding
+    /// (row 1, position 2) carry no loss, as Hugging Face's `DataCollatorWithFlattening` writes
+    /// -100 there; -100 given elsewhere stays.
+    #[test]
+    fn labels_at_a_documents_first_token_or_on_padding_carry_no_loss() {
+        let ids: Vec<i32> = (10..22).collect();
+        let mut labels = ids.clone();
+        labels[8] = -100;
+        let mask = [1, 1, 1, 4, 4, 0, 0, 0, 3, 3, 5, 5];
+        let b = batch(&ids, &labels, &mask, 6);
+        let got = b.loss_labels().to_i32().unwrap();
+        let n = -100;
+        assert_eq!(got, [n, 11, 12, n, 14, n, n, n, n, 19, n, 21]);
+        assert_eq!(b.target_tokens(), 5);
+        assert_eq!(b.given_targets(), 9);
+    }
+
+    /// A batch whose only labels are on padding or at documents' first tokens has no target:
+    /// refused as having no loss (it trained on them).
+    #[test]
+    fn a_batch_whose_labels_are_all_on_padding_or_document_starts_has_no_loss() {
+        let ids = [5, 6, 7, 8, 9, 10];
+        let b = batch(&ids, &ids, &[1, 2, 3, 0, 0, 0], 6);
+        let e = b.check_vocab(32).unwrap_err().to_string();
+        assert!(e.contains("no position carries a loss"), "{e}");
+    }
 
     #[test]
     fn masks_of_one_document_and_of_packed_documents_are_taken() {
@@ -170,8 +294,14 @@ mod tests {
             e.contains("holds 7 at row 1, position 3") && e.contains("expected 0"),
             "{e}"
         );
+        // The refused value is not among those the message allows.
         let e = check_documents(&[1, 1, 3, 3, 1, 1], 6).unwrap_err();
-        assert!(e.contains("holds 1 at row 0, position 4"), "{e}");
+        assert_eq!(
+            e,
+            "holds 1 at row 0, position 4: expected 0 (padding), 5 (a document starting there) \
+             or 3 (its document going on) (1 marks a document starting at the row's first \
+             token, which cannot start again after the document starting at position 2 has)"
+        );
         assert!(check_documents(&[-1, 0], 2).is_err());
     }
 }

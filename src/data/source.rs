@@ -74,10 +74,13 @@ pub struct TrainingData {
 /// pre-tokenized batch file, or JSONL examples made into rows, with held-out evaluation batches.
 pub fn load(opts: &DataOptions, model_dir: &Path, cfg: &LlamaConfig) -> Result<TrainingData> {
     if opts.is_batch_file() {
-        let batch = Batch::from_safetensors(&opts.path)?;
+        let (batch, notes) = Batch::read(&opts.path)?;
         batch
             .check_vocab(cfg.vocab_size)
             .map_err(|e| anyhow::anyhow!("{}: {e}", opts.path.display()))?;
+        for n in notes {
+            eprintln!("xtrain: note: {n}");
+        }
         let (rows, seq) = batch.dims();
         if opts.eval_fraction > 0.0 {
             bail!("--eval-fraction holds out JSONL examples; {} is one pre-tokenized batch (evaluate with --eval-data FILE.jsonl)", opts.path.display());
@@ -88,10 +91,13 @@ pub fn load(opts: &DataOptions, model_dir: &Path, cfg: &LlamaConfig) -> Result<T
             Some(p) => {
                 let tok = load_tokenizer(model_dir, cfg)?;
                 let eval_ex = read_rows(p, &tok, opts)?;
-                eval_batches(
-                    &eval_rows(&eval_ex, p, opts, seq as usize, &tok)?,
-                    rows as usize,
-                )
+                // The length is the batch's, not a --seq the user gave.
+                let length = format!(
+                    "the {seq} tokens of {}'s rows",
+                    opts.path.file_name().unwrap_or_default().to_string_lossy()
+                );
+                let held_out = eval_rows(&eval_ex, p, opts, (seq as usize, &length), &tok)?;
+                eval_batches(&held_out, rows as usize)
             }
         };
         return Ok(TrainingData {
@@ -156,7 +162,16 @@ pub fn load(opts: &DataOptions, model_dir: &Path, cfg: &LlamaConfig) -> Result<T
             batch: b,
             order: None,
         },
-        eval_batches: eval_batches(&eval_rows(&eval_ex, &eval_from, opts, seq, &tok)?, b),
+        eval_batches: eval_batches(
+            &eval_rows(
+                &eval_ex,
+                &eval_from,
+                opts,
+                (seq, &format!("--seq {seq}")),
+                &tok,
+            )?,
+            b,
+        ),
         batch: b as i64,
         seq: seq as i64,
     })
@@ -175,14 +190,15 @@ fn load_tokenizer(model_dir: &Path, cfg: &LlamaConfig) -> Result<TextTokenizer> 
     Ok(tok)
 }
 
-/// Held-out examples as rows of `seq` tokens, one example per row (never packed, so that
-/// accuracy is per example). An example cut to `seq` is counted and reported, or an error with
+/// Held-out examples as rows of `seq` tokens (the messages name that length as `length`: `--seq
+/// 64`, or the length of a pre-tokenized batch's rows), one example per row (never packed, so
+/// that accuracy is per example). An example cut to `seq` is counted and reported, or an error with
 /// `--strict-length`; one with no target token left is left out and reported.
 fn eval_rows(
     eval_ex: &[Tokenized],
     from: &Path,
     opts: &DataOptions,
-    seq: usize,
+    (seq, length): (usize, &str),
     tok: &TextTokenizer,
 ) -> Result<Vec<Row>> {
     if eval_ex.is_empty() {
@@ -193,20 +209,20 @@ fn eval_rows(
     let n = eval_ex.len();
     if report.truncated > 0 {
         eprintln!(
-            "xtrain: eval: truncated {} of {n} examples to --seq {seq} (their loss and accuracy see only the first {seq} tokens; --strict-length refuses them)",
+            "xtrain: eval: truncated {} of {n} examples to {length} (their loss and accuracy see only the first {seq} tokens; --strict-length refuses them)",
             report.truncated
         );
     }
     if report.dropped_empty > 0 {
         eprintln!(
-            "xtrain: eval: left out {} of {n} examples with no target token within --seq {seq}; evaluating on {}",
+            "xtrain: eval: left out {} of {n} examples with no target token within {length}; evaluating on {}",
             report.dropped_empty,
             rows.len()
         );
     }
     if rows.is_empty() {
         bail!(
-            "{}: none of the {n} evaluation examples has a target token within --seq {seq}",
+            "{}: none of the {n} evaluation examples has a target token within {length}",
             from.display()
         );
     }

@@ -318,7 +318,7 @@ impl Trainer {
             self.put("step", &HostTensor::from_f32(&[t as f32], &[]))?,
             self.put("lr", &HostTensor::from_f32(&[lr as f32], &[]))?,
             self.put_rows("input_ids", &batch.input_ids)?,
-            self.put_rows("labels", &batch.labels)?,
+            self.put_rows("labels", &batch.loss_labels())?,
             self.put_rows("attention_mask", &batch.attention_mask)?,
         ];
         if self.spec.lora.dropout > 0.0 {
@@ -401,7 +401,7 @@ impl Trainer {
         for batch in batches {
             let inputs = [
                 self.put("input_ids", &batch.input_ids)?,
-                self.put("labels", &batch.labels)?,
+                self.put("labels", &batch.loss_labels())?,
                 self.put("attention_mask", &batch.attention_mask)?,
             ];
             let args: Vec<Vec<&Buffer>> = (0..self.devices())
@@ -431,7 +431,7 @@ impl Trainer {
             };
             let ce = gather(0)?;
             let correct = gather(1)?;
-            let lab = batch.labels.to_i32()?;
+            let lab = batch.loss_labels().to_i32()?;
             let t = batch.dims().1 as usize;
             for r in 0..batch.dims().0 as usize {
                 let mut all = true;

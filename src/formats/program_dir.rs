@@ -386,7 +386,7 @@ pub fn write_build(
 /// A program dir's builds (none when `xtrain compile` ran without `--check`), checked against
 /// its manifest when their executables are read ([`read_executable`]).
 pub fn read_builds(dir: &Path) -> Result<Vec<Build>> {
-    Ok(read_manifest(dir)?.builds)
+    Ok(read_manifest(dir, None)?.builds)
 }
 
 /// The executable of `build`, one of the program dir `dir`'s, if its bytes match the manifest.
@@ -412,7 +412,9 @@ pub fn read_executable(dir: &Path, build: &Build) -> Result<Vec<u8>> {
     Ok(bytes)
 }
 
-fn read_manifest(dir: &Path) -> Result<Manifest> {
+/// The manifest of program dir `dir`, checked; `model` (the run's `--model`, when known) goes
+/// into the advice to compile it again.
+fn read_manifest(dir: &Path, model: Option<&Path>) -> Result<Manifest> {
     let mpath = dir.join("manifest.json");
     let text = std::fs::read_to_string(&mpath).with_context(|| {
         format!(
@@ -436,9 +438,11 @@ fn read_manifest(dir: &Path) -> Result<Manifest> {
         bail!(
             "{} was edited after `xtrain compile` wrote it: its settings (spec, arguments, \
              results) hash to {want}, but it says {}; the program was built from the settings \
-             as they were. Compile again with the settings you want (`xtrain compile --out {}`)",
+             as they were. Compile again with the settings you want: `xtrain compile --model \
+             {} --out {} --overwrite` and their flags",
             mpath.display(),
             m.settings_sha256,
+            model.map_or("MODEL".into(), crate::formats::shell::path),
             crate::formats::shell::path(dir)
         );
     }
@@ -452,7 +456,7 @@ pub fn read_dir_for_model(
     cfg: &LlamaConfig,
     model: &Path,
 ) -> Result<(Program, StepSpec)> {
-    let (program, spec) = read_dir(dir)?;
+    let (program, spec) = read_dir_of(dir, Some(model))?;
     if &spec.model != cfg {
         bail!(
             "program dir {} was built for another model (its config differs from {})",
@@ -465,7 +469,12 @@ pub fn read_dir_for_model(
 
 /// Read a program directory, checking the program text against the manifest's hash.
 pub fn read_dir(dir: &Path) -> Result<(Program, StepSpec)> {
-    let m = read_manifest(dir)?;
+    read_dir_of(dir, None)
+}
+
+/// [`read_dir`] for a run of `model` (named in the advice when the manifest was edited).
+fn read_dir_of(dir: &Path, model: Option<&Path>) -> Result<(Program, StepSpec)> {
+    let m = read_manifest(dir, model)?;
     let ppath = dir.join("train_step.mlir");
     let program = std::fs::read_to_string(&ppath)
         .with_context(|| format!("cannot read {}", ppath.display()))?;
@@ -498,7 +507,7 @@ mod tests {
     fn a_manifest_written_before_the_flag_names_still_reads() {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("tests/fixtures/formats-2026-12-03");
-        let m = read_manifest(&dir).unwrap();
+        let m = read_manifest(&dir, None).unwrap();
         let s = &m.spec;
         assert_eq!(s.dtype, hlo::DType::BF16);
         assert_eq!(s.quant, Quant::Nf4);
@@ -534,7 +543,7 @@ mod tests {
         let edited = text.replace("\"microbatches\": 1", "\"microbatches\": 2");
         assert_ne!(text, edited);
         std::fs::write(dir.join("manifest.json"), edited).unwrap();
-        let e = format!("{:#}", read_manifest(&dir).err().unwrap());
+        let e = format!("{:#}", read_manifest(&dir, None).err().unwrap());
         let _ = std::fs::remove_dir_all(&dir);
         assert!(
             e.contains("was edited after `xtrain compile` wrote it"),

@@ -49,6 +49,11 @@ fn element_type(d: Dtype) -> Option<ElementType> {
     })
 }
 
+/// The name safetensors (and its Python readers) give an element type: `F32`, `I64`, ...
+pub fn dtype_name(ty: ElementType) -> String {
+    format!("{:?}", st_dtype(ty))
+}
+
 fn st_dtype(ty: ElementType) -> Dtype {
     match ty {
         ElementType::Pred => Dtype::BOOL,

@@ -13,8 +13,8 @@ use crate::model::config::LlamaConfig;
 use crate::model::forward::mask_scores;
 pub use crate::model::forward::{Numerics, Placement, Saves};
 use crate::model::lora::Target;
-use crate::model::{context, flash};
-use hlo::{Builder, CmpDir, DType, DotDims, Result, Shape, Value};
+use crate::model::{context, dropout, flash};
+use hlo::{Builder, DType, DotDims, Result, Shape, Value};
 use std::collections::BTreeMap;
 
 /// The frozen weights of one decoder layer (HF layout: projections are [out, in]).
@@ -74,19 +74,8 @@ pub struct LayerContext {
     /// [`Llama::context`]). The mask is built from it where the scores are (see [`attend`]).
     pub doc_starts: Value,
     pub lora_scale: f64,
-    /// (probability, this layer's RNG state `tensor<2xui64>`) when LoRA dropout is on; the state
-    /// advances through the layer's projections.
+    /// (probability, this layer's key, see [`dropout::layer_key`]) when LoRA dropout is on.
     pub dropout: Option<(f64, Value)>,
-}
-
-/// The per-layer RNG state for dropout: the step's key with the layer index added to its second
-/// word, so a layer draws the same masks when it is recomputed.
-pub fn layer_key(b: &mut Builder, key: Value, layer: Value) -> Result<Value> {
-    let l = b.convert(layer, DType::U64)?;
-    let l = b.reshape(l, &[1])?;
-    let zero = b.zeros(Shape::new(&[1], DType::U64));
-    let offset = b.concatenate(&[zero, l], 0)?;
-    b.add(key, offset)
 }
 
 /// Builds the forward pass of one model config into a builder.
@@ -388,7 +377,7 @@ impl Llama<'_> {
             b.push_scope(&format!("layers.{l}"));
             if let Some((p, key)) = dropout {
                 let idx = b.scalar(l as f64, DType::S32);
-                ctx.dropout = Some((p, layer_key(b, key, idx)?));
+                ctx.dropout = Some((p, dropout::layer_key(b, key, idx)?));
             }
             h = self.layer(
                 b,
@@ -426,14 +415,19 @@ impl Llama<'_> {
     /// Each token's position in its document, [B, T] s32: its index in the row less where its
     /// document starts (padding, `doc_starts` -1, counts from the row's start).
     fn positions(&self, b: &mut Builder, doc_starts: Value) -> Result<Value> {
-        let index = b.iota(b.shape(doc_starts).clone(), 1)?;
-        // Rows in balanced order keep their natural index.
-        let index = match self.context {
-            Some(cs) => context::to_balanced(b, index, cs.size)?,
-            None => index,
-        };
+        let index = self.natural_positions(b, b.shape(doc_starts).clone())?;
         let starts = starts_or_zero(b, doc_starts)?;
         b.sub(index, starts)
+    }
+
+    /// Each token's natural index in its row, [B, T] (`shape`), in the layers' order of the
+    /// sequence: tokens in balanced order keep their natural index.
+    fn natural_positions(&self, b: &mut Builder, shape: Shape) -> Result<Value> {
+        let index = b.iota(shape, 1)?;
+        match self.context {
+            Some(cs) => context::to_balanced(b, index, cs.size),
+            None => Ok(index),
+        }
     }
 
     /// cos and sin tables [B, T, D] for positions [B, T], in the split-half layout.
@@ -494,11 +488,11 @@ impl Llama<'_> {
             let Some(pair) = lora.get(&target).copied() else {
                 return Ok(y);
             };
-            let x_in = match &mut ctx.dropout {
-                Some((p, state)) => {
-                    let (next, kept) = dropout(b, x, *p, *state)?;
-                    *state = next;
-                    kept
+            let x_in = match ctx.dropout {
+                Some((p, key)) => {
+                    let (bs, t) = (b.dims(x)[0], b.dims(x)[1]);
+                    let positions = self.natural_positions(b, Shape::new(&[bs, t], DType::S32))?;
+                    dropout::apply(b, x, p, key, target, positions)?
                 }
                 None => x,
             };
@@ -650,23 +644,6 @@ pub fn softmax_parts_last(
     let s = b.reduce_sum(e, &[last])?;
     let s = saves.point(b, &names("sum"), s)?;
     Ok((e, s))
-}
-
-/// Inverted dropout on x: keep each element with probability 1-p and scale by 1/(1-p).
-/// Returns the advanced RNG state and the result.
-fn dropout(b: &mut Builder, x: Value, p: f64, state: Value) -> Result<(Value, Value)> {
-    let s = b.shape(x).clone();
-    let (next, bits) = b.rng_bit_generator(state, s.with_dtype(DType::U32))?;
-    // Uniform in [0, 1) from the top 24 bits.
-    let eight = b.full(8.0, s.with_dtype(DType::U32));
-    let top = b.shift_right_logical(bits, eight)?;
-    let u = b.convert(top, DType::F32)?;
-    let u = b.mul_scalar(u, 1.0 / (1u32 << 24) as f64)?;
-    let thresh = b.full(p, s.with_dtype(DType::F32));
-    let keep = b.compare(u, thresh, CmpDir::Ge)?;
-    let scaled = b.mul_scalar(x, 1.0 / (1.0 - p))?;
-    let zero = b.zeros_like(x);
-    Ok((next, b.select(keep, scaled, zero)?))
 }
 
 /// The pieces of the layer on small inputs, each against the equation computed here directly

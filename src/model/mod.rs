@@ -7,6 +7,7 @@
 
 pub mod config;
 pub mod context;
+pub mod dropout;
 pub mod flash;
 pub mod forward;
 pub mod llama;

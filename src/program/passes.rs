@@ -2,7 +2,8 @@
 //! layers that keeps each layer's input), the backward loop that recomputes each layer and
 //! applies its vjp, the loss in chunks, and the microbatch loop of gradient accumulation.
 
-use crate::model::llama::{layer_key, BaseWeights, LayerAdapters, LayerContext, Saves};
+use crate::model::dropout::{layer_key, pass_key};
+use crate::model::llama::{BaseWeights, LayerAdapters, LayerContext, Saves};
 use crate::model::lora::Target;
 use crate::model::loss::{cross_entropy_loss_and_grad, next_token_targets};
 use crate::model::tensors::projection_dims;
@@ -435,6 +436,13 @@ impl Layout<'_> {
         let denom = self.denominator(b, labels)?;
         let micro = self.spec.grad_accum;
         if micro <= 1 {
+            let key = match key {
+                Some(k) => {
+                    let first_row = b.scalar(0.0, DType::U64);
+                    Some(pass_key(b, k, first_row)?)
+                }
+                None => None,
+            };
             return self.loss_and_grads(b, m, ids, labels, mask, key, denom);
         }
         let rows = self.spec.batch / micro;
@@ -459,15 +467,11 @@ impl Layout<'_> {
                 slice(bb, inv[nm + 1])?,
                 slice(bb, inv[nm + 2])?,
             );
-            // Each microbatch draws its own dropout masks: offset the key's first word.
+            // A microbatch's rows draw the masks they draw in the whole batch (model::dropout).
             let key = match key {
                 Some(_) => {
-                    let k = inv[nm + 4];
-                    let mi = bb.convert(i, DType::U64)?;
-                    let mi = bb.reshape(mi, &[1])?;
-                    let z = bb.zeros(Shape::new(&[1], DType::U64));
-                    let off = bb.concatenate(&[mi, z], 0)?;
-                    Some(bb.add(k, off)?)
+                    let first_row = bb.convert(start, DType::U64)?;
+                    Some(pass_key(bb, inv[nm + 4], first_row)?)
                 }
                 None => None,
             };

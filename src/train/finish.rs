@@ -6,9 +6,10 @@ use crate::train::checkpoint::resume_command;
 use crate::train::options::TrainOptions;
 use crate::train::output::RunDir;
 use anyhow::{bail, Context, Result};
+use std::io::Write;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 /// How a run's invocation ended, short of an error.
 pub(super) enum Finished {
@@ -41,26 +42,7 @@ pub(super) fn end(opts: &TrainOptions, out: &mut RunDir, finished: Result<Finish
             Ok(())
         }
         Ok(Finished::Interrupted(saved)) => {
-            match saved {
-                Some(dir) => eprintln!(
-                    "\nxtrain: interrupted; saved {} (continue with `{}`)",
-                    dir.display(),
-                    resume_command(&dir)
-                ),
-                None => {
-                    let again = opts
-                        .resume
-                        .as_ref()
-                        .map(|c| format!(" (continue with `{}`)", resume_command(c)))
-                        .unwrap_or_default();
-                    eprintln!(
-                        "\nxtrain: interrupted before a step was taken; nothing new to save{again}"
-                    );
-                }
-            }
-            if let Some(note) = out.failed() {
-                eprintln!("xtrain: {note}");
-            }
+            say_interrupted(opts, out, saved, "before a step was taken");
             std::process::exit(130);
         }
         Err(e) => match out.failed() {
@@ -68,6 +50,55 @@ pub(super) fn end(opts: &TrainOptions, out: &mut RunDir, finished: Result<Finish
             None => Err(e),
         },
     }
+}
+
+/// Say that a signal ended the run, with the checkpoint it saved (None: none, `when` says
+/// when it came) and the command that continues it, and settle the output dir.
+fn say_interrupted(opts: &TrainOptions, out: &mut RunDir, saved: Option<PathBuf>, when: &str) {
+    match saved {
+        Some(dir) => eprintln!(
+            "\nxtrain: interrupted; saved {} (continue with `{}`)",
+            dir.display(),
+            resume_command(&dir)
+        ),
+        None => {
+            let again = opts
+                .resume
+                .as_ref()
+                .map(|c| format!(" (continue with `{}`)", resume_command(c)))
+                .unwrap_or_default();
+            eprintln!("\nxtrain: interrupted {when}; nothing new to save{again}");
+        }
+    }
+    if let Some(note) = out.failed() {
+        eprintln!("xtrain: {note}");
+    }
+}
+
+/// What the first signal does during a phase with no safe point (see [`Signals::abandonable`]);
+/// it ends the process.
+pub(super) type Abandon = Box<dyn FnOnce() + Send>;
+
+/// Abandon the run during `phase` (`compiling the step`): say so as an interrupted run before
+/// its first step, settle the output dir and end the process with code 130, at once: the
+/// phase's thread is inside the plugin, so the process ends without running exit handlers
+/// under it (as a second Ctrl-C does).
+pub(super) fn abandon(opts: &TrainOptions, out: &Arc<Mutex<RunDir>>, phase: &str) -> Abandon {
+    let (opts, out, when) = (
+        opts.clone(),
+        out.clone(),
+        format!("while {phase} (abandoned it)"),
+    );
+    Box::new(move || {
+        say_interrupted(&opts, &mut locked(&out), None, &when);
+        let _ = std::io::stderr().flush();
+        signal_hook::low_level::exit(130);
+    })
+}
+
+/// A mutex's value, also after a thread panicked holding it.
+pub(super) fn locked<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// The steps of this invocation that `--skip-nonfinite-steps` skipped (of `taken`, from step
@@ -92,10 +123,38 @@ pub(super) fn check_skipped(skipped: u64, taken: u64, first: u64) -> Result<()> 
     Ok(())
 }
 
+/// How a run hears SIGINT and SIGTERM (see [`stop_on_signals`]).
+pub(super) struct Signals {
+    /// Set by the first signal: the run stops at the next safe point.
+    pub interrupted: Arc<AtomicBool>,
+    /// What the first signal does instead, while a phase without a safe point runs.
+    abandon: Arc<Mutex<Option<Abandon>>>,
+}
+
+impl Signals {
+    /// Whether a signal asked the run to stop.
+    pub fn stop(&self) -> bool {
+        self.interrupted.load(Ordering::SeqCst)
+    }
+
+    /// Run `phase`, which has no safe point to stop at (compiling the step is one call into the
+    /// plugin, minutes on a large program, that nothing interrupts), so that a signal during it
+    /// (or before it, not yet acted on) runs `abandon` at once, which ends the process. Nothing
+    /// is lost: no step was taken.
+    pub fn abandonable<R>(&self, abandon: Abandon, phase: impl FnOnce() -> R) -> R {
+        *locked(&self.abandon) = Some(abandon);
+        let r = phase();
+        // Waits for an `abandon` under way, which ends the process.
+        locked(&self.abandon).take();
+        r
+    }
+}
+
 /// SIGINT/SIGTERM set the returned flag: the run stops at the next safe point (after the current
-/// step, with a checkpoint; or before the first step, once the data, the compile or the first
-/// evaluation is done). A second signal ends the process at once (exit code 130).
-pub(super) fn stop_on_signals() -> Result<Arc<AtomicBool>> {
+/// step, with a checkpoint; or before the first step, once the data or the first evaluation is
+/// done), or, during a phase without one (compiling the step), abandons it at once
+/// ([`Signals::abandonable`]). A second signal ends the process at once (exit code 130).
+pub(super) fn stop_on_signals() -> Result<Signals> {
     let interrupted = Arc::new(AtomicBool::new(false));
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
         // Registered first, so it sees the flag as the previous signal left it.
@@ -104,16 +163,33 @@ pub(super) fn stop_on_signals() -> Result<Arc<AtomicBool>> {
         signal_hook::flag::register(sig, interrupted.clone())
             .context("cannot install signal handlers")?;
     }
-    // A signal handler cannot print; this thread says what the first signal does.
-    let flag = interrupted.clone();
-    std::thread::spawn(move || loop {
-        std::thread::sleep(std::time::Duration::from_millis(100));
-        if flag.load(Ordering::SeqCst) {
-            eprintln!(
-                "\nxtrain: stopping at the next safe point (press Ctrl-C again to quit at once)"
-            );
-            break;
+    let abandon: Arc<Mutex<Option<Abandon>>> = Arc::default();
+    // A signal handler can neither print nor abandon; this thread says what the first signal
+    // does, and abandons a phase without a safe point.
+    let (flag, action) = (interrupted.clone(), abandon.clone());
+    std::thread::spawn(move || {
+        let mut said = false;
+        loop {
+            std::thread::sleep(std::time::Duration::from_millis(100));
+            if !flag.load(Ordering::SeqCst) {
+                continue;
+            }
+            // Held while abandoning, so that the phase's end waits for the process to end.
+            let mut pending = locked(&action);
+            if let Some(abandon) = pending.take() {
+                abandon();
+            }
+            drop(pending);
+            if !said {
+                eprintln!(
+                    "\nxtrain: stopping at the next safe point (press Ctrl-C again to quit at once)"
+                );
+                said = true;
+            }
         }
     });
-    Ok(interrupted)
+    Ok(Signals {
+        interrupted,
+        abandon,
+    })
 }

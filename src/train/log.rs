@@ -5,7 +5,7 @@
 
 use crate::device::trainer::EvalResult;
 use crate::train::tensorboard::EventWriter;
-use anyhow::{Context, Result};
+use anyhow::Result;
 use std::io::Write;
 use std::path::Path;
 
@@ -47,8 +47,8 @@ impl Metrics {
                 }
             }
         }
-        std::fs::write(&metrics_path, &kept)
-            .with_context(|| format!("cannot write {}", metrics_path.display()))?;
+        // Replaced whole (a temp file renamed over it): a run killed here keeps the old lines.
+        crate::formats::atomic::write_bytes_atomic(&metrics_path, kept.as_bytes())?;
         let file = std::fs::OpenOptions::new()
             .append(true)
             .open(&metrics_path)?;
@@ -143,5 +143,39 @@ impl Metrics {
             scalars.push(("train/mfu", s / dt));
         }
         self.tensorboard.scalars(step, &scalars)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Metrics;
+
+    /// On a resume, `metrics.jsonl` is replaced whole by a new file (written under a temp name
+    /// and renamed), not cut in place: a hard link to the old file (what a copy or a backup tool
+    /// may hold; the old inode is what a kill during a plain rewrite left half-written) keeps
+    /// every line, while the run's file keeps the lines up to the checkpoint.
+    #[test]
+    fn a_resume_replaces_metrics_jsonl_whole_instead_of_cutting_it_in_place() {
+        let dir = std::env::temp_dir().join(format!("xtrain-log-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("metrics.jsonl");
+        let lines: String = (1..=5)
+            .map(|s| format!("{{\"step\": {s}, \"loss\": 1.0}}\n"))
+            .collect();
+        std::fs::write(&path, &lines).unwrap();
+        let linked = dir.join("linked.jsonl");
+        std::fs::hard_link(&path, &linked).unwrap();
+        drop(Metrics::open(&dir, Some(3), 16).unwrap());
+        assert_eq!(std::fs::read_to_string(&linked).unwrap(), lines);
+        let kept = std::fs::read_to_string(&path).unwrap();
+        assert_eq!(kept.lines().count(), 3, "{kept}");
+        let leftovers: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.contains("tmp"))
+            .collect();
+        assert!(leftovers.is_empty(), "{leftovers:?}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

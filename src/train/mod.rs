@@ -38,12 +38,13 @@ use crate::train::schedule::Schedule;
 use anyhow::{bail, Result};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 /// `xtrain train`: build (or load) the step, then train on the data, logging metrics,
 /// evaluating, checkpointing and exporting the adapter.
 pub fn run(opts: &TrainOptions) -> Result<()> {
-    let interrupted = finish::stop_on_signals()?;
+    let signals = finish::stop_on_signals()?;
     opts.validate_values()?;
     let mut opts = opts.clone();
     // What the settings taken from a checkpoint or a program dir were: said once the run starts.
@@ -65,17 +66,25 @@ pub fn run(opts: &TrainOptions) -> Result<()> {
         return hosts::run(opts, &cfg, &launch);
     }
     crate::formats::outdir::refuse_inputs_inside("--out", &opts.out, &opts.inputs())?;
-    let mut out = RunDir::claim(&opts.out, opts.resume.as_deref(), opts.overwrite)?;
+    let out = RunDir::claim(&opts.out, opts.resume.as_deref(), opts.overwrite)?;
+    // Shared with what abandons the compile on a signal (see finish::abandon).
+    let out = Arc::new(Mutex::new(out));
     for n in notes {
-        eprintln!("xtrain: {n}");
+        eprintln!("xtrain: note: {n}");
     }
-    let finished = run_in(opts, &cfg, &interrupted);
+    let finished = run_in(opts, &cfg, &signals, &out);
+    let mut out = finish::locked(&out);
     finish::end(opts, &mut out, finished)
 }
 
 /// The run once its options are settled and its output dir is claimed.
-fn run_in(opts: &TrainOptions, cfg: &LlamaConfig, interrupted: &AtomicBool) -> Result<Finished> {
-    let stop = || interrupted.load(Ordering::SeqCst);
+fn run_in(
+    opts: &TrainOptions,
+    cfg: &LlamaConfig,
+    signals: &finish::Signals,
+    out: &Arc<Mutex<RunDir>>,
+) -> Result<Finished> {
+    let stop = || signals.stop();
     let data = crate::data::load(&opts.data, &opts.model, cfg)?;
     if stop() {
         return Ok(Finished::Interrupted(None));
@@ -108,7 +117,10 @@ fn run_in(opts: &TrainOptions, cfg: &LlamaConfig, interrupted: &AtomicBool) -> R
     if stop() {
         return Ok(Finished::Interrupted(None));
     }
-    let trainer = upload::compile_and_upload(opts, rt, spec, program, weights, &start)?;
+    let abandon = finish::abandon(opts, out, "compiling the step");
+    let trainer = signals.abandonable(abandon, || {
+        upload::compile_and_upload(opts, rt, spec, program, weights, &start)
+    })?;
     let state = start.state;
     let TrainingData {
         source,
@@ -142,7 +154,7 @@ fn run_in(opts: &TrainOptions, cfg: &LlamaConfig, interrupted: &AtomicBool) -> R
         run.evaluate(0)?;
     }
     let first = run.state.step;
-    let finished = run.train(interrupted)?;
+    let finished = run.train(&signals.interrupted)?;
     let taken = run.state.step - first;
     finish::check_skipped(run.skipped, taken, first)?;
     match finished {

@@ -10,6 +10,31 @@ use crate::program::{self, Program, StepSpec};
 use crate::train::options::TrainOptions;
 use anyhow::{bail, Result};
 
+/// A refusal of the step's length (`--seq 20 must be a multiple of 8`) where the length is a
+/// pre-tokenized batch's and no `--seq` was given: named as the batch's.
+fn name_the_batchs_length(
+    e: anyhow::Error,
+    opts: &TrainOptions,
+    batch: i64,
+    seq: i64,
+) -> anyhow::Error {
+    let flag = format!("--seq {seq}");
+    let text = format!("{e:#}");
+    if !opts.data.is_batch_file() || opts.given("seq") || !text.contains(&flag) {
+        return e;
+    }
+    let file = opts
+        .data
+        .path
+        .file_name()
+        .unwrap_or_default()
+        .to_string_lossy();
+    let named = format!(
+        "the batch's length {seq} ({file} is {batch}x{seq}: a pre-tokenized batch sets the length)"
+    );
+    anyhow::anyhow!("{}", text.replacen(&flag, &named, 1))
+}
+
 /// Open the plugin and plan the step: take it from a program dir (checking that it was built for
 /// this model and batch), or build it for the plugin's platform. A CPU plugin gets as many
 /// virtual devices as the mesh needs; an accelerator plugin has what it has, and compiling
@@ -74,7 +99,10 @@ pub fn plan(
                 .join(","))
         ),
     )?;
-    let spec = opts.step.spec(cfg.clone(), batch, seq)?;
+    let spec = opts
+        .step
+        .spec(cfg.clone(), batch, seq)
+        .map_err(|e| name_the_batchs_length(e, opts, batch, seq))?;
     rt.use_kernels(&opts.kernels)?;
     if !rt.kernels.is_empty() {
         let program = program::build_train_step(&spec)?;

@@ -664,7 +664,8 @@ pub fn settle(
 /// out, so that `xtrain train --resume CHECKPOINT` alone continues the run. A recorded path
 /// that no longer exists is refused, naming it, unless the flag gives where it is now. A model
 /// or data given on the command line must be the recorded one where that still exists; the
-/// evaluation data, the output dir and the program dir may be others (said).
+/// evaluation data, the output dir and the program dir may be others (said). The output dir left
+/// out is the checkpoint's own run dir ([`own_run_dir`]).
 pub fn take_recorded_paths(o: &mut TrainOptions, notes: &mut Vec<String>) -> Result<()> {
     let Some(ckpt) = o.resume.clone() else {
         return Ok(());
@@ -686,6 +687,12 @@ pub fn take_recorded_paths(o: &mut TrainOptions, notes: &mut Vec<String>) -> Res
             .get(*flag)
             .and_then(|v| v.as_str())
             .map(PathBuf::from);
+        if *flag == "out" && given.is_none() {
+            if let Some(own) = own_run_dir(&ckpt) {
+                take_own_run_dir(o, own, recorded, &mut taken, notes, &c.to_string());
+                continue;
+            }
+        }
         let Some(recorded) = recorded else {
             if given.is_none() && ["model", "data", "out"].contains(flag) {
                 bail!(
@@ -745,6 +752,46 @@ pub fn take_recorded_paths(o: &mut TrainOptions, notes: &mut Vec<String>) -> Res
     }
     note(&taken, &format!("checkpoint {c}"), notes);
     Ok(())
+}
+
+/// The run dir a checkpoint belongs to: the directory it is in. That, not the `--out` its run
+/// recorded, is the run's identity: a run dir copied (or moved) elsewhere is continued where it
+/// is now, and the original is left alone.
+fn own_run_dir(ckpt: &Path) -> Option<PathBuf> {
+    let parent = ckpt.parent()?;
+    let dir = if parent.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        parent
+    };
+    dir.is_dir().then(|| dir.to_path_buf())
+}
+
+/// `--out` left out on `--resume`: the checkpoint's own run dir, said as taken from the
+/// checkpoint where it is the recorded one, and as what it is where it is not.
+fn take_own_run_dir(
+    o: &mut TrainOptions,
+    own: PathBuf,
+    recorded: Option<PathBuf>,
+    taken: &mut Vec<String>,
+    notes: &mut Vec<String>,
+    ckpt: &str,
+) {
+    let same =
+        |r: &Path| matches!((r.canonicalize(), own.canonicalize()), (Ok(a), Ok(b)) if a == b);
+    match recorded {
+        Some(r) if same(&r) => taken.push(format!("--out {}", r.display())),
+        Some(r) if !r.as_os_str().is_empty() => notes.push(format!(
+            "--out {} (the run dir checkpoint {ckpt} is in) instead of the recorded --out {} (the run was copied or moved)",
+            own.display(),
+            r.display()
+        )),
+        _ => notes.push(format!(
+            "--out {} (the run dir checkpoint {ckpt} is in)",
+            own.display()
+        )),
+    }
+    o.out = own;
 }
 
 fn set_path(o: &mut TrainOptions, flag: &str, p: PathBuf) {

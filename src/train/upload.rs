@@ -68,6 +68,9 @@ pub(super) fn compile_and_upload(
             Some(k) => loading.inc(frozen.get(k).map_or(0, |(_, b)| *b)),
         })
     };
+    if opts.verbose {
+        eprintln!("xtrain: compiling the step (Ctrl-C abandons the compile)");
+    }
     // `--virtual-hosts P`: P readers of the same checkpoint, one per virtual host, each asked
     // only for its own devices' boxes (the first also drives the bar).
     let hosts = match opts.launch.virtual_hosts {

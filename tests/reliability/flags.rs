@@ -176,6 +176,16 @@ fn a_train_flag_out_of_range_is_refused_before_any_work() {
                 "--batch-size must be at least 1, got 0",
             ),
             (&["--seq=-1"], "--seq must be at least 2"),
+            // A negative value without `=` is a value, not an unknown argument `-1`.
+            (
+                &["--attention-block", "-1"],
+                "--attention-block -1 must be a positive divisor",
+            ),
+            (&["--lr", "-1"], "--lr must be a number >= 0, got -1"),
+            (
+                &["--lora-dropout", "-0.1"],
+                "--lora-dropout must be in [0, 1), got -0.1",
+            ),
             (&["--epochs", "0"], "--epochs must be at least 1"),
             (&["--eps", "0"], "--eps must be a positive number"),
             (&["--min-lr-ratio", "2"], "--min-lr-ratio must be in [0, 1]"),

@@ -421,6 +421,220 @@ fn a_batch_whose_every_label_is_minus_100_is_refused_as_having_no_loss() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// The fixture batch as packed rows (row 0: documents at 0 and 6; row 1: three padding tokens,
+/// then documents at 3 and 10), with `labels`, written into `dir/name.safetensors`.
+fn packed_batch_with(dir: &Path, name: &str, labels: impl Fn(usize, i64) -> i64) -> PathBuf {
+    let mut t = all_tensors(&fixtures().join("inputs.safetensors"));
+    let mask: Vec<i64> = (0..16)
+        .map(|p| if p < 6 { 1 } else { 7 })
+        .chain((0..16).map(|p| match p {
+            0..3 => 0,
+            3..10 => 4,
+            _ => 11,
+        }))
+        .collect();
+    let ids = t["input_ids"].to_i64().unwrap();
+    let labels: Vec<i64> = ids
+        .iter()
+        .enumerate()
+        .map(|(i, &id)| labels(i, id))
+        .collect();
+    t.insert(
+        "labels".into(),
+        pjrt::HostTensor::from_i64(&labels, &[2, 16]),
+    );
+    t.insert(
+        "attention_mask".into(),
+        pjrt::HostTensor::from_i64(&mask, &[2, 16]),
+    );
+    let data = dir.join(format!("{name}.safetensors"));
+    xtrain::formats::safetensors::write(&data, &t, &Default::default()).unwrap();
+    data
+}
+
+/// The losses `train` logs on `data` (2 steps), and what it said.
+fn losses_on(data: &Path, out: &Path) -> (Vec<f64>, String) {
+    let mut a = train_on(&fixtures().join("model"), out, &[]);
+    a[4] = data.to_str().unwrap().into();
+    let o = xtrain(&refs(&a));
+    let err = String::from_utf8_lossy(&o.stderr).to_string();
+    assert!(o.status.success(), "{err}");
+    let m = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let losses = m
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter_map(|v| v["loss"].as_f64())
+        .collect();
+    (losses, err)
+}
+
+/// A pre-tokenized packed batch whose labels are its input ids (`labels = input_ids`, with no
+/// -100 at the documents' first tokens nor on padding) trains as the same batch with -100 there
+/// (Hugging Face's `DataCollatorWithFlattening`): the last token of a document does not learn
+/// to predict the next document's first, and padding carries no loss. Said once. (It trained
+/// across documents and on padding: another loss.)
+#[test]
+fn a_packed_batch_with_labels_at_document_starts_and_padding_trains_as_with_minus_100_there() {
+    let dir = tempdir("rel-packed-labels");
+    let starts = [0usize, 6, 16, 17, 18, 19, 26];
+    let careful = packed_batch_with(
+        &dir,
+        "careful",
+        |i, id| {
+            if starts.contains(&i) {
+                -100
+            } else {
+                id
+            }
+        },
+    );
+    let careless = packed_batch_with(&dir, "careless", |_, id| id);
+    let (want, said) = losses_on(&careful, &dir.join("a"));
+    assert!(!said.contains("carry no loss"), "{said}");
+    let (got, said) = losses_on(&careless, &dir.join("b"));
+    assert_eq!(
+        got, want,
+        "losses with labels at document starts and on padding"
+    );
+    assert!(
+        said.contains(
+            "careless.safetensors: 5 of its 30 labels after a row's first position \
+             are at a document's first token or on padding (by `attention_mask`): they carry no \
+             loss"
+        ),
+        "{said}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Labels only on padding and at documents' first tokens: no position carries a loss (it
+/// trained on them).
+#[test]
+fn a_batch_whose_labels_are_only_on_padding_and_document_starts_has_no_loss() {
+    let dir = tempdir("rel-packed-no-loss");
+    let starts = [0usize, 6, 16, 17, 18, 19, 26];
+    let data = packed_batch_with(
+        &dir,
+        "pads",
+        |i, id| {
+            if starts.contains(&i) {
+                id
+            } else {
+                -100
+            }
+        },
+    );
+    let mut a = train_on(&fixtures().join("model"), &dir.join("out"), &[]);
+    a[4] = data.to_str().unwrap().into();
+    let e = fails(&refs(&a));
+    assert!(
+        e.contains("no position carries a loss") && e.contains("on padding"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A batch without `attention_mask` is taken as all ones, and the run says so.
+#[test]
+fn a_batch_without_an_attention_mask_is_said_to_be_taken_as_all_ones() {
+    let dir = tempdir("rel-no-mask");
+    let mut t = all_tensors(&fixtures().join("inputs.safetensors"));
+    t.remove("attention_mask");
+    let data = dir.join("nomask.safetensors");
+    xtrain::formats::safetensors::write(&data, &t, &Default::default()).unwrap();
+    let (_, said) = losses_on(&data, &dir.join("out"));
+    assert!(
+        said.contains(
+            "nomask.safetensors has no `attention_mask`: taken as all ones (every token real, \
+             one document per row)"
+        ),
+        "{said}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Float labels (a `labels` tensor saved as F32) are refused in safetensors' words, not XLA's
+/// ("cannot convert F32 to S32").
+#[test]
+fn float_labels_are_refused_naming_the_file_and_the_type_in_safetensors_words() {
+    let dir = tempdir("rel-float-labels");
+    let mut t = all_tensors(&fixtures().join("inputs.safetensors"));
+    let ids = t["input_ids"].to_i64().unwrap();
+    let floats: Vec<f32> = ids.iter().map(|&x| x as f32).collect();
+    t.insert(
+        "labels".into(),
+        pjrt::HostTensor::from_f32(&floats, &[2, 16]),
+    );
+    let data = dir.join("float.safetensors");
+    xtrain::formats::safetensors::write(&data, &t, &Default::default()).unwrap();
+    let mut a = train_on(&fixtures().join("model"), &dir.join("out"), &[]);
+    a[4] = data.to_str().unwrap().into();
+    let e = fails(&refs(&a));
+    assert!(
+        e.contains(
+            "float.safetensors: `labels` holds F32 values, but token ids, labels and attention \
+             masks are whole numbers: save it as I64 (torch.long) or I32"
+        ) && !e.contains("S32"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A length that comes from a pre-tokenized batch, with no `--seq` given, is named as the
+/// batch's, not as `--seq 16`: in the context split's refusal and in the evaluation data's
+/// report.
+#[test]
+fn a_batchs_length_is_not_called_seq_when_no_seq_was_given() {
+    let dir = tempdir("rel-batch-length");
+    let ids: Vec<i64> = (0..40).map(|i| (i * 7 + 3) % 500).collect();
+    let b20 = dir.join("b20.safetensors");
+    let t = [
+        (
+            "input_ids".to_string(),
+            pjrt::HostTensor::from_i64(&ids, &[2, 20]),
+        ),
+        (
+            "attention_mask".to_string(),
+            pjrt::HostTensor::from_i64(&[1; 40], &[2, 20]),
+        ),
+    ];
+    xtrain::formats::safetensors::write(&b20, &t.into(), &Default::default()).unwrap();
+    let mut a = train_on(&fixtures().join("model"), &dir.join("out"), &[]);
+    a[4] = b20.to_str().unwrap().into();
+    a.extend(["--mesh", "context=4", "--key-block", "2"].map(String::from));
+    let e = fails(&refs(&a));
+    assert!(
+        e.contains("the batch's length 20 (b20.safetensors is 2x20: a pre-tokenized batch sets the length) must be a multiple of 8")
+            && !e.contains("--seq 20"),
+        "{e}"
+    );
+    let model = tiny_text_model(&dir);
+    let eval = dir.join("eval.jsonl");
+    let long = "x".repeat(40);
+    std::fs::write(
+        &eval,
+        format!("{{\"instruction\": \"{long}\", \"output\": \"ok\"}}\n{{\"instruction\": \"a\", \"output\": \"b\"}}\n"),
+    )
+    .unwrap();
+    let mut a = train_on(
+        &model,
+        &dir.join("out2"),
+        &["--eval-data", eval.to_str().unwrap()],
+    );
+    a[4] = fixtures()
+        .join("inputs.safetensors")
+        .to_str()
+        .unwrap()
+        .into();
+    let err = stderr_of(&xtrain(&refs(&a)));
+    assert!(
+        err.contains("within the 16 tokens of inputs.safetensors's rows")
+            && !err.contains("--seq 16"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 // ---------------------------------------------------------------- adapters
 
 /// `--init-adapter` alone takes the adapter's rank, alpha and targets for the flags left out

@@ -165,6 +165,28 @@ fn an_edited_manifest_is_refused() {
         "{e}"
     );
     assert!(!out.join("adapter").exists());
+    // The command it suggests, with the settings' flags, compiles the dir again (it suggested
+    // `xtrain compile --out DIR`, which is refused: no --model, and DIR is not empty), and the
+    // program dir it writes trains.
+    let suggested = e
+        .split("Compile again with the settings you want: `")
+        .nth(1)
+        .and_then(|rest| rest.split('`').next())
+        .unwrap_or_else(|| panic!("no command suggested: {e}"));
+    let suggested = suggested.replacen("xtrain", env!("CARGO_BIN_EXE_xtrain"), 1);
+    let o = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(format!("{suggested} --batch 2 --seq 16 --lora-r 4"))
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{suggested}: {}", stderr_of(&o));
+    let o = xtrain(&refs(&train_on(
+        &model,
+        &out,
+        &["--program", prog.to_str().unwrap()],
+    )));
+    assert!(o.status.success(), "{}", stderr_of(&o));
+    std::fs::remove_dir_all(&out).unwrap();
     // The control that belongs with it: the manifest as written trains (the edit was refused).
     std::fs::write(&path, &original).unwrap();
     let o = xtrain(&refs(&train_on(

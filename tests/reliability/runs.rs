@@ -1236,3 +1236,127 @@ fn import_gguf_out_at_the_dir_holding_its_gguf_with_overwrite_is_refused_before_
     nothing_staged(&dir, "gd");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// The first Ctrl-C while the step compiles abandons the compile (one call into the plugin,
+/// minutes on a large step, that nothing interrupts): the run ends at once with code 130, saying
+/// so, instead of "stopping at the next safe point" after the compile. A step of 512 tokens in
+/// query blocks of 8 without remat compiles for over a minute here.
+#[test]
+fn the_first_ctrl_c_during_the_compile_abandons_it() {
+    use std::io::{BufRead, BufReader};
+    let dir = tempdir("rel-sigint-compile");
+    let model = tiny_text_model(&dir);
+    let data = dataset(&dir);
+    let out = dir.join("run");
+    let mut child = train_cmd(&model, &data, &out)
+        .args(["--seq", "512", "--batch-size", "1", "--lora-r", "4"])
+        .args([
+            "--attention-block",
+            "8",
+            "--remat",
+            "none",
+            "--no-cache",
+            "-v",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let mut said = Vec::new();
+    for line in lines.by_ref() {
+        let line = line.unwrap();
+        let compiling = line.contains("xtrain: compiling the step");
+        said.push(line);
+        if compiling {
+            break;
+        }
+    }
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    unsafe_kill(child.id(), 2);
+    let t0 = std::time::Instant::now();
+    said.extend(lines.map(|l| l.unwrap()));
+    let status = child.wait().unwrap();
+    let err = said.join("\n");
+    assert_eq!(status.code(), Some(130), "{err}");
+    assert!(
+        t0.elapsed().as_secs() < 10,
+        "took {:?} after the signal: {err}",
+        t0.elapsed()
+    );
+    assert!(
+        err.contains("interrupted while compiling the step (abandoned it); nothing new to save"),
+        "{err}"
+    );
+    assert!(!err.contains("compiled the step in"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(!out.join("adapter").exists());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A run dir copied elsewhere (`cp -r runs/a runs/b`) and resumed from the copy's checkpoint
+/// with `--resume` alone continues in the copy, saying so, and leaves the original alone (it
+/// was refused: "--out runs/a holds another run than the one --resume continues", since the
+/// checkpoint recorded runs/a as its --out). A run dir is the directory its checkpoints are in.
+#[test]
+fn a_copied_run_dir_resumes_in_the_copy_with_resume_alone() {
+    let dir = tempdir("rel-copied-run");
+    let model = tiny_text_model(&dir);
+    let data = dataset(&dir);
+    let (a, b) = (dir.join("a"), dir.join("b"));
+    let o = train_cmd(&model, &data, &a)
+        .args([
+            "--seq",
+            "32",
+            "--batch-size",
+            "2",
+            "--lora-r",
+            "4",
+            "--steps",
+            "4",
+        ])
+        .args([
+            "--save-every",
+            "2",
+            "--stop-after",
+            "2",
+            "--log-every",
+            "0",
+            "--no-plot",
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr_of(&o));
+    let o = Command::new("cp")
+        .arg("-r")
+        .arg(&a)
+        .arg(&b)
+        .output()
+        .unwrap();
+    assert!(o.status.success());
+    let a_before = std::fs::read_to_string(a.join("metrics.jsonl")).unwrap();
+    let o = xtrain_cmd()
+        .args(["train", "--resume"])
+        .arg(b.join("checkpoint-2"))
+        .args(["--log-every", "0"])
+        .output()
+        .unwrap();
+    let err = stderr_of(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains(&format!(
+            "xtrain: note: --out {} (the run dir checkpoint {} is in) instead of the recorded --out {}",
+            b.display(),
+            b.join("checkpoint-2").display(),
+            a.display()
+        )),
+        "{err}"
+    );
+    assert!(b.join("adapter/adapter_model.safetensors").is_file());
+    assert!(!a.join("adapter").exists());
+    assert_eq!(
+        std::fs::read_to_string(a.join("metrics.jsonl")).unwrap(),
+        a_before
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
