@@ -238,6 +238,11 @@ impl Runtime {
         Ok(exe)
     }
 
+    /// Compile a program with xtrain's usual options only (see [`Runtime::compile`]).
+    pub fn compile_plain(&self, program: &Program) -> Result<Executable> {
+        self.compile(program, &CompileOptions::default())
+    }
+
     /// The text this runtime's compiler sees for `program`: the program with [`Runtime::kernels`]
     /// in place of the composites they implement, and what they replaced.
     pub fn kernel_text(

@@ -136,7 +136,7 @@ fn compile_across(opts: &TrainOptions, cfg: &LlamaConfig, peers: Peers) -> Resul
         rt.platform(),
         rt.devices.len()
     );
-    let _exe = rt.compile(&program, &pjrt::CompileOptions::default())?;
+    let _exe = rt.compile_plain(&program)?;
     eprintln!(
         "xtrain: {}: compiled the step over {} devices (--remat {}, --offload {})",
         launch.name(),
