@@ -4,7 +4,7 @@
 
 use pjrt::ElementType;
 use xtrain::formats::host::{convert, to_program_layout};
-use xtrain::model::lora::{LoraConfig, Target};
+use xtrain::model::lora::{LoraConfig, Projection};
 use xtrain::program::{build_train_step, Remat, Role, StepSpec};
 use xtrain::train::bench::{random_program_weights, random_weights};
 
@@ -14,7 +14,7 @@ fn spec(dtype: hlo::DType) -> StepSpec {
         r: 4,
         alpha: 8.0,
         dropout: 0.0,
-        targets: vec![Target::Q, Target::V],
+        targets: vec![Projection::Q, Projection::V],
     };
     StepSpec::new(model, lora, 2, 8, dtype)
 }
@@ -132,7 +132,7 @@ fn model_flops_match_the_programs_matmuls() {
     let mut s8 = spec(hlo::DType::BF16);
     s8.model = l8b;
     s8.lora.r = 16;
-    s8.lora.targets = Target::ALL.to_vec();
+    s8.lora.targets = Projection::ALL.to_vec();
     s8.batch = 1;
     s8.seq = 2048;
     let per_token = xtrain::train::bench::model_flops_per_step(&s8) / 2048.0;

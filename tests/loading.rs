@@ -203,14 +203,14 @@ fn loading_a_checkpoint_sharded_over_4_devices_takes_the_weights_plus_one_tensor
 /// into host memory first (`weights::load`, as xtrain loaded before) and then uploaded. The
 /// step is compiled (and cached) before counting starts, so the figure is loading's alone.
 fn rust_heap_while_loading(model: &std::path::Path, whole: bool) -> u64 {
-    use xtrain::model::lora::{LoraConfig, Target};
+    use xtrain::model::lora::{LoraConfig, Projection};
     use xtrain::program::{MeshPlan, StepSpec};
     let cfg = xtrain::model::config::LlamaConfig::load(model).unwrap();
     let lora = LoraConfig {
         r: 4,
         alpha: 32.0,
         dropout: 0.0,
-        targets: Target::ALL.to_vec(),
+        targets: Projection::ALL.to_vec(),
     };
     let spec = StepSpec {
         mesh: Some(MeshPlan {

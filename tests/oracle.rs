@@ -10,7 +10,7 @@ use xtrain::device::runtime::Runtime;
 use xtrain::formats::host::convert;
 use xtrain::formats::safetensors::SafeTensors;
 use xtrain::model::config::LlamaConfig;
-use xtrain::model::lora::{LoraConfig, Target};
+use xtrain::model::lora::{LoraConfig, Projection};
 use xtrain::model::optim::AdamW;
 use xtrain::program::{self, Program, Remat, Role, StepSpec};
 
@@ -32,7 +32,7 @@ fn oracle_lora() -> LoraConfig {
         r: 8,
         alpha: 16.0,
         dropout: 0.0,
-        targets: Target::ALL.to_vec(),
+        targets: Projection::ALL.to_vec(),
     }
 }
 

@@ -19,7 +19,7 @@ use common::*;
 use hlo::DType;
 use std::path::{Path, PathBuf};
 use xtrain::formats::program_dir::sha256_hex as sha;
-use xtrain::model::lora::{LoraConfig, Target};
+use xtrain::model::lora::{LoraConfig, Projection};
 use xtrain::model::presets::resolve_model_config;
 use xtrain::program::sharding::{parse_mesh, Rules};
 use xtrain::program::{self, MeshPlan, Quant, Remat, ResultType, StepSpec};
@@ -299,7 +299,7 @@ fn library_specs() -> Vec<(&'static str, StepSpec)> {
         r: 4,
         alpha: 8.0,
         dropout: 0.0,
-        targets: Target::ALL.to_vec(),
+        targets: Projection::ALL.to_vec(),
     };
     let base = |dtype| StepSpec::new(tiny.clone(), lora.clone(), 4, 64, dtype);
     let mesh = |m: &str| MeshPlan {

@@ -138,7 +138,7 @@ fn nf4_base_weights_take_about_half_a_byte_per_parameter() {
         r: 16,
         alpha: 32.0,
         dropout: 0.0,
-        targets: xtrain::model::lora::Target::ALL.to_vec(),
+        targets: xtrain::model::lora::Projection::ALL.to_vec(),
     };
     let spec = StepSpec {
         quant: xtrain::program::Quant::Nf4,
@@ -191,7 +191,7 @@ fn smollm2_loss_with_nf4_is_close_to_bf16() {
             r: 8,
             alpha: 16.0,
             dropout: 0.0,
-            targets: vec![xtrain::model::lora::Target::Q],
+            targets: vec![xtrain::model::lora::Projection::Q],
         };
         let spec = StepSpec {
             quant: if nf4 {

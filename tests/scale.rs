@@ -9,7 +9,7 @@ use xtrain::device::runtime::Runtime;
 use xtrain::formats::host::convert;
 use xtrain::formats::safetensors::SafeTensors;
 use xtrain::model::config::LlamaConfig;
-use xtrain::model::lora::{LoraConfig, Target};
+use xtrain::model::lora::{LoraConfig, Projection};
 use xtrain::program::{self, Program, Remat, Role, StepSpec};
 
 fn runtime() -> &'static Runtime {
@@ -26,7 +26,7 @@ fn spec(cfg: LlamaConfig, remat: Remat, batch: i64, seq: i64) -> StepSpec {
         r: 8,
         alpha: 16.0,
         dropout: 0.0,
-        targets: Target::ALL.to_vec(),
+        targets: Projection::ALL.to_vec(),
     };
     StepSpec {
         remat,

@@ -6,7 +6,7 @@ use xtrain::data::Batch;
 use xtrain::device::runtime::Runtime;
 use xtrain::device::trainer::Trainer;
 use xtrain::model::config::LlamaConfig;
-use xtrain::model::lora::{LoraConfig, Target};
+use xtrain::model::lora::{LoraConfig, Projection};
 use xtrain::program::sharding::{parse_mesh, Rules};
 use xtrain::program::{self, MeshPlan, Remat, StepSpec};
 
@@ -16,7 +16,7 @@ fn spec(mesh: Option<&str>, remat: Remat) -> StepSpec {
         r: 8,
         alpha: 16.0,
         dropout: 0.0,
-        targets: Target::ALL.to_vec(),
+        targets: Projection::ALL.to_vec(),
     };
     StepSpec {
         remat,

@@ -8,7 +8,7 @@ use clap::builder::{PossibleValuesParser, TypedValueParser};
 use clap::Args;
 use hlo::DType;
 use std::path::PathBuf;
-use xtrain::model::lora::{LoraConfig, Target};
+use xtrain::model::lora::{LoraConfig, Projection};
 use xtrain::model::optim::AdamW;
 use xtrain::program::{
     parse_dtype, KeyBlocks, Offload, Quant, Remat, ResultType, StepOptions,
@@ -37,7 +37,7 @@ impl LoraArgs {
             r: self.lora_r,
             alpha: self.lora_alpha,
             dropout: self.lora_dropout,
-            targets: Target::parse_list(&self.lora_targets)?,
+            targets: Projection::parse_list(&self.lora_targets)?,
         };
         c.validate()?;
         Ok(c)

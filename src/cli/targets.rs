@@ -5,7 +5,7 @@ use xtrain::compile::figures::gib;
 
 /// `xtrain targets [NAME]`.
 pub fn targets(name: Option<&str>) -> Result<()> {
-    use xtrain::device::target::{gpus, tpus, GpuArch};
+    use xtrain::device::absent::{gpus, tpus, GpuArch};
     let Some(name) = name else {
         println!("TPU slices (libtpu's layouts, e.g. 2x2, 2x2x1, 4x4x4, 16x16; 1x1 for one chip):");
         for t in tpus() {
@@ -43,7 +43,7 @@ pub fn targets(name: Option<&str>) -> Result<()> {
         let Some(t) = tpus().iter().find(|t| t.name == device) else {
             bail!(
                 "`{name}`: unknown TPU generation `{device}`; known: {}",
-                xtrain::device::target::known_targets()
+                xtrain::device::absent::known_targets()
             );
         };
         println!(
@@ -60,7 +60,7 @@ pub fn targets(name: Option<&str>) -> Result<()> {
     else {
         bail!(
             "`{name}` is not a built-in GPU (TPUs need no description); known: {}",
-            xtrain::device::target::known_targets()
+            xtrain::device::absent::known_targets()
         );
     };
     print!("{}", g.target_config());

@@ -4,7 +4,7 @@
 use crate::compile::figures::print_memory;
 use crate::compile::options::Writing;
 use crate::compile::target::{record, Compiler};
-use crate::device::target::aot::TargetBuild;
+use crate::device::absent::aot::TargetBuild;
 use crate::formats::program_dir::Manifest;
 use crate::program::{Program, StepSpec};
 use anyhow::Result;

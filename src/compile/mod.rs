@@ -14,9 +14,9 @@ mod write;
 
 pub use options::{CompileOptions, Writing};
 
+use crate::device::absent::aot::TargetDevices;
+use crate::device::absent::{Platform, Target};
 use crate::device::memory::auto::{first_that_fits, Choice};
-use crate::device::target::aot::TargetDevices;
-use crate::device::target::{Platform, Target};
 use crate::formats::program_dir::{self, Manifest};
 use crate::program::sharding::SplitsNothing;
 use crate::program::{default_choice, fit_choices, MeshPlan, Program, StepSpec};

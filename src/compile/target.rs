@@ -3,8 +3,8 @@
 //! recorded in the program dir). Apart from `mod.rs` because it is the part about targets.
 
 use crate::compile::figures::{gib, print_memory, secs};
-use crate::device::target::aot::{TargetBuild, TargetDevices};
-use crate::device::target::Platform;
+use crate::device::absent::aot::{TargetBuild, TargetDevices};
+use crate::device::absent::Platform;
 use crate::formats::program_dir::{self, Build, Manifest, MemoryFigures, StepEstimate};
 use crate::program::{Program, StepSpec};
 use anyhow::Result;
@@ -166,8 +166,8 @@ fn print_cost_analysis(cost: &[(String, f64)], unpriced_calls: usize) {
 }
 
 /// What was added back to the unrolled steps' times, if anything (see
-/// [`crate::device::target::aot::unpriced_calls`]).
-fn unpriced_note(e: &crate::device::target::aot::Estimate) -> String {
+/// [`crate::device::absent::aot::unpriced_calls`]).
+fn unpriced_note(e: &crate::device::absent::aot::Estimate) -> String {
     match e.unpriced_calls {
         [0, 0] => String::new(),
         [a, b] => format!(

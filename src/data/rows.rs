@@ -126,7 +126,7 @@ pub fn epoch_order(n: usize, seed: u64, epoch: u64) -> Vec<usize> {
 mod tests {
     use super::{make_rows, split_eval, Row};
     use crate::data::examples::Tokenized;
-    use crate::model::lora::{LoraConfig, Target};
+    use crate::model::lora::{LoraConfig, Projection};
     use crate::program::StepSpec;
     use crate::test_support::{assert_same, loss_and_grads_on, LossAndGrads};
     use hlo::DType;
@@ -162,7 +162,7 @@ mod tests {
             r: 4,
             alpha: 8.0,
             dropout: 0.0,
-            targets: Target::ALL.to_vec(),
+            targets: Projection::ALL.to_vec(),
         };
         let spec = StepSpec {
             remat,

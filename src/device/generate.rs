@@ -5,7 +5,7 @@ use crate::device::runtime::Runtime;
 use crate::formats::host::{convert, element_type};
 use crate::formats::weights::FrozenWeights;
 use crate::model::config::LlamaConfig;
-use crate::model::lora::{LoraConfig, SplitMix, Target};
+use crate::model::lora::{LoraConfig, Projection, SplitMix};
 use crate::program::{self, Role, StepSpec};
 use anyhow::Result;
 use pjrt::{Buffer, CompileOptions, ElementType, Executable, HostTensor};
@@ -48,7 +48,7 @@ impl Forward {
             r: 1,
             alpha: 1.0,
             dropout: 0.0,
-            targets: vec![Target::Q],
+            targets: vec![Projection::Q],
         });
         let spec = StepSpec::new(cfg.clone(), lora, batch, seq, dtype).with_default_form();
         let program = match kind {

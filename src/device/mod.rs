@@ -6,9 +6,9 @@
 //!   [`trainer::Trainer`] (a training step with its weights and state on the devices, and
 //!   evaluation on them) and [`generate::Forward`] (forward and next-token programs, and
 //!   decoding with them);
-//! - hardware that is not here ([`target`]): a [`target::Target`] (`tpu:v5p:2x2x1`,
+//! - hardware that is not here ([`absent`]): a [`absent::Target`] (`tpu:v5p:2x2x1`,
 //!   `cuda:h100:8`), the built-in descriptions of known hardware, and compiling for it with no
-//!   client ([`target::aot`]);
+//!   client ([`absent::aot`]);
 //! - memory policy ([`memory`]): whether a step fits a device, what would make it fit, and the
 //!   remat and offload choices tried until one does;
 //! - runs of several processes, one per host ([`hosts`]): where this process stands, the run's
@@ -19,6 +19,7 @@
 //! only from here: elsewhere `pjrt` gives just its host tensor type (and xtrain's cache
 //! directory).
 
+pub mod absent;
 pub mod cache;
 pub mod generate;
 pub mod hosts;
@@ -28,5 +29,4 @@ pub mod platform;
 pub mod plugins;
 pub mod runtime;
 pub mod shards;
-pub mod target;
 pub mod trainer;

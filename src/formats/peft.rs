@@ -5,7 +5,7 @@
 use crate::formats::host::convert;
 use crate::formats::safetensors::{self, SafeTensors};
 use crate::model::config::LlamaConfig;
-use crate::model::lora::{kaiming_uniform, LoraConfig, SplitMix, Target};
+use crate::model::lora::{kaiming_uniform, LoraConfig, Projection, SplitMix};
 use crate::model::tensors::lora_tensors;
 use anyhow::{bail, Context, Result};
 use pjrt::{ElementType, HostTensor};
@@ -29,7 +29,7 @@ impl Patterns {
     /// The rank and alpha of `target` in `layer`: the pattern whose key matches its module,
     /// else the adapter's `r` and `lora_alpha`. Keys that match the same module with different
     /// values are refused (PEFT would take the first in the file's order).
-    pub fn module(&self, lora: &LoraConfig, target: Target, layer: i64) -> Result<(i64, f64)> {
+    pub fn module(&self, lora: &LoraConfig, target: Projection, layer: i64) -> Result<(i64, f64)> {
         let module = format!(
             "model.layers.{layer}.{}.{}",
             target.block(),
@@ -126,9 +126,9 @@ pub fn read_config_and_patterns(dir: &Path) -> Result<(LoraConfig, Patterns)> {
         .unwrap_or(0.0);
     let targets = match field("target_modules") {
         Some(serde_json::Value::Array(a)) => {
-            let mut t: Vec<Target> = a
+            let mut t: Vec<Projection> = a
                 .iter()
-                .map(|v| Target::parse(v.as_str().unwrap_or("?")))
+                .map(|v| Projection::parse(v.as_str().unwrap_or("?")))
                 .collect::<Result<_>>()
                 .with_context(|| format!("in {}", path.display()))?;
             t.sort();
@@ -219,7 +219,7 @@ pub fn read_tensors(
             "{}: tensor `{extra}` is not part of a rank-{} adapter on {}",
             path.display(),
             lora.r,
-            Target::list(&lora.targets)
+            Projection::list(&lora.targets)
         );
     }
     Ok(out)
@@ -444,7 +444,7 @@ mod tests {
             r: 8,
             alpha: 16.0,
             dropout: 0.0,
-            targets: vec![Target::Q, Target::V],
+            targets: vec![Projection::Q, Projection::V],
         };
         let p = Patterns {
             rank: vec![
@@ -453,21 +453,21 @@ mod tests {
             ],
             alpha: vec![("self_attn.v_proj".into(), 64.0)],
         };
-        assert_eq!(p.module(&lora, Target::Q, 0).unwrap(), (4, 16.0));
-        assert_eq!(p.module(&lora, Target::V, 0).unwrap(), (8, 64.0));
-        assert_eq!(p.module(&lora, Target::V, 1).unwrap(), (2, 64.0));
-        assert_eq!(p.module(&lora, Target::K, 1).unwrap(), (8, 16.0));
+        assert_eq!(p.module(&lora, Projection::Q, 0).unwrap(), (4, 16.0));
+        assert_eq!(p.module(&lora, Projection::V, 0).unwrap(), (8, 64.0));
+        assert_eq!(p.module(&lora, Projection::V, 1).unwrap(), (2, 64.0));
+        assert_eq!(p.module(&lora, Projection::K, 1).unwrap(), (8, 16.0));
         // `_proj` alone does not match the end of `q_proj` after a dot.
         let p = Patterns {
             rank: vec![("_proj".into(), 4)],
             alpha: vec![],
         };
-        assert_eq!(p.module(&lora, Target::Q, 0).unwrap(), (8, 16.0));
+        assert_eq!(p.module(&lora, Projection::Q, 0).unwrap(), (8, 16.0));
         let p = Patterns {
             rank: vec![],
             alpha: vec![("q_proj".into(), 1.0), ("self_attn.q_proj".into(), 2.0)],
         };
-        let e = p.module(&lora, Target::Q, 0).unwrap_err().to_string();
+        let e = p.module(&lora, Projection::Q, 0).unwrap_err().to_string();
         assert!(
             e.contains("both match model.layers.0.self_attn.q_proj"),
             "{e}"

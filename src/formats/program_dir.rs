@@ -211,7 +211,7 @@ pub struct MemoryFigures {
     pub host_total_bytes: i64,
 }
 
-/// A TPU compiler's whole-step estimate (see `device::target::aot::Estimate`).
+/// A TPU compiler's whole-step estimate (see `device::absent::aot::Estimate`).
 #[derive(Clone, Copy, Debug, serde::Serialize, serde::Deserialize)]
 pub struct StepEstimate {
     pub seconds: f64,

@@ -20,7 +20,7 @@
 //! `(step << 20) + layer` and the batch row of the first row this pass sees. [`keeps`] is the
 //! same function on the host, which the unit test holds the program to.
 
-use crate::model::lora::Target;
+use crate::model::lora::Projection;
 use hlo::{Builder, CmpDir, DType, Result, Shape, Value};
 
 /// The key's words as the program carries them (see the module docs).
@@ -45,9 +45,12 @@ fn absorb(h: u32, word: u32) -> u32 {
     fmix32(h ^ word)
 }
 
-/// The projection's number in the hash (its place in [`Target::ALL`]).
-fn projection_number(t: Target) -> u32 {
-    Target::ALL.iter().position(|&a| a == t).expect("a target") as u32
+/// The projection's number in the hash (its place in [`Projection::ALL`]).
+fn projection_number(t: Projection) -> u32 {
+    Projection::ALL
+        .iter()
+        .position(|&a| a == t)
+        .expect("a target") as u32
 }
 
 /// The smallest 32-bit hash that is kept at drop probability `p` (in [0, 1)).
@@ -77,7 +80,7 @@ impl Key {
 
 /// Whether dropout keeps element `feature` of the input of `target` at `row` (of the pass, as
 /// the layers see it) and natural position `position`: the host's form of what [`apply`] builds.
-pub fn keeps(key: Key, p: f64, target: Target, row: u64, position: u64, feature: u64) -> bool {
+pub fn keeps(key: Key, p: f64, target: Projection, row: u64, position: u64, feature: u64) -> bool {
     let words = [
         key.seed as u32,
         (key.seed >> 32) as u32,
@@ -139,7 +142,7 @@ pub fn apply(
     x: Value,
     p: f64,
     key: Value,
-    target: Target,
+    target: Projection,
     positions: Value,
 ) -> Result<Value> {
     let dims = b.dims(x).to_vec();
@@ -229,7 +232,7 @@ mod tests {
         let p = 0.3;
         let key = Key::new(0x1234_5678_9ABC_DEF0, 5, 1, 3);
         let positions: Vec<i32> = vec![0, 3, 1, 2, 0, 3, 1, 2];
-        for target in [Target::Q, Target::Down] {
+        for target in [Projection::Q, Projection::Down] {
             let mut b = Builder::new("main");
             let x = b.param("x", Shape::new(&[bs, t, f], DType::F32));
             let k = b.param("key", Shape::new(&[KEY_WORDS], DType::U64));
@@ -270,16 +273,16 @@ mod tests {
                 .flat_map(|pos| (0..256).map(move |f| keeps(key, p, target, row, pos, f)))
                 .collect()
         };
-        let base = mask(Key::new(42, 7, 2, 0), Target::Q, 0);
+        let base = mask(Key::new(42, 7, 2, 0), Projection::Q, 0);
         let kept = base.iter().filter(|&&k| k).count() as f64 / base.len() as f64;
         assert!((kept - 0.7).abs() < 0.01, "kept {kept}");
         for (what, other) in [
-            ("projection", mask(Key::new(42, 7, 2, 0), Target::K, 0)),
-            ("layer", mask(Key::new(42, 7, 3, 0), Target::Q, 0)),
-            ("step", mask(Key::new(42, 8, 2, 0), Target::Q, 0)),
-            ("seed", mask(Key::new(43, 7, 2, 0), Target::Q, 0)),
-            ("row", mask(Key::new(42, 7, 2, 0), Target::Q, 1)),
-            ("first row", mask(Key::new(42, 7, 2, 1), Target::Q, 0)),
+            ("projection", mask(Key::new(42, 7, 2, 0), Projection::K, 0)),
+            ("layer", mask(Key::new(42, 7, 3, 0), Projection::Q, 0)),
+            ("step", mask(Key::new(42, 8, 2, 0), Projection::Q, 0)),
+            ("seed", mask(Key::new(43, 7, 2, 0), Projection::Q, 0)),
+            ("row", mask(Key::new(42, 7, 2, 0), Projection::Q, 1)),
+            ("first row", mask(Key::new(42, 7, 2, 1), Projection::Q, 0)),
         ] {
             let same =
                 base.iter().zip(&other).filter(|(a, b)| a == b).count() as f64 / base.len() as f64;

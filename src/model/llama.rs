@@ -12,7 +12,7 @@
 use crate::model::config::LlamaConfig;
 use crate::model::forward::mask_scores;
 pub use crate::model::forward::{Numerics, Placement, Saves};
-use crate::model::lora::Target;
+use crate::model::lora::Projection;
 use crate::model::{context, dropout, flash};
 use hlo::{Builder, DType, DotDims, Result, Shape, Value};
 use std::collections::BTreeMap;
@@ -32,15 +32,15 @@ pub struct LayerWeights {
 }
 
 impl LayerWeights {
-    pub fn projection(&self, t: Target) -> Value {
+    pub fn projection(&self, t: Projection) -> Value {
         match t {
-            Target::Q => self.q,
-            Target::K => self.k,
-            Target::V => self.v,
-            Target::O => self.o,
-            Target::Gate => self.gate,
-            Target::Up => self.up,
-            Target::Down => self.down,
+            Projection::Q => self.q,
+            Projection::K => self.k,
+            Projection::V => self.v,
+            Projection::O => self.o,
+            Projection::Gate => self.gate,
+            Projection::Up => self.up,
+            Projection::Down => self.down,
         }
     }
 }
@@ -62,7 +62,7 @@ pub struct LoraPair {
 }
 
 /// One layer's adapters, by target.
-pub type LayerAdapters = BTreeMap<Target, LoraPair>;
+pub type LayerAdapters = BTreeMap<Projection, LoraPair>;
 
 /// What a layer shares with the others: RoPE tables, where each token's document starts, LoRA's
 /// scale, dropout.
@@ -474,7 +474,7 @@ impl Llama<'_> {
     fn project(
         &self,
         b: &mut Builder,
-        target: Target,
+        target: Projection,
         x: Value,
         w: Value,
         lora: &LayerAdapters,
@@ -523,9 +523,9 @@ impl Llama<'_> {
         let (bs, t) = (b.dims(x)[0], b.dims(x)[1]);
         let (kvh, d) = (c.num_key_value_heads, c.head_dim);
         let g = c.num_attention_heads / kvh;
-        let q = self.project(b, Target::Q, x, w.q, lora, ctx, saves)?;
-        let k = self.project(b, Target::K, x, w.k, lora, ctx, saves)?;
-        let v = self.project(b, Target::V, x, w.v, lora, ctx, saves)?;
+        let q = self.project(b, Projection::Q, x, w.q, lora, ctx, saves)?;
+        let k = self.project(b, Projection::K, x, w.k, lora, ctx, saves)?;
+        let v = self.project(b, Projection::V, x, w.v, lora, ctx, saves)?;
         let attn = b.scoped("attn", |b| {
             // Query head j = kv * G + g uses kv head j / G, as HF's repeat_kv does.
             let q = b.reshape(q, &[bs, t, kvh, g, d])?;
@@ -535,7 +535,7 @@ impl Llama<'_> {
             let k = self.apply_rope(b, k, rope)?;
             self.attend_sequence(b, [q, k, v], doc_starts, &mut *saves)
         })?;
-        self.project(b, Target::O, attn, w.o, lora, ctx, saves)
+        self.project(b, Projection::O, attn, w.o, lora, ctx, saves)
     }
 
     /// Causal attention over the whole sequence for q [B, T, KV, G, D], k and v [B, T, KV, D]
@@ -603,8 +603,8 @@ impl Llama<'_> {
         // mesh puts activations (FSDP: split by batch). Left to itself, at a row per chip the
         // partitioner may gather the input over the batch, split F instead and move back with
         // all-to-alls around the down projection.
-        let gate = self.project(b, Target::Gate, x, w.gate, lora, ctx, saves)?;
-        let up = self.project(b, Target::Up, x, w.up, lora, ctx, saves)?;
+        let gate = self.project(b, Projection::Gate, x, w.gate, lora, ctx, saves)?;
+        let up = self.project(b, Projection::Up, x, w.up, lora, ctx, saves)?;
         let gate = self.pin(b, gate, &["batch", "length", "mlp"])?;
         let up = self.pin(b, up, &["batch", "length", "mlp"])?;
         // silu(g) = g * sigmoid(g), one op in the compute type as torch's silu is: computed in
@@ -616,7 +616,7 @@ impl Llama<'_> {
             let silu = b.convert(silu, self.num.compute)?;
             b.mul(silu, up)
         })?;
-        self.project(b, Target::Down, act, w.down, lora, ctx, saves)
+        self.project(b, Projection::Down, act, w.down, lora, ctx, saves)
     }
 }
 

@@ -9,7 +9,7 @@ use std::fmt;
     Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
 )]
 #[serde(rename_all = "snake_case")]
-pub enum Target {
+pub enum Projection {
     Q,
     K,
     V,
@@ -19,34 +19,34 @@ pub enum Target {
     Down,
 }
 
-impl Target {
-    pub const ALL: [Target; 7] = [
-        Target::Q,
-        Target::K,
-        Target::V,
-        Target::O,
-        Target::Gate,
-        Target::Up,
-        Target::Down,
+impl Projection {
+    pub const ALL: [Projection; 7] = [
+        Projection::Q,
+        Projection::K,
+        Projection::V,
+        Projection::O,
+        Projection::Gate,
+        Projection::Up,
+        Projection::Down,
     ];
 
     /// PEFT's module name (`q_proj`, ...).
     pub fn module(self) -> &'static str {
         match self {
-            Target::Q => "q_proj",
-            Target::K => "k_proj",
-            Target::V => "v_proj",
-            Target::O => "o_proj",
-            Target::Gate => "gate_proj",
-            Target::Up => "up_proj",
-            Target::Down => "down_proj",
+            Projection::Q => "q_proj",
+            Projection::K => "k_proj",
+            Projection::V => "v_proj",
+            Projection::O => "o_proj",
+            Projection::Gate => "gate_proj",
+            Projection::Up => "up_proj",
+            Projection::Down => "down_proj",
         }
     }
 
     /// `self_attn` or `mlp`: the HF submodule holding the projection.
     pub fn block(self) -> &'static str {
         match self {
-            Target::Q | Target::K | Target::V | Target::O => "self_attn",
+            Projection::Q | Projection::K | Projection::V | Projection::O => "self_attn",
             _ => "mlp",
         }
     }
@@ -57,32 +57,32 @@ impl Target {
     }
 
     /// Targets as users write them: `q,k,v,o,gate,up,down`.
-    pub fn list(targets: &[Target]) -> String {
+    pub fn list(targets: &[Projection]) -> String {
         let names: Vec<&str> = targets.iter().map(|t| t.short()).collect();
         names.join(",")
     }
 
     /// Parse `q`, `q_proj`, `gate`, ...
-    pub fn parse(s: &str) -> Result<Target> {
+    pub fn parse(s: &str) -> Result<Projection> {
         let s = s.trim();
         let base = s.strip_suffix("_proj").unwrap_or(s);
         Ok(match base {
-            "q" => Target::Q,
-            "k" => Target::K,
-            "v" => Target::V,
-            "o" => Target::O,
-            "gate" => Target::Gate,
-            "up" => Target::Up,
-            "down" => Target::Down,
+            "q" => Projection::Q,
+            "k" => Projection::K,
+            "v" => Projection::V,
+            "o" => Projection::O,
+            "gate" => Projection::Gate,
+            "up" => Projection::Up,
+            "down" => Projection::Down,
             _ => bail!("unknown LoRA target `{s}` (choose among q,k,v,o,gate,up,down)"),
         })
     }
 
-    pub fn parse_list(s: &str) -> Result<Vec<Target>> {
-        let mut v: Vec<Target> = s
+    pub fn parse_list(s: &str) -> Result<Vec<Projection>> {
+        let mut v: Vec<Projection> = s
             .split(',')
             .filter(|p| !p.trim().is_empty())
-            .map(Target::parse)
+            .map(Projection::parse)
             .collect::<Result<_>>()?;
         v.sort();
         v.dedup();
@@ -111,7 +111,7 @@ impl Target {
     }
 }
 
-impl fmt::Display for Target {
+impl fmt::Display for Projection {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.module())
     }
@@ -122,7 +122,7 @@ pub struct LoraConfig {
     pub r: i64,
     pub alpha: f64,
     pub dropout: f64,
-    pub targets: Vec<Target>,
+    pub targets: Vec<Projection>,
 }
 
 impl LoraConfig {

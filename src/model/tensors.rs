@@ -4,7 +4,7 @@
 //! an NF4-quantized weight is passed as.
 
 use crate::model::config::LlamaConfig;
-use crate::model::lora::{LoraConfig, Target};
+use crate::model::lora::{LoraConfig, Projection};
 use hlo::DType;
 
 /// The frozen tensors of one layer: HF name suffix (`self_attn.q_proj`) and shape.
@@ -110,16 +110,16 @@ pub fn layer_name(stacked: &str, layer: i64) -> String {
 }
 
 /// (in, out) features of a projection.
-pub fn projection_dims(cfg: &LlamaConfig, t: Target) -> (i64, i64) {
+pub fn projection_dims(cfg: &LlamaConfig, t: Projection) -> (i64, i64) {
     let (h, f) = (cfg.hidden_size, cfg.intermediate_size);
     let q = cfg.num_attention_heads * cfg.head_dim;
     let kv = cfg.num_key_value_heads * cfg.head_dim;
     match t {
-        Target::Q => (h, q),
-        Target::K | Target::V => (h, kv),
-        Target::O => (q, h),
-        Target::Gate | Target::Up => (h, f),
-        Target::Down => (f, h),
+        Projection::Q => (h, q),
+        Projection::K | Projection::V => (h, kv),
+        Projection::O => (q, h),
+        Projection::Gate | Projection::Up => (h, f),
+        Projection::Down => (f, h),
     }
 }
 
@@ -128,7 +128,7 @@ pub fn projection_dims(cfg: &LlamaConfig, t: Target) -> (i64, i64) {
 pub struct LoraTensor {
     /// The layer, or None for a stacked tensor holding every layer.
     pub layer: Option<i64>,
-    pub target: Target,
+    pub target: Projection,
     /// "A" or "B"
     pub which: &'static str,
     pub name: String,

@@ -140,7 +140,7 @@ pub fn build_train_step(spec: &StepSpec) -> Result<Program> {
 
 /// The training step with every loop (layers, microbatches) unrolled: the same computation,
 /// recomputation included, for compilers whose cost analysis counts a loop body once (TPU's).
-/// Meant for models of one or two layers (`device::target::aot` estimates a step from them).
+/// Meant for models of one or two layers (`device::absent::aot` estimates a step from them).
 pub fn build_train_step_unrolled(spec: &StepSpec) -> Result<Program> {
     train_step(spec, true)
 }

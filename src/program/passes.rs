@@ -4,7 +4,7 @@
 
 use crate::model::dropout::{layer_key, pass_key};
 use crate::model::llama::{BaseWeights, LayerAdapters, LayerContext, Saves};
-use crate::model::lora::Target;
+use crate::model::lora::Projection;
 use crate::model::loss::{cross_entropy_loss_and_grad, next_token_targets};
 use crate::model::tensors::projection_dims;
 use crate::program::layout::{
@@ -92,7 +92,7 @@ impl Layout<'_> {
             Remat::SaveProj => {}
         }
         let compute = self.spec.dtype;
-        let mut points: Vec<(String, Shape)> = Target::ALL
+        let mut points: Vec<(String, Shape)> = Projection::ALL
             .iter()
             .map(|target| {
                 let out = projection_dims(&self.spec.model, *target).1;
@@ -257,7 +257,7 @@ impl Layout<'_> {
         // step keeps its fills on every target (XLA CPU has no uninitialized buffer; the TPU
         // compiler turns a fill the loop overwrites whole into one by itself). An unrolled step
         // is built only to be priced by the TPU cost model, standing for the looped one
-        // (`device::target::aot::Estimate`); there the compiler cannot see that every slot is written
+        // (`device::absent::aot::Estimate`); there the compiler cannot see that every slot is written
         // and would price a fill that the looped step never pays, so its stacks start
         // uninitialized (XLA's `AllocateBuffer`), as the compiled looped step's do. Stacks in
         // host memory keep their fill (an `AllocateBuffer` is not known to be placed there).
@@ -581,7 +581,7 @@ mod tests {
             r: 4,
             alpha: 8.0,
             dropout: 0.0,
-            targets: Target::ALL.to_vec(),
+            targets: Projection::ALL.to_vec(),
         };
         StepSpec {
             remat,
@@ -699,7 +699,7 @@ mod tests {
         );
         let save_proj = spec(Remat::SaveProj);
         let points = Layout { spec: &save_proj }.saved_points(2, 16);
-        assert_eq!(points.len(), Target::ALL.len() + 1 + 2, "{points:?}");
+        assert_eq!(points.len(), Projection::ALL.len() + 1 + 2, "{points:?}");
         // The tiny model: 4 heads of 16 over 2 KV heads; f32 statistics per query row and head.
         let stat = Shape::new(&[2, 2, 16, 2], DType::F32);
         assert!(points.iter().any(|(n, s)| n == "attn.max.0" && *s == stat));

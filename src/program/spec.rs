@@ -910,7 +910,7 @@ fn de_attention_scores<'de, D: serde::Deserializer<'de>>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::lora::Target;
+    use crate::model::lora::Projection;
 
     fn tiny() -> LlamaConfig {
         crate::model::presets::preset_config("tiny-llama3")
@@ -925,7 +925,7 @@ mod tests {
                 r: 4,
                 alpha: 8.0,
                 dropout: 0.0,
-                targets: Target::ALL.to_vec(),
+                targets: Projection::ALL.to_vec(),
             },
             adam: AdamW::default(),
             dtype,

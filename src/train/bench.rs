@@ -4,7 +4,7 @@
 use crate::data::Batch;
 use crate::device::runtime::Runtime;
 use crate::device::trainer::Trainer;
-use crate::model::lora::{SplitMix, Target};
+use crate::model::lora::{Projection, SplitMix};
 use crate::program::{self, Program, Role, StepSpec};
 use anyhow::Result;
 use hlo::DType;
@@ -185,7 +185,7 @@ pub fn model_flops_per_step(spec: &StepSpec) -> f64 {
     let c = &spec.model;
     let (l, t) = (c.num_hidden_layers as f64, spec.seq as f64);
     let tokens = (spec.batch * spec.seq) as f64;
-    let per_layer: i64 = Target::ALL
+    let per_layer: i64 = Projection::ALL
         .iter()
         .map(|&tg| {
             let (i, o) = crate::model::tensors::projection_dims(c, tg);

@@ -5,7 +5,7 @@ use crate::formats::atomic::write_dir_atomic;
 use crate::formats::outdir::entries;
 use crate::formats::safetensors::SafeTensors;
 use crate::model::config::LlamaConfig;
-use crate::model::lora::{LoraConfig, Target};
+use crate::model::lora::{LoraConfig, Projection};
 use crate::train::schedule::Schedule;
 use anyhow::{bail, Context, Result};
 use pjrt::HostTensor;
@@ -156,9 +156,9 @@ pub fn load_checkpoint(dir: &Path, cfg: &LlamaConfig, lora: &LoraConfig) -> Resu
             "checkpoint {} has LoRA r={} on {}; this run uses r={} on {}",
             dir.display(),
             c.r,
-            Target::list(&c.targets),
+            Projection::list(&c.targets),
             lora.r,
-            Target::list(&lora.targets)
+            Projection::list(&lora.targets)
         );
     }
     let weights = crate::formats::peft::read_tensors(dir, cfg, lora)?;

@@ -10,7 +10,7 @@
 //! form, and one is taken by replacing it in the run's settings and applying them back
 //! ([`RunSettings::apply_to`]), so that no function maps names to fields by hand.
 
-use crate::model::lora::Target;
+use crate::model::lora::Projection;
 use crate::program::{sharding, KeyBlocks, MeshPlan, Offload, Quant, Remat, ResultType, StepSpec};
 use crate::train::checkpoint::{Settings, TrainerState};
 use crate::train::options::TrainOptions;
@@ -173,7 +173,7 @@ impl RunSettings {
             lora_r: s.lora.r,
             lora_alpha: s.lora.alpha,
             lora_dropout: s.lora.dropout,
-            lora_targets: Target::list(&s.lora.targets),
+            lora_targets: Projection::list(&s.lora.targets),
             lr: o.lr,
             warmup: o.warmup,
             schedule: o.schedule.clone(),
@@ -277,7 +277,7 @@ impl RunSettings {
         s.lora.r = lora_r;
         s.lora.alpha = lora_alpha;
         s.lora.dropout = lora_dropout;
-        s.lora.targets = Target::parse_list(&lora_targets).context("--lora-targets")?;
+        s.lora.targets = Projection::parse_list(&lora_targets).context("--lora-targets")?;
         o.lr = lr;
         o.warmup = warmup;
         o.schedule = schedule;
@@ -386,7 +386,7 @@ impl ProgramSettings {
             lora_r: spec.lora.r,
             lora_alpha: spec.lora.alpha,
             lora_dropout: spec.lora.dropout,
-            lora_targets: Target::list(&spec.lora.targets),
+            lora_targets: Projection::list(&spec.lora.targets),
             betas: format!("{},{}", spec.adam.beta1, spec.adam.beta2),
             eps: spec.adam.eps,
             weight_decay: spec.adam.weight_decay,
@@ -557,7 +557,7 @@ pub fn recorded_in(state: &TrainerState, ckpt: &Path) -> Result<Settings> {
     m.insert("lora-r".into(), json!(c.r));
     m.insert("lora-alpha".into(), json!(c.alpha));
     m.insert("lora-dropout".into(), json!(c.dropout));
-    m.insert("lora-targets".into(), json!(Target::list(&c.targets)));
+    m.insert("lora-targets".into(), json!(Projection::list(&c.targets)));
     Ok(m)
 }
 
@@ -609,7 +609,7 @@ pub fn settle(
             lora.targets = c.targets.clone();
             taken.push(format!(
                 "--lora-targets {}",
-                crate::model::lora::Target::list(&c.targets)
+                crate::model::lora::Projection::list(&c.targets)
             ));
         }
         note(&taken, &format!("--init-adapter {}", dir.display()), notes);
@@ -839,7 +839,7 @@ mod tests {
                     r: 2,
                     alpha: 3.0,
                     dropout: 0.25,
-                    targets: vec![Target::Q],
+                    targets: vec![Projection::Q],
                 },
                 adam: crate::model::optim::AdamW {
                     beta1: 0.5,

@@ -5,7 +5,7 @@
 use crate::data::{Source, TrainingData};
 use crate::formats::peft::init_lora;
 use crate::model::config::LlamaConfig;
-use crate::model::lora::{LoraConfig, Target};
+use crate::model::lora::{LoraConfig, Projection};
 use crate::train::checkpoint::{load_checkpoint, Checkpoint, TrainerState};
 use crate::train::options::TrainOptions;
 use crate::train::schedule::Schedule;
@@ -171,10 +171,10 @@ fn initial_adapter(
             dir.display(),
             c.r,
             c.alpha,
-            Target::list(&c.targets),
+            Projection::list(&c.targets),
             lora_cfg.r,
             lora_cfg.alpha,
-            Target::list(&lora_cfg.targets)
+            Projection::list(&lora_cfg.targets)
         );
     }
     crate::formats::peft::read_tensors(dir, cfg, lora_cfg)

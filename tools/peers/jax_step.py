@@ -481,7 +481,7 @@ def aot(a, cfg, targets, cd):
         # libtpu 0.0.42.1's cost model prices each ConcatBitcast call (it joins the views of an
         # async-sliced fetch and moves nothing) and each PrepareAsyncCallStart / Done (the
         # bracket of an async call; the call inside is priced) at -1 s; add them back as xtrain
-        # does (xtrain::device::target::aot::unpriced_calls)
+        # does (xtrain::device::absent::aot::unpriced_calls)
         text = compiled.as_text()
         unpriced = sum(text.count(f'custom_call_target="{c}"')
                        for c in ("ConcatBitcast", "PrepareAsyncCallStart", "PrepareAsyncCallDone"))

@@ -248,7 +248,7 @@ pub fn explain_out_of_memory_on(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::lora::{LoraConfig, Target};
+    use crate::model::lora::{LoraConfig, Projection};
 
     #[test]
     fn out_of_memory_messages_and_advice() {
@@ -285,7 +285,7 @@ mod tests {
             r: 16,
             alpha: 32.0,
             dropout: 0.0,
-            targets: Target::ALL.to_vec(),
+            targets: Projection::ALL.to_vec(),
         };
         let spec = StepSpec {
             remat: Remat::None,

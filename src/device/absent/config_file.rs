@@ -2,8 +2,8 @@
 //! XLA's `gpu_specs` folder, checked before a plugin sees it (the plugin's own parser would say
 //! neither where nor what is wrong).
 
-use crate::device::target::text_proto;
-use crate::device::target::Platform;
+use crate::device::absent::text_proto;
+use crate::device::absent::Platform;
 use anyhow::{bail, Context, Result};
 use std::path::Path;
 

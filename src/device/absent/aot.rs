@@ -4,7 +4,7 @@
 //! executable that a client on the real hardware loads (`train --program`). The facts this rests
 //! on (call sequence, options, traps) are in docs/plugins.md and docs/targets.md.
 
-use crate::device::target::{Platform, Target};
+use crate::device::absent::{Platform, Target};
 use crate::program::{Program, StepSpec};
 use anyhow::{bail, Context, Result};
 use pjrt::{CompileOptions, DeviceDescription, MemoryStats, OptionValue, Plugin, Topology, Value};

@@ -8,9 +8,9 @@
 //! plugin to load and the topology to create on it; the program itself does not know targets
 //! exist. Uses only the `pjrt` crate.
 
-use crate::device::target::builtin::{gpus, tpus};
-use crate::device::target::config_file::read_target_config;
-use crate::device::target::Platform;
+use crate::device::absent::builtin::{gpus, tpus};
+use crate::device::absent::config_file::read_target_config;
+use crate::device::absent::Platform;
 use anyhow::{bail, Context, Result};
 use pjrt::Value;
 use std::path::Path;

@@ -2,7 +2,7 @@
 //! table (`builtin.toml`, compiled into the binary) the first time one is asked for, and each
 //! GPU written as the GpuTargetConfigProto text its plugin takes.
 
-use crate::device::target::Platform;
+use crate::device::absent::Platform;
 use anyhow::{bail, Result};
 use std::sync::OnceLock;
 
@@ -217,7 +217,7 @@ mod tests {
         let table = read_table(TABLE).unwrap();
         assert!(!table.tpus.is_empty() && !table.gpus.is_empty());
         for g in &table.gpus {
-            crate::device::target::config_file::check(&g.target_config(), g.platform())
+            crate::device::absent::config_file::check(&g.target_config(), g.platform())
                 .unwrap_or_else(|e| panic!("{}: {e:#}", g.name));
         }
         let h100 = table.gpus.iter().find(|g| g.name == "h100").unwrap();
