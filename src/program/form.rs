@@ -28,7 +28,8 @@ impl StepSpec {
                     false => String::new(),
                 };
                 flags.push(format!(
-                    "--key-block {k} (blocks of {tb} tokens; the sequence is split into chunks of {c}{pad})"
+                    "--key-block {k} (blocks of {tb} {}; the sequence is split into chunks of {c}{pad})",
+                    if tb == 1 { "token" } else { "tokens" }
                 ))
             }
             Some(k) => flags.push(format!(

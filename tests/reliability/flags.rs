@@ -179,7 +179,7 @@ fn a_train_flag_out_of_range_is_refused_before_any_work() {
             // A negative value without `=` is a value, not an unknown argument `-1`.
             (
                 &["--attention-block", "-1"],
-                "--attention-block -1 must be a positive divisor",
+                "--attention-block must be a positive number of query rows, auto or off, got `-1`",
             ),
             (&["--lr", "-1"], "--lr must be a number >= 0, got -1"),
             (
@@ -1088,6 +1088,12 @@ fn the_context_axis_keeps_the_key_block_asked_for() {
             "context=8",
             "auto",
             "(blocks of 512 tokens; the sequence is split into chunks of 2000, each padded to 2048)",
+        ),
+        (
+            "8200",
+            "context=2",
+            "1",
+            "(blocks of 1 token; the sequence is split into chunks of 2050)",
         ),
         (
             "8200",
