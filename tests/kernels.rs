@@ -3,15 +3,7 @@
 
 mod common;
 use common::*;
-use std::path::{Path, PathBuf};
-
-fn examples(path: &Path, n: usize) -> PathBuf {
-    let s: String = (0..n)
-        .map(|i| format!("{{\"instruction\": \"Say {i}\", \"output\": \"{i}!\"}}\n"))
-        .collect();
-    std::fs::write(path, s).unwrap();
-    path.to_path_buf()
-}
+use std::path::Path;
 
 const FLAGS: &[&str] = &[
     "--steps",
@@ -45,7 +37,7 @@ fn losses(out: &Path) -> Vec<f64> {
 fn a_run_with_a_kernel_trains_as_the_loops_do_and_says_so() {
     let dir = tempdir("kernel-run");
     let model = tiny_text_model(&dir);
-    let data = examples(&dir.join("d.jsonl"), 12);
+    let data = instruction_examples(&dir.join("d.jsonl"), 12);
     let run = |name: &str, extra: &[&str]| {
         let out = dir.join(name);
         let o = train_cmd(&model, &data, &out)
@@ -81,7 +73,7 @@ fn a_run_with_a_kernel_trains_as_the_loops_do_and_says_so() {
 fn a_kernel_that_is_unknown_or_replaces_nothing_is_refused() {
     let dir = tempdir("kernel-refused");
     let model = tiny_text_model(&dir);
-    let data = examples(&dir.join("d.jsonl"), 4);
+    let data = instruction_examples(&dir.join("d.jsonl"), 4);
     let m = model.to_str().unwrap();
     let d = data.to_str().unwrap();
     let out = dir.join("out");

@@ -333,26 +333,11 @@ fn lora_logits_loss_and_all_28_gradients_match() {
             (loss - 6.63896).abs() <= 1e-5,
             "{remat:?} chunk {chunk:?} block {block:?} stats {stats}: loss {loss}"
         );
-        let mut checked = 0;
-        for (name, t) in out.iter().filter(|(n, _)| n.starts_with("grad.")) {
-            let got = f32s(t);
-            let want = f32s(&lo.read(name).unwrap());
-            let diff: f32 = got
-                .iter()
-                .zip(&want)
-                .map(|(a, b)| (a - b) * (a - b))
-                .sum::<f32>()
-                .sqrt();
-            let norm: f32 = want.iter().map(|b| b * b).sum::<f32>().sqrt();
-            assert!(
-                diff / norm <= 1e-4,
-                "{remat:?} chunk {chunk:?} block {block:?} stats {stats} {name}: relative error {} \
-                 (tolerance 1e-4)",
-                diff / norm
-            );
-            checked += 1;
-        }
-        assert_eq!(checked, 28, "{remat:?}");
+        assert_grads_match(
+            &out,
+            &lo,
+            &format!("{remat:?} chunk {chunk:?} block {block:?} stats {stats}"),
+        );
     }
 }
 
@@ -555,24 +540,29 @@ fn a_kernel_in_place_of_the_attention_composites_matches_the_oracle() {
             (loss - 6.63896).abs() <= 1e-5,
             "{remat:?} {keys}: loss {loss}"
         );
-        let mut checked = 0;
-        for (name, t) in out.iter().filter(|(n, _)| n.starts_with("grad.")) {
-            let got = f32s(t);
-            let want = f32s(&lo.read(name).unwrap());
-            let diff: f32 = got
-                .iter()
-                .zip(&want)
-                .map(|(a, b)| (a - b) * (a - b))
-                .sum::<f32>()
-                .sqrt();
-            let norm: f32 = want.iter().map(|b| b * b).sum::<f32>().sqrt();
-            assert!(
-                diff / norm <= 1e-4,
-                "{remat:?} {keys} {name}: relative error {} (tolerance 1e-4)",
-                diff / norm
-            );
-            checked += 1;
-        }
-        assert_eq!(checked, 28);
+        assert_grads_match(&out, &lo, &format!("{remat:?} --kernel every-key {keys}"));
     }
+}
+
+/// Every LoRA gradient of `out` against the oracle's, to 1e-4 relative error (L2), all 28.
+fn assert_grads_match(out: &BTreeMap<String, HostTensor>, lo: &SafeTensors, what: &str) {
+    let mut checked = 0;
+    for (name, t) in out.iter().filter(|(n, _)| n.starts_with("grad.")) {
+        let got = f32s(t);
+        let want = f32s(&lo.read(name).unwrap());
+        let diff: f32 = got
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b) * (a - b))
+            .sum::<f32>()
+            .sqrt();
+        let norm: f32 = want.iter().map(|b| b * b).sum::<f32>().sqrt();
+        assert!(
+            diff / norm <= 1e-4,
+            "{what} {name}: relative error {} (tolerance 1e-4)",
+            diff / norm
+        );
+        checked += 1;
+    }
+    assert_eq!(checked, 28, "{what}");
 }

@@ -4,16 +4,8 @@
 
 mod common;
 use common::*;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Stdio;
-
-fn examples(path: &Path, n: usize) -> PathBuf {
-    let s: String = (0..n)
-        .map(|i| format!("{{\"instruction\": \"Say {i}\", \"output\": \"{i}!\"}}\n"))
-        .collect();
-    std::fs::write(path, s).unwrap();
-    path.to_path_buf()
-}
 
 /// The flags of the runs below besides --model, --data, --out and evaluation.
 const FLAGS: &[&str] = &[
@@ -71,8 +63,8 @@ fn adapter(out: &Path) -> Vec<u8> {
 fn a_run_stopped_with_ctrl_c_goes_on_evaluating_and_checkpointing_with_the_command_it_suggests() {
     let dir = tempdir("resume-ctrl-c");
     let model = tiny_text_model(&dir);
-    let data = examples(&dir.join("d.jsonl"), 30);
-    let eval = examples(&dir.join("eval.jsonl"), 6);
+    let data = instruction_examples(&dir.join("d.jsonl"), 30);
+    let eval = instruction_examples(&dir.join("eval.jsonl"), 6);
     let with_eval = |out: &Path| {
         let mut c = train_cmd(&model, &data, out);
         c.arg("--eval-data")
@@ -139,7 +131,7 @@ fn a_run_stopped_with_ctrl_c_goes_on_evaluating_and_checkpointing_with_the_comma
 fn resume_alone_refuses_a_model_that_moved_naming_where_it_was() {
     let dir = tempdir("resume-moved");
     let model = tiny_text_model(&dir);
-    let data = examples(&dir.join("d.jsonl"), 30);
+    let data = instruction_examples(&dir.join("d.jsonl"), 30);
     let out = dir.join("run");
     let o = train_cmd(&model, &data, &out)
         .args(FLAGS)
@@ -178,8 +170,8 @@ fn resume_alone_refuses_a_model_that_moved_naming_where_it_was() {
 fn resume_refuses_other_data_than_its_runs_naming_both_paths() {
     let dir = tempdir("resume-other-data");
     let model = tiny_text_model(&dir);
-    let data = examples(&dir.join("d.jsonl"), 30);
-    let other = examples(&dir.join("other.jsonl"), 12);
+    let data = instruction_examples(&dir.join("d.jsonl"), 30);
+    let other = instruction_examples(&dir.join("other.jsonl"), 12);
     let out = dir.join("run");
     let o = train_cmd(&model, &data, &out)
         .args(FLAGS)
@@ -223,7 +215,7 @@ fn train_without_model_data_or_out_and_no_resume_says_what_is_needed() {
 fn a_resumed_bf16_run_keeps_its_attention_scores_type() {
     let dir = tempdir("resume-scores");
     let model = tiny_text_model(&dir);
-    let data = examples(&dir.join("d.jsonl"), 16);
+    let data = instruction_examples(&dir.join("d.jsonl"), 16);
     let out = dir.join("run");
     let o = train_cmd(&model, &data, &out)
         .args([

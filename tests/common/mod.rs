@@ -190,3 +190,13 @@ pub fn rocm_standins_in(name: &str) -> PathBuf {
     );
     dir
 }
+
+/// `n` instruction examples ("Say i" -> "i!") as JSONL at `path`, for runs of the tiny text
+/// model; returns the path.
+pub fn instruction_examples(path: &Path, n: usize) -> PathBuf {
+    let s: String = (0..n)
+        .map(|i| format!("{{\"instruction\": \"Say {i}\", \"output\": \"{i}!\"}}\n"))
+        .collect();
+    std::fs::write(path, s).unwrap();
+    path.to_path_buf()
+}

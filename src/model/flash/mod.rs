@@ -186,17 +186,8 @@ pub(crate) fn forward_on_device(
     ids: Value,
     ch: Chunks,
 ) -> Result<Vec<Value>> {
-    let (q, k, v, qdocs, kdocs) = (ins[0], ins[1], ins[2], ins[3], ins[4]);
-    let qd = b.dims(q).to_vec();
-    let (kvh, g) = (qd[2], qd[3]);
-    let kin = [
-        ("q", to_kernel_queries(b, q, ch)?),
-        ("k", to_kernel_keys(b, k, ch)?),
-        ("v", to_kernel_keys(b, v, ch)?),
-        ("query_docs", to_kernel_rows(b, qdocs, 2, ch, 0.0)?),
-        ("key_docs", to_kernel_keys_flat(b, kdocs, ch)?),
-        ("chunk_ids", b.reshape(ids, &[2])?),
-    ];
+    let (kvh, g) = (b.dims(ins[0])[2], b.dims(ins[0])[3]);
+    let kin = kernel_operands(b, ins, ids, ch)?;
     let outs = b.composite(
         (ATTENTION, VERSION),
         ch.attributes((kvh, g)),
@@ -215,20 +206,13 @@ pub(crate) fn backward_on_device(
     (ids, out, lse, dout): (Value, Value, Value, Value),
     ch: Chunks,
 ) -> Result<Vec<Value>> {
-    let (q, k, v, qdocs, kdocs) = (ins[0], ins[1], ins[2], ins[3], ins[4]);
-    let qd = b.dims(q).to_vec();
-    let (kvh, g) = (qd[2], qd[3]);
-    let kin = [
-        ("q", to_kernel_queries(b, q, ch)?),
-        ("k", to_kernel_keys(b, k, ch)?),
-        ("v", to_kernel_keys(b, v, ch)?),
-        ("query_docs", to_kernel_rows(b, qdocs, 2, ch, 0.0)?),
-        ("key_docs", to_kernel_keys_flat(b, kdocs, ch)?),
-        ("chunk_ids", b.reshape(ids, &[2])?),
+    let (kvh, g) = (b.dims(ins[0])[2], b.dims(ins[0])[3]);
+    let mut kin = kernel_operands(b, ins, ids, ch)?;
+    kin.extend([
         ("out", to_kernel_queries(b, out, ch)?),
         ("lse", lse),
         ("dout", to_kernel_queries(b, dout, ch)?),
-    ];
+    ]);
     let outs = b.composite(
         (ATTENTION_GRAD, VERSION),
         ch.attributes((kvh, g)),
@@ -242,6 +226,24 @@ pub(crate) fn backward_on_device(
 }
 
 // ------------------------------------------------------------ the kernel's layouts
+
+/// The composites' first operands, named, in the kernel's layout: q, k, v, the query and key
+/// document starts and the chunk ids, from the model's layout (see [`forward_on_device`]).
+fn kernel_operands(
+    b: &mut Builder,
+    ins: &[Value],
+    ids: Value,
+    ch: Chunks,
+) -> Result<Vec<(&'static str, Value)>> {
+    Ok(vec![
+        ("q", to_kernel_queries(b, ins[0], ch)?),
+        ("k", to_kernel_keys(b, ins[1], ch)?),
+        ("v", to_kernel_keys(b, ins[2], ch)?),
+        ("query_docs", to_kernel_rows(b, ins[3], 2, ch, 0.0)?),
+        ("key_docs", to_kernel_keys_flat(b, ins[4], ch)?),
+        ("chunk_ids", b.reshape(ids, &[2])?),
+    ])
+}
 
 /// [B, N C, ...] -> [B, N, Cp, ...]: each chunk padded to whole blocks with `fill`.
 fn to_kernel_rows(b: &mut Builder, x: Value, n: i64, ch: Chunks, fill: f64) -> Result<Value> {
