@@ -15,8 +15,9 @@
 //! same way, as a custom call in the function's body: docs/architecture.md says how.
 
 pub use crate::formats::program_dir::KernelUse;
+use crate::model::forward::mask_scores;
 use anyhow::{bail, Context, Result};
-use hlo::{Builder, CmpDir, DType, DotDims, Func, Shape, Value};
+use hlo::{Builder, DType, DotDims, Func, Shape, Value};
 use std::collections::BTreeMap;
 
 /// A composite attribute as the program text gives it.
@@ -356,18 +357,17 @@ fn all_scores(b: &mut Builder, p: &[Value], (c, cp, scale): (i64, i64, f64)) -> 
     let cv = b.full(c as f64, Shape::new(&[nk], DType::S32));
     let k_pos = b.mul(chunk, cv)?;
     let k_pos = b.add(k_pos, row)?;
-    let bs = sd[0];
-    let mask = [bs, 2, cp, nk];
-    let q_pos = b.broadcast_in_dim(q_pos, &mask, &[1, 2])?;
-    let k_pos = b.broadcast_in_dim(k_pos, &mask, &[3])?;
-    let causal = b.compare(k_pos, q_pos, CmpDir::Le)?;
-    let qd = b.broadcast_in_dim(qdocs, &mask, &[0, 1, 2])?;
-    let kd = b.broadcast_in_dim(kdocs, &mask, &[0, 3])?;
-    let in_doc = b.compare(kd, qd, CmpDir::Ge)?;
-    let allowed = b.and(causal, in_doc)?;
-    let allowed = b.broadcast_in_dim(allowed, &sd, &[0, 2, 3, 5])?;
-    let blocked = b.full(f32::MIN as f64, Shape::new(&sd, DType::F32));
-    Ok(b.select(allowed, s, blocked)?)
+    // The rule of every attention form (`model::forward::mask_scores`), over the chunk slot.
+    let q_pos = b.broadcast_in_dim(q_pos, &[2, cp, nk], &[0, 1])?;
+    let k_pos = b.broadcast_in_dim(k_pos, &[2, cp, nk], &[2])?;
+    let kdocs = b.broadcast_in_dim(kdocs, &[sd[0], 2, nk], &[0, 2])?;
+    Ok(mask_scores(
+        b,
+        s,
+        (q_pos, k_pos),
+        (qdocs, kdocs),
+        &[0, 2, 3, 5],
+    )?)
 }
 
 /// Forward: (q, k, v, query starts, key starts, chunk ids) -> (out, lse).
