@@ -115,6 +115,19 @@ impl Plugin {
     }
 }
 
+impl crate::Device {
+    /// What the plugin says about this device, its process index included (which host of a
+    /// run of several holds it; 0 in a client of one process).
+    pub fn description(&self) -> Result<DeviceDescription> {
+        let mut g = args!(
+            PJRT_Device_GetDescription_Args,
+            device_description { device: self.raw }
+        );
+        call!(&self.client.plugin, Device_GetDescription, &mut g)?;
+        self.client.plugin.describe(g.device_description)
+    }
+}
+
 impl Topology {
     pub fn plugin(&self) -> &Arc<Plugin> {
         &self.plugin

@@ -1,5 +1,6 @@
 //! The device side: a PJRT client, compiled programs, host <-> device tensors.
 
+use crate::device::hosts::place::Placement;
 use crate::device::platform::{gpu_memory_fraction, keep_freed_host_memory, named_platform};
 use crate::formats::host::element_type;
 use crate::program::Program;
@@ -29,6 +30,10 @@ pub struct Runtime {
     /// Kernels put in place of the program's composites before it is compiled (`--kernel`,
     /// see [`crate::device::kernels`]).
     pub kernels: Vec<&'static crate::device::kernels::Kernel>,
+    /// Where a step's mesh positions lie (see [`Placement`]): set for `--virtual-hosts` and for
+    /// a process of a run of several, whose [`Runtime::devices`] are then its own devices in
+    /// the order of the positions it holds. None: every position is here, device `p` at `p`.
+    pub placement: Option<Placement>,
 }
 
 /// This process's part of a client that spans a run of several processes: the plugin creates
@@ -130,6 +135,7 @@ impl Runtime {
             devices,
             prebuilt: None,
             kernels: Vec::new(),
+            placement: None,
         })
     }
 
@@ -189,7 +195,21 @@ impl Runtime {
             ..program.clone()
         };
         let mut options = self.options(options);
-        if program.partitions > 1 {
+        if let Some(placed) = self.placement.as_ref().filter(|_| program.partitions > 1) {
+            // A run of several processes (or virtual hosts): the placement's assignment, the
+            // same in every process.
+            if placed.ids.len() as i64 != program.partitions {
+                bail!(
+                    "the program needs {} devices but the run places its step on {}",
+                    program.partitions,
+                    placed.ids.len()
+                );
+            }
+            let spmd = CompileOptions::spmd(placed.ids.clone());
+            options.num_partitions = spmd.num_partitions;
+            options.spmd = true;
+            options.device_ids = spmd.device_ids;
+        } else if program.partitions > 1 {
             // A client spanning several processes compiles over every process's devices (each
             // process then runs its own share); otherwise over this process's.
             let global = self.client.global_devices()?;
@@ -289,7 +309,8 @@ impl Runtime {
         let Some(mesh) = mesh else {
             return Ok(vec![put(t, 0)?]);
         };
-        (0..mesh.device_count() as usize)
+        self.held(mesh.device_count() as usize)
+            .into_iter()
             .map(|p| {
                 let (starts, sizes) =
                     crate::program::sharding::shard_box(&t.dims, sharding, mesh, p);
@@ -299,7 +320,25 @@ impl Runtime {
             .collect()
     }
 
-    /// Device `p`'s memory of `kind`, or an error naming the kinds it has.
+    /// The mesh positions (of a step over `devices`) this process holds, in the order of its
+    /// argument lists: all of them unless [`Runtime::placement`] says otherwise.
+    pub fn held(&self, devices: usize) -> Vec<usize> {
+        match &self.placement {
+            Some(p) => p.held(),
+            None => (0..devices).collect(),
+        }
+    }
+
+    /// Which of [`Runtime::devices`] mesh position `p` is.
+    fn slot(&self, p: usize) -> Result<usize> {
+        match &self.placement {
+            None => Ok(p),
+            Some(placed) => placed.slot(p).with_context(|| {
+                format!("mesh position {p} is held by another process of the run")
+            }),
+        }
+    }
+
     /// Upload `t` (one device's shard) to device `p`, into its memory of kind `memory` (None:
     /// the device's own).
     pub fn upload_to(
@@ -308,6 +347,7 @@ impl Runtime {
         p: usize,
         memory: Option<hlo::MemoryKind>,
     ) -> Result<Buffer> {
+        let p = self.slot(p)?;
         match memory {
             None => Ok(self.client.to_device(t, &self.devices[p])?),
             Some(kind) => {
@@ -317,6 +357,8 @@ impl Runtime {
         }
     }
 
+    /// Device `p`'s (a slot of [`Runtime::devices`]) memory of `kind`, or an error naming the
+    /// kinds it has.
     fn memory(&self, p: usize, kind: hlo::MemoryKind) -> Result<pjrt::Memory> {
         let memories = self.devices[p].memories()?;
         let mut kinds = Vec::new();

@@ -42,11 +42,12 @@ pub struct Trainer {
     /// them). The program refused the update when the change is more than
     /// [`crate::model::optim::BLOWN_UP`] times the weight.
     pub last_update: Option<(f32, f32)>,
-    /// The devices of each virtual host (`--virtual-hosts`), empty for one host: each host's
-    /// frozen weights and batch rows are read for its own devices only.
-    hosts: Vec<Vec<usize>>,
-    /// Bytes of frozen weights each host's reader handed out (one entry for one host).
+    /// Bytes of frozen weights each of this process's hosts' readers handed out (one entry for
+    /// one host; see [`Runtime::placement`]).
     pub frozen_bytes_read: Vec<u64>,
+    /// How this process gets the shards other processes hold (a run of several processes):
+    /// needed to read the LoRA state or evaluation's results whole.
+    pub gather: Option<Box<dyn crate::device::hosts::gather::Gather>>,
 }
 
 impl Trainer {
@@ -89,21 +90,11 @@ impl Trainer {
         verbose: bool,
     ) -> Result<Trainer> {
         let one = vec![weights];
-        Self::new_on_hosts(
-            rt,
-            spec,
-            program,
-            one,
-            Vec::new(),
-            lora,
-            moments,
-            use_cache,
-            verbose,
-        )
+        Self::new_on_hosts(rt, spec, program, one, lora, moments, use_cache, verbose)
     }
 
-    /// [`Trainer::new`] with the devices split into virtual hosts (`hosts`: each host's
-    /// devices; empty for one host), each reading the frozen weights through its own reader
+    /// [`Trainer::new`] on the hosts [`Runtime::placement`] says this process runs (one
+    /// unless it says otherwise), each reading the frozen weights through its own reader
     /// (`weights`, one per host) and only the boxes its own devices hold, as a separate host
     /// would. The uploaded arguments are the same as one host's.
     #[allow(clippy::too_many_arguments)]
@@ -112,28 +103,27 @@ impl Trainer {
         spec: StepSpec,
         program: Program,
         mut weights: Vec<W>,
-        hosts: Vec<Vec<usize>>,
         lora: &BTreeMap<String, HostTensor>,
         moments: &BTreeMap<String, HostTensor>,
         use_cache: bool,
         verbose: bool,
     ) -> Result<Trainer> {
+        let hosts = rt.placement.as_ref().map(|p| p.local_hosts());
+        let hosts = hosts.unwrap_or_default();
         if weights.len() != hosts.len().max(1) {
             bail!(
-                "{} weight readers for {} virtual hosts",
+                "{} weight readers for {} hosts in this process",
                 weights.len(),
                 hosts.len()
             );
         }
-        // Which host each device of the mesh belongs to (all to host 0 for one host).
-        let mut host_of = vec![0; spec.mesh.as_ref().map_or(1, |m| m.devices()) as usize];
-        for (g, devices) in hosts.iter().enumerate() {
-            for &p in devices {
-                if let Some(h) = host_of.get_mut(p) {
-                    *h = g;
-                }
-            }
-        }
+        // The positions this process holds, each with the reader of the host it belongs to
+        // (all host 0's for one host).
+        let held = rt.held(spec.mesh.as_ref().map_or(1, |m| m.devices()) as usize);
+        let host_of: Vec<usize> = held
+            .iter()
+            .map(|p| hosts.iter().position(|h| h.contains(p)).unwrap_or(0))
+            .collect();
         let mut read = vec![0u64; weights.len()];
         let t0 = Instant::now();
         let (exe, cached) = crate::device::cache::compile_cached(
@@ -181,7 +171,7 @@ impl Trainer {
                         // many of its devices hold it).
                         let mut last: Vec<Option<ReadBox>> = weights.iter().map(|_| None).collect();
                         let mut per_device = Vec::new();
-                        for (p, &g) in host_of.iter().enumerate() {
+                        for (&p, &g) in held.iter().zip(&host_of) {
                             let (starts, sizes) = shard_box(&a.shape, sh, m, p);
                             if last[g]
                                 .as_ref()
@@ -219,8 +209,8 @@ impl Trainer {
             compile_s,
             last_max_weight: None,
             last_update: None,
-            hosts,
             frozen_bytes_read: read,
+            gather: None,
         };
         trainer.set_state(lora, moments)?;
         Ok(trainer)
@@ -293,22 +283,39 @@ impl Trainer {
         }
     }
 
-    /// A batch tensor: as one host puts it, or with virtual hosts each host's own rows.
+    /// A batch tensor: as one host puts it, or on hosts of a placement (virtual hosts, a run
+    /// of several processes) each host its own rows.
     fn put_rows(&self, name: &str, t: &HostTensor) -> Result<Vec<Buffer>> {
-        match &self.spec.mesh {
-            Some(m) if !self.hosts.is_empty() => crate::device::hosts::share::upload_by_host(
+        match (&self.spec.mesh, &self.rt.placement) {
+            (Some(m), Some(placed)) => crate::device::hosts::share::upload_by_host(
                 &self.rt,
                 t,
                 &m.sharding(name, &t.dims),
                 &m.mesh(),
-                &self.hosts,
+                &placed.local_hosts(),
             ),
             _ => self.put(name, t),
         }
     }
 
+    /// The number of devices this process runs the step on (its argument lists).
     fn devices(&self) -> usize {
-        self.program.partitions as usize
+        self.rt.held(self.program.partitions.max(1) as usize).len()
+    }
+
+    /// Every mesh position's shard of a result from this process's (`mine`, one per position it
+    /// holds): its own where it holds them all, else gathered from the other processes.
+    fn whole(&self, mine: Vec<HostTensor>) -> Result<Vec<HostTensor>> {
+        let Some(placed) = self.rt.placement.as_ref().filter(|p| !p.holds_all()) else {
+            return Ok(mine);
+        };
+        let Some(gather) = &self.gather else {
+            bail!("the other processes' shards are needed, and this trainer cannot gather them");
+        };
+        gather.all(
+            placed.held().into_iter().zip(mine).collect(),
+            placed.ids.len(),
+        )
     }
 
     /// One optimizer step at learning rate `lr`. Returns (loss before the update, grad norm).
@@ -420,6 +427,7 @@ impl Trainer {
                     .iter()
                     .map(|o| o[k].to_host())
                     .collect::<std::result::Result<_, _>>()?;
+                let shards = self.whole(shards)?;
                 let dims = vec![batch.dims().0, batch.dims().1];
                 Ok(match &mesh {
                     Some(m) => {
@@ -473,6 +481,7 @@ impl Trainer {
                     .iter()
                     .map(|b| b.to_host())
                     .collect::<std::result::Result<_, _>>()?;
+                let shards = self.whole(shards)?;
                 let t = match &mesh {
                     Some(m) => crate::device::shards::unshard(&shards, &shape, sh, m),
                     None => shards.into_iter().next().context("no shard")?,

@@ -1,4 +1,13 @@
 //! Checkpoints and adapters on disk: each written as a whole directory or not at all.
+//!
+//! A checkpoint counts (is *committed*) once `committed.json` is in it. A one-process run writes
+//! it inside the directory before the directory's atomic rename, so the rename commits it. In a
+//! run of several processes ([`Team`]) every process takes part (the state is gathered from all
+//! of them), process 0 writes the directory with `processes.json` in it, every process passes a
+//! barrier through the run's store, and only then does process 0 write `committed.json`: a
+//! checkpoint of a run whose peer died before the barrier stays uncommitted, and `--resume`
+//! refuses it, naming the newest committed one. A checkpoint with neither file (written before
+//! markers existed, always by one process) counts by its rename, as it did then.
 
 use crate::device::trainer::Trainer;
 use crate::formats::atomic::write_dir_atomic;
@@ -61,31 +70,101 @@ pub struct Checkpoint {
     pub state: TrainerState,
 }
 
-/// A checkpoint: adapter + AdamW moments + trainer state, in one directory written atomically.
+/// The marker that makes a checkpoint count (see the module docs).
+pub const COMMITTED: &str = "committed.json";
+/// What a checkpoint of a run of several processes holds until it is committed: how many.
+pub const PROCESSES: &str = "processes.json";
+
+/// The processes a checkpoint is written by, in a run of several: each takes part, process 0
+/// writes, and all meet at barriers (through the run's store).
+pub trait Team {
+    fn process(&self) -> usize;
+    fn processes(&self) -> usize;
+    /// Wait until every process reached barrier `name`; an error names who did not.
+    fn barrier(&self, name: &str) -> Result<()>;
+}
+
+/// A checkpoint: adapter + AdamW moments + trainer state, in one directory written atomically,
+/// and committed (module docs). With a `team` every process calls this (the state is gathered
+/// from all of them); process 0 alone writes.
 pub fn save_checkpoint(
     dir: &Path,
     trainer: &Trainer,
     state: &TrainerState,
     base: &crate::formats::peft::BaseModel,
+    team: Option<&dyn Team>,
 ) -> Result<()> {
     let (lora, moments) = trainer.state_to_host()?;
-    write_dir_atomic(dir, |tmp| {
-        crate::formats::peft::write(tmp, &trainer.spec.lora, &lora, base)?;
-        crate::formats::safetensors::write(
-            &tmp.join("optimizer.safetensors"),
-            &moments,
-            &BTreeMap::new(),
-        )?;
-        crate::formats::atomic::write_bytes_atomic(
-            &tmp.join("trainer_state.json"),
-            serde_json::to_string_pretty(state)?.as_bytes(),
-        )
+    let write = |extra: &dyn Fn(&Path) -> Result<()>| {
+        write_dir_atomic(dir, |tmp| {
+            crate::formats::peft::write(tmp, &trainer.spec.lora, &lora, base)?;
+            crate::formats::safetensors::write(
+                &tmp.join("optimizer.safetensors"),
+                &moments,
+                &BTreeMap::new(),
+            )?;
+            crate::formats::atomic::write_bytes_atomic(
+                &tmp.join("trainer_state.json"),
+                serde_json::to_string_pretty(state)?.as_bytes(),
+            )?;
+            extra(tmp)
+        })
+    };
+    let Some(team) = team else {
+        // One process: the rename commits it.
+        return write(&|tmp| commit(tmp, state.step, 1));
+    };
+    commit_across(dir, state.step, team, || {
+        write(&|tmp| {
+            let n = serde_json::json!({ "processes": team.processes() });
+            crate::formats::atomic::write_bytes_atomic(
+                &tmp.join(PROCESSES),
+                n.to_string().as_bytes(),
+            )
+        })
     })
 }
 
-/// The latest complete `checkpoint-N` in run dir `out` (the highest N), if any.
+/// The commit of checkpoint `dir` (of `step`) by a team: process 0 writes it (`write`), every
+/// process passes the checkpoint's barrier, then process 0 writes the marker.
+pub fn commit_across(
+    dir: &Path,
+    step: u64,
+    team: &dyn Team,
+    write: impl FnOnce() -> Result<()>,
+) -> Result<()> {
+    if team.process() == 0 {
+        write()?;
+    }
+    let name = format!("checkpoint-{step}");
+    team.barrier(&name).with_context(|| {
+        format!(
+            "{} is not committed: not every process reached it",
+            dir.display()
+        )
+    })?;
+    if team.process() == 0 {
+        commit(dir, step, team.processes())?;
+    }
+    Ok(())
+}
+
+/// Write the marker that makes checkpoint `dir` count.
+fn commit(dir: &Path, step: u64, processes: usize) -> Result<()> {
+    let marker = serde_json::json!({ "step": step, "processes": processes });
+    crate::formats::atomic::write_bytes_atomic(&dir.join(COMMITTED), marker.to_string().as_bytes())
+}
+
+/// Whether checkpoint `dir` counts: its marker, or no sign of a run of several processes (one
+/// written before markers existed).
+pub fn is_committed(dir: &Path) -> bool {
+    dir.join(COMMITTED).is_file() || !dir.join(PROCESSES).is_file()
+}
+
+/// The latest committed `checkpoint-N` in run dir `out` (the highest N), if any. A later one
+/// that is not committed is skipped, and said.
 pub fn latest_checkpoint(out: &Path) -> Option<PathBuf> {
-    entries(out)
+    let mut complete: Vec<(u64, String)> = entries(out)
         .ok()?
         .into_iter()
         .filter_map(|n| {
@@ -95,8 +174,16 @@ pub fn latest_checkpoint(out: &Path) -> Option<PathBuf> {
                 .is_file()
                 .then_some((k, n))
         })
-        .max()
-        .map(|(_, n)| out.join(n))
+        .collect();
+    complete.sort();
+    while let Some((_, n)) = complete.pop() {
+        let dir = out.join(&n);
+        if is_committed(&dir) {
+            return Some(dir);
+        }
+        eprintln!("xtrain: {} is not committed (a process of its run ended before every process reached it); skipped", dir.display());
+    }
+    None
 }
 
 /// Why `dir`, given as a checkpoint, is a run's output dir instead (it holds `checkpoint-N`
@@ -130,13 +217,29 @@ fn a_run_dir(dir: &Path) -> Option<String> {
     })
 }
 
-/// A checkpoint's `trainer_state.json`.
+/// A checkpoint's `trainer_state.json`; one that is not committed is refused, naming the
+/// newest committed checkpoint beside it.
 pub fn read_state(dir: &Path) -> Result<TrainerState> {
     let state_path = dir.join("trainer_state.json");
     if !state_path.exists() {
         if let Some(why) = a_run_dir(dir) {
             bail!(why);
         }
+    }
+    if !is_committed(dir) {
+        let newest = dir.parent().and_then(latest_checkpoint);
+        bail!(
+            "checkpoint {} is not committed: a process of its run (of several processes) ended              before every process reached it, so it may not match what the others held. {}",
+            dir.display(),
+            match newest {
+                Some(c) => format!(
+                    "The newest committed checkpoint is {}: continue from it with `{}`",
+                    c.display(),
+                    resume_command(&c)
+                ),
+                None => "No earlier checkpoint of the run is committed: start it again".into(),
+            }
+        );
     }
     serde_json::from_str(&std::fs::read_to_string(&state_path).with_context(|| {
         format!(

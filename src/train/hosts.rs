@@ -1,26 +1,40 @@
 //! `xtrain train` as one process of a run of several (one per host): the processes meet through
 //! the store process 0 serves, check that they all run the same settings (before any plugin is
-//! opened), and then open the plugin's client across the run through the store.
+//! opened), open the plugin's client across the run through the store, and train: the same run
+//! as one process's (`super::run_in`), with the step placed over every process's devices
+//! (`device::hosts::place`), each process uploading only its own devices' weight slices and
+//! batch rows and executing its own argument lists, the LoRA state gathered through the store
+//! for checkpoints, and process 0 alone writing the output dir. A checkpoint counts once every
+//! process has passed a barrier after it and process 0 has marked it committed
+//! (`checkpoint::commit_across`).
 //!
-//! What runs today: the rendezvous and its refusals, the CPU plugin's refusal (its collectives
-//! stay within one process), and on a GPU or TPU plugin the client created through the store
-//! and the step compiled over every process's devices. Executing the step across processes
-//! (argument lists for this process's devices, per-host loading, the checkpoint commit) is not
-//! built yet, and the run stops there, saying so.
+//! The CPU plugin's collectives stay within one process: on it the processes meet and then stop,
+//! saying so. `--virtual-hosts` runs the same placement, uploads and execute in one process.
 
+use crate::device::hosts::gather::{Gather, StoreGather};
 use crate::device::hosts::launch::Launch;
 use crate::device::hosts::rendezvous::{self, Peers, Settings};
 use crate::device::hosts::wire::StoreError;
 use crate::device::platform::named_platform;
 use crate::device::runtime::{InRun, Runtime};
 use crate::model::config::LlamaConfig;
+use crate::train::finish;
 use crate::train::options::TrainOptions;
+use crate::train::output::RunDir;
 use anyhow::{bail, Result};
 use serde_json::json;
+use std::sync::{Arc, Mutex};
 
 /// Run `opts` as one process of the run `launch` describes. Every process runs this with the
-/// same command; it returns an error in every case today (see the module docs).
-pub fn run(opts: &TrainOptions, cfg: &LlamaConfig, launch: &Launch) -> Result<()> {
+/// same command. `notes`: what the settings taken from a checkpoint or program dir were (said by
+/// process 0).
+pub(super) fn run(
+    opts: &TrainOptions,
+    cfg: &LlamaConfig,
+    launch: &Launch,
+    signals: &finish::Signals,
+    notes: Vec<String>,
+) -> Result<()> {
     let name = launch.name();
     let peers = rendezvous::join(launch, {
         let name = name.clone();
@@ -68,18 +82,121 @@ pub fn run(opts: &TrainOptions, cfg: &LlamaConfig, launch: &Launch) -> Result<()
             "the CPU plugin cannot run a step across processes: its collectives stay within one \
              process, so {} processes cannot share one step on it. Run across hosts with a \
              CUDA, ROCm or TPU plugin (--plugin cuda|rocm|tpu), or train on this host alone \
-             (without --num-processes; the CPU plugin makes as many devices as --mesh asks for)",
+             (without --num-processes; the CPU plugin makes as many devices as --mesh asks for), \
+             or try the per-host split in one process with --virtual-hosts",
             launch.processes
         );
     }
-    compile_across(opts, cfg, peers)
+    // Process 0 alone claims --out and writes there; the others write nothing.
+    let out = match launch.process_id {
+        0 => {
+            crate::formats::outdir::refuse_inputs_inside("--out", &opts.out, &opts.inputs())?;
+            let out = RunDir::claim(&opts.out, opts.resume.as_deref(), opts.overwrite)?;
+            for n in notes {
+                eprintln!("xtrain: note: {n}");
+            }
+            Some(Arc::new(Mutex::new(out)))
+        }
+        _ => None,
+    };
+    let team = Team { peers };
+    let finished = super::run_in(opts, cfg, signals, out.as_ref(), Some(&team));
+    let Team { peers } = team;
+    if finished.is_ok() {
+        // Every process finished its steps: none is left waiting when process 0's store closes.
+        peers.barrier("finished")?;
+        peers.leave();
+    } else {
+        // Dropped without leaving: the others are told this process is gone, and end.
+        drop(peers);
+    }
+    match out {
+        Some(out) => finish::end(opts, &mut finish::locked(&out), finished),
+        None => finished.map(|_| ()),
+    }
+}
+
+/// This process's part in a run of several, as the run uses it: where it stands, its client
+/// opened through the store, the gathering of the shards others hold, and the barriers of a
+/// checkpoint's commit.
+pub(super) struct Team {
+    peers: Peers,
+}
+
+impl Team {
+    pub fn process(&self) -> usize {
+        self.peers.launch.process_id
+    }
+
+    /// Open the plugin's client across the run through the store (as node `K` of `P`) and place
+    /// a step of `devices` over every process's devices.
+    pub fn open(&self, opts: &TrainOptions, devices: i64) -> Result<Runtime> {
+        let launch = &self.peers.launch;
+        let platform = named_platform(opts.plugin.as_deref());
+        let store = self.peers.store.scope(&format!("pjrt/{platform}"));
+        let mut rt = Runtime::open_in(
+            opts.plugin.as_deref(),
+            None,
+            Some(InRun {
+                store: Arc::new(store),
+                node_id: launch.process_id,
+                num_nodes: launch.processes,
+                visible_devices: visible_devices()?,
+            }),
+        )?;
+        let global = rt.client.global_devices()?.len();
+        eprintln!(
+            "xtrain: {}: the {} client spans {global} devices, {} of them here",
+            launch.name(),
+            rt.platform(),
+            rt.devices.len()
+        );
+        crate::device::hosts::place::across_processes(&mut rt, devices.max(1) as usize)?;
+        if let Some(placed) = &rt.placement {
+            let held = placed.held();
+            eprintln!(
+                "xtrain: {}: this host holds mesh positions {}-{} of {}",
+                launch.name(),
+                held.first().copied().unwrap_or(0),
+                held.last().copied().unwrap_or(0),
+                placed.ids.len()
+            );
+        }
+        Ok(rt)
+    }
+
+    /// How the trainer gets the shards of the LoRA state (and evaluation's results) that the
+    /// other processes hold: through the store.
+    pub fn gather(&self) -> Box<dyn Gather> {
+        let l = &self.peers.launch;
+        Box::new(StoreGather::new(
+            self.peers.store.clone(),
+            l.process_id,
+            l.processes,
+            l.init_timeout,
+        ))
+    }
+}
+
+impl crate::train::checkpoint::Team for Team {
+    fn process(&self) -> usize {
+        self.peers.launch.process_id
+    }
+
+    fn processes(&self) -> usize {
+        self.peers.launch.processes
+    }
+
+    fn barrier(&self, name: &str) -> Result<()> {
+        self.peers.barrier(name)
+    }
 }
 
 /// What a process says as it ends because another is gone.
 fn ending(why: &str, name: &str) -> String {
     format!(
-        "{why}. Ending {name} too; resume the run from its newest checkpoint with --resume once \
-         every host is up"
+        "{why}. Ending {name} too; resume the run from its newest committed checkpoint with \
+         --resume once every host is up"
     )
 }
 
@@ -99,59 +216,6 @@ fn settings(opts: &TrainOptions, launch: &Launch) -> Result<Settings> {
         );
     }
     Ok(s)
-}
-
-/// Open the plugin's client across the run through the store, and compile the step over every
-/// process's devices; then stop, since running it across processes is not built yet.
-fn compile_across(opts: &TrainOptions, cfg: &LlamaConfig, peers: Peers) -> Result<()> {
-    let launch = peers.launch.clone();
-    let platform = named_platform(opts.plugin.as_deref());
-    let (program, spec) = match &opts.program {
-        Some(dir) => crate::formats::program_dir::read_dir_for_model(dir, cfg, &opts.model)?,
-        None => {
-            let (remat, offload) =
-                crate::program::default_choice(opts.step.remat, opts.step.offload);
-            let mut step = opts.step.clone();
-            step.remat = Some(remat);
-            step.offload = Some(offload);
-            let spec = step.spec(cfg.clone(), opts.data.batch_size, opts.data.seq)?;
-            (crate::program::build_train_step(&spec)?, spec)
-        }
-    };
-    let store = peers.store.scope(&format!("pjrt/{platform}"));
-    let rt = Runtime::open_in(
-        opts.plugin.as_deref(),
-        None,
-        Some(InRun {
-            store: std::sync::Arc::new(store),
-            node_id: launch.process_id,
-            num_nodes: launch.processes,
-            visible_devices: visible_devices()?,
-        }),
-    )?;
-    let global = rt.client.global_devices()?.len();
-    eprintln!(
-        "xtrain: {}: the {} client spans {global} devices, {} of them here",
-        launch.name(),
-        rt.platform(),
-        rt.devices.len()
-    );
-    let _exe = rt.compile_plain(&program)?;
-    eprintln!(
-        "xtrain: {}: compiled the step over {} devices (--remat {}, --offload {})",
-        launch.name(),
-        program.partitions,
-        spec.remat.name(),
-        spec.offload.name()
-    );
-    peers.barrier("compiled")?;
-    peers.leave();
-    bail!(
-        "{}: the step compiled across the run's {} processes, but running it across processes \
-         (each host's share of the arguments, loading and checkpoints) is not built yet",
-        launch.name(),
-        launch.processes
-    )
 }
 
 /// A program dir compiled for several hosts runs with one process per host: a run with another

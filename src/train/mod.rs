@@ -63,7 +63,7 @@ pub fn run(opts: &TrainOptions) -> Result<()> {
     let launch = crate::device::hosts::launch::from_environment(&opts.launch)?;
     if !launch.is_single() {
         // Before the output dir is claimed: process 0 alone will write there.
-        return hosts::run(opts, &cfg, &launch);
+        return hosts::run(opts, &cfg, &launch, &signals, notes);
     }
     crate::formats::outdir::refuse_inputs_inside("--out", &opts.out, &opts.inputs())?;
     let out = RunDir::claim(&opts.out, opts.resume.as_deref(), opts.overwrite)?;
@@ -72,25 +72,33 @@ pub fn run(opts: &TrainOptions) -> Result<()> {
     for n in notes {
         eprintln!("xtrain: note: {n}");
     }
-    let finished = run_in(opts, &cfg, &signals, &out);
+    let finished = run_in(opts, &cfg, &signals, Some(&out), None);
     let mut out = finish::locked(&out);
     finish::end(opts, &mut out, finished)
 }
 
-/// The run once its options are settled and its output dir is claimed.
+/// The run once its options are settled and its output dir is claimed (by this process: `out`;
+/// None in a process of a run of several other than process 0, which writes nothing). `team`:
+/// this process's part in a run of several.
 fn run_in(
     opts: &TrainOptions,
     cfg: &LlamaConfig,
     signals: &finish::Signals,
-    out: &Arc<Mutex<RunDir>>,
+    out: Option<&Arc<Mutex<RunDir>>>,
+    team: Option<&hosts::Team>,
 ) -> Result<Finished> {
-    let stop = || signals.stop();
+    let stop = || signals.stop() && team.is_none();
     let data = crate::data::load(&opts.data, &opts.model, cfg)?;
     if stop() {
         return Ok(Finished::Interrupted(None));
     }
-    let (rt, spec, program) =
-        plan::plan(opts, cfg, data.batch, data.seq).map_err(|e| opts.name_the_source(e))?;
+    let (rt, spec, program) = match team {
+        None => plan::plan(opts, cfg, data.batch, data.seq),
+        Some(team) => plan::plan_with(opts, cfg, data.batch, data.seq, |devices| {
+            team.open(opts, devices)
+        }),
+    }
+    .map_err(|e| opts.name_the_source(e))?;
     if spec.key_block.is_some() {
         // The attention's form decides its speed and memory at long context: said as compile
         // says it.
@@ -117,10 +125,16 @@ fn run_in(
     if stop() {
         return Ok(Finished::Interrupted(None));
     }
-    let abandon = finish::abandon(opts, out, "compiling the step");
-    let trainer = signals.abandonable(abandon, || {
+    let abandon: finish::Abandon = match out {
+        Some(out) => finish::abandon(opts, out, "compiling the step"),
+        None => Box::new(|| signal_hook::low_level::exit(130)),
+    };
+    let mut trainer = signals.abandonable(abandon, || {
         upload::compile_and_upload(opts, rt, spec, program, weights, &start)
     })?;
+    if let Some(team) = team {
+        trainer.gather = Some(team.gather());
+    }
     let state = start.state;
     let TrainingData {
         source,
@@ -130,12 +144,19 @@ fn run_in(
     } = data;
     let tokens_per_step = batch * seq;
     let resumed_at = opts.resume.is_some().then_some(state.step);
-    let mut metrics = Metrics::open(&opts.out, resumed_at, tokens_per_step)?;
-    metrics.mfu_seconds = opts.peak_tflops.map(|peak| {
-        let spec = &trainer.spec;
-        let devices = spec.mesh.as_ref().map_or(1, |m| m.devices()) as f64;
-        bench::model_flops_per_step(spec) / (peak * 1e12 * devices)
-    });
+    // Only process 0 of a run of several writes metrics (every process reads the same loss).
+    let writes = team.is_none_or(|t| t.process() == 0);
+    let mut metrics = match writes {
+        true => Some(Metrics::open(&opts.out, resumed_at, tokens_per_step)?),
+        false => None,
+    };
+    if let Some(metrics) = &mut metrics {
+        metrics.mfu_seconds = opts.peak_tflops.map(|peak| {
+            let spec = &trainer.spec;
+            let devices = spec.mesh.as_ref().map_or(1, |m| m.devices()) as f64;
+            bench::model_flops_per_step(spec) / (peak * 1e12 * devices)
+        });
+    }
     let mut run = Run {
         opts,
         metrics,
@@ -146,6 +167,7 @@ fn run_in(
         eval_batches,
         base: crate::formats::peft::base_model(&opts.model),
         skipped: 0,
+        team,
     };
     if stop() {
         return Ok(Finished::Interrupted(None));
@@ -241,12 +263,15 @@ struct Run<'a> {
     state: TrainerState,
     source: Source,
     eval_batches: Vec<Batch>,
-    metrics: Metrics,
+    /// None in a process of a run of several other than process 0.
+    metrics: Option<Metrics>,
     /// The base model as adapters name it.
     base: crate::formats::peft::BaseModel,
     tokens_per_step: i64,
     /// Steps of this invocation skipped by `--skip-nonfinite-steps`.
     skipped: u64,
+    /// This process's part in a run of several (None: a run of one process).
+    team: Option<&'a hosts::Team>,
 }
 
 impl Run<'_> {
@@ -267,6 +292,16 @@ impl Run<'_> {
             first_step: self.state.step + 1,
         };
         while self.state.step < stop_at {
+            if interrupted.load(Ordering::SeqCst) && self.team.is_some() {
+                // The processes of a run cannot agree on a step to stop at: this one ends now,
+                // and the others with it (they see it leave).
+                shown.finish();
+                bail!(
+                    "interrupted at step {}: a run of several processes stops at once; resume \
+                     it from its newest committed checkpoint with --resume",
+                    self.state.step
+                );
+            }
             if interrupted.load(Ordering::SeqCst) {
                 shown.finish();
                 if self.state.step == first {
@@ -325,7 +360,9 @@ impl Run<'_> {
         let largest = self.trainer.last_max_weight.unwrap_or(0.0);
         let blown_up = self.trainer.last_update_blew_up();
         if !loss.is_finite() || !grad_norm.is_finite() || !largest.is_finite() || blown_up {
-            self.metrics.nonfinite(step, loss, grad_norm)?;
+            if let Some(m) = &mut self.metrics {
+                m.nonfinite(step, loss, grad_norm)?;
+            }
             let what = if !(loss.is_finite() && grad_norm.is_finite()) {
                 format!("the loss is {loss} and the gradient norm {grad_norm}")
             } else if !largest.is_finite() {
@@ -347,8 +384,9 @@ impl Run<'_> {
             progress::say(&format!("xtrain: step {step}: {what}; step skipped"));
             return Ok(());
         }
-        self.metrics
-            .step(step, loss, grad_norm, lr, self.state.epoch, dt)?;
+        if let Some(m) = &mut self.metrics {
+            m.step(step, loss, grad_norm, lr, self.state.epoch, dt)?;
+        }
         if opts.log_every > 0 {
             let tokens_per_s = self.tokens_per_step as f64 / dt;
             let every = step.is_multiple_of(opts.log_every) || step == total;
@@ -360,6 +398,9 @@ impl Run<'_> {
         if opts.save_every > 0 && step.is_multiple_of(opts.save_every) {
             self.save_checkpoint()?;
             let (lora_now, _) = self.trainer.state_to_host()?;
+            if !self.writes() {
+                return Ok(());
+            }
             save_adapter(
                 &opts.out.join(format!("step-{step}")),
                 &self.trainer.spec.lora,
@@ -376,7 +417,20 @@ impl Run<'_> {
             return Ok(());
         }
         let r = self.trainer.evaluate(&self.eval_batches)?;
-        self.metrics.eval(step, &r)
+        match &mut self.metrics {
+            Some(m) => m.eval(step, &r),
+            None => Ok(()),
+        }
+    }
+
+    /// This process's part in a run of several, as a checkpoint's writers.
+    fn team(&self) -> Option<&dyn checkpoint::Team> {
+        self.team.map(|t| t as &dyn checkpoint::Team)
+    }
+
+    /// Whether this process writes the run's files (process 0 of a run of several).
+    fn writes(&self) -> bool {
+        self.team.is_none_or(|t| t.process() == 0)
     }
 
     /// `OUT/checkpoint-<step>` of the current step.
@@ -389,13 +443,16 @@ impl Run<'_> {
     /// Save `OUT/checkpoint-<step>` for the current step.
     fn save_checkpoint(&self) -> Result<PathBuf> {
         let dir = self.checkpoint_dir();
-        save_checkpoint(&dir, &self.trainer, &self.state, &self.base)?;
+        save_checkpoint(&dir, &self.trainer, &self.state, &self.base, self.team())?;
         Ok(dir)
     }
 
     /// The trained adapter in `OUT/adapter`, and the loss curve in `OUT/loss.png`.
     fn save(&self) -> Result<()> {
         let (lora_now, _) = self.trainer.state_to_host()?;
+        let Some(metrics) = self.metrics.as_ref().filter(|_| self.writes()) else {
+            return Ok(());
+        };
         save_adapter(
             &self.opts.out.join("adapter"),
             &self.trainer.spec.lora,
@@ -417,8 +474,8 @@ impl Run<'_> {
             );
             crate::train::plot::loss_curve(
                 &path,
-                &self.metrics.history,
-                &self.metrics.eval_accuracy,
+                &metrics.history,
+                &metrics.eval_accuracy,
                 &title,
             )?;
             eprintln!("xtrain: loss curve in {}", path.display());

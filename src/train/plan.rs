@@ -45,7 +45,21 @@ pub fn plan(
     batch: i64,
     seq: i64,
 ) -> Result<(Runtime, StepSpec, Program)> {
-    let open = |devices: i64| Runtime::open(opts.plugin.as_deref(), Some(devices.max(1)));
+    plan_with(opts, cfg, batch, seq, |devices| {
+        Runtime::open(opts.plugin.as_deref(), Some(devices.max(1)))
+    })
+}
+
+/// [`plan`] with the plugin opened by `open` (given the step's number of devices): a process of
+/// a run of several opens its client through the run's store and places the step over every
+/// process's devices.
+pub fn plan_with(
+    opts: &TrainOptions,
+    cfg: &LlamaConfig,
+    batch: i64,
+    seq: i64,
+    open: impl Fn(i64) -> Result<Runtime>,
+) -> Result<(Runtime, StepSpec, Program)> {
     if let Some(dir) = &opts.program {
         let (program, spec) =
             crate::formats::program_dir::read_dir_for_model(dir, cfg, &opts.model)?;
@@ -63,7 +77,7 @@ pub fn plan(
         let builds = crate::formats::program_dir::read_builds(dir)?;
         one_process(
             &rt.platform(),
-            rt.devices.len(),
+            in_run(&rt),
             program.partitions,
             &builds,
             &format!("program dir {}", dir.display()),
@@ -86,7 +100,7 @@ pub fn plan(
     let mut rt = open(devices)?;
     one_process(
         &rt.platform(),
-        rt.devices.len(),
+        in_run(&rt),
         devices,
         &[],
         &format!(
@@ -135,6 +149,13 @@ pub fn plan(
     }
     let program = program::build_train_step(&spec)?;
     Ok((rt, spec, program))
+}
+
+/// The devices the step can run on: this process's, or every process's of a run of several.
+fn in_run(rt: &Runtime) -> usize {
+    rt.placement
+        .as_ref()
+        .map_or(rt.devices.len(), |p| p.ids.len())
 }
 
 /// A run of one process trains on the devices its plugin gives it: a step whose mesh needs more

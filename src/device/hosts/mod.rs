@@ -5,7 +5,9 @@
 //! where every process checks that the others run the same settings, and each host's [`share`]
 //! of a step (`--virtual-hosts`).
 
+pub mod gather;
 pub mod launch;
+pub mod place;
 pub mod rendezvous;
 pub mod server;
 pub mod share;

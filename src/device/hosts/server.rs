@@ -118,6 +118,10 @@ fn serve_connection(stream: TcpStream, shared: &Shared) {
                     (None, None) => Reply::NotFound,
                 }
             }
+            Request::Delete { key } => {
+                shared.state.lock().unwrap().values.remove(&key);
+                Reply::Done
+            }
             Request::Get { key, timeout_ms } => wait_for(shared, &key, timeout_ms),
             Request::Join { process, host } => {
                 let mut st = shared.state.lock().unwrap();

@@ -41,9 +41,10 @@ pub fn rows_held(
 }
 
 /// Upload batch tensor `t` (the whole batch, as every host's loader yields it in the same order)
-/// as the hosts `groups` would: host `g` keeps only the rows its devices hold, and each of its
-/// devices gets its box cut from those rows. The result is one buffer per device, in device
-/// order: every host's argument lists, joined for one execute.
+/// as the hosts `groups` (this process's, each with its mesh positions) would: host `g` keeps
+/// only the rows its devices hold, and each of its devices gets its box cut from those rows. The
+/// result is one buffer per position this process holds, in [`Runtime::held`] order: its hosts'
+/// argument lists, joined for one execute.
 pub fn upload_by_host(
     rt: &Runtime,
     t: &HostTensor,
@@ -51,8 +52,8 @@ pub fn upload_by_host(
     mesh: &hlo::Mesh,
     groups: &[Vec<usize>],
 ) -> Result<Vec<Buffer>> {
-    let mut per_device: Vec<Option<Buffer>> =
-        (0..mesh.device_count() as usize).map(|_| None).collect();
+    let held = rt.held(mesh.device_count() as usize);
+    let mut per_slot: Vec<Option<Buffer>> = held.iter().map(|_| None).collect();
     for devices in groups {
         let (first, count) = if t.dims.is_empty() {
             (0, 0)
@@ -75,15 +76,17 @@ pub fn upload_by_host(
                 *s -= first;
             }
             let shard = crate::device::shards::slice(&mine, &starts, &sizes);
-            per_device[p] = Some(rt.upload_to(&shard, p, None)?);
+            if let Some(k) = held.iter().position(|q| *q == p) {
+                per_slot[k] = Some(rt.upload_to(&shard, p, None)?);
+            }
         }
     }
-    per_device
+    per_slot
         .into_iter()
-        .enumerate()
-        .map(|(p, b)| match b {
+        .zip(&held)
+        .map(|(b, p)| match b {
             Some(b) => Ok(b),
-            None => bail!("device {p} belongs to no virtual host"),
+            None => bail!("mesh position {p} belongs to none of this process's hosts"),
         })
         .collect()
 }

@@ -154,6 +154,12 @@ impl Store {
         .map(|_| ())
     }
 
+    /// Forget `key` (nothing happens where it has no value).
+    pub fn delete(&self, key: &str) -> Result<(), StoreError> {
+        let key = format!("{}{key}", self.prefix);
+        self.call(Request::Delete { key }, None).map(|_| ())
+    }
+
     /// The value of `key`, waiting up to `timeout` for some process to put it.
     pub fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>, StoreError> {
         let full = format!("{}{key}", self.prefix);

@@ -40,6 +40,10 @@ pub(crate) enum Request {
     TryGet {
         key: String,
     },
+    /// Forget a key (a value read by everyone it was for, such as a gathered shard).
+    Delete {
+        key: String,
+    },
     /// Opens a session: this connection lives as long as the process's part in the run.
     Join {
         process: usize,

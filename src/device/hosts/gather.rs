@@ -1,0 +1,167 @@
+//! Results a process of a run of several holds only part of (the LoRA weights and AdamW moments
+//! for a checkpoint, evaluation's per-token results), made whole on every process: each puts
+//! its devices' shards in the run's store and reads everyone else's. The LoRA state is small
+//! next to the frozen weights (a few hundred MB at 70B, r=16), so the store carries it; the
+//! step itself never goes through here.
+
+use crate::device::hosts::store::Store;
+use anyhow::{bail, Context, Result};
+use pjrt::{ElementType, HostTensor};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+/// How a process gets every mesh position's shard of a result when it holds only its own.
+pub trait Gather: Send + Sync {
+    /// Every position's shard (in position order, `positions` of them), given this process's
+    /// own `(position, shard)` pairs. Every process calls it with the same results in the same
+    /// order.
+    fn all(&self, mine: Vec<(usize, HostTensor)>, positions: usize) -> Result<Vec<HostTensor>>;
+}
+
+/// [`Gather`] through the run's store: round `r`'s shard of position `p` is key
+/// `gather/r/p`; once every process has read a round, each forgets the keys it put.
+pub struct StoreGather {
+    pub store: Store,
+    pub process: usize,
+    pub processes: usize,
+    /// How long a process waits for another's shard (`--init-timeout`).
+    pub timeout: Duration,
+    round: AtomicU64,
+}
+
+impl StoreGather {
+    pub fn new(store: Store, process: usize, processes: usize, timeout: Duration) -> StoreGather {
+        StoreGather {
+            store: store.scope("gather"),
+            process,
+            processes,
+            timeout,
+            round: AtomicU64::new(0),
+        }
+    }
+}
+
+impl Gather for StoreGather {
+    fn all(&self, mine: Vec<(usize, HostTensor)>, positions: usize) -> Result<Vec<HostTensor>> {
+        let round = self.round.fetch_add(1, Ordering::SeqCst);
+        let own: Vec<usize> = mine.iter().map(|(p, _)| *p).collect();
+        let mut out: Vec<Option<HostTensor>> = (0..positions).map(|_| None).collect();
+        for (p, t) in mine {
+            self.store.put(&format!("{round}/{p}"), &encode(&t))?;
+            out[p] = Some(t);
+        }
+        for (p, slot) in out.iter_mut().enumerate().filter(|(_, s)| s.is_none()) {
+            let bytes = self
+                .store
+                .get(&format!("{round}/{p}"), self.timeout)
+                .with_context(|| format!("the shard of mesh position {p} (gather {round})"))?;
+            *slot = Some(decode(&bytes).with_context(|| format!("mesh position {p}'s shard"))?);
+        }
+        // Every process has read this round: its keys can go.
+        self.store.barrier(
+            &format!("gather/{round}"),
+            self.process,
+            self.processes,
+            self.timeout,
+        )?;
+        for p in own {
+            self.store.delete(&format!("{round}/{p}"))?;
+        }
+        Ok(out.into_iter().flatten().collect())
+    }
+}
+
+/// A tensor as bytes: its PJRT type code (i32), rank (u32), dims (i64 each), then its bytes;
+/// all little-endian.
+pub fn encode(t: &HostTensor) -> Vec<u8> {
+    let mut out = Vec::with_capacity(8 + 8 * t.dims.len() + t.bytes.len());
+    out.extend(t.ty.pjrt_code().to_le_bytes());
+    out.extend((t.dims.len() as u32).to_le_bytes());
+    for d in &t.dims {
+        out.extend(d.to_le_bytes());
+    }
+    out.extend(&t.bytes);
+    out
+}
+
+/// [`encode`]'s tensor back; an error says what was wrong with the bytes.
+pub fn decode(bytes: &[u8]) -> Result<HostTensor> {
+    let word = |at: usize, n: usize| -> Result<&[u8]> {
+        bytes
+            .get(at..at + n)
+            .context("a shard in the store is cut short")
+    };
+    let code = i32::from_le_bytes(word(0, 4)?.try_into()?);
+    let ty = ElementType::from_pjrt_code(code)
+        .with_context(|| format!("a shard in the store has unknown element type {code}"))?;
+    let rank = u32::from_le_bytes(word(4, 4)?.try_into()?) as usize;
+    let dims: Vec<i64> = (0..rank)
+        .map(|k| Ok(i64::from_le_bytes(word(8 + 8 * k, 8)?.try_into()?)))
+        .collect::<Result<_>>()?;
+    let body = &bytes[(8 + 8 * rank).min(bytes.len())..];
+    let want = ty.byte_size(dims.iter().product::<i64>().max(0) as usize);
+    if body.len() != want {
+        bail!(
+            "a shard in the store of {ty:?}{dims:?} holds {} bytes, expected {want}",
+            body.len()
+        );
+    }
+    Ok(HostTensor {
+        ty,
+        dims,
+        bytes: body.to_vec(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::hosts::server::StoreServer;
+
+    #[test]
+    fn tensors_survive_the_store_bytes() {
+        let t = HostTensor::from_f32(&[1.0, -2.5, 3.0, 0.0, 5.0, 6.0], &[2, 3]);
+        assert_eq!(decode(&encode(&t)).unwrap(), t);
+        // 24 bytes of header (type, rank, two dims), then 6 of the 24 bytes of data.
+        let e = decode(&encode(&t)[..30]).unwrap_err().to_string();
+        assert!(e.contains("holds 6 bytes, expected 24"), "{e}");
+        let e = decode(&encode(&t)[..12]).unwrap_err().to_string();
+        assert_eq!(e, "a shard in the store is cut short");
+    }
+
+    fn shard(p: usize, round: usize) -> HostTensor {
+        HostTensor::from_f32(&[(10 * round + p) as f32], &[1])
+    }
+
+    /// Process `me` of two, holding positions `2me, 2me+1` of four: gathers twice.
+    fn process(address: String, me: usize) -> Store {
+        let store = Store::connect(&address, "g", Duration::from_secs(5)).unwrap();
+        let g = StoreGather::new(store.clone(), me, 2, Duration::from_secs(10));
+        for round in 0..2 {
+            let mine = (2 * me..2 * me + 2).map(|p| (p, shard(p, round))).collect();
+            let all = g.all(mine, 4).unwrap();
+            assert_eq!(all, (0..4).map(|p| shard(p, round)).collect::<Vec<_>>());
+        }
+        store
+    }
+
+    /// Two processes (threads here), each holding two of four positions, both end with all four,
+    /// twice (rounds do not mix), and leave nothing in the store.
+    #[test]
+    fn every_process_gets_every_shard() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let _server = StoreServer::serve(listener).unwrap();
+        let address = format!("127.0.0.1:{port}");
+        let other = std::thread::spawn({
+            let address = address.clone();
+            move || process(address, 1)
+        });
+        let store = process(address, 0);
+        other.join().unwrap();
+        let store = store.scope("gather");
+        for key in ["0/0", "0/3", "1/1", "1/2"] {
+            assert_eq!(store.try_get(key).unwrap(), None, "{key} was left");
+        }
+    }
+}
