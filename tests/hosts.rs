@@ -438,3 +438,150 @@ fn each_virtual_host_reads_about_its_share_of_the_frozen_weights() {
     }
     assert!(reads.iter().sum::<u64>() >= total);
 }
+
+/// A process of a run as a checkpoint's commit sees it: barriers through the run's store.
+struct Member {
+    store: xtrain::device::hosts::store::Store,
+    process: usize,
+    timeout: Duration,
+}
+
+impl xtrain::train::checkpoint::Team for Member {
+    fn process(&self) -> usize {
+        self.process
+    }
+
+    fn processes(&self) -> usize {
+        2
+    }
+
+    fn barrier(&self, name: &str) -> anyhow::Result<()> {
+        Ok(self.store.barrier(name, self.process, 2, self.timeout)?)
+    }
+}
+
+/// Checkpoint `dir` as process 0 writes it in a run of several (before its commit).
+fn write_uncommitted(dir: &std::path::Path) -> anyhow::Result<()> {
+    xtrain::formats::atomic::write_dir_atomic(dir, |tmp| {
+        std::fs::write(tmp.join("trainer_state.json"), "{}")?;
+        std::fs::write(tmp.join("processes.json"), r#"{"processes": 2}"#)?;
+        Ok(())
+    })
+}
+
+/// The commit protocol over a real store, two processes (threads): a checkpoint both reach is
+/// committed; one whose second process is gone before the barrier is written by process 0 but
+/// never committed, and then skipped (said) by the newest-checkpoint search and refused by
+/// `--resume`, which names the newest committed one.
+#[test]
+fn a_checkpoint_counts_only_once_every_process_passed_its_barrier() {
+    use xtrain::device::hosts::{server::StoreServer, store::Store};
+    use xtrain::train::checkpoint::{commit_across, is_committed, latest_checkpoint, read_state};
+    let dir = tempdir("hosts-commit");
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let address = format!("127.0.0.1:{}", listener.local_addr().unwrap().port());
+    let _server = StoreServer::serve(listener).unwrap();
+    let member = |process: usize, timeout_ms: u64| Member {
+        store: Store::connect(&address, "commit", Duration::from_secs(5)).unwrap(),
+        process,
+        timeout: Duration::from_millis(timeout_ms),
+    };
+    let (first, second) = (dir.join("checkpoint-1"), dir.join("checkpoint-2"));
+    let one = member(1, 10_000);
+    let other = std::thread::spawn(move || {
+        // Process 1 writes nothing; it only meets process 0 at the barrier.
+        commit_across(std::path::Path::new("unused"), 1, &one, || {
+            panic!("process 1 does not write")
+        })
+    });
+    commit_across(&first, 1, &member(0, 10_000), || write_uncommitted(&first)).unwrap();
+    other.join().unwrap().unwrap();
+    assert!(is_committed(&first) && first.join("committed.json").is_file());
+    // Process 1 is gone before step 2's barrier: process 0 wrote it, but it does not count.
+    let e = commit_across(&second, 2, &member(0, 300), || write_uncommitted(&second)).unwrap_err();
+    let e = format!("{e:#}");
+    assert!(
+        e.contains("checkpoint-2 is not committed: not every process reached it"),
+        "{e}"
+    );
+    assert!(e.contains("process 1 of 2 did not arrive"), "{e}");
+    assert!(second.join("trainer_state.json").is_file() && !is_committed(&second));
+    assert_eq!(latest_checkpoint(&dir), Some(first.clone()));
+    let e = read_state(&second).unwrap_err().to_string();
+    assert!(e.contains("checkpoint-2 is not committed"), "{e}");
+    assert!(
+        e.contains(&format!(
+            "The newest committed checkpoint is {}",
+            first.display()
+        )),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A one-process run commits each checkpoint by its atomic rename, with the marker inside; a
+/// checkpoint of a run of several without its marker is refused at `--resume` (naming the
+/// committed one before it), and one with no marker at all, as xtrain wrote before markers,
+/// still resumes.
+#[test]
+fn resume_skips_an_uncommitted_checkpoint_and_takes_one_from_before_markers() {
+    let dir = tempdir("hosts-resume-commit");
+    let f = fixtures();
+    let out = dir.join("run");
+    let o = train_cmd(&f.join("model"), &f.join("inputs.safetensors"), &out)
+        .args([
+            "--lora-r",
+            "8",
+            "--lora-alpha",
+            "16",
+            "--steps",
+            "4",
+            "--lr",
+            "1e-3",
+        ])
+        .args([
+            "--save-every",
+            "1",
+            "--stop-after",
+            "2",
+            "--log-every",
+            "0",
+            "--no-plot",
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let (first, second) = (out.join("checkpoint-1"), out.join("checkpoint-2"));
+    for c in [&first, &second] {
+        assert!(c.join("committed.json").is_file(), "{}", c.display());
+        assert!(!c.join("processes.json").exists(), "{}", c.display());
+    }
+    // As a run of several leaves it when a process dies before the barrier.
+    std::fs::remove_file(second.join("committed.json")).unwrap();
+    std::fs::write(second.join("processes.json"), r#"{"processes": 2}"#).unwrap();
+    let o = xtrain(&["train", "--resume", second.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&o.stderr).to_string();
+    assert!(!o.status.success(), "{err}");
+    assert!(err.contains("checkpoint-2 is not committed"), "{err}");
+    assert!(
+        err.contains("checkpoint-2 is not committed (a process of its run ended"),
+        "{err}"
+    );
+    assert!(
+        err.contains(&format!(
+            "The newest committed checkpoint is {}",
+            first.display()
+        )),
+        "{err}"
+    );
+    // As xtrain wrote it before markers: its rename committed it.
+    std::fs::remove_file(second.join("processes.json")).unwrap();
+    let o = xtrain(&["train", "--resume", second.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&o.stderr).to_string();
+    assert!(o.status.success(), "{err}");
+    assert!(
+        out.join("adapter/adapter_model.safetensors").is_file(),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
