@@ -283,18 +283,19 @@ impl Trainer {
         }
     }
 
-    /// A batch tensor: as one host puts it, or on hosts of a placement (virtual hosts, a run
-    /// of several processes) each host its own rows.
-    fn put_rows(&self, name: &str, t: &HostTensor) -> Result<Vec<Buffer>> {
+    /// A batch tensor (`tensors`: one per host of this process, each from its own loader, or
+    /// one for all): as one host puts it, or on hosts of a placement (virtual hosts, a run of
+    /// several processes) each host its own rows.
+    fn put_rows(&self, name: &str, tensors: &[&HostTensor]) -> Result<Vec<Buffer>> {
         match (&self.spec.mesh, &self.rt.placement) {
             (Some(m), Some(placed)) => crate::device::hosts::share::upload_by_host(
                 &self.rt,
-                t,
-                &m.sharding(name, &t.dims),
+                tensors,
+                &m.sharding(name, &tensors[0].dims),
                 &m.mesh(),
                 &placed.local_hosts(),
             ),
-            _ => self.put(name, t),
+            _ => self.put(name, tensors[0]),
         }
     }
 
@@ -320,13 +321,21 @@ impl Trainer {
 
     /// One optimizer step at learning rate `lr`. Returns (loss before the update, grad norm).
     pub fn step(&mut self, batch: &Batch, lr: f64) -> Result<(f32, f32)> {
+        self.step_on_hosts(&[batch], lr)
+    }
+
+    /// [`Trainer::step`] with each of this process's hosts uploading its rows from the batch its
+    /// own loader yielded (`batches`: one per host, or one for all).
+    pub fn step_on_hosts(&mut self, batches: &[&Batch], lr: f64) -> Result<(f32, f32)> {
         let t = self.step + 1;
+        let labels: Vec<HostTensor> = batches.iter().map(|b| b.loss_labels()).collect();
+        let of = |f: fn(&Batch) -> &HostTensor| batches.iter().map(|b| f(b)).collect::<Vec<_>>();
         let mut inputs = vec![
             self.put("step", &HostTensor::from_f32(&[t as f32], &[]))?,
             self.put("lr", &HostTensor::from_f32(&[lr as f32], &[]))?,
-            self.put_rows("input_ids", &batch.input_ids)?,
-            self.put_rows("labels", &batch.loss_labels())?,
-            self.put_rows("attention_mask", &batch.attention_mask)?,
+            self.put_rows("input_ids", &of(|b| &b.input_ids))?,
+            self.put_rows("labels", &labels.iter().collect::<Vec<_>>())?,
+            self.put_rows("attention_mask", &of(|b| &b.attention_mask))?,
         ];
         if self.spec.lora.dropout > 0.0 {
             let k = [self.dropout_seed, t << 20];

@@ -168,7 +168,15 @@ fn run_in(
         base: crate::formats::peft::base_model(&opts.model),
         skipped: 0,
         team,
+        loaders: Vec::new(),
     };
+    for _ in 1..opts.launch.virtual_hosts.unwrap_or(1) {
+        run.loaders.push(Loader {
+            source: crate::data::load(&opts.data, &opts.model, cfg)?.source,
+            epoch: run.state.epoch,
+            position: run.state.position,
+        });
+    }
     if stop() {
         return Ok(Finished::Interrupted(None));
     }
@@ -272,6 +280,16 @@ struct Run<'a> {
     skipped: u64,
     /// This process's part in a run of several (None: a run of one process).
     team: Option<&'a hosts::Team>,
+    /// `--virtual-hosts P`: the loaders of hosts 1..P, each reading the data itself as a
+    /// separate host would (host 0's is `source`).
+    loaders: Vec<Loader>,
+}
+
+/// A host's own loader of the training rows, and where it stands in them.
+struct Loader {
+    source: Source,
+    epoch: u64,
+    position: u64,
 }
 
 impl Run<'_> {
@@ -339,9 +357,25 @@ impl Run<'_> {
         let batch = self
             .source
             .next(opts.seed, &mut self.state.epoch, &mut self.state.position);
+        let mut batches = vec![batch];
+        for (g, h) in self.loaders.iter_mut().enumerate() {
+            batches.push(h.source.next(opts.seed, &mut h.epoch, &mut h.position));
+            if (h.epoch, h.position) != (self.state.epoch, self.state.position) {
+                bail!(
+                    "virtual host {}'s loader is at epoch {} row {}, host 0's at epoch {} row {}: \
+                     every host must read the data in the same order",
+                    g + 1,
+                    h.epoch,
+                    h.position,
+                    self.state.epoch,
+                    self.state.position
+                );
+            }
+        }
         let lr = self.state.schedule.at(step);
         let t0 = Instant::now();
-        let (loss, grad_norm) = self.trainer.step(&batch, lr).map_err(|e| {
+        let on_hosts: Vec<&Batch> = batches.iter().collect();
+        let (loss, grad_norm) = self.trainer.step_on_hosts(&on_hosts, lr).map_err(|e| {
             let t = &self.trainer;
             let available = upload::device_memory(&t.rt);
             let args = argument_bytes_per_device(&t.program);

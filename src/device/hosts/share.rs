@@ -40,21 +40,30 @@ pub fn rows_held(
     (lo, hi - lo)
 }
 
-/// Upload batch tensor `t` (the whole batch, as every host's loader yields it in the same order)
-/// as the hosts `groups` (this process's, each with its mesh positions) would: host `g` keeps
-/// only the rows its devices hold, and each of its devices gets its box cut from those rows. The
-/// result is one buffer per position this process holds, in [`Runtime::held`] order: its hosts'
-/// argument lists, joined for one execute.
+/// Upload a batch tensor as the hosts `groups` (this process's, each with its mesh positions)
+/// would, each from its own loader's batch (`tensors`: one per host, or one that every host
+/// loaded alike; each the whole batch, as every host's loader yields it in the same order):
+/// host `g` keeps only the rows its devices hold, and each of its devices gets its box cut from
+/// those rows. The result is one buffer per position this process holds, in [`Runtime::held`]
+/// order: its hosts' argument lists, joined for one execute.
 pub fn upload_by_host(
     rt: &Runtime,
-    t: &HostTensor,
+    tensors: &[&HostTensor],
     sharding: &hlo::Sharding,
     mesh: &hlo::Mesh,
     groups: &[Vec<usize>],
 ) -> Result<Vec<Buffer>> {
+    if tensors.len() != 1 && tensors.len() != groups.len() {
+        bail!(
+            "{} loaders' batches for {} hosts in this process",
+            tensors.len(),
+            groups.len()
+        );
+    }
     let held = rt.held(mesh.device_count() as usize);
     let mut per_slot: Vec<Option<Buffer>> = held.iter().map(|_| None).collect();
-    for devices in groups {
+    for (g, devices) in groups.iter().enumerate() {
+        let t = tensors[g.min(tensors.len() - 1)];
         let (first, count) = if t.dims.is_empty() {
             (0, 0)
         } else {
