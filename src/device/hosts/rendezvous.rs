@@ -40,7 +40,7 @@ pub fn join(launch: &Launch, on_lost: impl FnOnce(String) + Send + 'static) -> R
     };
     let store = Store::connect(&coordinator.to_string(), &launch.run, launch.init_timeout)
         .with_context(|| format!("{} ({})", launch.name(), launch.source))?;
-    let session = store.watch(launch.process_id, on_lost)?;
+    let session = store.watch(launch.process_id, Some(launch.init_timeout), on_lost)?;
     Ok(Peers {
         launch: launch.clone(),
         store,

@@ -2,7 +2,7 @@
 //! that wait on a condition variable (many at once), and the sessions: when one closes without
 //! saying goodbye, every other session is told and every waiting get returns.
 
-use crate::device::hosts::wire::{receive, send, Reply, Request, StoreError};
+use crate::device::hosts::wire::{receive, secs, send, Reply, Request, StoreError};
 use std::collections::HashMap;
 use std::io::BufReader;
 use std::net::{Shutdown, TcpListener, TcpStream};
@@ -99,8 +99,30 @@ fn serve_connection(stream: TcpStream, shared: &Shared) {
     };
     let mut reader = BufReader::new(stream);
     let mut session: Option<(usize, String)> = None;
-    // Until the connection closes or sends what is not a request.
-    while let Ok(request) = receive::<Request>(&mut reader) {
+    // How long the session may stay silent, once it has said (None: no limit).
+    let mut silent_for: Option<Duration> = None;
+    // Until the connection closes, sends what is not a request, or its session falls silent.
+    loop {
+        let request = match receive::<Request>(&mut reader) {
+            Ok(r) => r,
+            Err(e) => {
+                let timed_out = matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                );
+                if let (true, Some((process, host)), Some(d)) = (timed_out, &session, silent_for) {
+                    let message = format!(
+                        "process {process} (on {host}) went silent: nothing from it for {} \
+                         (--init-timeout), though its connection is open: it hangs, or its \
+                         network dropped",
+                        secs(d)
+                    );
+                    lose(shared, *process, message);
+                    session = None;
+                }
+                break;
+            }
+        };
         let reply = match request {
             Request::Put { key, value } => {
                 let mut st = shared.state.lock().unwrap();
@@ -123,14 +145,24 @@ fn serve_connection(stream: TcpStream, shared: &Shared) {
                 Reply::Done
             }
             Request::Get { key, timeout_ms } => wait_for(shared, &key, timeout_ms),
-            Request::Join { process, host } => {
+            Request::Join {
+                process,
+                host,
+                silent_ms,
+            } => {
                 let mut st = shared.state.lock().unwrap();
                 if let Ok(w) = writer.try_clone() {
                     st.sessions.insert(process, w);
                 }
                 session = Some((process, host));
+                if silent_ms > 0 {
+                    let d = Duration::from_millis(silent_ms);
+                    silent_for = Some(d);
+                    let _ = reader.get_ref().set_read_timeout(Some(d));
+                }
                 Reply::Done
             }
+            Request::Heartbeat => Reply::Done,
             Request::Leave => {
                 if let Some((process, _)) = session.take() {
                     shared.state.lock().unwrap().sessions.remove(&process);
@@ -139,7 +171,16 @@ fn serve_connection(stream: TcpStream, shared: &Shared) {
                 Reply::Done
             }
         };
-        if send(&mut writer, &reply).is_err() {
+        // A session's replies go under the lock that news of a lost process is sent under, so
+        // that the two never interleave on its connection.
+        let sent = match session {
+            Some(_) => {
+                let _st = shared.state.lock().unwrap();
+                send(&mut writer, &reply)
+            }
+            None => send(&mut writer, &reply),
+        };
+        if sent.is_err() {
             break;
         }
     }

@@ -228,15 +228,26 @@ impl Store {
 
     /// Open this process's session and watch it: `on_lost` is called once, from a thread of
     /// its own, with what happened when another process leaves the run without finishing or
-    /// process 0 goes. Dropping the returned [`Session`] leaves the run on purpose.
+    /// process 0 goes. With `silent` (`--init-timeout`), a thread sends a heartbeat a few times
+    /// in that span: a process whose session says nothing for that long (hung, its network
+    /// gone with the connection still open) is lost to the others, and process 0 saying
+    /// nothing for that long is lost to this one. Dropping the returned [`Session`] leaves the
+    /// run on purpose.
     pub fn watch(
         &self,
         process: usize,
+        silent: Option<Duration>,
         on_lost: impl FnOnce(String) + Send + 'static,
     ) -> Result<Session, StoreError> {
         let mut conn = Connection::open(&self.pool.address, self.pool.connect_timeout)?;
         let host = hostname();
-        match conn.call(&Request::Join { process, host }, None) {
+        let silent_ms = silent.map_or(0, |d| d.as_millis().max(1) as u64);
+        let join = Request::Join {
+            process,
+            host,
+            silent_ms,
+        };
+        match conn.call(&join, None) {
             Ok(Reply::Done) => {}
             Ok(other) => {
                 return Err(StoreError::Unavailable(format!(
@@ -245,28 +256,65 @@ impl Store {
             }
             Err(e) => return Err(StoreError::Unavailable(e)),
         }
-        let writer = conn.writer;
+        let writer = Arc::new(Mutex::new(conn.writer));
         let leaving = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let quiet = leaving.clone();
         let address = self.pool.address.clone();
         let mut reader = conn.reader;
-        let _ = reader.get_ref().set_read_timeout(None);
+        let _ = reader.get_ref().set_read_timeout(silent);
         std::thread::Builder::new()
             .name("xtrain-session".into())
             .spawn(move || {
-                let why = match receive::<Reply>(&mut reader) {
-                    Ok(Reply::Lost { message }) => message,
-                    Ok(other) => format!("the store sent {other:?} unasked"),
-                    Err(e) => format!(
-                        "process 0 (the coordinator at {address}) is gone: its store closed the \
-                         connection ({e})"
-                    ),
+                let why = loop {
+                    match receive::<Reply>(&mut reader) {
+                        // The answer to a heartbeat: the store is alive.
+                        Ok(Reply::Done) => continue,
+                        Ok(Reply::Lost { message }) => break message,
+                        Ok(other) => break format!("the store sent {other:?} unasked"),
+                        Err(e)
+                            if matches!(
+                                e.kind(),
+                                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                            ) =>
+                        {
+                            break format!(
+                                "process 0 (the coordinator at {address}) went silent: its \
+                                 store answered nothing for {} (--init-timeout), though the \
+                                 connection is open: it hangs, or the network dropped",
+                                secs(silent.unwrap_or_default())
+                            )
+                        }
+                        Err(e) => {
+                            break format!(
+                                "process 0 (the coordinator at {address}) is gone: its store \
+                                 closed the connection ({e})"
+                            )
+                        }
+                    }
                 };
                 if !quiet.load(std::sync::atomic::Ordering::SeqCst) {
                     on_lost(why);
                 }
             })
             .map_err(|e| StoreError::Unavailable(e.to_string()))?;
+        if let Some(d) = silent {
+            // A few heartbeats per span, so that one late by scheduling is not taken for a hang.
+            let every = (d / 4).clamp(Duration::from_millis(20), Duration::from_secs(10));
+            let (writer, leaving) = (writer.clone(), leaving.clone());
+            std::thread::Builder::new()
+                .name("xtrain-heartbeat".into())
+                .spawn(move || loop {
+                    std::thread::sleep(every);
+                    if leaving.load(std::sync::atomic::Ordering::SeqCst) {
+                        break;
+                    }
+                    let mut w = writer.lock().unwrap_or_else(|e| e.into_inner());
+                    if send(&mut w, &Request::Heartbeat).is_err() {
+                        break;
+                    }
+                })
+                .map_err(|e| StoreError::Unavailable(e.to_string()))?;
+        }
         Ok(Session { writer, leaving })
     }
 }
@@ -275,16 +323,18 @@ impl Store {
 /// otherwise (an error on the way) closes it as a crash would, so that the other processes are
 /// told rather than left waiting.
 pub struct Session {
-    writer: TcpStream,
+    /// Shared with the heartbeat's thread.
+    writer: Arc<Mutex<TcpStream>>,
     leaving: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Session {
     /// Leave the run on purpose: the others are not told of a loss.
-    pub fn leave(mut self) {
+    pub fn leave(self) {
         self.leaving
             .store(true, std::sync::atomic::Ordering::SeqCst);
-        let _ = send(&mut self.writer, &Request::Leave);
+        let mut w = self.writer.lock().unwrap_or_else(|e| e.into_inner());
+        let _ = send(&mut w, &Request::Leave);
     }
 }
 
@@ -293,7 +343,8 @@ impl Drop for Session {
         // This process's own watcher must not report its own session's close.
         self.leaving
             .store(true, std::sync::atomic::Ordering::SeqCst);
-        let _ = self.writer.shutdown(Shutdown::Both);
+        let w = self.writer.lock().unwrap_or_else(|e| e.into_inner());
+        let _ = w.shutdown(Shutdown::Both);
     }
 }
 
@@ -431,13 +482,16 @@ mod tests {
         let (_server, address) = serve();
         let watcher = store(&address);
         let (tx, rx) = mpsc::channel();
-        let _mine = watcher.watch(0, move |why| tx.send(why).unwrap()).unwrap();
+        let _mine = watcher
+            .watch(0, None, move |why| tx.send(why).unwrap())
+            .unwrap();
         // Process 1 joins, then its connection drops as a killed process's would.
         let mut peer = Connection::open(&address, Duration::from_secs(5)).unwrap();
         let reply = peer.call(
             &Request::Join {
                 process: 1,
                 host: "peer".into(),
+                silent_ms: 0,
             },
             None,
         );
@@ -458,13 +512,78 @@ mod tests {
     }
 
     #[test]
+    fn a_process_silent_for_the_timeout_is_lost_though_its_connection_is_open() {
+        let (_server, address) = serve();
+        let watcher = store(&address);
+        let (tx, rx) = mpsc::channel();
+        // This process heartbeats; its peer joins asking to be heard every 0.3 s, then hangs.
+        let _mine = watcher
+            .watch(0, Some(Duration::from_millis(300)), move |why| {
+                tx.send(why).unwrap()
+            })
+            .unwrap();
+        let mut peer = Connection::open(&address, Duration::from_secs(5)).unwrap();
+        let join = Request::Join {
+            process: 1,
+            host: "peer".into(),
+            silent_ms: 300,
+        };
+        assert!(matches!(peer.call(&join, None), Ok(Reply::Done)));
+        let t0 = Instant::now();
+        let why = rx.recv_timeout(Duration::from_secs(5)).unwrap();
+        assert!(
+            why.contains("process 1 (on peer) went silent: nothing from it for 0.3 s"),
+            "{why}"
+        );
+        assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+        drop(peer);
+    }
+
+    #[test]
+    fn a_coordinator_silent_for_the_timeout_is_lost() {
+        // A store that accepts the session and then says nothing more (a hung process 0).
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let address = listener.local_addr().unwrap().to_string();
+        let hung = std::thread::spawn(move || {
+            let (stream, _) = listener.accept().unwrap();
+            let mut writer = stream.try_clone().unwrap();
+            let mut reader = BufReader::new(stream);
+            let _: Request = receive(&mut reader).unwrap();
+            send(&mut writer, &Reply::Done).unwrap();
+            std::thread::sleep(Duration::from_secs(3));
+        });
+        let s = Store {
+            pool: Arc::new(Pool {
+                address: address.clone(),
+                connect_timeout: Duration::from_secs(5),
+                idle: Mutex::new(Vec::new()),
+            }),
+            prefix: "xtrain/t/".into(),
+        };
+        let (tx, rx) = mpsc::channel();
+        let _watch = s
+            .watch(1, Some(Duration::from_millis(300)), move |why| {
+                tx.send(why).unwrap()
+            })
+            .unwrap();
+        let why = rx.recv_timeout(Duration::from_secs(2)).unwrap();
+        assert!(
+            why.contains(&format!(
+                "process 0 (the coordinator at {address}) went silent"
+            )),
+            "{why}"
+        );
+        hung.join().unwrap();
+    }
+
+    #[test]
     fn a_session_dropped_on_purpose_is_no_loss() {
         let (_server, address) = serve();
         let s = store(&address);
         let (tx, rx) = mpsc::channel::<String>();
         let tx2 = tx.clone();
-        let _watch = s.watch(0, move |why| tx.send(why).unwrap()).unwrap();
-        let done = s.watch(1, move |why| tx2.send(why).unwrap()).unwrap();
+        let _watch = s.watch(0, None, move |why| tx.send(why).unwrap()).unwrap();
+        let done = s.watch(1, None, move |why| tx2.send(why).unwrap()).unwrap();
         done.leave();
         assert!(rx.recv_timeout(Duration::from_millis(500)).is_err());
         s.put("still", b"up").unwrap();
@@ -494,7 +613,7 @@ mod tests {
         let (server, address) = serve();
         let s = store(&address);
         let (tx, rx) = mpsc::channel();
-        let _watch = s.watch(1, move |why| tx.send(why).unwrap()).unwrap();
+        let _watch = s.watch(1, None, move |why| tx.send(why).unwrap()).unwrap();
         drop(server);
         let why = rx.recv_timeout(Duration::from_secs(5)).unwrap();
         assert!(why.contains("process 0 (the coordinator at"), "{why}");

@@ -45,10 +45,15 @@ pub(crate) enum Request {
         key: String,
     },
     /// Opens a session: this connection lives as long as the process's part in the run.
+    /// `silent_ms` (0: never): a session that sends nothing for that long is a hung process.
     Join {
         process: usize,
         host: String,
+        #[serde(default)]
+        silent_ms: u64,
     },
+    /// A session's sign of life (answered, so that the process hears the store's too).
+    Heartbeat,
     /// Closes a session on purpose (the process finished).
     Leave,
 }
