@@ -336,9 +336,11 @@ impl Run<'_> {
         shown.finish();
         if self.state.step < total {
             let dir = self.checkpoint_dir();
+            // Every process of a run of several decides alike, whatever its file system shows
+            // (saving gathers from all of them).
             let saved = self.opts.save_every > 0
                 && self.state.step.is_multiple_of(self.opts.save_every)
-                && dir.is_dir();
+                && (self.team.is_some() || dir.is_dir());
             if !saved {
                 self.save_checkpoint()?;
             }
