@@ -13,6 +13,9 @@ use pjrt::{Buffer, CompileOptions, ElementType, Executable, HostTensor};
 use std::collections::BTreeMap;
 use std::time::Instant;
 
+/// LoRA weights or AdamW moments by per-layer PEFT name.
+type LoraState = BTreeMap<String, HostTensor>;
+
 /// A box of a frozen weight as read (starts, sizes, the shard).
 type ReadBox = (Vec<i64>, Vec<i64>, HostTensor);
 
@@ -305,10 +308,11 @@ impl Trainer {
     }
 
     /// Every mesh position's shard of a result from this process's (`mine`, one per position it
-    /// holds): its own where it holds them all, else gathered from the other processes.
-    fn whole(&self, mine: Vec<HostTensor>) -> Result<Vec<HostTensor>> {
+    /// holds): its own where it holds them all, else gathered from the other processes on
+    /// process 0 (None on the others, which write nothing).
+    fn whole(&self, mine: Vec<HostTensor>) -> Result<Option<Vec<HostTensor>>> {
         let Some(placed) = self.rt.placement.as_ref().filter(|p| !p.holds_all()) else {
-            return Ok(mine);
+            return Ok(Some(mine));
         };
         let Some(gather) = &self.gather else {
             bail!("the other processes' shards are needed, and this trainer cannot gather them");
@@ -388,7 +392,9 @@ impl Trainer {
 
     /// Mean loss over `batches` (summed CE / valid targets) and the fraction of rows whose every
     /// target token is the argmax prediction (what greedy decoding would reproduce exactly).
-    pub fn evaluate(&mut self, batches: &[Batch]) -> Result<EvalResult> {
+    /// None on a process of a run of several other than process 0 (which alone gets the
+    /// results whole).
+    pub fn evaluate(&mut self, batches: &[Batch]) -> Result<Option<EvalResult>> {
         if batches.is_empty() {
             bail!("no evaluation batches");
         }
@@ -413,6 +419,8 @@ impl Trainer {
             .filter(|a| a.role == Role::Lora)
             .count();
         let (mut total, mut count, mut rows, mut exact) = (0.0f64, 0.0f64, 0usize, 0usize);
+        // False on a process that does not get the results whole (see above).
+        let mut whole = true;
         let mesh = self.spec.mesh.as_ref().map(|m| m.mesh());
         for batch in batches {
             let inputs = [
@@ -431,23 +439,33 @@ impl Trainer {
                 })
                 .collect();
             let out = exe.execute(&args)?;
-            let gather = |k: usize| -> Result<Vec<f32>> {
+            let gather = |k: usize| -> Result<Option<Vec<f32>>> {
                 let shards: Vec<HostTensor> = out
                     .iter()
                     .map(|o| o[k].to_host())
                     .collect::<std::result::Result<_, _>>()?;
-                let shards = self.whole(shards)?;
+                let Some(shards) = self.whole(shards)? else {
+                    return Ok(None);
+                };
                 let dims = vec![batch.dims().0, batch.dims().1];
-                Ok(match &mesh {
-                    Some(m) => {
-                        crate::device::shards::unshard(&shards, &dims, &result_shardings[k], m)
+                Ok(Some(
+                    match &mesh {
+                        Some(m) => {
+                            crate::device::shards::unshard(&shards, &dims, &result_shardings[k], m)
+                        }
+                        None => shards[0].clone(),
                     }
-                    None => shards[0].clone(),
-                }
-                .to_f32()?)
+                    .to_f32()?,
+                ))
             };
-            let ce = gather(0)?;
-            let correct = gather(1)?;
+            // Both gathered on every process, in the same order (a gather is a round for all).
+            let (ce, correct) = match (gather(0)?, gather(1)?) {
+                (Some(ce), Some(correct)) => (ce, correct),
+                _ => {
+                    whole = false;
+                    continue;
+                }
+            };
             let lab = batch.loss_labels().to_i32()?;
             let t = batch.dims().1 as usize;
             for r in 0..batch.dims().0 as usize {
@@ -467,20 +485,26 @@ impl Trainer {
                 }
             }
         }
-        Ok(EvalResult {
+        Ok(whole.then_some(EvalResult {
             loss: total / count.max(1.0),
             accuracy: exact as f64 / rows.max(1) as f64,
             rows,
-        })
+        }))
     }
 
     /// The current LoRA weights (per-layer PEFT names) and AdamW moments, on the host.
-    pub fn state_to_host(
-        &self,
-    ) -> Result<(BTreeMap<String, HostTensor>, BTreeMap<String, HostTensor>)> {
+    pub fn state_to_host(&self) -> Result<(LoraState, LoraState)> {
+        self.state_on_host()?.context(
+            "the LoRA state is gathered on process 0 of the run; this process does not get it",
+        )
+    }
+
+    /// [`Trainer::state_to_host`] in a run of several processes, where every process calls it
+    /// (each hands over its shards) and process 0 alone gets the state: None on the others.
+    pub fn state_on_host(&self) -> Result<Option<(LoraState, LoraState)>> {
         let mesh = self.spec.mesh.as_ref().map(|m| m.mesh());
         let shardings = self.state_shardings();
-        let named: Vec<(String, HostTensor)> = self
+        let named: Vec<Option<(String, HostTensor)>> = self
             .state_specs()
             .into_iter()
             .zip(&self.state)
@@ -490,17 +514,23 @@ impl Trainer {
                     .iter()
                     .map(|b| b.to_host())
                     .collect::<std::result::Result<_, _>>()?;
-                let shards = self.whole(shards)?;
+                let Some(shards) = self.whole(shards)? else {
+                    return Ok(None);
+                };
                 let t = match &mesh {
                     Some(m) => crate::device::shards::unshard(&shards, &shape, sh, m),
                     None => shards.into_iter().next().context("no shard")?,
                 };
-                Ok((n, t))
+                Ok(Some((n, t)))
             })
-            .collect::<Result<_>>()?;
+            .collect::<Result<Vec<Option<_>>>>()?;
+        // Every tensor was gathered (every process took part); only process 0 holds them.
+        let Some(named) = named.into_iter().collect::<Option<Vec<_>>>() else {
+            return Ok(None);
+        };
         let all = crate::formats::host::from_program_layout(named);
         let (moments, lora): (BTreeMap<_, _>, BTreeMap<_, _>) =
             all.into_iter().partition(|(n, _)| n.starts_with("exp_avg"));
-        Ok((lora, moments))
+        Ok(Some((lora, moments)))
     }
 }

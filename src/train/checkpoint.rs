@@ -94,7 +94,15 @@ pub fn save_checkpoint(
     base: &crate::formats::peft::BaseModel,
     team: Option<&dyn Team>,
 ) -> Result<()> {
-    let (lora, moments) = trainer.state_to_host()?;
+    // Every process hands over its shards; process 0 alone gets the state, and writes.
+    let Some((lora, moments)) = trainer.state_on_host()? else {
+        return commit_across(
+            dir,
+            state.step,
+            team.context("one process holds its state")?,
+            || bail!("only process 0 writes a checkpoint"),
+        );
+    };
     let write = |extra: &dyn Fn(&Path) -> Result<()>| {
         write_dir_atomic(dir, |tmp| {
             crate::formats::peft::write(tmp, &trainer.spec.lora, &lora, base)?;

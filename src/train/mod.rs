@@ -433,10 +433,9 @@ impl Run<'_> {
         }
         if opts.save_every > 0 && step.is_multiple_of(opts.save_every) {
             self.save_checkpoint()?;
-            let (lora_now, _) = self.trainer.state_to_host()?;
-            if !self.writes() {
+            let Some((lora_now, _)) = self.trainer.state_on_host()? else {
                 return Ok(());
-            }
+            };
             save_adapter(
                 &opts.out.join(format!("step-{step}")),
                 &self.trainer.spec.lora,
@@ -452,21 +451,18 @@ impl Run<'_> {
         if self.eval_batches.is_empty() {
             return Ok(());
         }
-        let r = self.trainer.evaluate(&self.eval_batches)?;
-        match &mut self.metrics {
-            Some(m) => m.eval(step, &r),
-            None => Ok(()),
+        match (
+            self.trainer.evaluate(&self.eval_batches)?,
+            &mut self.metrics,
+        ) {
+            (Some(r), Some(m)) => m.eval(step, &r),
+            _ => Ok(()),
         }
     }
 
     /// This process's part in a run of several, as a checkpoint's writers.
     fn team(&self) -> Option<&dyn checkpoint::Team> {
         self.team.map(|t| t as &dyn checkpoint::Team)
-    }
-
-    /// Whether this process writes the run's files (process 0 of a run of several).
-    fn writes(&self) -> bool {
-        self.team.is_none_or(|t| t.process() == 0)
     }
 
     /// `OUT/checkpoint-<step>` of the current step.
@@ -485,8 +481,10 @@ impl Run<'_> {
 
     /// The trained adapter in `OUT/adapter`, and the loss curve in `OUT/loss.png`.
     fn save(&self) -> Result<()> {
-        let (lora_now, _) = self.trainer.state_to_host()?;
-        let Some(metrics) = self.metrics.as_ref().filter(|_| self.writes()) else {
+        let Some((lora_now, _)) = self.trainer.state_on_host()? else {
+            return Ok(());
+        };
+        let Some(metrics) = &self.metrics else {
             return Ok(());
         };
         save_adapter(

@@ -1,8 +1,9 @@
 //! Results a process of a run of several holds only part of (the LoRA weights and AdamW moments
-//! for a checkpoint, evaluation's per-token results), made whole on every process: each puts
-//! its devices' shards in the run's store and reads everyone else's. The LoRA state is small
-//! next to the frozen weights (a few hundred MB at 70B, r=16), so the store carries it; the
-//! step itself never goes through here.
+//! for a checkpoint, evaluation's per-token results), made whole on process 0, which alone
+//! writes them: every other process puts its devices' shards in the run's store, and process 0
+//! reads them. The LoRA state is small next to the frozen weights (about 2.7 GB with both
+//! moments at 70B, r=16, every projection), so the store carries it; the step itself never goes
+//! through here.
 
 use crate::device::hosts::store::Store;
 use anyhow::{bail, Context, Result};
@@ -10,16 +11,21 @@ use pjrt::{ElementType, HostTensor};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-/// How a process gets every mesh position's shard of a result when it holds only its own.
+/// How process 0 gets every mesh position's shard of a result when each process holds only its
+/// own.
 pub trait Gather: Send + Sync {
-    /// Every position's shard (in position order, `positions` of them), given this process's
-    /// own `(position, shard)` pairs. Every process calls it with the same results in the same
-    /// order.
-    fn all(&self, mine: Vec<(usize, HostTensor)>, positions: usize) -> Result<Vec<HostTensor>>;
+    /// Every position's shard (in position order, `positions` of them) on process 0, given this
+    /// process's own `(position, shard)` pairs; None on the other processes. Every process calls
+    /// it with the same results in the same order.
+    fn all(
+        &self,
+        mine: Vec<(usize, HostTensor)>,
+        positions: usize,
+    ) -> Result<Option<Vec<HostTensor>>>;
 }
 
 /// [`Gather`] through the run's store: round `r`'s shard of position `p` is key
-/// `gather/r/p`; once every process has read a round, each forgets the keys it put.
+/// `gather/r/p`; once process 0 has read a round (a barrier), each forgets the keys it put.
 pub struct StoreGather {
     pub store: Store,
     pub process: usize,
@@ -42,22 +48,33 @@ impl StoreGather {
 }
 
 impl Gather for StoreGather {
-    fn all(&self, mine: Vec<(usize, HostTensor)>, positions: usize) -> Result<Vec<HostTensor>> {
+    fn all(
+        &self,
+        mine: Vec<(usize, HostTensor)>,
+        positions: usize,
+    ) -> Result<Option<Vec<HostTensor>>> {
         let round = self.round.fetch_add(1, Ordering::SeqCst);
-        let own: Vec<usize> = mine.iter().map(|(p, _)| *p).collect();
+        let receives = self.process == 0;
+        let mut own = Vec::new();
         let mut out: Vec<Option<HostTensor>> = (0..positions).map(|_| None).collect();
         for (p, t) in mine {
-            self.store.put(&format!("{round}/{p}"), &encode(&t))?;
-            out[p] = Some(t);
+            if receives {
+                out[p] = Some(t);
+            } else {
+                self.store.put(&format!("{round}/{p}"), &encode(&t))?;
+                own.push(p);
+            }
         }
-        for (p, slot) in out.iter_mut().enumerate().filter(|(_, s)| s.is_none()) {
-            let bytes = self
-                .store
-                .get(&format!("{round}/{p}"), self.timeout)
-                .with_context(|| format!("the shard of mesh position {p} (gather {round})"))?;
-            *slot = Some(decode(&bytes).with_context(|| format!("mesh position {p}'s shard"))?);
+        if receives {
+            for (p, slot) in out.iter_mut().enumerate().filter(|(_, s)| s.is_none()) {
+                let bytes = self
+                    .store
+                    .get(&format!("{round}/{p}"), self.timeout)
+                    .with_context(|| format!("the shard of mesh position {p} (gather {round})"))?;
+                *slot = Some(decode(&bytes).with_context(|| format!("mesh position {p}'s shard"))?);
+            }
         }
-        // Every process has read this round: its keys can go.
+        // Process 0 has read this round: its keys can go.
         self.store.barrier(
             &format!("gather/{round}"),
             self.process,
@@ -67,7 +84,7 @@ impl Gather for StoreGather {
         for p in own {
             self.store.delete(&format!("{round}/{p}"))?;
         }
-        Ok(out.into_iter().flatten().collect())
+        Ok(receives.then(|| out.into_iter().flatten().collect()))
     }
 }
 
@@ -140,15 +157,17 @@ mod tests {
         for round in 0..2 {
             let mine = (2 * me..2 * me + 2).map(|p| (p, shard(p, round))).collect();
             let all = g.all(mine, 4).unwrap();
-            assert_eq!(all, (0..4).map(|p| shard(p, round)).collect::<Vec<_>>());
+            let want = (0..4).map(|p| shard(p, round)).collect::<Vec<_>>();
+            assert_eq!(all, (me == 0).then_some(want), "process {me}");
         }
         store
     }
 
-    /// Two processes (threads here), each holding two of four positions, both end with all four,
-    /// twice (rounds do not mix), and leave nothing in the store.
+    /// Two processes (threads here), each holding two of four positions: process 0 ends with
+    /// all four, twice (rounds do not mix), process 1 with none, and nothing is left in the
+    /// store.
     #[test]
-    fn every_process_gets_every_shard() {
+    fn process_0_gets_every_shard() {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let port = listener.local_addr().unwrap().port();
         let _server = StoreServer::serve(listener).unwrap();
