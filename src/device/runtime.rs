@@ -258,11 +258,6 @@ impl Runtime {
         Ok(exe)
     }
 
-    /// Compile a program with xtrain's usual options only (see [`Runtime::compile`]).
-    pub fn compile_plain(&self, program: &Program) -> Result<Executable> {
-        self.compile(program, &CompileOptions::default())
-    }
-
     /// The text this runtime's compiler sees for `program`: the program with [`Runtime::kernels`]
     /// in place of the composites they implement, and what they replaced.
     pub fn kernel_text(
@@ -318,6 +313,42 @@ impl Runtime {
                 put(&shard, p)
             })
             .collect()
+    }
+
+    /// Place a step of `partitions` devices over a client spanning a run of several
+    /// processes: positions from the client's global devices and their process indices
+    /// ([`Placement::of_processes`]), and [`Runtime::devices`] (this process's) put in the order
+    /// of the positions it holds.
+    pub fn place_across_processes(&mut self, partitions: usize) -> Result<()> {
+        let described = |d: &Device| -> Result<(i64, usize)> {
+            let x = d.description()?;
+            Ok((x.id as i64, x.process_index.max(0) as usize))
+        };
+        let global: Vec<(i64, usize)> = self
+            .client
+            .global_devices()?
+            .iter()
+            .map(described)
+            .collect::<Result<_>>()?;
+        let mine: Vec<(i64, usize)> = self.devices.iter().map(described).collect::<Result<_>>()?;
+        let Some(me) = mine.first().map(|d| d.1) else {
+            bail!("this process has no devices of its own in the run");
+        };
+        let placed = Placement::of_processes(&global, partitions, me)?;
+        let mut ordered = Vec::new();
+        for p in placed.held() {
+            let id = placed.ids[p];
+            let Some(k) = mine.iter().position(|d| d.0 == id) else {
+                bail!(
+                    "device {id} (mesh position {p}) belongs to process {me} by its process \
+                     index but is not among this process's devices"
+                );
+            };
+            ordered.push(self.devices[k].clone());
+        }
+        self.devices = ordered;
+        self.placement = Some(placed);
+        Ok(())
     }
 
     /// The mesh positions (of a step over `devices`) this process holds, in the order of its

@@ -17,7 +17,6 @@ use crate::device::hosts::rendezvous::{self, Peers, Settings};
 use crate::device::hosts::wire::StoreError;
 use crate::device::platform::named_platform;
 use crate::device::runtime::{InRun, Runtime};
-use crate::model::config::LlamaConfig;
 use crate::train::finish;
 use crate::train::options::TrainOptions;
 use crate::train::output::RunDir;
@@ -25,16 +24,18 @@ use anyhow::{bail, Result};
 use serde_json::json;
 use std::sync::{Arc, Mutex};
 
-/// Run `opts` as one process of the run `launch` describes. Every process runs this with the
-/// same command. `notes`: what the settings taken from a checkpoint or program dir were (said by
-/// process 0).
-pub(super) fn run(
+/// The run's output dir as process 0 holds it (None on the others).
+pub(super) type Out = Option<Arc<Mutex<RunDir>>>;
+
+/// Join the run `launch` describes as one of its processes (every process runs this with the same
+/// command): meet, agree, refuse what cannot run, and claim `--out` on process 0. `notes`: what
+/// the settings taken from a checkpoint or program dir were (said by process 0). The run then
+/// trains as a one-process run does (`run_in`, with the returned team) and ends with [`end`].
+pub(super) fn meet(
     opts: &TrainOptions,
-    cfg: &LlamaConfig,
     launch: &Launch,
-    signals: &finish::Signals,
     notes: Vec<String>,
-) -> Result<()> {
+) -> Result<(Team, Out)> {
     let name = launch.name();
     let peers = rendezvous::join(launch, {
         let name = name.clone();
@@ -99,8 +100,18 @@ pub(super) fn run(
         }
         _ => None,
     };
-    let team = Team { peers };
-    let finished = super::run_in(opts, cfg, signals, out.as_ref(), Some(&team));
+    Ok((Team { peers }, out))
+}
+
+/// End this process's part in the run: leave it together once every process has finished its
+/// steps, or, after an error, leave so that the others are told this process is gone; then say
+/// how the run ended (process 0, which settles `--out`).
+pub(super) fn end(
+    opts: &TrainOptions,
+    team: Team,
+    out: Out,
+    finished: Result<finish::Finished>,
+) -> Result<()> {
     let Team { peers } = team;
     if finished.is_ok() {
         // Every process finished its steps: none is left waiting when process 0's store closes.
@@ -151,7 +162,7 @@ impl Team {
             rt.platform(),
             rt.devices.len()
         );
-        crate::device::hosts::place::across_processes(&mut rt, devices.max(1) as usize)?;
+        rt.place_across_processes(devices.max(1) as usize)?;
         if let Some(placed) = &rt.placement {
             let held = placed.held();
             eprintln!(

@@ -63,7 +63,9 @@ pub fn run(opts: &TrainOptions) -> Result<()> {
     let launch = crate::device::hosts::launch::from_environment(&opts.launch)?;
     if !launch.is_single() {
         // Before the output dir is claimed: process 0 alone will write there.
-        return hosts::run(opts, &cfg, &launch, &signals, notes);
+        let (team, out) = hosts::meet(opts, &launch, notes)?;
+        let finished = run_in(opts, &cfg, &signals, out.as_ref(), Some(&team));
+        return hosts::end(opts, team, out, finished);
     }
     crate::formats::outdir::refuse_inputs_inside("--out", &opts.out, &opts.inputs())?;
     let out = RunDir::claim(&opts.out, opts.resume.as_deref(), opts.overwrite)?;

@@ -109,40 +109,6 @@ impl Placement {
     }
 }
 
-/// Place a step of `partitions` devices over a client spanning a run of several processes:
-/// positions from the client's global devices and their process indices ([`Placement::of_processes`]),
-/// and `rt.devices` (this process's) put in the order of the positions it holds.
-pub fn across_processes(rt: &mut crate::device::runtime::Runtime, partitions: usize) -> Result<()> {
-    let described = |d: &pjrt::Device| -> Result<(i64, usize)> {
-        let x = d.description()?;
-        Ok((x.id as i64, x.process_index.max(0) as usize))
-    };
-    let global: Vec<(i64, usize)> = rt
-        .client
-        .global_devices()?
-        .iter()
-        .map(described)
-        .collect::<Result<_>>()?;
-    let mine: Vec<(i64, usize)> = rt.devices.iter().map(described).collect::<Result<_>>()?;
-    let Some(me) = mine.first().map(|d| d.1) else {
-        bail!("this process has no devices of its own in the run");
-    };
-    let placed = Placement::of_processes(&global, partitions, me)?;
-    let mut ordered = Vec::new();
-    for p in placed.held() {
-        let id = placed.ids[p];
-        let Some(k) = mine.iter().position(|d| d.0 == id) else {
-            bail!(
-                "device {id} (mesh position {p}) belongs to process {me} by its process index but                  is not among this process's devices"
-            );
-        };
-        ordered.push(rt.devices[k].clone());
-    }
-    rt.devices = ordered;
-    rt.placement = Some(placed);
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
