@@ -352,25 +352,23 @@ fn processes_running_a_program_dir_meet_over_its_program() {
     }
 }
 
-/// One run of the tiny model on the CPU (2 steps, a fixed seed); its stderr, losses and final
-/// adapter bytes.
-fn tiny_run(out: &std::path::Path, flags: &[&str]) -> (String, Vec<f64>, Vec<u8>) {
+/// A run of the tiny model's pre-tokenized batch on the CPU for `steps` steps (a fixed seed).
+fn tiny_cmd(out: &std::path::Path, steps: &str) -> std::process::Command {
     let f = fixtures();
-    let o = train_cmd(&f.join("model"), &f.join("inputs.safetensors"), out)
-        .args([
-            "--lora-r",
-            "8",
-            "--lora-alpha",
-            "16",
-            "--steps",
-            "2",
-            "--lr",
-            "1e-3",
-        ])
-        .args(["--log-every", "1", "--no-plot"])
-        .args(flags)
-        .output()
-        .unwrap();
+    let mut c = train_cmd(&f.join("model"), &f.join("inputs.safetensors"), out);
+    c.args(["--lora-r", "8", "--lora-alpha", "16", "--steps", steps])
+        .args(["--lr", "1e-3", "--no-plot"]);
+    c
+}
+
+/// Run `cmd` (a training run into `out`, with `flags`), which must succeed; its stderr, losses
+/// and final adapter bytes.
+fn outcome(
+    mut cmd: std::process::Command,
+    out: &std::path::Path,
+    flags: &[&str],
+) -> (String, Vec<f64>, Vec<u8>) {
+    let o = cmd.args(flags).output().unwrap();
     let err = String::from_utf8_lossy(&o.stderr).to_string();
     assert!(o.status.success(), "{flags:?}:\n{err}");
     let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
@@ -381,6 +379,14 @@ fn tiny_run(out: &std::path::Path, flags: &[&str]) -> (String, Vec<f64>, Vec<u8>
         .collect();
     let adapter = std::fs::read(out.join("adapter/adapter_model.safetensors")).unwrap();
     (err, losses, adapter)
+}
+
+/// One run of the tiny model on the CPU (2 steps, a fixed seed); its stderr, losses and final
+/// adapter bytes.
+fn tiny_run(out: &std::path::Path, flags: &[&str]) -> (String, Vec<f64>, Vec<u8>) {
+    let mut cmd = tiny_cmd(out, "2");
+    cmd.args(["--log-every", "1"]);
+    outcome(cmd, out, flags)
 }
 
 /// `--virtual-hosts 2`: the devices split into two hosts, each reading only its own weight
@@ -526,28 +532,9 @@ fn a_checkpoint_counts_only_once_every_process_passed_its_barrier() {
 #[test]
 fn resume_skips_an_uncommitted_checkpoint_and_takes_one_from_before_markers() {
     let dir = tempdir("hosts-resume-commit");
-    let f = fixtures();
     let out = dir.join("run");
-    let o = train_cmd(&f.join("model"), &f.join("inputs.safetensors"), &out)
-        .args([
-            "--lora-r",
-            "8",
-            "--lora-alpha",
-            "16",
-            "--steps",
-            "4",
-            "--lr",
-            "1e-3",
-        ])
-        .args([
-            "--save-every",
-            "1",
-            "--stop-after",
-            "2",
-            "--log-every",
-            "0",
-            "--no-plot",
-        ])
+    let o = tiny_cmd(&out, "4")
+        .args(["--save-every", "1", "--stop-after", "2", "--log-every", "0"])
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
@@ -596,39 +583,28 @@ fn virtual_hosts_with_their_own_loaders_equal_the_one_host_run_across_epochs() {
     let data = instruction_examples(&dir.join("d.jsonl"), 6);
     let run = |name: &str, flags: &[&str]| {
         let out = dir.join(name);
-        let o = train_cmd(&model, &data, &out)
-            .args([
-                "--steps",
-                "8",
-                "--batch-size",
-                "2",
-                "--seq",
-                "48",
-                "--lora-r",
-                "4",
-            ])
-            .args([
-                "--lr",
-                "1e-3",
-                "--seed",
-                "3",
-                "--log-every",
-                "0",
-                "--no-plot",
-            ])
-            .args(["--mesh", "fsdp=2"])
-            .args(flags)
-            .output()
-            .unwrap();
-        let err = String::from_utf8_lossy(&o.stderr).to_string();
-        assert!(o.status.success(), "{flags:?}:\n{err}");
-        let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
-        let losses: Vec<String> = metrics
-            .lines()
-            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-            .filter_map(|v| v.get("loss").map(|x| x.to_string()))
-            .collect();
-        let adapter = std::fs::read(out.join("adapter/adapter_model.safetensors")).unwrap();
+        let mut cmd = train_cmd(&model, &data, &out);
+        cmd.args([
+            "--steps",
+            "8",
+            "--batch-size",
+            "2",
+            "--seq",
+            "48",
+            "--lora-r",
+            "4",
+        ])
+        .args([
+            "--lr",
+            "1e-3",
+            "--seed",
+            "3",
+            "--log-every",
+            "0",
+            "--no-plot",
+        ])
+        .args(["--mesh", "fsdp=2"]);
+        let (_, losses, adapter) = outcome(cmd, &out, flags);
         (losses, adapter)
     };
     let (one_losses, one_adapter) = run("one", &[]);
