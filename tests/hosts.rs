@@ -614,3 +614,27 @@ fn virtual_hosts_with_their_own_loaders_equal_the_one_host_run_across_epochs() {
     assert!(adapter == one_adapter, "the adapters differ");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// The placement of a process of a run, on a real plugin: the CPU client's devices described
+/// through PJRT (ids and process indices), all of one process here, so the process holds every
+/// position, its devices in the order of their ids as placed.
+#[test]
+fn a_client_of_one_process_places_every_position_here() {
+    let mut rt = xtrain::device::runtime::Runtime::open(Some("cpu"), Some(4)).unwrap();
+    let ids: Vec<i64> = rt.devices.iter().map(|d| d.id().unwrap() as i64).collect();
+    for d in &rt.devices {
+        assert_eq!(d.description().unwrap().process_index, 0);
+    }
+    rt.place_across_processes(4).unwrap();
+    let placed = rt.placement.clone().unwrap();
+    assert_eq!(placed.ids, ids);
+    assert_eq!(placed.held(), vec![0, 1, 2, 3]);
+    assert!(placed.holds_all());
+    let after: Vec<i64> = rt.devices.iter().map(|d| d.id().unwrap() as i64).collect();
+    assert_eq!(after, ids);
+    let e = rt.place_across_processes(2).unwrap_err().to_string();
+    assert!(
+        e.contains("compiled for 2 devices, but the run's processes have 4"),
+        "{e}"
+    );
+}
