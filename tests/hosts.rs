@@ -414,6 +414,10 @@ fn virtual_hosts_equal_the_one_host_run_bit_for_bit() {
         assert_eq!(losses, one_losses, "--mesh {mesh}");
         assert!(adapter == one_adapter, "--mesh {mesh}: the adapters differ");
         assert!(err.contains("virtual host 1 of 2"), "{err}");
+        assert!(
+            err.contains("--virtual-hosts 2: each host hands its shards of the LoRA state"),
+            "{err}"
+        );
     }
 }
 

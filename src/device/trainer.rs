@@ -310,17 +310,22 @@ impl Trainer {
     /// Every mesh position's shard of a result from this process's (`mine`, one per position it
     /// holds): its own where it holds them all, else gathered from the other processes on
     /// process 0 (None on the others, which write nothing).
+    /// With virtual hosts and a [`Trainer::gather`], each hands its shards to host 0 through
+    /// a store as separate hosts would.
     fn whole(&self, mine: Vec<HostTensor>) -> Result<Option<Vec<HostTensor>>> {
-        let Some(placed) = self.rt.placement.as_ref().filter(|p| !p.holds_all()) else {
+        let Some(placed) = &self.rt.placement else {
             return Ok(Some(mine));
         };
-        let Some(gather) = &self.gather else {
-            bail!("the other processes' shards are needed, and this trainer cannot gather them");
-        };
-        gather.all(
-            placed.held().into_iter().zip(mine).collect(),
-            placed.ids.len(),
-        )
+        match &self.gather {
+            Some(gather) => gather.all(
+                placed.held().into_iter().zip(mine).collect(),
+                placed.ids.len(),
+            ),
+            None if placed.holds_all() => Ok(Some(mine)),
+            None => {
+                bail!("the other processes' shards are needed, and this trainer cannot gather them")
+            }
+        }
     }
 
     /// One optimizer step at learning rate `lr`. Returns (loss before the update, grad norm).

@@ -137,6 +137,21 @@ fn run_in(
     if let Some(team) = team {
         trainer.gather = Some(team.gather());
     }
+    if let Some(placed) = trainer.rt.placement.as_ref().filter(|_| team.is_none()) {
+        // `--virtual-hosts`: host 0 gets the state to write from the others, as through a run's
+        // store.
+        let timeout = opts.launch.init_timeout;
+        let hosts = crate::device::hosts::gather::VirtualHosts::start(
+            &placed.hosts,
+            timeout.unwrap_or(crate::device::hosts::launch::DEFAULT_INIT_TIMEOUT),
+        )?;
+        trainer.gather = Some(Box::new(hosts));
+        eprintln!(
+            "xtrain: --virtual-hosts {}: each host hands its shards of the LoRA state and of \
+             evaluations to host 0 through a store of their own, as a run's hosts do",
+            placed.hosts.len()
+        );
+    }
     let state = start.state;
     let TrainingData {
         source,

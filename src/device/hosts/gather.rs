@@ -5,6 +5,7 @@
 //! moments at 70B, r=16, every projection), so the store carries it; the step itself never goes
 //! through here.
 
+use crate::device::hosts::server::StoreServer;
 use crate::device::hosts::store::Store;
 use anyhow::{bail, Context, Result};
 use pjrt::{ElementType, HostTensor};
@@ -88,6 +89,70 @@ impl Gather for StoreGather {
     }
 }
 
+/// `--virtual-hosts`: each virtual host hands its devices' shards to host 0 through a store of
+/// their own (served on loopback by this process), as separate hosts would through the run's.
+pub struct VirtualHosts {
+    /// One per host, in host order.
+    hosts: Vec<(Vec<usize>, StoreGather)>,
+    _server: StoreServer,
+}
+
+impl VirtualHosts {
+    /// Serve a store on loopback and reach it once per host (`hosts`: each host's positions).
+    pub fn start(hosts: &[Vec<usize>], timeout: Duration) -> Result<VirtualHosts> {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+        let address = listener.local_addr()?.to_string();
+        let server = StoreServer::serve(listener)?;
+        let n = hosts.len();
+        let hosts = hosts
+            .iter()
+            .enumerate()
+            .map(|(g, positions)| {
+                let store = Store::connect(&address, "virtual-hosts", timeout)?;
+                Ok((positions.clone(), StoreGather::new(store, g, n, timeout)))
+            })
+            .collect::<Result<_>>()?;
+        Ok(VirtualHosts {
+            hosts,
+            _server: server,
+        })
+    }
+}
+
+impl Gather for VirtualHosts {
+    fn all(
+        &self,
+        mine: Vec<(usize, HostTensor)>,
+        positions: usize,
+    ) -> Result<Option<Vec<HostTensor>>> {
+        let mut by_host: Vec<Vec<(usize, HostTensor)>> =
+            self.hosts.iter().map(|_| Vec::new()).collect();
+        for (p, t) in mine {
+            let g = self.hosts.iter().position(|(h, _)| h.contains(&p));
+            by_host[g.with_context(|| format!("mesh position {p} belongs to no virtual host"))?]
+                .push((p, t));
+        }
+        // Every host at once, as separate processes would be (each waits at the round's barrier).
+        std::thread::scope(|s| {
+            let handles: Vec<_> = self
+                .hosts
+                .iter()
+                .zip(by_host)
+                .map(|((_, gather), shards)| s.spawn(move || gather.all(shards, positions)))
+                .collect();
+            let mut results = handles.into_iter().map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| bail!("a virtual host's gather panicked"))
+            });
+            let first = results.next().context("no virtual hosts")??;
+            for r in results {
+                r?;
+            }
+            Ok(first)
+        })
+    }
+}
+
 /// A tensor as bytes: its PJRT type code (i32), rank (u32), dims (i64 each), then its bytes;
 /// all little-endian.
 pub fn encode(t: &HostTensor) -> Vec<u8> {
@@ -133,7 +198,6 @@ pub fn decode(bytes: &[u8]) -> Result<HostTensor> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::device::hosts::server::StoreServer;
 
     #[test]
     fn tensors_survive_the_store_bytes() {
