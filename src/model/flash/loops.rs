@@ -1,6 +1,6 @@
-//! The attention kernel's loops: the forward pass over pairs of query blocks, the dQ pass
-//! likewise, and the dK/dV pass over the rectangles and triangles of key blocks (see the module
-//! docs of `model::flash`). Each is a decomposition of one of the composites.
+//! The attention kernel's loops: the forward pass over pairs of query blocks, and the backward
+//! pass over the rectangles and triangles of key blocks (see the module docs of
+//! `model::flash`). Each is a decomposition of one of the composites.
 
 use super::blocks::*;
 use hlo::{Builder, CmpDir, DType, DotDims, Result, Shape, Value};
@@ -124,8 +124,7 @@ pub(super) fn kernel_backward(b: &mut Builder, p: &[Value], ch: Chunks) -> Resul
         b.reduce_sum(prod, &[5])
     })?;
     let rows = [dout, lse, delta];
-    let dq = b.scoped("dq", |b| dq_pass(b, &tab, rows, ch))?;
-    let (dk, dv) = b.scoped("dkv", |b| dkv_pass(b, &tab, rows, ch))?;
+    let (dq, dk, dv) = b.scoped("grad", |b| gradient_pass(b, &tab, rows, ch))?;
     Ok(vec![
         b.convert(dq, b.dtype(tab.q))?,
         b.convert(dk, b.dtype(tab.k))?,
@@ -133,46 +132,23 @@ pub(super) fn kernel_backward(b: &mut Builder, p: &[Value], ch: Chunks) -> Resul
     ])
 }
 
-/// The dQ pass: outer over the query block pairs, inner over their key blocks (as the forward
-/// pass), carrying the pair's dq.
-fn dq_pass(b: &mut Builder, tab: &Tables, rows: [Value; 3], ch: Chunks) -> Result<Value> {
-    let qd = b.dims(tab.q).to_vec();
-    let (bs, kvh, g, d) = (qd[0], qd[1], qd[4], qd[5]);
-    let init = [b.zeros(Shape::new(&[bs, kvh, 2, ch.cp, g, d], DType::F32))];
-    let mut inv = tab.list().to_vec();
-    inv.extend(rows);
-    let out = b.fori_loop(ch.nb(), &init, &inv, |b, u, c, inv| {
-        let tab = Tables::of(inv);
-        let a = first_diagonal(b, tab.ids, u, ch)?;
-        let init = [b.zeros(Shape::new(&[bs, kvh, 2, ch.tb, g, d], DType::F32))];
-        let mut inner = inv.to_vec();
-        inner.extend([u, a]);
-        let run = b.rolled_fori_loop(ch.nk() + 1, &init, &inner, |b, t, c, inv| {
-            let tab = Tables::of(inv);
-            let (slot, block, j) = query_pair_trip(b, t, (inv[9], inv[10]), ch)?;
-            let pr = pair(b, &tab, (slot, block, j), ch)?;
-            let dout = query_rows(b, inv[6], slot, block, ch.tb)?;
-            let lse = query_rows(b, inv[7], slot, block, ch.tb)?;
-            let delta = query_rows(b, inv[8], slot, block, ch.tb)?;
-            let (_, ds) = probs_and_ds(b, pr.s, pr.v, (dout, lse, delta), ch)?;
-            let dq = query_grad(b, ds, pr.k)?;
-            let old = pair_slot(b, c[0], slot)?;
-            let new = b.add(old, dq)?;
-            Ok(vec![put_pair_slot(b, c[0], new, slot)?])
-        })?;
-        Ok(vec![write_pair(b, c[0], run[0], u, ch)?])
-    })?;
-    Ok(out[0])
-}
-
-/// The dK/dV pass: outer over key blocks, inner over the query blocks that see them, carrying
-/// the key block's dk and dv; the rectangles of earlier chunks first, then the two triangles.
-fn dkv_pass(b: &mut Builder, tab: &Tables, rows: [Value; 3], ch: Chunks) -> Result<(Value, Value)> {
+/// The backward pass: outer over key blocks, inner over the query blocks that see them,
+/// carrying the key block's dk and dv and adding each trip's dq share in place to the query
+/// rows it belongs to; the rectangles of earlier chunks first, then the two triangles. Returns
+/// (dq [B, KV, 2, Cp, G, D], dk and dv [B, KV, NC Cp, D]), f32.
+fn gradient_pass(
+    b: &mut Builder,
+    tab: &Tables,
+    rows: [Value; 3],
+    ch: Chunks,
+) -> Result<(Value, Value, Value)> {
     let kd = b.dims(tab.k).to_vec();
     let (bs, kvh, d) = (kd[0], kd[1], kd[3]);
+    let g = b.dims(tab.q)[4];
     let init = [
         b.zeros(Shape::new(&[bs, kvh, ch.nc * ch.cp, d], DType::F32)),
         b.zeros(Shape::new(&[bs, kvh, ch.nc * ch.cp, d], DType::F32)),
+        b.zeros(Shape::new(&[bs, kvh, 2, ch.cp, g, d], DType::F32)),
     ];
     let mut inv = tab.list().to_vec();
     inv.extend(rows);
@@ -190,17 +166,22 @@ fn dkv_pass(b: &mut Builder, tab: &Tables, rows: [Value; 3], ch: Chunks) -> Resu
             let later = b.sub(o, first)?;
             let j = b.select(second, later, o)?;
             let key = Shape::new(&[bs, kvh, ch.tb, d], DType::F32);
-            let init = [b.zeros(key.clone()), b.zeros(key)];
+            let init = [b.zeros(key.clone()), b.zeros(key), c[2]];
             let mut inner = inv.to_vec();
             inner.extend([slot, j]);
             let run = b.rolled_fori_loop(nb, &init, &inner, |b, u, c, inv| {
                 let (slot, j) = (inv[9], inv[10]);
-                let (dk, dv) = key_trip(b, inv, (slot, u, j), ch)?;
-                Ok(vec![b.add(c[0], dk)?, b.add(c[1], dv)?])
+                let (dk, dv, dq) = block_grads(b, inv, (slot, u, j), ch)?;
+                Ok(vec![
+                    b.add(c[0], dk)?,
+                    b.add(c[1], dv)?,
+                    add_query_block(b, c[2], dq, slot, u, ch)?,
+                ])
             })?;
             Ok(vec![
                 add_key_block(b, c[0], run[0], j, ch)?,
                 add_key_block(b, c[1], run[1], j, ch)?,
+                run[2],
             ])
         })
     })?;
@@ -210,7 +191,7 @@ fn dkv_pass(b: &mut Builder, tab: &Tables, rows: [Value; 3], ch: Chunks) -> Resu
         b.fori_loop(nb, &rect, &inv, |b, x, c, inv| {
             let tab = Tables::of(inv);
             let key = Shape::new(&[bs, kvh, 2, ch.tb, d], DType::F32);
-            let init = [b.zeros(key.clone()), b.zeros(key)];
+            let init = [b.zeros(key.clone()), b.zeros(key), c[2]];
             let mut inner = inv.to_vec();
             inner.push(x);
             // Not a priced loop: its trips cost what the rectangles' do, and the estimate
@@ -234,15 +215,20 @@ fn dkv_pass(b: &mut Builder, tab: &Tables, rows: [Value; 3], ch: Chunks) -> Resu
                     let off = b.select(second, mirrored, x)?;
                     b.add(base, off)?
                 };
-                let (dk, dv) = key_trip(b, inv, (slot, u, j), ch)?;
+                let (dk, dv, dq) = block_grads(b, inv, (slot, u, j), ch)?;
                 let add = |b: &mut Builder, pair: Value, g: Value| -> Result<Value> {
                     let old = pair_slot(b, pair, slot)?;
                     let new = b.add(old, g)?;
                     put_pair_slot(b, pair, new, slot)
                 };
-                Ok(vec![add(b, c[0], dk)?, add(b, c[1], dv)?])
+                Ok(vec![
+                    add(b, c[0], dk)?,
+                    add(b, c[1], dv)?,
+                    add_query_block(b, c[2], dq, slot, u, ch)?,
+                ])
             })?;
             let mut out = c.to_vec();
+            out[2] = run[2];
             for slot in 0..2 {
                 let nbv = s32(b, nb);
                 let sv = s32(b, slot);
@@ -256,7 +242,7 @@ fn dkv_pass(b: &mut Builder, tab: &Tables, rows: [Value; 3], ch: Chunks) -> Resu
                     }
                 };
                 let j = b.add(base, off)?;
-                for (k, o) in out.iter_mut().enumerate() {
+                for (k, o) in out.iter_mut().take(2).enumerate() {
                     let g = b.slice_dim(run[k], 2, slot, slot + 1)?;
                     let gd = b.dims(g).to_vec();
                     let g = b.reshape(g, &[gd[0], gd[1], gd[3], gd[4]])?;
@@ -266,24 +252,53 @@ fn dkv_pass(b: &mut Builder, tab: &Tables, rows: [Value; 3], ch: Chunks) -> Resu
             Ok(out)
         })
     })?;
-    Ok((tri[0], tri[1]))
+    Ok((tri[2], tri[0], tri[1]))
 }
 
-/// One dK/dV trip: query block `u` of slot `slot` against key block `j`; invariants (the
-/// tables, dout, lse, delta, ...). Returns (dk_j, dv_j) shares [B, KV, TB, D] f32.
-fn key_trip(
+/// One backward trip: query block `u` of slot `slot` against key block `j`; invariants (the
+/// tables, dout, lse, delta, ...). Returns the block pair's shares of dk_j and dv_j
+/// [B, KV, TB, D] and of dq_u [B, KV, TB, G, D], f32.
+fn block_grads(
     b: &mut Builder,
     inv: &[Value],
     (slot, u, j): (Value, Value, Value),
     ch: Chunks,
-) -> Result<(Value, Value)> {
+) -> Result<(Value, Value, Value)> {
     let tab = Tables::of(inv);
     let pr = pair(b, &tab, (slot, u, j), ch)?;
     let dout = query_rows(b, inv[6], slot, u, ch.tb)?;
     let lse = query_rows(b, inv[7], slot, u, ch.tb)?;
     let delta = query_rows(b, inv[8], slot, u, ch.tb)?;
     let (probs, ds) = probs_and_ds(b, pr.s, pr.v, (dout, lse, delta), ch)?;
-    key_grads(b, (probs, ds), (pr.q, dout), ch)
+    let dq = query_grad(b, ds, pr.k)?;
+    let (dk, dv) = key_grads(b, (probs, ds), (pr.q, dout), ch)?;
+    Ok((dk, dv, dq))
+}
+
+/// `all` [B, KV, 2, Cp, G, D] with `g` [B, KV, TB, G, D] added to query block `u` of `slot`.
+fn add_query_block(
+    b: &mut Builder,
+    all: Value,
+    g: Value,
+    slot: Value,
+    u: Value,
+    ch: Chunks,
+) -> Result<Value> {
+    let old = query_rows(b, all, slot, u, ch.tb)?;
+    let new = b.add(old, g)?;
+    let mut d = b.dims(new).to_vec();
+    d.insert(2, 1);
+    let new = b.reshape(new, &d)?;
+    let zero = s32(b, 0);
+    let at = times(b, u, ch.tb)?;
+    let starts: Vec<Value> = (0..b.rank(all))
+        .map(|r| match r {
+            2 => slot,
+            3 => at,
+            _ => zero,
+        })
+        .collect();
+    b.dynamic_update_slice(all, new, &starts)
 }
 
 /// `all` [B, KV, NK TB, D] with `g` [B, KV, TB, D] added to key block `j`.

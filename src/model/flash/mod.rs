@@ -27,18 +27,28 @@
 //!
 //! # The backward pass
 //! A rule of its own ([`hlo::Builder::custom_vjp`]) that recomputes each block's probabilities
-//! `p = exp(s - lse_i)` from the saved row statistic, in two passes so that every inner loop
-//! carries one block's gradients:
+//! `p = exp(s - lse_i)` from the saved row statistic, in one pass over key blocks whose inner
+//! loop carries one key block's gradients:
 //! ```text
 //! delta_i = rowsum(dout_i * out_i)              (once, before the loops)
 //! dp      = dout_i v_j^T,   ds = p * (dp - delta_i) / sqrt(D)
-//! dK/dV pass (outer: key blocks, inner: query blocks):  dv_j += p^T dout_i,  dk_j += ds^T q_i
-//! dQ pass    (outer: query block pairs, inner: keys):   dq_i += ds k_j
+//! outer: key blocks j, inner: the query blocks i that see them
+//!   dv_j += p^T dout_i,  dk_j += ds^T q_i       (the inner loop's carry)
+//!   dq_i += ds k_j                              (added in place to query block i's rows)
 //! ```
-//! The dK/dV pass visits the same block pairs as the forward pass: for each query chunk, the key
-//! blocks of earlier chunks against all its query blocks (a rectangle: (NC - 1) nb outer trips
-//! of nb inner ones, over both chunks) and its own chunk's triangle (nb outer trips that pair
-//! key block x of the first triangle with key block nb-1-x of the second: nb + 1 inner trips).
+//! It visits the same block pairs as the forward pass: for each query chunk, the key blocks of
+//! earlier chunks against all its query blocks (a rectangle: (NC - 1) nb outer trips of nb
+//! inner ones, over both chunks) and its own chunk's triangle (nb outer trips that pair key
+//! block x of the first triangle with key block nb-1-x of the second: nb + 1 inner trips).
+//!
+//! Why one pass and not the two of FlashAttention-2 (a dK/dV pass, and a dQ pass over query
+//! blocks whose inner loop carries one block's dq): the second pass recomputes every block
+//! pair's scores and `dout v^T` again, 7 block matmuls per pair instead of 5. The dq buffer the
+//! one pass carries is as long as the device's queries, but each trip only adds to one block of
+//! it, in place: the compilers keep it in place (no copy of it in any loop body on the CPU,
+//! CUDA, ROCm or TPU; `tools/hlo-loop-copies.py`), and the figures of docs/performance.md
+//! ("Long context in nested loops") favour it on the CPU, the CUDA compiler and the TPU
+//! estimate alike.
 //!
 //! Trip counts are constants, masks are iota compares (causal and document starts), and no loop
 //! body branches. Grouped heads attend without repeating keys and values ([B, KV, ..., G, D]).
