@@ -67,8 +67,6 @@ pub struct Client {
     pub(crate) inner: Arc<ClientInner>,
 }
 
-/// A device of a client, with what the plugin says about it.
-
 impl Client {
     pub fn plugin(&self) -> &Arc<Plugin> {
         &self.inner.plugin

@@ -4,6 +4,7 @@ use crate::ffi::*;
 use crate::{str_from, ClientInner, Plugin, Result};
 use std::sync::Arc;
 
+/// A device of a client, with what the plugin says about it.
 #[derive(Clone, Debug)]
 pub struct DeviceInfo {
     pub id: i32,
