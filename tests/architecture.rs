@@ -108,7 +108,7 @@ fn the_import_reader_finds_the_trees_imports() {
     for (from, to) in [
         ("train/mod.rs", "device/trainer.rs"),
         ("data/source.rs", "data/read.rs"),
-        ("cli/compile.rs", "program/spec.rs"),
+        ("cli/compile.rs", "program/spec/attention.rs"),
         ("cli/mod.rs", "device/platform.rs"),
         ("program/build.rs", "program/layout.rs"),
     ] {

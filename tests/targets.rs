@@ -1064,11 +1064,33 @@ fn a_step_too_big_for_every_offload_choice_is_reported() {
             stdout.contains("--remat layer (or auto): keep only each layer's input"),
             "{stdout}"
         );
+        // The choices before the one taken are recorded with the compiler's figures, in order.
+        let mut m = manifest(&out);
+        let tried: Vec<(&str, &str)> = m
+            .attempts
+            .iter()
+            .map(|a| (a.remat.as_str(), a.offload.as_str()))
+            .collect();
+        let before_last: &[(&str, &str)] = if offload == "auto" {
+            &[
+                ("save-proj", "none"),
+                ("layer", "none"),
+                ("layer", "activations"),
+            ]
+        } else {
+            &[("save-proj", "none")]
+        };
+        assert_eq!(tried, before_last);
+        let usable = m.builds[0].usable_memory_per_device;
+        assert!(usable.is_some_and(|u| u <= 1_000_000), "{usable:?}");
+        for a in &m.attempts {
+            assert!(a.target == "cuda:small:2" && !a.fits, "{a:?}");
+            assert_eq!(a.usable_memory_per_device, usable, "{a:?}");
+            let figures = a.per_device.expect("the GPU compiler reports the memory");
+            assert!(figures.total_bytes > usable.unwrap_or(0), "{a:?}");
+        }
         // auto's last choice is `all`: the frozen weights are then host arguments.
-        let build = manifest(&out)
-            .builds
-            .pop()
-            .expect("the last choice is recorded");
+        let build = m.builds.pop().expect("the last choice is recorded");
         assert_eq!(
             build.per_device.host_argument_bytes > 0,
             offload == "auto",

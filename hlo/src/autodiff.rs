@@ -1,7 +1,7 @@
 //! Reverse-mode autodiff as a builder transform.
 //!
 //! `grad(y, wrt)` walks the nodes that lie on a path from `wrt` to `y` in reverse and applies each
-//! op's vjp rule (in `ops.rs`). Nodes off that path get no gradient work at all, so a frozen
+//! op's vjp rule (in `ops/`). Nodes off that path get no gradient work at all, so a frozen
 //! weight (not in `wrt`) never gets a gradient computed. Nodes created inside
 //! [`Builder::remat`] are recomputed from their region's inputs, passed through an
 //! `optimization_barrier` together with the incoming cotangent, so the recomputation happens

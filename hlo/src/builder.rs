@@ -1,5 +1,5 @@
 //! The function builder: parameters, scopes for readable locations, remat regions, and the
-//! bookkeeping every op constructor shares. The op constructors themselves live in `ops.rs`.
+//! bookkeeping every op constructor shares. The op constructors themselves live in `ops/`.
 
 use crate::graph::*;
 use crate::types::{DType, Shape};

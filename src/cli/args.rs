@@ -1,7 +1,7 @@
 //! The flags that shape the step program, shared by `train`, `compile` and `bench`, parsed into
 //! the library's types at the edge (an unknown `--remat` is clap's error, not the library's);
 //! [`StepArgs::options`] makes them the library's `StepOptions`. Why `StepArgs`, `StepOptions`
-//! and `StepSpec` are three: `program/spec.rs`.
+//! and `StepSpec` are three: `program/spec/`.
 
 use anyhow::{bail, Context, Result};
 use clap::builder::{PossibleValuesParser, TypedValueParser};

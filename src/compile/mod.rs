@@ -17,7 +17,7 @@ pub use options::{CompileOptions, Writing};
 use crate::device::absent::aot::TargetDevices;
 use crate::device::absent::{Platform, Target};
 use crate::device::memory::auto::{first_that_fits, Choice};
-use crate::formats::program_dir::{self, Manifest};
+use crate::formats::program_dir::{self, Attempt, Manifest};
 use crate::program::sharding::SplitsNothing;
 use crate::program::{default_choice, fit_choices, MeshPlan, Program, StepSpec};
 use anyhow::{bail, Result};
@@ -278,6 +278,7 @@ fn compile_choices(
         }
         Ok((spec, program, manifest))
     };
+    let mut tried = Vec::new();
     let take = |(spec, program, manifest): &mut (StepSpec, Program, Manifest),
                 choice: Choice,
                 next: Option<Choice>| {
@@ -288,17 +289,26 @@ fn compile_choices(
             check::check(w, spec, program, manifest)?;
             return Ok(true);
         }
-        check_targets(w, targets, spec, program, manifest, choice, next)
+        check_targets(
+            w, targets, spec, program, manifest, choice, next, &mut tried,
+        )
     };
-    match first_that_fits(&choices, build, take)? {
-        Some((choice, (spec, _, manifest))) => Ok((choice, spec, manifest)),
-        None => bail!("no remat or offload choice was taken"),
+    let Some((choice, (spec, _, mut manifest))) = first_that_fits(&choices, build, take)? else {
+        bail!("no remat or offload choice was taken");
+    };
+    // What was compiled before the choice taken, for tables of every attempt (tools/target-tables).
+    let (remat, offload) = (choice.0.name(), choice.1.name());
+    tried.retain(|a: &Attempt| (a.remat.as_str(), a.offload.as_str()) != (remat, offload));
+    if !tried.is_empty() {
+        program_dir::write_attempts(w.dir(), &mut manifest, tried)?;
     }
+    Ok((choice, spec, manifest))
 }
 
 /// `--check --target`: compile one choice's step for every target, until one it does not fit.
 /// Returns whether to take the choice: it fits them all, or it is the last (recorded whether or
 /// not it fits: its report says by how much not). Says what is tried next otherwise.
+#[allow(clippy::too_many_arguments)]
 fn check_targets(
     w: &Writing,
     targets: &[TargetDevices],
@@ -307,6 +317,7 @@ fn check_targets(
     manifest: &mut Manifest,
     (remat, offload): Choice,
     next: Option<Choice>,
+    tried: &mut Vec<Attempt>,
 ) -> Result<bool> {
     let last = next.is_none();
     let mut fits_all = true;
@@ -323,7 +334,16 @@ fn check_targets(
             out: &w.out,
             estimate: !w.o.no_estimate,
         };
-        if !check_target(&to, t, spec, program, manifest, last, dump.as_deref())? {
+        if !check_target(
+            &to,
+            t,
+            spec,
+            program,
+            manifest,
+            last,
+            dump.as_deref(),
+            tried,
+        )? {
             fits_all = false;
             if !last {
                 break;

@@ -5,7 +5,7 @@
 use crate::compile::figures::{gib, print_memory, secs};
 use crate::device::absent::aot::{TargetBuild, TargetDevices};
 use crate::device::absent::Platform;
-use crate::formats::program_dir::{self, Build, Manifest, MemoryFigures, StepEstimate};
+use crate::formats::program_dir::{self, Attempt, Build, Manifest, MemoryFigures, StepEstimate};
 use crate::program::{Program, StepSpec};
 use anyhow::Result;
 
@@ -55,7 +55,9 @@ pub fn print_target(t: &TargetDevices) -> Result<()> {
 /// `--check --target`: compile for the target with its plugin, print the compiler's figures (and
 /// for TPUs its cost analysis and a whole-step estimate), and add the build to the program dir.
 /// Returns whether the step fits the target's devices (true where their memory is unknown);
-/// one that does not fit is recorded only if it is the `last` choice.
+/// one that does not fit is recorded only if it is the `last` choice. Every compile is added to
+/// `tried` (the manifest's attempts, once the choice taken is known).
+#[allow(clippy::too_many_arguments)]
 pub fn check_target(
     to: &BuildTo,
     t: &TargetDevices,
@@ -64,7 +66,19 @@ pub fn check_target(
     manifest: &mut Manifest,
     last: bool,
     dump: Option<&std::path::Path>,
+    tried: &mut Vec<Attempt>,
 ) -> Result<bool> {
+    let attempt = |compiled: Option<&TargetBuild>, fits: bool| -> Result<Attempt> {
+        Ok(Attempt {
+            target: t.target.spec.clone(),
+            remat: spec.remat.name().into(),
+            offload: spec.offload.name().into(),
+            compile_s: compiled.map(|b| b.compile_s),
+            per_device: compiled.map(|b| figures(&b.stats)),
+            usable_memory_per_device: t.usable_memory_per_device()?,
+            fits,
+        })
+    };
     eprintln!(
         "xtrain: compiling for {} with the {} plugin (no device needed)",
         t.target.spec,
@@ -86,6 +100,7 @@ pub fn check_target(
             if last {
                 return Err(e);
             }
+            tried.push(attempt(None, false)?);
             println!("XLA compile for {}: does not fit: {e:#}", t.target.spec);
             return Ok(false);
         }
@@ -105,6 +120,7 @@ pub fn check_target(
         spec,
     );
     let fits = usable.is_none_or(|have| build.stats.total_bytes() <= have);
+    tried.push(attempt(Some(&build), fits)?);
     if !fits && !last {
         return Ok(false);
     }
@@ -308,17 +324,7 @@ pub fn record(
         compile_s: build.compile_s,
         compile_options: build.extra_options.clone(),
         kernels: build.kernels.clone(),
-        per_device: MemoryFigures {
-            argument_bytes: m.argument_bytes,
-            output_bytes: m.output_bytes,
-            alias_bytes: m.alias_bytes,
-            temp_bytes: m.temp_bytes,
-            generated_code_bytes: m.generated_code_bytes,
-            total_bytes: m.total_bytes(),
-            host_argument_bytes: m.host_argument_bytes,
-            host_temp_bytes: m.host_temp_bytes,
-            host_total_bytes: m.host_total_bytes(),
-        },
+        per_device: figures(m),
         cost: build.cost.as_ref().map(|c| c.iter().cloned().collect()),
         estimate,
         executable_sha256: program_dir::sha256_hex(&build.executable),
@@ -333,4 +339,19 @@ pub fn record(
         build.memory_report.as_deref(),
     )?;
     Ok(file)
+}
+
+/// The compiler's per-device figures as a manifest records them.
+fn figures(m: &pjrt::MemoryStats) -> MemoryFigures {
+    MemoryFigures {
+        argument_bytes: m.argument_bytes,
+        output_bytes: m.output_bytes,
+        alias_bytes: m.alias_bytes,
+        temp_bytes: m.temp_bytes,
+        generated_code_bytes: m.generated_code_bytes,
+        total_bytes: m.total_bytes(),
+        host_argument_bytes: m.host_argument_bytes,
+        host_temp_bytes: m.host_temp_bytes,
+        host_total_bytes: m.host_total_bytes(),
+    }
 }

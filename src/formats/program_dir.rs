@@ -32,6 +32,12 @@ pub struct Manifest {
     /// (or one for this machine's plugin), and what each was compiled for.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub builds: Vec<Build>,
+    /// With `--remat auto` or `--offload auto` and `--check --target`: the choices compiled
+    /// before the one taken (which did not fit every target), one per target compiled, in the
+    /// order tried. The choice taken is the spec's remat and offload, its figures are `builds`'.
+    /// Absent in manifests written before 2026-12-04, and where the first choice was taken.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub attempts: Vec<Attempt>,
 }
 
 /// What [`Manifest::settings_sha256`] covers.
@@ -195,6 +201,23 @@ impl std::fmt::Display for KernelUse {
     }
 }
 
+/// One choice of `--remat auto` / `--offload auto` compiled for one target and not taken.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct Attempt {
+    /// `--target` as given.
+    pub target: String,
+    /// `--remat` and `--offload` as tried (`save-proj`, `activations`).
+    pub remat: String,
+    pub offload: String,
+    /// The compiler's time and figures; None where it refused the step as too big for the
+    /// device (TPU compilers do; GPU compilers compile it and report the memory).
+    pub compile_s: Option<f64>,
+    pub per_device: Option<MemoryFigures>,
+    /// What the step had to fit in (None: unknown, it fits).
+    pub usable_memory_per_device: Option<i64>,
+    pub fits: bool,
+}
+
 /// Bytes per device, as the compiler reports them.
 #[derive(Clone, Copy, Debug, Default, serde::Serialize, serde::Deserialize)]
 pub struct MemoryFigures {
@@ -326,6 +349,7 @@ pub fn write_dir(dir: &Path, program: &Program, spec: &StepSpec) -> Result<Manif
             .collect(),
         results: program.results.iter().map(Into::into).collect(),
         builds: Vec::new(),
+        attempts: Vec::new(),
     };
     // Hashed as it will be read back (see [`settings_sha256`]).
     let mut manifest: Manifest = serde_json::from_str(&serde_json::to_string(&manifest)?)?;
@@ -377,9 +401,20 @@ pub fn write_build(
     };
     manifest.builds.retain(|b| b.target != build.target);
     manifest.builds.push(build);
-    write_bytes_atomic(
+    write_manifest(dir, manifest)
+}
+
+/// Record in a program dir written by [`write_dir`] the choices compiled before the one it
+/// holds ([`Manifest::attempts`]).
+pub fn write_attempts(dir: &Path, manifest: &mut Manifest, attempts: Vec<Attempt>) -> Result<()> {
+    manifest.attempts = attempts;
+    write_manifest(dir, manifest)
+}
+
+fn write_manifest(dir: &Path, manifest: &Manifest) -> Result<()> {
+    crate::formats::atomic::write_bytes_atomic(
         &dir.join("manifest.json"),
-        serde_json::to_string_pretty(&manifest)?.as_bytes(),
+        serde_json::to_string_pretty(manifest)?.as_bytes(),
     )
 }
 

@@ -16,4 +16,5 @@ pub mod loss;
 pub mod optim;
 pub mod presets;
 pub mod quant;
+mod rope;
 pub mod tensors;

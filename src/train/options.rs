@@ -1,6 +1,6 @@
 //! What `xtrain train` is asked to do, and the range of every value it takes. [`TrainOptions`]
 //! are typed values, the step's among them (a `program::StepOptions`: why the step's settings
-//! take three forms is said in `program/spec.rs`); `train::settings` is the same run by flag
+//! take three forms is said in `program/spec/`); `train::settings` is the same run by flag
 //! name, the form a checkpoint records and a program dir fixes, applied back onto these
 //! options.
 

@@ -1,284 +1,16 @@
-//! The StableHLO text printer. Deterministic: the same graph always prints the same bytes.
-//!
-//! Simple ops use StableHLO's short ("pretty") forms, the rest the generic form, which every
-//! parser accepts. Parameters print under their own names (`%lora.q.A`); other values are
-//! numbered in definition order across the whole function, nested regions included.
+//! The printer of one function: names each value, and writes each node as an op (short
+//! forms where StableHLO has them), with its regions nested.
 
+use super::literals::*;
+use super::syntax::*;
+use super::Decompositions;
 use crate::graph::*;
 use crate::types::{DType, Shape};
 use std::collections::HashMap;
 use std::fmt::Write;
 use std::rc::Rc;
 
-/// A module: the entry function `main` (first), helper functions, and an optional device mesh.
-#[derive(Clone, Debug)]
-pub struct Module {
-    pub name: String,
-    pub funcs: Vec<Func>,
-    pub mesh: Option<Mesh>,
-}
-
-impl Module {
-    pub fn new(name: &str, main: Func) -> Module {
-        Module {
-            name: name.to_string(),
-            funcs: vec![main],
-            mesh: None,
-        }
-    }
-
-    pub fn with_mesh(mut self, mesh: Mesh) -> Module {
-        self.mesh = Some(mesh);
-        self
-    }
-
-    pub fn to_text(&self) -> String {
-        let mut out = String::new();
-        let partitions = self.mesh.as_ref().map_or(1, |m| m.device_count());
-        let _ = writeln!(
-            out,
-            "module @{} attributes {{mhlo.num_partitions = {partitions} : i32, mhlo.num_replicas = 1 : i32}} {{",
-            sanitize(&self.name)
-        );
-        if let Some(mesh) = &self.mesh {
-            let axes: Vec<String> = mesh
-                .axes
-                .iter()
-                .map(|(n, s)| format!("\"{n}\"={s}"))
-                .collect();
-            let _ = writeln!(out, "  sdy.mesh @mesh = <[{}]>", axes.join(", "));
-        }
-        let decomps = Rc::new(self.decompositions());
-        for (i, f) in self.funcs.iter().enumerate() {
-            // XLA runs the function called `main`; the others are helpers.
-            let (vis, name) = if i == 0 {
-                ("public", "main".to_string())
-            } else {
-                ("private", sanitize(&f.name))
-            };
-            Printer::new(&decomps).func(&mut out, f, vis, &name);
-        }
-        out.push_str(&decomps.text);
-        out.push_str("}\n");
-        out
-    }
-
-    /// The composites' decompositions as private functions, inner ones first, each distinct
-    /// text once: named after the composite (`@xtrain.attention.impl`, then `.impl.1`, ...).
-    fn decompositions(&self) -> Decompositions {
-        fn walk<'a>(f: &'a Func, found: &mut Vec<(&'a str, &'a Func)>) {
-            for n in &f.nodes {
-                match &n.op {
-                    Op::While { cond, body } => {
-                        walk(cond, found);
-                        walk(body, found);
-                    }
-                    Op::ManualComputation(m) => walk(&m.body, found),
-                    Op::Composite(c) => {
-                        walk(&c.decomposition, found);
-                        found.push((&c.name, &c.decomposition));
-                    }
-                    _ => {}
-                }
-            }
-        }
-        let mut found = Vec::new();
-        for f in &self.funcs {
-            walk(f, &mut found);
-        }
-        let mut d = Decompositions::default();
-        let mut by_text: HashMap<String, String> = HashMap::new();
-        let mut per_name: HashMap<String, usize> = HashMap::new();
-        for (name, f) in found {
-            let mut body = String::new();
-            let known = Rc::new(std::mem::take(&mut d));
-            Printer::new(&known).func(&mut body, f, "private", "NAME");
-            d = Rc::try_unwrap(known).unwrap_or_default();
-            let symbol = match by_text.get(&body) {
-                Some(s) => s.clone(),
-                None => {
-                    let k = per_name.entry(name.to_string()).or_default();
-                    let symbol = match *k {
-                        0 => format!("{}.impl", sanitize(name)),
-                        k => format!("{}.impl.{k}", sanitize(name)),
-                    };
-                    *k += 1;
-                    let text = body.replacen("@NAME(", &format!("@{symbol}("), 1);
-                    d.text.push_str(&text);
-                    by_text.insert(body, symbol.clone());
-                    symbol
-                }
-            };
-            d.names.insert(f as *const Func as usize, symbol);
-        }
-        d
-    }
-}
-
-/// The printed decompositions and the symbol of each composite's (by the address of its
-/// function, which lives as long as the module being printed).
-#[derive(Default)]
-struct Decompositions {
-    names: HashMap<usize, String>,
-    text: String,
-}
-
-/// `f` printed alone as `func.func private @name`, for putting in a program's text in place of
-/// another function of the same signature (a kernel for a composite's decomposition). It must
-/// hold no composite of its own.
-pub fn function_text(f: &Func, name: &str) -> String {
-    let mut out = String::new();
-    Printer::new(&Rc::new(Decompositions::default())).func(&mut out, f, "private", name);
-    out
-}
-
-/// Turn a human name into a legal MLIR identifier (letters, digits, `$._-`; not starting with
-/// a digit).
-fn sanitize(name: &str) -> String {
-    let mut s: String = name
-        .chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || "$._-".contains(c) {
-                c
-            } else {
-                '_'
-            }
-        })
-        .collect();
-    if s.is_empty() || s.starts_with(|c: char| c.is_ascii_digit()) {
-        s.insert(0, 'v');
-    }
-    s
-}
-
-fn escape(s: &str) -> String {
-    s.replace('\\', "\\\\").replace('"', "\\\"")
-}
-
-fn attr_text(a: &Attr) -> String {
-    match a {
-        Attr::Int(v) => format!("{v} : i64"),
-        Attr::Float(v) => format!("{} : f32", float_text(*v, DType::F32)),
-        Attr::Str(v) => format!("\"{}\"", escape(v)),
-    }
-}
-
-fn i64_list(v: &[i64]) -> String {
-    let parts: Vec<String> = v.iter().map(|x| x.to_string()).collect();
-    format!("[{}]", parts.join(", "))
-}
-
-fn i64_array(v: &[i64]) -> String {
-    if v.is_empty() {
-        return "array<i64>".into();
-    }
-    let parts: Vec<String> = v.iter().map(|x| x.to_string()).collect();
-    format!("array<i64: {}>", parts.join(", "))
-}
-
-pub(crate) fn sharding_attr(s: &Sharding) -> String {
-    let dims: Vec<String> = s
-        .dims
-        .iter()
-        .map(|axes| {
-            let a: Vec<String> = axes.iter().map(|x| format!("\"{x}\"")).collect();
-            format!("{{{}}}", a.join(", "))
-        })
-        .collect();
-    format!("<@mesh, [{}]>", dims.join(", "))
-}
-
-/// A float in MLIR syntax for `dtype`: decimal when it round-trips, hex bits for NaN and Inf.
-fn float_text(v: f64, dtype: DType) -> String {
-    if !v.is_finite() {
-        let bits: u64 = match (dtype, v.is_nan(), v > 0.0) {
-            (DType::F64, true, _) => 0x7FF8_0000_0000_0000,
-            (DType::F64, _, true) => 0x7FF0_0000_0000_0000,
-            (DType::F64, _, false) => 0xFFF0_0000_0000_0000,
-            (DType::F32, true, _) => 0x7FC0_0000,
-            (DType::F32, _, true) => 0x7F80_0000,
-            (DType::F32, _, false) => 0xFF80_0000,
-            (DType::BF16, true, _) => 0x7FC0,
-            (DType::BF16, _, true) => 0x7F80,
-            (DType::BF16, _, false) => 0xFF80,
-            (_, true, _) => 0x7E00,
-            (_, _, true) => 0x7C00,
-            (_, _, false) => 0xFC00,
-        };
-        let width = dtype.bits() / 4;
-        return format!("0x{bits:0width$X}");
-    }
-    // Shortest text that reads back to the same value of the tensor's type.
-    let s = match dtype {
-        DType::F64 => format!("{v:e}"),
-        DType::F32 => format!("{:e}", v as f32),
-        DType::BF16 => format!("{:e}", half::bf16::from_f64(v).to_f32()),
-        _ => format!("{:e}", half::f16::from_f64(v).to_f32()),
-    };
-    // Rust writes "1e0" / "1.5e-7"; MLIR needs a '.' in the mantissa.
-    match s.split_once('e') {
-        Some((m, e)) if !m.contains('.') => format!("{m}.0e{e}"),
-        _ => s,
-    }
-}
-
-fn literal_element(lit: &Literal, i: usize, dtype: DType) -> String {
-    match lit {
-        Literal::Float(v) => float_text(v[i], dtype),
-        Literal::Int(v) => v[i].to_string(),
-        Literal::Bool(v) => v[i].to_string(),
-    }
-}
-
-fn dense_text(lit: &Literal, shape: &Shape) -> String {
-    let n = lit.len();
-    let all_same = (1..n)
-        .all(|i| literal_element(lit, i, shape.dtype) == literal_element(lit, 0, shape.dtype));
-    if n == 1 || all_same {
-        return format!("dense<{}>", literal_element(lit, 0, shape.dtype));
-    }
-    if n > 64 && !matches!(lit, Literal::Bool(_)) {
-        return format!("dense<\"0x{}\">", hex_bytes(lit, shape.dtype));
-    }
-    fn nested(lit: &Literal, dims: &[i64], offset: usize, dtype: DType) -> String {
-        if dims.is_empty() {
-            return literal_element(lit, offset, dtype);
-        }
-        let inner: i64 = dims[1..].iter().product();
-        let parts: Vec<String> = (0..dims[0])
-            .map(|i| nested(lit, &dims[1..], offset + (i * inner) as usize, dtype))
-            .collect();
-        format!("[{}]", parts.join(", "))
-    }
-    format!("dense<{}>", nested(lit, &shape.dims, 0, shape.dtype))
-}
-
-/// Raw little-endian element bytes, as MLIR's hex dense form expects.
-fn hex_bytes(lit: &Literal, dtype: DType) -> String {
-    let mut bytes: Vec<u8> = Vec::new();
-    match lit {
-        Literal::Float(v) => {
-            for &x in v {
-                match dtype {
-                    DType::F64 => bytes.extend(x.to_le_bytes()),
-                    DType::F32 => bytes.extend((x as f32).to_le_bytes()),
-                    DType::BF16 => bytes.extend(half::bf16::from_f64(x).to_le_bytes()),
-                    _ => bytes.extend(half::f16::from_f64(x).to_le_bytes()),
-                }
-            }
-        }
-        Literal::Int(v) => {
-            for &x in v {
-                let b = x.to_le_bytes();
-                bytes.extend(&b[..dtype.size_bytes()]);
-            }
-        }
-        Literal::Bool(v) => bytes.extend(v.iter().map(|&b| b as u8)),
-    }
-    bytes.iter().map(|b| format!("{b:02X}")).collect()
-}
-
-struct Printer {
+pub(super) struct Printer {
     counter: usize,
     decomps: Rc<Decompositions>,
 }
@@ -306,7 +38,7 @@ fn types(f: &Func, vs: &[Value]) -> String {
 }
 
 impl Printer {
-    fn new(decomps: &Rc<Decompositions>) -> Printer {
+    pub(super) fn new(decomps: &Rc<Decompositions>) -> Printer {
         Printer {
             counter: 0,
             decomps: decomps.clone(),
@@ -319,7 +51,7 @@ impl Printer {
         format!("%{n}")
     }
 
-    fn func(&mut self, out: &mut String, f: &Func, visibility: &str, name: &str) {
+    pub(super) fn func(&mut self, out: &mut String, f: &Func, visibility: &str, name: &str) {
         let mut names = Names(HashMap::new());
         let mut used = std::collections::HashSet::new();
         let mut params = Vec::new();
@@ -697,27 +429,4 @@ fn dot_general_text(ins: &str, dims: &DotDims, precision: Option<Precision>, sig
     }
     let _ = write!(s, " : {sig}");
     s
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn floats_print_exactly_and_specials_as_hex() {
-        assert_eq!(float_text(1.0, DType::F32), "1.0e0");
-        assert_eq!(float_text(0.1, DType::F32), "1.0e-1");
-        assert_eq!(float_text(-2.5e-7, DType::F64), "-2.5e-7");
-        assert_eq!(float_text(f64::NAN, DType::F32), "0x7FC00000");
-        assert_eq!(float_text(f64::NEG_INFINITY, DType::BF16), "0xFF80");
-        assert_eq!(float_text(f64::INFINITY, DType::F64), "0x7FF0000000000000");
-        assert_eq!(float_text(f64::INFINITY, DType::F16), "0x7C00");
-    }
-
-    #[test]
-    fn names_are_sanitized() {
-        assert_eq!(sanitize("layers.0.q_proj.lora_A"), "layers.0.q_proj.lora_A");
-        assert_eq!(sanitize("0abc"), "v0abc");
-        assert_eq!(sanitize("a b/c"), "a_b_c");
-    }
 }
