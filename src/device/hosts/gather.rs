@@ -227,6 +227,42 @@ mod tests {
         store
     }
 
+    /// How long a gather of a 256 MiB shard from process 1 to process 0 takes over loopback
+    /// (the store's raw-bytes frames; `XTRAIN_GATHER_MB` sets another size), printed for
+    /// docs/performance.md; the shard arrives intact.
+    #[test]
+    fn a_large_shard_gathers_over_loopback_intact() {
+        let mb: usize = std::env::var("XTRAIN_GATHER_MB")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(256);
+        let n = (mb << 20) / 4;
+        let values: Vec<f32> = (0..n).map(|i| (i % 9973) as f32 * 0.5 - 7.0).collect();
+        let shard = HostTensor::from_f32(&values, &[n as i64]);
+        drop(values);
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let address = format!("127.0.0.1:{}", listener.local_addr().unwrap().port());
+        let _server = StoreServer::serve(listener).unwrap();
+        let gather = |me: usize| {
+            let store = Store::connect(&address, "big", Duration::from_secs(5)).unwrap();
+            StoreGather::new(store, me, 2, Duration::from_secs(120))
+        };
+        let (zero, one) = (gather(0), gather(1));
+        let started = std::time::Instant::now();
+        let all = std::thread::scope(|s| {
+            let sent = s.spawn(|| one.all(vec![(1, shard.clone())], 2));
+            let all = zero.all(vec![(0, HostTensor::from_f32(&[0.0], &[1]))], 2);
+            assert_eq!(sent.join().unwrap().unwrap(), None);
+            all.unwrap().unwrap()
+        });
+        let took = started.elapsed().as_secs_f64();
+        eprintln!(
+            "gathered a {mb} MiB shard over loopback in {took:.2} s ({:.0} MiB/s)",
+            mb as f64 / took
+        );
+        assert!(all[1] == shard, "the shard changed on the way");
+    }
+
     /// Two processes (threads here), each holding two of four positions: process 0 ends with
     /// all four, twice (rounds do not mix), process 1 with none, and nothing is left in the
     /// store.

@@ -136,10 +136,8 @@ pub(crate) fn receive<T: for<'de> Deserialize<'de>>(
                 "a store value of {len} bytes: more than this process can hold"
             ))
         })?;
-    r.take(len).read_to_end(&mut value)?;
-    if value.len() as u64 != len {
-        return Err(std::io::ErrorKind::UnexpectedEof.into());
-    }
+    value.resize(len as usize, 0);
+    r.read_exact(&mut value)?;
     Ok((msg, value))
 }
 
