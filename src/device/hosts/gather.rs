@@ -72,7 +72,7 @@ impl Gather for StoreGather {
                     .store
                     .get(&format!("{round}/{p}"), self.timeout)
                     .with_context(|| format!("the shard of mesh position {p} (gather {round})"))?;
-                *slot = Some(decode(&bytes).with_context(|| format!("mesh position {p}'s shard"))?);
+                *slot = Some(decode(bytes).with_context(|| format!("mesh position {p}'s shard"))?);
             }
         }
         // Process 0 has read this round: its keys can go.
@@ -166,8 +166,9 @@ pub fn encode(t: &HostTensor) -> Vec<u8> {
     out
 }
 
-/// [`encode`]'s tensor back; an error says what was wrong with the bytes.
-pub fn decode(bytes: &[u8]) -> Result<HostTensor> {
+/// [`encode`]'s tensor back, in the same allocation (a shard may be gigabytes); an error says
+/// what was wrong with the bytes.
+pub fn decode(mut bytes: Vec<u8>) -> Result<HostTensor> {
     let word = |at: usize, n: usize| -> Result<&[u8]> {
         bytes
             .get(at..at + n)
@@ -180,19 +181,15 @@ pub fn decode(bytes: &[u8]) -> Result<HostTensor> {
     let dims: Vec<i64> = (0..rank)
         .map(|k| Ok(i64::from_le_bytes(word(8 + 8 * k, 8)?.try_into()?)))
         .collect::<Result<_>>()?;
-    let body = &bytes[(8 + 8 * rank).min(bytes.len())..];
+    bytes.drain(..(8 + 8 * rank).min(bytes.len()));
     let want = ty.byte_size(dims.iter().product::<i64>().max(0) as usize);
-    if body.len() != want {
+    if bytes.len() != want {
         bail!(
             "a shard in the store of {ty:?}{dims:?} holds {} bytes, expected {want}",
-            body.len()
+            bytes.len()
         );
     }
-    Ok(HostTensor {
-        ty,
-        dims,
-        bytes: body.to_vec(),
-    })
+    Ok(HostTensor { ty, dims, bytes })
 }
 
 #[cfg(test)]
@@ -202,11 +199,11 @@ mod tests {
     #[test]
     fn tensors_survive_the_store_bytes() {
         let t = HostTensor::from_f32(&[1.0, -2.5, 3.0, 0.0, 5.0, 6.0], &[2, 3]);
-        assert_eq!(decode(&encode(&t)).unwrap(), t);
+        assert_eq!(decode(encode(&t)).unwrap(), t);
         // 24 bytes of header (type, rank, two dims), then 6 of the 24 bytes of data.
-        let e = decode(&encode(&t)[..30]).unwrap_err().to_string();
+        let e = decode(encode(&t)[..30].to_vec()).unwrap_err().to_string();
         assert!(e.contains("holds 6 bytes, expected 24"), "{e}");
-        let e = decode(&encode(&t)[..12]).unwrap_err().to_string();
+        let e = decode(encode(&t)[..12].to_vec()).unwrap_err().to_string();
         assert_eq!(e, "a shard in the store is cut short");
     }
 
@@ -248,9 +245,10 @@ mod tests {
             StoreGather::new(store, me, 2, Duration::from_secs(120))
         };
         let (zero, one) = (gather(0), gather(1));
+        let mine = vec![(1, shard.clone())];
         let started = std::time::Instant::now();
         let all = std::thread::scope(|s| {
-            let sent = s.spawn(|| one.all(vec![(1, shard.clone())], 2));
+            let sent = s.spawn(|| one.all(mine, 2));
             let all = zero.all(vec![(0, HostTensor::from_f32(&[0.0], &[1]))], 2);
             assert_eq!(sent.join().unwrap().unwrap(), None);
             all.unwrap().unwrap()
