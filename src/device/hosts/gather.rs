@@ -26,7 +26,9 @@ pub trait Gather: Send + Sync {
 }
 
 /// [`Gather`] through the run's store: round `r`'s shard of position `p` is key
-/// `gather/r/p`; once process 0 has read a round (a barrier), each forgets the keys it put.
+/// `gather/r/p`. Process 0 has the store forget each shard as soon as it has read it, so that
+/// the store holds at most the shards not yet read (gigabytes at 70B, on process 0's host); a
+/// barrier then ends the round.
 pub struct StoreGather {
     pub store: Store,
     pub process: usize,
@@ -56,35 +58,32 @@ impl Gather for StoreGather {
     ) -> Result<Option<Vec<HostTensor>>> {
         let round = self.round.fetch_add(1, Ordering::SeqCst);
         let receives = self.process == 0;
-        let mut own = Vec::new();
         let mut out: Vec<Option<HostTensor>> = (0..positions).map(|_| None).collect();
         for (p, t) in mine {
             if receives {
                 out[p] = Some(t);
             } else {
                 self.store.put(&format!("{round}/{p}"), &encode(&t))?;
-                own.push(p);
             }
         }
         if receives {
             for (p, slot) in out.iter_mut().enumerate().filter(|(_, s)| s.is_none()) {
+                let key = format!("{round}/{p}");
                 let bytes = self
                     .store
-                    .get(&format!("{round}/{p}"), self.timeout)
+                    .get(&key, self.timeout)
                     .with_context(|| format!("the shard of mesh position {p} (gather {round})"))?;
+                self.store.delete(&key)?;
                 *slot = Some(decode(bytes).with_context(|| format!("mesh position {p}'s shard"))?);
             }
         }
-        // Process 0 has read this round: its keys can go.
+        // Every process leaves the round together (process 0 has read every shard).
         self.store.barrier(
             &format!("gather/{round}"),
             self.process,
             self.processes,
             self.timeout,
         )?;
-        for p in own {
-            self.store.delete(&format!("{round}/{p}"))?;
-        }
         Ok(receives.then(|| out.into_iter().flatten().collect()))
     }
 }
