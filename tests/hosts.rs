@@ -579,14 +579,18 @@ fn resume_skips_an_uncommitted_checkpoint_and_takes_one_from_before_markers() {
 
 /// `--virtual-hosts 2` on rows read in a seeded order: each virtual host loads the data itself
 /// (its own loader, as a separate host would) and takes its own rows of each batch; over more
-/// than an epoch (6 rows in batches of 2, 8 steps) the run equals the one-host run bit for bit.
+/// than an epoch (6 rows in batches of 2, 8 steps) the run equals the one-host run bit for bit,
+/// and so do its evaluations (each host uploading its rows of each evaluation batch, at steps
+/// 0, 4 and 8), on an fsdp mesh (each host its own rows) and a context mesh (every row, each
+/// host its half of the sequence).
 #[test]
 fn virtual_hosts_with_their_own_loaders_equal_the_one_host_run_across_epochs() {
     let dir = tempdir("hosts-virtual-loaders");
     let model = tiny_text_model(&dir);
     let data = instruction_examples(&dir.join("d.jsonl"), 6);
-    let run = |name: &str, flags: &[&str]| {
-        let out = dir.join(name);
+    let eval = instruction_examples(&dir.join("e.jsonl"), 4);
+    let run = |name: &str, mesh: &str, flags: &[&str]| {
+        let out = dir.join(format!("{name}-{}", mesh.replace('=', "-")));
         let mut cmd = train_cmd(&model, &data, &out);
         cmd.args([
             "--steps",
@@ -607,15 +611,34 @@ fn virtual_hosts_with_their_own_loaders_equal_the_one_host_run_across_epochs() {
             "0",
             "--no-plot",
         ])
-        .args(["--mesh", "fsdp=2"]);
+        .args(["--mesh", mesh, "--eval-every", "4"])
+        .arg("--eval-data")
+        .arg(&eval);
         let (_, losses, adapter) = outcome(cmd, &out, flags);
-        (losses, adapter)
+        let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+        let evals: Vec<(u64, f64, f64)> = metrics
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter_map(|v| {
+                let loss = v["eval_loss"].as_f64()?;
+                Some((v["step"].as_u64()?, loss, v["eval_accuracy"].as_f64()?))
+            })
+            .collect();
+        (losses, adapter, evals)
     };
-    let (one_losses, one_adapter) = run("one", &[]);
-    let (losses, adapter) = run("two", &["--virtual-hosts", "2"]);
-    assert_eq!(one_losses.len(), 8);
-    assert_eq!(losses, one_losses);
-    assert!(adapter == one_adapter, "the adapters differ");
+    for mesh in ["fsdp=2", "context=2"] {
+        let (one_losses, one_adapter, one_evals) = run("one", mesh, &[]);
+        let (losses, adapter, evals) = run("two", mesh, &["--virtual-hosts", "2"]);
+        assert_eq!(one_losses.len(), 8);
+        assert_eq!(losses, one_losses, "--mesh {mesh}");
+        assert!(adapter == one_adapter, "--mesh {mesh}: the adapters differ");
+        assert_eq!(
+            one_evals.iter().map(|e| e.0).collect::<Vec<_>>(),
+            [0, 4, 8],
+            "{one_evals:?}"
+        );
+        assert_eq!(evals, one_evals, "--mesh {mesh}: the evaluations differ");
+    }
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -428,10 +428,12 @@ impl Trainer {
         let mut whole = true;
         let mesh = self.spec.mesh.as_ref().map(|m| m.mesh());
         for batch in batches {
+            // Every host has the whole evaluation batch (each reads the evaluation data) and
+            // uploads only its devices' rows of it, as with a training batch.
             let inputs = [
-                self.put("input_ids", &batch.input_ids)?,
-                self.put("labels", &batch.loss_labels())?,
-                self.put("attention_mask", &batch.attention_mask)?,
+                self.put_rows("input_ids", &[&batch.input_ids])?,
+                self.put_rows("labels", &[&batch.loss_labels()])?,
+                self.put_rows("attention_mask", &[&batch.attention_mask])?,
             ];
             let args: Vec<Vec<&Buffer>> = (0..self.devices())
                 .map(|d| {

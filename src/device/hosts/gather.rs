@@ -26,7 +26,9 @@ pub trait Gather: Send + Sync {
 }
 
 /// [`Gather`] through the run's store: round `r`'s shard of position `p` is key
-/// `gather/r/p`; once process 0 has read a round (a barrier), each forgets the keys it put.
+/// `gather/r/p`. Process 0 has the store forget each shard as soon as it has read it, so that
+/// the store holds at most the shards not yet read (gigabytes at 70B, on process 0's host); a
+/// barrier then ends the round.
 pub struct StoreGather {
     pub store: Store,
     pub process: usize,
@@ -56,35 +58,32 @@ impl Gather for StoreGather {
     ) -> Result<Option<Vec<HostTensor>>> {
         let round = self.round.fetch_add(1, Ordering::SeqCst);
         let receives = self.process == 0;
-        let mut own = Vec::new();
         let mut out: Vec<Option<HostTensor>> = (0..positions).map(|_| None).collect();
         for (p, t) in mine {
             if receives {
                 out[p] = Some(t);
             } else {
                 self.store.put(&format!("{round}/{p}"), &encode(&t))?;
-                own.push(p);
             }
         }
         if receives {
             for (p, slot) in out.iter_mut().enumerate().filter(|(_, s)| s.is_none()) {
+                let key = format!("{round}/{p}");
                 let bytes = self
                     .store
-                    .get(&format!("{round}/{p}"), self.timeout)
+                    .get(&key, self.timeout)
                     .with_context(|| format!("the shard of mesh position {p} (gather {round})"))?;
-                *slot = Some(decode(&bytes).with_context(|| format!("mesh position {p}'s shard"))?);
+                self.store.delete(&key)?;
+                *slot = Some(decode(bytes).with_context(|| format!("mesh position {p}'s shard"))?);
             }
         }
-        // Process 0 has read this round: its keys can go.
+        // Every process leaves the round together (process 0 has read every shard).
         self.store.barrier(
             &format!("gather/{round}"),
             self.process,
             self.processes,
             self.timeout,
         )?;
-        for p in own {
-            self.store.delete(&format!("{round}/{p}"))?;
-        }
         Ok(receives.then(|| out.into_iter().flatten().collect()))
     }
 }
@@ -166,8 +165,9 @@ pub fn encode(t: &HostTensor) -> Vec<u8> {
     out
 }
 
-/// [`encode`]'s tensor back; an error says what was wrong with the bytes.
-pub fn decode(bytes: &[u8]) -> Result<HostTensor> {
+/// [`encode`]'s tensor back, in the same allocation (a shard may be gigabytes); an error says
+/// what was wrong with the bytes.
+pub fn decode(mut bytes: Vec<u8>) -> Result<HostTensor> {
     let word = |at: usize, n: usize| -> Result<&[u8]> {
         bytes
             .get(at..at + n)
@@ -180,19 +180,15 @@ pub fn decode(bytes: &[u8]) -> Result<HostTensor> {
     let dims: Vec<i64> = (0..rank)
         .map(|k| Ok(i64::from_le_bytes(word(8 + 8 * k, 8)?.try_into()?)))
         .collect::<Result<_>>()?;
-    let body = &bytes[(8 + 8 * rank).min(bytes.len())..];
+    bytes.drain(..(8 + 8 * rank).min(bytes.len()));
     let want = ty.byte_size(dims.iter().product::<i64>().max(0) as usize);
-    if body.len() != want {
+    if bytes.len() != want {
         bail!(
             "a shard in the store of {ty:?}{dims:?} holds {} bytes, expected {want}",
-            body.len()
+            bytes.len()
         );
     }
-    Ok(HostTensor {
-        ty,
-        dims,
-        bytes: body.to_vec(),
-    })
+    Ok(HostTensor { ty, dims, bytes })
 }
 
 #[cfg(test)]
@@ -202,11 +198,11 @@ mod tests {
     #[test]
     fn tensors_survive_the_store_bytes() {
         let t = HostTensor::from_f32(&[1.0, -2.5, 3.0, 0.0, 5.0, 6.0], &[2, 3]);
-        assert_eq!(decode(&encode(&t)).unwrap(), t);
+        assert_eq!(decode(encode(&t)).unwrap(), t);
         // 24 bytes of header (type, rank, two dims), then 6 of the 24 bytes of data.
-        let e = decode(&encode(&t)[..30]).unwrap_err().to_string();
+        let e = decode(encode(&t)[..30].to_vec()).unwrap_err().to_string();
         assert!(e.contains("holds 6 bytes, expected 24"), "{e}");
-        let e = decode(&encode(&t)[..12]).unwrap_err().to_string();
+        let e = decode(encode(&t)[..12].to_vec()).unwrap_err().to_string();
         assert_eq!(e, "a shard in the store is cut short");
     }
 
@@ -225,6 +221,43 @@ mod tests {
             assert_eq!(all, (me == 0).then_some(want), "process {me}");
         }
         store
+    }
+
+    /// How long a gather of a 256 MiB shard from process 1 to process 0 takes over loopback
+    /// (the store's raw-bytes frames; `XTRAIN_GATHER_MB` sets another size), printed for
+    /// docs/performance.md; the shard arrives intact.
+    #[test]
+    fn a_large_shard_gathers_over_loopback_intact() {
+        let mb: usize = std::env::var("XTRAIN_GATHER_MB")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(256);
+        let n = (mb << 20) / 4;
+        let values: Vec<f32> = (0..n).map(|i| (i % 9973) as f32 * 0.5 - 7.0).collect();
+        let shard = HostTensor::from_f32(&values, &[n as i64]);
+        drop(values);
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let address = format!("127.0.0.1:{}", listener.local_addr().unwrap().port());
+        let _server = StoreServer::serve(listener).unwrap();
+        let gather = |me: usize| {
+            let store = Store::connect(&address, "big", Duration::from_secs(5)).unwrap();
+            StoreGather::new(store, me, 2, Duration::from_secs(120))
+        };
+        let (zero, one) = (gather(0), gather(1));
+        let mine = vec![(1, shard.clone())];
+        let started = std::time::Instant::now();
+        let all = std::thread::scope(|s| {
+            let sent = s.spawn(|| one.all(mine, 2));
+            let all = zero.all(vec![(0, HostTensor::from_f32(&[0.0], &[1]))], 2);
+            assert_eq!(sent.join().unwrap().unwrap(), None);
+            all.unwrap().unwrap()
+        });
+        let took = started.elapsed().as_secs_f64();
+        eprintln!(
+            "gathered a {mb} MiB shard over loopback in {took:.2} s ({:.0} MiB/s)",
+            mb as f64 / took
+        );
+        assert!(all[1] == shard, "the shard changed on the way");
     }
 
     /// Two processes (threads here), each holding two of four positions: process 0 ends with

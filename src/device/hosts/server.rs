@@ -1,17 +1,23 @@
 //! Process 0's side of the run's store: the values, one thread per connection, blocking gets
 //! that wait on a condition variable (many at once), and the sessions: when one closes without
-//! saying goodbye, every other session is told and every waiting get returns.
+//! saying goodbye, every other session is told and every waiting get returns. A process of
+//! another xtrain build (another store protocol) ends the run the same way, named.
 
-use crate::device::hosts::wire::{receive, secs, send, Reply, Request, StoreError};
+use crate::device::hosts::wire::{
+    greeting, other_protocol, read_greeting, receive, refusal_for_json, secs, send, Greeting,
+    Reply, Request, StoreError, PROTOCOL,
+};
 use std::collections::HashMap;
-use std::io::BufReader;
+use std::io::{BufReader, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 #[derive(Default)]
 struct State {
-    values: HashMap<String, Vec<u8>>,
+    /// Shared, so that a get's answer is sent (gigabytes, for a gathered state) outside the
+    /// lock and without a copy.
+    values: HashMap<String, Arc<Vec<u8>>>,
     /// Why the run cannot go on (a process left without saying goodbye), once known.
     lost: Option<String>,
     /// The open sessions, by process: where news of a lost process is sent.
@@ -94,16 +100,45 @@ impl Drop for StoreServer {
 }
 
 fn serve_connection(stream: TcpStream, shared: &Shared) {
+    let _ = stream.set_nodelay(true);
     let Ok(mut writer) = stream.try_clone() else {
         return;
     };
+    let from = stream
+        .peer_addr()
+        .map_or_else(|_| "?".into(), |a| a.to_string());
     let mut reader = BufReader::new(stream);
+    // Both sides say which protocol they speak before anything else.
+    let who = format!("a process connecting from {from} (another xtrain build)");
+    match read_greeting(&mut reader) {
+        Ok(Greeting::Same) => {
+            if writer.write_all(&greeting()).is_err() {
+                return;
+            }
+        }
+        Ok(Greeting::Version(v)) => {
+            // Answered with this side's version, so that the peer names both too.
+            let _ = writer.write_all(&greeting());
+            lose(shared, None, other_protocol(&who, &v.to_string()));
+            return;
+        }
+        Ok(Greeting::Json) => {
+            let message = other_protocol(&who, "1");
+            let _ = writer.write_all(&refusal_for_json(&format!(
+                "process 0's store speaks store protocol {PROTOCOL}, this xtrain protocol 1:                  every host of a run must run the same xtrain build"
+            )));
+            lose(shared, None, message);
+            return;
+        }
+        // Something else on the port (a probe): not a process of the run.
+        Ok(Greeting::Stranger) | Err(_) => return,
+    }
     let mut session: Option<(usize, String)> = None;
     // How long the session may stay silent, once it has said (None: no limit).
     let mut silent_for: Option<Duration> = None;
     // Until the connection closes, sends what is not a request, or its session falls silent.
     loop {
-        let request = match receive::<Request>(&mut reader) {
+        let (request, value) = match receive::<Request>(&mut reader) {
             Ok(r) => r,
             Err(e) => {
                 let timed_out = matches!(
@@ -117,23 +152,27 @@ fn serve_connection(stream: TcpStream, shared: &Shared) {
                          network dropped",
                         secs(d)
                     );
-                    lose(shared, *process, message);
+                    lose(shared, Some(*process), message);
                     session = None;
                 }
                 break;
             }
         };
+        let mut found = None;
         let reply = match request {
-            Request::Put { key, value } => {
+            Request::Put { key } => {
                 let mut st = shared.state.lock().unwrap();
-                st.values.insert(key, value);
+                st.values.insert(key, Arc::new(value));
                 shared.changed.notify_all();
                 Reply::Done
             }
             Request::TryGet { key } => {
                 let st = shared.state.lock().unwrap();
                 match (&st.lost, st.values.get(&key)) {
-                    (_, Some(v)) => Reply::Value { value: v.clone() },
+                    (_, Some(v)) => {
+                        found = Some(v.clone());
+                        Reply::Value
+                    }
                     (Some(why), None) => Reply::Lost {
                         message: why.clone(),
                     },
@@ -144,7 +183,13 @@ fn serve_connection(stream: TcpStream, shared: &Shared) {
                 shared.state.lock().unwrap().values.remove(&key);
                 Reply::Done
             }
-            Request::Get { key, timeout_ms } => wait_for(shared, &key, timeout_ms),
+            Request::Get { key, timeout_ms } => match wait_for(shared, &key, timeout_ms) {
+                Ok(v) => {
+                    found = Some(v);
+                    Reply::Value
+                }
+                Err(reply) => reply,
+            },
             Request::Join {
                 process,
                 host,
@@ -173,12 +218,13 @@ fn serve_connection(stream: TcpStream, shared: &Shared) {
         };
         // A session's replies go under the lock that news of a lost process is sent under, so
         // that the two never interleave on its connection.
+        let value = found.as_deref().map_or(&[][..], |v| &v[..]);
         let sent = match session {
             Some(_) => {
                 let _st = shared.state.lock().unwrap();
-                send(&mut writer, &reply)
+                send(&mut writer, &reply, value)
             }
-            None => send(&mut writer, &reply),
+            None => send(&mut writer, &reply, value),
         };
         if sent.is_err() {
             break;
@@ -189,39 +235,43 @@ fn serve_connection(stream: TcpStream, shared: &Shared) {
             "process {process} (on {host}) left the run without finishing: it was killed, \
              crashed or lost its network"
         );
-        lose(shared, process, message);
+        lose(shared, Some(process), message);
     }
 }
 
-/// Record that the run cannot go on, wake every waiting get, and tell every other session.
-fn lose(shared: &Shared, gone: usize, message: String) {
+/// Record that the run cannot go on, wake every waiting get, and tell every session but the
+/// `gone` process's.
+fn lose(shared: &Shared, gone: Option<usize>, message: String) {
     let mut st = shared.state.lock().unwrap();
-    st.sessions.remove(&gone);
+    if let Some(gone) = gone {
+        st.sessions.remove(&gone);
+    }
     if st.lost.is_none() {
         st.lost = Some(message.clone());
     }
     let news = Reply::Lost { message };
     for s in st.sessions.values_mut() {
-        let _ = send(s, &news);
+        let _ = send(s, &news, &[]);
     }
     shared.changed.notify_all();
 }
 
-fn wait_for(shared: &Shared, key: &str, timeout_ms: u64) -> Reply {
+/// `key`'s value once some process put it, or the reply that says why not (a timeout, a loss).
+fn wait_for(shared: &Shared, key: &str, timeout_ms: u64) -> Result<Arc<Vec<u8>>, Reply> {
     let deadline = Instant::now() + Duration::from_millis(timeout_ms);
     let mut st = shared.state.lock().unwrap();
     loop {
         if let Some(v) = st.values.get(key) {
-            return Reply::Value { value: v.clone() };
+            return Ok(v.clone());
         }
         if let Some(why) = &st.lost {
-            return Reply::Lost {
+            return Err(Reply::Lost {
                 message: why.clone(),
-            };
+            });
         }
         let now = Instant::now();
         if now >= deadline {
-            return Reply::Timeout;
+            return Err(Reply::Timeout);
         }
         st = shared.changed.wait_timeout(st, deadline - now).unwrap().0;
     }

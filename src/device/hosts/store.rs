@@ -6,10 +6,10 @@
 //! through it, and counts a checkpoint only after every process passed a barrier.
 //!
 //! Transport and framing: std's blocking `TcpStream`, one thread per connection on the server,
-//! and one JSON object per message read with `serde_json`'s stream deserializer (a JSON object
-//! delimits itself, so no length prefix is needed). The store holds tens of connections and a
-//! few kilobytes, so threads cost nothing that matters, and no async runtime (tokio) is built
-//! for it. A blocking `get` waits on the server (a condition variable), so many gets wait at
+//! and per message a small JSON header and the value's raw bytes, after a greeting that names
+//! the protocol's version ([`crate::device::hosts::wire`]). The store holds tens of connections
+//! and, but for a checkpoint's gathered shards, a few kilobytes, so threads cost nothing that
+//! matters, and no async runtime (tokio) is built for it. A blocking `get` waits on the server (a condition variable), so many gets wait at
 //! once: the client takes an idle connection from its pool, or opens another, per call.
 //!
 //! A lost process: each process holds one more connection, its session, open for the whole run.
@@ -17,8 +17,11 @@
 //! tells every other process, whose [`Store::watch`] callback ends it; when process 0 goes, the
 //! others see their sessions close. Waiting gets return at once with the same message.
 
-use crate::device::hosts::wire::{hostname, receive, secs, send, Reply, Request, StoreError};
-use std::io::BufReader;
+use crate::device::hosts::wire::{
+    greeting, hostname, other_protocol, read_greeting, receive, secs, send, Greeting, Reply,
+    Request, StoreError,
+};
+use std::io::{BufReader, Write};
 use std::net::{Shutdown, TcpStream, ToSocketAddrs};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -39,10 +42,12 @@ impl Connection {
                     let reader = stream
                         .try_clone()
                         .map_err(|e| StoreError::Unavailable(e.to_string()))?;
-                    return Ok(Connection {
+                    let mut conn = Connection {
                         writer: stream,
                         reader: BufReader::new(reader),
-                    });
+                    };
+                    conn.greet(address, timeout)?;
+                    return Ok(conn);
                 }
                 Err(e) => e,
             };
@@ -58,8 +63,37 @@ impl Connection {
         }
     }
 
-    fn call(&mut self, request: &Request, read_timeout: Option<Duration>) -> Result<Reply, String> {
-        send(&mut self.writer, request).map_err(|e| e.to_string())?;
+    /// Say which protocol this process speaks, and hear the store's: a store of another
+    /// protocol (another xtrain build on process 0) is refused here, naming both, not retried.
+    fn greet(&mut self, address: &str, timeout: Duration) -> Result<(), StoreError> {
+        let refused = |why: String| {
+            StoreError::Unavailable(format!("{why} (process 0's store at {address})"))
+        };
+        let _ = self.reader.get_ref().set_read_timeout(Some(timeout));
+        let heard = self
+            .writer
+            .write_all(&greeting())
+            .and_then(|_| read_greeting(&mut self.reader));
+        let _ = self.reader.get_ref().set_read_timeout(None);
+        match heard {
+            Ok(Greeting::Same) => Ok(()),
+            Ok(Greeting::Version(v)) => Err(refused(other_protocol("process 0", &v.to_string()))),
+            // Protocol 1 closes the connection on a greeting it cannot parse.
+            Ok(Greeting::Json | Greeting::Stranger) | Err(_) => Err(refused(other_protocol(
+                "process 0 (or whatever listens there)",
+                "1 or none",
+            ))),
+        }
+    }
+
+    /// Send `request` (with `value`, a put's) and read the reply and its value.
+    fn call(
+        &mut self,
+        request: &Request,
+        value: &[u8],
+        read_timeout: Option<Duration>,
+    ) -> Result<(Reply, Vec<u8>), String> {
+        send(&mut self.writer, request, value).map_err(|e| e.to_string())?;
         let _ = self.reader.get_ref().set_read_timeout(read_timeout);
         receive::<Reply>(&mut self.reader).map_err(|e| e.to_string())
     }
@@ -122,14 +156,19 @@ impl Store {
         &self.prefix
     }
 
-    fn call(&self, request: Request, read_timeout: Option<Duration>) -> Result<Reply, StoreError> {
+    fn call(
+        &self,
+        request: Request,
+        value: &[u8],
+        read_timeout: Option<Duration>,
+    ) -> Result<(Reply, Vec<u8>), StoreError> {
         let taken = self.pool.idle.lock().unwrap().pop();
         let mut conn = match taken {
             Some(c) => c,
             None => Connection::open(&self.pool.address, self.pool.connect_timeout)?,
         };
-        match conn.call(&request, read_timeout) {
-            Ok(Reply::Lost { message }) => Err(StoreError::Lost(message)),
+        match conn.call(&request, value, read_timeout) {
+            Ok((Reply::Lost { message }, _)) => Err(StoreError::Lost(message)),
             Ok(reply) => {
                 self.pool.idle.lock().unwrap().push(conn);
                 Ok(reply)
@@ -144,20 +183,13 @@ impl Store {
 
     pub fn put(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
         let key = format!("{}{key}", self.prefix);
-        self.call(
-            Request::Put {
-                key,
-                value: value.to_vec(),
-            },
-            None,
-        )
-        .map(|_| ())
+        self.call(Request::Put { key }, value, None).map(|_| ())
     }
 
     /// Forget `key` (nothing happens where it has no value).
     pub fn delete(&self, key: &str) -> Result<(), StoreError> {
         let key = format!("{}{key}", self.prefix);
-        self.call(Request::Delete { key }, None).map(|_| ())
+        self.call(Request::Delete { key }, &[], None).map(|_| ())
     }
 
     /// The value of `key`, waiting up to `timeout` for some process to put it.
@@ -169,10 +201,10 @@ impl Store {
         };
         // The server answers by the deadline; the margin only guards against a server that
         // stopped answering without closing the connection.
-        match self.call(request, Some(timeout + Duration::from_secs(10)))? {
-            Reply::Value { value } => Ok(value),
-            Reply::Timeout => Err(StoreError::DeadlineExceeded { key: full, timeout }),
-            other => Err(StoreError::Unavailable(format!(
+        match self.call(request, &[], Some(timeout + Duration::from_secs(10)))? {
+            (Reply::Value, value) => Ok(value),
+            (Reply::Timeout, _) => Err(StoreError::DeadlineExceeded { key: full, timeout }),
+            (other, _) => Err(StoreError::Unavailable(format!(
                 "the store answered {other:?} to a get"
             ))),
         }
@@ -181,10 +213,10 @@ impl Store {
     /// The value of `key` if some process has put it, without waiting.
     pub fn try_get(&self, key: &str) -> Result<Option<Vec<u8>>, StoreError> {
         let key = format!("{}{key}", self.prefix);
-        match self.call(Request::TryGet { key }, None)? {
-            Reply::Value { value } => Ok(Some(value)),
-            Reply::NotFound => Ok(None),
-            other => Err(StoreError::Unavailable(format!(
+        match self.call(Request::TryGet { key }, &[], None)? {
+            (Reply::Value, value) => Ok(Some(value)),
+            (Reply::NotFound, _) => Ok(None),
+            (other, _) => Err(StoreError::Unavailable(format!(
                 "the store answered {other:?} to a try_get"
             ))),
         }
@@ -247,9 +279,9 @@ impl Store {
             host,
             silent_ms,
         };
-        match conn.call(&join, None) {
-            Ok(Reply::Done) => {}
-            Ok(other) => {
+        match conn.call(&join, &[], None) {
+            Ok((Reply::Done, _)) => {}
+            Ok((other, _)) => {
                 return Err(StoreError::Unavailable(format!(
                     "the store answered {other:?} to a join"
                 )))
@@ -268,9 +300,9 @@ impl Store {
                 let why = loop {
                     match receive::<Reply>(&mut reader) {
                         // The answer to a heartbeat: the store is alive.
-                        Ok(Reply::Done) => continue,
-                        Ok(Reply::Lost { message }) => break message,
-                        Ok(other) => break format!("the store sent {other:?} unasked"),
+                        Ok((Reply::Done, _)) => continue,
+                        Ok((Reply::Lost { message }, _)) => break message,
+                        Ok((other, _)) => break format!("the store sent {other:?} unasked"),
                         Err(e)
                             if matches!(
                                 e.kind(),
@@ -309,7 +341,7 @@ impl Store {
                         break;
                     }
                     let mut w = writer.lock().unwrap_or_else(|e| e.into_inner());
-                    if send(&mut w, &Request::Heartbeat).is_err() {
+                    if send(&mut *w, &Request::Heartbeat, &[]).is_err() {
                         break;
                     }
                 })
@@ -334,7 +366,7 @@ impl Session {
         self.leaving
             .store(true, std::sync::atomic::Ordering::SeqCst);
         let mut w = self.writer.lock().unwrap_or_else(|e| e.into_inner());
-        let _ = send(&mut w, &Request::Leave);
+        let _ = send(&mut *w, &Request::Leave, &[]);
     }
 }
 
@@ -493,9 +525,10 @@ mod tests {
                 host: "peer".into(),
                 silent_ms: 0,
             },
+            &[],
             None,
         );
-        assert!(matches!(reply, Ok(Reply::Done)));
+        assert!(matches!(reply, Ok((Reply::Done, _))));
         let waiting = {
             let s = watcher.clone();
             std::thread::spawn(move || s.get("never", Duration::from_secs(30)))
@@ -528,7 +561,7 @@ mod tests {
             host: "peer".into(),
             silent_ms: 300,
         };
-        assert!(matches!(peer.call(&join, None), Ok(Reply::Done)));
+        assert!(matches!(peer.call(&join, &[], None), Ok((Reply::Done, _))));
         let t0 = Instant::now();
         let why = rx.recv_timeout(Duration::from_secs(5)).unwrap();
         assert!(
@@ -548,8 +581,10 @@ mod tests {
             let (stream, _) = listener.accept().unwrap();
             let mut writer = stream.try_clone().unwrap();
             let mut reader = BufReader::new(stream);
-            let _: Request = receive(&mut reader).unwrap();
-            send(&mut writer, &Reply::Done).unwrap();
+            assert_eq!(read_greeting(&mut reader).unwrap(), Greeting::Same);
+            writer.write_all(&greeting()).unwrap();
+            let _: (Request, _) = receive(&mut reader).unwrap();
+            send(&mut writer, &Reply::Done, &[]).unwrap();
             std::thread::sleep(Duration::from_secs(3));
         });
         let s = Store {
@@ -617,6 +652,91 @@ mod tests {
         drop(server);
         let why = rx.recv_timeout(Duration::from_secs(5)).unwrap();
         assert!(why.contains("process 0 (the coordinator at"), "{why}");
+    }
+
+    /// A process of another xtrain build (another store protocol, or protocol 1's JSON lines)
+    /// is refused, and the run it tried to join ends at once, naming both versions.
+    #[test]
+    fn a_process_of_another_protocol_is_refused_and_ends_the_run() {
+        use crate::device::hosts::wire::{MAGIC, PROTOCOL};
+        use std::io::{BufRead, Read};
+        for (hello, answer) in [
+            (
+                [&MAGIC[..], &99u32.to_le_bytes()].concat(),
+                "store protocol 99, this xtrain protocol 2",
+            ),
+            (
+                br#"{"op":"put","key":"k","value":[1]}"#.to_vec(),
+                "store protocol 1, this xtrain protocol 2",
+            ),
+        ] {
+            let (_server, address) = serve();
+            let s = store(&address);
+            let (tx, rx) = mpsc::channel();
+            let _mine = s.watch(0, None, move |why| tx.send(why).unwrap()).unwrap();
+            let mut other = TcpStream::connect(&address).unwrap();
+            other.write_all(&hello).unwrap();
+            let mut heard = Vec::new();
+            if hello.starts_with(MAGIC) {
+                // It hears this side's version, so that it can name both, and nothing more.
+                other.read_to_end(&mut heard).unwrap();
+                assert_eq!(heard, greeting());
+            } else {
+                // Protocol 1 hears a JSON line it prints as the reason its run ended.
+                BufReader::new(other).read_until(b'\n', &mut heard).unwrap();
+                let text = String::from_utf8(heard).unwrap();
+                assert!(
+                    text.contains(&format!(
+                        "speaks store protocol {PROTOCOL}, this xtrain protocol 1"
+                    )),
+                    "{text}"
+                );
+            }
+            let why = rx.recv_timeout(Duration::from_secs(5)).unwrap();
+            assert!(
+                why.contains("another xtrain build") && why.contains(answer),
+                "{why}"
+            );
+            let e = s.get("never", Duration::from_secs(30)).unwrap_err();
+            assert!(
+                matches!(&e, StoreError::Lost(m) if m.contains(answer)),
+                "{e}"
+            );
+        }
+    }
+
+    /// This process refuses a store of another protocol at once (not after its connect
+    /// timeout), naming both versions; protocol 1's store closes on the greeting.
+    #[test]
+    fn a_store_of_another_protocol_is_refused_at_once() {
+        use crate::device::hosts::wire::MAGIC;
+        use std::io::Read;
+        for answer in [Some(7u32), None] {
+            let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+            let address = listener.local_addr().unwrap().to_string();
+            let other = std::thread::spawn(move || {
+                let (mut stream, _) = listener.accept().unwrap();
+                let mut hello = [0u8; 12];
+                stream.read_exact(&mut hello).unwrap();
+                if let Some(v) = answer {
+                    stream
+                        .write_all(&[&MAGIC[..], &v.to_le_bytes()].concat())
+                        .unwrap();
+                }
+            });
+            let t0 = Instant::now();
+            let e = match Store::connect(&address, "t", Duration::from_secs(20)) {
+                Err(e) => e.to_string(),
+                Ok(_) => panic!("a store of another protocol was taken"),
+            };
+            assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+            let want = match answer {
+                Some(_) => "process 0 speaks store protocol 7, this xtrain protocol 2",
+                None => "speaks store protocol 1 or none, this xtrain protocol 2",
+            };
+            assert!(e.contains(want) && e.contains(&address), "{e}");
+            other.join().unwrap();
+        }
     }
 
     #[test]
