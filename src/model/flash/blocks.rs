@@ -154,6 +154,26 @@ pub(super) fn query_rows(
     b.reshape(x, &d)
 }
 
+/// `x` [B, KV, 2, Cp, ...] with `rows` [B, KV, 1, TB, ...] written at chunk slot `slot` from
+/// row `at` (s32 scalars): where [`query_rows`] reads.
+pub(super) fn put_query_rows(
+    b: &mut Builder,
+    x: Value,
+    rows: Value,
+    slot: Value,
+    at: Value,
+) -> Result<Value> {
+    let zero = s32(b, 0);
+    let starts: Vec<Value> = (0..b.rank(x))
+        .map(|r| match r {
+            2 => slot,
+            3 => at,
+            _ => zero,
+        })
+        .collect();
+    b.dynamic_update_slice(x, rows, &starts)
+}
+
 /// One block's worth [B, KV, TB, ...] of a pair carry [B, KV, 2, TB, ...] at `slot`.
 pub(super) fn pair_slot(b: &mut Builder, pair: Value, slot: Value) -> Result<Value> {
     let x = window(b, pair, 2, slot, 1)?;

@@ -60,16 +60,8 @@ fn write_pair(b: &mut Builder, all: Value, pair: Value, u: Value, ch: Chunks) ->
             }
         };
         let at = times(b, block, ch.tb)?;
-        let zero = s32(b, 0);
         let slot = s32(b, slot);
-        let starts: Vec<Value> = (0..b.rank(all))
-            .map(|r| match r {
-                2 => slot,
-                3 => at,
-                _ => zero,
-            })
-            .collect();
-        all = b.dynamic_update_slice(all, x, &starts)?;
+        all = put_query_rows(b, all, x, slot, at)?;
     }
     Ok(all)
 }
@@ -289,16 +281,8 @@ fn add_query_block(
     let mut d = b.dims(new).to_vec();
     d.insert(2, 1);
     let new = b.reshape(new, &d)?;
-    let zero = s32(b, 0);
     let at = times(b, u, ch.tb)?;
-    let starts: Vec<Value> = (0..b.rank(all))
-        .map(|r| match r {
-            2 => slot,
-            3 => at,
-            _ => zero,
-        })
-        .collect();
-    b.dynamic_update_slice(all, new, &starts)
+    put_query_rows(b, all, new, slot, at)
 }
 
 /// `all` [B, KV, NK TB, D] with `g` [B, KV, TB, D] added to key block `j`.
