@@ -95,7 +95,7 @@ fn a_kernel_that_is_unknown_or_replaces_nothing_is_refused() {
     ];
     let e = fails(&[&base[..], &["--key-block", "8", "--kernel", "fast"]].concat());
     assert!(
-        e.contains("--kernel fast: no such kernel (built in: every-key)"),
+        e.contains("--kernel fast: no such kernel (built in: every-key, cudnn)"),
         "{e}"
     );
     let e = fails(&[&base[..], &["--key-block", "off", "--kernel", "every-key"]].concat());
@@ -165,5 +165,138 @@ fn a_build_records_its_kernels_and_the_program_stays_the_same() {
             {"composite": "xtrain.attention_grad", "version": 1, "kernel": "every-key"}
         ])
     );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `--kernel cudnn`: the CUDA compiler takes cuDNN's fused attention calls for an absent H100
+/// (the plugin xtrain installs, no GPU, no cuDNN library here) in the composites' place, and
+/// the build records it; where cuDNN's causal kernel cannot stand in for the composite (f32
+/// attention, a context axis, the CPU plugin) it is refused with the reason. Whether the calls compute what the loops do needs a GPU:
+/// `tools/gpu-long-context.sh` compares the losses there.
+#[test]
+fn the_cudnn_kernel_compiles_for_an_absent_h100_and_is_refused_where_it_cannot_stand_in() {
+    let dir = tempdir("kernel-cudnn");
+    let m = fixtures().join("model");
+    let m = m.to_str().unwrap();
+    let out = dir.join("out");
+    let o = out.to_str().unwrap();
+    let compile = |extra: &[&str]| -> Vec<String> {
+        let base = [
+            "compile",
+            "--model",
+            m,
+            "--batch",
+            "2",
+            "--key-block",
+            "4",
+            "--check",
+            "--kernel",
+            "cudnn",
+            "--out",
+            o,
+        ];
+        [&base[..], extra]
+            .concat()
+            .iter()
+            .map(|s| s.to_string())
+            .collect()
+    };
+    let args = compile(&["--dtype", "bf16", "--seq", "24", "--target", "cuda:h100:1"]);
+    let run = xtrain(&args.iter().map(|s| s.as_str()).collect::<Vec<_>>());
+    let said = String::from_utf8_lossy(&run.stderr).to_string();
+    assert!(run.status.success(), "{said}");
+    assert!(
+        said.contains(
+            "kernels in place of composites: xtrain.attention v1 -> cudnn, \
+             xtrain.attention_grad v1 -> cudnn"
+        ),
+        "{said}"
+    );
+    let manifest: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("manifest.json")).unwrap()).unwrap();
+    assert_eq!(
+        manifest["builds"][0]["kernels"],
+        serde_json::json!([
+            {"composite": "xtrain.attention", "version": 1, "kernel": "cudnn"},
+            {"composite": "xtrain.attention_grad", "version": 1, "kernel": "cudnn"}
+        ])
+    );
+    let optimized =
+        std::fs::read_to_string(out.join("train_step.cuda-h100-1.optimized.txt")).unwrap();
+    for call in ["\"__cudnn$fmhaSoftmax\"", "\"__cudnn$fmhaSoftmaxBackward\""] {
+        assert!(optimized.contains(call), "no {call} in the optimized HLO");
+    }
+    let program = std::fs::read_to_string(out.join("train_step.mlir")).unwrap();
+    assert!(
+        !program.contains("cudnn"),
+        "the program dir keeps the one text"
+    );
+    std::fs::remove_dir_all(&out).unwrap();
+
+    let refused = |extra: &[&str], why: &str| {
+        let args = compile(extra);
+        let o = xtrain(&args.iter().map(|s| s.as_str()).collect::<Vec<_>>());
+        let e = String::from_utf8_lossy(&o.stderr).to_string();
+        assert!(
+            !o.status.success() && !e.contains("panicked"),
+            "{extra:?}: {e}"
+        );
+        assert!(
+            e.contains(&format!("error: kernel cudnn for xtrain.attention: {why}")),
+            "{extra:?}: {e}"
+        );
+        assert!(!out.exists(), "{extra:?}: a refused compile writes nothing");
+    };
+    refused(
+        &["--dtype", "f32", "--seq", "24", "--target", "cuda:h100:1"],
+        "the attention runs in f32: cuDNN's flash attention takes bf16 or f16",
+    );
+    refused(
+        &[
+            "--dtype",
+            "bf16",
+            "--seq",
+            "24",
+            "--target",
+            "cuda:h100:2",
+            "--mesh",
+            "context=2",
+        ],
+        "the sequence is cut over a context axis (4 chunks)",
+    );
+    let data = instruction_examples(&dir.join("d.jsonl"), 4);
+    let text_model = tiny_text_model(&dir);
+    let train = [
+        "train",
+        "--model",
+        text_model.to_str().unwrap(),
+        "--data",
+        data.to_str().unwrap(),
+        "--out",
+        o,
+        "--steps",
+        "1",
+        "--seq",
+        "40",
+        "--batch-size",
+        "2",
+        "--key-block",
+        "8",
+        "--kernel",
+        "cudnn",
+    ];
+    let e = fails(&train);
+    assert!(
+        e.contains(
+            "cuDNN's causal mask, which does not keep packed documents apart: add --no-pack"
+        ),
+        "{e}"
+    );
+    let e = fails(&[&train[..], &["--no-pack"]].concat());
+    assert!(
+        e.contains("--kernel cudnn does not run on the cpu plugin"),
+        "{e}"
+    );
+    assert!(!out.exists(), "a refused run writes nothing");
     std::fs::remove_dir_all(&dir).unwrap();
 }

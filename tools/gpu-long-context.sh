@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Long context on one NVIDIA GPU: xtrain's step with key blocks (the nested attention loops) at
-# 8k and 32k tokens, optionally beside an earlier xtrain build (the flat loop of 2026-12-03),
-# and JAX's attention alone (jax.nn.dot_product_attention, implementation 'xla' and 'cudnn')
+# 8k and 32k tokens, the same step with cuDNN's fused attention in the composites' place
+# (`--kernel cudnn`, on cuda), optionally beside an earlier xtrain build (the flat loop of
+# 2026-12-03), and JAX's attention alone (jax.nn.dot_product_attention, implementation 'xla' and 'cudnn')
 # on the same shapes, forward and backward. Prints one table; record it in docs/performance.md
 # ("Long context in nested loops") with the date and the GPU.
 #
@@ -60,20 +61,21 @@ fi
 
 # One xtrain step timing: bf16, LoRA r=16 on all seven projections, batch 1, save-proj, key blocks.
 bench() {
-  local name=$1 bin=$2 seq=$3
+  local name=$1 bin=$2 seq=$3; shift 3
   echo "== $name at $seq tokens" >&2
   if ! "$bin" bench --plugin "$PLUGIN" --model "$MODEL" --dtype bf16 --batch 1 --seq "$seq" \
       --lora-r 16 --lora-alpha 32 --lora-targets q,k,v,o,gate,up,down --remat save-proj \
-      --key-block "$KEY_BLOCK" --warmup "$WARMUP" --steps "$STEPS" \
+      --key-block "$KEY_BLOCK" --warmup "$WARMUP" --steps "$STEPS" "$@" \
       > "$WORK/$name.$seq.json" 2> "$WORK/$name.$seq.err"; then
     tail -3 "$WORK/$name.$seq.err" >&2
     echo "failed" > "$WORK/$name.$seq.json"
   fi
+  grep -E "random weights|compiled in|step [0-9]+/" "$WORK/$name.$seq.err" >&2 || true
 }
 
 for seq in $SEQS; do
   bench after "$XTRAIN" "$seq"
-  [ -z "$BEFORE" ] || bench before "$BEFORE" "$seq"
+  [ "$PLUGIN" != cuda ] || bench cudnn "$XTRAIN" "$seq" --kernel cudnn
   echo "== JAX attention alone at $seq tokens ($IMPLS)" >&2
   "$PY" - "$CONFIG" "$seq" "$STEPS" > "$WORK/jax.$seq.json" 2> "$WORK/jax.$seq.err" <<'PY' || { tail -3 "$WORK/jax.$seq.err" >&2; echo '{}' > "$WORK/jax.$seq.json"; }
 # jax.nn.dot_product_attention forward and backward (the gradients of q, k and v) on one
@@ -103,6 +105,9 @@ for impl in os.environ["IMPLS"].split():
         out[impl] = f"failed: {str(e).splitlines()[0][:80]}"
 json.dump({"layers": cfg["num_hidden_layers"], **out}, sys.stdout)
 PY
+  echo "   $(cat "$WORK/jax.$seq.json")" >&2
+  # The earlier build last: the slowest, and the one a short GPU lease can best do without.
+  [ -z "$BEFORE" ] || bench before "$BEFORE" "$seq"
 done
 
 python3 - "$WORK" "$SEQS" "$MODEL" "$PLUGIN" "$KEY_BLOCK" "${BEFORE:+yes}" <<'PY'
@@ -116,16 +121,31 @@ def step(name, seq):
     except Exception:
         return "failed (see above)"
 print(f"\n{model}, bf16, LoRA r=16 on all projections, batch 1, --remat save-proj, --key-block {kb}, on {plugin}")
-cols = ["xtrain step (nested loops)"] + (["xtrain step (--before)"] if before else []) + ["JAX attention fwd+bwd x layers: xla", "cudnn"]
+cuda = plugin == "cuda"
+cols = ["xtrain step (nested loops)"] + (["xtrain step, --kernel cudnn"] if cuda else []) + (["xtrain step (--before)"] if before else []) + ["JAX attention fwd+bwd x layers: xla", "cudnn"]
 print("| tokens | " + " | ".join(cols) + " |")
 print("|---" * (len(cols) + 1) + "|")
 for seq in seqs:
-    row = [step("after", seq)] + ([step("before", seq)] if before else [])
+    row = [step("after", seq)] + ([step("cudnn", seq)] if cuda else []) + ([step("before", seq)] if before else [])
     j = json.load(open(f"{work}/jax.{seq}.json"))
     for impl in ("xla", "cudnn"):
         t = j.get(impl, "not run")
         row.append(f"{t * j['layers']:.3f} s" if isinstance(t, float) else str(t))
     print(f"| {seq} | " + " | ".join(row) + " |")
+def losses(name, seq):
+    try:
+        return json.load(open(f"{work}/{name}.{seq}.json"))["losses"]
+    except Exception:
+        return None
+print("\nThe loss before each step (the same random batch every step; warm-up steps included):")
+for seq in seqs:
+    for name in ["after"] + (["cudnn"] if cuda else []) + (["before"] if before else []):
+        l = losses(name, seq)
+        print(f"  {seq} {name}: " + (" ".join(f"{x:.5f}" for x in l) if l else "none"))
+    a, c = losses("after", seq), (losses("cudnn", seq) if cuda else None)
+    if a and c:
+        worst = max(abs(x - y) / max(abs(x), 1e-9) for x, y in zip(a, c))
+        print(f"  {seq}: cudnn against the loops: largest relative difference {worst:.2e}")
 print("\nJAX's columns are attention alone (one layer's forward and backward, times the layers):")
 print("what a fused kernel in the composites' place could bring, not a whole step.")
 PY

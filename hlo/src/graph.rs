@@ -332,6 +332,9 @@ pub enum Op {
     /// body sees each device's shard of the operands, as the in-shardings cut them, and its
     /// results are put together by the out-shardings. Autodiff never enters it.
     ManualComputation(Box<ManualComputation>),
+    /// A call into a target's own library (`stablehlo.custom_call`), with the string it reads
+    /// and the layouts it expects: only a target's kernel emits one. No gradient.
+    CustomCall(Box<CustomCall>),
 }
 
 /// A composite attribute's value.
@@ -350,6 +353,16 @@ pub struct Composite {
     pub version: i32,
     pub attributes: Vec<(String, Attr)>,
     pub decomposition: Func,
+}
+
+/// What [`Op::CustomCall`] holds: the symbol called, its backend config and the layouts
+/// (minor to major) of its operands and results.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CustomCall {
+    pub target: String,
+    pub backend_config: String,
+    pub operand_layouts: Vec<Vec<i64>>,
+    pub result_layouts: Vec<Vec<i64>>,
 }
 
 /// What [`Op::ManualComputation`] holds: how each operand and result is cut over the mesh, the
@@ -397,6 +410,7 @@ impl Op {
             Op::CustomVjp(_) => "custom_vjp",
             Op::Composite(_) => "composite",
             Op::ManualComputation(_) => "manual_computation",
+            Op::CustomCall(_) => "custom_call",
         }
     }
 }

@@ -713,6 +713,48 @@ fn uninitialized_buffers_print_as_allocate_buffer_and_xla_cpu_refuses_them() {
     assert!(e.to_string().contains("AllocateBuffer"), "{e}");
 }
 
+/// A custom call prints in the form XLA reads (symbol, backend config with its quotes
+/// escaped, operand and result layouts, several results): the CPU compiler parses it and then
+/// refuses the target it has no implementation of, by name. Layouts that are not permutations
+/// are refused when the op is built.
+#[test]
+fn custom_calls_print_as_xla_reads_them_and_check_their_layouts() {
+    let mut b = Builder::new("main");
+    let x = b.param("x", Shape::new(&[2, 3], DType::F32));
+    let bad = b.custom_call(
+        "lib$op",
+        "{}",
+        &[(x, vec![0, 0])],
+        &[(Shape::new(&[2], DType::F32), vec![0])],
+    );
+    let e = bad.expect_err("a repeated dim is no layout").to_string();
+    assert!(
+        e.contains("operand 0 is tensor<2x3xf32>, its layout [0, 0]"),
+        "{e}"
+    );
+    let outs = b
+        .custom_call(
+            "lib$op",
+            r#"{"scale": 0.5, "name": "a\b"}"#,
+            &[(x, vec![0, 1])],
+            &[
+                (Shape::new(&[3, 2], DType::F32), vec![1, 0]),
+                (Shape::new(&[0], DType::U8), vec![0]),
+            ],
+        )
+        .unwrap();
+    let text = Module::new("call", b.finish(&[("y", outs[0]), ("scratch", outs[1])])).to_text();
+    assert!(
+        text.contains(r#"stablehlo.custom_call @lib$op(%x) {api_version = 2 : i32, backend_config = "{\"scale\": 0.5, \"name\": \"a\\b\"}", operand_layouts = [dense<[0, 1]> : tensor<2xindex>], result_layouts = [dense<[1, 0]> : tensor<2xindex>, dense<[0]> : tensor<1xindex>]} : (tensor<2x3xf32>) -> (tensor<3x2xf32>, tensor<0xui8>)"#),
+        "{text}"
+    );
+    let e = client()
+        .compile(&text, &pjrt::CompileOptions::default())
+        .err()
+        .expect("XLA CPU has no lib$op");
+    assert!(e.to_string().contains("lib$op"), "{e}");
+}
+
 /// A composite inside a manual computation over two devices: each device adds its shard's
 /// row index (an operand cut by the mesh) to its rows through the composite's decomposition,
 /// which the CPU compiler inlines; the results are put back together by the out-sharding.

@@ -39,6 +39,11 @@ pub struct BenchArgs {
     /// cpu).
     #[arg(long)]
     pub plugin: Option<String>,
+    /// A kernel to compile in place of the composite ops it implements (repeatable), e.g.
+    /// `cudnn` on NVIDIA GPUs: cuDNN's fused attention instead of the key-block loops. The
+    /// program's text is unchanged; the run says what was replaced.
+    #[arg(long = "kernel", value_name = "NAME")]
+    pub kernel: Vec<String>,
 }
 
 impl BenchArgs {
@@ -85,7 +90,8 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         eprintln!("xtrain: note: {note}");
     }
     let devices = options.mesh.as_ref().map_or(1, |m| m.devices());
-    let rt = Runtime::open(a.plugin.as_deref(), Some(devices))?;
+    let mut rt = Runtime::open(a.plugin.as_deref(), Some(devices))?;
+    rt.use_kernels(&a.kernel)?;
     let spec = options.spec(cfg, a.batch, a.seq)?;
     xtrain::device::platform::check_offload(&rt.platform(), spec.offload, "this step")?;
     let r = xtrain::train::bench::run(rt, spec, a.warmup, a.steps, export.as_deref())?;

@@ -328,6 +328,15 @@ impl Trainer {
         }
     }
 
+    /// Refuse a batch that a kernel in use would compute wrongly (`device::kernels`).
+    fn check_kernel_rows(&self, batch: &Batch) -> Result<()> {
+        if self.rt.kernels.is_empty() {
+            return Ok(());
+        }
+        let mask = batch.attention_mask.to_i32()?;
+        crate::device::kernels::check_batch(&self.rt.kernels, &mask, batch.dims().1 as usize)
+    }
+
     /// One optimizer step at learning rate `lr`. Returns (loss before the update, grad norm).
     pub fn step(&mut self, batch: &Batch, lr: f64) -> Result<(f32, f32)> {
         self.step_on_hosts(&[batch], lr)
@@ -337,6 +346,9 @@ impl Trainer {
     /// own loader yielded (`batches`: one per host, or one for all).
     pub fn step_on_hosts(&mut self, batches: &[&Batch], lr: f64) -> Result<(f32, f32)> {
         let t = self.step + 1;
+        for b in batches {
+            self.check_kernel_rows(b)?;
+        }
         let labels: Vec<HostTensor> = batches.iter().map(|b| b.loss_labels()).collect();
         let of = |f: fn(&Batch) -> &HostTensor| batches.iter().map(|b| f(b)).collect::<Vec<_>>();
         let mut inputs = vec![
@@ -428,6 +440,7 @@ impl Trainer {
         let mut whole = true;
         let mesh = self.spec.mesh.as_ref().map(|m| m.mesh());
         for batch in batches {
+            self.check_kernel_rows(batch)?;
             // Every host has the whole evaluation batch (each reads the evaluation data) and
             // uploads only its devices' rows of it, as with a training batch.
             let inputs = [

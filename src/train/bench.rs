@@ -169,8 +169,12 @@ pub struct BenchResult {
     pub model_flops_per_step: f64,
     pub step_s: Vec<f64>,
     pub first_loss: f32,
+    /// The loss before each step's update, warm-up steps included (the same batch every step).
+    pub losses: Vec<f32>,
     pub tokens_per_step: i64,
     pub stablehlo_bytes: usize,
+    /// The kernels compiled in place of composites (`--kernel`), as `composite vN -> kernel`.
+    pub kernels: Vec<String>,
 }
 
 /// Model FLOPs of one training step, the count MFU and the benchmarks' FLOP/s use (work the step
@@ -220,6 +224,7 @@ pub fn run(
     let batch = random_batch(&spec, 1);
     let program = program::build_train_step(&spec)?;
     let bytes = program.text.len();
+    let kernels = crate::device::kernels::say_used(&rt.kernels, &rt.kernel_text(&program)?.1)?;
     let t0 = Instant::now();
     let frozen = if export.is_some() || spec.quant.is_nf4() {
         // Per-layer f32 weights under HF names: what peers read, and what the NF4 quantizer takes.
@@ -260,12 +265,14 @@ pub fn run(
     ));
     let mut times = Vec::new();
     let mut first_loss = f32::NAN;
+    let mut losses = Vec::new();
     for i in 0..warmup + steps {
         let t = Instant::now();
         let (loss, _) = trainer.step(&batch, 1e-4)?;
         if i == 0 {
             first_loss = loss;
         }
+        losses.push(loss);
         let took = t.elapsed().as_secs_f64();
         if i >= warmup {
             times.push(took);
@@ -283,7 +290,9 @@ pub fn run(
         model_flops_per_step: model_flops_per_step(&spec),
         step_s: times,
         first_loss,
+        losses,
         tokens_per_step: spec.batch * spec.seq,
         stablehlo_bytes: bytes,
+        kernels: kernels.iter().map(|k| k.to_string()).collect(),
     })
 }

@@ -7,6 +7,7 @@
 //! optional cotangent per input and must not emit work for inputs that need none.
 
 mod control;
+mod custom;
 mod dot;
 mod elementwise;
 mod gather;
@@ -108,7 +109,7 @@ pub(crate) fn vjp(
                 "has no generic vjp rule; differentiate the loop body and build the backward loop (see scan helpers)",
             )
         }
-        Op::Composite(_) | Op::ManualComputation(_) => {
+        Op::Composite(_) | Op::ManualComputation(_) | Op::CustomCall(_) => {
             return crate::builder::err(
                 node.op.name(),
                 "has no generic vjp rule; give the computation one with custom_vjp",

@@ -275,6 +275,27 @@ impl Printer {
                     c.version
                 )
             }
+            Op::CustomCall(c) => {
+                let layouts = |ls: &[Vec<i64>]| {
+                    let each: Vec<String> = ls
+                        .iter()
+                        .map(|l| match l.len() {
+                            0 => "dense<> : tensor<0xindex>".to_string(),
+                            n => format!("dense<{}> : tensor<{n}xindex>", i64_list(l)),
+                        })
+                        .collect();
+                    format!("[{}]", each.join(", "))
+                };
+                let outs = types(f, &node.outputs);
+                let outs = if node.outputs.len() == 1 { outs } else { format!("({outs})") };
+                format!(
+                    "stablehlo.custom_call @{}({ins}) {{api_version = 2 : i32, backend_config = \"{}\", operand_layouts = {}, result_layouts = {}}} : ({in_types}) -> {outs}",
+                    c.target,
+                    escape(&c.backend_config),
+                    layouts(&c.operand_layouts),
+                    layouts(&c.result_layouts)
+                )
+            }
             Op::ManualComputation(m) => {
                 let outs = types(f, &node.outputs);
                 let outs = if node.outputs.len() == 1 { outs } else { format!("({outs})") };

@@ -201,7 +201,13 @@ impl TargetDevices {
     pub fn compile(&self, program: &Program, dump: Option<&Path>) -> Result<TargetBuild> {
         let (text, kernels) = match self.kernels.is_empty() {
             true => (program.text.clone(), Vec::new()),
-            false => crate::device::kernels::replace(&program.text, &self.kernels)?,
+            false => {
+                let (text, used) = crate::device::kernels::replace(&program.text, &self.kernels)?;
+                (
+                    text,
+                    crate::device::kernels::say_used(&self.kernels, &used)?,
+                )
+            }
         };
         let program = &Program {
             text,
