@@ -24,7 +24,7 @@
 //! log-sum-exp of each row's scaled scores) travels in the composites' `lse` operand, laid out
 //! as the decomposition's; only this kernel's backward reads it.
 
-use super::{params, Site};
+use super::site::{params, Site};
 use anyhow::{bail, Result};
 use hlo::{Builder, DType, Func, Shape, Value};
 use serde_json::json;
@@ -321,7 +321,7 @@ mod tests {
     }
 
     fn site(chunks: i64, c: i64, cp: i64, dtype: DType, d: i64) -> Site {
-        use super::super::AttrValue::*;
+        use super::super::site::AttrValue::*;
         let attributes = [
             ("chunks", Int(chunks)),
             ("chunk", Int(c)),

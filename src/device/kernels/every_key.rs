@@ -2,7 +2,7 @@
 //! reference for the kernel mechanism and for the nested loops it replaces (tested against the
 //! oracle on the CPU).
 
-use super::{params, Site};
+use super::site::{params, Site};
 use crate::model::forward::mask_scores;
 use anyhow::Result;
 use hlo::{Builder, DType, DotDims, Func, Shape, Value};

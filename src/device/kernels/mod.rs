@@ -20,43 +20,13 @@
 
 mod cudnn;
 mod every_key;
+mod site;
 
 pub use crate::formats::program_dir::KernelUse;
 use anyhow::{bail, Context, Result};
-use hlo::{Builder, DType, Func, Shape, Value};
+use hlo::{DType, Func, Shape};
+pub use site::{AttrValue, Site};
 use std::collections::BTreeMap;
-
-/// A composite attribute as the program text gives it.
-#[derive(Clone, Debug, PartialEq)]
-pub enum AttrValue {
-    Int(i64),
-    Float(f64),
-    Str(String),
-}
-
-/// What a kernel is built from: the composite's attributes and its decomposition's signature.
-#[derive(Clone, Debug)]
-pub struct Site {
-    pub attributes: BTreeMap<String, AttrValue>,
-    pub params: Vec<Shape>,
-    pub results: Vec<Shape>,
-}
-
-impl Site {
-    pub(super) fn int(&self, name: &str) -> Result<i64> {
-        match self.attributes.get(name) {
-            Some(AttrValue::Int(v)) => Ok(*v),
-            other => bail!("the composite's attribute {name} is {other:?}, not an integer"),
-        }
-    }
-
-    pub(super) fn float(&self, name: &str) -> Result<f64> {
-        match self.attributes.get(name) {
-            Some(AttrValue::Float(v)) => Ok(*v),
-            other => bail!("the composite's attribute {name} is {other:?}, not a float"),
-        }
-    }
-}
 
 /// A kernel's rule for a batch's `attention_mask` ([B, T] row-major, and T).
 type RowRule = fn(&[i32], usize) -> Result<()>;
@@ -343,22 +313,6 @@ fn parse_tensor(s: &str) -> Result<Shape> {
         .collect::<std::result::Result<Vec<_>, _>>()
         .with_context(|| format!("tensor<{s}>"))?;
     Ok(Shape::new(&dims, dtype))
-}
-
-/// The kernel's parameters, named as the decomposition's, checked against its signature.
-pub(super) fn params(b: &mut Builder, site: &Site, names: &[&str]) -> Result<Vec<Value>> {
-    if site.params.len() != names.len() {
-        bail!(
-            "the decomposition takes {} operands, the kernel {}",
-            site.params.len(),
-            names.len()
-        );
-    }
-    Ok(names
-        .iter()
-        .zip(&site.params)
-        .map(|(n, s)| b.param(n, s.clone()))
-        .collect())
 }
 
 #[cfg(test)]
