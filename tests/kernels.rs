@@ -233,6 +233,36 @@ fn the_cudnn_kernel_compiles_for_an_absent_h100_and_is_refused_where_it_cannot_s
     );
     std::fs::remove_dir_all(&out).unwrap();
 
+    // On a batch mesh each device calls cuDNN on its own row (the composites sit in a manual
+    // computation): [1, 4 heads, 24 tokens, 16] per call, not the global batch of 2.
+    let args = compile(&[
+        "--dtype",
+        "bf16",
+        "--seq",
+        "24",
+        "--target",
+        "cuda:h100:2",
+        "--mesh",
+        "fsdp=2",
+    ]);
+    let run = xtrain(&args.iter().map(|s| s.as_str()).collect::<Vec<_>>());
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let optimized =
+        std::fs::read_to_string(out.join("train_step.cuda-h100-2.optimized.txt")).unwrap();
+    let call = optimized
+        .lines()
+        .find(|l| l.contains("custom_call_target=\"__cudnn$fmhaSoftmax\""))
+        .expect("the forward call");
+    assert!(
+        call.contains("(bf16[1,4,24,16]{3,1,2,0}, f32[1,4,24]{2,1,0}"),
+        "{call}"
+    );
+    std::fs::remove_dir_all(&out).unwrap();
+
     let refused = |extra: &[&str], why: &str| {
         let args = compile(extra);
         let o = xtrain(&args.iter().map(|s| s.as_str()).collect::<Vec<_>>());

@@ -86,6 +86,9 @@ pub struct Llama<'a> {
     /// `StepSpec::pin_mlp_activations`): how activations named by logical axes are placed on
     /// it (see [`Llama::pin`]). None on one device, or where nothing is pinned.
     pub placement: Option<&'a dyn Placement>,
+    /// The mesh the step runs on (None on one device): the key-block attention runs per device
+    /// on it, each device on its shard of the batch and heads (`model::flash::attend`).
+    pub mesh: Option<&'a dyn Placement>,
     /// The sequence split over a mesh's `context` axis (see `model::context`); None on a mesh
     /// without one, or on one device.
     pub context: Option<ContextSplit<'a>>,
@@ -506,7 +509,8 @@ impl Llama<'_> {
         if let Some(kb) = self.num.key_block {
             let tb = flash::key_block(t, kb);
             let docs = (query_docs, doc_starts);
-            return flash::attend(b, q, k, v, docs, tb, self.num, (ATTENTION_OUTPUT, saves));
+            let at = (ATTENTION_OUTPUT, saves);
+            return flash::attend(b, q, k, v, docs, tb, self.num, at, self.mesh);
         }
         // Causal: the queries of block i see keys 0..(i+1)*TB only, so the blocks above the
         // diagonal, where every score is masked, are never computed (a quarter of the
@@ -635,6 +639,7 @@ mod tests {
             cfg: &cfg,
             num: Numerics::default(),
             placement: None,
+            mesh: None,
             context: None,
         };
         let (x, g) = (values(3 * h as usize, 1), values(h as usize, 2));
@@ -676,6 +681,7 @@ mod tests {
             cfg: &cfg,
             num: Numerics::default(),
             placement: None,
+            mesh: None,
             context: None,
         };
         let dims = [1, t, heads, d];

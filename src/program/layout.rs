@@ -134,6 +134,12 @@ impl Layout<'_> {
                 .as_ref()
                 .filter(|_| self.spec.pin_mlp_activations)
                 .map(|m| m as &dyn crate::model::llama::Placement),
+            mesh: self
+                .spec
+                .mesh
+                .as_ref()
+                .filter(|m| m.devices() > 1)
+                .map(|m| m as &dyn crate::model::llama::Placement),
             context: self
                 .spec
                 .mesh

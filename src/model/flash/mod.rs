@@ -68,9 +68,9 @@
 mod blocks;
 mod loops;
 
-use crate::model::forward::{Numerics, Saves};
+use crate::model::forward::{Numerics, Placement, Saves};
 pub use blocks::{padded, Chunks};
-use hlo::{Builder, DType, Result, Shape, Value};
+use hlo::{Builder, DType, Result, Shape, Sharding, Value};
 use loops::{kernel_backward, kernel_forward};
 use std::rc::Rc;
 
@@ -117,6 +117,11 @@ pub fn loop_trips(t: i64, requested: i64) -> i64 {
 /// starts, 0 for padding) and `key_docs` [B, T] (-1 for padding), with the masking rule of the
 /// whole-sequence form (`model::llama::attend`). Returns the output [B, T, KV x G x D] after the
 /// save points `out_point` (the output) and [`LSE`].
+///
+/// On a `mesh` (without a context axis) the loops run per device in a manual computation, each
+/// device on its shard of the batch and heads (as the mesh's rules cut the queries), so that
+/// the composites' operands are one device's there too: a kernel in their place sees the
+/// shapes it runs on, and the partitioner has no loop to propagate shardings through.
 #[allow(clippy::too_many_arguments)]
 pub fn attend(
     b: &mut Builder,
@@ -127,9 +132,11 @@ pub fn attend(
     tb: i64,
     num: Numerics,
     (out_point, saves): (&str, &mut Saves),
+    mesh: Option<&dyn Placement>,
 ) -> Result<Value> {
     let qd = b.dims(q).to_vec();
     let (bs, t, kvh, g, d) = (qd[0], qd[1], qd[2], qd[3], qd[4]);
+    let cuts = mesh.map(|p| Cuts::of(p, (bs, t, kvh, g, d)));
     // Two halves of whole blocks: the padding at the end is a key no query sees.
     let tp = padded(t, 2 * tb);
     let chunks = Chunks::new(2, tp / 2, tb, d, num);
@@ -142,7 +149,15 @@ pub fn attend(
         pad(b, key_docs, -1.0)?,
     ];
     let ids = one_device_ids(b)?;
-    let fwd = forward_on_device(b, &ins, ids, chunks)?;
+    let fwd = match &cuts {
+        None => forward_on_device(b, &ins, ids, chunks)?,
+        Some(c) => b.manual_computation(
+            &c.mesh,
+            &c.operands(&ins, ids, &[]),
+            &[c.q.clone(), c.lse.clone()],
+            |b, l| forward_on_device(b, &l[..5], l[5], chunks),
+        )?,
+    };
     let out = b.slice_dim(fwd[0], 1, 0, t)?;
     let out = b.reshape(out, &[bs, t, kvh * g * d])?;
     let out = saves.point(b, out_point, out)?;
@@ -159,11 +174,75 @@ pub fn attend(
         let out = padded_rows(b, outs[0])?;
         let dout = padded_rows(b, dout)?;
         let ids = one_device_ids(b)?;
-        let grads = backward_on_device(b, ins, (ids, out, outs[1], dout), chunks)?;
+        let grads = match &cuts {
+            None => backward_on_device(b, ins, (ids, out, outs[1], dout), chunks)?,
+            Some(c) => {
+                let rest = [
+                    (out, c.q.clone()),
+                    (outs[1], c.lse.clone()),
+                    (dout, c.q.clone()),
+                ];
+                let results = [c.q.clone(), c.kv.clone(), c.kv.clone()];
+                b.manual_computation(&c.mesh, &c.operands(ins, ids, &rest), &results, |b, l| {
+                    backward_on_device(b, &l[..5], (l[5], l[6], l[7], l[8]), chunks)
+                })?
+            }
+        };
         Ok(grads.into_iter().map(Some).chain([None, None]).collect())
     });
     let outs = b.custom_vjp(&ins, &[out, lse], rule);
     Ok(outs[0])
+}
+
+/// How [`attend`]'s operands are cut over a mesh without a context axis, so that each device
+/// runs the loops (or a kernel in the composites' place) on its own rows and heads: batch and
+/// heads as the placement cuts the queries, the sequence whole. The queries [B, T, KV, G, D]
+/// and their output; keys, values and their gradients [B, T, KV, D]; the document starts
+/// [B, T]; the chunk ids [1, 2] whole; the row statistic [B, KV, 2, Cp, G].
+#[derive(Clone)]
+struct Cuts {
+    mesh: hlo::Mesh,
+    q: Sharding,
+    kv: Sharding,
+    docs: Sharding,
+    ids: Sharding,
+    lse: Sharding,
+}
+
+impl Cuts {
+    fn of(p: &dyn Placement, dims: (i64, i64, i64, i64, i64)) -> Cuts {
+        let (bs, t, kvh, g, d) = dims;
+        let q = p.place(
+            &["batch", "none", "kv_heads", "none", "none"],
+            &[bs, t, kvh, g, d],
+        );
+        let (batch, heads) = (q.dims[0].clone(), q.dims[2].clone());
+        let cut = |dims: Vec<Vec<String>>| Sharding { dims };
+        Cuts {
+            mesh: p.mesh(),
+            kv: cut(vec![batch.clone(), vec![], heads.clone(), vec![]]),
+            docs: cut(vec![batch.clone(), vec![]]),
+            ids: cut(vec![vec![], vec![]]),
+            lse: cut(vec![batch, heads, vec![], vec![], vec![]]),
+            q,
+        }
+    }
+
+    /// (q, k, v, query starts, key starts, chunk ids) with their cuts, then `rest`.
+    fn operands(
+        &self,
+        ins: &[Value],
+        ids: Value,
+        rest: &[(Value, Sharding)],
+    ) -> Vec<(Value, Sharding)> {
+        let cuts = [&self.q, &self.kv, &self.kv, &self.docs, &self.docs];
+        ins.iter()
+            .zip(cuts)
+            .map(|(&v, s)| (v, s.clone()))
+            .chain([(ids, self.ids.clone())])
+            .chain(rest.iter().cloned())
+            .collect()
+    }
 }
 
 /// The chunk ids [1, 2] of one device: the sequence's two halves.
