@@ -199,14 +199,7 @@ fn gradient_pass(
                 let second_u = b.sub(t, ones)?;
                 let u = b.select(second, second_u, first_u)?;
                 let tab = Tables::of(inv);
-                let j = {
-                    let chunk = chunk_id(b, tab.ids, slot)?;
-                    let base = b.mul(chunk, nbv)?;
-                    let last = s32(b, nb - 1);
-                    let mirrored = b.sub(last, x)?;
-                    let off = b.select(second, mirrored, x)?;
-                    b.add(base, off)?
-                };
+                let j = triangle_key(b, tab.ids, slot, x, nb)?;
                 let (dk, dv, dq) = block_grads(b, inv, (slot, u, j), ch)?;
                 let add = |b: &mut Builder, pair: Value, g: Value| -> Result<Value> {
                     let old = pair_slot(b, pair, slot)?;
@@ -222,18 +215,8 @@ fn gradient_pass(
             let mut out = c.to_vec();
             out[2] = run[2];
             for slot in 0..2 {
-                let nbv = s32(b, nb);
                 let sv = s32(b, slot);
-                let chunk = chunk_id(b, tab.ids, sv)?;
-                let base = b.mul(chunk, nbv)?;
-                let off = match slot {
-                    0 => x,
-                    _ => {
-                        let last = s32(b, nb - 1);
-                        b.sub(last, x)?
-                    }
-                };
-                let j = b.add(base, off)?;
+                let j = triangle_key(b, tab.ids, sv, x, nb)?;
                 for (k, o) in out.iter_mut().take(2).enumerate() {
                     let g = b.slice_dim(run[k], 2, slot, slot + 1)?;
                     let gd = b.dims(g).to_vec();
@@ -245,6 +228,21 @@ fn gradient_pass(
         })
     })?;
     Ok((tri[2], tri[0], tri[1]))
+}
+
+/// The key block a triangle pairs with the queries of `slot` (0 or 1) in outer trip `x`:
+/// block x of the first chunk, block nb-1-x of the second, counted from chunk id(slot) x nb.
+/// The inner trips ask with the slot they compute, the outer write with each slot in turn.
+fn triangle_key(b: &mut Builder, ids: Value, slot: Value, x: Value, nb: i64) -> Result<Value> {
+    let chunk = chunk_id(b, ids, slot)?;
+    let nbv = s32(b, nb);
+    let base = b.mul(chunk, nbv)?;
+    let zero = s32(b, 0);
+    let second = b.compare(slot, zero, CmpDir::Ne)?;
+    let last = s32(b, nb - 1);
+    let mirrored = b.sub(last, x)?;
+    let off = b.select(second, mirrored, x)?;
+    b.add(base, off)
 }
 
 /// One backward trip: query block `u` of slot `slot` against key block `j`; invariants (the
