@@ -99,7 +99,10 @@ pub fn check_batch(kernels: &[&Kernel], attention_mask: &[i32], seq: usize) -> R
 /// one that does not run there.
 pub fn chosen(names: &[String], platform: &str) -> Result<Vec<&'static Kernel>> {
     let mut out = Vec::new();
-    for name in names {
+    for (i, name) in names.iter().enumerate() {
+        if names[..i].contains(name) {
+            continue; // named twice: the same choice
+        }
         let all: Vec<&Kernel> = KERNELS.iter().filter(|k| k.name == name).collect();
         if all.is_empty() {
             let mut known: Vec<&str> = KERNELS.iter().map(|k| k.name).collect();
@@ -115,6 +118,19 @@ pub fn chosen(names: &[String], platform: &str) -> Result<Vec<&'static Kernel>> 
             .collect();
         if here.is_empty() {
             bail!("--kernel {name} does not run on the {platform} plugin");
+        }
+        for k in &here {
+            if let Some(other) = out
+                .iter()
+                .find(|o: &&&Kernel| o.composite == k.composite && o.version == k.version)
+            {
+                bail!(
+                    "--kernel {} and --kernel {name} both implement {} v{}: choose one",
+                    other.name,
+                    k.composite,
+                    k.version
+                );
+            }
         }
         out.extend(here);
     }
@@ -361,5 +377,16 @@ mod tests {
             "{e}"
         );
         assert_eq!(chosen(&["every-key".into()], "tpu").unwrap().len(), 2);
+        let two = chosen(&["cudnn".into(), "every-key".into()], "cuda");
+        let e = two.err().unwrap().to_string();
+        assert!(
+            e.contains("--kernel cudnn and --kernel every-key both implement xtrain.attention v1: choose one"),
+            "{e}"
+        );
+        let e = chosen(&["cudnn".into()], "cpu").err().unwrap().to_string();
+        assert!(
+            e.contains("--kernel cudnn does not run on the cpu plugin"),
+            "{e}"
+        );
     }
 }
