@@ -32,33 +32,14 @@ while [ $# -gt 0 ]; do
   esac
 done
 
-XTRAIN=target/release/xtrain
-if [ ! -x "$XTRAIN" ]; then
-  command -v cargo >/dev/null || { echo "gpu-bench: $XTRAIN is missing and there is no cargo to build it" >&2; exit 1; }
-  cargo build --release --quiet
-fi
-CONFIG="models/$MODEL/config.json"
-[ -f "$CONFIG" ] || { echo "gpu-bench: no preset config $CONFIG" >&2; exit 1; }
-WORK=$(mktemp -d)
-trap 'rm -rf "$WORK"' EXIT
+. tools/gpu-common.sh
+gpu_setup gpu-bench "$MODEL" "$PLUGIN"
 STEP=(--model "$MODEL" --dtype bf16 --seq "$SEQ" --remat layer --lora-r 16 --lora-alpha 32
       --lora-targets q,k,v,o,gate,up,down --plugin "$PLUGIN")
 
 echo "== devices"
 "$XTRAIN" plugins 2>&1 | sed -n "/^$PLUGIN\b/,/^[a-z]/p" | head -20 || true
-if [ "$PLUGIN" = cuda ]; then
-  nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv || true
-  JAX_PLATFORMS=cuda
-else
-  JAX_PLATFORMS=$PLUGIN
-fi
-export JAX_PLATFORMS XLA_PYTHON_CLIENT_MEM_FRACTION=0.92
-# The JAX peer runs on the machine's python3 (the GPU machine has JAX installed there), or on
-# tools/bench's venv when it has JAX (the CPU dry run here), or on $PYTHON.
-PY=${PYTHON:-python3}
-if [ -z "${PYTHON:-}" ] && ! python3 -c "import jax" 2>/dev/null && [ -x tools/.venv/bin/python ]; then
-  PY=tools/.venv/bin/python
-fi
+[ "$PLUGIN" != cuda ] || nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv || true
 
 # XLA's figure for the whole step at one batch size: arguments + outputs not aliased + temporaries
 probe() {

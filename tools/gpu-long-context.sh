@@ -36,27 +36,14 @@ while [ $# -gt 0 ]; do
   esac
 done
 
-XTRAIN=target/release/xtrain
-if [ ! -x "$XTRAIN" ]; then
-  command -v cargo >/dev/null || { echo "gpu-long-context: $XTRAIN is missing and there is no cargo to build it" >&2; exit 1; }
-  cargo build --release --quiet
-fi
+. tools/gpu-common.sh
+gpu_setup gpu-long-context "$MODEL" "$PLUGIN"
 [ -z "$BEFORE" ] || [ -x "$BEFORE" ] || { echo "gpu-long-context: --before $BEFORE is not an executable" >&2; exit 1; }
-CONFIG="models/$MODEL/config.json"
-[ -f "$CONFIG" ] || { echo "gpu-long-context: no preset config $CONFIG" >&2; exit 1; }
-WORK=$(mktemp -d)
-trap 'rm -rf "$WORK"' EXIT
-
 if [ "$PLUGIN" = cuda ]; then
   nvidia-smi --query-gpu=name,memory.total --format=csv || true
-  export JAX_PLATFORMS=cuda IMPLS="xla cudnn"
+  export IMPLS="xla cudnn"
 else
-  export JAX_PLATFORMS=$PLUGIN IMPLS="xla"
-fi
-export XLA_PYTHON_CLIENT_MEM_FRACTION=0.92
-PY=${PYTHON:-python3}
-if [ -z "${PYTHON:-}" ] && ! python3 -c "import jax" 2>/dev/null && [ -x tools/.venv/bin/python ]; then
-  PY=tools/.venv/bin/python
+  export IMPLS="xla"
 fi
 
 # One xtrain step timing: bf16, LoRA r=16 on all seven projections, batch 1, save-proj, key blocks.
