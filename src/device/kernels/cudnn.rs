@@ -24,7 +24,7 @@
 //! log-sum-exp of each row's scaled scores) travels in the composites' `lse` operand, laid out
 //! as the decomposition's; only this kernel's backward reads it.
 
-use super::site::{params, Site};
+use super::site::{params, Site, BACKWARD_OPERANDS, FORWARD_OPERANDS};
 use anyhow::{bail, Result};
 use hlo::{Builder, DType, Func, Shape, Value};
 use serde_json::json;
@@ -193,8 +193,7 @@ fn keys_to_tokens(b: &mut Builder, x: Value) -> Result<Value> {
 pub(super) fn forward(site: &Site) -> Result<Func> {
     let dm = dims(site)?;
     let mut b = Builder::new("cudnn_attention");
-    let names = ["q", "k", "v", "query_docs", "key_docs", "chunk_ids"];
-    let p = params(&mut b, site, &names)?;
+    let p = params(&mut b, site, &FORWARD_OPERANDS)?;
     let h = dm.kv * dm.g;
     let q = to_tokens_heads(&mut b, p[0], &dm)?;
     let k = keys_to_tokens(&mut b, p[1])?;
@@ -226,18 +225,7 @@ pub(super) fn forward(site: &Site) -> Result<Func> {
 pub(super) fn backward(site: &Site) -> Result<Func> {
     let dm = dims(site)?;
     let mut b = Builder::new("cudnn_attention_grad");
-    let names = [
-        "q",
-        "k",
-        "v",
-        "query_docs",
-        "key_docs",
-        "chunk_ids",
-        "out",
-        "lse",
-        "dout",
-    ];
-    let p = params(&mut b, site, &names)?;
+    let p = params(&mut b, site, &BACKWARD_OPERANDS)?;
     let h = dm.kv * dm.g;
     let q = to_tokens_heads(&mut b, p[0], &dm)?;
     let k = keys_to_tokens(&mut b, p[1])?;

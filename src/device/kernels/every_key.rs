@@ -2,7 +2,7 @@
 //! reference for the kernel mechanism and for the nested loops it replaces (tested against the
 //! oracle on the CPU).
 
-use super::site::{params, Site};
+use super::site::{params, Site, BACKWARD_OPERANDS, FORWARD_OPERANDS};
 use crate::model::forward::mask_scores;
 use anyhow::Result;
 use hlo::{Builder, DType, DotDims, Func, Shape, Value};
@@ -60,8 +60,7 @@ fn all_scores(b: &mut Builder, p: &[Value], (c, cp, scale): (i64, i64, f64)) -> 
 pub(super) fn every_key_forward(site: &Site) -> Result<Func> {
     let sizes = attention_sizes(site)?;
     let mut b = Builder::new("every_key");
-    let names = ["q", "k", "v", "query_docs", "key_docs", "chunk_ids"];
-    let p = params(&mut b, site, &names)?;
+    let p = params(&mut b, site, &FORWARD_OPERANDS)?;
     let compute = b.dtype(p[0]);
     let s = all_scores(&mut b, &p, sizes)?;
     let sd = b.dims(s).to_vec();
@@ -92,18 +91,7 @@ pub(super) fn every_key_forward(site: &Site) -> Result<Func> {
 pub(super) fn every_key_backward(site: &Site) -> Result<Func> {
     let sizes = attention_sizes(site)?;
     let mut b = Builder::new("every_key_grad");
-    let names = [
-        "q",
-        "k",
-        "v",
-        "query_docs",
-        "key_docs",
-        "chunk_ids",
-        "out",
-        "lse",
-        "dout",
-    ];
-    let p = params(&mut b, site, &names)?;
+    let p = params(&mut b, site, &BACKWARD_OPERANDS)?;
     let (q, k, v, out, lse, dout) = (p[0], p[1], p[2], p[6], p[7], p[8]);
     let compute = b.dtype(q);
     let s = all_scores(&mut b, &p, sizes)?;

@@ -36,6 +36,22 @@ impl Site {
     }
 }
 
+/// The attention composites' operands, in order: the forward's (-> out, lse) and the
+/// backward's (-> dq, dk, dv), as `model::flash` passes them.
+pub(super) const FORWARD_OPERANDS: [&str; 6] =
+    ["q", "k", "v", "query_docs", "key_docs", "chunk_ids"];
+pub(super) const BACKWARD_OPERANDS: [&str; 9] = [
+    "q",
+    "k",
+    "v",
+    "query_docs",
+    "key_docs",
+    "chunk_ids",
+    "out",
+    "lse",
+    "dout",
+];
+
 /// The kernel's parameters, named as the decomposition's, checked against its signature.
 pub(super) fn params(b: &mut Builder, site: &Site, names: &[&str]) -> Result<Vec<Value>> {
     if site.params.len() != names.len() {
