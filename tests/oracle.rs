@@ -507,16 +507,23 @@ fn the_step_computes_no_gradient_of_a_frozen_weight() {
     assert_eq!(dots, forward + backward, "dot_general count");
 }
 
-/// A kernel in place of the attention composites (`--kernel every-key`: every key at once in
-/// plain StableHLO, instead of the nested key-block loops) gives the oracle's loss and every
-/// LoRA gradient, with the tolerances of the key-block rows above; the program's text keeps its
-/// loops, and only the compiled text holds the kernel.
+/// A kernel in place of the attention composites gives the oracle's loss and every LoRA
+/// gradient, with the tolerances of the key-block rows above; the program's text keeps its
+/// loops, and only the compiled text holds the kernel. `every-key`: every key at once in plain
+/// StableHLO. `cudnn-standin`: the cuDNN kernel's layout changes, head grouping and row
+/// statistic around plain StableHLO that computes what cuDNN's calls compute (the oracle's rows
+/// are one document each, as the kernel requires).
 #[test]
 fn a_kernel_in_place_of_the_attention_composites_matches_the_oracle() {
     let init = adapter("adapter_init");
     let lo = read("lora_outputs.safetensors");
-    let kernels = xtrain::device::kernels::chosen(&["every-key".to_string()], "cpu").unwrap();
-    for (remat, keys) in [(Remat::Layer, 5), (Remat::SaveProj, 4)] {
+    for (kernel, remat, keys) in [
+        ("every-key", Remat::Layer, 5),
+        ("every-key", Remat::SaveProj, 4),
+        ("cudnn-standin", Remat::Layer, 5),
+        ("cudnn-standin", Remat::SaveProj, 4),
+    ] {
+        let kernels = xtrain::device::kernels::chosen(&[kernel.to_string()], "cpu").unwrap();
         let mut sp = spec_with("model", remat);
         sp.key_block = Some(keys);
         let program = program::build_grad_program(&sp).unwrap();
@@ -525,8 +532,8 @@ fn a_kernel_in_place_of_the_attention_composites_matches_the_oracle() {
         assert_eq!(
             names,
             [
-                "xtrain.attention v1 -> every-key",
-                "xtrain.attention_grad v1 -> every-key"
+                format!("xtrain.attention v1 -> {kernel}"),
+                format!("xtrain.attention_grad v1 -> {kernel}")
             ]
         );
         assert!(program.text.contains("stablehlo.while") && text.len() != program.text.len());
@@ -538,9 +545,9 @@ fn a_kernel_in_place_of_the_attention_composites_matches_the_oracle() {
         let loss = out["loss"].scalar_f32().unwrap();
         assert!(
             (loss - 6.63896).abs() <= 1e-5,
-            "{remat:?} {keys}: loss {loss}"
+            "{kernel} {remat:?} {keys}: loss {loss}"
         );
-        assert_grads_match(&out, &lo, &format!("{remat:?} --kernel every-key {keys}"));
+        assert_grads_match(&out, &lo, &format!("{remat:?} --kernel {kernel} {keys}"));
     }
 }
 

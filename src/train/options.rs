@@ -162,11 +162,14 @@ impl TrainOptions {
     /// Flags that would do nothing in the company they are given in: refused, naming where
     /// each came from.
     fn validate_combinations(&self) -> Result<()> {
-        if self.kernels.iter().any(|k| k == "cudnn") && self.data.pack && !self.data.is_batch_file()
-        {
+        let one_document = self
+            .kernels
+            .iter()
+            .find(|k| crate::device::kernels::needs_one_document_rows(k));
+        if let Some(k) = one_document.filter(|_| self.data.pack && !self.data.is_batch_file()) {
             bail!(
-                "--kernel cudnn attends with cuDNN's causal mask, which does not keep packed \
-                 documents apart: add --no-pack (one example per row), or leave --kernel cudnn out"
+                "--kernel {k} attends with cuDNN's causal mask, which does not keep packed \
+                 documents apart: add --no-pack (one example per row), or leave --kernel {k} out"
             );
         }
         if self.eval_every > 0 && self.data.eval_data.is_none() && self.data.eval_fraction == 0.0 {

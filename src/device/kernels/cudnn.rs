@@ -41,8 +41,18 @@ struct Dims {
     scale: f64,
 }
 
+/// Who computes the attention between the layout changes: cuDNN's library (custom calls the
+/// CUDA compiler turns into cuDNN graphs), or plain StableHLO that computes what those calls
+/// compute on the same operands and results (`cudnn-standin`, any plugin: the CPU checks the
+/// kernel's layout changes, head grouping and row rule against the loops).
+#[derive(Clone, Copy, PartialEq)]
+enum Calls {
+    Library,
+    StandIn,
+}
+
 /// The site's sizes, or why cuDNN's causal kernel cannot stand in for it.
-fn dims(site: &Site) -> Result<Dims> {
+fn dims(site: &Site, calls: Calls) -> Result<Dims> {
     let chunks = site.int("chunks")?;
     if chunks != 2 {
         bail!(
@@ -64,7 +74,7 @@ fn dims(site: &Site) -> Result<Dims> {
         bail!("q is {q}, not [B, KV, 2, Cp, G, D]");
     }
     let (b, kv, g, d) = (q.dims[0], q.dims[1], q.dims[4], q.dims[5]);
-    if !matches!(q.dtype, DType::BF16 | DType::F16) {
+    if calls == Calls::Library && !matches!(q.dtype, DType::BF16 | DType::F16) {
         bail!(
             "the attention runs in {}: cuDNN's flash attention takes bf16 or f16 (--dtype bf16)",
             q.dtype.mlir()
@@ -189,41 +199,66 @@ fn keys_to_tokens(b: &mut Builder, x: Value) -> Result<Value> {
     Ok(b.transpose(x, &[0, 2, 1, 3])?)
 }
 
-/// Forward: (q, k, v, query starts, key starts, chunk ids) -> (out, lse).
+/// Forward: (q, k, v, query starts, key starts, chunk ids) -> (out, lse), by cuDNN.
 pub(super) fn forward(site: &Site) -> Result<Func> {
-    let dm = dims(site)?;
+    build_forward(site, Calls::Library)
+}
+
+/// Backward: (q, k, v, query starts, key starts, chunk ids, out, lse, dout) -> (dq, dk, dv),
+/// by cuDNN.
+pub(super) fn backward(site: &Site) -> Result<Func> {
+    build_backward(site, Calls::Library)
+}
+
+/// [`forward`] with plain StableHLO in the library's place (`cudnn-standin`).
+pub(super) fn stand_in_forward(site: &Site) -> Result<Func> {
+    build_forward(site, Calls::StandIn)
+}
+
+/// [`backward`] with plain StableHLO in the library's place (`cudnn-standin`).
+pub(super) fn stand_in_backward(site: &Site) -> Result<Func> {
+    build_backward(site, Calls::StandIn)
+}
+
+fn build_forward(site: &Site, calls: Calls) -> Result<Func> {
+    let dm = dims(site, calls)?;
     let mut b = Builder::new("cudnn_attention");
     let p = params(&mut b, site, &FORWARD_OPERANDS)?;
     let h = dm.kv * dm.g;
     let q = to_tokens_heads(&mut b, p[0], &dm)?;
     let k = keys_to_tokens(&mut b, p[1])?;
     let v = keys_to_tokens(&mut b, p[2])?;
-    let outs = b.custom_call(
-        "__cudnn$fmhaSoftmax",
-        &backend_config(&dm, false),
-        &[
-            (q, ROW_MAJOR_4.to_vec()),
-            (k, ROW_MAJOR_4.to_vec()),
-            (v, ROW_MAJOR_4.to_vec()),
-        ],
-        &[
-            (
-                Shape::new(&[dm.b, h, dm.t, dm.d], dm.dtype),
-                HEADS_INSIDE_4.to_vec(),
-            ),
-            (Shape::new(&[dm.b, h, dm.t], DType::F32), vec![2, 1, 0]),
-            (Shape::new(&[0], DType::U8), vec![0]),
-        ],
-    )?;
-    let out = from_heads_tokens(&mut b, outs[0], &dm)?;
-    let lse = b.reshape(outs[1], &[dm.b, dm.kv, dm.g, 2, dm.t / 2])?;
+    let (out, stats) = match calls {
+        Calls::Library => {
+            let outs = b.custom_call(
+                "__cudnn$fmhaSoftmax",
+                &backend_config(&dm, false),
+                &[
+                    (q, ROW_MAJOR_4.to_vec()),
+                    (k, ROW_MAJOR_4.to_vec()),
+                    (v, ROW_MAJOR_4.to_vec()),
+                ],
+                &[
+                    (
+                        Shape::new(&[dm.b, h, dm.t, dm.d], dm.dtype),
+                        HEADS_INSIDE_4.to_vec(),
+                    ),
+                    (Shape::new(&[dm.b, h, dm.t], DType::F32), vec![2, 1, 0]),
+                    (Shape::new(&[0], DType::U8), vec![0]),
+                ],
+            )?;
+            (outs[0], outs[1])
+        }
+        Calls::StandIn => stand_in::forward(&mut b, (q, k, v), &dm)?,
+    };
+    let out = from_heads_tokens(&mut b, out, &dm)?;
+    let lse = b.reshape(stats, &[dm.b, dm.kv, dm.g, 2, dm.t / 2])?;
     let lse = b.transpose(lse, &[0, 1, 3, 4, 2])?;
     Ok(b.finish(&[("out", out), ("lse", lse)]))
 }
 
-/// Backward: (q, k, v, query starts, key starts, chunk ids, out, lse, dout) -> (dq, dk, dv).
-pub(super) fn backward(site: &Site) -> Result<Func> {
-    let dm = dims(site)?;
+fn build_backward(site: &Site, calls: Calls) -> Result<Func> {
+    let dm = dims(site, calls)?;
     let mut b = Builder::new("cudnn_attention_grad");
     let p = params(&mut b, site, &BACKWARD_OPERANDS)?;
     let h = dm.kv * dm.g;
@@ -234,30 +269,171 @@ pub(super) fn backward(site: &Site) -> Result<Func> {
     let dout = to_tokens_heads(&mut b, p[8], &dm)?;
     let lse = b.transpose(p[7], &[0, 1, 4, 2, 3])?;
     let lse = b.reshape(lse, &[dm.b, h, dm.t])?;
-    let kv_shape = Shape::new(&[dm.b, dm.kv, dm.t, dm.d], dm.dtype);
-    let outs = b.custom_call(
-        "__cudnn$fmhaSoftmaxBackward",
-        &backend_config(&dm, true),
-        &[
-            (q, ROW_MAJOR_4.to_vec()),
-            (k, ROW_MAJOR_4.to_vec()),
-            (v, ROW_MAJOR_4.to_vec()),
-            (lse, vec![2, 1, 0]),
-            (dout, ROW_MAJOR_4.to_vec()),
-            (out, ROW_MAJOR_4.to_vec()),
-        ],
-        &[
-            (
-                Shape::new(&[dm.b, h, dm.t, dm.d], dm.dtype),
-                HEADS_INSIDE_4.to_vec(),
-            ),
-            (kv_shape.clone(), HEADS_INSIDE_4.to_vec()),
-            (kv_shape, HEADS_INSIDE_4.to_vec()),
-            (Shape::new(&[0], DType::U8), vec![0]),
-        ],
-    )?;
-    let dq = from_heads_tokens(&mut b, outs[0], &dm)?;
-    Ok(b.finish(&[("dq", dq), ("dk", outs[1]), ("dv", outs[2])]))
+    let (dq, dk, dv) = match calls {
+        Calls::Library => {
+            let kv_shape = Shape::new(&[dm.b, dm.kv, dm.t, dm.d], dm.dtype);
+            let outs = b.custom_call(
+                "__cudnn$fmhaSoftmaxBackward",
+                &backend_config(&dm, true),
+                &[
+                    (q, ROW_MAJOR_4.to_vec()),
+                    (k, ROW_MAJOR_4.to_vec()),
+                    (v, ROW_MAJOR_4.to_vec()),
+                    (lse, vec![2, 1, 0]),
+                    (dout, ROW_MAJOR_4.to_vec()),
+                    (out, ROW_MAJOR_4.to_vec()),
+                ],
+                &[
+                    (
+                        Shape::new(&[dm.b, h, dm.t, dm.d], dm.dtype),
+                        HEADS_INSIDE_4.to_vec(),
+                    ),
+                    (kv_shape.clone(), HEADS_INSIDE_4.to_vec()),
+                    (kv_shape, HEADS_INSIDE_4.to_vec()),
+                    (Shape::new(&[0], DType::U8), vec![0]),
+                ],
+            )?;
+            (outs[0], outs[1], outs[2])
+        }
+        Calls::StandIn => stand_in::backward(&mut b, (q, k, v), (lse, dout, out), &dm)?,
+    };
+    let dq = from_heads_tokens(&mut b, dq, &dm)?;
+    Ok(b.finish(&[("dq", dq), ("dk", dk), ("dv", dv)]))
+}
+
+/// What the two calls compute, in plain StableHLO on their operands and results as the
+/// compiler sees them (logical shapes; the layouts only say how the library stores them):
+/// causal attention whose query head h reads key/value head h / G, scaled scores, the row
+/// statistic the natural log-sum-exp of each row's scaled scores. f32 inside.
+mod stand_in {
+    use super::Dims;
+    use anyhow::Result;
+    use hlo::{Builder, CmpDir, DType, DotDims, Shape, Value};
+
+    /// Scaled, causally masked scores [B, KV, T, G, S] f32 of q [B, T, H, D] against k
+    /// [B, S, KV, D], and q as [B, T, KV, G, D].
+    fn scores(b: &mut Builder, q: Value, k: Value, dm: &Dims) -> Result<(Value, Value)> {
+        let q5 = b.reshape(q, &[dm.b, dm.t, dm.kv, dm.g, dm.d])?;
+        let dims = DotDims {
+            lhs_batch: vec![0, 2],
+            rhs_batch: vec![0, 2],
+            lhs_contract: vec![4],
+            rhs_contract: vec![3],
+        };
+        let s = b.dot_general(q5, k, dims, None, Some(DType::F32))?;
+        let s = b.mul_scalar(s, dm.scale)?;
+        let shape = Shape::new(&[dm.b, dm.kv, dm.t, dm.g, dm.t], DType::S32);
+        let query = b.iota(shape.clone(), 2)?;
+        let key = b.iota(shape, 4)?;
+        let seen = b.compare(key, query, CmpDir::Le)?;
+        let blocked = b.full(f32::MIN as f64, b.shape(s).clone());
+        Ok((b.select(seen, s, blocked)?, q5))
+    }
+
+    /// [B, KV, T, G, D] as [B, H, T, D].
+    fn heads_first(b: &mut Builder, x: Value, dm: &Dims) -> Result<Value> {
+        let x = b.transpose(x, &[0, 1, 3, 2, 4])?;
+        Ok(b.reshape(x, &[dm.b, dm.kv * dm.g, dm.t, dm.d])?)
+    }
+
+    /// The row statistic [B, H, T] as [B, KV, T, G], or back.
+    fn stats_rows(b: &mut Builder, stats: Value, dm: &Dims) -> Result<Value> {
+        let x = b.reshape(stats, &[dm.b, dm.kv, dm.g, dm.t])?;
+        Ok(b.transpose(x, &[0, 1, 3, 2])?)
+    }
+
+    /// (q, k, v) -> (out [B, H, T, D], stats [B, H, T]).
+    pub(super) fn forward(
+        b: &mut Builder,
+        (q, k, v): (Value, Value, Value),
+        dm: &Dims,
+    ) -> Result<(Value, Value)> {
+        let (s, _) = scores(b, q, k, dm)?;
+        let sd = b.dims(s).to_vec();
+        let rows: Vec<i64> = (0..4).collect();
+        let m = b.reduce_max(s, &[4])?;
+        let mw = b.broadcast_in_dim(m, &sd, &rows)?;
+        let shifted = b.sub(s, mw)?;
+        let e = b.exp(shifted)?;
+        let l = b.reduce_sum(e, &[4])?;
+        let vf = b.convert(v, DType::F32)?;
+        let dims = DotDims {
+            lhs_batch: vec![0, 1],
+            rhs_batch: vec![0, 2],
+            lhs_contract: vec![4],
+            rhs_contract: vec![1],
+        };
+        let ev = b.dot_general(e, vf, dims, None, Some(DType::F32))?;
+        let od = b.dims(ev).to_vec();
+        let lw = b.broadcast_in_dim(l, &od, &rows)?;
+        let out = b.div(ev, lw)?;
+        let out = heads_first(b, out, dm)?;
+        let out = b.convert(out, dm.dtype)?;
+        let log_l = b.log(l)?;
+        let lse = b.add(m, log_l)?;
+        let lse = b.transpose(lse, &[0, 1, 3, 2])?;
+        let stats = b.reshape(lse, &[dm.b, dm.kv * dm.g, dm.t])?;
+        Ok((out, stats))
+    }
+
+    /// (q, k, v), (stats, dO, O) -> (dq [B, H, T, D], dk and dv [B, KV, T, D]).
+    pub(super) fn backward(
+        b: &mut Builder,
+        (q, k, v): (Value, Value, Value),
+        (stats, dout, out): (Value, Value, Value),
+        dm: &Dims,
+    ) -> Result<(Value, Value, Value)> {
+        let (s, q5) = scores(b, q, k, dm)?;
+        let sd = b.dims(s).to_vec();
+        let rows: Vec<i64> = (0..4).collect();
+        let lse = stats_rows(b, stats, dm)?;
+        let lw = b.broadcast_in_dim(lse, &sd, &rows)?;
+        let shifted = b.sub(s, lw)?;
+        let probs = b.exp(shifted)?;
+        let five = [dm.b, dm.t, dm.kv, dm.g, dm.d];
+        let do5 = b.reshape(dout, &five)?;
+        let o5 = b.reshape(out, &five)?;
+        let do5 = b.convert(do5, DType::F32)?;
+        let of = b.convert(o5, DType::F32)?;
+        let prod = b.mul(do5, of)?;
+        let delta = b.reduce_sum(prod, &[4])?;
+        let delta = b.transpose(delta, &[0, 2, 1, 3])?;
+        let vf = b.convert(v, DType::F32)?;
+        let per_key = DotDims {
+            lhs_batch: vec![0, 2],
+            rhs_batch: vec![0, 2],
+            lhs_contract: vec![4],
+            rhs_contract: vec![3],
+        };
+        let dp = b.dot_general(do5, vf, per_key, None, Some(DType::F32))?;
+        let dw = b.broadcast_in_dim(delta, &sd, &rows)?;
+        let centered = b.sub(dp, dw)?;
+        let ds = b.mul(probs, centered)?;
+        let ds = b.mul_scalar(ds, dm.scale)?;
+        let over_queries = DotDims {
+            lhs_batch: vec![0, 1],
+            rhs_batch: vec![0, 2],
+            lhs_contract: vec![2, 3],
+            rhs_contract: vec![1, 3],
+        };
+        let dv = b.dot_general(probs, do5, over_queries.clone(), None, Some(DType::F32))?;
+        let qf = b.convert(q5, DType::F32)?;
+        let dk = b.dot_general(ds, qf, over_queries, None, Some(DType::F32))?;
+        let kf = b.convert(k, DType::F32)?;
+        let over_keys = DotDims {
+            lhs_batch: vec![0, 1],
+            rhs_batch: vec![0, 2],
+            lhs_contract: vec![4],
+            rhs_contract: vec![1],
+        };
+        let dq = b.dot_general(ds, kf, over_keys, None, Some(DType::F32))?;
+        let dq = heads_first(b, dq, dm)?;
+        Ok((
+            b.convert(dq, dm.dtype)?,
+            b.convert(dk, dm.dtype)?,
+            b.convert(dv, dm.dtype)?,
+        ))
+    }
 }
 
 /// Refuse a batch whose rows this kernel would attend wrongly: a row must hold one document
@@ -351,7 +527,7 @@ mod tests {
             ]
         );
         let config: serde_json::Value = serde_json::from_str(&backend_config(
-            &dims(&site(2, 8, 8, DType::BF16, 16)).unwrap(),
+            &dims(&site(2, 8, 8, DType::BF16, 16), Calls::Library).unwrap(),
             false,
         ))
         .unwrap();

@@ -13,7 +13,10 @@
 //! - `every-key`: attention over every key at once in plain StableHLO (a reference for the
 //!   mechanism and for the nested loops it replaces, any platform);
 //! - `cudnn`: cuDNN's fused flash attention on NVIDIA GPUs, as custom calls in the function's
-//!   body (one device's whole sequence, one document per row; see [`cudnn`]).
+//!   body (one device's whole sequence, one document per row; see [`cudnn`]);
+//! - `cudnn-standin`: the same kernel with plain StableHLO computing what cuDNN's calls compute
+//!   in their place, for any plugin: the CPU checks the layout changes around the calls, the
+//!   head grouping and the row rule against the loops (the calls themselves need a GPU).
 //!
 //! Pallas splash attention on TPUs or a ROCm kernel would plug in the same way:
 //! docs/architecture.md says how.
@@ -82,7 +85,29 @@ pub const KERNELS: &[Kernel] = &[
         build: cudnn::backward,
         rows: Some(cudnn::check_rows),
     },
+    Kernel {
+        name: "cudnn-standin",
+        composite: crate::model::flash::ATTENTION,
+        version: crate::model::flash::VERSION,
+        platforms: ALL_PLATFORMS,
+        build: cudnn::stand_in_forward,
+        rows: Some(cudnn::check_rows),
+    },
+    Kernel {
+        name: "cudnn-standin",
+        composite: crate::model::flash::ATTENTION_GRAD,
+        version: crate::model::flash::VERSION,
+        platforms: ALL_PLATFORMS,
+        build: cudnn::stand_in_backward,
+        rows: Some(cudnn::check_rows),
+    },
 ];
+
+/// Whether the kernel `name` takes only rows of one document (its batches are checked, and a
+/// run that packs rows is refused before it starts).
+pub fn needs_one_document_rows(name: &str) -> bool {
+    KERNELS.iter().any(|k| k.name == name && k.rows.is_some())
+}
 
 /// Refuse a batch that a chosen kernel would compute wrongly (see [`Kernel`]'s `rows`), by
 /// row and token.
@@ -373,7 +398,7 @@ mod tests {
     fn unknown_kernels_and_platforms_are_refused_by_name() {
         let e = chosen(&["fast".into()], "cpu").err().unwrap().to_string();
         assert!(
-            e.contains("--kernel fast: no such kernel (built in: every-key, cudnn)"),
+            e.contains("--kernel fast: no such kernel (built in: every-key, cudnn, cudnn-standin)"),
             "{e}"
         );
         assert_eq!(chosen(&["every-key".into()], "tpu").unwrap().len(), 2);
