@@ -120,6 +120,31 @@ fn hostname() -> String {
     }
 }
 
+/// The time in a new event file's name: now, or one second past the newest file already in
+/// `dir` where that is not earlier. TensorBoard reads a directory's files in name order, and a
+/// resumed run's `SessionLog` START drops only what the files read before it logged: the new
+/// file must sort last, also when it is made in the same second as the last one (the host and
+/// pid that follow the time would then decide, and pids do not sort as strings).
+fn file_time(dir: &Path, now: u64) -> u64 {
+    let newest = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().into_string().ok()?;
+            let time = name
+                .strip_prefix("events.out.tfevents.")?
+                .split('.')
+                .next()?;
+            time.parse::<u64>().ok()
+        })
+        .max();
+    match newest {
+        Some(t) if t >= now => t + 1,
+        _ => now,
+    }
+}
+
 impl EventWriter {
     /// A new event file in `dir` (created), starting with the file version event.
     pub fn create(dir: &Path) -> Result<EventWriter> {
@@ -127,7 +152,7 @@ impl EventWriter {
         let wall = now();
         let path = dir.join(format!(
             "events.out.tfevents.{:010}.{}.{}.0",
-            wall as u64,
+            file_time(dir, wall as u64),
             hostname(),
             std::process::id()
         ));
@@ -200,5 +225,31 @@ mod tests {
         // The CRC-32C of "123456789" (RFC 3720, and every CRC catalogue).
         assert_eq!(super::crc32c(b"123456789"), 0xE306_9283);
         assert_eq!(super::crc32c(b""), 0);
+    }
+
+    /// A file made in the same second as the newest one (or with a clock behind it) is named one
+    /// second later, so that it sorts after it whatever the pids.
+    #[test]
+    fn a_new_event_file_sorts_after_the_ones_already_there() {
+        let dir = std::env::temp_dir().join(format!("xtrain-tb-order-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        assert_eq!(super::file_time(&dir, 1000), 1000, "an empty dir: now");
+        std::fs::write(dir.join("events.out.tfevents.0000001000.host.99999.0"), b"").unwrap();
+        std::fs::write(dir.join("unrelated.txt"), b"").unwrap();
+        assert_eq!(super::file_time(&dir, 1000), 1001);
+        assert_eq!(super::file_time(&dir, 999), 1001);
+        assert_eq!(super::file_time(&dir, 1005), 1005);
+        let w = super::EventWriter::create(&dir).unwrap();
+        let mut names: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .filter(|n| n.starts_with("events."))
+            .collect();
+        names.sort();
+        assert_eq!(
+            names.last().unwrap(),
+            w.path.file_name().unwrap().to_str().unwrap()
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
