@@ -20,9 +20,9 @@
 //! padded to whole key blocks inside the step, so the block stays the one asked for whatever
 //! the chunk's length. The keys' gradients each device computes are summed over the devices.
 
-use crate::model::flash::{self, Chunks, LSE};
+use crate::model::flash::{self, Chunks, Cuts, LSE};
 use crate::model::forward::{Numerics, Placement, Saves};
-use hlo::{Builder, DType, Literal, Mesh, Result, Shape, Sharding, Value};
+use hlo::{Builder, DType, Literal, Result, Shape, Value};
 use std::rc::Rc;
 
 /// The natural chunk index at each place of the balanced order: 0, 2CP-1, 1, 2CP-2, ...
@@ -74,59 +74,6 @@ pub fn loop_trips(t: i64, cp: i64, requested: i64) -> i64 {
     flash::nest_trips(nb, 2 * cp * nb)
 }
 
-/// How the per-device attention's operands and results are cut over the mesh, taken from the
-/// placement while it is at hand (the gradient rule outlives it). The queries' sharding decides:
-/// its batch, sequence and head axes cut every other tensor alike, so that each device holds
-/// matching shards (queries [B, T, KV, G, D] in balanced order; keys and values [B, T, KV, D]
-/// in natural order, whole along the sequence; their document starts; the chunk ids [CP, 2];
-/// the row statistic [B, KV, 2CP, Cp, G]; each device's key gradients [B, CP, T, KV, D]).
-#[derive(Clone)]
-struct Cuts {
-    mesh: Mesh,
-    q: Sharding,
-    kv: Sharding,
-    qdocs: Sharding,
-    kdocs: Sharding,
-    ids: Sharding,
-    lse: Sharding,
-    dkv: Sharding,
-}
-
-impl Cuts {
-    fn of(p: &dyn Placement, dims: (i64, i64, i64, i64, i64)) -> Cuts {
-        let (bs, t, kvh, g, d) = dims;
-        let q = p.place(
-            &["batch", "length", "kv_heads", "none", "none"],
-            &[bs, t, kvh, g, d],
-        );
-        let (batch, length, heads) = (q.dims[0].clone(), q.dims[1].clone(), q.dims[2].clone());
-        let none = Vec::new;
-        let cut = |dims: Vec<Vec<String>>| Sharding { dims };
-        Cuts {
-            mesh: p.mesh(),
-            kv: cut(vec![batch.clone(), none(), heads.clone(), none()]),
-            qdocs: cut(vec![batch.clone(), length.clone()]),
-            kdocs: cut(vec![batch.clone(), none()]),
-            ids: cut(vec![length.clone(), none()]),
-            lse: cut(vec![
-                batch.clone(),
-                heads.clone(),
-                length.clone(),
-                none(),
-                none(),
-            ]),
-            dkv: cut(vec![batch, length, none(), heads, none()]),
-            q,
-        }
-    }
-
-    /// Operands (q, k, v, query starts, key starts) with their cuts.
-    fn operands(&self, ins: &[Value]) -> Vec<(Value, Sharding)> {
-        let cuts = [&self.q, &self.kv, &self.kv, &self.qdocs, &self.kdocs];
-        ins.iter().zip(cuts).map(|(&v, s)| (v, s.clone())).collect()
-    }
-}
-
 /// Each device's chunk ids [CP, 2]: (r, 2CP-1-r) on row r.
 fn chunk_ids(b: &mut Builder, cp: i64) -> Result<Value> {
     b.constant(
@@ -154,7 +101,7 @@ pub fn attend(
     let qd = b.dims(q).to_vec();
     let (bs, t, kvh, g, d) = (qd[0], qd[1], qd[2], qd[3], qd[4]);
     let ch = Chunks::new(2 * cp, t / (2 * cp), tb, d, num);
-    let cuts = Cuts::of(placement, (bs, t, kvh, g, d));
+    let cuts = Cuts::of(placement, (bs, t, kvh, g, d), "length");
     // Every device gets every key and value (the all-gather), in natural order.
     let gathered = |b: &mut Builder, x: Value| -> Result<Value> {
         let x = b.sharding_constraint(x, cuts.kv.clone())?;
@@ -167,11 +114,9 @@ pub fn attend(
     let key_docs = to_natural(b, doc_starts, cp)?;
     let ins = [q, k, v, query_docs, key_docs];
     let ids = chunk_ids(b, cp)?;
-    let mut operands = cuts.operands(&ins);
-    operands.push((ids, cuts.ids.clone()));
     let fwd = b.manual_computation(
         &cuts.mesh,
-        &operands,
+        &cuts.operands(&ins, &[(ids, cuts.ids.clone())]),
         &[cuts.q.clone(), cuts.lse.clone()],
         |b, local| flash::forward_on_device(b, &local[..5], local[5], ch),
     )?;
@@ -185,13 +130,15 @@ pub fn attend(
         let out = b.reshape(outs[0], &[bs, t, kvh, g, d])?;
         let dout = b.reshape(dout, &[bs, t, kvh, g, d])?;
         let ids = chunk_ids(b, cp)?;
-        let mut operands = cuts.operands(ins);
-        operands.extend([
-            (ids, cuts.ids.clone()),
-            (out, cuts.q.clone()),
-            (outs[1], cuts.lse.clone()),
-            (dout, cuts.q.clone()),
-        ]);
+        let operands = cuts.operands(
+            ins,
+            &[
+                (ids, cuts.ids.clone()),
+                (out, cuts.q.clone()),
+                (outs[1], cuts.lse.clone()),
+                (dout, cuts.q.clone()),
+            ],
+        );
         let outs = [cuts.q.clone(), cuts.dkv.clone(), cuts.dkv.clone()];
         let grads = b.manual_computation(&cuts.mesh, &operands, &outs, |b, l| {
             let g = flash::backward_on_device(b, &l[..5], (l[5], l[6], l[7], l[8]), ch)?;

@@ -136,7 +136,7 @@ pub fn attend(
 ) -> Result<Value> {
     let qd = b.dims(q).to_vec();
     let (bs, t, kvh, g, d) = (qd[0], qd[1], qd[2], qd[3], qd[4]);
-    let cuts = mesh.map(|p| Cuts::of(p, (bs, t, kvh, g, d)));
+    let cuts = mesh.map(|p| Cuts::of(p, (bs, t, kvh, g, d), "none"));
     // Two halves of whole blocks: the padding at the end is a key no query sees.
     let tp = padded(t, 2 * tb);
     let chunks = Chunks::new(2, tp / 2, tb, d, num);
@@ -153,7 +153,7 @@ pub fn attend(
         None => forward_on_device(b, &ins, ids, chunks)?,
         Some(c) => b.manual_computation(
             &c.mesh,
-            &c.operands(&ins, ids, &[]),
+            &c.operands(&ins, &[(ids, c.ids.clone())]),
             &[c.q.clone(), c.lse.clone()],
             |b, l| forward_on_device(b, &l[..5], l[5], chunks),
         )?,
@@ -178,12 +178,13 @@ pub fn attend(
             None => backward_on_device(b, ins, (ids, out, outs[1], dout), chunks)?,
             Some(c) => {
                 let rest = [
+                    (ids, c.ids.clone()),
                     (out, c.q.clone()),
                     (outs[1], c.lse.clone()),
                     (dout, c.q.clone()),
                 ];
                 let results = [c.q.clone(), c.kv.clone(), c.kv.clone()];
-                b.manual_computation(&c.mesh, &c.operands(ins, ids, &rest), &results, |b, l| {
+                b.manual_computation(&c.mesh, &c.operands(ins, &rest), &results, |b, l| {
                     backward_on_device(b, &l[..5], (l[5], l[6], l[7], l[8]), chunks)
                 })?
             }
@@ -194,52 +195,64 @@ pub fn attend(
     Ok(outs[0])
 }
 
-/// How [`attend`]'s operands are cut over a mesh without a context axis, so that each device
-/// runs the loops (or a kernel in the composites' place) on its own rows and heads: batch and
-/// heads as the placement cuts the queries, the sequence whole. The queries [B, T, KV, G, D]
-/// and their output; keys, values and their gradients [B, T, KV, D]; the document starts
-/// [B, T]; the chunk ids [1, 2] whole; the row statistic [B, KV, 2, Cp, G].
+/// How the per-device attention's operands and results are cut over the mesh, taken from the
+/// placement while it is at hand (the gradient rule outlives it). The queries' sharding decides:
+/// its batch, sequence and head axes cut every other tensor alike, so that each device holds
+/// matching shards: queries [B, T, KV, G, D] and their output; keys and values [B, T, KV, D],
+/// whole along the sequence; the query and key document starts [B, T]; the chunk ids [CP, 2];
+/// the row statistic [B, KV, 2CP, Cp, G]; each device's key gradients [B, CP, T, KV, D]. Over
+/// a context axis (`model::context`) the sequence is cut (`sequence` = "length"); on a mesh
+/// without one ([`attend`]) it is whole ("none"), each device on its own rows and heads.
 #[derive(Clone)]
-struct Cuts {
-    mesh: hlo::Mesh,
-    q: Sharding,
-    kv: Sharding,
-    docs: Sharding,
-    ids: Sharding,
-    lse: Sharding,
+pub(crate) struct Cuts {
+    pub(crate) mesh: hlo::Mesh,
+    pub(crate) q: Sharding,
+    pub(crate) kv: Sharding,
+    pub(crate) qdocs: Sharding,
+    pub(crate) kdocs: Sharding,
+    pub(crate) ids: Sharding,
+    pub(crate) lse: Sharding,
+    pub(crate) dkv: Sharding,
 }
 
 impl Cuts {
-    fn of(p: &dyn Placement, dims: (i64, i64, i64, i64, i64)) -> Cuts {
+    pub(crate) fn of(p: &dyn Placement, dims: (i64, i64, i64, i64, i64), sequence: &str) -> Cuts {
         let (bs, t, kvh, g, d) = dims;
         let q = p.place(
-            &["batch", "none", "kv_heads", "none", "none"],
+            &["batch", sequence, "kv_heads", "none", "none"],
             &[bs, t, kvh, g, d],
         );
-        let (batch, heads) = (q.dims[0].clone(), q.dims[2].clone());
+        let (batch, length, heads) = (q.dims[0].clone(), q.dims[1].clone(), q.dims[2].clone());
+        let none = Vec::new;
         let cut = |dims: Vec<Vec<String>>| Sharding { dims };
         Cuts {
             mesh: p.mesh(),
-            kv: cut(vec![batch.clone(), vec![], heads.clone(), vec![]]),
-            docs: cut(vec![batch.clone(), vec![]]),
-            ids: cut(vec![vec![], vec![]]),
-            lse: cut(vec![batch, heads, vec![], vec![], vec![]]),
+            kv: cut(vec![batch.clone(), none(), heads.clone(), none()]),
+            qdocs: cut(vec![batch.clone(), length.clone()]),
+            kdocs: cut(vec![batch.clone(), none()]),
+            ids: cut(vec![length.clone(), none()]),
+            lse: cut(vec![
+                batch.clone(),
+                heads.clone(),
+                length.clone(),
+                none(),
+                none(),
+            ]),
+            dkv: cut(vec![batch, length, none(), heads, none()]),
             q,
         }
     }
 
-    /// (q, k, v, query starts, key starts, chunk ids) with their cuts, then `rest`.
-    fn operands(
+    /// Operands (q, k, v, query starts, key starts) with their cuts, then `rest`.
+    pub(crate) fn operands(
         &self,
         ins: &[Value],
-        ids: Value,
         rest: &[(Value, Sharding)],
     ) -> Vec<(Value, Sharding)> {
-        let cuts = [&self.q, &self.kv, &self.kv, &self.docs, &self.docs];
+        let cuts = [&self.q, &self.kv, &self.kv, &self.qdocs, &self.kdocs];
         ins.iter()
             .zip(cuts)
             .map(|(&v, s)| (v, s.clone()))
-            .chain([(ids, self.ids.clone())])
             .chain(rest.iter().cloned())
             .collect()
     }
