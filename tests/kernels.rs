@@ -30,6 +30,34 @@ fn losses(out: &Path) -> Vec<f64> {
         .collect()
 }
 
+/// Train the tiny model with [`FLAGS`] and `extra` into `dir/name`, expecting success: its
+/// losses and what it said.
+fn train_run(
+    dir: &Path,
+    (model, data): (&Path, &Path),
+    name: &str,
+    extra: &[&str],
+) -> (Vec<f64>, String) {
+    let out = dir.join(name);
+    let o = train_cmd(model, data, &out)
+        .args(FLAGS)
+        .args(extra)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr).to_string();
+    assert!(o.status.success(), "{err}");
+    (losses(&out), err)
+}
+
+/// Three steps' losses, the same within f32 rounding of another summation order (1e-5
+/// relative).
+fn assert_same_losses(a: &[f64], b: &[f64]) {
+    assert_eq!(a.len(), 3);
+    for (x, y) in a.iter().zip(b) {
+        assert!((x - y).abs() <= 1e-5 * x.abs(), "{a:?} against {b:?}");
+    }
+}
+
 /// The reference kernel in place of the key-block loops trains as they do: the same losses
 /// within f32 rounding of another summation order (1e-5 relative), and the run says which
 /// composites it replaced.
@@ -38,20 +66,10 @@ fn a_run_with_a_kernel_trains_as_the_loops_do_and_says_so() {
     let dir = tempdir("kernel-run");
     let model = tiny_text_model(&dir);
     let data = instruction_examples(&dir.join("d.jsonl"), 12);
-    let run = |name: &str, extra: &[&str]| {
-        let out = dir.join(name);
-        let o = train_cmd(&model, &data, &out)
-            .args(FLAGS)
-            .args(extra)
-            .output()
-            .unwrap();
-        let err = String::from_utf8_lossy(&o.stderr).to_string();
-        assert!(o.status.success(), "{err}");
-        (losses(&out), err)
-    };
-    let (loops, said) = run("loops", &[]);
+    let runs = (model.as_path(), data.as_path());
+    let (loops, said) = train_run(&dir, runs, "loops", &[]);
     assert!(said.contains("--key-block 8 (blocks of 8)"), "{said}");
-    let (kernel, said) = run("kernel", &["--kernel", "every-key"]);
+    let (kernel, said) = train_run(&dir, runs, "kernel", &["--kernel", "every-key"]);
     assert!(
         said.contains(
             "kernels in place of composites: xtrain.attention v1 -> every-key, \
@@ -59,13 +77,7 @@ fn a_run_with_a_kernel_trains_as_the_loops_do_and_says_so() {
         ),
         "{said}"
     );
-    assert_eq!(loops.len(), 3);
-    for (a, b) in loops.iter().zip(&kernel) {
-        assert!(
-            (a - b).abs() <= 1e-5 * a.abs(),
-            "{loops:?} against {kernel:?}"
-        );
-    }
+    assert_same_losses(&loops, &kernel);
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -202,7 +214,7 @@ fn the_cudnn_kernel_compiles_for_an_absent_h100_and_is_refused_where_it_cannot_s
             .collect()
     };
     let args = compile(&["--dtype", "bf16", "--seq", "24", "--target", "cuda:h100:1"]);
-    let run = xtrain(&args.iter().map(|s| s.as_str()).collect::<Vec<_>>());
+    let run = xtrain(&refs(&args));
     let said = String::from_utf8_lossy(&run.stderr).to_string();
     assert!(run.status.success(), "{said}");
     assert!(
@@ -245,7 +257,7 @@ fn the_cudnn_kernel_compiles_for_an_absent_h100_and_is_refused_where_it_cannot_s
         "--mesh",
         "fsdp=2",
     ]);
-    let run = xtrain(&args.iter().map(|s| s.as_str()).collect::<Vec<_>>());
+    let run = xtrain(&refs(&args));
     assert!(
         run.status.success(),
         "{}",
@@ -265,7 +277,7 @@ fn the_cudnn_kernel_compiles_for_an_absent_h100_and_is_refused_where_it_cannot_s
 
     let refused = |extra: &[&str], why: &str| {
         let args = compile(extra);
-        let o = xtrain(&args.iter().map(|s| s.as_str()).collect::<Vec<_>>());
+        let o = xtrain(&refs(&args));
         let e = String::from_utf8_lossy(&o.stderr).to_string();
         assert!(
             !o.status.success() && !e.contains("panicked"),
@@ -340,26 +352,10 @@ fn the_cudnn_stand_in_trains_as_the_loops_do_on_padded_rows() {
     let dir = tempdir("kernel-standin");
     let model = tiny_text_model(&dir);
     let data = instruction_examples(&dir.join("d.jsonl"), 12);
-    let run = |name: &str, extra: &[&str]| {
-        let out = dir.join(name);
-        let o = train_cmd(&model, &data, &out)
-            .args(FLAGS)
-            .arg("--no-pack")
-            .args(extra)
-            .output()
-            .unwrap();
-        let err = String::from_utf8_lossy(&o.stderr).to_string();
-        assert!(o.status.success(), "{err}");
-        losses(&out)
-    };
-    let loops = run("loops", &[]);
-    let stand_in = run("standin", &["--kernel", "cudnn-standin"]);
-    assert_eq!(loops.len(), 3);
-    for (a, b) in loops.iter().zip(&stand_in) {
-        assert!(
-            (a - b).abs() <= 1e-5 * a.abs(),
-            "{loops:?} against {stand_in:?}"
-        );
-    }
+    let runs = (model.as_path(), data.as_path());
+    let (loops, _) = train_run(&dir, runs, "loops", &["--no-pack"]);
+    let standin = ["--no-pack", "--kernel", "cudnn-standin"];
+    let (stand_in, _) = train_run(&dir, runs, "standin", &standin);
+    assert_same_losses(&loops, &stand_in);
     std::fs::remove_dir_all(&dir).unwrap();
 }
