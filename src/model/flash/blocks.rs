@@ -105,6 +105,15 @@ pub(super) fn times(b: &mut Builder, x: Value, k: i64) -> Result<Value> {
     b.mul(x, k)
 }
 
+/// Start indices into `x` for a dynamic slice or update: `at`'s (dim, start) pairs (s32
+/// scalars), 0 in every other dim.
+fn starts_at(b: &mut Builder, x: Value, at: &[(usize, Value)]) -> Vec<Value> {
+    let zero = s32(b, 0);
+    (0..b.rank(x))
+        .map(|r| at.iter().find(|(d, _)| *d == r).map_or(zero, |&(_, v)| v))
+        .collect()
+}
+
 /// `x`'s `size` entries of dim `dim` from `start` (s32 scalar), the other dims whole.
 pub(super) fn window(
     b: &mut Builder,
@@ -113,10 +122,7 @@ pub(super) fn window(
     start: Value,
     size: i64,
 ) -> Result<Value> {
-    let zero = s32(b, 0);
-    let starts: Vec<Value> = (0..b.rank(x))
-        .map(|r| if r == dim { start } else { zero })
-        .collect();
+    let starts = starts_at(b, x, &[(dim, start)]);
     let mut sizes = b.dims(x).to_vec();
     sizes[dim] = size;
     b.dynamic_slice(x, &starts, &sizes)
@@ -130,10 +136,7 @@ pub(super) fn put_window(
     dim: usize,
     start: Value,
 ) -> Result<Value> {
-    let zero = s32(b, 0);
-    let starts: Vec<Value> = (0..b.rank(x))
-        .map(|r| if r == dim { start } else { zero })
-        .collect();
+    let starts = starts_at(b, x, &[(dim, start)]);
     b.dynamic_update_slice(x, new, &starts)
 }
 
@@ -163,14 +166,7 @@ pub(super) fn put_query_rows(
     slot: Value,
     at: Value,
 ) -> Result<Value> {
-    let zero = s32(b, 0);
-    let starts: Vec<Value> = (0..b.rank(x))
-        .map(|r| match r {
-            2 => slot,
-            3 => at,
-            _ => zero,
-        })
-        .collect();
+    let starts = starts_at(b, x, &[(2, slot), (3, at)]);
     b.dynamic_update_slice(x, rows, &starts)
 }
 
