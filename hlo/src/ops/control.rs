@@ -63,15 +63,7 @@ impl Builder {
                 let state = self.optimization_barrier(&state);
                 let i = self.scalar(k as f64, DType::S32);
                 carry = body(self, i, &state[..nc], &state[nc..])?;
-                if carry.len() != nc {
-                    return err(
-                        "while",
-                        format!(
-                            "loop body returned {} values for a carry of {nc}",
-                            carry.len()
-                        ),
-                    );
-                }
+                check_carry(&carry, nc)?;
             }
             return Ok(carry);
         }
@@ -106,15 +98,7 @@ impl Builder {
             .collect();
         let (i, carry, inv) = (params[0], &params[1..1 + nc], &params[1 + nc..]);
         let new_carry = body(&mut bb, i, carry, inv)?;
-        if new_carry.len() != nc {
-            return err(
-                "while",
-                format!(
-                    "loop body returned {} values for a carry of {nc}",
-                    new_carry.len()
-                ),
-            );
-        }
+        check_carry(&new_carry, nc)?;
         let one = bb.scalar(1.0, DType::S32);
         let next = bb.add(i, one)?;
         let mut results = vec![("i".to_string(), next)];
@@ -176,4 +160,18 @@ impl Builder {
         let types = xs.iter().map(|&v| self.shape(v).clone()).collect();
         self.push(Op::OptimizationBarrier, xs.to_vec(), types)
     }
+}
+
+/// A loop body must give back as many values as the carry it was given.
+fn check_carry(carry: &[Value], nc: usize) -> Result<()> {
+    if carry.len() != nc {
+        return err(
+            "while",
+            format!(
+                "loop body returned {} values for a carry of {nc}",
+                carry.len()
+            ),
+        );
+    }
+    Ok(())
 }
