@@ -199,6 +199,16 @@ fn keys_to_tokens(b: &mut Builder, x: Value) -> Result<Value> {
     Ok(b.transpose(x, &[0, 2, 1, 3])?)
 }
 
+/// The composites' first three operands as cuDNN takes them: q [B, T, H, D], k and v
+/// [B, T, KV, D].
+fn qkv_tokens(b: &mut Builder, p: &[Value], dm: &Dims) -> Result<[Value; 3]> {
+    Ok([
+        to_tokens_heads(b, p[0], dm)?,
+        keys_to_tokens(b, p[1])?,
+        keys_to_tokens(b, p[2])?,
+    ])
+}
+
 /// Forward: (q, k, v, query starts, key starts, chunk ids) -> (out, lse), by cuDNN.
 pub(super) fn forward(site: &Site) -> Result<Func> {
     build_forward(site, Calls::Library)
@@ -225,9 +235,7 @@ fn build_forward(site: &Site, calls: Calls) -> Result<Func> {
     let mut b = Builder::new("cudnn_attention");
     let p = params(&mut b, site, &FORWARD_OPERANDS)?;
     let h = dm.kv * dm.g;
-    let q = to_tokens_heads(&mut b, p[0], &dm)?;
-    let k = keys_to_tokens(&mut b, p[1])?;
-    let v = keys_to_tokens(&mut b, p[2])?;
+    let [q, k, v] = qkv_tokens(&mut b, &p, &dm)?;
     let (out, stats) = match calls {
         Calls::Library => {
             let outs = b.custom_call(
@@ -262,9 +270,7 @@ fn build_backward(site: &Site, calls: Calls) -> Result<Func> {
     let mut b = Builder::new("cudnn_attention_grad");
     let p = params(&mut b, site, &BACKWARD_OPERANDS)?;
     let h = dm.kv * dm.g;
-    let q = to_tokens_heads(&mut b, p[0], &dm)?;
-    let k = keys_to_tokens(&mut b, p[1])?;
-    let v = keys_to_tokens(&mut b, p[2])?;
+    let [q, k, v] = qkv_tokens(&mut b, &p, &dm)?;
     let out = to_tokens_heads(&mut b, p[6], &dm)?;
     let dout = to_tokens_heads(&mut b, p[8], &dm)?;
     let lse = b.transpose(p[7], &[0, 1, 4, 2, 3])?;
