@@ -316,17 +316,32 @@ mod stand_in {
     use anyhow::Result;
     use hlo::{Builder, CmpDir, DType, DotDims, Shape, Value};
 
-    /// Scaled, causally masked scores [B, KV, T, G, S] f32 of q [B, T, H, D] against k
-    /// [B, S, KV, D], and q as [B, T, KV, G, D].
-    fn scores(b: &mut Builder, q: Value, k: Value, dm: &Dims) -> Result<(Value, Value)> {
-        let q5 = b.reshape(q, &[dm.b, dm.t, dm.kv, dm.g, dm.d])?;
-        let dims = DotDims {
+    /// Rows [B, T, KV, G, D] (queries, or the output's cotangent) against the keys' or values'
+    /// [B, S, KV, D], per head: [B, KV, T, G, S].
+    fn against_keys() -> DotDims {
+        DotDims {
             lhs_batch: vec![0, 2],
             rhs_batch: vec![0, 2],
             lhs_contract: vec![4],
             rhs_contract: vec![3],
-        };
-        let s = b.dot_general(q5, k, dims, None, Some(DType::F32))?;
+        }
+    }
+
+    /// Weights over the keys [B, KV, T, G, S] times values or keys [B, S, KV, D]: [B, KV, T, G, D].
+    fn over_keys() -> DotDims {
+        DotDims {
+            lhs_batch: vec![0, 1],
+            rhs_batch: vec![0, 2],
+            lhs_contract: vec![4],
+            rhs_contract: vec![1],
+        }
+    }
+
+    /// Scaled, causally masked scores [B, KV, T, G, S] f32 of q [B, T, H, D] against k
+    /// [B, S, KV, D], and q as [B, T, KV, G, D].
+    fn scores(b: &mut Builder, q: Value, k: Value, dm: &Dims) -> Result<(Value, Value)> {
+        let q5 = b.reshape(q, &[dm.b, dm.t, dm.kv, dm.g, dm.d])?;
+        let s = b.dot_general(q5, k, against_keys(), None, Some(DType::F32))?;
         let s = b.mul_scalar(s, dm.scale)?;
         let shape = Shape::new(&[dm.b, dm.kv, dm.t, dm.g, dm.t], DType::S32);
         let query = b.iota(shape.clone(), 2)?;
@@ -363,13 +378,7 @@ mod stand_in {
         let e = b.exp(shifted)?;
         let l = b.reduce_sum(e, &[4])?;
         let vf = b.convert(v, DType::F32)?;
-        let dims = DotDims {
-            lhs_batch: vec![0, 1],
-            rhs_batch: vec![0, 2],
-            lhs_contract: vec![4],
-            rhs_contract: vec![1],
-        };
-        let ev = b.dot_general(e, vf, dims, None, Some(DType::F32))?;
+        let ev = b.dot_general(e, vf, over_keys(), None, Some(DType::F32))?;
         let od = b.dims(ev).to_vec();
         let lw = b.broadcast_in_dim(l, &od, &rows)?;
         let out = b.div(ev, lw)?;
@@ -405,13 +414,7 @@ mod stand_in {
         let delta = b.reduce_sum(prod, &[4])?;
         let delta = b.transpose(delta, &[0, 2, 1, 3])?;
         let vf = b.convert(v, DType::F32)?;
-        let per_key = DotDims {
-            lhs_batch: vec![0, 2],
-            rhs_batch: vec![0, 2],
-            lhs_contract: vec![4],
-            rhs_contract: vec![3],
-        };
-        let dp = b.dot_general(do5, vf, per_key, None, Some(DType::F32))?;
+        let dp = b.dot_general(do5, vf, against_keys(), None, Some(DType::F32))?;
         let dw = b.broadcast_in_dim(delta, &sd, &rows)?;
         let centered = b.sub(dp, dw)?;
         let ds = b.mul(probs, centered)?;
@@ -426,13 +429,7 @@ mod stand_in {
         let qf = b.convert(q5, DType::F32)?;
         let dk = b.dot_general(ds, qf, over_queries, None, Some(DType::F32))?;
         let kf = b.convert(k, DType::F32)?;
-        let over_keys = DotDims {
-            lhs_batch: vec![0, 1],
-            rhs_batch: vec![0, 2],
-            lhs_contract: vec![4],
-            rhs_contract: vec![1],
-        };
-        let dq = b.dot_general(ds, kf, over_keys, None, Some(DType::F32))?;
+        let dq = b.dot_general(ds, kf, over_keys(), None, Some(DType::F32))?;
         let dq = heads_first(b, dq, dm)?;
         Ok((
             b.convert(dq, dm.dtype)?,
