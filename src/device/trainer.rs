@@ -330,11 +330,7 @@ impl Trainer {
 
     /// Refuse a batch that a kernel in use would compute wrongly (`device::kernels`).
     fn check_kernel_rows(&self, batch: &Batch) -> Result<()> {
-        if self.rt.kernels.is_empty() {
-            return Ok(());
-        }
-        let mask = batch.attention_mask.to_i32()?;
-        crate::device::kernels::check_batch(&self.rt.kernels, &mask, batch.dims().1 as usize)
+        crate::device::kernels::check_batch(&self.rt.kernels, &batch.attention_mask)
     }
 
     /// One optimizer step at learning rate `lr`. Returns (loss before the update, grad norm).

@@ -57,7 +57,7 @@ fn dims(site: &Site, calls: Calls) -> Result<Dims> {
     if chunks != 2 {
         bail!(
             "the sequence is cut over a context axis ({chunks} chunks): cuDNN's causal mask \
-             needs one device's whole sequence (run without a context axis, or without --kernel cudnn)"
+             needs one device's whole sequence (run without a context axis, or without this kernel)"
         );
     }
     let (c, cp) = (site.int("chunk")?, site.int("padded_chunk")?);
@@ -446,16 +446,16 @@ pub fn check_rows(mask: &[i32], seq: usize) -> Result<()> {
     for (row, m) in mask.chunks(seq.max(1)).enumerate() {
         if let Some(t) = m.iter().position(|&x| x > 1) {
             bail!(
-                "--kernel cudnn: row {row} holds several documents (a second one starts at token {}): \
+                "row {row} holds several documents (a second one starts at token {}): \
                  cuDNN's causal mask would let them attend to each other; train with --no-pack, \
-                 or without --kernel cudnn",
+                 or without this kernel",
                 m[t] - 1
             );
         }
         if let Some(first_pad) = m.iter().position(|&x| x == 0) {
             if let Some(t) = m[first_pad..].iter().position(|&x| x != 0) {
                 bail!(
-                    "--kernel cudnn: row {row} has padding at token {first_pad} before a real token \
+                    "row {row} has padding at token {first_pad} before a real token \
                      at {}: cuDNN's causal mask needs padding at the end of a row",
                     first_pad + t
                 );

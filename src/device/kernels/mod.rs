@@ -110,12 +110,21 @@ pub fn needs_one_document_rows(name: &str) -> bool {
 }
 
 /// Refuse a batch that a chosen kernel would compute wrongly (see [`Kernel`]'s `rows`), by
-/// row and token.
-pub fn check_batch(kernels: &[&Kernel], attention_mask: &[i32], seq: usize) -> Result<()> {
-    for k in kernels {
-        if let Some(rule) = k.rows {
-            rule(attention_mask, seq)?;
-        }
+/// row and token. `attention_mask` [B, T] is read only where a kernel has a rule, and each
+/// rule runs once (a kernel's forward and gradient entries share theirs).
+pub fn check_batch(kernels: &[&Kernel], attention_mask: &pjrt::HostTensor) -> Result<()> {
+    let mut rules: Vec<(&str, RowRule)> = kernels
+        .iter()
+        .filter_map(|k| Some((k.name, k.rows?)))
+        .collect();
+    rules.dedup_by_key(|(name, _)| *name);
+    if rules.is_empty() {
+        return Ok(());
+    }
+    let mask = attention_mask.to_i32()?;
+    let seq = attention_mask.dims.get(1).copied().unwrap_or(1) as usize;
+    for (name, rule) in rules {
+        rule(&mask, seq).map_err(|e| anyhow::anyhow!("--kernel {name}: {e}"))?;
     }
     Ok(())
 }
@@ -392,6 +401,24 @@ mod tests {
                 Shape::new(&[2], DType::F32)
             ]
         );
+    }
+
+    /// A kernel with a row rule refuses a packed batch by row and token; one without takes it.
+    #[test]
+    fn batches_are_checked_by_the_chosen_kernels_rules() {
+        let packed = pjrt::HostTensor::from_i32(&[1, 1, 1, 1, 1, 1, 3, 3], &[2, 4]);
+        let reference = chosen(&["every-key".into()], "cpu").unwrap();
+        check_batch(&reference, &packed).unwrap();
+        let stand_in = chosen(&["cudnn-standin".into()], "cpu").unwrap();
+        let e = check_batch(&stand_in, &packed).unwrap_err().to_string();
+        assert!(
+            e.contains(
+                "--kernel cudnn-standin: row 1 holds several documents (a second one starts at token 2)"
+            ),
+            "{e}"
+        );
+        let one_each = pjrt::HostTensor::from_i32(&[1, 1, 1, 0, 1, 1, 1, 1], &[2, 4]);
+        check_batch(&stand_in, &one_each).unwrap();
     }
 
     #[test]
