@@ -1,5 +1,5 @@
 //! Recipes: `xtrain train` ([`run`]), a fine-tuning run a person can read top to bottom, and
-//! `xtrain bench` ([`bench`](mod@bench)). A run loads the model's config, reads the data, plans the step
+//! `xtrain bench` ([`bench`](mod@bench)). A run loads the model's config, reads the data, prepares the step
 //! (or takes a compiled program dir) for the plugin, decides where training starts (fresh, an
 //! initial adapter, or a checkpoint), loads the frozen weights, compiles and uploads, then loops:
 //! step, log, evaluate, checkpoint; and saves the adapter and the loss curve at the end. It owns
@@ -13,8 +13,8 @@ mod hosts;
 pub mod log;
 pub mod options;
 pub mod output;
-mod plan;
 pub mod plot;
+mod prepare;
 pub mod progress;
 pub mod schedule;
 pub mod settings;
@@ -22,7 +22,7 @@ mod start;
 pub mod tensorboard;
 mod upload;
 
-pub use plan::{one_process, plan};
+pub use prepare::{one_process, prepare};
 
 use crate::data::{Batch, Source, TrainingData};
 use crate::device::memory::fit::{argument_bytes_per_device, explain_out_of_memory_on};
@@ -95,8 +95,8 @@ fn run_in(
         return Ok(Finished::Interrupted(None));
     }
     let (rt, spec, program) = match team {
-        None => plan::plan(opts, cfg, data.batch, data.seq),
-        Some(team) => plan::plan_with(opts, cfg, data.batch, data.seq, |devices| {
+        None => prepare::prepare(opts, cfg, data.batch, data.seq),
+        Some(team) => prepare::prepare_with(opts, cfg, data.batch, data.seq, |devices| {
             team.open(opts, devices)
         }),
     }

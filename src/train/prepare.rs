@@ -1,4 +1,4 @@
-//! The step a run trains with, planned before any weight is loaded: the plugin opened, and the
+//! The step a run trains with, prepared before any weight is loaded: the plugin opened, and the
 //! step taken from a program dir (its executable where one was compiled for these devices) or
 //! built here, with `--remat auto` and `--offload auto` decided against the device's memory.
 //! Refused here: a step that needs more devices than this process has.
@@ -35,25 +35,25 @@ fn name_the_batchs_length(
     anyhow::anyhow!("{}", text.replacen(&flag, &named, 1))
 }
 
-/// Open the plugin and plan the step: take it from a program dir (checking that it was built for
+/// Open the plugin and prepare the step: take it from a program dir (checking that it was built for
 /// this model and batch), or build it for the plugin's platform. A CPU plugin gets as many
 /// virtual devices as the mesh needs; an accelerator plugin has what it has, and compiling
 /// checks that there are enough.
-pub fn plan(
+pub fn prepare(
     opts: &TrainOptions,
     cfg: &LlamaConfig,
     batch: i64,
     seq: i64,
 ) -> Result<(Runtime, StepSpec, Program)> {
-    plan_with(opts, cfg, batch, seq, |devices| {
+    prepare_with(opts, cfg, batch, seq, |devices| {
         Runtime::open(opts.plugin.as_deref(), Some(devices.max(1)))
     })
 }
 
-/// [`plan`] with the plugin opened by `open` (given the step's number of devices): a process of
+/// [`prepare`] with the plugin opened by `open` (given the step's number of devices): a process of
 /// a run of several opens its client through the run's store and places the step over every
 /// process's devices.
-pub fn plan_with(
+pub fn prepare_with(
     opts: &TrainOptions,
     cfg: &LlamaConfig,
     batch: i64,
