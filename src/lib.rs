@@ -6,6 +6,8 @@
 //! - [`program`]: the training step and its sibling programs as StableHLO text;
 //! - [`formats`]: files on disk (safetensors, checkpoints, adapters, GGUF, program dirs);
 //! - [`data`]: JSONL examples to tokenized rows to batches;
+//! - [`cluster`]: the transport of a run of several processes (launch, the run's store, the
+//!   rendezvous, gathering shards), nothing of the devices;
 //! - [`device`]: a PJRT plugin, compiled programs, the trainer's state on the devices;
 //! - [`train`]: the recipes that put them together (`xtrain train`, `xtrain bench`);
 //! - [`compile`]: `xtrain compile`, the step's program dir without weights, compiled with
@@ -13,6 +15,7 @@
 //!
 //! The command line (`src/cli`) is the binary's, on top of all of them.
 
+pub mod cluster;
 pub mod compile;
 pub mod data;
 pub mod device;

@@ -1,6 +1,7 @@
-//! The code map's shape, checked (docs/architecture.md): no two files of `src/` import each
-//! other, and each stage of the library imports only the stages before it (`model` < `program` <
-//! `formats` < `data` < `device` < `train` < `compile` < `cli`).
+//! The code map's shape, checked (docs/architecture.md): no file of `src/` reaches itself through
+//! its imports (no two files import each other, nor any longer circle), and each stage of the
+//! library imports only the stages before it (`model` < `program` < `formats` < `data` <
+//! `cluster` < `device` < `train` < `compile` < `cli`).
 //!
 //! A file imports another when it names a path into it: a `use` (`crate::`, `super::`, `self::`,
 //! `xtrain::`, or a child module of its own), or such a path written inline in code. A name a
@@ -12,8 +13,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 /// The library's stages, in the order each may use the ones before it.
-const STAGES: [&str; 8] = [
-    "model", "program", "formats", "data", "device", "train", "compile", "cli",
+const STAGES: [&str; 9] = [
+    "model", "program", "formats", "data", "cluster", "device", "train", "compile", "cli",
 ];
 
 #[test]
@@ -33,6 +34,163 @@ fn no_two_files_import_each_other() {
         "files that import each other (move what both need into one of them, or into a third):\n  {}",
         pairs.join("\n  ")
     );
+}
+
+/// No circle of imports of any length (`a -> b -> c -> a`): the pairs above are its shortest
+/// case. Each circle found is named file by file. `test_support.rs` is left out: it is built
+/// only for the unit tests, which may use it from any stage (and it uses the stages above).
+#[test]
+fn no_import_cycles() {
+    let tree = SourceTree::read(&Path::new(env!("CARGO_MANIFEST_DIR")).join("src"));
+    let test_only = Path::new("test_support.rs");
+    let mut edges = tree.imports();
+    edges.remove(test_only);
+    for tos in edges.values_mut() {
+        tos.remove(test_only);
+    }
+    let cycles = import_cycles(&edges);
+    let named: Vec<String> = cycles
+        .iter()
+        .map(|c| {
+            let files: Vec<String> = c.iter().map(|f| f.display().to_string()).collect();
+            format!("{} -> {}", files.join(" -> "), files[0])
+        })
+        .collect();
+    assert!(
+        named.is_empty(),
+        "import cycles (move what the circle shares into a file none of them is imported by):\n  {}",
+        named.join("\n  ")
+    );
+}
+
+/// The cycle finder sees circles of every length, and nothing in a graph without one.
+#[test]
+fn the_cycle_finder_finds_circles_of_any_length() {
+    let graph = |edges: &[(&str, &str)]| {
+        let mut g: BTreeMap<PathBuf, BTreeSet<PathBuf>> = BTreeMap::new();
+        for (a, b) in edges {
+            g.entry(PathBuf::from(a))
+                .or_default()
+                .insert(PathBuf::from(b));
+        }
+        g
+    };
+    let names = |cycles: Vec<Vec<PathBuf>>| -> Vec<Vec<String>> {
+        cycles
+            .into_iter()
+            .map(|c| c.iter().map(|p| p.display().to_string()).collect())
+            .collect()
+    };
+    let three = graph(&[("a", "b"), ("b", "c"), ("c", "a"), ("c", "d")]);
+    assert_eq!(names(import_cycles(&three)), [["a", "b", "c"]]);
+    let four = graph(&[("w", "x"), ("x", "y"), ("y", "z"), ("z", "w"), ("p", "q")]);
+    assert_eq!(names(import_cycles(&four)), [["w", "x", "y", "z"]]);
+    let pair = graph(&[("a", "b"), ("b", "a")]);
+    assert_eq!(names(import_cycles(&pair)), [["a", "b"]]);
+    let tree = graph(&[("a", "b"), ("a", "c"), ("b", "d"), ("c", "d")]);
+    assert!(import_cycles(&tree).is_empty());
+}
+
+/// One circle per strongly connected group of files that import each other round (Tarjan's
+/// algorithm finds the groups; a shortest circle through the group's first file is named).
+fn import_cycles(edges: &BTreeMap<PathBuf, BTreeSet<PathBuf>>) -> Vec<Vec<PathBuf>> {
+    let mut nodes: Vec<&PathBuf> = edges.keys().chain(edges.values().flatten()).collect();
+    nodes.sort();
+    nodes.dedup();
+    let index_of: BTreeMap<&PathBuf, usize> =
+        nodes.iter().enumerate().map(|(i, n)| (*n, i)).collect();
+    let next: Vec<Vec<usize>> = nodes
+        .iter()
+        .map(|n| {
+            edges
+                .get(*n)
+                .map_or(Vec::new(), |t| t.iter().map(|t| index_of[t]).collect())
+        })
+        .collect();
+    let mut out = Vec::new();
+    for group in strongly_connected(&next) {
+        // A file naming its own items is no circle.
+        if group.len() < 2 {
+            continue;
+        }
+        let start = *group.iter().min().unwrap();
+        let members: BTreeSet<usize> = group.iter().copied().collect();
+        // Breadth first from `start` within the group, back to `start`: a shortest circle.
+        let mut from: BTreeMap<usize, usize> = BTreeMap::new();
+        let mut queue = std::collections::VecDeque::from([start]);
+        'search: while let Some(n) = queue.pop_front() {
+            for &m in &next[n] {
+                if m == start {
+                    let mut circle = vec![n];
+                    while let Some(&p) = from.get(circle.last().unwrap()) {
+                        circle.push(p);
+                    }
+                    circle.reverse();
+                    if circle[0] != start {
+                        circle.insert(0, start);
+                    }
+                    out.push(circle.iter().map(|i| nodes[*i].clone()).collect());
+                    break 'search;
+                }
+                if members.contains(&m) && m != start && !from.contains_key(&m) {
+                    from.insert(m, n);
+                    queue.push_back(m);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The strongly connected components of a graph (`next[n]`: the nodes `n` points to), by
+/// Tarjan's algorithm, written without recursion.
+fn strongly_connected(next: &[Vec<usize>]) -> Vec<Vec<usize>> {
+    let n = next.len();
+    let (mut index, mut low) = (vec![usize::MAX; n], vec![0; n]);
+    let (mut on_stack, mut stack, mut groups) = (vec![false; n], Vec::new(), Vec::new());
+    let mut counter = 0;
+    for root in 0..n {
+        if index[root] != usize::MAX {
+            continue;
+        }
+        // (node, how many of its edges are done)
+        let mut work = vec![(root, 0)];
+        while let Some(&mut (v, ref mut done)) = work.last_mut() {
+            if *done == 0 && index[v] == usize::MAX {
+                index[v] = counter;
+                low[v] = counter;
+                counter += 1;
+                stack.push(v);
+                on_stack[v] = true;
+            }
+            if let Some(&w) = next[v].get(*done) {
+                *done += 1;
+                if index[w] == usize::MAX {
+                    work.push((w, 0));
+                } else if on_stack[w] {
+                    low[v] = low[v].min(index[w]);
+                }
+                continue;
+            }
+            work.pop();
+            if let Some(&(parent, _)) = work.last() {
+                low[parent] = low[parent].min(low[v]);
+            }
+            if low[v] == index[v] {
+                let mut group = Vec::new();
+                while let Some(w) = stack.pop() {
+                    on_stack[w] = false;
+                    group.push(w);
+                    if w == v {
+                        break;
+                    }
+                }
+                group.sort_unstable();
+                groups.push(group);
+            }
+        }
+    }
+    groups
 }
 
 #[test]

@@ -451,7 +451,7 @@ fn each_virtual_host_reads_about_its_share_of_the_frozen_weights() {
 
 /// A process of a run as a checkpoint's commit sees it: barriers through the run's store.
 struct Member {
-    store: xtrain::device::hosts::store::Store,
+    store: xtrain::cluster::store::Store,
     process: usize,
     timeout: Duration,
 }
@@ -485,7 +485,7 @@ fn write_uncommitted(dir: &std::path::Path) -> anyhow::Result<()> {
 /// `--resume`, which names the newest committed one.
 #[test]
 fn a_checkpoint_counts_only_once_every_process_passed_its_barrier() {
-    use xtrain::device::hosts::{server::StoreServer, store::Store};
+    use xtrain::cluster::{server::StoreServer, store::Store};
     use xtrain::train::checkpoint::{commit_across, is_committed, latest_checkpoint, read_state};
     let dir = tempdir("hosts-commit");
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -652,14 +652,29 @@ fn a_client_of_one_process_places_every_position_here() {
     for d in &rt.devices {
         assert_eq!(d.description().unwrap().process_index, 0);
     }
-    rt.place_across_processes(4).unwrap();
-    let placed = rt.placement.clone().unwrap();
+    // The gather a process of a run hands its shards to process 0 through (unused here).
+    let gather = || {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let address = listener.local_addr().unwrap().to_string();
+        let server = xtrain::cluster::server::StoreServer::serve(listener).unwrap();
+        let store =
+            xtrain::cluster::store::Store::connect(&address, "place", Duration::from_secs(5))
+                .unwrap();
+        let gather = xtrain::cluster::gather::StoreGather::new(store, 0, 1, Duration::from_secs(5));
+        (server, gather)
+    };
+    let (_server, g) = gather();
+    rt.place_across_processes(4, g).unwrap();
+    let placed = rt.hosts.placement().cloned().unwrap();
     assert_eq!(placed.ids, ids);
     assert_eq!(placed.held(), vec![0, 1, 2, 3]);
     assert!(placed.holds_all());
     let after: Vec<i64> = rt.devices.iter().map(|d| d.id().unwrap() as i64).collect();
     assert_eq!(after, ids);
-    let e = rt.place_across_processes(2).unwrap_err().to_string();
+    let e = rt
+        .place_across_processes(2, gather().1)
+        .unwrap_err()
+        .to_string();
     assert!(
         e.contains("compiled for 2 devices, but the run's processes have 4"),
         "{e}"

@@ -237,7 +237,7 @@ pub fn train(
         explicit,
         recipe,
         taken_from: Default::default(),
-        launch: xtrain::device::hosts::launch::LaunchFlags {
+        launch: xtrain::cluster::launch::LaunchFlags {
             num_processes: a.num_processes,
             process_id: a.process_id,
             coordinator: a.coordinator,

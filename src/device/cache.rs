@@ -18,7 +18,7 @@ pub fn compile_cached(
 ) -> Result<(Executable, bool)> {
     // A process of a run of several compiles its own: the key says nothing of the device
     // assignment across processes, and every host would write the same entry on a shared home.
-    let use_cache = use_cache && rt.placement.as_ref().is_none_or(|p| p.holds_all());
+    let use_cache = use_cache && rt.hosts.holds_all();
     let plugin = rt.client.plugin();
     let (major, minor) = plugin.api_version();
     let mut key = Sha256::new();

@@ -11,11 +11,11 @@
 //!   client ([`absent::aot`]);
 //! - memory policy ([`memory`]): whether a step fits a device, what would make it fit, and the
 //!   remat and offload choices tried until one does;
-//! - runs of several processes, one per host ([`hosts`]): where this process stands, the run's
-//!   key-value store (which the GPU plugins use too), the rendezvous, and each host's share of
-//!   a step.
+//! - where a step lies across hosts ([`hosts`]): the run's mode (one host, `--virtual-hosts`,
+//!   one process of several), which process holds which mesh position, and each host's share
+//!   of a batch (the transport between the processes is `crate::cluster`).
 //!
-//! It may use `program`, `formats`, `data` and `model`. Plugins, clients and buffers are reached
+//! It may use `cluster`, `program`, `formats`, `data` and `model`. Plugins, clients and buffers are reached
 //! only from here: elsewhere `pjrt` gives just its host tensor type (and xtrain's cache
 //! directory).
 

@@ -1,6 +1,7 @@
 //! The device side: a PJRT client, compiled programs, host <-> device tensors.
 
-use crate::device::hosts::place::Placement;
+use crate::cluster::gather::StoreGather;
+use crate::device::hosts::place::{Hosts, Placement};
 use crate::device::platform::{gpu_memory_fraction, keep_freed_host_memory, named_platform};
 use crate::formats::host::element_type;
 use crate::program::Program;
@@ -30,10 +31,11 @@ pub struct Runtime {
     /// Kernels put in place of the program's composites before it is compiled (`--kernel`,
     /// see [`crate::device::kernels`]).
     pub kernels: Vec<&'static crate::device::kernels::Kernel>,
-    /// Where a step's mesh positions lie (see [`Placement`]): set for `--virtual-hosts` and for
-    /// a process of a run of several, whose [`Runtime::devices`] are then its own devices in
-    /// the order of the positions it holds. None: every position is here, device `p` at `p`.
-    pub placement: Option<Placement>,
+    /// How this process runs the step's mesh (see [`Hosts`]): one host unless
+    /// [`Runtime::place_virtual_hosts`] or [`Runtime::place_across_processes`] placed it; a
+    /// process of a run of several has its own devices in [`Runtime::devices`], in the order of
+    /// the positions it holds.
+    pub hosts: Hosts,
 }
 
 /// This process's part of a client that spans a run of several processes: the plugin creates
@@ -135,7 +137,7 @@ impl Runtime {
             devices,
             prebuilt: None,
             kernels: Vec::new(),
-            placement: None,
+            hosts: Hosts::One,
         })
     }
 
@@ -195,7 +197,7 @@ impl Runtime {
             ..program.clone()
         };
         let mut options = self.options(options);
-        if let Some(placed) = self.placement.as_ref().filter(|_| program.partitions > 1) {
+        if let Some(placed) = self.hosts.placement().filter(|_| program.partitions > 1) {
             // A run of several processes (or virtual hosts): the placement's assignment, the
             // same in every process.
             if placed.ids.len() as i64 != program.partitions {
@@ -318,8 +320,8 @@ impl Runtime {
     /// Place a step of `partitions` devices over a client spanning a run of several
     /// processes: positions from the client's global devices and their process indices
     /// ([`Placement::of_processes`]), and [`Runtime::devices`] (this process's) put in the order
-    /// of the positions it holds.
-    pub fn place_across_processes(&mut self, partitions: usize) -> Result<()> {
+    /// of the positions it holds; `gather` brings the others' shards to process 0.
+    pub fn place_across_processes(&mut self, partitions: usize, gather: StoreGather) -> Result<()> {
         let described = |d: &Device| -> Result<(i64, usize)> {
             let x = d.description()?;
             Ok((x.id as i64, x.process_index.max(0) as usize))
@@ -347,27 +349,44 @@ impl Runtime {
             ordered.push(self.devices[k].clone());
         }
         self.devices = ordered;
-        self.placement = Some(placed);
+        self.hosts = Hosts::Processes {
+            placement: placed,
+            gather,
+        };
+        Ok(())
+    }
+
+    /// `--virtual-hosts hosts`: the first `partitions` of this process's devices placed as
+    /// `hosts` hosts of equal size, with a store of their own (see [`Hosts::virtual_hosts`]).
+    pub fn place_virtual_hosts(
+        &mut self,
+        hosts: usize,
+        partitions: usize,
+        timeout: std::time::Duration,
+    ) -> Result<()> {
+        if self.devices.len() < partitions {
+            bail!(
+                "--virtual-hosts {hosts}: the step needs {partitions} devices but the plugin has {}",
+                self.devices.len()
+            );
+        }
+        let ids = self.devices[..partitions]
+            .iter()
+            .map(|d| Ok(d.id()? as i64))
+            .collect::<Result<Vec<i64>>>()?;
+        self.hosts = Hosts::virtual_hosts(ids, hosts, timeout)?;
         Ok(())
     }
 
     /// The mesh positions (of a step over `devices`) this process holds, in the order of its
-    /// argument lists: all of them unless [`Runtime::placement`] says otherwise.
+    /// argument lists: all of them unless [`Runtime::hosts`] says otherwise.
     pub fn held(&self, devices: usize) -> Vec<usize> {
-        match &self.placement {
-            Some(p) => p.held(),
-            None => (0..devices).collect(),
-        }
+        self.hosts.held(devices)
     }
 
     /// Which of [`Runtime::devices`] mesh position `p` is.
     fn slot(&self, p: usize) -> Result<usize> {
-        match &self.placement {
-            None => Ok(p),
-            Some(placed) => placed.slot(p).with_context(|| {
-                format!("mesh position {p} is held by another process of the run")
-            }),
-        }
+        self.hosts.slot(p)
     }
 
     /// Upload `t` (one device's shard) to device `p`, into its memory of kind `memory` (None:

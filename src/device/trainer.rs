@@ -46,11 +46,8 @@ pub struct Trainer {
     /// [`crate::model::optim::BLOWN_UP`] times the weight.
     pub last_update: Option<(f32, f32)>,
     /// Bytes of frozen weights each of this process's hosts' readers handed out (one entry for
-    /// one host; see [`Runtime::placement`]).
+    /// one host; see [`Runtime::hosts`]).
     pub frozen_bytes_read: Vec<u64>,
-    /// How this process gets the shards other processes hold (a run of several processes):
-    /// needed to read the LoRA state or evaluation's results whole.
-    pub gather: Option<Box<dyn crate::device::hosts::gather::Gather>>,
 }
 
 impl Trainer {
@@ -96,7 +93,7 @@ impl Trainer {
         Self::new_on_hosts(rt, spec, program, one, lora, moments, use_cache, verbose)
     }
 
-    /// [`Trainer::new`] on the hosts [`Runtime::placement`] says this process runs (one
+    /// [`Trainer::new`] on the hosts [`Runtime::hosts`] says this process runs (one
     /// unless it says otherwise), each reading the frozen weights through its own reader
     /// (`weights`, one per host) and only the boxes its own devices hold, as a separate host
     /// would. The uploaded arguments are the same as one host's.
@@ -111,8 +108,7 @@ impl Trainer {
         use_cache: bool,
         verbose: bool,
     ) -> Result<Trainer> {
-        let hosts = rt.placement.as_ref().map(|p| p.local_hosts());
-        let hosts = hosts.unwrap_or_default();
+        let hosts = rt.hosts.local_hosts();
         if weights.len() != hosts.len().max(1) {
             bail!(
                 "{} weight readers for {} hosts in this process",
@@ -213,7 +209,6 @@ impl Trainer {
             last_max_weight: None,
             last_update: None,
             frozen_bytes_read: read,
-            gather: None,
         };
         trainer.set_state(lora, moments)?;
         Ok(trainer)
@@ -290,7 +285,7 @@ impl Trainer {
     /// one for all): as one host puts it, or on hosts of a placement (virtual hosts, a run of
     /// several processes) each host its own rows.
     fn put_rows(&self, name: &str, tensors: &[&HostTensor]) -> Result<Vec<Buffer>> {
-        match (&self.spec.mesh, &self.rt.placement) {
+        match (&self.spec.mesh, self.rt.hosts.placement()) {
             (Some(m), Some(placed)) => crate::device::hosts::share::upload_by_host(
                 &self.rt,
                 tensors,
@@ -308,24 +303,9 @@ impl Trainer {
     }
 
     /// Every mesh position's shard of a result from this process's (`mine`, one per position it
-    /// holds): its own where it holds them all, else gathered from the other processes on
-    /// process 0 (None on the others, which write nothing).
-    /// With virtual hosts and a [`Trainer::gather`], each hands its shards to host 0 through
-    /// a store as separate hosts would.
+    /// holds): see [`crate::device::hosts::place::Hosts::whole`].
     fn whole(&self, mine: Vec<HostTensor>) -> Result<Option<Vec<HostTensor>>> {
-        let Some(placed) = &self.rt.placement else {
-            return Ok(Some(mine));
-        };
-        match &self.gather {
-            Some(gather) => gather.all(
-                placed.held().into_iter().zip(mine).collect(),
-                placed.ids.len(),
-            ),
-            None if placed.holds_all() => Ok(Some(mine)),
-            None => {
-                bail!("the other processes' shards are needed, and this trainer cannot gather them")
-            }
-        }
+        self.rt.hosts.whole(mine)
     }
 
     /// Refuse a batch that a kernel in use would compute wrongly (`device::kernels`).

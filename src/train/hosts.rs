@@ -11,10 +11,10 @@
 //! The CPU plugin's collectives stay within one process: on it the processes meet and then stop,
 //! saying so. `--virtual-hosts` runs the same placement, uploads and execute in one process.
 
-use crate::device::hosts::gather::{Gather, StoreGather};
-use crate::device::hosts::launch::Launch;
-use crate::device::hosts::rendezvous::{self, Peers, Settings};
-use crate::device::hosts::wire::StoreError;
+use crate::cluster::gather::StoreGather;
+use crate::cluster::launch::Launch;
+use crate::cluster::rendezvous::{self, Peers, Settings};
+use crate::cluster::wire::StoreError;
 use crate::device::platform::named_platform;
 use crate::device::runtime::{InRun, Runtime};
 use crate::train::finish;
@@ -162,8 +162,8 @@ impl Team {
             rt.platform(),
             rt.devices.len()
         );
-        rt.place_across_processes(devices.max(1) as usize)?;
-        if let Some(placed) = &rt.placement {
+        rt.place_across_processes(devices.max(1) as usize, self.gather())?;
+        if let Some(placed) = rt.hosts.placement() {
             let held = placed.held();
             eprintln!(
                 "xtrain: {}: this host holds mesh positions {}-{} of {}",
@@ -178,14 +178,14 @@ impl Team {
 
     /// How the trainer gets the shards of the LoRA state (and evaluation's results) that the
     /// other processes hold: through the store.
-    pub fn gather(&self) -> Box<dyn Gather> {
+    fn gather(&self) -> StoreGather {
         let l = &self.peers.launch;
-        Box::new(StoreGather::new(
+        StoreGather::new(
             self.peers.store.clone(),
             l.process_id,
             l.processes,
             l.init_timeout,
-        ))
+        )
     }
 }
 
@@ -200,6 +200,32 @@ impl crate::train::checkpoint::Team for Team {
 
     fn barrier(&self, name: &str) -> Result<()> {
         self.peers.barrier(name)
+    }
+}
+
+/// Open the plugin for a step over `devices` devices, placed as the run's mode says: the one
+/// place where [`Hosts`](crate::device::hosts::place::Hosts) is decided. A process of a run of
+/// several (`team`) opens its client through the run's store and places the step over every
+/// process's devices; `--virtual-hosts P` splits this process's devices into P hosts with a
+/// store of their own; else one host runs every position.
+pub(super) fn open(opts: &TrainOptions, team: Option<&Team>, devices: i64) -> Result<Runtime> {
+    let devices = devices.max(1);
+    match (team, opts.launch.virtual_hosts) {
+        (Some(team), _) => team.open(opts, devices),
+        (None, None) => Runtime::open(opts.plugin.as_deref(), Some(devices)),
+        (None, Some(hosts)) => {
+            let mut rt = Runtime::open(opts.plugin.as_deref(), Some(devices))?;
+            let timeout = opts
+                .launch
+                .init_timeout
+                .unwrap_or(crate::cluster::launch::DEFAULT_INIT_TIMEOUT);
+            rt.place_virtual_hosts(hosts, devices as usize, timeout)?;
+            eprintln!(
+                "xtrain: --virtual-hosts {hosts}: each host hands its shards of the LoRA state \
+                 and of evaluations to host 0 through a store of their own, as a run's hosts do"
+            );
+            Ok(rt)
+        }
     }
 }
 

@@ -60,7 +60,7 @@ pub fn run(opts: &TrainOptions) -> Result<()> {
         }
     }
     let opts = &opts;
-    let launch = crate::device::hosts::launch::from_environment(&opts.launch)?;
+    let launch = crate::cluster::launch::from_environment(&opts.launch)?;
     if !launch.is_single() {
         // Before the output dir is claimed: process 0 alone will write there.
         let (team, out) = hosts::meet(opts, &launch, notes)?;
@@ -94,12 +94,9 @@ fn run_in(
     if stop() {
         return Ok(Finished::Interrupted(None));
     }
-    let (rt, spec, program) = match team {
-        None => prepare::prepare(opts, cfg, data.batch, data.seq),
-        Some(team) => prepare::prepare_with(opts, cfg, data.batch, data.seq, |devices| {
-            team.open(opts, devices)
-        }),
-    }
+    let (rt, spec, program) = prepare::prepare_with(opts, cfg, data.batch, data.seq, |devices| {
+        hosts::open(opts, team, devices)
+    })
     .map_err(|e| opts.name_the_source(e))?;
     if spec.key_block.is_some() {
         // The attention's form decides its speed and memory at long context: said as compile
@@ -131,27 +128,9 @@ fn run_in(
         Some(out) => finish::abandon(opts, out, "compiling the step"),
         None => Box::new(|| signal_hook::low_level::exit(130)),
     };
-    let mut trainer = signals.abandonable(abandon, || {
+    let trainer = signals.abandonable(abandon, || {
         upload::compile_and_upload(opts, rt, spec, program, weights, &start)
     })?;
-    if let Some(team) = team {
-        trainer.gather = Some(team.gather());
-    }
-    if let Some(placed) = trainer.rt.placement.as_ref().filter(|_| team.is_none()) {
-        // `--virtual-hosts`: host 0 gets the state to write from the others, as through a run's
-        // store.
-        let timeout = opts.launch.init_timeout;
-        let hosts = crate::device::hosts::gather::VirtualHosts::start(
-            &placed.hosts,
-            timeout.unwrap_or(crate::device::hosts::launch::DEFAULT_INIT_TIMEOUT),
-        )?;
-        trainer.gather = Some(Box::new(hosts));
-        eprintln!(
-            "xtrain: --virtual-hosts {}: each host hands its shards of the LoRA state and of \
-             evaluations to host 0 through a store of their own, as a run's hosts do",
-            placed.hosts.len()
-        );
-    }
     let state = start.state;
     let TrainingData {
         source,

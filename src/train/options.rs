@@ -62,8 +62,8 @@ pub struct TrainOptions {
     /// where from ("checkpoint DIR's run has"), for messages (`train::settings` fills it).
     pub taken_from: std::collections::BTreeMap<String, String>,
     /// `--num-processes`, `--process-id`, `--coordinator`, `--init-timeout` as given (the
-    /// launcher's environment fills in the rest: `device::hosts::launch`).
-    pub launch: crate::device::hosts::launch::LaunchFlags,
+    /// launcher's environment fills in the rest: `cluster::launch`).
+    pub launch: crate::cluster::launch::LaunchFlags,
 }
 
 impl TrainOptions {

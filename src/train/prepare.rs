@@ -153,8 +153,8 @@ pub fn prepare_with(
 
 /// The devices the step can run on: this process's, or every process's of a run of several.
 fn in_run(rt: &Runtime) -> usize {
-    rt.placement
-        .as_ref()
+    rt.hosts
+        .placement()
         .map_or(rt.devices.len(), |p| p.ids.len())
 }
 

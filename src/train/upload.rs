@@ -2,7 +2,7 @@
 //! the run shows it: a spinner while compiling, a bar of the bytes while loading, then how long
 //! loading took and the peak host memory while loading.
 
-use crate::device::hosts::place::Placement;
+use crate::device::hosts::place::Hosts;
 use crate::device::memory::fit::{argument_bytes_per_device, explain_out_of_memory_on};
 use crate::device::runtime::Runtime;
 use crate::device::trainer::Trainer;
@@ -25,7 +25,7 @@ type LoadStart = (Instant, Option<u64>);
 /// are host memory too), unless `--log-every 0`.
 pub(super) fn compile_and_upload(
     opts: &TrainOptions,
-    mut rt: Runtime,
+    rt: Runtime,
     spec: StepSpec,
     program: Program,
     weights: CheckpointWeights,
@@ -72,20 +72,9 @@ pub(super) fn compile_and_upload(
     if opts.verbose {
         eprintln!("xtrain: compiling the step (Ctrl-C abandons the compile)");
     }
-    // `--virtual-hosts P`: this process's devices placed as P hosts (a process of a run of
-    // several comes with its own host placed). One reader of the checkpoint per host here, each
-    // asked only for its own devices' boxes (the first also drives the bar).
-    if let Some(p) = opts.launch.virtual_hosts {
-        let ids = rt
-            .devices
-            .iter()
-            .take(program.partitions.max(1) as usize)
-            .map(|d| Ok(d.id()? as i64))
-            .collect::<Result<Vec<i64>>>()?;
-        rt.placement = Some(Placement::in_one_process(ids, p)?);
-    }
-    let placed = rt.placement.clone();
-    let hosts = placed.as_ref().map(|p| p.local_hosts()).unwrap_or_default();
+    // One reader of the checkpoint per host this process runs (several with --virtual-hosts),
+    // each asked only for its own devices' boxes (the first also drives the bar).
+    let hosts = rt.hosts.local_hosts();
     let mut readers = vec![weights];
     for _ in 1..hosts.len() {
         readers.push(CheckpointWeights::open(&opts.model, &spec.model)?);
@@ -139,16 +128,15 @@ pub(super) fn compile_and_upload(
         eprintln!("xtrain: peak host memory while loading {peak} (VmHWM; {before} before loading)");
     }
     for (devices, read) in hosts.iter().zip(&trainer.frozen_bytes_read) {
-        let Some(placed) = &placed else { break };
+        let (which, placed) = match &trainer.rt.hosts {
+            Hosts::One => break,
+            Hosts::Virtual { placement, .. } => ("virtual", placement),
+            Hosts::Processes { placement, .. } => ("this", placement),
+        };
         let g = placed.hosts.iter().position(|h| h == devices).unwrap_or(0);
         eprintln!(
-            "xtrain: {} host {g} of {} (devices {}-{}) read {read} of the {total} bytes of \
+            "xtrain: {which} host {g} of {} (devices {}-{}) read {read} of the {total} bytes of \
              frozen weights",
-            if placed.holds_all() {
-                "virtual"
-            } else {
-                "this"
-            },
             placed.hosts.len(),
             devices.first().copied().unwrap_or(0),
             devices.last().copied().unwrap_or(0),

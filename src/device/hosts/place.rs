@@ -1,11 +1,105 @@
 //! Where a step's mesh lies: which device each mesh position is (the compile's device
 //! assignment, by global device id), which positions each host holds, and which hosts this
-//! process runs. One process alone runs every position; `--virtual-hosts P` runs P hosts in one
-//! process (the stand-in for a run of several); a process of a run of several runs its own host.
-//! The trainer uploads, executes and reads back through this alone, so the same code serves all
-//! three.
+//! process runs; and the run's mode as one value ([`Hosts`]): one process alone runs every
+//! position; `--virtual-hosts P` runs P hosts in one process (the stand-in for a run of
+//! several); a process of a run of several runs its own host. The runtime uploads, compiles and
+//! executes through this alone, and the trainer reads results whole through it, so the same
+//! code serves all three.
 
-use anyhow::{bail, Result};
+use crate::cluster::gather::{Gather, StoreGather, VirtualHosts};
+use anyhow::{bail, Context, Result};
+use pjrt::HostTensor;
+use std::time::Duration;
+
+/// How this process runs the step's mesh: the run's mode, decided as the plugin opens
+/// (`train::hosts::open`) and matched wherever the modes differ.
+pub enum Hosts {
+    /// One process, one host: every mesh position is here, device `p` at position `p`.
+    One,
+    /// `--virtual-hosts P`: this process runs P hosts, which hand their shards of a result to
+    /// host 0 through a store of their own on loopback, as separate hosts would.
+    Virtual {
+        placement: Placement,
+        gather: VirtualHosts,
+    },
+    /// One process of a run of several: its own host's positions; the shards the others hold
+    /// reach process 0 through the run's store.
+    Processes {
+        placement: Placement,
+        gather: StoreGather,
+    },
+}
+
+impl Hosts {
+    /// `--virtual-hosts hosts` over the devices `ids` (in mesh order), with a store of their
+    /// own on loopback that waits `timeout` for a host's shards.
+    pub fn virtual_hosts(ids: Vec<i64>, hosts: usize, timeout: Duration) -> Result<Hosts> {
+        let placement = Placement::in_one_process(ids, hosts)?;
+        let gather = VirtualHosts::start(&placement.hosts, timeout)?;
+        Ok(Hosts::Virtual { placement, gather })
+    }
+
+    /// Where the mesh positions lie, when they are split into hosts.
+    pub fn placement(&self) -> Option<&Placement> {
+        match self {
+            Hosts::One => None,
+            Hosts::Virtual { placement, .. } | Hosts::Processes { placement, .. } => {
+                Some(placement)
+            }
+        }
+    }
+
+    /// The mesh positions (of a step over `devices`) this process holds, in the order of its
+    /// argument lists.
+    pub fn held(&self, devices: usize) -> Vec<usize> {
+        match self.placement() {
+            Some(p) => p.held(),
+            None => (0..devices).collect(),
+        }
+    }
+
+    /// Which of this process's devices mesh position `p` is.
+    pub fn slot(&self, p: usize) -> Result<usize> {
+        match self.placement() {
+            None => Ok(p),
+            Some(placed) => placed.slot(p).with_context(|| {
+                format!("mesh position {p} is held by another process of the run")
+            }),
+        }
+    }
+
+    /// The hosts this process runs, each with its positions (none for one host: every position
+    /// is its one host's).
+    pub fn local_hosts(&self) -> Vec<Vec<usize>> {
+        self.placement()
+            .map(|p| p.local_hosts())
+            .unwrap_or_default()
+    }
+
+    /// Whether this process holds every mesh position (what it compiles is the whole step's,
+    /// and may be cached).
+    pub fn holds_all(&self) -> bool {
+        match self {
+            Hosts::One | Hosts::Virtual { .. } => true,
+            Hosts::Processes { placement, .. } => placement.holds_all(),
+        }
+    }
+
+    /// Every mesh position's shard of a result from this process's (`mine`, one per position it
+    /// holds, in [`Hosts::held`] order): its own with one host; gathered on host 0 (process 0)
+    /// otherwise, None on the other processes, which write nothing.
+    pub fn whole(&self, mine: Vec<HostTensor>) -> Result<Option<Vec<HostTensor>>> {
+        let (placement, gather): (&Placement, &dyn Gather) = match self {
+            Hosts::One => return Ok(Some(mine)),
+            Hosts::Virtual { placement, gather } => (placement, gather),
+            Hosts::Processes { placement, gather } => (placement, gather),
+        };
+        gather.all(
+            placement.held().into_iter().zip(mine).collect(),
+            placement.ids.len(),
+        )
+    }
+}
 
 /// The step's devices by mesh position, split into hosts.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -24,7 +118,7 @@ impl Placement {
     /// host `g` holds positions `g*n .. (g+1)*n`, as each host of a slice holds its own chips.
     /// One host for a plain run; several for `--virtual-hosts`.
     pub fn in_one_process(ids: Vec<i64>, hosts: usize) -> Result<Placement> {
-        let groups = super::share::device_groups(ids.len(), hosts)?;
+        let groups = device_groups(ids.len(), hosts)?;
         Ok(Placement {
             ids,
             here: (0..groups.len()).collect(),
@@ -109,9 +203,32 @@ impl Placement {
     }
 }
 
+/// The devices of each of `hosts` hosts over `devices` devices, in order: host `g` holds devices
+/// `g*n .. (g+1)*n` (`n = devices / hosts`), as each host of a slice holds its own chips.
+pub fn device_groups(devices: usize, hosts: usize) -> Result<Vec<Vec<usize>>> {
+    if hosts == 0 || !devices.is_multiple_of(hosts) {
+        bail!(
+            "--virtual-hosts {hosts} must divide the step's {devices} devices (each virtual host \
+             holds the same number)"
+        );
+    }
+    let n = devices / hosts;
+    Ok((0..hosts).map(|g| (g * n..(g + 1) * n).collect()).collect())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn devices_split_into_equal_hosts_in_order() {
+        assert_eq!(device_groups(4, 2).unwrap(), vec![vec![0, 1], vec![2, 3]]);
+        let e = device_groups(4, 3).unwrap_err().to_string();
+        assert!(
+            e.contains("--virtual-hosts 3 must divide the step's 4 devices"),
+            "{e}"
+        );
+    }
 
     #[test]
     fn one_process_holds_every_position() {

@@ -10,19 +10,6 @@ use crate::program::sharding::shard_box;
 use anyhow::{bail, Result};
 use pjrt::{Buffer, HostTensor};
 
-/// The devices of each of `hosts` hosts over `devices` devices, in order: host `g` holds devices
-/// `g*n .. (g+1)*n` (`n = devices / hosts`), as each host of a slice holds its own chips.
-pub fn device_groups(devices: usize, hosts: usize) -> Result<Vec<Vec<usize>>> {
-    if hosts == 0 || !devices.is_multiple_of(hosts) {
-        bail!(
-            "--virtual-hosts {hosts} must divide the step's {devices} devices (each virtual host \
-             holds the same number)"
-        );
-    }
-    let n = devices / hosts;
-    Ok((0..hosts).map(|g| (g * n..(g + 1) * n).collect()).collect())
-}
-
 /// The rows (dim 0: `start, count`) of a tensor of `dims` that `devices` hold under `sharding`:
 /// the rows one host's loader must produce. Its devices' rows form one range (whole batch rows
 /// are never split across hosts by a contiguous device split of the mesh); where they would not,
@@ -103,16 +90,6 @@ pub fn upload_by_host(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn devices_split_into_equal_hosts_in_order() {
-        assert_eq!(device_groups(4, 2).unwrap(), vec![vec![0, 1], vec![2, 3]]);
-        let e = device_groups(4, 3).unwrap_err().to_string();
-        assert!(
-            e.contains("--virtual-hosts 3 must divide the step's 4 devices"),
-            "{e}"
-        );
-    }
 
     fn plan(mesh: &str) -> crate::program::MeshPlan {
         crate::program::MeshPlan {

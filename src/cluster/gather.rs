@@ -5,8 +5,8 @@
 //! moments at 70B, r=16, every projection), so the store carries it; the step itself never goes
 //! through here.
 
-use crate::device::hosts::server::StoreServer;
-use crate::device::hosts::store::Store;
+use crate::cluster::server::StoreServer;
+use crate::cluster::store::Store;
 use anyhow::{bail, Context, Result};
 use pjrt::{ElementType, HostTensor};
 use std::sync::atomic::{AtomicU64, Ordering};

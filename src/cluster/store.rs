@@ -1,5 +1,5 @@
 //! The run's key-value store, as PyTorch's TCPStore and JAX's coordination service keep one:
-//! process 0 serves it over TCP ([`crate::device::hosts::server::StoreServer`]), every process (process 0 too, over loopback)
+//! process 0 serves it over TCP ([`crate::cluster::server::StoreServer`]), every process (process 0 too, over loopback)
 //! reaches it as a [`Store`]. Operations: `put`, a blocking `get` with a timeout, `try_get`, and
 //! a `barrier`. The GPU plugins exchange their topology and NCCL/RCCL ids through it (handed to
 //! them by `pjrt::KeyValueStore`); xtrain checks that every process runs the same settings
@@ -7,7 +7,7 @@
 //!
 //! Transport and framing: std's blocking `TcpStream`, one thread per connection on the server,
 //! and per message a small JSON header and the value's raw bytes, after a greeting that names
-//! the protocol's version ([`crate::device::hosts::wire`]). The store holds tens of connections
+//! the protocol's version ([`crate::cluster::wire`]). The store holds tens of connections
 //! and, but for a checkpoint's gathered shards, a few kilobytes, so threads cost nothing that
 //! matters, and no async runtime (tokio) is built for it. A blocking `get` waits on the server (a condition variable), so many gets wait at
 //! once: the client takes an idle connection from its pool, or opens another, per call.
@@ -17,7 +17,7 @@
 //! tells every other process, whose [`Store::watch`] callback ends it; when process 0 goes, the
 //! others see their sessions close. Waiting gets return at once with the same message.
 
-use crate::device::hosts::wire::{
+use crate::cluster::wire::{
     greeting, hostname, other_protocol, read_greeting, receive, secs, send, Greeting, Reply,
     Request, StoreError,
 };
@@ -410,7 +410,7 @@ fn kv_error(e: StoreError) -> pjrt::KvError {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::device::hosts::server::StoreServer;
+    use crate::cluster::server::StoreServer;
     use std::net::TcpListener;
     use std::sync::mpsc;
 
@@ -658,7 +658,7 @@ mod tests {
     /// is refused, and the run it tried to join ends at once, naming both versions.
     #[test]
     fn a_process_of_another_protocol_is_refused_and_ends_the_run() {
-        use crate::device::hosts::wire::{MAGIC, PROTOCOL};
+        use crate::cluster::wire::{MAGIC, PROTOCOL};
         use std::io::{BufRead, Read};
         for (hello, answer) in [
             (
@@ -709,7 +709,7 @@ mod tests {
     /// timeout), naming both versions; protocol 1's store closes on the greeting.
     #[test]
     fn a_store_of_another_protocol_is_refused_at_once() {
-        use crate::device::hosts::wire::MAGIC;
+        use crate::cluster::wire::MAGIC;
         use std::io::Read;
         for answer in [Some(7u32), None] {
             let listener = TcpListener::bind("127.0.0.1:0").unwrap();

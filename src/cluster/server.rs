@@ -3,7 +3,7 @@
 //! saying goodbye, every other session is told and every waiting get returns. A process of
 //! another xtrain build (another store protocol) ends the run the same way, named.
 
-use crate::device::hosts::wire::{
+use crate::cluster::wire::{
     greeting, other_protocol, read_greeting, receive, refusal_for_json, secs, send, Greeting,
     Reply, Request, StoreError, PROTOCOL,
 };

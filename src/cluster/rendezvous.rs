@@ -4,10 +4,10 @@
 //! refused at once, by every process, naming the flag and both values; a process that never
 //! comes is named after `--init-timeout`. All of this happens before any plugin is opened.
 
-use crate::device::hosts::launch::Launch;
-use crate::device::hosts::server::StoreServer;
-use crate::device::hosts::store::{Session, Store};
-use crate::device::hosts::wire::{hostname, secs, StoreError};
+use crate::cluster::launch::Launch;
+use crate::cluster::server::StoreServer;
+use crate::cluster::store::{Session, Store};
+use crate::cluster::wire::{hostname, secs, StoreError};
 use anyhow::{bail, Context, Result};
 use serde_json::Value;
 use std::collections::BTreeMap;
@@ -156,7 +156,7 @@ fn show(v: &Value) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::device::hosts::launch::Coordinator;
+    use crate::cluster::launch::Coordinator;
     use serde_json::json;
     use std::time::Duration;
 

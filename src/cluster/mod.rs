@@ -1,0 +1,17 @@
+//! The transport of a run of several processes, one per host, and nothing of the devices:
+//! where this process stands in the run ([`launch`]: flags, or SLURM, torchrun, TPU VM and GKE
+//! environments), the run's key-value store (served by process 0 over TCP, [`server`]; reached
+//! by every process, [`store`]; what they say, [`wire`]; the GPU plugins exchange their ids
+//! through it), the [`rendezvous`] at the start, where every process checks that the others run
+//! the same settings, and the shards process 0 [`gather`]s to write them.
+//!
+//! It may use `data`, `formats`, `program` and `model` (it uses none of them today) and never
+//! `device`: where the step's mesh lies and each host's share of a batch are the device's
+//! (`device::hosts`), and reach this stage, not the other way round.
+
+pub mod gather;
+pub mod launch;
+pub mod rendezvous;
+pub mod server;
+pub mod store;
+pub mod wire;
