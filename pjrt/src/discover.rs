@@ -254,6 +254,8 @@ pub enum DiscoverError {
     Missing(PathBuf),
     #[error("installing the {0} plugin failed: {1}")]
     Install(&'static str, String),
+    #[error("xtrain's cache: {0}")]
+    Cache(#[from] std::io::Error),
 }
 
 /// Resolve a plugin spec (`cpu`, `cuda`, ..., or a path) to a shared object path.
@@ -305,18 +307,7 @@ pub fn resolve_or_install(spec: Option<&str>) -> Result<PathBuf, DiscoverError> 
 
 /// Install a known plugin into the cache, saying so on stderr first (it downloads 60-300 MB).
 pub fn install_announced(name: &str) -> Result<PathBuf, DiscoverError> {
-    let known = known(name)?;
-    if cached_path(known).is_file() {
-        return Ok(cached_path(known));
-    }
-    let wheels: Vec<&str> = known.install.iter().map(|w| w.requirement).collect();
-    eprintln!(
-        "xtrain: installing the {} PJRT plugin ({}) into {} (once)",
-        known.name,
-        wheels.join(", "),
-        cache_dir().join("plugins").display()
-    );
-    install(name)
+    install_saying(name, true)
 }
 
 fn known(name: &str) -> Result<&'static KnownPlugin, DiscoverError> {
@@ -332,45 +323,46 @@ pub fn install_cpu() -> Result<PathBuf, DiscoverError> {
 }
 
 /// Download a known plugin's pinned wheels with the system's pip and unpack the files it needs
-/// into the cache (`plugins/<name>/`, in the wheels' layout). Safe to run from several processes
-/// at once: each unpacks into its own temp dir and renames the whole directory into place.
+/// into the cache (`plugins/<name>/`, in the wheels' layout). Safe to run from several threads
+/// and processes at once ([`crate::once::create_once`]): one installs, the others wait for it and
+/// use its install; a directory an interrupted install or an older layout left is replaced.
 pub fn install(name: &str) -> Result<PathBuf, DiscoverError> {
+    install_saying(name, false)
+}
+
+/// [`install`], saying on stderr that it downloads when `say` (only the caller that does).
+fn install_saying(name: &str, say: bool) -> Result<PathBuf, DiscoverError> {
     let known = known(name)?;
     let target = cached_path(known);
-    if target.is_file() {
-        return Ok(target);
-    }
-    let err = |m: String| DiscoverError::Install(known.name, m);
-    let plugins = cache_dir().join("plugins");
-    std::fs::create_dir_all(&plugins)
-        .map_err(|e| err(format!("cannot create {}: {e}", plugins.display())))?;
-    let tmp = plugins.join(format!(".install-{}-{}", known.name, std::process::id()));
-    let _ = std::fs::remove_dir_all(&tmp);
-    std::fs::create_dir_all(&tmp).map_err(|e| err(e.to_string()))?;
-    let staged = tmp.join(known.name);
-    let result = (|| {
-        for (i, wheel) in known.install.iter().enumerate() {
-            let download = tmp.join(format!("wheel-{i}"));
-            fetch_wheel(wheel, &download, &staged).map_err(err)?;
-            let _ = std::fs::remove_dir_all(&download);
-        }
-        let dir = plugins.join(known.name);
-        // A directory left by an older layout or an interrupted install is replaced whole.
-        if dir.exists() && !target.is_file() {
-            let old = tmp.join("old");
-            let _ = std::fs::rename(&dir, &old);
-        }
-        // Another process may have won the race; its copy is as good as ours.
-        if std::fs::rename(&staged, &dir).is_err() && !target.is_file() {
-            return Err(err(format!(
-                "cannot move the plugin into {}",
-                dir.display()
-            )));
-        }
-        Ok(target.clone())
-    })();
-    let _ = std::fs::remove_dir_all(&tmp);
-    result
+    let dir = cache_dir().join("plugins").join(known.name);
+    let kept = known.install[0].files[0];
+    crate::once::create_once(
+        &dir,
+        &format!("the {} plugin", known.name),
+        |d| d.join(kept).is_file(),
+        |staged| {
+            if say {
+                let wheels: Vec<&str> = known.install.iter().map(|w| w.requirement).collect();
+                eprintln!(
+                    "xtrain: installing the {} PJRT plugin ({}) into {} (once)",
+                    known.name,
+                    wheels.join(", "),
+                    cache_dir().join("plugins").display()
+                );
+            }
+            let err = |m: String| DiscoverError::Install(known.name, m);
+            for (i, wheel) in known.install.iter().enumerate() {
+                // Inside the staged directory, so that an install killed mid-download leaves
+                // it all under the one temp name; removed before the rename.
+                let download = staged.join(format!(".wheel-{i}"));
+                let fetched = fetch_wheel(wheel, &download, staged).map_err(err);
+                let _ = std::fs::remove_dir_all(&download);
+                fetched?;
+            }
+            Ok::<(), DiscoverError>(())
+        },
+    )?;
+    Ok(target)
 }
 
 /// `pip download` one wheel into `download` and move its kept files into `staged`.

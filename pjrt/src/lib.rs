@@ -26,6 +26,7 @@ pub mod ffi;
 mod host;
 pub mod kv;
 mod named;
+pub mod once;
 pub mod options;
 mod plugin;
 mod topology;

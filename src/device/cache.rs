@@ -9,7 +9,8 @@ use sha2::{Digest, Sha256};
 
 /// Compile through the on-disk executable cache: the key covers the program text, the compile
 /// options and the plugin (path, API version, platform version), so a second run loads the
-/// serialized executable instead of compiling. Returns (executable, loaded from cache).
+/// serialized executable instead of compiling; of several compiling the same key at once, one
+/// compiles and the others load its executable. Returns (executable, loaded from cache).
 pub fn compile_cached(
     rt: &Runtime,
     program: &Program,
@@ -54,21 +55,32 @@ pub fn compile_cached(
             }
         }
     }
-    if use_cache {
-        if let Ok(bytes) = std::fs::read(&path) {
-            if let Ok(mut exe) = rt.client.deserialize(&bytes) {
-                exe.expect_inputs(expected);
-                return Ok((exe, true));
-            }
-        }
+    let load = |path: &std::path::Path| -> Option<Executable> {
+        let mut exe = rt.client.deserialize(&std::fs::read(path).ok()?).ok()?;
+        exe.expect_inputs(expected.clone());
+        Some(exe)
+    };
+    if !use_cache {
+        return Ok((rt.compile(program, options)?, false));
+    }
+    if let Some(exe) = load(&path) {
+        return Ok((exe, true));
+    }
+    // One compile per key at a time: another process or thread compiling the same step
+    // finishes first and this one loads what it wrote. A cache that cannot be locked or written
+    // only costs compiling again.
+    let _lock = pjrt::once::Lock::exclusive(&pjrt::once::lock_path(&path), || {
+        eprintln!(
+            "xtrain: another xtrain is compiling the same step; waiting to load its executable"
+        )
+    })
+    .ok();
+    if let Some(exe) = load(&path) {
+        return Ok((exe, true));
     }
     let exe = rt.compile(program, options)?;
-    if use_cache {
-        if let Ok(bytes) = exe.serialize() {
-            let _ = std::fs::create_dir_all(path.parent().unwrap());
-            // A cache that cannot be written only costs a recompile next time.
-            let _ = crate::formats::atomic::write_bytes_atomic(&path, &bytes);
-        }
+    if let Ok(bytes) = exe.serialize() {
+        let _ = crate::formats::atomic::write_bytes_atomic(&path, &bytes);
     }
     Ok((exe, false))
 }

@@ -37,8 +37,8 @@ pub fn write_bytes_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
 }
 
 /// Write `dir` as a complete directory or not at all: `fill` writes into a temp dir
-/// (`.NAME.tmp-PID`) that is renamed into place. An older `dir` is replaced only then: moved
-/// aside (`.NAME.old-PID`), the new one moved in, the old one removed; a process killed between
+/// (`.NAME.tmp-PID-N`) that is renamed into place. An older `dir` is replaced only then: moved
+/// aside (`.NAME.old-PID-N`), the new one moved in, the old one removed; a process killed between
 /// the two renames leaves the old one, which the next writer moves back
 /// ([`crate::formats::outdir::clean_leftovers`]).
 pub fn write_dir_atomic(dir: &Path, fill: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
@@ -53,12 +53,12 @@ pub fn write_dir_atomic(dir: &Path, fill: impl FnOnce(&Path) -> Result<()>) -> R
 }
 
 /// Where a directory `dir` that takes several steps to build (a program dir and its build) is
-/// written until [`replace_dir_with`] moves it into place: `.NAME.staged-PID` beside it.
+/// written until [`replace_dir_with`] moves it into place: `.NAME.staged-PID-N` beside it.
 pub fn staging_dir(dir: &Path) -> Result<PathBuf> {
     Ok(sibling(dir, "staged")?.1)
 }
 
-/// The directory holding `path` and the name `.NAME.KIND-PID` beside it (the kinds
+/// The directory holding `path` and the name `.NAME.KIND-PID-N` beside it (the kinds
 /// [`crate::formats::outdir::clean_leftovers`] knows: tmp, old, staged).
 fn sibling(path: &Path, kind: &str) -> Result<(PathBuf, PathBuf)> {
     let parent = path
@@ -69,12 +69,14 @@ fn sibling(path: &Path, kind: &str) -> Result<(PathBuf, PathBuf)> {
         .file_name()
         .with_context(|| format!("{} has no name", path.display()))?
         .to_string_lossy();
-    let at = parent.join(format!(".{name}.{kind}-{}", std::process::id()));
+    // Unique per call, not only per process: threads of one process may write the same path
+    // (the executable cache).
+    let at = pjrt::once::unique_sibling(&parent.join(name.as_ref()), kind);
     Ok((parent.to_path_buf(), at))
 }
 
 /// Move the complete directory `tmp` (beside `dir`) into place as `dir`, replacing an older
-/// `dir` only then: moved aside (`.NAME.old-PID`), the new one moved in, the old one removed.
+/// `dir` only then: moved aside (`.NAME.old-PID-N`), the new one moved in, the old one removed.
 pub fn replace_dir_with(dir: &Path, tmp: &Path) -> Result<()> {
     let (parent, old) = sibling(dir, "old")?;
     let replacing = dir.exists();

@@ -210,9 +210,15 @@ fn missing_weights(snap: &Path) -> Result<Option<String>> {
 /// how to get it.
 pub fn resolve(id: &str, revision: Option<&str>, need: Need) -> Result<PathBuf> {
     let cache = cache_dir();
-    let why = match lookup(&cache, id, revision, need)? {
-        Lookup::Found(dir) => return Ok(dir),
-        Lookup::Missing(why) => why,
+    let lock = download_lock(&cache, id);
+    let why = {
+        // Not mid-download by another xtrain (a cache that cannot be locked, read-only, is read
+        // as it is).
+        let _reading = pjrt::once::Lock::shared(&lock).ok();
+        match lookup(&cache, id, revision, need)? {
+            Lookup::Found(dir) => return Ok(dir),
+            Lookup::Missing(why) => why,
+        }
     };
     // Pasted into a shell: a revision (a branch or tag name) may hold what the shell expands.
     let rev_flag = revision.map_or(String::new(), |r| {
@@ -226,6 +232,14 @@ pub fn resolve(id: &str, revision: Option<&str>, need: Need) -> Result<PathBuf> 
              the cache over; set HF_TOKEN for gated models), or unset HF_HUB_OFFLINE",
             cache.display()
         );
+    }
+    // One xtrain downloads a repo at a time; one that waited finds it downloaded.
+    let _writing = pjrt::once::Lock::exclusive(&lock, || {
+        eprintln!("xtrain: waiting for another xtrain downloading {id}")
+    })
+    .with_context(|| format!("--model {id}: cannot lock the hub cache to download it"))?;
+    if let Lookup::Found(dir) = lookup(&cache, id, revision, need)? {
+        return Ok(dir);
     }
     eprintln!(
         "xtrain: {id} is not in the Hugging Face hub cache {} ({why}); downloading it",
@@ -246,6 +260,16 @@ pub fn resolve(id: &str, revision: Option<&str>, need: Need) -> Result<PathBuf> 
             bail!("--model {id}: downloaded, but the cache still lacks it: {why}")
         }
     }
+}
+
+/// The lock xtrain downloads repo `id` under (exclusive) and looks it up under (shared), so that
+/// a lookup never sees a download half done: `.locks/models--org--name/xtrain-download.lock`,
+/// beside the locks `huggingface_hub` keeps there.
+fn download_lock(cache: &Path, id: &str) -> PathBuf {
+    cache
+        .join(".locks")
+        .join(repo_folder(id))
+        .join("xtrain-download.lock")
 }
 
 /// The files of a model repo xtrain uses: configs, tokenizer, chat template, safetensors weights

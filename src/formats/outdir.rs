@@ -205,12 +205,15 @@ pub fn process_alive(pid: u32) -> bool {
     r == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
 }
 
-/// The pid in a temp name `.NAME.tmp-PID` / `.NAME.old-PID`, with NAME and the kind.
+/// The pid in a temp name `.NAME.tmp-PID-N` / `.NAME.old-PID-N` (N counts the process's temp
+/// names; older xtrains wrote `.NAME.tmp-PID`), with NAME and the kind.
 pub fn temp_name_parts(name: &str) -> Option<(&str, &'static str, u32)> {
     let rest = name.strip_prefix('.')?;
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
     for kind in ["tmp", "old", "staged"] {
-        if let Some((base, pid)) = rest.rsplit_once(&format!(".{kind}-")) {
-            if !base.is_empty() && !pid.is_empty() && pid.bytes().all(|b| b.is_ascii_digit()) {
+        if let Some((base, tail)) = rest.rsplit_once(&format!(".{kind}-")) {
+            let (pid, n) = tail.split_once('-').unwrap_or((tail, "0"));
+            if !base.is_empty() && digits(pid) && digits(n) {
                 return Some((base, kind, pid.parse().ok()?));
             }
         }
@@ -219,7 +222,7 @@ pub fn temp_name_parts(name: &str) -> Option<(&str, &'static str, u32)> {
 }
 
 /// Remove the temp files and directories that killed xtrain processes left in `dir`
-/// (`.NAME.tmp-PID`, `.NAME.staged-PID`, and `.NAME.old-PID` once NAME is back in place; only names derived from
+/// (`.NAME.tmp-PID-N`, `.NAME.staged-PID-N`, and `.NAME.old-PID-N` once NAME is back in place; only names derived from
 /// `only` when given, for a directory xtrain shares with others). A `.NAME.old-PID` whose NAME
 /// is missing (killed mid-replace) is moved back to NAME. Returns what it did, one line each.
 pub fn clean_leftovers(dir: &Path, only: Option<&str>) -> Vec<String> {
@@ -301,6 +304,12 @@ mod tests {
             temp_name_parts(".merged.old-12"),
             Some(("merged", "old", 12))
         );
+        assert_eq!(
+            temp_name_parts(".merged.staged-12-3"),
+            Some(("merged", "staged", 12))
+        );
+        assert_eq!(temp_name_parts(".x.tmp-12-"), None);
+        assert_eq!(temp_name_parts(".x.tmp-12-3-4"), None);
         assert_eq!(temp_name_parts("merged.tmp-12"), None);
         assert_eq!(temp_name_parts(".x.tmp-"), None);
         assert_eq!(temp_name_parts(".x.tmp-1a"), None);

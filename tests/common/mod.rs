@@ -122,51 +122,53 @@ pub fn tiny_text_model(dir: &Path) -> PathBuf {
 }
 
 /// A Python with TensorBoard (`tensorboard==2.21.0`, the reader a real user's TensorBoard runs),
-/// in a venv under xtrain's cache made on first use (about 20 s and 60 MB from PyPI). Panics,
-/// saying why, when it cannot be made: a test that needs it must not pass without it.
+/// in a venv under xtrain's cache made on first use (about 20 s and 60 MB from PyPI), by one
+/// caller at a time: others, in this process or another, wait for it and use it. Panics, saying
+/// why, when it cannot be made: a test that needs it must not pass without it.
 pub fn tensorboard_python() -> PathBuf {
     let venv = pjrt::discover::cache_dir()
         .join("venvs")
         .join("tensorboard-2.21.0");
-    let python = venv.join("bin").join("python");
-    if python.is_file() {
-        return python;
-    }
-    std::fs::create_dir_all(venv.parent().unwrap()).unwrap();
-    let tmp = venv.with_extension(format!("tmp-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&tmp);
-    let run = |c: &mut Command, what: &str| {
-        let o = c.output().unwrap_or_else(|e| {
-            panic!("cannot run {what}: {e} (the TensorBoard test needs python3 with venv and pip)")
-        });
-        assert!(
-            o.status.success(),
-            "{what} failed (the TensorBoard test needs it):\n{}{}",
-            String::from_utf8_lossy(&o.stdout),
-            String::from_utf8_lossy(&o.stderr)
-        );
-    };
-    run(
-        Command::new("python3").args(["-m", "venv"]).arg(&tmp),
-        "python3 -m venv",
+    let python = |venv: &Path| venv.join("bin").join("python");
+    pjrt::once::create_once(
+        &venv,
+        "the TensorBoard venv",
+        |v| python(v).is_file(),
+        |tmp| -> std::io::Result<()> {
+            eprintln!("xtrain: making the TensorBoard venv (tensorboard 2.21.0 from PyPI, once)");
+            run(
+                Command::new("python3").args(["-m", "venv"]).arg(tmp),
+                "python3 -m venv",
+            );
+            run(
+                Command::new(python(tmp)).args([
+                    "-m",
+                    "pip",
+                    "install",
+                    "--quiet",
+                    "--disable-pip-version-check",
+                    "tensorboard==2.21.0",
+                ]),
+                "pip install tensorboard==2.21.0",
+            );
+            Ok(())
+        },
+    )
+    .unwrap_or_else(|e| panic!("cannot make the TensorBoard venv: {e}"));
+    python(&venv)
+}
+
+/// Run `c` (`what`, for the TensorBoard venv), panicking with its output when it fails.
+fn run(c: &mut Command, what: &str) {
+    let o = c.output().unwrap_or_else(|e| {
+        panic!("cannot run {what}: {e} (the TensorBoard test needs python3 with venv and pip)")
+    });
+    assert!(
+        o.status.success(),
+        "{what} failed (the TensorBoard test needs it):\n{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
     );
-    run(
-        Command::new(tmp.join("bin").join("python")).args([
-            "-m",
-            "pip",
-            "install",
-            "--quiet",
-            "--disable-pip-version-check",
-            "tensorboard==2.21.0",
-        ]),
-        "pip install tensorboard==2.21.0",
-    );
-    // Another process may have made it meanwhile: keep theirs.
-    if std::fs::rename(&tmp, &venv).is_err() {
-        let _ = std::fs::remove_dir_all(&tmp);
-    }
-    assert!(python.is_file(), "{} was not made", python.display());
-    python
 }
 
 /// Stand-ins for the ROCm 7 runtime libraries the ROCm plugin links (a ROCm host has the real
