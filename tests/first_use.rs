@@ -263,7 +263,8 @@ fn a_model_is_downloaded_into_the_hub_cache_once() {
         race(test, || unreachable!(), &[], make);
         return;
     }
-    let dir = tempdir("first-use-hub");
+    // Not "first-use-hub": that is the name of the cache made below, whose making empties it.
+    let dir = tempdir("first-use-hub-origin");
     let model = tiny_text_model(&dir);
     let files = [
         "config.json",
