@@ -341,6 +341,44 @@ fn lora_logits_loss_and_all_28_gradients_match() {
     }
 }
 
+/// The MLP in tiles of positions (`--mlp-chunk`, `model::mlp_tiles`: a loop whose backward
+/// pass recomputes each tile) gives the oracle's loss and all 28 LoRA gradients, with the
+/// tolerances above: tiles that divide the 16 positions (4, 8) and tiles that do not (5, 6, 7:
+/// the last tile padded), with layers unrolled and looped under both remat policies, and beside
+/// key blocks and loss chunks.
+#[test]
+fn the_mlp_in_tiles_matches_the_oracle() {
+    let init = adapter("adapter_init");
+    let lo = read("lora_outputs.safetensors");
+    for (remat, tile, keys, chunk) in [
+        (Remat::None, 4, None, None),
+        (Remat::None, 7, None, None),
+        (Remat::Layer, 5, None, None),
+        (Remat::Layer, 8, Some(4), Some(4)),
+        (Remat::SaveProj, 6, None, None),
+        (Remat::SaveProj, 4, Some(5), None),
+    ] {
+        let mut sp = spec_with("model", remat);
+        sp.mlp_chunk = Some(tile);
+        sp.key_block = keys;
+        sp.loss_chunk = chunk;
+        let what =
+            format!("{remat:?} --mlp-chunk {tile} --key-block {keys:?} --loss-chunk {chunk:?}");
+        let program = program::build_grad_program(&sp).unwrap();
+        assert!(
+            program.text.contains("mlp_tiles"),
+            "{what}: no tiles in the program"
+        );
+        let out = execute(
+            &program,
+            &inputs(&program, "model", &init, &BTreeMap::new()),
+        );
+        let loss = out["loss"].scalar_f32().unwrap();
+        assert!((loss - 6.63896).abs() <= 1e-5, "{what}: loss {loss}");
+        assert_grads_match(&out, &lo, &what);
+    }
+}
+
 fn zeros_like_lora(init: &BTreeMap<String, HostTensor>) -> BTreeMap<String, HostTensor> {
     let mut extra = BTreeMap::new();
     for (name, t) in init {

@@ -119,6 +119,20 @@ const COMPILES: &[(&str, bool, &[&str])] = &[
     ),
     ("tiny-key-blocks", true, &["--key-block", "5"]),
     (
+        "tiny-mlp-chunk",
+        true,
+        &[
+            "--mlp-chunk",
+            "24",
+            "--remat",
+            "save-proj",
+            "--lora-dropout",
+            "0.1",
+            "--dtype",
+            "bf16",
+        ],
+    ),
+    (
         "tiny-key-blocks-save-proj",
         true,
         &[
@@ -357,6 +371,14 @@ fn library_specs() -> Vec<(&'static str, StepSpec)> {
             },
         ),
     ];
+    specs.push((
+        "mlp-tiles-none",
+        StepSpec {
+            mlp_chunk: Some(24),
+            remat: Remat::None,
+            ..base(DType::F32)
+        },
+    ));
     let mut dropout = base(DType::F32);
     dropout.lora.dropout = 0.1;
     specs.push(("dropout", dropout.clone()));

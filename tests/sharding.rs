@@ -372,6 +372,34 @@ fn lora_dropout_drops_the_same_elements_on_every_mesh() {
 /// See [`lora_dropout_drops_the_same_elements_on_every_mesh`].
 const DROPOUT_TOL: f32 = 2e-5;
 
+/// The MLP in tiles of positions (`--mlp-chunk`) drops the elements the whole MLP drops (each
+/// tile draws its tokens' masks at their own positions) and computes what one device computes
+/// with the whole MLP, to [`DROPOUT_TOL`]: on one device with a tile that does not divide the
+/// 16 positions, and on meshes of batch and heads, the MLP's activations pinned or not.
+#[test]
+fn the_mlp_in_tiles_drops_what_the_whole_mlp_drops_on_every_mesh() {
+    let batch = packed_batch();
+    let whole = run_on(with_dropout(spec(None, Remat::Layer)), &batch);
+    for (mesh, pin, remat, tile) in [
+        (None, false, Remat::Layer, 5),
+        (None, false, Remat::SaveProj, 4),
+        (Some("fsdp=2,tensor=2"), true, Remat::SaveProj, 6),
+        (Some("data=2,fsdp=2,tensor=2"), false, Remat::Layer, 8),
+    ] {
+        let s = with_dropout(StepSpec {
+            mlp_chunk: Some(tile),
+            pin_mlp_activations: pin,
+            ..spec(mesh, remat)
+        });
+        let what = format!(
+            "--lora-dropout 0.3 --mesh {mesh:?} --pin-mlp-activations {pin} --remat {} \
+             --mlp-chunk {tile}",
+            remat.name()
+        );
+        assert_within(&what, &run_on(s, &batch), &whole, DROPOUT_TOL);
+    }
+}
+
 /// A run with dropout resumed onto another mesh (`--resume ... --mesh context=2`, a layout
 /// change) continues exactly: one step on one device, its weights and moments given to a
 /// trainer on context=2 at step 1, and its second step gives the uninterrupted run's weights.

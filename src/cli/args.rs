@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use xtrain::model::lora::{LoraConfig, Projection};
 use xtrain::model::optim::AdamW;
 use xtrain::program::{
-    parse_dtype, KeyBlocks, Offload, Quant, Remat, ResultType, StepOptions,
+    parse_dtype, KeyBlocks, MlpChunks, Offload, Quant, Remat, ResultType, StepOptions,
     DEFAULT_ATTENTION_SCORES, DEFAULT_MATMUL_RESULT,
 };
 
@@ -98,6 +98,11 @@ pub struct StepArgs {
     /// off.
     #[arg(long, default_value = "auto", value_name = "N|off|auto", value_parser = KeyBlocks::parse, allow_negative_numbers = true, help_heading = "Program form")]
     pub key_block: KeyBlocks,
+    /// The MLP over tiles of N positions at a time, each recomputed in the backward pass, so
+    /// that no [seq, intermediate] tensor exists whole (long sequences on one device); off: the
+    /// whole sequence at once; auto: 4096 above 16384 tokens (without a context axis), else off.
+    #[arg(long, default_value = "auto", value_name = "N|off|auto", value_parser = MlpChunks::parse, allow_negative_numbers = true, help_heading = "Program form")]
+    pub mlp_chunk: MlpChunks,
     /// With --dtype bf16, the type matmuls give their result in before it is rounded to bf16:
     /// f32 (the accumulator; the form XLA CPU runs on the CPU's native bf16 GEMM) or compute
     /// (bf16). The arithmetic is the same (f32 accumulation, one rounding).
@@ -191,6 +196,7 @@ impl StepArgs {
             loss_chunk: self.loss_chunk,
             attention_block: self.attention_block.0,
             key_block: self.key_block,
+            mlp_chunk: self.mlp_chunk,
             matmul_result: self.matmul_result,
             attention_scores: self.attention_scores,
             keep_softmax_stats: self.keep_softmax_stats,

@@ -53,6 +53,10 @@ pub struct Numerics {
     /// step's largest activations ([B, heads, T, T] per layer, written and read several times
     /// in the forward, recomputed and backward passes).
     pub scores: DType,
+    /// Positions per tile of the MLP (`--mlp-chunk`, see `model::mlp_tiles`): the MLP runs over
+    /// this many positions at a time, so that no [B, T, intermediate] tensor exists whole;
+    /// None: over the whole sequence at once.
+    pub mlp_chunk: Option<i64>,
 }
 
 impl Numerics {
@@ -64,6 +68,7 @@ impl Numerics {
             key_block: None,
             matmul_result: compute,
             scores: DType::F32,
+            mlp_chunk: None,
         }
     }
 }

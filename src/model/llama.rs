@@ -76,6 +76,10 @@ pub struct LayerContext {
     pub lora_scale: f64,
     /// (probability, this layer's key, see [`dropout::layer_key`]) when LoRA dropout is on.
     pub dropout: Option<(f64, Value)>,
+    /// Where the rows of the projections' input start in the sequence (an s32 scalar) when the
+    /// input is a tile of it (`--mlp-chunk`, see `model::mlp_tiles`), so that dropout
+    /// draws each token's mask at its own position; None: the input is the whole sequence.
+    pub tile_start: Option<Value>,
 }
 
 /// Builds the forward pass of one model config into a builder.
@@ -328,6 +332,7 @@ impl Llama<'_> {
             doc_starts,
             lora_scale,
             dropout: None,
+            tile_start: None,
         })
     }
 
@@ -346,7 +351,11 @@ impl Llama<'_> {
         let attn = self.attention(b, x, w, lora, ctx, saves)?;
         let h = b.add(h, attn)?;
         let x = b.scoped("post_norm", |b| self.rms_norm(b, h, w.post_norm))?;
-        let mlp = self.mlp(b, x, w, lora, ctx, saves)?;
+        let weights = [w.gate, w.up, w.down];
+        let mlp = match self.mlp_tile(b.dims(x)[1]) {
+            Some(n) => self.mlp_in_tiles(b, x, weights, lora, ctx, n)?,
+            None => self.mlp(b, x, weights, lora, ctx, saves)?,
+        };
         b.add(h, mlp)
     }
 
@@ -417,7 +426,7 @@ impl Llama<'_> {
 
     /// `x W^T` plus the layer's LoRA term for `target` when there is one.
     #[allow(clippy::too_many_arguments)]
-    fn project(
+    pub(super) fn project(
         &self,
         b: &mut Builder,
         target: Projection,
@@ -438,6 +447,13 @@ impl Llama<'_> {
                 Some((p, key)) => {
                     let (bs, t) = (b.dims(x)[0], b.dims(x)[1]);
                     let positions = self.natural_positions(b, Shape::new(&[bs, t], DType::S32))?;
+                    let positions = match ctx.tile_start {
+                        Some(start) => {
+                            let start = b.broadcast_in_dim(start, &[bs, t], &[])?;
+                            b.add(positions, start)?
+                        }
+                        None => positions,
+                    };
                     dropout::apply(b, x, p, key, target, positions)?
                 }
                 None => x,
@@ -537,11 +553,13 @@ impl Llama<'_> {
         saves.point(b, ATTENTION_OUTPUT, out)
     }
 
-    fn mlp(
+    /// down(silu(gate x) * up x), each projection with its LoRA term, for `x` [B, T, H] and the
+    /// frozen `[gate, up, down]`.
+    pub(super) fn mlp(
         &self,
         b: &mut Builder,
         x: Value,
-        w: &LayerWeights,
+        [gate_w, up_w, down_w]: [Value; 3],
         lora: &LayerAdapters,
         ctx: &mut LayerContext,
         saves: &mut Saves,
@@ -550,8 +568,8 @@ impl Llama<'_> {
         // mesh puts activations (FSDP: split by batch). Left to itself, at a row per chip the
         // partitioner may gather the input over the batch, split F instead and move back with
         // all-to-alls around the down projection.
-        let gate = self.project(b, Projection::Gate, x, w.gate, lora, ctx, saves)?;
-        let up = self.project(b, Projection::Up, x, w.up, lora, ctx, saves)?;
+        let gate = self.project(b, Projection::Gate, x, gate_w, lora, ctx, saves)?;
+        let up = self.project(b, Projection::Up, x, up_w, lora, ctx, saves)?;
         let gate = self.pin(b, gate, &["batch", "length", "mlp"])?;
         let up = self.pin(b, up, &["batch", "length", "mlp"])?;
         // silu(g) = g * sigmoid(g), one op in the compute type as torch's silu is: computed in
@@ -563,7 +581,7 @@ impl Llama<'_> {
             let silu = b.convert(silu, self.num.compute)?;
             b.mul(silu, up)
         })?;
-        self.project(b, Projection::Down, act, w.down, lora, ctx, saves)
+        self.project(b, Projection::Down, act, down_w, lora, ctx, saves)
     }
 }
 

@@ -13,6 +13,7 @@ pub mod forward;
 pub mod llama;
 pub mod lora;
 pub mod loss;
+pub mod mlp_tiles;
 pub mod optim;
 pub mod presets;
 pub mod quant;

@@ -44,6 +44,18 @@ impl StepSpec {
                 ));
             }
         }
+        flags.push(match spec.mlp_chunk {
+            Some(n) if n < spec.seq => {
+                let tiles = (spec.seq + n - 1) / n;
+                let pad = match tiles * n > spec.seq {
+                    true => format!(", the last padded to {n}"),
+                    false => String::new(),
+                };
+                format!("--mlp-chunk {n} ({tiles} tiles{pad})")
+            }
+            Some(n) => format!("--mlp-chunk {n} (the whole sequence)"),
+            None => "--mlp-chunk off".to_string(),
+        });
         if spec.remat == Remat::Layer {
             flags.push(format!("--keep-softmax-stats {}", spec.keep_softmax_stats));
         }

@@ -127,6 +127,7 @@ impl Layout<'_> {
                 key_block: self.spec.key_block,
                 matmul_result: self.spec.matmul_result.dtype(self.spec.dtype),
                 scores: self.spec.attention_scores.dtype(self.spec.dtype),
+                mlp_chunk: self.spec.mlp_chunk,
             },
             placement: self
                 .spec

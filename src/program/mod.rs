@@ -31,7 +31,8 @@ pub use build::{
 };
 pub use signature::{Program, Role, TensorSpec};
 pub use spec::{
-    default_choice, fit_choices, parse_dtype, AttentionBlockUnused, KeyBlocks, MeshPlan, Offload,
-    Quant, Remat, ResultType, StepOptions, StepSpec, DEFAULT_ATTENTION_SCORES, DEFAULT_KEY_BLOCK,
-    DEFAULT_MATMUL_RESULT, KEY_BLOCKS_ABOVE,
+    default_choice, fit_choices, parse_dtype, AttentionBlockUnused, KeyBlocks, MeshPlan, MlpChunks,
+    Offload, Quant, Remat, ResultType, StepOptions, StepSpec, DEFAULT_ATTENTION_SCORES,
+    DEFAULT_KEY_BLOCK, DEFAULT_MATMUL_RESULT, DEFAULT_MLP_CHUNK, KEY_BLOCKS_ABOVE,
+    MLP_CHUNKS_ABOVE,
 };

@@ -80,7 +80,8 @@ impl Layout<'_> {
     ///   recomputation skips the row max's pass over the scores.
     /// - `save-proj` also keeps the frozen projections' outputs, the attention output and the
     ///   softmax statistics, so that the backward loop recomputes only q.k and one elementwise
-    ///   pass for the probabilities.
+    ///   pass for the probabilities; with the MLP in tiles (`--mlp-chunk`) not the MLP's
+    ///   projections, which the tiles never form whole (their backward pass recomputes them).
     fn saved_points(&self, bs: i64, t: i64) -> Vec<(String, Shape)> {
         let model = self.model();
         match self.spec.remat {
@@ -92,8 +93,10 @@ impl Layout<'_> {
             Remat::SaveProj => {}
         }
         let compute = self.spec.dtype;
+        let tiled = model.mlp_tile(t).is_some();
         let mut points: Vec<(String, Shape)> = Projection::ALL
             .iter()
+            .filter(|p| !(tiled && p.block() == "mlp"))
             .map(|target| {
                 let out = projection_dims(&self.spec.model, *target).1;
                 (
@@ -229,6 +232,7 @@ impl Layout<'_> {
             doc_starts: inv[ns + nl + 2],
             lora_scale: self.spec.lora.scale(),
             dropout: None,
+            tile_start: None,
         };
         let d = at
             .dropout
@@ -662,6 +666,38 @@ mod tests {
         }
     }
 
+    /// The MLP in tiles (`model::mlp_tiles`, its own backward rule) against the whole MLP:
+    /// tiles that divide the sequence (4, 8) and tiles that do not (5, 6, 15: the last one
+    /// padded), under each remat policy (save-proj saving none of the MLP's projections), with
+    /// key blocks, loss chunks and microbatches around them, on the padded row of the fixed
+    /// batch.
+    #[test]
+    fn the_mlp_in_tiles_gives_the_whole_mlps_loss_and_gradients() {
+        let plain = loss_and_grads(&spec(Remat::None));
+        for (remat, tile, key_block, loss_chunk, grad_accum) in [
+            (Remat::None, 4, None, None, 1),
+            (Remat::None, 5, None, None, 1),
+            (Remat::Layer, 6, None, None, 1),
+            (Remat::Layer, 15, Some(5), Some(4), 2),
+            (Remat::SaveProj, 8, None, None, 1),
+            (Remat::SaveProj, 5, Some(4), None, 2),
+        ] {
+            let s = StepSpec {
+                mlp_chunk: Some(tile),
+                key_block,
+                loss_chunk,
+                grad_accum,
+                ..spec(remat)
+            };
+            let what = format!(
+                "--remat {} --mlp-chunk {tile} --key-block {key_block:?} --loss-chunk \
+                 {loss_chunk:?} --grad-accum {grad_accum}",
+                remat.name()
+            );
+            same(&what, &loss_and_grads(&s), &plain);
+        }
+    }
+
     #[test]
     fn the_loss_in_chunks_and_microbatches_add_up_to_the_whole_batch() {
         let whole = loss_and_grads(&spec(Remat::Layer));
@@ -705,5 +741,15 @@ mod tests {
         assert!(points.iter().any(|(n, s)| n == "attn.max.0" && *s == stat));
         let attn = Shape::new(&[2, 16, 64], DType::F32);
         assert!(points.iter().any(|(n, s)| n == "attn" && *s == attn));
+        // The MLP in tiles: none of its three projections is saved, the rest as before.
+        let tiled = StepSpec {
+            mlp_chunk: Some(4),
+            ..spec(Remat::SaveProj)
+        };
+        let names = names(&tiled, 2, 16);
+        assert_eq!(names.len(), points.len() - 3, "{names:?}");
+        for p in ["gate_proj", "up_proj", "down_proj"] {
+            assert!(!names.iter().any(|n| n == p), "{p} saved: {names:?}");
+        }
     }
 }

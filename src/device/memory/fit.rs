@@ -175,6 +175,13 @@ pub fn fit_advice_on(
             (spec.seq / 8).max(1)
         ));
     }
+    if spec.mlp_chunk.is_none() && spec.context_size() == 1 && spec.seq >= 8192 {
+        ways.push(format!(
+            "--mlp-chunk {}: the MLP a tile of positions at a time, its [seq, {}] tensors never whole",
+            crate::program::DEFAULT_MLP_CHUNK.min(spec.seq / 2),
+            spec.model.intermediate_size
+        ));
+    }
     let rows = spec.batch / spec.grad_accum.max(1);
     if rows > 1 {
         ways.push(format!(

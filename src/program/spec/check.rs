@@ -88,6 +88,7 @@ pub(in crate::program) fn check_spec(spec: &StepSpec) -> Result<()> {
         );
     }
     check_attention_form(spec)?;
+    check_mlp_chunk(spec)?;
     if let Some(r) = spec.attention_block {
         if r < 1 || spec.seq % r != 0 {
             bail!(
@@ -146,6 +147,34 @@ fn check_attention_form(spec: &StepSpec) -> Result<()> {
                  --key-block N or auto, not off"
             );
         }
+    }
+    Ok(())
+}
+
+/// `--mlp-chunk N`: a positive number of positions, at most the sequence, on a sequence that
+/// is not split over a context axis.
+fn check_mlp_chunk(spec: &StepSpec) -> Result<()> {
+    let Some(n) = spec.mlp_chunk else {
+        return Ok(());
+    };
+    if n < 1 {
+        bail!("--mlp-chunk must be a positive number of positions, got {n}");
+    }
+    if n > spec.seq {
+        bail!(
+            "--mlp-chunk {n} is longer than the sequence ({} tokens): the MLP would run whole; \
+             give --mlp-chunk {} or less, or off",
+            spec.seq,
+            spec.seq
+        );
+    }
+    let cp = spec.context_size();
+    if cp > 1 {
+        bail!(
+            "--mlp-chunk {n} tiles the MLP over the sequence, but the mesh splits the sequence \
+             over {cp} devices (its context axis), each holding a part of it already: give \
+             --mlp-chunk off (or auto, which is off on such a mesh)"
+        );
     }
     Ok(())
 }

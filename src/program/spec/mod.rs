@@ -22,6 +22,7 @@
 mod attention;
 mod check;
 mod memory;
+mod mlp;
 mod numerics;
 mod options;
 mod step;
@@ -29,6 +30,7 @@ mod step;
 pub use attention::{AttentionBlockUnused, KeyBlocks, DEFAULT_KEY_BLOCK, KEY_BLOCKS_ABOVE};
 pub(super) use check::check_spec;
 pub use memory::{default_choice, fit_choices, Offload, Remat};
+pub use mlp::{MlpChunks, DEFAULT_MLP_CHUNK, MLP_CHUNKS_ABOVE};
 pub(super) use numerics::{de_dtype, ser_dtype};
 pub use numerics::{
     parse_dtype, Quant, ResultType, DEFAULT_ATTENTION_SCORES, DEFAULT_MATMUL_RESULT,

@@ -4,6 +4,7 @@
 use super::attention::KeyBlocks;
 use super::check::check_spec;
 use super::memory::{Offload, Remat};
+use super::mlp::MlpChunks;
 use super::numerics::{Quant, ResultType, DEFAULT_ATTENTION_SCORES, DEFAULT_MATMUL_RESULT};
 use super::step::{MeshPlan, StepSpec};
 use crate::model::config::LlamaConfig;
@@ -35,6 +36,8 @@ pub struct StepOptions {
     pub attention_block: Option<i64>,
     /// `--key-block`: attention over key/value blocks, or every key at once.
     pub key_block: KeyBlocks,
+    /// `--mlp-chunk`: the MLP in tiles of positions, or whole.
+    pub mlp_chunk: MlpChunks,
     /// `--matmul-result`: the type bf16 matmuls give their result in.
     pub matmul_result: ResultType,
     /// `--attention-scores`: the type the attention scores are written in.
@@ -80,6 +83,7 @@ impl StepOptions {
     /// The spec of the step for `model` and batches of `batch` x `seq` tokens.
     pub fn spec(&self, model: LlamaConfig, batch: i64, seq: i64) -> Result<StepSpec> {
         let dtype = self.dtype;
+        let context = self.mesh.as_ref().map_or(1, MeshPlan::context_size);
         let spec = StepSpec {
             model,
             lora: self.lora.clone(),
@@ -93,9 +97,8 @@ impl StepOptions {
             quant: self.quant,
             loss_chunk: self.loss_chunk,
             attention_block: self.attention_block,
-            key_block: self
-                .key_block
-                .resolve(seq, self.mesh.as_ref().map_or(1, MeshPlan::context_size)),
+            key_block: self.key_block.resolve(seq, context),
+            mlp_chunk: self.mlp_chunk.resolve(seq, context),
             // With f32 compute every result is f32 either way; the spec says so.
             matmul_result: ResultType::in_effect(self.matmul_result, dtype),
             attention_scores: ResultType::in_effect(self.attention_scores, dtype),

@@ -60,6 +60,12 @@ pub struct StepSpec {
     /// once, the queries in blocks of `attention_block`.
     #[serde(default, alias = "key_block")]
     pub key_block: Option<i64>,
+    /// The MLP over tiles of this many positions, each recomputed in the backward pass, so that
+    /// no [B, T, intermediate] tensor exists whole (`--mlp-chunk`; see `model::mlp_tiles`);
+    /// None: the whole sequence at once. Left out of the manifest when None, as an xtrain
+    /// before it wrote no such field (its manifests keep their settings hash).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mlp_chunk: Option<i64>,
     /// The type bf16 matmuls give their result in: f32 (their accumulator, rounded to bf16 right
     /// after) or the compute type: the same arithmetic in another form (see
     /// [`crate::model::llama::Numerics::matmul_result`]). f32 with f32 compute.
@@ -127,6 +133,7 @@ impl StepSpec {
             loss_chunk: None,
             attention_block: None,
             key_block: None,
+            mlp_chunk: None,
             // The results in the compute type (with f32 compute, f32 either way).
             matmul_result: ResultType::Compute,
             attention_scores: ResultType::F32,

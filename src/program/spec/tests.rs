@@ -31,6 +31,7 @@ fn options(dtype: DType) -> StepOptions {
         loss_chunk: None,
         attention_block: None,
         key_block: KeyBlocks::Auto,
+        mlp_chunk: MlpChunks::Auto,
         matmul_result: DEFAULT_MATMUL_RESULT,
         attention_scores: DEFAULT_ATTENTION_SCORES,
         keep_softmax_stats: false,
@@ -288,4 +289,52 @@ fn attention_loop_trips_count_the_loops_trips() {
     assert_eq!(at(32768, Some("context=8"), Some(512)), Some(260));
     assert_eq!(at(131072, Some("context=8"), Some(512)), Some(4112));
     assert_eq!(at(8192, None, None), None);
+}
+
+/// `--mlp-chunk auto`: the whole MLP up to 16384 tokens, tiles of 4096 above, the whole MLP on
+/// a context axis; a size or `off` as given.
+#[test]
+fn mlp_chunks_resolve_by_the_sequence_and_the_context() {
+    let auto = MlpChunks::Auto;
+    assert_eq!(auto.resolve(16384, 1), None);
+    assert_eq!(auto.resolve(16385, 1), Some(DEFAULT_MLP_CHUNK));
+    assert_eq!(auto.resolve(131072, 2), None);
+    assert_eq!(MlpChunks::Size(5).resolve(16, 2), Some(5));
+    assert_eq!(MlpChunks::Off.resolve(131072, 1), None);
+    for bad in ["0", "-3", "1.5", "nan", "", "on"] {
+        let e = MlpChunks::parse(bad).unwrap_err().to_string();
+        assert!(e.contains("--mlp-chunk") && e.contains(bad), "{e}");
+    }
+    assert_eq!(MlpChunks::parse("off").unwrap(), MlpChunks::Off);
+    assert_eq!(MlpChunks::parse("2048").unwrap().name(), "2048");
+    // Today's default programs at the goldens' shapes keep the whole MLP.
+    let s = options(DType::F32).spec(tiny(), 4, 64).unwrap();
+    assert_eq!(s.mlp_chunk, None);
+}
+
+/// `--mlp-chunk N` is refused longer than the sequence and on a context axis, naming the flag;
+/// a tile that does not divide the sequence is taken (the last tile is padded).
+#[test]
+fn mlp_chunks_are_checked_against_the_sequence_and_the_mesh() {
+    let with = |n: i64, mesh: Option<&str>| StepOptions {
+        mlp_chunk: MlpChunks::Size(n),
+        mesh: mesh.map(|m| MeshPlan {
+            axes: crate::program::sharding::parse_mesh(m).unwrap().axes,
+            rules: crate::program::sharding::Rules::default(),
+        }),
+        key_block: KeyBlocks::Size(8),
+        ..options(DType::F32)
+    };
+    assert_eq!(
+        with(24, None).spec(tiny(), 4, 64).unwrap().mlp_chunk,
+        Some(24)
+    );
+    assert_eq!(
+        with(64, None).spec(tiny(), 4, 64).unwrap().mlp_chunk,
+        Some(64)
+    );
+    let e = refused(&with(65, None), 4, 64);
+    assert!(e.contains("--mlp-chunk 65") && e.contains("64"), "{e}");
+    let e = refused(&with(16, Some("context=2")), 4, 64);
+    assert!(e.contains("--mlp-chunk 16") && e.contains("context"), "{e}");
 }

@@ -3,14 +3,14 @@
 
 use super::run::{mesh_text, RunSettings};
 use crate::model::lora::Projection;
-use crate::program::{KeyBlocks, ResultType, StepSpec};
+use crate::program::{KeyBlocks, MlpChunks, ResultType, StepSpec};
 use crate::train::options::TrainOptions;
 
 /// The settings a program dir fixes, each field named as its flag (a subset of
 /// [`RunSettings`]'s, written the same way): those of the step it was built for
 /// ([`ProgramSettings::of_spec`]), compared with a run's ([`ProgramSettings::of_options`]). The
 /// choices a run may leave to the program dir (`--remat auto`, `--offload auto`, `--key-block
-/// auto`) are None in a run's.
+/// auto`, `--mlp-chunk auto`) are None in a run's.
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub(super) struct ProgramSettings {
@@ -31,6 +31,8 @@ pub(super) struct ProgramSettings {
     attention_block: Option<i64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     key_block: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    mlp_chunk: Option<String>,
     attention_scores: String,
     matmul_result: String,
     keep_softmax_stats: bool,
@@ -66,6 +68,7 @@ impl ProgramSettings {
             loss_chunk: spec.loss_chunk,
             attention_block: spec.attention_block,
             key_block: Some(spec.key_block.map_or("off".to_string(), |k| k.to_string())),
+            mlp_chunk: Some(spec.mlp_chunk.map_or("off".to_string(), |n| n.to_string())),
             attention_scores: in_effect(spec.attention_scores, spec.dtype),
             matmul_result: in_effect(spec.matmul_result, spec.dtype),
             keep_softmax_stats: spec.keep_softmax_stats,
@@ -97,6 +100,7 @@ impl ProgramSettings {
             loss_chunk: run.loss_chunk,
             attention_block: run.attention_block,
             key_block: (s.key_block != KeyBlocks::Auto).then_some(run.key_block),
+            mlp_chunk: (s.mlp_chunk != MlpChunks::Auto).then_some(run.mlp_chunk),
             attention_scores: in_effect(s.attention_scores, s.dtype),
             matmul_result: in_effect(s.matmul_result, s.dtype),
             keep_softmax_stats: run.keep_softmax_stats,

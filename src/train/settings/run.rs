@@ -2,7 +2,7 @@
 //! them are paths and which only lay out and report; setting one flag of a run's options.
 
 use crate::model::lora::Projection;
-use crate::program::{sharding, KeyBlocks, MeshPlan, Offload, Quant, Remat, ResultType};
+use crate::program::{sharding, KeyBlocks, MeshPlan, MlpChunks, Offload, Quant, Remat, ResultType};
 use crate::train::checkpoint::Settings;
 use crate::train::options::TrainOptions;
 use anyhow::{bail, Context, Result};
@@ -58,6 +58,7 @@ pub const LAYOUT_AND_REPORTING: &[&str] = &[
     "loss-chunk",
     "attention-block",
     "key-block",
+    "mlp-chunk",
     "mesh",
     "sharding-rules",
     "matmul-result",
@@ -125,6 +126,7 @@ pub struct RunSettings {
     pub loss_chunk: Option<i64>,
     pub attention_block: Option<i64>,
     pub key_block: String,
+    pub mlp_chunk: String,
     pub mesh: String,
     pub sharding_rules: String,
     pub matmul_result: String,
@@ -192,6 +194,7 @@ impl RunSettings {
             loss_chunk: s.loss_chunk,
             attention_block: s.attention_block,
             key_block: s.key_block.name(),
+            mlp_chunk: s.mlp_chunk.name(),
             mesh: mesh_text(&s.mesh),
             sharding_rules: path_text(o.sharding_rules.as_deref()),
             matmul_result: s.matmul_result.name().to_string(),
@@ -249,6 +252,7 @@ impl RunSettings {
             loss_chunk,
             attention_block,
             key_block,
+            mlp_chunk,
             mesh,
             sharding_rules,
             matmul_result,
@@ -301,6 +305,7 @@ impl RunSettings {
         s.loss_chunk = loss_chunk;
         s.attention_block = attention_block;
         s.key_block = KeyBlocks::parse(&key_block)?;
+        s.mlp_chunk = MlpChunks::parse(&mlp_chunk)?;
         s.matmul_result = ResultType::parse("matmul-result", &matmul_result)?;
         s.attention_scores = ResultType::parse("attention-scores", &attention_scores)?;
         s.keep_softmax_stats = keep_softmax_stats;
