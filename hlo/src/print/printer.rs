@@ -95,14 +95,15 @@ impl Printer {
             .collect();
         let _ = writeln!(
             out,
-            "  func.func {visibility} @{name}({}) -> ({}) {{",
+            "{}{}{FUNC_RESULTS}{}) {{",
+            func_head(visibility, name),
             params.join(", "),
             results.join(", ")
         );
         self.body(out, f, &mut names, "    ");
         let rv: Vec<Value> = f.results.iter().map(|r| r.value).collect();
         let _ = writeln!(out, "    return {} : {}", names.list(&rv), types(f, &rv));
-        out.push_str("  }\n");
+        out.push_str(FUNC_END);
     }
 
     /// Print a region: a block whose arguments are `f`'s params, ending in `stablehlo.return`.
@@ -264,14 +265,14 @@ impl Printer {
                 let attrs: Vec<String> = c
                     .attributes
                     .iter()
-                    .map(|(k, v)| format!("{k} = {}", attr_text(v)))
+                    .map(|(k, v)| format!("{k}{ATTR_IS}{}", attr_text(v)))
                     .collect();
                 let outs = types(f, &node.outputs);
                 let outs = if node.outputs.len() == 1 { outs } else { format!("({outs})") };
                 format!(
-                    "stablehlo.composite \"{}\" {ins} {{composite_attributes = {{{}}}, decomposition = @{symbol}, version = {} : i32}} : ({in_types}) -> {outs}",
+                    "{COMPOSITE_OP}\"{}\" {ins} {COMPOSITE_ATTRS}{}{COMPOSITE_DECOMPOSITION}{symbol}{COMPOSITE_VERSION}{}{COMPOSITE_END}{in_types}) -> {outs}",
                     escape(&c.name),
-                    attrs.join(", "),
+                    attrs.join(LIST_SEP),
                     c.version
                 )
             }

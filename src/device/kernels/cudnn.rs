@@ -488,7 +488,7 @@ mod tests {
     }
 
     fn site(chunks: i64, c: i64, cp: i64, dtype: DType, d: i64) -> Site {
-        use super::super::site::AttrValue::*;
+        use hlo::Attr::*;
         let attributes = [
             ("chunks", Int(chunks)),
             ("chunk", Int(c)),

@@ -1,21 +1,13 @@
 //! What a kernel is given: the composite's attributes and its decomposition's signature.
 
 use anyhow::{bail, Result};
-use hlo::{Builder, Shape, Value};
+use hlo::{Attr, Builder, Shape, Value};
 use std::collections::BTreeMap;
-
-/// A composite attribute as the program text gives it.
-#[derive(Clone, Debug, PartialEq)]
-pub enum AttrValue {
-    Int(i64),
-    Float(f64),
-    Str(String),
-}
 
 /// What a kernel is built from: the composite's attributes and its decomposition's signature.
 #[derive(Clone, Debug)]
 pub struct Site {
-    pub attributes: BTreeMap<String, AttrValue>,
+    pub attributes: BTreeMap<String, Attr>,
     pub params: Vec<Shape>,
     pub results: Vec<Shape>,
 }
@@ -23,14 +15,14 @@ pub struct Site {
 impl Site {
     pub(super) fn int(&self, name: &str) -> Result<i64> {
         match self.attributes.get(name) {
-            Some(AttrValue::Int(v)) => Ok(*v),
+            Some(Attr::Int(v)) => Ok(*v),
             other => bail!("the composite's attribute {name} is {other:?}, not an integer"),
         }
     }
 
     pub(super) fn float(&self, name: &str) -> Result<f64> {
         match self.attributes.get(name) {
-            Some(AttrValue::Float(v)) => Ok(*v),
+            Some(Attr::Float(v)) => Ok(*v),
             other => bail!("the composite's attribute {name} is {other:?}, not a float"),
         }
     }
