@@ -6,8 +6,9 @@
 //! by the composite's name and version and by the platform it runs on; where one is chosen
 //! (`--kernel NAME`), the decomposition's function is rewritten with the kernel's body and the
 //! build records which kernel replaced what ([`KernelUse`], in the manifest's builds), so that
-//! a run says what it ran. The composite's attributes and the decomposition's signature are all
-//! a kernel is given: it needs nothing else of the program.
+//! a run says what it ran. The composite's attributes (read and checked by the contract in
+//! `model::flash`) and the decomposition's signature are all a kernel is given: it needs
+//! nothing else of the program.
 //!
 //! Built in:
 //! - `every-key`: attention over every key at once in plain StableHLO (a reference for the
@@ -213,13 +214,9 @@ pub fn replace(text: &str, kernels: &[&Kernel]) -> Result<(String, Vec<KernelUse
         if done.contains(&call.decomposition) {
             continue;
         }
-        let site = Site {
-            attributes: call.attributes.iter().cloned().collect(),
-            params: call.operands.clone(),
-            results: call.results.clone(),
-        };
-        let func =
-            (k.build)(&site).with_context(|| format!("kernel {} for {}", k.name, call.name))?;
+        let func = Site::of(&call)
+            .and_then(|site| (k.build)(&site))
+            .with_context(|| format!("kernel {} for {}", k.name, call.name))?;
         out = hlo::replace_function(&out, &call.decomposition, &func).with_context(|| {
             format!(
                 "kernel {} in place of {} v{} (line {})",
