@@ -40,5 +40,7 @@ pub use graph::{
     ManualComputation, MemoryKind, Mesh, Node, Op, Param, ParamAttrs, Precision, ScatterDims,
     Sharding, UnaryOp, Value,
 };
-pub use print::{function_text, Module};
+pub use print::{
+    composite_calls, function_signature, function_text, replace_function, CompositeCall, Module,
+};
 pub use types::{DType, Shape};

@@ -20,10 +20,9 @@
 //! padded to whole key blocks inside the step, so the block stays the one asked for whatever
 //! the chunk's length. The keys' gradients each device computes are summed over the devices.
 
-use crate::model::flash::{self, Chunks, Cuts, LSE};
+use crate::model::flash::{self, Chunks, Cuts, KeySum, PerDevice};
 use crate::model::forward::{Numerics, Placement, Saves};
-use hlo::{Builder, DType, Literal, Result, Shape, Value};
-use std::rc::Rc;
+use hlo::{Builder, DType, Result, Shape, Value};
 
 /// The natural chunk index at each place of the balanced order: 0, 2CP-1, 1, 2CP-2, ...
 fn balanced_chunks(cp: i64) -> Vec<i64> {
@@ -59,7 +58,7 @@ pub fn key_block(t: i64, cp: i64, requested: i64) -> i64 {
     requested.clamp(1, (t / (2 * cp)).max(1))
 }
 
-/// The [`LSE`] save point's shape in the context form: [B, KV, 2CP, Cp, G] f32, every device's
+/// The [`flash::LSE`] save point's shape in the context form: [B, KV, 2CP, Cp, G] f32, every device's
 /// two chunks padded to whole blocks of `tb`.
 pub fn lse_shape(bs: i64, t: i64, cp: i64, kv_heads: i64, groups: i64, tb: i64) -> Shape {
     let c = flash::padded(t / (2 * cp), tb);
@@ -74,18 +73,11 @@ pub fn loop_trips(t: i64, cp: i64, requested: i64) -> i64 {
     flash::nest_trips(nb, 2 * cp * nb)
 }
 
-/// Each device's chunk ids [CP, 2]: (r, 2CP-1-r) on row r.
-fn chunk_ids(b: &mut Builder, cp: i64) -> Result<Value> {
-    b.constant(
-        Literal::Int(balanced_chunks(cp)),
-        Shape::new(&[cp, 2], DType::S32),
-    )
-}
-
 /// Causal attention over the context axis: q [B, T, KV, G, D] and k, v [B, T, KV, D] in balanced
 /// order (sharded over the sequence), `doc_starts` [B, T] in balanced order (-1 for padding);
 /// the rule of `model::llama::attend`. Returns [B, T, KV x G x D] in balanced order after the
-/// save points `out_point` and [`LSE`].
+/// save points `out_point` and [`flash::LSE`]. What it adds to `model::flash`'s per-device
+/// attention: the keys gathered to every device, and their gradients summed over the devices.
 #[allow(clippy::too_many_arguments)]
 pub fn attend(
     b: &mut Builder,
@@ -95,13 +87,13 @@ pub fn attend(
     doc_starts: Value,
     (cp, tb): (i64, i64),
     num: Numerics,
-    (out_point, saves): (&str, &mut Saves),
+    saves: (&str, &mut Saves),
     placement: &dyn Placement,
 ) -> Result<Value> {
     let qd = b.dims(q).to_vec();
-    let (bs, t, kvh, g, d) = (qd[0], qd[1], qd[2], qd[3], qd[4]);
-    let ch = Chunks::new(2 * cp, t / (2 * cp), tb, d, num);
-    let cuts = Cuts::of(placement, (bs, t, kvh, g, d), "length");
+    let dims = (qd[0], qd[1], qd[2], qd[3], qd[4]);
+    let t = dims.1;
+    let cuts = Cuts::of(placement, dims, "length");
     // Every device gets every key and value (the all-gather), in natural order.
     let gathered = |b: &mut Builder, x: Value| -> Result<Value> {
         let x = b.sharding_constraint(x, cuts.kv.clone())?;
@@ -112,48 +104,28 @@ pub fn attend(
     let zero = b.zeros(b.shape(doc_starts).clone());
     let query_docs = b.max(doc_starts, zero)?;
     let key_docs = to_natural(b, doc_starts, cp)?;
-    let ins = [q, k, v, query_docs, key_docs];
-    let ids = chunk_ids(b, cp)?;
-    let fwd = b.manual_computation(
-        &cuts.mesh,
-        &cuts.operands(&ins, &[(ids, cuts.ids.clone())]),
-        &[cuts.q.clone(), cuts.lse.clone()],
-        |b, local| flash::forward_on_device(b, &local[..5], local[5], ch),
-    )?;
-    let out = b.reshape(fwd[0], &[bs, t, kvh * g * d])?;
-    let out = saves.point(b, out_point, out)?;
-    let lse = saves.point(b, LSE, fwd[1])?;
-    let rule: hlo::VjpRule = Rc::new(move |b, ins, outs, cts| {
-        let Some(dout) = cts[0] else {
-            return Ok(vec![None; ins.len()]);
-        };
-        let out = b.reshape(outs[0], &[bs, t, kvh, g, d])?;
-        let dout = b.reshape(dout, &[bs, t, kvh, g, d])?;
-        let ids = chunk_ids(b, cp)?;
-        let operands = cuts.operands(
-            ins,
-            &[
-                (ids, cuts.ids.clone()),
-                (out, cuts.q.clone()),
-                (outs[1], cuts.lse.clone()),
-                (dout, cuts.q.clone()),
-            ],
-        );
-        let outs = [cuts.q.clone(), cuts.dkv.clone(), cuts.dkv.clone()];
-        let grads = b.manual_computation(&cuts.mesh, &operands, &outs, |b, l| {
-            let g = flash::backward_on_device(b, &l[..5], (l[5], l[6], l[7], l[8]), ch)?;
-            // This device's share of every key's gradient, one row of [B, CP, T, KV, D].
-            let share = |b: &mut Builder, x: Value| -> Result<Value> {
-                let mut dims = b.dims(x).to_vec();
-                dims.insert(1, 1);
-                b.reshape(x, &dims)
-            };
-            Ok(vec![g[0], share(b, g[1])?, share(b, g[2])?])
-        })?;
-        let dk = b.reduce_sum(grads[1], &[1])?;
-        let dv = b.reduce_sum(grads[2], &[1])?;
-        Ok(vec![Some(grads[0]), Some(dk), Some(dv), None, None])
-    });
-    let outs = b.custom_vjp(&ins, &[out, lse], rule);
-    Ok(outs[0])
+    let wiring = PerDevice {
+        ch: Chunks::new(2 * cp, t / (2 * cp), tb, dims.4, num),
+        cuts: Some(cuts),
+        chunk_ids: balanced_chunks(cp),
+        dims,
+        padding_cut: false,
+        key_sum: Some(KeySum {
+            share: key_share,
+            sum: sum_of_shares,
+        }),
+    };
+    wiring.attend(b, [q, k, v, query_docs, key_docs], saves)
+}
+
+/// This device's share of every key's gradient, one row of [B, CP, T, KV, D].
+fn key_share(b: &mut Builder, x: Value) -> Result<Value> {
+    let mut dims = b.dims(x).to_vec();
+    dims.insert(1, 1);
+    b.reshape(x, &dims)
+}
+
+/// The keys' gradients: every device's share added up.
+fn sum_of_shares(b: &mut Builder, x: Value) -> Result<Value> {
+    b.reduce_sum(x, &[1])
 }

@@ -3,9 +3,16 @@
 //! Simple ops use StableHLO's short ("pretty") forms, the rest the generic form, which every
 //! parser accepts. Parameters print under their own names (`%lora.q.A`); other values are
 //! numbered in definition order across the whole function, nested regions included.
+//!
+//! The text is also read back here (`read`): a module's composite calls and private functions,
+//! and a function put in one's place, for a target that brings its own implementation of a
+//! composite. Printer and reader share the pieces they find things by (`syntax`).
 mod literals;
 mod printer;
+mod read;
 mod syntax;
+
+pub use read::{composite_calls, function_signature, replace_function, CompositeCall};
 
 use crate::graph::*;
 use printer::Printer;

@@ -95,14 +95,15 @@ impl Printer {
             .collect();
         let _ = writeln!(
             out,
-            "  func.func {visibility} @{name}({}) -> ({}) {{",
+            "{}{}{FUNC_RESULTS}{}) {{",
+            func_head(visibility, name),
             params.join(", "),
             results.join(", ")
         );
         self.body(out, f, &mut names, "    ");
         let rv: Vec<Value> = f.results.iter().map(|r| r.value).collect();
         let _ = writeln!(out, "    return {} : {}", names.list(&rv), types(f, &rv));
-        out.push_str("  }\n");
+        out.push_str(FUNC_END);
     }
 
     /// Print a region: a block whose arguments are `f`'s params, ending in `stablehlo.return`.
@@ -259,43 +260,8 @@ impl Printer {
                 "\"stablehlo.rng_bit_generator\"({ins}) <{{rng_algorithm = #stablehlo<rng_algorithm THREE_FRY>}}> : ({in_types}) -> ({})",
                 types(f, &node.outputs)
             ),
-            Op::Composite(c) => {
-                let symbol = &self.decomps.names[&(&c.decomposition as *const Func as usize)];
-                let attrs: Vec<String> = c
-                    .attributes
-                    .iter()
-                    .map(|(k, v)| format!("{k} = {}", attr_text(v)))
-                    .collect();
-                let outs = types(f, &node.outputs);
-                let outs = if node.outputs.len() == 1 { outs } else { format!("({outs})") };
-                format!(
-                    "stablehlo.composite \"{}\" {ins} {{composite_attributes = {{{}}}, decomposition = @{symbol}, version = {} : i32}} : ({in_types}) -> {outs}",
-                    escape(&c.name),
-                    attrs.join(", "),
-                    c.version
-                )
-            }
-            Op::CustomCall(c) => {
-                let layouts = |ls: &[Vec<i64>]| {
-                    let each: Vec<String> = ls
-                        .iter()
-                        .map(|l| match l.len() {
-                            0 => "dense<> : tensor<0xindex>".to_string(),
-                            n => format!("dense<{}> : tensor<{n}xindex>", i64_list(l)),
-                        })
-                        .collect();
-                    format!("[{}]", each.join(", "))
-                };
-                let outs = types(f, &node.outputs);
-                let outs = if node.outputs.len() == 1 { outs } else { format!("({outs})") };
-                format!(
-                    "stablehlo.custom_call @{}({ins}) {{api_version = 2 : i32, backend_config = \"{}\", operand_layouts = {}, result_layouts = {}}} : ({in_types}) -> {outs}",
-                    c.target,
-                    escape(&c.backend_config),
-                    layouts(&c.operand_layouts),
-                    layouts(&c.result_layouts)
-                )
-            }
+            Op::Composite(c) => self.composite_text(f, node, c, (&ins, &in_types)),
+            Op::CustomCall(c) => custom_call_text(f, node, c, (&ins, &in_types)),
             Op::ManualComputation(m) => {
                 let outs = types(f, &node.outputs);
                 let outs = if node.outputs.len() == 1 { outs } else { format!("({outs})") };
@@ -305,6 +271,35 @@ impl Printer {
                 unreachable!("aliases print as their source")
             }
         }
+    }
+
+    /// A composite call: its name, attributes, decomposition and version, in the pieces the
+    /// reader (`read`) finds them by.
+    fn composite_text(
+        &self,
+        f: &Func,
+        node: &Node,
+        c: &Composite,
+        (ins, in_types): (&str, &str),
+    ) -> String {
+        let symbol = &self.decomps.names[&(&c.decomposition as *const Func as usize)];
+        let attrs: Vec<String> = c
+            .attributes
+            .iter()
+            .map(|(k, v)| format!("{k}{ATTR_IS}{}", attr_text(v)))
+            .collect();
+        let outs = types(f, &node.outputs);
+        let outs = if node.outputs.len() == 1 {
+            outs
+        } else {
+            format!("({outs})")
+        };
+        format!(
+            "{COMPOSITE_OP}\"{}\" {ins} {COMPOSITE_ATTRS}{}{COMPOSITE_DECOMPOSITION}{symbol}{COMPOSITE_VERSION}{}{COMPOSITE_END}{in_types}) -> {outs}",
+            escape(&c.name),
+            attrs.join(LIST_SEP),
+            c.version
+        )
     }
 
     /// A manual computation: the shardings, the per-device body, then the global types.
@@ -450,4 +445,36 @@ fn dot_general_text(ins: &str, dims: &DotDims, precision: Option<Precision>, sig
     }
     let _ = write!(s, " : {sig}");
     s
+}
+
+/// A custom call with its backend config and layouts.
+fn custom_call_text(
+    f: &Func,
+    node: &Node,
+    c: &CustomCall,
+    (ins, in_types): (&str, &str),
+) -> String {
+    let layouts = |ls: &[Vec<i64>]| {
+        let each: Vec<String> = ls
+            .iter()
+            .map(|l| match l.len() {
+                0 => "dense<> : tensor<0xindex>".to_string(),
+                n => format!("dense<{}> : tensor<{n}xindex>", i64_list(l)),
+            })
+            .collect();
+        format!("[{}]", each.join(", "))
+    };
+    let outs = types(f, &node.outputs);
+    let outs = if node.outputs.len() == 1 {
+        outs
+    } else {
+        format!("({outs})")
+    };
+    format!(
+        "stablehlo.custom_call @{}({ins}) {{api_version = 2 : i32, backend_config = \"{}\", operand_layouts = {}, result_layouts = {}}} : ({in_types}) -> {outs}",
+        c.target,
+        escape(&c.backend_config),
+        layouts(&c.operand_layouts),
+        layouts(&c.result_layouts)
+    )
 }

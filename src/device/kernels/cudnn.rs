@@ -24,7 +24,8 @@
 //! log-sum-exp of each row's scaled scores) travels in the composites' `lse` operand, laid out
 //! as the decomposition's; only this kernel's backward reads it.
 
-use super::site::{params, Site, BACKWARD_OPERANDS, FORWARD_OPERANDS};
+use super::site::{backward_params, forward_params, Site};
+use crate::model::flash::Operands;
 use anyhow::{bail, Result};
 use hlo::{Builder, DType, Func, Shape, Value};
 use serde_json::json;
@@ -53,27 +54,25 @@ enum Calls {
 
 /// The site's sizes, or why cuDNN's causal kernel cannot stand in for it.
 fn dims(site: &Site, calls: Calls) -> Result<Dims> {
-    let chunks = site.int("chunks")?;
-    if chunks != 2 {
+    let a = &site.attributes;
+    if a.chunks != 2 {
         bail!(
-            "the sequence is cut over a context axis ({chunks} chunks): cuDNN's causal mask \
-             needs one device's whole sequence (run without a context axis, or without this kernel)"
+            "the sequence is cut over a context axis ({} chunks): cuDNN's causal mask \
+             needs one device's whole sequence (run without a context axis, or without this kernel)",
+            a.chunks
         );
     }
-    let (c, cp) = (site.int("chunk")?, site.int("padded_chunk")?);
+    let (c, cp) = (a.chunk, a.padded_chunk);
     if c != cp {
         bail!(
             "the sequence ({} tokens) is not a whole number of key blocks of {} in each half: \
              cuDNN's causal mask needs it unpadded (choose a --key-block that divides {c})",
             2 * c,
-            site.int("block")?
+            a.block
         );
     }
-    let q = &site.params[0];
-    if q.rank() != 6 {
-        bail!("q is {q}, not [B, KV, 2, Cp, G, D]");
-    }
-    let (b, kv, g, d) = (q.dims[0], q.dims[1], q.dims[4], q.dims[5]);
+    let q = site.q();
+    let (b, kv, g, d) = (q.dims[0], a.kv_heads, a.groups(), a.head_dim);
     if calls == Calls::Library && !matches!(q.dtype, DType::BF16 | DType::F16) {
         bail!(
             "the attention runs in {}: cuDNN's flash attention takes bf16 or f16 (--dtype bf16)",
@@ -90,7 +89,7 @@ fn dims(site: &Site, calls: Calls) -> Result<Dims> {
         t: 2 * cp,
         d,
         dtype: q.dtype,
-        scale: site.float("scale")?,
+        scale: a.scale,
     })
 }
 
@@ -201,11 +200,11 @@ fn keys_to_tokens(b: &mut Builder, x: Value) -> Result<Value> {
 
 /// The composites' first three operands as cuDNN takes them: q [B, T, H, D], k and v
 /// [B, T, KV, D].
-fn qkv_tokens(b: &mut Builder, p: &[Value], dm: &Dims) -> Result<[Value; 3]> {
+fn qkv_tokens(b: &mut Builder, p: &Operands<Value>, dm: &Dims) -> Result<[Value; 3]> {
     Ok([
-        to_tokens_heads(b, p[0], dm)?,
-        keys_to_tokens(b, p[1])?,
-        keys_to_tokens(b, p[2])?,
+        to_tokens_heads(b, p.q, dm)?,
+        keys_to_tokens(b, p.k)?,
+        keys_to_tokens(b, p.v)?,
     ])
 }
 
@@ -233,7 +232,7 @@ pub(super) fn stand_in_backward(site: &Site) -> Result<Func> {
 fn build_forward(site: &Site, calls: Calls) -> Result<Func> {
     let dm = dims(site, calls)?;
     let mut b = Builder::new("cudnn_attention");
-    let p = params(&mut b, site, &FORWARD_OPERANDS)?;
+    let p = forward_params(&mut b, site)?;
     let h = dm.kv * dm.g;
     let [q, k, v] = qkv_tokens(&mut b, &p, &dm)?;
     let (out, stats) = match calls {
@@ -268,12 +267,12 @@ fn build_forward(site: &Site, calls: Calls) -> Result<Func> {
 fn build_backward(site: &Site, calls: Calls) -> Result<Func> {
     let dm = dims(site, calls)?;
     let mut b = Builder::new("cudnn_attention_grad");
-    let p = params(&mut b, site, &BACKWARD_OPERANDS)?;
+    let p = backward_params(&mut b, site)?;
     let h = dm.kv * dm.g;
-    let [q, k, v] = qkv_tokens(&mut b, &p, &dm)?;
-    let out = to_tokens_heads(&mut b, p[6], &dm)?;
-    let dout = to_tokens_heads(&mut b, p[8], &dm)?;
-    let lse = b.transpose(p[7], &[0, 1, 4, 2, 3])?;
+    let [q, k, v] = qkv_tokens(&mut b, &p.ins, &dm)?;
+    let out = to_tokens_heads(&mut b, p.out, &dm)?;
+    let dout = to_tokens_heads(&mut b, p.dout, &dm)?;
+    let lse = b.transpose(p.lse, &[0, 1, 4, 2, 3])?;
     let lse = b.reshape(lse, &[dm.b, h, dm.t])?;
     let (dq, dk, dv) = match calls {
         Calls::Library => {
@@ -488,17 +487,17 @@ mod tests {
     }
 
     fn site(chunks: i64, c: i64, cp: i64, dtype: DType, d: i64) -> Site {
-        use super::super::site::AttrValue::*;
-        let attributes = [
-            ("chunks", Int(chunks)),
-            ("chunk", Int(c)),
-            ("padded_chunk", Int(cp)),
-            ("block", Int(4)),
-            ("scale", Float(0.25)),
-        ]
-        .into_iter()
-        .map(|(k, v)| (k.to_string(), v))
-        .collect();
+        let attributes = crate::model::flash::Attributes {
+            block: 4,
+            chunk: c,
+            chunks,
+            padded_chunk: cp,
+            head_dim: d,
+            kv_heads: 2,
+            q_heads: 6,
+            scale: 0.25,
+            causal: crate::model::flash::CAUSAL_RULE.into(),
+        };
         let q = Shape::new(&[1, 2, 2, cp, 3, d], dtype);
         let k = Shape::new(&[1, 2, chunks * cp, d], dtype);
         let i = |dims: &[i64]| Shape::new(dims, DType::S32);

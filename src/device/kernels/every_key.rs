@@ -2,24 +2,18 @@
 //! reference for the kernel mechanism and for the nested loops it replaces (tested against the
 //! oracle on the CPU).
 
-use super::site::{params, Site, BACKWARD_OPERANDS, FORWARD_OPERANDS};
+use super::site::{backward_params, forward_params, Site};
+use crate::model::flash::{Attributes, Operands};
 use crate::model::forward::mask_scores;
 use anyhow::Result;
 use hlo::{Builder, DType, DotDims, Func, Shape, Value};
 
-/// The attention kernels' sizes from a site: (chunk, padded chunk, scale).
-fn attention_sizes(site: &Site) -> Result<(i64, i64, f64)> {
-    Ok((
-        site.int("chunk")?,
-        site.int("padded_chunk")?,
-        site.float("scale")?,
-    ))
-}
-
 /// Every query of the device's two chunks against every key: the masked scores
-/// [B, KV, 2, Cp, G, NC Cp] f32, from the natural positions the chunk ids and sizes give.
-fn all_scores(b: &mut Builder, p: &[Value], (c, cp, scale): (i64, i64, f64)) -> Result<Value> {
-    let (q, k, qdocs, kdocs, ids) = (p[0], p[1], p[3], p[4], p[5]);
+/// [B, KV, 2, Cp, G, NC Cp] f32, from the natural positions the chunk ids and sizes give (the
+/// contract's causal rule, which `Site::of` checked).
+fn all_scores(b: &mut Builder, p: &Operands<Value>, a: &Attributes) -> Result<Value> {
+    let (q, k, qdocs, kdocs, ids) = (p.q, p.k, p.query_docs, p.key_docs, p.chunk_ids);
+    let (c, cp, scale) = (a.chunk, a.padded_chunk, a.scale);
     let dims = DotDims {
         lhs_batch: vec![0, 1],
         rhs_batch: vec![0, 1],
@@ -58,11 +52,10 @@ fn all_scores(b: &mut Builder, p: &[Value], (c, cp, scale): (i64, i64, f64)) -> 
 
 /// Forward: (q, k, v, query starts, key starts, chunk ids) -> (out, lse).
 pub(super) fn every_key_forward(site: &Site) -> Result<Func> {
-    let sizes = attention_sizes(site)?;
     let mut b = Builder::new("every_key");
-    let p = params(&mut b, site, &FORWARD_OPERANDS)?;
-    let compute = b.dtype(p[0]);
-    let s = all_scores(&mut b, &p, sizes)?;
+    let p = forward_params(&mut b, site)?;
+    let compute = b.dtype(p.q);
+    let s = all_scores(&mut b, &p, &site.attributes)?;
     let sd = b.dims(s).to_vec();
     let rows: Vec<i64> = (0..5).collect();
     let m = b.reduce_max(s, &[5])?;
@@ -77,7 +70,7 @@ pub(super) fn every_key_forward(site: &Site) -> Result<Func> {
         lhs_contract: vec![5],
         rhs_contract: vec![2],
     };
-    let ev = b.dot_general(e, p[2], dims, None, Some(DType::F32))?;
+    let ev = b.dot_general(e, p.v, dims, None, Some(DType::F32))?;
     let od = b.dims(ev).to_vec();
     let lw = b.broadcast_in_dim(l, &od, &rows)?;
     let out = b.div(ev, lw)?;
@@ -89,12 +82,12 @@ pub(super) fn every_key_forward(site: &Site) -> Result<Func> {
 
 /// Backward: (q, k, v, query starts, key starts, chunk ids, out, lse, dout) -> (dq, dk, dv).
 pub(super) fn every_key_backward(site: &Site) -> Result<Func> {
-    let sizes = attention_sizes(site)?;
     let mut b = Builder::new("every_key_grad");
-    let p = params(&mut b, site, &BACKWARD_OPERANDS)?;
-    let (q, k, v, out, lse, dout) = (p[0], p[1], p[2], p[6], p[7], p[8]);
+    let p = backward_params(&mut b, site)?;
+    let (q, k, v) = (p.ins.q, p.ins.k, p.ins.v);
+    let (out, lse, dout) = (p.out, p.lse, p.dout);
     let compute = b.dtype(q);
-    let s = all_scores(&mut b, &p, sizes)?;
+    let s = all_scores(&mut b, &p.ins, &site.attributes)?;
     let sd = b.dims(s).to_vec();
     let rows: Vec<i64> = (0..5).collect();
     let lw = b.broadcast_in_dim(lse, &sd, &rows)?;
@@ -114,7 +107,7 @@ pub(super) fn every_key_backward(site: &Site) -> Result<Func> {
     let dw = b.broadcast_in_dim(delta, &sd, &rows)?;
     let centered = b.sub(dp, dw)?;
     let ds = b.mul(probs, centered)?;
-    let ds = b.mul_scalar(ds, sizes.2)?;
+    let ds = b.mul_scalar(ds, site.attributes.scale)?;
     let ds = b.convert(ds, compute)?;
     let probs = b.convert(probs, compute)?;
     let over_queries = DotDims {

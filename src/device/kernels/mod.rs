@@ -6,8 +6,9 @@
 //! by the composite's name and version and by the platform it runs on; where one is chosen
 //! (`--kernel NAME`), the decomposition's function is rewritten with the kernel's body and the
 //! build records which kernel replaced what ([`KernelUse`], in the manifest's builds), so that
-//! a run says what it ran. The composite's attributes and the decomposition's signature are all
-//! a kernel is given: it needs nothing else of the program.
+//! a run says what it ran. The composite's attributes (read and checked by the contract in
+//! `model::flash`) and the decomposition's signature are all a kernel is given: it needs
+//! nothing else of the program.
 //!
 //! Built in:
 //! - `every-key`: attention over every key at once in plain StableHLO (a reference for the
@@ -27,9 +28,8 @@ mod site;
 
 pub use crate::formats::program_dir::KernelUse;
 use anyhow::{bail, Context, Result};
-use hlo::{DType, Func, Shape};
-pub use site::{AttrValue, Site};
-use std::collections::BTreeMap;
+use hlo::Func;
+pub use site::Site;
 
 /// A kernel's rule for a batch's `attention_mask` ([B, T] row-major, and T).
 type RowRule = fn(&[i32], usize) -> Result<()>;
@@ -198,12 +198,13 @@ pub fn say_used(chosen: &[&Kernel], used: &[KernelUse]) -> Result<Vec<KernelUse>
 
 /// `text` with the decomposition of every composite a kernel of `kernels` implements replaced
 /// by that kernel, and what was replaced (nothing: the text as it was). A composite no kernel
-/// names keeps its decomposition; a kernel whose composite the program lacks is not used.
+/// names keeps its decomposition; a kernel whose composite the program lacks is not used. The
+/// text is read and rewritten by `hlo`'s reader, beside the printer that wrote it.
 pub fn replace(text: &str, kernels: &[&Kernel]) -> Result<(String, Vec<KernelUse>)> {
     let mut out = text.to_string();
     let mut uses: Vec<KernelUse> = Vec::new();
     let mut done: Vec<String> = Vec::new();
-    for call in composite_calls(text)? {
+    for call in hlo::composite_calls(text)? {
         let Some(k) = kernels
             .iter()
             .find(|k| k.composite == call.name && k.version == call.version)
@@ -213,31 +214,15 @@ pub fn replace(text: &str, kernels: &[&Kernel]) -> Result<(String, Vec<KernelUse
         if done.contains(&call.decomposition) {
             continue;
         }
-        let (start, end) = function_span(&out, &call.decomposition)?;
-        let (params, results) = signature(&out[start..end])
-            .with_context(|| format!("the function @{}", call.decomposition))?;
-        let site = Site {
-            attributes: call.attributes.clone(),
-            params,
-            results: results.clone(),
-        };
-        let func =
-            (k.build)(&site).with_context(|| format!("kernel {} for {}", k.name, call.name))?;
-        let got: Vec<Shape> = func
-            .results
-            .iter()
-            .map(|r| func.shape(r.value).clone())
-            .collect();
-        if got != results {
-            bail!(
-                "kernel {} gives {got:?} where {} v{} gives {results:?}",
-                k.name,
-                call.name,
-                call.version
-            );
-        }
-        let body = hlo::function_text(&func, &call.decomposition);
-        out.replace_range(start..end, &body);
+        let func = Site::of(&call)
+            .and_then(|site| (k.build)(&site))
+            .with_context(|| format!("kernel {} for {}", k.name, call.name))?;
+        out = hlo::replace_function(&out, &call.decomposition, &func).with_context(|| {
+            format!(
+                "kernel {} in place of {} v{} (line {})",
+                k.name, call.name, call.version, call.line
+            )
+        })?;
         done.push(call.decomposition.clone());
         let u = KernelUse {
             composite: call.name.clone(),
@@ -251,157 +236,9 @@ pub fn replace(text: &str, kernels: &[&Kernel]) -> Result<(String, Vec<KernelUse
     Ok((out, uses))
 }
 
-/// A `stablehlo.composite` of the program text.
-#[derive(Clone, Debug)]
-struct Call {
-    name: String,
-    version: i32,
-    decomposition: String,
-    attributes: BTreeMap<String, AttrValue>,
-}
-
-fn composite_calls(text: &str) -> Result<Vec<Call>> {
-    let call = regex::Regex::new(
-        r#"stablehlo\.composite "([^"]+)" [^{]*\{composite_attributes = \{([^}]*)\}, decomposition = @([^,\s]+), version = (-?\d+) : i32\}"#,
-    )
-    .expect("a valid pattern");
-    let mut out = Vec::new();
-    for (n, line) in text.lines().enumerate() {
-        if !line.contains("stablehlo.composite ") {
-            continue;
-        }
-        let Some(c) = call.captures(line) else {
-            bail!(
-                "line {}: a composite whose form xtrain does not read: {line}",
-                n + 1
-            );
-        };
-        out.push(Call {
-            name: c[1].to_string(),
-            version: c[4].parse()?,
-            decomposition: c[3].to_string(),
-            attributes: attributes(&c[2]).with_context(|| format!("line {}", n + 1))?,
-        });
-    }
-    Ok(out)
-}
-
-/// `block = 4 : i64, causal = "x", scale = 2.5e-01 : f32` as values by name.
-fn attributes(text: &str) -> Result<BTreeMap<String, AttrValue>> {
-    let mut out = BTreeMap::new();
-    for part in text.split(", ").filter(|p| !p.is_empty()) {
-        let Some((name, value)) = part.split_once(" = ") else {
-            bail!("attribute {part:?} has no value");
-        };
-        let v = if let Some(s) = value.strip_prefix('"') {
-            AttrValue::Str(s.trim_end_matches('"').to_string())
-        } else if let Some(i) = value.strip_suffix(" : i64") {
-            AttrValue::Int(i.parse()?)
-        } else if let Some(f) = value.strip_suffix(" : f32") {
-            AttrValue::Float(f.parse()?)
-        } else {
-            bail!("attribute {name} = {value}: not an i64, f32 or string");
-        };
-        out.insert(name.to_string(), v);
-    }
-    Ok(out)
-}
-
-/// The byte range of `func.func private @name(...)` through its closing line.
-fn function_span(text: &str, name: &str) -> Result<(usize, usize)> {
-    let head = format!("  func.func private @{name}(");
-    let start = text
-        .find(&head)
-        .with_context(|| format!("the program has no function @{name}"))?;
-    let end = text[start..]
-        .find("\n  }\n")
-        .map(|e| start + e + "\n  }\n".len())
-        .with_context(|| format!("the function @{name} does not end"))?;
-    Ok((start, end))
-}
-
-/// The parameter and result types of a function's first line.
-fn signature(func: &str) -> Result<(Vec<Shape>, Vec<Shape>)> {
-    let head = func.lines().next().unwrap_or_default();
-    let Some((params, results)) = head.split_once(") -> (") else {
-        bail!("no signature in {head}");
-    };
-    let tensor = regex::Regex::new(r"tensor<([^>]*)>").expect("a valid pattern");
-    let shapes = |s: &str| -> Result<Vec<Shape>> {
-        tensor
-            .captures_iter(s)
-            .map(|c| parse_tensor(&c[1]))
-            .collect()
-    };
-    Ok((shapes(params)?, shapes(results)?))
-}
-
-/// `2x3xbf16` (the inside of `tensor<...>`) as a shape.
-fn parse_tensor(s: &str) -> Result<Shape> {
-    let mut parts: Vec<&str> = s.split('x').collect();
-    let ty = parts.pop().unwrap_or_default();
-    let dtype = [
-        DType::Pred,
-        DType::S8,
-        DType::S32,
-        DType::S64,
-        DType::U8,
-        DType::U16,
-        DType::U32,
-        DType::U64,
-        DType::F16,
-        DType::BF16,
-        DType::F32,
-        DType::F64,
-    ]
-    .into_iter()
-    .find(|d| d.mlir() == ty)
-    .with_context(|| format!("unknown element type {ty} in tensor<{s}>"))?;
-    let dims = parts
-        .iter()
-        .map(|d| d.parse::<i64>())
-        .collect::<std::result::Result<Vec<_>, _>>()
-        .with_context(|| format!("tensor<{s}>"))?;
-    Ok(Shape::new(&dims, dtype))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn composite_calls_and_signatures_are_read_from_the_text() {
-        let text = "    %3:2 = stablehlo.composite \"xtrain.attention\" %1, %2 {composite_attributes = {block = 4 : i64, causal = \"balanced_chunk_pairs\", scale = 2.5e-1 : f32}, decomposition = @xtrain.attention.impl, version = 1 : i32} : (tensor<2x3xf32>, tensor<2xi32>) -> (tensor<2x3xbf16>, tensor<2xf32>)\n";
-        let calls = composite_calls(text).unwrap();
-        assert_eq!(calls.len(), 1);
-        let c = &calls[0];
-        assert_eq!(
-            (c.name.as_str(), c.version, c.decomposition.as_str()),
-            ("xtrain.attention", 1, "xtrain.attention.impl")
-        );
-        assert_eq!(c.attributes["block"], AttrValue::Int(4));
-        assert_eq!(c.attributes["scale"], AttrValue::Float(0.25));
-        assert_eq!(
-            c.attributes["causal"],
-            AttrValue::Str("balanced_chunk_pairs".into())
-        );
-        let head = "  func.func private @f(%q: tensor<2x3xf32>, %ids: tensor<2xi32>) -> (tensor<2x3xbf16> {xtrain.name = \"out0\"}, tensor<2xf32> {xtrain.name = \"out1\"}) {\n";
-        let (p, r) = signature(head).unwrap();
-        assert_eq!(
-            p,
-            [
-                Shape::new(&[2, 3], DType::F32),
-                Shape::new(&[2], DType::S32)
-            ]
-        );
-        assert_eq!(
-            r,
-            [
-                Shape::new(&[2, 3], DType::BF16),
-                Shape::new(&[2], DType::F32)
-            ]
-        );
-    }
 
     /// A kernel with a row rule refuses a packed batch by row and token; one without takes it.
     #[test]

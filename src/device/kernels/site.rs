@@ -1,59 +1,37 @@
-//! What a kernel is given: the composite's attributes and its decomposition's signature.
+//! What a kernel is given: the attention composite's attributes, read and checked by the
+//! contract in `model::flash` (names, types, the causal rule, the operands' shapes against
+//! them), and the decomposition's operand and result types.
 
+use crate::model::flash::{Attributes, GradOperands, Operands};
 use anyhow::{bail, Result};
-use hlo::{Builder, Shape, Value};
-use std::collections::BTreeMap;
+use hlo::{Builder, CompositeCall, Shape, Value};
 
-/// A composite attribute as the program text gives it.
-#[derive(Clone, Debug, PartialEq)]
-pub enum AttrValue {
-    Int(i64),
-    Float(f64),
-    Str(String),
-}
-
-/// What a kernel is built from: the composite's attributes and its decomposition's signature.
+/// What a kernel is built from.
 #[derive(Clone, Debug)]
 pub struct Site {
-    pub attributes: BTreeMap<String, AttrValue>,
+    pub attributes: Attributes,
     pub params: Vec<Shape>,
     pub results: Vec<Shape>,
 }
 
 impl Site {
-    pub(super) fn int(&self, name: &str) -> Result<i64> {
-        match self.attributes.get(name) {
-            Some(AttrValue::Int(v)) => Ok(*v),
-            other => bail!("the composite's attribute {name} is {other:?}, not an integer"),
-        }
+    /// An attention composite call of the program text, checked against the contract.
+    pub fn of(call: &CompositeCall) -> Result<Site> {
+        Ok(Site {
+            attributes: Attributes::from_site(call)?,
+            params: call.operands.clone(),
+            results: call.results.clone(),
+        })
     }
 
-    pub(super) fn float(&self, name: &str) -> Result<f64> {
-        match self.attributes.get(name) {
-            Some(AttrValue::Float(v)) => Ok(*v),
-            other => bail!("the composite's attribute {name} is {other:?}, not a float"),
-        }
+    /// The queries' shape: [B, KV, 2, Cp, G, D].
+    pub(super) fn q(&self) -> &Shape {
+        &self.params[0]
     }
 }
 
-/// The attention composites' operands, in order: the forward's (-> out, lse) and the
-/// backward's (-> dq, dk, dv), as `model::flash` passes them.
-pub(super) const FORWARD_OPERANDS: [&str; 6] =
-    ["q", "k", "v", "query_docs", "key_docs", "chunk_ids"];
-pub(super) const BACKWARD_OPERANDS: [&str; 9] = [
-    "q",
-    "k",
-    "v",
-    "query_docs",
-    "key_docs",
-    "chunk_ids",
-    "out",
-    "lse",
-    "dout",
-];
-
 /// The kernel's parameters, named as the decomposition's, checked against its signature.
-pub(super) fn params(b: &mut Builder, site: &Site, names: &[&str]) -> Result<Vec<Value>> {
+fn params(b: &mut Builder, site: &Site, names: &[&str]) -> Result<Vec<Value>> {
     if site.params.len() != names.len() {
         bail!(
             "the decomposition takes {} operands, the kernel {}",
@@ -66,4 +44,18 @@ pub(super) fn params(b: &mut Builder, site: &Site, names: &[&str]) -> Result<Vec
         .zip(&site.params)
         .map(|(n, s)| b.param(n, s.clone()))
         .collect())
+}
+
+/// The forward composite's operands as the kernel's parameters.
+pub(super) fn forward_params(b: &mut Builder, site: &Site) -> Result<Operands<Value>> {
+    Ok(Operands::of(&params(b, site, &Operands::<Value>::NAMES)?))
+}
+
+/// The backward composite's operands as the kernel's parameters.
+pub(super) fn backward_params(b: &mut Builder, site: &Site) -> Result<GradOperands<Value>> {
+    Ok(GradOperands::of(&params(
+        b,
+        site,
+        &GradOperands::<Value>::NAMES,
+    )?))
 }

@@ -1,8 +1,9 @@
-//! The block algebra of the attention kernel: one block pair's scores, probabilities and
+//! The block algebra of the attention loops: one block pair's scores, probabilities and
 //! gradients, and which blocks a loop trip visits (see the module docs of `model::flash`).
 
+use super::contract::{Attributes, Operands, CAUSAL_RULE};
 use crate::model::forward::{mask_scores, Numerics};
-use hlo::{Attr, Builder, CmpDir, DType, DotDims, Result, Shape, Value};
+use hlo::{Builder, CmpDir, DType, DotDims, Result, Shape, Value};
 
 /// `t` rounded up to whole blocks of `tb`.
 pub fn padded(t: i64, tb: i64) -> i64 {
@@ -44,54 +45,19 @@ impl Chunks {
         self.nc * self.nb()
     }
 
-    pub(super) fn attributes(&self, heads: (i64, i64)) -> Vec<(String, Attr)> {
-        vec![
-            ("block".into(), Attr::Int(self.tb)),
-            ("causal".into(), Attr::Str("balanced_chunk_pairs".into())),
-            ("chunk".into(), Attr::Int(self.c)),
-            ("chunks".into(), Attr::Int(self.nc)),
-            ("head_dim".into(), Attr::Int(self.d)),
-            ("kv_heads".into(), Attr::Int(heads.0)),
-            ("padded_chunk".into(), Attr::Int(self.cp)),
-            ("q_heads".into(), Attr::Int(heads.0 * heads.1)),
-            ("scale".into(), Attr::Float(1.0 / (self.d as f64).sqrt())),
-        ]
-    }
-}
-
-/// The kernel's inputs inside a loop body: q [B, KV, 2, Cp, G, D], k and v [B, KV, NC Cp, D],
-/// query starts [B, 2, Cp], key starts [B, NC Cp], chunk ids [2].
-#[derive(Clone, Copy)]
-pub(super) struct Tables {
-    pub(super) q: Value,
-    pub(super) k: Value,
-    pub(super) v: Value,
-    pub(super) query_docs: Value,
-    pub(super) key_docs: Value,
-    pub(super) ids: Value,
-}
-
-impl Tables {
-    pub(super) fn of(p: &[Value]) -> Tables {
-        Tables {
-            q: p[0],
-            k: p[1],
-            v: p[2],
-            query_docs: p[3],
-            key_docs: p[4],
-            ids: p[5],
+    /// The composites' attributes for `heads` (key/value heads, groups).
+    pub(super) fn attributes(&self, heads: (i64, i64)) -> Attributes {
+        Attributes {
+            block: self.tb,
+            chunk: self.c,
+            chunks: self.nc,
+            padded_chunk: self.cp,
+            head_dim: self.d,
+            kv_heads: heads.0,
+            q_heads: heads.0 * heads.1,
+            scale: 1.0 / (self.d as f64).sqrt(),
+            causal: CAUSAL_RULE.into(),
         }
-    }
-
-    pub(super) fn list(&self) -> [Value; 6] {
-        [
-            self.q,
-            self.k,
-            self.v,
-            self.query_docs,
-            self.key_docs,
-            self.ids,
-        ]
     }
 }
 
@@ -213,7 +179,7 @@ pub(super) struct Pair {
 
 pub(super) fn pair(
     b: &mut Builder,
-    t: &Tables,
+    t: &Operands<Value>,
     (slot, u, j): (Value, Value, Value),
     ch: Chunks,
 ) -> Result<Pair> {
@@ -229,7 +195,7 @@ pub(super) fn pair(
     let kdocs = key_rows(b, t.key_docs, 1, j, tb)?;
     // Natural positions: chunk c's row x is token c C + x.
     let c = s32(b, ch.c);
-    let chunk = chunk_id(b, t.ids, slot)?;
+    let chunk = chunk_id(b, t.chunk_ids, slot)?;
     let q_start = b.mul(chunk, c)?;
     let q_start = b.add(q_start, at)?;
     let nb = s32(b, ch.nb());

@@ -1,14 +1,88 @@
-//! The attention kernel's loops: the forward pass over pairs of query blocks, and the backward
-//! pass over the rectangles and triangles of key blocks (see the module docs of
-//! `model::flash`). Each is a decomposition of one of the composites.
+//! The attention loops: the forward pass over pairs of query blocks, and the backward pass
+//! over the rectangles and triangles of key blocks (see the module docs of `model::flash`).
+//! Each is the decomposition of one of the composites. A loop body's invariants are named
+//! (the structs below), listed and read back in one place each.
 
 use super::blocks::*;
+use super::contract::{GradOperands, Operands};
 use hlo::{Builder, CmpDir, DType, DotDims, Result, Shape, Value};
 
-/// The forward decomposition: inputs (q, k, v, query starts, key starts, chunk ids) in the
-/// kernel's layout; (out [B, KV, 2, Cp, G, D] in the compute type, lse [B, KV, 2, Cp, G]).
-pub(super) fn kernel_forward(b: &mut Builder, p: &[Value], ch: Chunks) -> Result<Vec<Value>> {
-    let tab = Tables::of(p);
+/// The `K` values a loop's invariants hold after its `base` ones.
+fn after<const K: usize>(inv: &[Value], base: usize) -> [Value; K] {
+    inv[base..base + K]
+        .try_into()
+        .expect("a loop's invariants as listed")
+}
+
+/// The forward's inner loop: the operands and the query pair (u, nb-1-u) whose first block's
+/// diagonal key block is `a`.
+struct PairTrip {
+    tab: Operands<Value>,
+    u: Value,
+    a: Value,
+}
+
+impl PairTrip {
+    fn list(&self) -> Vec<Value> {
+        let mut l = self.tab.list();
+        l.extend([self.u, self.a]);
+        l
+    }
+
+    fn of(inv: &[Value]) -> PairTrip {
+        let [u, a] = after(inv, Operands::<Value>::NAMES.len());
+        PairTrip {
+            tab: Operands::of(inv),
+            u,
+            a,
+        }
+    }
+}
+
+/// The backward's loops: the operands, and dout, lse and delta (rowsum(dout * out)) laid out
+/// as the queries.
+#[derive(Clone, Copy)]
+struct GradRows {
+    tab: Operands<Value>,
+    dout: Value,
+    lse: Value,
+    delta: Value,
+}
+
+impl GradRows {
+    const LEN: usize = Operands::<Value>::NAMES.len() + 3;
+
+    fn list(&self) -> Vec<Value> {
+        let mut l = self.tab.list();
+        l.extend([self.dout, self.lse, self.delta]);
+        l
+    }
+
+    fn of(inv: &[Value]) -> GradRows {
+        let [dout, lse, delta] = after(inv, Operands::<Value>::NAMES.len());
+        GradRows {
+            tab: Operands::of(inv),
+            dout,
+            lse,
+            delta,
+        }
+    }
+
+    /// These, then `extra` (an inner loop's own invariants, read back with [`after`]).
+    fn with<const K: usize>(&self, extra: [Value; K]) -> Vec<Value> {
+        let mut l = self.list();
+        l.extend(extra);
+        l
+    }
+}
+
+/// The forward decomposition: the operands in the loops' layout; (out [B, KV, 2, Cp, G, D] in
+/// the compute type, lse [B, KV, 2, Cp, G]).
+pub(super) fn forward_loops(
+    b: &mut Builder,
+    tab: &Operands<Value>,
+    ch: Chunks,
+) -> Result<Vec<Value>> {
     let qd = b.dims(tab.q).to_vec();
     let (bs, kvh, g, d) = (qd[0], qd[1], qd[4], qd[5]);
     let init = [
@@ -17,16 +91,15 @@ pub(super) fn kernel_forward(b: &mut Builder, p: &[Value], ch: Chunks) -> Result
     ];
     let out = b.scoped("forward", |b| {
         b.fori_loop(ch.nb(), &init, &tab.list(), |b, u, c, inv| {
-            let tab = Tables::of(inv);
-            let a = first_diagonal(b, tab.ids, u, ch)?;
+            let tab = Operands::of(inv);
+            let a = first_diagonal(b, tab.chunk_ids, u, ch)?;
             let rows = Shape::new(&[bs, kvh, 2, ch.tb, g], DType::F32);
             let init = [
                 b.full(f32::MIN as f64, rows.clone()),
                 b.zeros(rows),
                 b.zeros(Shape::new(&[bs, kvh, 2, ch.tb, g, d], DType::F32)),
             ];
-            let mut inv = tab.list().to_vec();
-            inv.extend([u, a]);
+            let inv = PairTrip { tab, u, a }.list();
             let run = b.rolled_fori_loop(ch.nk() + 1, &init, &inv, |b, t, c, inv| {
                 forward_trip(b, t, c, inv, ch)
             })?;
@@ -67,7 +140,7 @@ fn write_pair(b: &mut Builder, all: Value, pair: Value, u: Value, ch: Chunks) ->
 }
 
 /// One inner trip of the forward pass: the pair's running max, sum and output (carry) take in
-/// one key block; invariants (the tables, u, a).
+/// one key block; invariants a [`PairTrip`].
 fn forward_trip(
     b: &mut Builder,
     t: Value,
@@ -75,9 +148,9 @@ fn forward_trip(
     inv: &[Value],
     ch: Chunks,
 ) -> Result<Vec<Value>> {
-    let tab = Tables::of(inv);
-    let (slot, block, j) = query_pair_trip(b, t, (inv[6], inv[7]), ch)?;
-    let pr = pair(b, &tab, (slot, block, j), ch)?;
+    let trip = PairTrip::of(inv);
+    let (slot, block, j) = query_pair_trip(b, t, (trip.u, trip.a), ch)?;
+    let pr = pair(b, &trip.tab, (slot, block, j), ch)?;
     let m = pair_slot(b, c[0], slot)?;
     let l = pair_slot(b, c[1], slot)?;
     let acc = pair_slot(b, c[2], slot)?;
@@ -103,20 +176,27 @@ fn forward_trip(
     ])
 }
 
-/// The backward decomposition: inputs (q, k, v, query starts, key starts, chunk ids, out, lse,
-/// dout) in the kernel's layout; (dq [B, KV, 2, Cp, G, D], dk and dv [B, KV, NC Cp, D]) in the
-/// inputs' types.
-pub(super) fn kernel_backward(b: &mut Builder, p: &[Value], ch: Chunks) -> Result<Vec<Value>> {
-    let tab = Tables::of(p);
-    let (out, lse, dout) = (p[6], p[7], p[8]);
+/// The backward decomposition: the operands in the loops' layout; (dq [B, KV, 2, Cp, G, D],
+/// dk and dv [B, KV, NC Cp, D]) in the inputs' types.
+pub(super) fn backward_loops(
+    b: &mut Builder,
+    p: &GradOperands<Value>,
+    ch: Chunks,
+) -> Result<Vec<Value>> {
+    let (tab, out, lse, dout) = (p.ins, p.out, p.lse, p.dout);
     let delta = b.scoped("delta", |b| {
         let o = b.convert(out, DType::F32)?;
         let dof = b.convert(dout, DType::F32)?;
         let prod = b.mul(o, dof)?;
         b.reduce_sum(prod, &[5])
     })?;
-    let rows = [dout, lse, delta];
-    let (dq, dk, dv) = b.scoped("grad", |b| gradient_pass(b, &tab, rows, ch))?;
+    let rows = GradRows {
+        tab,
+        dout,
+        lse,
+        delta,
+    };
+    let (dq, dk, dv) = b.scoped("grad", |b| gradient_pass(b, rows, ch))?;
     Ok(vec![
         b.convert(dq, b.dtype(tab.q))?,
         b.convert(dk, b.dtype(tab.k))?,
@@ -128,30 +208,24 @@ pub(super) fn kernel_backward(b: &mut Builder, p: &[Value], ch: Chunks) -> Resul
 /// carrying the key block's dk and dv and adding each trip's dq share in place to the query
 /// rows it belongs to; the rectangles of earlier chunks first, then the two triangles. Returns
 /// (dq [B, KV, 2, Cp, G, D], dk and dv [B, KV, NC Cp, D]), f32.
-fn gradient_pass(
-    b: &mut Builder,
-    tab: &Tables,
-    rows: [Value; 3],
-    ch: Chunks,
-) -> Result<(Value, Value, Value)> {
-    let kd = b.dims(tab.k).to_vec();
+fn gradient_pass(b: &mut Builder, rows: GradRows, ch: Chunks) -> Result<(Value, Value, Value)> {
+    let kd = b.dims(rows.tab.k).to_vec();
     let (bs, kvh, d) = (kd[0], kd[1], kd[3]);
-    let g = b.dims(tab.q)[4];
+    let g = b.dims(rows.tab.q)[4];
     let init = [
         b.zeros(Shape::new(&[bs, kvh, ch.nc * ch.cp, d], DType::F32)),
         b.zeros(Shape::new(&[bs, kvh, ch.nc * ch.cp, d], DType::F32)),
         b.zeros(Shape::new(&[bs, kvh, 2, ch.cp, g, d], DType::F32)),
     ];
-    let mut inv = tab.list().to_vec();
-    inv.extend(rows);
+    let inv = rows.list();
     let nb = ch.nb();
     // The rectangles: key block j of an earlier chunk than query chunk `slot`, against each of
     // its nb query blocks. Outer trip o: slot 0's c0 nb blocks, then slot 1's c1 nb.
     let rect = b.scoped("rectangles", |b| {
         b.fori_loop((ch.nc - 1) * nb, &init, &inv, |b, o, c, inv| {
-            let tab = Tables::of(inv);
+            let rows = GradRows::of(inv);
             let zero = s32(b, 0);
-            let c0 = chunk_id(b, tab.ids, zero)?;
+            let c0 = chunk_id(b, rows.tab.chunk_ids, zero)?;
             let first = times(b, c0, nb)?;
             let second = b.compare(o, first, CmpDir::Ge)?;
             let slot = b.convert(second, DType::S32)?;
@@ -159,11 +233,10 @@ fn gradient_pass(
             let j = b.select(second, later, o)?;
             let key = Shape::new(&[bs, kvh, ch.tb, d], DType::F32);
             let init = [b.zeros(key.clone()), b.zeros(key), c[2]];
-            let mut inner = inv.to_vec();
-            inner.extend([slot, j]);
+            let inner = rows.with([slot, j]);
             let run = b.rolled_fori_loop(nb, &init, &inner, |b, u, c, inv| {
-                let (slot, j) = (inv[9], inv[10]);
-                let (dk, dv, dq) = block_grads(b, inv, (slot, u, j), ch)?;
+                let [slot, j] = after(inv, GradRows::LEN);
+                let (dk, dv, dq) = block_grads(b, GradRows::of(inv), (slot, u, j), ch)?;
                 Ok(vec![
                     b.add(c[0], dk)?,
                     b.add(c[1], dv)?,
@@ -181,15 +254,15 @@ fn gradient_pass(
     // nb-1-x of chunk c1 (seen by nb-1-x..nb): nb + 1 query blocks in all.
     let tri = b.scoped("triangles", |b| {
         b.fori_loop(nb, &rect, &inv, |b, x, c, inv| {
-            let tab = Tables::of(inv);
+            let rows = GradRows::of(inv);
             let key = Shape::new(&[bs, kvh, 2, ch.tb, d], DType::F32);
             let init = [b.zeros(key.clone()), b.zeros(key), c[2]];
-            let mut inner = inv.to_vec();
-            inner.push(x);
+            let inner = rows.with([x]);
             // Not a priced loop: its trips cost what the rectangles' do, and the estimate
             // counts the nest's trips as the rectangles' and the triangles' together.
             let run = b.fori_loop(nb + 1, &init, &inner, |b, t, c, inv| {
-                let x = inv[9];
+                let rows = GradRows::of(inv);
+                let [x] = after(inv, GradRows::LEN);
                 let nbv = s32(b, nb);
                 let split = b.sub(nbv, x)?;
                 let second = b.compare(t, split, CmpDir::Ge)?;
@@ -198,9 +271,8 @@ fn gradient_pass(
                 let first_u = b.add(x, t)?;
                 let second_u = b.sub(t, ones)?;
                 let u = b.select(second, second_u, first_u)?;
-                let tab = Tables::of(inv);
-                let j = triangle_key(b, tab.ids, slot, x, nb)?;
-                let (dk, dv, dq) = block_grads(b, inv, (slot, u, j), ch)?;
+                let j = triangle_key(b, rows.tab.chunk_ids, slot, x, nb)?;
+                let (dk, dv, dq) = block_grads(b, rows, (slot, u, j), ch)?;
                 let add = |b: &mut Builder, pair: Value, g: Value| -> Result<Value> {
                     let old = pair_slot(b, pair, slot)?;
                     let new = b.add(old, g)?;
@@ -216,7 +288,7 @@ fn gradient_pass(
             out[2] = run[2];
             for slot in 0..2 {
                 let sv = s32(b, slot);
-                let j = triangle_key(b, tab.ids, sv, x, nb)?;
+                let j = triangle_key(b, rows.tab.chunk_ids, sv, x, nb)?;
                 for (k, o) in out.iter_mut().take(2).enumerate() {
                     let g = b.slice_dim(run[k], 2, slot, slot + 1)?;
                     let gd = b.dims(g).to_vec();
@@ -245,20 +317,18 @@ fn triangle_key(b: &mut Builder, ids: Value, slot: Value, x: Value, nb: i64) -> 
     b.add(base, off)
 }
 
-/// One backward trip: query block `u` of slot `slot` against key block `j`; invariants (the
-/// tables, dout, lse, delta, ...). Returns the block pair's shares of dk_j and dv_j
+/// One backward trip: query block `u` of slot `slot` against key block `j`. Returns the block pair's shares of dk_j and dv_j
 /// [B, KV, TB, D] and of dq_u [B, KV, TB, G, D], f32.
 fn block_grads(
     b: &mut Builder,
-    inv: &[Value],
+    rows: GradRows,
     (slot, u, j): (Value, Value, Value),
     ch: Chunks,
 ) -> Result<(Value, Value, Value)> {
-    let tab = Tables::of(inv);
-    let pr = pair(b, &tab, (slot, u, j), ch)?;
-    let dout = query_rows(b, inv[6], slot, u, ch.tb)?;
-    let lse = query_rows(b, inv[7], slot, u, ch.tb)?;
-    let delta = query_rows(b, inv[8], slot, u, ch.tb)?;
+    let pr = pair(b, &rows.tab, (slot, u, j), ch)?;
+    let dout = query_rows(b, rows.dout, slot, u, ch.tb)?;
+    let lse = query_rows(b, rows.lse, slot, u, ch.tb)?;
+    let delta = query_rows(b, rows.delta, slot, u, ch.tb)?;
     let (probs, ds) = probs_and_ds(b, pr.s, pr.v, (dout, lse, delta), ch)?;
     let dq = query_grad(b, ds, pr.k)?;
     let (dk, dv) = key_grads(b, (probs, ds), (pr.q, dout), ch)?;

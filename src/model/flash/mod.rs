@@ -66,12 +66,17 @@
 //! zero; such rows feed no loss.
 
 mod blocks;
+mod contract;
 mod loops;
 
 use crate::model::forward::{Numerics, Placement, Saves};
 pub use blocks::{padded, Chunks};
+pub use contract::{
+    Attributes, ContractError, GradOperands, Operands, ATTENTION, ATTENTION_GRAD, CAUSAL_RULE,
+    VERSION,
+};
 use hlo::{Builder, DType, Result, Shape, Sharding, Value};
-use loops::{kernel_backward, kernel_forward};
+use loops::{backward_loops, forward_loops};
 use std::rc::Rc;
 
 /// The key/value block `--key-block auto` takes (see `program::KeyBlocks::resolve`).
@@ -80,11 +85,6 @@ pub const DEFAULT_KEY_BLOCK: i64 = 512;
 /// The save point of the attention's row statistic `m + log l`, [B, KV, NC', Cp, G] f32: every
 /// device's two query chunks (NC' = 2 on one device, 2CP over a context axis), padded.
 pub const LSE: &str = "attn.lse";
-
-/// The composites' names and version: what a kernel that replaces them is looked up by.
-pub const ATTENTION: &str = "xtrain.attention";
-pub const ATTENTION_GRAD: &str = "xtrain.attention_grad";
-pub const VERSION: i32 = 1;
 
 /// The key/value block for a sequence of `t` tokens on one device: the requested size, at
 /// most half the sequence (the two query chunks hold one block or more each).
@@ -131,15 +131,22 @@ pub fn attend(
     (query_docs, key_docs): (Value, Value),
     tb: i64,
     num: Numerics,
-    (out_point, saves): (&str, &mut Saves),
+    saves: (&str, &mut Saves),
     mesh: Option<&dyn Placement>,
 ) -> Result<Value> {
     let qd = b.dims(q).to_vec();
-    let (bs, t, kvh, g, d) = (qd[0], qd[1], qd[2], qd[3], qd[4]);
-    let cuts = mesh.map(|p| Cuts::of(p, (bs, t, kvh, g, d), "none"));
+    let dims = (qd[0], qd[1], qd[2], qd[3], qd[4]);
+    let t = dims.1;
     // Two halves of whole blocks: the padding at the end is a key no query sees.
     let tp = padded(t, 2 * tb);
-    let chunks = Chunks::new(2, tp / 2, tb, d, num);
+    let wiring = PerDevice {
+        ch: Chunks::new(2, tp / 2, tb, dims.4, num),
+        cuts: mesh.map(|p| Cuts::of(p, dims, "none")),
+        chunk_ids: vec![0, 1],
+        dims,
+        padding_cut: true,
+        key_sum: None,
+    };
     let pad = |b: &mut Builder, x: Value, fill: f64| pad_dim(b, x, 1, tp - t, fill);
     let ins = [
         pad(b, q, 0.0)?,
@@ -148,51 +155,162 @@ pub fn attend(
         pad(b, query_docs, 0.0)?,
         pad(b, key_docs, -1.0)?,
     ];
-    let ids = one_device_ids(b)?;
-    let fwd = match &cuts {
-        None => forward_on_device(b, &ins, ids, chunks)?,
-        Some(c) => b.manual_computation(
+    wiring.attend(b, ins, saves)
+}
+
+/// How each device's key gradients become the keys' (over a context axis every device adds to
+/// every key): `share` shapes one device's [B, NC C, KV, D] as its row of [B, CP, ...] inside
+/// the manual computation, `sum` adds the rows up after it.
+#[derive(Clone, Copy)]
+pub(crate) struct KeySum {
+    pub(crate) share: fn(&mut Builder, Value) -> Result<Value>,
+    pub(crate) sum: fn(&mut Builder, Value) -> Result<Value>,
+}
+
+/// One device's attention wired into the step, written once for the one-device form
+/// ([`attend`]) and the context form (`model::context::attend`): the loops (or a kernel in their
+/// place) per device, in a manual computation where there is a mesh, the save points, and a
+/// gradient rule that runs the backward composite on what the forward saved.
+pub(crate) struct PerDevice {
+    pub(crate) ch: Chunks,
+    pub(crate) cuts: Option<Cuts>,
+    /// Each device's chunk ids, two per device: the rows of the `chunk_ids` operand [n, 2].
+    pub(crate) chunk_ids: Vec<i64>,
+    /// The queries' (B, T, KV, G, D), T the natural length.
+    pub(crate) dims: (i64, i64, i64, i64, i64),
+    /// Whether the operands were padded at the end (the one-device form): the output is cut
+    /// back to T rows.
+    pub(crate) padding_cut: bool,
+    pub(crate) key_sum: Option<KeySum>,
+}
+
+impl PerDevice {
+    /// The attention of `ins` (q, k, v, query starts, key starts in the model's layout, as
+    /// every device's operands are cut from them): [B, T, KV x G x D] after the save points.
+    pub(crate) fn attend(
+        self,
+        b: &mut Builder,
+        ins: [Value; 5],
+        (out_point, saves): (&str, &mut Saves),
+    ) -> Result<Value> {
+        let (bs, t, kvh, g, d) = self.dims;
+        let ids = self.ids(b)?;
+        let fwd = self.forward(b, &with_ids(&ins, ids))?;
+        let out = match self.padding_cut {
+            true => b.slice_dim(fwd[0], 1, 0, t)?,
+            false => fwd[0],
+        };
+        let out = b.reshape(out, &[bs, t, kvh * g * d])?;
+        let out = saves.point(b, out_point, out)?;
+        let lse = saves.point(b, LSE, fwd[1])?;
+        let rows = self.ch.nc * self.ch.c;
+        let rule: hlo::VjpRule = Rc::new(move |b, ins, outs, cts| {
+            let Some(dout) = cts[0] else {
+                return Ok(vec![None; ins.len()]);
+            };
+            // out and its cotangent back as [B, T', KV, G, D], padded as the inputs are.
+            let padded_rows = |b: &mut Builder, x: Value| -> Result<Value> {
+                let x = b.reshape(x, &[bs, t, kvh, g, d])?;
+                pad_dim(b, x, 1, rows - t, 0.0)
+            };
+            let out = padded_rows(b, outs[0])?;
+            let dout = padded_rows(b, dout)?;
+            let ids = self.ids(b)?;
+            let grads = self.backward(
+                b,
+                &GradOperands {
+                    ins: with_ids(ins, ids),
+                    out,
+                    lse: outs[1],
+                    dout,
+                },
+            )?;
+            let none = ins.len() - grads.len();
+            Ok(grads
+                .into_iter()
+                .map(Some)
+                .chain(vec![None; none])
+                .collect())
+        });
+        let outs = b.custom_vjp(&ins, &[out, lse], rule);
+        Ok(outs[0])
+    }
+
+    fn ids(&self, b: &mut Builder) -> Result<Value> {
+        let n = self.chunk_ids.len() as i64 / 2;
+        b.constant(
+            hlo::Literal::Int(self.chunk_ids.clone()),
+            Shape::new(&[n, 2], DType::S32),
+        )
+    }
+
+    /// The forward composite per device: (out [B, T', KV, G, D], lse).
+    fn forward(&self, b: &mut Builder, ins: &Operands<Value>) -> Result<Vec<Value>> {
+        let ch = self.ch;
+        match &self.cuts {
+            None => forward_on_device(b, ins, ch),
+            Some(c) => b.manual_computation(
+                &c.mesh,
+                &cut(&ins.list(), &c.operands().list()),
+                &[c.q.clone(), c.lse.clone()],
+                |b, l| forward_on_device(b, &Operands::of(l), ch),
+            ),
+        }
+    }
+
+    /// The backward composite per device: the cotangents of q, k and v (the keys' summed over
+    /// the devices where each computes a share).
+    fn backward(&self, b: &mut Builder, ins: &GradOperands<Value>) -> Result<Vec<Value>> {
+        let ch = self.ch;
+        let Some(c) = &self.cuts else {
+            return backward_on_device(b, ins, ch);
+        };
+        let cuts = GradOperands {
+            ins: c.operands(),
+            out: c.q.clone(),
+            lse: c.lse.clone(),
+            dout: c.q.clone(),
+        };
+        let keys = match self.key_sum {
+            Some(_) => c.dkv.clone(),
+            None => c.kv.clone(),
+        };
+        let key_sum = self.key_sum;
+        let grads = b.manual_computation(
             &c.mesh,
-            &c.operands(&ins, &[(ids, c.ids.clone())]),
-            &[c.q.clone(), c.lse.clone()],
-            |b, l| forward_on_device(b, &l[..5], l[5], chunks),
-        )?,
-    };
-    let out = b.slice_dim(fwd[0], 1, 0, t)?;
-    let out = b.reshape(out, &[bs, t, kvh * g * d])?;
-    let out = saves.point(b, out_point, out)?;
-    let lse = saves.point(b, LSE, fwd[1])?;
-    let rule: hlo::VjpRule = Rc::new(move |b, ins, outs, cts| {
-        let Some(dout) = cts[0] else {
-            return Ok(vec![None; ins.len()]);
-        };
-        // out and its cotangent back as [B, T', KV, G, D], padded as the inputs are.
-        let padded_rows = |b: &mut Builder, x: Value| -> Result<Value> {
-            let x = b.reshape(x, &[bs, t, kvh, g, d])?;
-            pad_dim(b, x, 1, tp - t, 0.0)
-        };
-        let out = padded_rows(b, outs[0])?;
-        let dout = padded_rows(b, dout)?;
-        let ids = one_device_ids(b)?;
-        let grads = match &cuts {
-            None => backward_on_device(b, ins, (ids, out, outs[1], dout), chunks)?,
-            Some(c) => {
-                let rest = [
-                    (ids, c.ids.clone()),
-                    (out, c.q.clone()),
-                    (outs[1], c.lse.clone()),
-                    (dout, c.q.clone()),
-                ];
-                let results = [c.q.clone(), c.kv.clone(), c.kv.clone()];
-                b.manual_computation(&c.mesh, &c.operands(ins, &rest), &results, |b, l| {
-                    backward_on_device(b, &l[..5], (l[5], l[6], l[7], l[8]), chunks)
-                })?
-            }
-        };
-        Ok(grads.into_iter().map(Some).chain([None, None]).collect())
-    });
-    let outs = b.custom_vjp(&ins, &[out, lse], rule);
-    Ok(outs[0])
+            &cut(&ins.list(), &cuts.list()),
+            &[c.q.clone(), keys.clone(), keys],
+            |b, l| {
+                let g = backward_on_device(b, &GradOperands::of(l), ch)?;
+                match key_sum {
+                    Some(s) => Ok(vec![g[0], (s.share)(b, g[1])?, (s.share)(b, g[2])?]),
+                    None => Ok(g),
+                }
+            },
+        )?;
+        match self.key_sum {
+            Some(s) => Ok(vec![grads[0], (s.sum)(b, grads[1])?, (s.sum)(b, grads[2])?]),
+            None => Ok(grads),
+        }
+    }
+}
+
+/// The model-layout operands (q, k, v, query and key starts) and the chunk ids.
+fn with_ids(ins: &[Value], ids: Value) -> Operands<Value> {
+    let [q, k, v, query_docs, key_docs] = ins[..5].try_into().expect("five operands");
+    Operands {
+        q,
+        k,
+        v,
+        query_docs,
+        key_docs,
+        chunk_ids: ids,
+    }
+}
+
+/// Values with their cuts, for a manual computation.
+fn cut(values: &[Value], cuts: &[Sharding]) -> Vec<(Value, Sharding)> {
+    values.iter().copied().zip(cuts.iter().cloned()).collect()
 }
 
 /// How the per-device attention's operands and results are cut over the mesh, taken from the
@@ -243,27 +361,17 @@ impl Cuts {
         }
     }
 
-    /// Operands (q, k, v, query starts, key starts) with their cuts, then `rest`.
-    pub(crate) fn operands(
-        &self,
-        ins: &[Value],
-        rest: &[(Value, Sharding)],
-    ) -> Vec<(Value, Sharding)> {
-        let cuts = [&self.q, &self.kv, &self.kv, &self.qdocs, &self.kdocs];
-        ins.iter()
-            .zip(cuts)
-            .map(|(&v, s)| (v, s.clone()))
-            .chain(rest.iter().cloned())
-            .collect()
+    /// How the composites' operands are cut (model layout: `flash::attend`'s).
+    pub(crate) fn operands(&self) -> Operands<Sharding> {
+        Operands {
+            q: self.q.clone(),
+            k: self.kv.clone(),
+            v: self.kv.clone(),
+            query_docs: self.qdocs.clone(),
+            key_docs: self.kdocs.clone(),
+            chunk_ids: self.ids.clone(),
+        }
     }
-}
-
-/// The chunk ids [1, 2] of one device: the sequence's two halves.
-fn one_device_ids(b: &mut Builder) -> Result<Value> {
-    b.constant(
-        hlo::Literal::Int(vec![0, 1]),
-        Shape::new(&[1, 2], DType::S32),
-    )
 }
 
 /// `x` with `n` more rows of `fill` at the end of dim `dim`.
@@ -282,73 +390,62 @@ pub(crate) fn pad_dim(b: &mut Builder, x: Value, dim: usize, n: i64, fill: f64) 
 /// [B, 2C, KV, G, D] (its two chunks), k and v [B, NC C, KV, D] (every chunk, natural order),
 /// query starts [B, 2C], key starts [B, NC C] and its chunk ids [1, 2]. Returns (out
 /// [B, 2C, KV, G, D], lse [B, KV, 2, Cp, G]).
-pub(crate) fn forward_on_device(
-    b: &mut Builder,
-    ins: &[Value],
-    ids: Value,
-    ch: Chunks,
-) -> Result<Vec<Value>> {
-    let (kvh, g) = (b.dims(ins[0])[2], b.dims(ins[0])[3]);
-    let kin = kernel_operands(b, ins, ids, ch)?;
+fn forward_on_device(b: &mut Builder, ins: &Operands<Value>, ch: Chunks) -> Result<Vec<Value>> {
+    let (kvh, g) = (b.dims(ins.q)[2], b.dims(ins.q)[3]);
+    let laid = loops_operands(b, ins, ch)?;
     let outs = b.composite(
         (ATTENTION, VERSION),
-        ch.attributes((kvh, g)),
-        &kin,
-        |b, p| kernel_forward(b, p, ch),
+        ch.attributes((kvh, g)).to_attrs(),
+        &laid.named(),
+        |b, p| forward_loops(b, &Operands::of(p), ch),
     )?;
-    Ok(vec![from_kernel_queries(b, outs[0], ch)?, outs[1]])
+    Ok(vec![from_loops_queries(b, outs[0], ch)?, outs[1]])
 }
 
-/// One device's backward pass: the operands as [`forward_on_device`] takes them, its chunk ids,
-/// and (out, lse) with out's cotangent; returns the cotangents of q [B, 2C, KV, G, D], k and v
-/// [B, NC C, KV, D] (this device's share: every device adds to every key).
-pub(crate) fn backward_on_device(
+/// One device's backward pass: the operands as [`forward_on_device`] takes them, and (out, lse)
+/// with out's cotangent; returns the cotangents of q [B, 2C, KV, G, D], k and v [B, NC C, KV, D]
+/// (this device's share: every device adds to every key).
+fn backward_on_device(
     b: &mut Builder,
-    ins: &[Value],
-    (ids, out, lse, dout): (Value, Value, Value, Value),
+    ins: &GradOperands<Value>,
     ch: Chunks,
 ) -> Result<Vec<Value>> {
-    let (kvh, g) = (b.dims(ins[0])[2], b.dims(ins[0])[3]);
-    let mut kin = kernel_operands(b, ins, ids, ch)?;
-    kin.extend([
-        ("out", to_kernel_queries(b, out, ch)?),
-        ("lse", lse),
-        ("dout", to_kernel_queries(b, dout, ch)?),
-    ]);
+    let (kvh, g) = (b.dims(ins.ins.q)[2], b.dims(ins.ins.q)[3]);
+    let laid = GradOperands {
+        ins: loops_operands(b, &ins.ins, ch)?,
+        out: to_loops_queries(b, ins.out, ch)?,
+        lse: ins.lse,
+        dout: to_loops_queries(b, ins.dout, ch)?,
+    };
     let outs = b.composite(
         (ATTENTION_GRAD, VERSION),
-        ch.attributes((kvh, g)),
-        &kin,
-        |b, p| kernel_backward(b, p, ch),
+        ch.attributes((kvh, g)).to_attrs(),
+        &laid.named(),
+        |b, p| backward_loops(b, &GradOperands::of(p), ch),
     )?;
-    let dq = from_kernel_queries(b, outs[0], ch)?;
-    let dk = from_kernel_keys(b, outs[1], ch)?;
-    let dv = from_kernel_keys(b, outs[2], ch)?;
+    let dq = from_loops_queries(b, outs[0], ch)?;
+    let dk = from_loops_keys(b, outs[1], ch)?;
+    let dv = from_loops_keys(b, outs[2], ch)?;
     Ok(vec![dq, dk, dv])
 }
 
-// ------------------------------------------------------------ the kernel's layouts
+// ------------------------------------------------------------ the composites' layouts
 
-/// The composites' first operands, named, in the kernel's layout: q, k, v, the query and key
-/// document starts and the chunk ids, from the model's layout (see [`forward_on_device`]).
-fn kernel_operands(
-    b: &mut Builder,
-    ins: &[Value],
-    ids: Value,
-    ch: Chunks,
-) -> Result<Vec<(&'static str, Value)>> {
-    Ok(vec![
-        ("q", to_kernel_queries(b, ins[0], ch)?),
-        ("k", to_kernel_keys(b, ins[1], ch)?),
-        ("v", to_kernel_keys(b, ins[2], ch)?),
-        ("query_docs", to_kernel_rows(b, ins[3], 2, ch, 0.0)?),
-        ("key_docs", to_kernel_keys_flat(b, ins[4], ch)?),
-        ("chunk_ids", b.reshape(ids, &[2])?),
-    ])
+/// The composites' first operands in the loops' layout (the composites'), from the model's
+/// (see [`forward_on_device`]).
+fn loops_operands(b: &mut Builder, ins: &Operands<Value>, ch: Chunks) -> Result<Operands<Value>> {
+    Ok(Operands {
+        q: to_loops_queries(b, ins.q, ch)?,
+        k: to_loops_keys(b, ins.k, ch)?,
+        v: to_loops_keys(b, ins.v, ch)?,
+        query_docs: to_loops_rows(b, ins.query_docs, 2, ch, 0.0)?,
+        key_docs: to_loops_keys_flat(b, ins.key_docs, ch)?,
+        chunk_ids: b.reshape(ins.chunk_ids, &[2])?,
+    })
 }
 
 /// [B, N C, ...] -> [B, N, Cp, ...]: each chunk padded to whole blocks with `fill`.
-fn to_kernel_rows(b: &mut Builder, x: Value, n: i64, ch: Chunks, fill: f64) -> Result<Value> {
+fn to_loops_rows(b: &mut Builder, x: Value, n: i64, ch: Chunks, fill: f64) -> Result<Value> {
     let mut dims = b.dims(x).to_vec();
     dims.splice(1..2, [n, ch.c]);
     let x = b.reshape(x, &dims)?;
@@ -356,13 +453,13 @@ fn to_kernel_rows(b: &mut Builder, x: Value, n: i64, ch: Chunks, fill: f64) -> R
 }
 
 /// Queries (or anything shaped like them) [B, 2C, KV, G, D] -> [B, KV, 2, Cp, G, D].
-fn to_kernel_queries(b: &mut Builder, x: Value, ch: Chunks) -> Result<Value> {
-    let x = to_kernel_rows(b, x, 2, ch, 0.0)?;
+fn to_loops_queries(b: &mut Builder, x: Value, ch: Chunks) -> Result<Value> {
+    let x = to_loops_rows(b, x, 2, ch, 0.0)?;
     b.transpose(x, &[0, 3, 1, 2, 4, 5])
 }
 
 /// [B, KV, 2, Cp, G, D] -> [B, 2C, KV, G, D], the padding cut off.
-fn from_kernel_queries(b: &mut Builder, x: Value, ch: Chunks) -> Result<Value> {
+fn from_loops_queries(b: &mut Builder, x: Value, ch: Chunks) -> Result<Value> {
     let x = b.slice_dim(x, 3, 0, ch.c)?;
     let x = b.transpose(x, &[0, 2, 3, 1, 4, 5])?;
     let d = b.dims(x).to_vec();
@@ -370,22 +467,22 @@ fn from_kernel_queries(b: &mut Builder, x: Value, ch: Chunks) -> Result<Value> {
 }
 
 /// Keys or values [B, NC C, KV, D] -> [B, KV, NC Cp, D].
-fn to_kernel_keys(b: &mut Builder, x: Value, ch: Chunks) -> Result<Value> {
-    let x = to_kernel_rows(b, x, ch.nc, ch, 0.0)?;
+fn to_loops_keys(b: &mut Builder, x: Value, ch: Chunks) -> Result<Value> {
+    let x = to_loops_rows(b, x, ch.nc, ch, 0.0)?;
     let x = b.transpose(x, &[0, 3, 1, 2, 4])?;
     let d = b.dims(x).to_vec();
     b.reshape(x, &[d[0], d[1], ch.nc * ch.cp, d[4]])
 }
 
 /// Key document starts [B, NC C] -> [B, NC Cp], the padding -1 (before every document).
-fn to_kernel_keys_flat(b: &mut Builder, x: Value, ch: Chunks) -> Result<Value> {
-    let x = to_kernel_rows(b, x, ch.nc, ch, -1.0)?;
+fn to_loops_keys_flat(b: &mut Builder, x: Value, ch: Chunks) -> Result<Value> {
+    let x = to_loops_rows(b, x, ch.nc, ch, -1.0)?;
     let bs = b.dims(x)[0];
     b.reshape(x, &[bs, ch.nc * ch.cp])
 }
 
 /// [B, KV, NC Cp, D] -> [B, NC C, KV, D], the padding cut off.
-fn from_kernel_keys(b: &mut Builder, x: Value, ch: Chunks) -> Result<Value> {
+fn from_loops_keys(b: &mut Builder, x: Value, ch: Chunks) -> Result<Value> {
     let d = b.dims(x).to_vec();
     let x = b.reshape(x, &[d[0], d[1], ch.nc, ch.cp, d[3]])?;
     let x = b.slice_dim(x, 3, 0, ch.c)?;
