@@ -13,6 +13,7 @@ pub mod gguf_vocab;
 pub mod gguf_write;
 pub mod host;
 pub mod hub;
+pub mod kquants;
 pub mod merge;
 pub mod outdir;
 pub mod peft;
