@@ -231,6 +231,18 @@ fn a_fine_tuned_smollm2_answers_in_llama_cpp_as_in_xtrain() {
     );
     let said = client(&["chat", s(&merged), "", QUESTION, ANSWER_TOKENS]);
     assert_eq!(said["text"], answer.as_str(), "merged, in llama.cpp");
+    // What tools/demo writes and runs: the merged model in q8_0.
+    let q8 = dir.join("merged-q8_0.gguf");
+    export(
+        &[
+            &m[..],
+            &["--adapter", s(&adapter), "--type", "q8_0", "--out", s(&q8)],
+        ]
+        .concat(),
+    );
+    let said = client(&["chat", s(&q8), "", QUESTION, ANSWER_TOKENS]);
+    assert_eq!(said["text"], answer.as_str(), "merged q8_0, in llama.cpp");
+    std::fs::remove_file(&q8).unwrap();
 
     let base = dir.join("base.gguf");
     let lora = dir.join("lora.gguf");
@@ -453,5 +465,157 @@ fn a_qlora_adapter_merges_against_the_nf4_base_it_was_trained_on() {
     let g = xtrain::formats::gguf::Gguf::open(&out).unwrap();
     let (got, want) = merged_of(&g, 1, false);
     assert_eq!(got, want, "W + (alpha/r) B A with --base-quant none");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The Llama 3.2 and 3.3 presets build their programs, and LoRA on a tied output layer is
+/// refused with the reason, from the command line and from a PEFT adapter's config.
+#[test]
+fn the_llama_3_2_and_3_3_presets_compile_and_lora_on_the_output_is_refused() {
+    let dir = tempdir("gguf-presets");
+    for preset in ["llama-3.2-1b", "llama-3.2-3b", "llama-3.3-70b"] {
+        let out = dir.join(preset);
+        let o = xtrain(&[
+            "compile",
+            "--model",
+            preset,
+            "--dtype",
+            "bf16",
+            "--seq",
+            "256",
+            "--out",
+            s(&out),
+        ]);
+        assert!(
+            o.status.success(),
+            "{preset}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        assert!(out.join("train_step.mlir").is_file(), "{preset}");
+    }
+    let out = dir.join("tied");
+    let e = fails(&[
+        "compile",
+        "--model",
+        "llama-3.2-1b",
+        "--lora-targets",
+        "q,lm_head",
+        "--out",
+        s(&out),
+    ]);
+    assert!(e.contains("`lm_head`") && e.contains("tied"), "{e}");
+    let adapter = dir.join("adapter");
+    std::fs::create_dir_all(&adapter).unwrap();
+    std::fs::write(
+        adapter.join("adapter_config.json"),
+        r#"{"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "lm_head"]}"#,
+    )
+    .unwrap();
+    let model = tiny_text_model(&dir);
+    let e = fails(&[
+        "export-gguf",
+        "--model",
+        s(&model),
+        "--adapter",
+        s(&adapter),
+        "--out",
+        s(&dir.join("x.gguf")),
+    ]);
+    assert!(e.contains("`lm_head`") && e.contains("tied"), "{e}");
+    // PEFT's way of training the tied embedding beside the LoRA weights is refused too: a merge
+    // reading lora_A/lora_B alone would drop it.
+    std::fs::write(
+        adapter.join("adapter_config.json"),
+        r#"{"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "modules_to_save": ["lm_head"]}"#,
+    )
+    .unwrap();
+    let e = fails(&[
+        "export-gguf",
+        "--model",
+        s(&model),
+        "--adapter",
+        s(&adapter),
+        "--out",
+        s(&dir.join("x.gguf")),
+    ]);
+    assert!(
+        e.contains("`modules_to_save`") && e.contains("lm_head"),
+        "{e}"
+    );
+    assert!(!dir.join("x.gguf").exists());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A careless user on a real model: the adapter of another model is refused naming the tensor
+/// and both shapes, and Ctrl-C in the middle of an export exits 130 leaving neither the file
+/// nor its temp file.
+#[test]
+fn another_models_adapter_and_ctrl_c_leave_nothing_behind() {
+    use std::io::{BufRead, BufReader};
+    let model = assets::smollm2().expect("fetch and import SmolLM2");
+    let dir = tempdir("gguf-careless");
+    let out = dir.join("m.gguf");
+    let tiny_adapter = fixtures().join("adapter_init");
+    let e = fails(&[
+        "export-gguf",
+        "--model",
+        s(&model),
+        "--adapter",
+        s(&tiny_adapter),
+        "--out",
+        s(&out),
+    ]);
+    assert!(
+        e.contains("has shape") && e.contains("another model"),
+        "{e}"
+    );
+    assert!(!out.exists());
+
+    let mut child = xtrain_cmd()
+        .args([
+            "export-gguf",
+            "--model",
+            s(&model),
+            "--type",
+            "f32",
+            "--out",
+            s(&out),
+        ])
+        .stderr(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let mut said = String::new();
+    for line in lines.by_ref() {
+        let line = line.unwrap();
+        said += &line;
+        said.push('\n');
+        if line.starts_with("exporting: ") {
+            break;
+        }
+    }
+    assert!(said.contains("exporting: "), "no progress: {said}");
+    let kill = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    for line in lines {
+        said += &line.unwrap();
+        said.push('\n');
+    }
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(130), "{said}");
+    assert!(
+        said.contains("interrupted") && !said.contains("panicked"),
+        "{said}"
+    );
+    assert!(!out.exists(), "{said}");
+    let left: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }

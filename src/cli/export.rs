@@ -1,9 +1,11 @@
 //! `xtrain export-gguf`: a model, with a LoRA adapter merged in or on its own, as a GGUF file
 //! for llama.cpp, Ollama and LM Studio.
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use clap::Args;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Instant;
 use xtrain::formats::gguf_export::{self, Base, ExportOptions};
 use xtrain::formats::gguf_write::TensorType;
@@ -77,6 +79,22 @@ fn choose_base(a: &ExportGgufArgs) -> Result<Base> {
     Ok(base)
 }
 
+const INTERRUPTED: &str = "interrupted";
+
+/// SIGINT/SIGTERM set the returned flag, which the export reads between tensors: it then stops
+/// and removes its temp file, so an interrupted export leaves nothing behind. A second signal
+/// ends the process at once (exit code 130; the next export to the same file removes the temp).
+fn stop_on_signals() -> Result<Arc<AtomicBool>> {
+    let flag = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        // Registered first, so it sees the flag as the previous signal left it.
+        signal_hook::flag::register_conditional_shutdown(sig, 130, flag.clone())
+            .context("cannot install signal handlers")?;
+        signal_hook::flag::register(sig, flag.clone()).context("cannot install signal handlers")?;
+    }
+    Ok(flag)
+}
+
 pub fn export_gguf(mut a: ExportGgufArgs) -> Result<()> {
     let ty = TensorType::parse(&a.ty)?;
     if a.lora_only && a.adapter.is_none() {
@@ -108,9 +126,13 @@ pub fn export_gguf(mut a: ExportGgufArgs) -> Result<()> {
         base,
         lora_only: a.lora_only,
     };
+    let interrupted = stop_on_signals()?;
     let t0 = Instant::now();
     let mut shown = 0;
-    let mut progress = |done: usize, total: usize, name: &str| {
+    let mut progress = |done: usize, total: usize, name: &str| -> Result<()> {
+        if interrupted.load(Ordering::SeqCst) {
+            bail!(INTERRUPTED);
+        }
         let pct = done * 100 / total.max(1);
         if pct >= shown + 10 || done == total {
             shown = pct;
@@ -120,13 +142,24 @@ pub fn export_gguf(mut a: ExportGgufArgs) -> Result<()> {
                 "exporting: {pct}% ({done}/{total} tensors, {name}), {elapsed:.0}s, about {eta:.0}s left"
             );
         }
+        Ok(())
     };
     let written = if opts.lora_only {
-        gguf_export::export_lora(&opts, &out, &mut progress)?
+        gguf_export::export_lora(&opts, &out, &mut progress)
     } else {
         gguf_export::export_merged(&opts, &out, &mut progress, &mut |n| {
             eprintln!("xtrain: {n}")
-        })?
+        })
+    };
+    let written = match written {
+        Err(_) if interrupted.load(Ordering::SeqCst) => {
+            eprintln!(
+                "xtrain: export-gguf interrupted: {} was not written (its temp file is removed)",
+                out.display()
+            );
+            std::process::exit(130);
+        }
+        w => w?,
     };
     let what = match (opts.lora_only, opts.adapter.is_some()) {
         (true, _) => "LoRA adapter",

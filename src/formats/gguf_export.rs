@@ -298,11 +298,12 @@ pub fn recorded_quant(adapter: &Path) -> Option<(String, PathBuf)> {
 }
 
 /// Write the merged model (with `opts.adapter` folded in, if any) to `out` as GGUF, atomically.
-/// `progress(done, total, name)` after each tensor; `note` for what the user should know.
+/// `progress(done, total, name)` after each tensor (an error from it, such as an interrupt,
+/// abandons the file); `note` for what the user should know.
 pub fn export_merged(
     opts: &ExportOptions,
     out: &Path,
-    progress: &mut dyn FnMut(usize, usize, &str),
+    progress: &mut dyn FnMut(usize, usize, &str) -> Result<()>,
     note: &mut dyn FnMut(String),
 ) -> Result<Exported> {
     let cfg = LlamaConfig::load(opts.model)?;
@@ -333,7 +334,7 @@ pub fn export_merged(
                 encode(&w, entries[i].ty)
             }
         };
-        progress(i + 1, total, &entries[i].name);
+        progress(i + 1, total, &entries[i].name)?;
         Ok(bytes)
     })
 }
@@ -359,7 +360,7 @@ fn write_file(
 pub fn export_lora(
     opts: &ExportOptions,
     out: &Path,
-    progress: &mut dyn FnMut(usize, usize, &str),
+    progress: &mut dyn FnMut(usize, usize, &str) -> Result<()>,
 ) -> Result<Exported> {
     let dir = opts
         .adapter
@@ -415,7 +416,7 @@ pub fn export_lora(
         if let (true, Some(heads)) = (is_b, heads) {
             v = permute_qk(&v, *heads, t.dims[0] as usize, t.dims[1] as usize);
         }
-        progress(i + 1, total, &entries[i].name);
+        progress(i + 1, total, &entries[i].name)?;
         Ok(encode(&v, entries[i].ty))
     })
 }

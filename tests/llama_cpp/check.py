@@ -168,10 +168,29 @@ def cmd_metadata(gguf_path):
     print(json.dumps({"meta": meta, "types": types}, default=str))
 
 
+def Llama(**kwargs):
+    """llama_cpp.Llama with llama.cpp's extra CPU buffer types off (`--no-extra-bufts`): on a
+    CPU with AMX, llama.cpp repacks Q8_0/Q4_0 weights for its AMX kernels, whose matmul crashes
+    (SIGSEGV) in llama-cpp-python 0.3.36 on this project's machines, for llama.cpp's own Q8_0
+    files as for ours. The plain CPU kernels are what every other CPU runs."""
+    import llama_cpp
+
+    low = llama_cpp.llama_cpp
+    if not getattr(low, "_xtrain_no_extra_bufts", False):
+        default = low.llama_model_default_params
+
+        def params():
+            p = default()
+            p.use_extra_bufts = False
+            return p
+
+        low.llama_model_default_params = params
+        low._xtrain_no_extra_bufts = True
+    return llama_cpp.Llama(**kwargs)
+
+
 def cmd_logits(gguf_path, lora_path, inputs_path, expected_path):
     """llama.cpp's logits for the fixture's first row of input ids against the oracle's."""
-    from llama_cpp import Llama
-
     ids = [int(i) for i in read_safetensors(inputs_path)["input_ids"][0]]
     expected = read_safetensors(expected_path)["logits"][0]
     llm = Llama(
@@ -194,8 +213,6 @@ def cmd_logits(gguf_path, lora_path, inputs_path, expected_path):
 
 def cmd_chat(gguf_path, lora_path, prompt, max_tokens):
     """llama.cpp's greedy answer to one user message, with the file's own chat template."""
-    from llama_cpp import Llama
-
     llm = Llama(
         model_path=gguf_path,
         lora_path=lora_path or None,
