@@ -8,6 +8,7 @@ mod bench;
 mod compile;
 mod config;
 mod convert;
+mod export;
 mod generate;
 mod model;
 mod plugins;
@@ -54,6 +55,9 @@ enum Command {
         #[arg(long)]
         overwrite: bool,
     },
+    /// Write a model, with a LoRA adapter merged in or (--lora-only) on its own, as a GGUF file
+    /// for llama.cpp, Ollama and LM Studio.
+    ExportGguf(Box<export::ExportGgufArgs>),
     /// Generate text from a prompt, with or without a LoRA adapter.
     Generate(generate::GenerateArgs),
     /// Time the training step on random weights (`--init random`: no checkpoint needed) and
@@ -169,6 +173,7 @@ pub fn main() {
             out,
             overwrite,
         } => convert::import_gguf(&file, &out, overwrite),
+        Command::ExportGguf(a) => export::export_gguf(*a),
         Command::Generate(a) => generate::generate(a),
         Command::Bench(a) => bench::bench(*a),
         Command::Targets { name } => targets::targets(name.as_deref()),

@@ -1,5 +1,6 @@
 //! GGUF v3 (llama.cpp's file format): reading the header, metadata and tensors, dequantizing
-//! F32/F16/BF16/Q8_0/Q4_0/Q4_1, and importing a Llama-architecture file as a Hugging Face model
+//! F32/F16/BF16/Q8_0/Q4_0/Q4_1 here and Q5_0/Q5_1 and the K-quants Q2_K..Q6_K in
+//! [`crate::formats::kquants`], and importing a Llama-architecture file as a Hugging Face model
 //! directory (config.json, model.safetensors, tokenizer.json, tokenizer_config.json).
 
 use anyhow::{bail, Context, Result};
@@ -78,7 +79,7 @@ fn type_layout(t: u32) -> Option<(u64, u64, &'static str)> {
         3 => (32, 20, "Q4_1"),
         8 => (32, 34, "Q8_0"),
         30 => (1, 2, "BF16"),
-        _ => return None,
+        other => return crate::formats::kquants::layout(other),
     })
 }
 
@@ -283,7 +284,7 @@ impl Gguf {
                     out.extend(blk[2..34].iter().map(|&q| q as i8 as f32 * d));
                 }
             }
-            other => bail!("unsupported ggml type {other}"),
+            other => crate::formats::kquants::dequantize(other, raw, &mut out),
         }
         Ok(out)
     }

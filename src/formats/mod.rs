@@ -1,14 +1,19 @@
 //! What xtrain reads and writes on disk, and host tensors in the forms those files and the
 //! programs want: safetensors, Hugging Face checkpoints (frozen weights loaded in a program's
-//! layout, NF4-quantized when asked), PEFT adapters, GGUF import, merged checkpoints, program
+//! layout, NF4-quantized when asked), PEFT adapters, GGUF import (K-quants included) and export
+//! (merged, or the adapter alone), merged checkpoints, program
 //! directories (`train_step.mlir` + `manifest.json`), models by Hugging Face repo id in the hub
 //! cache, and every write atomic (a temp file or directory renamed into place). It may use `program` (for the manifest's spec and signature)
 //! and `model`; it knows nothing of devices or training.
 
 pub mod atomic;
 pub mod gguf;
+pub mod gguf_export;
+pub mod gguf_vocab;
+pub mod gguf_write;
 pub mod host;
 pub mod hub;
+pub mod kquants;
 pub mod merge;
 pub mod outdir;
 pub mod peft;

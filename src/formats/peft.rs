@@ -115,6 +115,23 @@ pub fn read_config_and_patterns(dir: &Path) -> Result<(LoraConfig, Patterns)> {
             path.display()
         );
     }
+    // Whole modules or embedding rows trained beside the LoRA weights (often `lm_head` and
+    // `embed_tokens`, which Llama 3.2 and SmolLM2 tie) would be silently dropped by a merge or
+    // an export that reads only lora_A/lora_B.
+    for key in ["modules_to_save", "trainable_token_indices"] {
+        let given = |v: &&serde_json::Value| match v {
+            serde_json::Value::Array(a) => !a.is_empty(),
+            serde_json::Value::Object(o) => !o.is_empty(),
+            _ => true,
+        };
+        if let Some(m) = field(key).filter(given) {
+            bail!(
+                "{}: `{key}` = {m} is not supported: xtrain reads the LoRA weights only, and \
+                 what that trains beside them (full modules or embedding rows) would be lost",
+                path.display()
+            );
+        }
+    }
     let r = field("r")
         .and_then(|v| v.as_i64())
         .with_context(|| format!("{}: no integer `r`", path.display()))?;
@@ -188,6 +205,17 @@ pub fn read_config_and_patterns(dir: &Path) -> Result<(LoraConfig, Patterns)> {
     ))
 }
 
+/// ` its adapter_config.json names NAME as its base`, where it names one.
+fn trained_on(config: &Path) -> String {
+    std::fs::read_to_string(config)
+        .ok()
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+        .and_then(|j| j["base_model_name_or_path"].as_str().map(String::from))
+        .map_or(String::new(), |b| {
+            format!(" its adapter_config.json names `{b}` as its base")
+        })
+}
+
 /// Read an adapter's tensors for `cfg`, checking names and shapes; converted to f32.
 pub fn read_tensors(
     dir: &Path,
@@ -201,12 +229,14 @@ pub fn read_tensors(
         let info = st.info(&t.name)?;
         if info.shape != t.shape {
             bail!(
-                "{}: tensor `{}` has shape {:?} but rank {} on this model needs {:?}",
+                "{}: tensor `{}` has shape {:?} but rank {} on this model needs {:?} (an \
+                 adapter trained on another model?{})",
                 path.display(),
                 t.name,
                 info.shape,
                 lora.r,
-                t.shape
+                t.shape,
+                trained_on(&dir.join("adapter_config.json"))
             );
         }
         out.insert(
@@ -339,11 +369,12 @@ pub fn load_adapter(
             let info = st.info(&name)?;
             if info.shape != shape {
                 bail!(
-                    "{}: tensor `{name}` has shape {:?} but rank {r} (r={}, rank_pattern {:?}) on this model needs {shape:?}",
+                    "{}: tensor `{name}` has shape {:?} but rank {r} (r={}, rank_pattern {:?}) on this model needs {shape:?} (an adapter trained on another model?{})",
                     path.display(),
                     info.shape,
                     c.r,
-                    patterns.rank
+                    patterns.rank,
+                    trained_on(&dir.join("adapter_config.json"))
                 );
             }
             Ok(convert(&st.read(&name)?, ElementType::F32)?.to_f32()?)

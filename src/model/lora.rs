@@ -74,6 +74,17 @@ impl Projection {
             "gate" => Projection::Gate,
             "up" => Projection::Up,
             "down" => Projection::Down,
+            // As torchtune does: an adapter on the output layer of a model whose output is tied
+            // to its embedding (Llama 3.2 1B/3B, SmolLM2) changes the embedding too, or unties
+            // them, and runtimes disagree on which (PEFT keeps the tie only with
+            // `ensure_weight_tying`); xtrain adapts the seven projections and nothing else.
+            "lm_head" | "output" | "embed_tokens" | "token_embd" => bail!(
+                "LoRA target `{s}` is not supported: xtrain adapts the attention and MLP \
+                 projections (q,k,v,o,gate,up,down), not the output layer or the embedding. On a \
+                 model whose output is tied to its embedding (Llama 3.2 1B/3B, SmolLM2) an \
+                 adapter there changes both or unties them, and PEFT, llama.cpp and vLLM do not \
+                 agree on which; drop `{s}` from the targets"
+            ),
             _ => bail!("unknown LoRA target `{s}` (choose among q,k,v,o,gate,up,down)"),
         })
     }

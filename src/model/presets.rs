@@ -1,5 +1,7 @@
 //! Models named on the command line: a Hugging Face model directory, or one of the configs built
-//! into the binary (so that `--model llama-3.1-405b` works anywhere, with no checkpoint).
+//! into the binary (so that `--model llama-3.1-405b` works anywhere, with no checkpoint): Llama
+//! 3.1 8B/70B/405B, Llama 3.2 1B/3B (tied embeddings, RoPE factor 32), Llama 3.3 70B (3.1 70B's
+//! architecture), SmolLM2-135M and the test and benchmark models.
 
 use crate::model::config::LlamaConfig;
 use anyhow::{bail, Result};
@@ -18,6 +20,18 @@ pub const PRESETS: &[(&str, &str)] = &[
     (
         "llama-3.1-405b",
         include_str!("../../models/llama-3.1-405b/config.json"),
+    ),
+    (
+        "llama-3.2-1b",
+        include_str!("../../models/llama-3.2-1b/config.json"),
+    ),
+    (
+        "llama-3.2-3b",
+        include_str!("../../models/llama-3.2-3b/config.json"),
+    ),
+    (
+        "llama-3.3-70b",
+        include_str!("../../models/llama-3.3-70b/config.json"),
     ),
     (
         "tiny-llama3",
@@ -49,6 +63,11 @@ pub const REPO_PRESETS: &[(&str, &str)] = &[
     ("meta-llama/Llama-3.1-405B-Instruct", "llama-3.1-405b"),
     ("meta-llama/Meta-Llama-3.1-405B", "llama-3.1-405b"),
     ("meta-llama/Meta-Llama-3.1-405B-Instruct", "llama-3.1-405b"),
+    ("meta-llama/Llama-3.2-1B", "llama-3.2-1b"),
+    ("meta-llama/Llama-3.2-1B-Instruct", "llama-3.2-1b"),
+    ("meta-llama/Llama-3.2-3B", "llama-3.2-3b"),
+    ("meta-llama/Llama-3.2-3B-Instruct", "llama-3.2-3b"),
+    ("meta-llama/Llama-3.3-70B-Instruct", "llama-3.3-70b"),
     ("HuggingFaceTB/SmolLM2-135M", "smollm2-135m"),
     ("HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2-135m"),
 ];
@@ -91,4 +110,42 @@ pub fn resolve_model_config(model: &str) -> Result<(LlamaConfig, Option<PathBuf>
         "--model {model}: no such directory, and not a preset (presets: {})",
         names.join(", ")
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(name: &str) -> (LlamaConfig, i64) {
+        let cfg = preset_config(name).unwrap().unwrap();
+        let n = crate::model::tensors::frozen_weights(&cfg)
+            .iter()
+            .map(|(_, s)| s.iter().product::<i64>())
+            .sum();
+        (cfg, n)
+    }
+
+    /// Every repo id names a preset; the Llama 3.2 and 3.3 configs have the published shapes
+    /// (parameter counts as the model cards give them: 1.24B, 3.21B, 70.6B).
+    #[test]
+    fn the_llama_3_2_and_3_3_presets_have_the_published_shapes() {
+        for (repo, preset) in REPO_PRESETS {
+            assert!(is_preset(preset), "{repo} -> {preset}");
+            assert_eq!(preset_for_repo(&repo.to_lowercase()), Some(*preset));
+        }
+        let (one, n1) = params("llama-3.2-1b");
+        assert_eq!(n1, 1_235_814_400);
+        assert!(one.tie_word_embeddings);
+        assert_eq!((one.head_dim, one.num_key_value_heads), (64, 8));
+        assert_eq!(one.rope_scaling.as_ref().unwrap().factor, 32.0);
+        let (three, n3) = params("llama-3.2-3b");
+        assert_eq!(n3, 3_212_749_824);
+        assert!(three.tie_word_embeddings);
+        assert_eq!(three.head_dim, 128);
+        assert_eq!(three.rope_scaling.as_ref().unwrap().factor, 32.0);
+        // 3.3 70B is 3.1 70B's architecture.
+        let (cfg, n) = params("llama-3.3-70b");
+        assert_eq!(n, 70_553_706_496);
+        assert_eq!(cfg, params("llama-3.1-70b").0);
+    }
 }

@@ -1,0 +1,458 @@
+//! `xtrain export-gguf`: a model directory, with a LoRA adapter merged into it or on its own, as
+//! a GGUF file llama.cpp (and Ollama, LM Studio) loads.
+//!
+//! The merged model: each weight read from the checkpoint as stored, in f32; an adapted
+//! projection becomes W + (alpha/r) B A (per module with PEFT's rank and alpha patterns); for an
+//! adapter trained with `--quant nf4` every projection is first replaced by its NF4 round trip,
+//! the dequantized base the adapter was trained against. Then the llama.cpp layout: names
+//! (`blk.N.attn_q.weight`...), dims fastest first, the rows of q and k per head reordered from
+//! Hugging Face's two rotary halves to llama.cpp's interleaved pairs, llama3 RoPE scaling as the
+//! per-frequency divisors `rope_freqs.weight`, a tied output left out (llama.cpp then reads
+//! `token_embd`), and the tokenizer ([`crate::formats::gguf_vocab`]). Tensors are read, merged,
+//! encoded and written one at a time, so memory holds about one tensor, never the model.
+//!
+//! The adapter alone (`--lora-only`): llama.cpp's LoRA adapter file, `general.type = adapter`,
+//! `adapter.type = lora`, `adapter.lora.alpha`, and per adapted weight `<name>.lora_a` (PEFT's
+//! A, [r, in]: dims [in, r]) and `<name>.lora_b` (PEFT's B, [out, r]: dims [r, out]), B's rows
+//! of q and k reordered as the base's are, so that B A is reordered as W is.
+
+use crate::formats::gguf_write::{encode, write_gguf, TensorEntry, TensorType, Value};
+use crate::formats::safetensors::WeightFiles;
+use crate::model::config::LlamaConfig;
+use crate::model::lora::{LoraConfig, Projection};
+use anyhow::{bail, Context, Result};
+use pjrt::{ElementType, HostTensor};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// What base weights an adapter was trained against.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Base {
+    /// The checkpoint's weights as stored.
+    AsStored,
+    /// Every projection NF4-quantized and dequantized (`train --quant nf4`).
+    Nf4,
+}
+
+/// What to export.
+pub struct ExportOptions<'a> {
+    pub model: &'a Path,
+    pub adapter: Option<&'a Path>,
+    pub ty: TensorType,
+    pub base: Base,
+    pub lora_only: bool,
+}
+
+/// What an export wrote.
+pub struct Exported {
+    pub tensors: usize,
+    pub bytes: u64,
+}
+
+/// llama.cpp's name of a Hugging Face weight.
+pub fn gguf_name(hf: &str) -> Option<String> {
+    if let Some(rest) = hf.strip_prefix("model.layers.") {
+        let (layer, kind) = rest.split_once('.')?;
+        let g = match kind {
+            "input_layernorm.weight" => "attn_norm.weight",
+            "self_attn.q_proj.weight" => "attn_q.weight",
+            "self_attn.k_proj.weight" => "attn_k.weight",
+            "self_attn.v_proj.weight" => "attn_v.weight",
+            "self_attn.o_proj.weight" => "attn_output.weight",
+            "post_attention_layernorm.weight" => "ffn_norm.weight",
+            "mlp.gate_proj.weight" => "ffn_gate.weight",
+            "mlp.up_proj.weight" => "ffn_up.weight",
+            "mlp.down_proj.weight" => "ffn_down.weight",
+            _ => return None,
+        };
+        return Some(format!("blk.{layer}.{g}"));
+    }
+    Some(
+        match hf {
+            "model.embed_tokens.weight" => "token_embd.weight",
+            "model.norm.weight" => "output_norm.weight",
+            "lm_head.weight" => "output.weight",
+            _ => return None,
+        }
+        .to_string(),
+    )
+}
+
+/// llama.cpp's row order for q and k: per head, Hugging Face's rows (half, i) become (i, half),
+/// so the two halves rotated together are adjacent. `rows` = heads * head_dim, each of `cols`.
+/// The inverse of [`crate::formats::gguf::unpermute_qk`].
+pub fn permute_qk(w: &[f32], heads: usize, rows: usize, cols: usize) -> Vec<f32> {
+    let half = rows / heads / 2;
+    let mut out = vec![0f32; w.len()];
+    for h in 0..heads {
+        for p in 0..2 {
+            for i in 0..half {
+                let src = ((h * 2 + p) * half + i) * cols;
+                let dst = ((h * half + i) * 2 + p) * cols;
+                out[dst..dst + cols].copy_from_slice(&w[src..src + cols]);
+            }
+        }
+    }
+    out
+}
+
+/// The heads whose rows `hf` (a q or k projection) is reordered by, if it is one.
+fn qk_heads(cfg: &LlamaConfig, hf: &str) -> Option<usize> {
+    if hf.ends_with("self_attn.q_proj.weight") {
+        Some(cfg.num_attention_heads as usize)
+    } else if hf.ends_with("self_attn.k_proj.weight") {
+        Some(cfg.num_key_value_heads as usize)
+    } else {
+        None
+    }
+}
+
+/// llama.cpp's per-frequency RoPE divisors for llama3 scaling: the unscaled inverse frequency
+/// over the scaled one, computed from the same f32 frequencies the model trains with.
+pub fn rope_freqs(cfg: &LlamaConfig) -> Option<Vec<f32>> {
+    cfg.rope_scaling.as_ref()?;
+    let plain = LlamaConfig {
+        rope_scaling: None,
+        ..cfg.clone()
+    }
+    .rope_inv_freq();
+    Some(
+        plain
+            .iter()
+            .zip(cfg.rope_inv_freq())
+            .map(|(p, s)| p / s)
+            .collect(),
+    )
+}
+
+/// The `llama.*` and `general.*` metadata of a model.
+fn model_metadata(cfg: &LlamaConfig, name: &str, ty: TensorType) -> Vec<(String, Value)> {
+    let u = |v: i64| Value::U32(v as u32);
+    let m = vec![
+        ("general.architecture", Value::Str("llama".into())),
+        ("general.name", Value::Str(name.into())),
+        ("general.file_type", Value::U32(ty.file_type())),
+        ("general.quantization_version", Value::U32(2)),
+        ("llama.vocab_size", u(cfg.vocab_size)),
+        ("llama.context_length", u(cfg.max_position_embeddings)),
+        ("llama.embedding_length", u(cfg.hidden_size)),
+        ("llama.block_count", u(cfg.num_hidden_layers)),
+        ("llama.feed_forward_length", u(cfg.intermediate_size)),
+        ("llama.rope.dimension_count", u(cfg.head_dim)),
+        ("llama.attention.head_count", u(cfg.num_attention_heads)),
+        ("llama.attention.head_count_kv", u(cfg.num_key_value_heads)),
+        ("llama.attention.key_length", u(cfg.head_dim)),
+        ("llama.attention.value_length", u(cfg.head_dim)),
+        (
+            "llama.attention.layer_norm_rms_epsilon",
+            Value::F32(cfg.rms_norm_eps as f32),
+        ),
+        ("llama.rope.freq_base", Value::F32(cfg.rope_theta as f32)),
+    ];
+    m.into_iter().map(|(k, v)| (k.to_string(), v)).collect()
+}
+
+/// The type a tensor of `dims` (ggml order) is written as: vectors in f32 (as llama.cpp's
+/// converter keeps them), matrices in `ty`, or in f16 where a row is not a whole number of
+/// `ty`'s blocks.
+fn tensor_type(dims: &[u64], ty: TensorType) -> TensorType {
+    if dims.len() < 2 {
+        TensorType::F32
+    } else if ty.bytes(1, dims[0]).is_none() {
+        TensorType::F16
+    } else {
+        ty
+    }
+}
+
+/// The model's name for `general.name`: the directory's name (a hub snapshot's repo name).
+fn model_name(model: &Path) -> String {
+    let base = crate::formats::peft::base_model(model).name;
+    Path::new(&base)
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or(base)
+}
+
+/// Where one tensor of the merged file comes from.
+enum Source {
+    /// A checkpoint weight (Hugging Face name).
+    Weight(String),
+    /// llama3 RoPE divisors.
+    RopeFreqs(Vec<f32>),
+}
+
+/// An adapter as merged or written: its config (one rank and alpha; patterns folded into B by
+/// [`crate::formats::peft::load_adapter`]) and its tensors in f32.
+type Adapter = (LoraConfig, BTreeMap<String, HostTensor>);
+
+/// Which adapter module adapts `hf` (layer, target), if any.
+fn adapted(lora: &LoraConfig, hf: &str) -> Option<(i64, Projection)> {
+    let rest = hf.strip_prefix("model.layers.")?;
+    let (layer, _) = rest.split_once('.')?;
+    let layer: i64 = layer.parse().ok()?;
+    lora.targets
+        .iter()
+        .find(|t| t.weight_name(layer) == hf)
+        .map(|&t| (layer, t))
+}
+
+/// One merged weight, in f32 and Hugging Face layout: as stored, NF4 round-tripped when the
+/// base was, plus the adapter's (alpha/r) B A where it adapts it.
+fn merged_weight(
+    files: &WeightFiles,
+    hf: &str,
+    base: Base,
+    adapter: Option<&Adapter>,
+) -> Result<(Vec<f32>, Vec<i64>)> {
+    let t = files.read(hf)?;
+    files.release(hf);
+    let dims = t.dims.clone();
+    let mut w = crate::formats::host::convert(&t, ElementType::F32)?.to_f32()?;
+    drop(t);
+    let is_projection = hf.starts_with("model.layers.") && hf.ends_with("_proj.weight");
+    if base == Base::Nf4 && is_projection {
+        w = crate::model::quant::dequantize(&crate::model::quant::quantize(&w));
+    }
+    if let Some((lora, tensors)) = adapter {
+        if let Some((layer, target)) = adapted(lora, hf) {
+            let a = tensors[&target.peft_name(layer, "A")].to_f32()?;
+            let b = tensors[&target.peft_name(layer, "B")].to_f32()?;
+            w = crate::formats::merge::merged(
+                &w,
+                &a,
+                &b,
+                dims[0] as usize,
+                dims[1] as usize,
+                lora.r as usize,
+                lora.scale() as f32,
+            );
+        }
+    }
+    Ok((w, dims))
+}
+
+/// The merged model's tensor table and where each comes from, checked against the checkpoint
+/// before anything is written.
+fn merged_plan(
+    cfg: &LlamaConfig,
+    files: &WeightFiles,
+    ty: TensorType,
+) -> Result<(Vec<TensorEntry>, Vec<Source>)> {
+    crate::formats::weights::check(files, cfg)?;
+    let mut entries = Vec::new();
+    let mut sources = Vec::new();
+    let mut push = |name: String, hf_dims: &[i64], source: Source| {
+        let dims: Vec<u64> = hf_dims.iter().rev().map(|&d| d as u64).collect();
+        let ty = tensor_type(&dims, ty);
+        entries.push(TensorEntry { name, dims, ty });
+        sources.push(source);
+    };
+    let weights = crate::model::tensors::frozen_weights(cfg);
+    let (first, rest) = weights.split_first().context("a model has weights")?;
+    push(
+        gguf_name(&first.0).context("embedding name")?,
+        &first.1,
+        Source::Weight(first.0.clone()),
+    );
+    if let Some(f) = rope_freqs(cfg) {
+        push(
+            "rope_freqs.weight".into(),
+            &[f.len() as i64],
+            Source::RopeFreqs(f),
+        );
+    }
+    for (hf, shape) in rest {
+        let name = gguf_name(hf).with_context(|| format!("no llama.cpp name for `{hf}`"))?;
+        push(name, shape, Source::Weight(hf.clone()));
+    }
+    Ok((entries, sources))
+}
+
+/// Whether the adapter's training record says it was trained with `--quant nf4`: the adapter
+/// is a checkpoint (its `trainer_state.json`), or a run's `adapter/` beside the run's
+/// checkpoints (the latest one's). Returns the quant and the file that says it.
+pub fn recorded_quant(adapter: &Path) -> Option<(String, PathBuf)> {
+    let quant_in = |state: &Path| -> Option<String> {
+        let text = std::fs::read_to_string(state).ok()?;
+        let j: serde_json::Value = serde_json::from_str(&text).ok()?;
+        j.pointer("/settings/quant")?.as_str().map(String::from)
+    };
+    let own = adapter.join("trainer_state.json");
+    if let Some(q) = quant_in(&own) {
+        return Some((q, own));
+    }
+    let run = adapter.canonicalize().ok()?.parent()?.to_path_buf();
+    let mut checkpoints: Vec<(u64, PathBuf)> = std::fs::read_dir(&run)
+        .ok()?
+        .filter_map(|e| e.ok())
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let step = name.strip_prefix("checkpoint-")?.parse().ok()?;
+            Some((step, e.path().join("trainer_state.json")))
+        })
+        .collect();
+    checkpoints.sort();
+    let (_, state) = checkpoints.pop()?;
+    quant_in(&state).map(|q| (q, state))
+}
+
+/// Write the merged model (with `opts.adapter` folded in, if any) to `out` as GGUF, atomically.
+/// `progress(done, total, name)` after each tensor (an error from it, such as an interrupt,
+/// abandons the file); `note` for what the user should know.
+pub fn export_merged(
+    opts: &ExportOptions,
+    out: &Path,
+    progress: &mut dyn FnMut(usize, usize, &str) -> Result<()>,
+    note: &mut dyn FnMut(String),
+) -> Result<Exported> {
+    let cfg = LlamaConfig::load(opts.model)?;
+    let files = WeightFiles::open(opts.model)?;
+    let adapter = match opts.adapter {
+        Some(dir) => Some(crate::formats::peft::load_adapter(dir, &cfg)?),
+        None => None,
+    };
+    if adapter.is_none() && opts.base == Base::Nf4 {
+        note("writing the NF4 round trip of every projection (no adapter given)".into());
+    }
+    let (entries, sources) = merged_plan(&cfg, &files, opts.ty)?;
+    let mut meta = model_metadata(&cfg, &model_name(opts.model), opts.ty);
+    meta.extend(crate::formats::gguf_vocab::tokenizer_metadata(
+        opts.model,
+        cfg.vocab_size as usize,
+        note,
+    )?);
+    let total = entries.len();
+    write_file(out, &meta, &entries, |i| {
+        let bytes = match &sources[i] {
+            Source::RopeFreqs(f) => encode(f, entries[i].ty),
+            Source::Weight(hf) => {
+                let (mut w, dims) = merged_weight(&files, hf, opts.base, adapter.as_ref())?;
+                if let Some(heads) = qk_heads(&cfg, hf) {
+                    w = permute_qk(&w, heads, dims[0] as usize, dims[1] as usize);
+                }
+                encode(&w, entries[i].ty)
+            }
+        };
+        progress(i + 1, total, &entries[i].name)?;
+        Ok(bytes)
+    })
+}
+
+/// Write `out` atomically: a temp file beside it renamed into place once complete.
+fn write_file(
+    out: &Path,
+    meta: &[(String, Value)],
+    entries: &[TensorEntry],
+    data: impl FnMut(usize) -> Result<Vec<u8>>,
+) -> Result<Exported> {
+    let mut data = data;
+    crate::formats::atomic::write_atomic(out, |w| {
+        write_gguf(w, meta, entries, &mut data).map_err(|e| std::io::Error::other(format!("{e:#}")))
+    })?;
+    Ok(Exported {
+        tensors: entries.len(),
+        bytes: std::fs::metadata(out).map(|m| m.len()).unwrap_or(0),
+    })
+}
+
+/// Write the adapter alone to `out` as llama.cpp's LoRA GGUF, atomically.
+pub fn export_lora(
+    opts: &ExportOptions,
+    out: &Path,
+    progress: &mut dyn FnMut(usize, usize, &str) -> Result<()>,
+) -> Result<Exported> {
+    let dir = opts
+        .adapter
+        .context("--lora-only writes an adapter: give it with --adapter")?;
+    let cfg = LlamaConfig::load(opts.model)?;
+    let (lora, tensors) = crate::formats::peft::load_adapter(dir, &cfg)?;
+    let mut meta = vec![
+        (
+            "general.architecture".to_string(),
+            Value::Str("llama".into()),
+        ),
+        ("general.type".to_string(), Value::Str("adapter".into())),
+        (
+            "general.name".to_string(),
+            Value::Str(format!("{} LoRA", model_name(opts.model))),
+        ),
+        ("adapter.type".to_string(), Value::Str("lora".into())),
+        (
+            "adapter.lora.alpha".to_string(),
+            Value::F32(lora.alpha as f32),
+        ),
+    ];
+    meta.push(("general.file_type".into(), Value::U32(opts.ty.file_type())));
+    let mut entries = Vec::new();
+    let mut sources = Vec::new();
+    for l in 0..cfg.num_hidden_layers {
+        for &t in &lora.targets {
+            let hf = t.weight_name(l);
+            let base = gguf_name(&hf).context("a projection has a llama.cpp name")?;
+            let (inp, outd) = crate::model::tensors::projection_dims(&cfg, t);
+            for (which, suffix, dims) in [
+                ("A", "lora_a", vec![inp as u64, lora.r as u64]),
+                ("B", "lora_b", vec![lora.r as u64, outd as u64]),
+            ] {
+                let ty = tensor_type(&dims, opts.ty);
+                entries.push(TensorEntry {
+                    name: format!("{base}.{suffix}"),
+                    dims,
+                    ty,
+                });
+                sources.push((t.peft_name(l, which), which == "B", qk_heads(&cfg, &hf)));
+            }
+        }
+    }
+    if entries.is_empty() {
+        bail!("{}: the adapter adapts no weight", dir.display());
+    }
+    let total = entries.len();
+    write_file(out, &meta, &entries, |i| {
+        let (name, is_b, heads) = &sources[i];
+        let t = &tensors[name];
+        let mut v = t.to_f32()?;
+        if let (true, Some(heads)) = (is_b, heads) {
+            v = permute_qk(&v, *heads, t.dims[0] as usize, t.dims[1] as usize);
+        }
+        progress(i + 1, total, &entries[i].name)?;
+        Ok(encode(&v, entries[i].ty))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn permute_qk_is_undone_by_the_importers_unpermute() {
+        let (heads, head_dim, cols) = (3, 8, 5);
+        let w: Vec<f32> = (0..heads * head_dim * cols).map(|i| i as f32).collect();
+        let p = permute_qk(&w, heads, heads * head_dim, cols);
+        assert_ne!(p, w);
+        let back = crate::formats::gguf::unpermute_qk(&p, heads, heads * head_dim, cols);
+        assert_eq!(back, w);
+        // Head 0's row 1 of GGUF is its second half's first row in Hugging Face's order.
+        assert_eq!(
+            p[cols..2 * cols],
+            w[(head_dim / 2) * cols..(head_dim / 2 + 1) * cols]
+        );
+    }
+
+    #[test]
+    fn rope_freqs_divide_the_plain_frequencies_into_the_scaled_ones() {
+        let cfg = crate::model::presets::preset_config("llama-3.1-8b")
+            .unwrap()
+            .unwrap();
+        let f = rope_freqs(&cfg).unwrap();
+        assert_eq!(f.len(), 64);
+        // High frequencies unscaled, low ones divided by the factor (8).
+        assert_eq!(f[0], 1.0);
+        assert!((f[63] - 8.0).abs() < 1e-4, "{}", f[63]);
+        let tiny = crate::model::presets::preset_config("tiny-llama3")
+            .unwrap()
+            .unwrap();
+        assert_eq!(rope_freqs(&tiny).is_some(), tiny.rope_scaling.is_some());
+    }
+}

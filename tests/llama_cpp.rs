@@ -1,0 +1,621 @@
+//! `xtrain export-gguf` and `import-gguf` checked by the real client: llama.cpp itself (through
+//! llama-cpp-python, built from source once into a venv under xtrain's cache by
+//! `common::llama_cpp_python`) and llama.cpp's own GGUF reader and dequantizer (the `gguf`
+//! package). The client side is `tests/llama_cpp/check.py`; each of its commands prints one
+//! JSON object, asserted on here. A machine that cannot build llama-cpp-python fails these
+//! tests; they never skip.
+
+mod assets;
+mod common;
+
+use common::*;
+use serde_json::Value as Json;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+fn python() -> &'static PathBuf {
+    static P: OnceLock<PathBuf> = OnceLock::new();
+    P.get_or_init(llama_cpp_python)
+}
+
+/// Run a command of tests/llama_cpp/check.py and parse what it printed.
+fn client(args: &[&str]) -> Json {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/llama_cpp/check.py");
+    let o = Command::new(python())
+        .arg(script)
+        .args(args)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success(),
+        "check.py {args:?} failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let last = stdout.lines().last().unwrap_or_default();
+    serde_json::from_str(last).unwrap_or_else(|e| panic!("check.py {args:?} printed {stdout}: {e}"))
+}
+
+/// `xtrain export-gguf ARGS`, expected to succeed.
+fn export(args: &[&str]) {
+    let mut all = vec!["export-gguf"];
+    all.extend(args);
+    let o = xtrain(&all);
+    assert!(
+        o.status.success(),
+        "xtrain {all:?}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+/// The tolerance of llama.cpp's f32 logits against transformers' on the tiny model: both
+/// compute in f32, in other orders (llama.cpp's own matmul kernels, its RoPE from the
+/// per-frequency divisors); 2e-4 of the largest logit.
+const LOGITS_TOL: f64 = 2e-4;
+
+fn logits_agree(gguf: &Path, lora: Option<&Path>, expected: &str) {
+    let f = fixtures();
+    let r = client(&[
+        "logits",
+        s(gguf),
+        lora.map_or("", s),
+        s(&f.join("inputs.safetensors")),
+        s(&f.join(expected)),
+    ]);
+    let (diff, max) = (
+        r["max_abs_diff"].as_f64().unwrap(),
+        r["max_abs"].as_f64().unwrap(),
+    );
+    assert!(
+        diff <= LOGITS_TOL * max.max(1.0),
+        "{} (lora {lora:?}) vs {expected}: {r}",
+        gguf.display()
+    );
+}
+
+/// The tiny model (llama3 RoPE scaling, grouped KV heads, untied output) exported as GGUF gives
+/// in llama.cpp the logits transformers (+ PEFT) computed for the fixtures: the base, merged
+/// with the adapter, and the base with the adapter as llama.cpp's LoRA GGUF; and the merged
+/// file in every type reads back as W + (alpha/r) B A within the type's rounding.
+#[test]
+fn llama_cpp_computes_the_oracles_logits_from_the_tiny_models_exports() {
+    let dir = tempdir("gguf-tiny");
+    let model = tiny_text_model(&dir);
+    let adapter = fixtures().join("adapter_init");
+    let base = dir.join("base.gguf");
+    export(&["--model", s(&model), "--type", "f32", "--out", s(&base)]);
+    logits_agree(&base, None, "base_outputs.safetensors");
+
+    let merged = dir.join("merged-f32.gguf");
+    let a = ["--model", s(&model), "--adapter", s(&adapter)];
+    export(&[&a[..], &["--type", "f32", "--out", s(&merged)]].concat());
+    logits_agree(&merged, None, "lora_outputs.safetensors");
+
+    let lora = dir.join("lora.gguf");
+    export(&[&a[..], &["--lora-only", "--type", "f32", "--out", s(&lora)]].concat());
+    logits_agree(&base, Some(&lora), "lora_outputs.safetensors");
+
+    let meta = client(&["metadata", s(&merged)]);
+    assert_eq!(meta["meta"]["general.architecture"], "llama", "{meta}");
+    assert_eq!(meta["meta"]["tokenizer.ggml.pre"], "gpt-2", "{meta}");
+    assert_eq!(meta["meta"]["tokenizer.ggml.tokens"]["len"], 512, "{meta}");
+    assert_eq!(meta["types"]["rope_freqs.weight"], "F32", "{meta}");
+    let meta = client(&["metadata", s(&lora)]);
+    assert_eq!(meta["meta"]["general.type"], "adapter", "{meta}");
+    assert_eq!(meta["meta"]["adapter.type"], "lora", "{meta}");
+    assert_eq!(meta["meta"]["adapter.lora.alpha"], 16.0, "{meta}");
+    assert_eq!(
+        meta["types"].as_object().unwrap().len(),
+        2 * 7 * 2,
+        "{meta}"
+    );
+
+    for ty in ["f32", "f16", "bf16", "q8_0"] {
+        let out = dir.join(format!("merged-{ty}.gguf"));
+        if ty != "f32" {
+            export(&[&a[..], &["--type", ty, "--out", s(&out)]].concat());
+        }
+        let r = client(&["merged", s(&out), s(&model), s(&adapter)]);
+        assert_eq!(r["checked"], 2 * 9 + 3, "{ty}: {r}");
+        assert_eq!(r["adapted"], 2 * 7, "{ty}: {r}");
+        assert!(r["worst"]["ratio"].as_f64().unwrap() <= 1.0, "{ty}: {r}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Every quantized block type import-gguf reads gives, value for value, what the `gguf`
+/// package's dequantizer gives for the same random blocks.
+#[test]
+fn every_block_type_dequantizes_as_llama_cpps_reader_does() {
+    let dir = tempdir("gguf-blocks");
+    let file = dir.join("blocks.gguf");
+    let made = client(&["blocks", s(&file), "7"]);
+    let g = xtrain::formats::gguf::Gguf::open(&file).unwrap();
+    let types = made["types"].as_array().unwrap();
+    assert_eq!(types.len(), 10, "{made}");
+    for ty in types {
+        let name = ty.as_str().unwrap().to_lowercase();
+        let t = g.tensor(&name).unwrap();
+        let got = g.dequantize(t).unwrap();
+        let expected = g
+            .dequantize(g.tensor(&format!("{name}.expected")).unwrap())
+            .unwrap();
+        assert_eq!(got.len(), expected.len(), "{name}");
+        let differ = got
+            .iter()
+            .zip(&expected)
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        assert_eq!(differ, 0, "{name}: {differ} values differ from gguf's");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+fn generate(model: &Path, adapter: Option<&Path>, prompt: &str, tokens: &str) -> String {
+    let mut args = vec!["generate", "--model", s(model)];
+    if let Some(a) = adapter {
+        args.extend(["--adapter", s(a)]);
+    }
+    args.extend([
+        "--prompt",
+        prompt,
+        "--max-new-tokens",
+        tokens,
+        "--context",
+        "96",
+    ]);
+    let o = xtrain(&args);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    String::from_utf8_lossy(&o.stdout)
+        .trim_end_matches('\n')
+        .to_string()
+}
+
+const QUESTION: &str = "What is the capital of Germany? Answer in the form Country: Capital.";
+const ANSWER_TOKENS: &str = "12";
+
+/// SmolLM2 fine-tuned by xtrain on data/capitals answers the demo's question in llama.cpp
+/// exactly as `xtrain generate` does (greedy), merged and as base + LoRA adapter; llama.cpp's
+/// Q4_K_M quantization of the export imports equal to the `gguf` package's dequantization.
+#[test]
+fn a_fine_tuned_smollm2_answers_in_llama_cpp_as_in_xtrain() {
+    let model = assets::smollm2().expect("fetch and import SmolLM2");
+    let dir = tempdir("gguf-smollm2");
+    let run = dir.join("run");
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let o = train_cmd(&model, &repo.join("data/capitals/train.jsonl"), &run)
+        .args([
+            "--steps",
+            "6",
+            "--batch-size",
+            "4",
+            "--seq",
+            "64",
+            "--lr",
+            "2e-3",
+            "--lora-r",
+            "8",
+            "--lora-alpha",
+            "16",
+            "--lora-targets",
+            "q,k,v,o,gate,up,down",
+            "--log-every",
+            "0",
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let adapter = run.join("adapter");
+    let answer = generate(&model, Some(&adapter), QUESTION, ANSWER_TOKENS);
+
+    let merged = dir.join("merged.gguf");
+    let m = ["--model", s(&model)];
+    export(
+        &[
+            &m[..],
+            &[
+                "--adapter",
+                s(&adapter),
+                "--type",
+                "f32",
+                "--out",
+                s(&merged),
+            ],
+        ]
+        .concat(),
+    );
+    let said = client(&["chat", s(&merged), "", QUESTION, ANSWER_TOKENS]);
+    assert_eq!(said["text"], answer.as_str(), "merged, in llama.cpp");
+    // What tools/demo writes and runs: the merged model in q8_0.
+    let q8 = dir.join("merged-q8_0.gguf");
+    export(
+        &[
+            &m[..],
+            &["--adapter", s(&adapter), "--type", "q8_0", "--out", s(&q8)],
+        ]
+        .concat(),
+    );
+    let said = client(&["chat", s(&q8), "", QUESTION, ANSWER_TOKENS]);
+    assert_eq!(said["text"], answer.as_str(), "merged q8_0, in llama.cpp");
+    std::fs::remove_file(&q8).unwrap();
+
+    let base = dir.join("base.gguf");
+    let lora = dir.join("lora.gguf");
+    export(&[&m[..], &["--type", "f32", "--out", s(&base)]].concat());
+    export(
+        &[
+            &m[..],
+            &[
+                "--adapter",
+                s(&adapter),
+                "--lora-only",
+                "--type",
+                "f32",
+                "--out",
+                s(&lora),
+            ],
+        ]
+        .concat(),
+    );
+    let said = client(&["chat", s(&base), s(&lora), QUESTION, ANSWER_TOKENS]);
+    assert_eq!(
+        said["text"],
+        answer.as_str(),
+        "base + LoRA GGUF, in llama.cpp"
+    );
+
+    let r = client(&["merged", s(&merged), s(&model), s(&adapter)]);
+    assert_eq!(r["adapted"], 30 * 7, "{r}");
+    assert!(r["worst"]["ratio"].as_f64().unwrap() <= 1.0, "{r}");
+    std::fs::remove_file(&base).unwrap();
+
+    // llama.cpp's own Q4_K_M of our export, imported back.
+    let q4 = dir.join("merged-q4_k_m.gguf");
+    let made = client(&["quantize", s(&merged), s(&q4), "q4_k_m"]);
+    assert_eq!(made["rc"], 0, "{made}");
+    for ty in ["Q4_K", "Q6_K"] {
+        assert!(
+            made["types"].as_array().unwrap().iter().any(|t| t == ty),
+            "{made}"
+        );
+    }
+    std::fs::remove_file(&merged).unwrap();
+    let imported = dir.join("imported");
+    let o = xtrain(&["import-gguf", s(&q4), "--out", s(&imported)]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let r = client(&["imported", s(&q4), s(&imported)]);
+    assert_eq!(r["worst"]["diff"], 0.0, "{r}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// What a careless user gets: clear refusals, nothing written.
+#[test]
+fn export_refuses_bad_requests_naming_what_is_wrong() {
+    let dir = tempdir("gguf-refusals");
+    let model = tiny_text_model(&dir);
+    let out = dir.join("m.gguf");
+    let m = s(&model);
+    let e = fails(&["export-gguf", "--model", m, "--lora-only", "--out", s(&out)]);
+    assert!(e.contains("--adapter"), "{e}");
+    let e = fails(&[
+        "export-gguf",
+        "--model",
+        m,
+        "--type",
+        "q4",
+        "--out",
+        s(&out),
+    ]);
+    assert!(e.contains("--type q4"), "{e}");
+    let e = fails(&[
+        "export-gguf",
+        "--model",
+        m,
+        "--adapter",
+        s(&dir),
+        "--out",
+        s(&out),
+    ]);
+    assert!(e.contains("adapter_config.json"), "{e}");
+    let e = fails(&[
+        "export-gguf",
+        "--model",
+        m,
+        "--base-quant",
+        "nf8",
+        "--out",
+        s(&out),
+    ]);
+    assert!(e.contains("--base-quant nf8"), "{e}");
+    assert!(!out.exists());
+    export(&["--model", m, "--out", s(&out)]);
+    let e = fails(&["export-gguf", "--model", m, "--out", s(&out)]);
+    assert!(e.contains("--overwrite"), "{e}");
+    export(&["--model", m, "--out", s(&out), "--overwrite"]);
+    let inside = model.join("model.safetensors");
+    let e = fails(&[
+        "export-gguf",
+        "--model",
+        m,
+        "--out",
+        s(&inside),
+        "--overwrite",
+    ]);
+    assert!(e.contains("reads"), "{e}");
+    // A model dir without a tokenizer: named, and no file left behind.
+    let bare = dir.join("bare");
+    std::fs::create_dir_all(&bare).unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(model.join(f), bare.join(f)).unwrap();
+    }
+    let out2 = dir.join("bare.gguf");
+    let e = fails(&["export-gguf", "--model", s(&bare), "--out", s(&out2)]);
+    assert!(e.contains("tokenizer.json"), "{e}");
+    assert!(!out2.exists());
+    let leftovers: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains(".tmp-"))
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// An adapter trained with `--quant nf4` is merged against the NF4-dequantized base it was
+/// trained on, read from the run's record, and the export says so; `--base-quant none` merges
+/// against the stored weights and warns that the record says otherwise.
+#[test]
+fn a_qlora_adapter_merges_against_the_nf4_base_it_was_trained_on() {
+    let dir = tempdir("gguf-qlora");
+    let model = tiny_text_model(&dir);
+    let data = instruction_examples(&dir.join("d.jsonl"), 8);
+    let run = dir.join("run");
+    let o = train_cmd(&model, &data, &run)
+        .args([
+            "--quant",
+            "nf4",
+            "--steps",
+            "2",
+            "--save-every",
+            "2",
+            "--batch-size",
+            "2",
+            "--seq",
+            "32",
+            "--lr",
+            "1e-2",
+            "--lora-r",
+            "4",
+            "--lora-alpha",
+            "8",
+            "--log-every",
+            "0",
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let adapter = run.join("adapter");
+    let out = dir.join("m.gguf");
+    let args = [
+        "export-gguf",
+        "--model",
+        s(&model),
+        "--adapter",
+        s(&adapter),
+        "--type",
+        "f32",
+    ];
+    let o = xtrain(&[&args[..], &["--out", s(&out)]].concat());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains("NF4-dequantized base") && err.contains("trainer_state.json"),
+        "{err}"
+    );
+
+    let cfg = xtrain::model::config::LlamaConfig::load(&model).unwrap();
+    let (lora, tensors) = xtrain::formats::peft::load_adapter(&adapter, &cfg).unwrap();
+    let files = xtrain::formats::safetensors::WeightFiles::open(&model).unwrap();
+    let g = xtrain::formats::gguf::Gguf::open(&out).unwrap();
+    let merged_of = |g: &xtrain::formats::gguf::Gguf, layer: i64, nf4: bool| {
+        let t = xtrain::model::lora::Projection::V;
+        let w = files.read(&t.weight_name(layer)).unwrap().to_f32().unwrap();
+        let w = if nf4 {
+            xtrain::model::quant::dequantize(&xtrain::model::quant::quantize(&w))
+        } else {
+            w
+        };
+        let (inp, outd) = xtrain::model::tensors::projection_dims(&cfg, t);
+        let a = tensors[&t.peft_name(layer, "A")].to_f32().unwrap();
+        let b = tensors[&t.peft_name(layer, "B")].to_f32().unwrap();
+        let want = xtrain::formats::merge::merged(
+            &w,
+            &a,
+            &b,
+            outd as usize,
+            inp as usize,
+            lora.r as usize,
+            lora.scale() as f32,
+        );
+        let got = g
+            .dequantize(g.tensor(&format!("blk.{layer}.attn_v.weight")).unwrap())
+            .unwrap();
+        (got, want)
+    };
+    for layer in 0..2 {
+        let (got, want) = merged_of(&g, layer, true);
+        assert_eq!(got, want, "layer {layer}: W_nf4 + (alpha/r) B A");
+    }
+    let o = xtrain(
+        &[
+            &args[..],
+            &["--base-quant", "none", "--out", s(&out), "--overwrite"],
+        ]
+        .concat(),
+    );
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("records --quant nf4"), "{err}");
+    let g = xtrain::formats::gguf::Gguf::open(&out).unwrap();
+    let (got, want) = merged_of(&g, 1, false);
+    assert_eq!(got, want, "W + (alpha/r) B A with --base-quant none");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The Llama 3.2 and 3.3 presets build their programs, and LoRA on a tied output layer is
+/// refused with the reason, from the command line and from a PEFT adapter's config.
+#[test]
+fn the_llama_3_2_and_3_3_presets_compile_and_lora_on_the_output_is_refused() {
+    let dir = tempdir("gguf-presets");
+    for preset in ["llama-3.2-1b", "llama-3.2-3b", "llama-3.3-70b"] {
+        let out = dir.join(preset);
+        let o = xtrain(&[
+            "compile",
+            "--model",
+            preset,
+            "--dtype",
+            "bf16",
+            "--seq",
+            "256",
+            "--out",
+            s(&out),
+        ]);
+        assert!(
+            o.status.success(),
+            "{preset}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        assert!(out.join("train_step.mlir").is_file(), "{preset}");
+    }
+    let out = dir.join("tied");
+    let e = fails(&[
+        "compile",
+        "--model",
+        "llama-3.2-1b",
+        "--lora-targets",
+        "q,lm_head",
+        "--out",
+        s(&out),
+    ]);
+    assert!(e.contains("`lm_head`") && e.contains("tied"), "{e}");
+    let adapter = dir.join("adapter");
+    std::fs::create_dir_all(&adapter).unwrap();
+    std::fs::write(
+        adapter.join("adapter_config.json"),
+        r#"{"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "lm_head"]}"#,
+    )
+    .unwrap();
+    let model = tiny_text_model(&dir);
+    let e = fails(&[
+        "export-gguf",
+        "--model",
+        s(&model),
+        "--adapter",
+        s(&adapter),
+        "--out",
+        s(&dir.join("x.gguf")),
+    ]);
+    assert!(e.contains("`lm_head`") && e.contains("tied"), "{e}");
+    // PEFT's way of training the tied embedding beside the LoRA weights is refused too: a merge
+    // reading lora_A/lora_B alone would drop it.
+    std::fs::write(
+        adapter.join("adapter_config.json"),
+        r#"{"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "modules_to_save": ["lm_head"]}"#,
+    )
+    .unwrap();
+    let e = fails(&[
+        "export-gguf",
+        "--model",
+        s(&model),
+        "--adapter",
+        s(&adapter),
+        "--out",
+        s(&dir.join("x.gguf")),
+    ]);
+    assert!(
+        e.contains("`modules_to_save`") && e.contains("lm_head"),
+        "{e}"
+    );
+    assert!(!dir.join("x.gguf").exists());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A careless user on a real model: the adapter of another model is refused naming the tensor
+/// and both shapes, and Ctrl-C in the middle of an export exits 130 leaving neither the file
+/// nor its temp file.
+#[test]
+fn another_models_adapter_and_ctrl_c_leave_nothing_behind() {
+    use std::io::{BufRead, BufReader};
+    let model = assets::smollm2().expect("fetch and import SmolLM2");
+    let dir = tempdir("gguf-careless");
+    let out = dir.join("m.gguf");
+    let tiny_adapter = fixtures().join("adapter_init");
+    let e = fails(&[
+        "export-gguf",
+        "--model",
+        s(&model),
+        "--adapter",
+        s(&tiny_adapter),
+        "--out",
+        s(&out),
+    ]);
+    assert!(
+        e.contains("has shape") && e.contains("another model"),
+        "{e}"
+    );
+    assert!(!out.exists());
+
+    let mut child = xtrain_cmd()
+        .args([
+            "export-gguf",
+            "--model",
+            s(&model),
+            "--type",
+            "f32",
+            "--out",
+            s(&out),
+        ])
+        .stderr(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let mut said = String::new();
+    for line in lines.by_ref() {
+        let line = line.unwrap();
+        said += &line;
+        said.push('\n');
+        if line.starts_with("exporting: ") {
+            break;
+        }
+    }
+    assert!(said.contains("exporting: "), "no progress: {said}");
+    let kill = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    for line in lines {
+        said += &line.unwrap();
+        said.push('\n');
+    }
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(130), "{said}");
+    assert!(
+        said.contains("interrupted") && !said.contains("panicked"),
+        "{said}"
+    );
+    assert!(!out.exists(), "{said}");
+    let left: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
