@@ -165,64 +165,8 @@ pub fn tokenizer_metadata(
         );
     }
     let pre = pre_name(tok.get("pre_tokenizer").unwrap_or(&Json::Null), &path)?;
-    let mut tokens: Vec<Option<(String, i32)>> = vec![None; vocab_size];
-    let mut ids = BTreeMap::new();
-    let mut place = |text: &str, id: u64, ty: i32| -> Result<()> {
-        let slot = tokens.get_mut(id as usize).with_context(|| {
-            format!(
-                "{}: token {text:?} has id {id}, past the model's vocab_size {vocab_size}",
-                path.display()
-            )
-        })?;
-        *slot = Some((text.to_string(), ty));
-        ids.insert(text.to_string(), id as u32);
-        Ok(())
-    };
-    let vocab = model
-        .get("vocab")
-        .and_then(|v| v.as_object())
-        .context("tokenizer.json has no `model.vocab` object")?;
-    for (text, id) in vocab {
-        let id = id
-            .as_u64()
-            .with_context(|| format!("{}: token {text:?} has id {id}", path.display()))?;
-        place(text, id, NORMAL)?;
-    }
-    for added in tok
-        .get("added_tokens")
-        .and_then(|a| a.as_array())
-        .into_iter()
-        .flatten()
-    {
-        let (Some(id), Some(text)) = (
-            added.get("id").and_then(|i| i.as_u64()),
-            added.get("content").and_then(|c| c.as_str()),
-        ) else {
-            bail!("{}: an added token without id or content", path.display());
-        };
-        let special = added.get("special").and_then(|s| s.as_bool()) == Some(true);
-        place(text, id, if special { CONTROL } else { USER_DEFINED })?;
-    }
-    let merges: Vec<String> = match model.get("merges") {
-        Some(Json::Array(list)) => list
-            .iter()
-            .map(|m| match m {
-                Json::String(s) => Ok(s.clone()),
-                Json::Array(pair) if pair.len() == 2 => Ok(format!(
-                    "{} {}",
-                    pair[0].as_str().unwrap_or_default(),
-                    pair[1].as_str().unwrap_or_default()
-                )),
-                other => bail!("{}: merge {other} is not a pair", path.display()),
-            })
-            .collect::<Result<_>>()?,
-        _ => Vec::new(),
-    };
-    let (texts, types): (Vec<String>, Vec<i32>) = tokens
-        .into_iter()
-        .enumerate()
-        .map(|(i, t)| t.unwrap_or_else(|| (format!("[PAD{i}]"), UNUSED)))
-        .unzip();
+    let (texts, types, ids) = vocabulary(&tok, model, &path, vocab_size)?;
+    let merges = merges_of(model, &path)?;
 
     let tcfg = read_json(&dir.join("tokenizer_config.json"))?.unwrap_or(Json::Null);
     let config = read_json(&dir.join("config.json"))?;
@@ -280,6 +224,81 @@ pub fn tokenizer_metadata(
         )),
     }
     Ok(meta)
+}
+
+/// The vocabulary of `tok` (tokenizer.json at `path`) laid out by id for `vocab_size` ids: each
+/// id's text and llama.cpp token type (unused ids as `[PAD<id>]`), and the id of each text.
+#[allow(clippy::type_complexity)]
+fn vocabulary(
+    tok: &Json,
+    model: &Json,
+    path: &Path,
+    vocab_size: usize,
+) -> Result<(Vec<String>, Vec<i32>, BTreeMap<String, u32>)> {
+    let mut tokens: Vec<Option<(String, i32)>> = vec![None; vocab_size];
+    let mut ids = BTreeMap::new();
+    let mut place = |text: &str, id: u64, ty: i32| -> Result<()> {
+        let slot = tokens.get_mut(id as usize).with_context(|| {
+            format!(
+                "{}: token {text:?} has id {id}, past the model's vocab_size {vocab_size}",
+                path.display()
+            )
+        })?;
+        *slot = Some((text.to_string(), ty));
+        ids.insert(text.to_string(), id as u32);
+        Ok(())
+    };
+    let vocab = model
+        .get("vocab")
+        .and_then(|v| v.as_object())
+        .context("tokenizer.json has no `model.vocab` object")?;
+    for (text, id) in vocab {
+        let id = id
+            .as_u64()
+            .with_context(|| format!("{}: token {text:?} has id {id}", path.display()))?;
+        place(text, id, NORMAL)?;
+    }
+    for added in tok
+        .get("added_tokens")
+        .and_then(|a| a.as_array())
+        .into_iter()
+        .flatten()
+    {
+        let (Some(id), Some(text)) = (
+            added.get("id").and_then(|i| i.as_u64()),
+            added.get("content").and_then(|c| c.as_str()),
+        ) else {
+            bail!("{}: an added token without id or content", path.display());
+        };
+        let special = added.get("special").and_then(|s| s.as_bool()) == Some(true);
+        place(text, id, if special { CONTROL } else { USER_DEFINED })?;
+    }
+    let (texts, types): (Vec<String>, Vec<i32>) = tokens
+        .into_iter()
+        .enumerate()
+        .map(|(i, t)| t.unwrap_or_else(|| (format!("[PAD{i}]"), UNUSED)))
+        .unzip();
+    Ok((texts, types, ids))
+}
+
+/// The BPE merges of tokenizer.json's `model` (at `path`) as "left right" strings, whichever of
+/// the two layouts (strings or pairs) the file uses.
+fn merges_of(model: &Json, path: &Path) -> Result<Vec<String>> {
+    Ok(match model.get("merges") {
+        Some(Json::Array(list)) => list
+            .iter()
+            .map(|m| match m {
+                Json::String(s) => Ok(s.clone()),
+                Json::Array(pair) if pair.len() == 2 => Ok(format!(
+                    "{} {}",
+                    pair[0].as_str().unwrap_or_default(),
+                    pair[1].as_str().unwrap_or_default()
+                )),
+                other => bail!("{}: merge {other} is not a pair", path.display()),
+            })
+            .collect::<Result<_>>()?,
+        _ => Vec::new(),
+    })
 }
 
 #[cfg(test)]
