@@ -470,6 +470,14 @@ impl xtrain::train::checkpoint::Team for Member {
     }
 }
 
+/// Who process `process` of a run without a secret (on loopback) is to its store.
+fn as_process(process: usize) -> xtrain::cluster::store::Credentials {
+    xtrain::cluster::store::Credentials {
+        process,
+        secret: xtrain::cluster::auth::Secret::none(),
+    }
+}
+
 /// Checkpoint `dir` as process 0 writes it in a run of several (before its commit).
 fn write_uncommitted(dir: &std::path::Path) -> anyhow::Result<()> {
     xtrain::formats::atomic::write_dir_atomic(dir, |tmp| {
@@ -485,14 +493,21 @@ fn write_uncommitted(dir: &std::path::Path) -> anyhow::Result<()> {
 /// `--resume`, which names the newest committed one.
 #[test]
 fn a_checkpoint_counts_only_once_every_process_passed_its_barrier() {
-    use xtrain::cluster::{server::StoreServer, store::Store};
+    use xtrain::cluster::server::{Config, StoreServer};
+    use xtrain::cluster::{auth::Secret, store::Store};
     use xtrain::train::checkpoint::{commit_across, is_committed, latest_checkpoint, read_state};
     let dir = tempdir("hosts-commit");
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let address = format!("127.0.0.1:{}", listener.local_addr().unwrap().port());
-    let _server = StoreServer::serve(listener).unwrap();
+    let _server = StoreServer::serve(listener, Config::new(2, Secret::none())).unwrap();
     let member = |process: usize, timeout_ms: u64| Member {
-        store: Store::connect(&address, "commit", Duration::from_secs(5)).unwrap(),
+        store: Store::connect(
+            &address,
+            "commit",
+            as_process(process),
+            Duration::from_secs(5),
+        )
+        .unwrap(),
         process,
         timeout: Duration::from_millis(timeout_ms),
     };
@@ -656,9 +671,11 @@ fn a_client_of_one_process_places_every_position_here() {
     let gather = || {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let address = listener.local_addr().unwrap().to_string();
-        let server = xtrain::cluster::server::StoreServer::serve(listener).unwrap();
+        let config = xtrain::cluster::server::Config::new(1, xtrain::cluster::auth::Secret::none());
+        let server = xtrain::cluster::server::StoreServer::serve(listener, config).unwrap();
+        let me = as_process(0);
         let store =
-            xtrain::cluster::store::Store::connect(&address, "place", Duration::from_secs(5))
+            xtrain::cluster::store::Store::connect(&address, "place", me, Duration::from_secs(5))
                 .unwrap();
         let gather = xtrain::cluster::gather::StoreGather::new(store, 0, 1, Duration::from_secs(5));
         (server, gather)

@@ -87,7 +87,9 @@ impl Hosts {
 
     /// Every mesh position's shard of a result from this process's (`mine`, one per position it
     /// holds, in [`Hosts::held`] order): its own with one host; gathered on host 0 (process 0)
-    /// otherwise, None on the other processes, which write nothing.
+    /// otherwise, None on the other processes, which write nothing. What another process sent
+    /// is checked against the box its position holds where it is put together
+    /// (`device::shards::unshard`).
     pub fn whole(&self, mine: Vec<HostTensor>) -> Result<Option<Vec<HostTensor>>> {
         let (placement, gather): (&Placement, &dyn Gather) = match self {
             Hosts::One => return Ok(Some(mine)),
@@ -96,7 +98,7 @@ impl Hosts {
         };
         gather.all(
             placement.held().into_iter().zip(mine).collect(),
-            placement.ids.len(),
+            &placement.hosts,
         )
     }
 }
