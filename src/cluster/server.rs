@@ -286,7 +286,8 @@ fn admit(shared: &Arc<Shared>, stream: TcpStream, from: SocketAddr) {
         shared.say_once(
             "handshakes",
             &format!(
-                "more than {} connections in their handshake at once: the oldest are closed,                  newcomers told to try again",
+                "more than {} connections in their handshake at once: the oldest are closed, \
+                 newcomers told to try again",
                 limits.handshakes
             ),
         );
@@ -439,6 +440,11 @@ impl Connection<'_> {
                 Ok(h) => h,
                 Err(e) => {
                     self.ended(&e);
+                    if e.kind() == std::io::ErrorKind::OutOfMemory {
+                        // A value over the cap: told why (its bytes were never read).
+                        let message = e.to_string();
+                        self.answer_then_close(Reply::Refused { message });
+                    }
                     break;
                 }
             };
@@ -466,6 +472,19 @@ impl Connection<'_> {
                  lost its network",
                 self.process, j.host
             ));
+        }
+    }
+
+    /// Send a last reply (through the session's writer where there is one), then close.
+    fn answer_then_close(&self, reply: Reply) {
+        match &self.session {
+            Some(j) => {
+                let _ = j.out.try_send(reply);
+            }
+            None => {
+                let _ = send(&mut &self.socket, &reply, &[]);
+                let _ = self.socket.shutdown(Shutdown::Both);
+            }
         }
     }
 

@@ -158,7 +158,8 @@ enum Retry {
 
 fn not_a_store(address: &str) -> String {
     format!(
-        "{address} is not an xtrain store (another program holds {address}? or process 0 runs          an xtrain of store protocol 1)"
+        "{address} is not an xtrain store (another program holds {address}? or process 0 runs \
+         an xtrain of store protocol 1)"
     )
 }
 

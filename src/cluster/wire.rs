@@ -249,6 +249,24 @@ pub(crate) fn other_protocol(who: &str, other: &str) -> String {
     )
 }
 
+/// `1 device`, `4 devices`: a count and its noun, for messages.
+pub fn count(n: usize, noun: &str) -> String {
+    if n == 1 {
+        format!("1 {noun}")
+    } else {
+        format!("{n} {noun}s")
+    }
+}
+
+/// `device 3`, `devices 0-3`: a run of consecutive indices (the first and last of `of`).
+pub fn span(of: &[usize], noun: &str) -> String {
+    match (of.first(), of.last()) {
+        (Some(a), Some(b)) if a != b => format!("{noun}s {a}-{b}"),
+        (Some(a), _) => format!("{noun} {a}"),
+        _ => format!("no {noun}s"),
+    }
+}
+
 /// This machine's host name, for messages (`?` where it cannot be read).
 pub fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")

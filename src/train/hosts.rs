@@ -38,11 +38,14 @@ pub(super) fn meet(
 ) -> Result<(Team, Out)> {
     let name = launch.name();
     let peers = rendezvous::join(launch, {
-        let name = name.clone();
+        let (name, out) = (name.clone(), opts.out.clone());
         move |why| {
-            // A step with a lost peer never completes (its collectives wait forever): end now.
-            eprintln!("error: {}", ending(&why, &name));
-            std::process::exit(1);
+            // A step with a lost peer never completes (its collectives wait forever): end now,
+            // from this side thread without running exit handlers (the step's threads may be
+            // inside the plugin), the message flushed first.
+            eprintln!("error: {}", ending(&why, &name, &out));
+            let _ = std::io::Write::flush(&mut std::io::stderr());
+            signal_hook::low_level::exit(1);
         }
     })?;
     eprintln!(
@@ -57,7 +60,7 @@ pub(super) fn meet(
         // A lost peer reads the same whichever thread saw it first.
         let lost = e
             .downcast_ref::<StoreError>()
-            .map(|e| ending(&e.to_string(), &name));
+            .map(|e| ending(&e.to_string(), &name, &opts.out));
         peers.leave();
         return Err(lost.map_or(e, anyhow::Error::msg));
     }
@@ -166,10 +169,9 @@ impl Team {
         if let Some(placed) = rt.hosts.placement() {
             let held = placed.held();
             eprintln!(
-                "xtrain: {}: this host holds mesh positions {}-{} of {}",
+                "xtrain: {}: this host holds mesh {} of {}",
                 launch.name(),
-                held.first().copied().unwrap_or(0),
-                held.last().copied().unwrap_or(0),
+                crate::cluster::wire::span(&held, "position"),
                 placed.ids.len()
             );
         }
@@ -229,12 +231,20 @@ pub(super) fn open(opts: &TrainOptions, team: Option<&Team>, devices: i64) -> Re
     }
 }
 
-/// What a process says as it ends because another is gone.
-fn ending(why: &str, name: &str) -> String {
-    format!(
-        "{why}. Ending {name} too; resume the run from its newest committed checkpoint with \
-         --resume once every host is up"
-    )
+/// What a process says as it ends because another is gone: a resume where a committed
+/// checkpoint exists in `out` (as this host sees it), else a new start.
+fn ending(why: &str, name: &str, out: &std::path::Path) -> String {
+    match crate::train::checkpoint::latest_checkpoint(out) {
+        Some(c) => format!(
+            "{why}. Ending {name} too; once every host is up, resume the run from its newest \
+             committed checkpoint with --resume {}",
+            c.display()
+        ),
+        None => format!(
+            "{why}. Ending {name} too; no checkpoint of the run was committed yet: start it \
+             again once every host is up"
+        ),
+    }
 }
 
 /// What every process must agree on: every setting by flag, the number of processes, the

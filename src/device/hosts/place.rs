@@ -210,8 +210,9 @@ impl Placement {
 pub fn device_groups(devices: usize, hosts: usize) -> Result<Vec<Vec<usize>>> {
     if hosts == 0 || !devices.is_multiple_of(hosts) {
         bail!(
-            "--virtual-hosts {hosts} must divide the step's {devices} devices (each virtual host \
-             holds the same number)"
+            "--virtual-hosts {hosts} must divide the step's {} (each virtual host holds the \
+             same number)",
+            crate::cluster::wire::count(devices, "device")
         );
     }
     let n = devices / hosts;
