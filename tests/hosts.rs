@@ -192,6 +192,62 @@ fn a_process_started_with_other_settings_is_refused_by_every_process() {
     }
 }
 
+/// The run's secret from the environment: processes that hold it meet; one given another is
+/// refused on its own connection, and the secret appears in nothing either says.
+#[test]
+fn processes_meet_over_their_secret_and_one_without_it_is_refused() {
+    let dir = tempdir("hosts-secret");
+    let port = free_port();
+    let token = "0f5e1d2c3b4a59687766554433221100ffeeddccbbaa";
+    let env = [("XTRAIN_RUN_TOKEN", token)];
+    let zero = start(&dir.join("out"), port, &refs(&placed(0, 2, 60)), &[], &env);
+    zero.wait_to_say("joined the run", Duration::from_secs(30));
+    let wrong = [("XTRAIN_RUN_TOKEN", "another-token-of-enough-bytes-123456")];
+    let stranger = start(
+        &dir.join("out2"),
+        port,
+        &refs(&placed(1, 2, 60)),
+        &[],
+        &wrong,
+    );
+    let (ok, said, _) = stranger.end(Duration::from_secs(60));
+    assert!(!ok);
+    assert!(said.contains("does not prove the run's secret"), "{said}");
+    let one = start(&dir.join("out"), port, &refs(&placed(1, 2, 60)), &[], &env);
+    for p in [zero, one] {
+        let (_, said, _) = p.end(Duration::from_secs(60));
+        assert!(
+            said.contains("all 2 processes run the same settings"),
+            "{said}"
+        );
+        assert!(!said.contains(token), "the secret was shown:\n{said}");
+    }
+}
+
+/// SIGTERM (as `scancel`, Kubernetes and `timeout` send) while a process waits for the others
+/// ends it at once with 143, whatever --init-timeout says.
+#[test]
+fn sigterm_during_the_rendezvous_ends_a_process_at_once() {
+    use std::os::unix::process::ExitStatusExt;
+    let dir = tempdir("hosts-sigterm");
+    let port = free_port();
+    let mut zero = start(&dir.join("out"), port, &refs(&placed(0, 2, 3600)), &[], &[]);
+    zero.wait_to_say("joined the run", Duration::from_secs(30));
+    std::thread::sleep(Duration::from_millis(300));
+    let t0 = Instant::now();
+    // SAFETY: a signal to the child this test started.
+    unsafe { libc::kill(zero.child.id() as i32, libc::SIGTERM) };
+    let status = zero.child.wait().unwrap();
+    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+    assert_eq!(status.code(), Some(143), "{status:?} {:?}", status.signal());
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(
+        zero.said().contains("SIGTERM: ending now"),
+        "{}",
+        zero.said()
+    );
+}
+
 #[test]
 fn a_process_that_never_comes_ends_the_others_within_the_init_timeout() {
     let dir = tempdir("hosts-missing");
@@ -288,6 +344,30 @@ fn inconsistent_launch_values_are_refused_before_anything_starts() {
         (
             vec!["--num-processes", "2", "--process-id", "0"],
             "needs the address of process 0",
+        ),
+        (
+            vec![
+                "--num-processes",
+                "2",
+                "--process-id",
+                "0",
+                "--coordinator",
+                "127.0.0.1:9",
+                "--init-timeout",
+                "9223372036854775807",
+            ],
+            "--init-timeout 9223372036854775807 is more than a day",
+        ),
+        (
+            vec![
+                "--num-processes",
+                "2",
+                "--process-id",
+                "0",
+                "--coordinator",
+                "192.0.2.1:9",
+            ],
+            "has no secret",
         ),
     ] {
         let mut args = base.clone();
