@@ -70,8 +70,21 @@ fn start(
     extra: &[&str],
     env: &[(&str, &str)],
 ) -> Process {
+    let data = fixtures().join("inputs.safetensors");
+    start_with(&data, out, port, flags, extra, env)
+}
+
+/// [`start`] with another data file.
+fn start_with(
+    data: &std::path::Path,
+    out: &std::path::Path,
+    port: u16,
+    flags: &[&str],
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> Process {
     let f = fixtures();
-    let mut c = train_cmd(&f.join("model"), &f.join("inputs.safetensors"), out);
+    let mut c = train_cmd(&f.join("model"), data, out);
     c.args([
         "--lora-r",
         "8",
@@ -221,6 +234,35 @@ fn processes_meet_over_their_secret_and_one_without_it_is_refused() {
             "{said}"
         );
         assert!(!said.contains(token), "the secret was shown:\n{said}");
+    }
+}
+
+/// Two hosts whose copies of the data file at the same path differ (here: the file changes at
+/// its end between process 0's start and process 1's) are refused before any step, naming the
+/// data file.
+#[test]
+fn hosts_whose_data_files_differ_are_refused() {
+    let dir = tempdir("hosts-data");
+    let port = free_port();
+    let bytes = std::fs::read(fixtures().join("inputs.safetensors")).unwrap();
+    let data = dir.join("data.safetensors");
+    std::fs::write(&data, &bytes).unwrap();
+    let out = dir.join("out");
+    let flags = |k| placed(k, 2, 60);
+    let zero = start_with(&data, &out, port, &refs(&flags(0)), &[], &[]);
+    zero.wait_to_say("joined the run", Duration::from_secs(30));
+    std::thread::sleep(Duration::from_millis(500));
+    let mut changed = bytes.clone();
+    *changed.last_mut().unwrap() ^= 1;
+    std::fs::write(&data, &changed).unwrap();
+    let one = start_with(&data, &out, port, &refs(&flags(1)), &[], &[]);
+    for p in [zero, one] {
+        let (ok, said, _) = p.end(Duration::from_secs(60));
+        assert!(!ok);
+        assert!(
+            said.contains("the data file (its size, and a hash of its first and last MiB)"),
+            "{said}"
+        );
     }
 }
 

@@ -194,6 +194,10 @@ fn difference(mine: &Settings, theirs: &serde_json::Map<String, Value>) -> Optio
                 // Not flags: what the binary and the program dir are.
                 "xtrain-version" => "xtrain".to_string(),
                 "program-sha256" => "the program dir's program, sha256".to_string(),
+                "data-file" => {
+                    "the data file (its size, and a hash of its first and last MiB)".to_string()
+                }
+                "resumed-step" => "the step of the checkpoint it resumes".to_string(),
                 flag => format!("--{flag}"),
             };
             format!("{what} {} there, {} here", show(a), show(b))

@@ -253,6 +253,18 @@ fn settings(opts: &TrainOptions, launch: &Launch) -> Result<Settings> {
     let mut s: Settings = crate::train::settings::of_run(opts).into_iter().collect();
     s.insert("num-processes".into(), json!(launch.processes));
     s.insert("xtrain-version".into(), json!(env!("CARGO_PKG_VERSION")));
+    // What each host reads: the same data file (a copy that differs in size or at either end
+    // is named before any step), and the same checkpoint's step.
+    if opts.data.path.is_file() {
+        s.insert(
+            "data-file".into(),
+            json!(data_fingerprint(&opts.data.path)?),
+        );
+    }
+    if let Some(dir) = &opts.resume {
+        let state = crate::train::checkpoint::read_state(dir)?;
+        s.insert("resumed-step".into(), json!(state.step));
+    }
     if let Some(dir) = &opts.program {
         let (program, _) = crate::formats::program_dir::read_dir(dir)?;
         s.insert(
@@ -263,6 +275,38 @@ fn settings(opts: &TrainOptions, launch: &Launch) -> Result<Settings> {
         );
     }
     Ok(s)
+}
+
+/// `BYTES bytes, sha256 HASH`: the data file's size and a hash of its first and last MiB (the
+/// whole file may be gigabytes; a copy cut short, or another file, differs at one end).
+fn data_fingerprint(path: &std::path::Path) -> Result<String> {
+    use sha2::Digest;
+    use std::io::{Read, Seek, SeekFrom};
+    const MIB: u64 = 1 << 20;
+    let read = |what: &str, e: std::io::Error| {
+        anyhow::anyhow!(
+            "cannot read the data file {} ({what}): {}",
+            path.display(),
+            crate::cluster::wire::io_words(&e)
+        )
+    };
+    let mut f = std::fs::File::open(path).map_err(|e| read("open", e))?;
+    let size = f.metadata().map_err(|e| read("size", e))?.len();
+    let mut hash = sha2::Sha256::new();
+    let mut head = Vec::new();
+    (&mut f)
+        .take(MIB)
+        .read_to_end(&mut head)
+        .map_err(|e| read("first MiB", e))?;
+    hash.update(&head);
+    if size > MIB {
+        f.seek(SeekFrom::Start(size.saturating_sub(MIB).max(MIB)))
+            .map_err(|e| read("last MiB", e))?;
+        let mut tail = Vec::new();
+        f.read_to_end(&mut tail).map_err(|e| read("last MiB", e))?;
+        hash.update(&tail);
+    }
+    Ok(format!("{size} bytes, sha256 {:x}", hash.finalize()))
 }
 
 /// A program dir compiled for several hosts runs with one process per host: a run with another
