@@ -85,21 +85,18 @@ fn start_with(
 ) -> Process {
     let f = fixtures();
     let mut c = train_cmd(&f.join("model"), data, out);
-    c.args([
-        "--lora-r",
-        "8",
-        "--lora-alpha",
-        "16",
-        "--steps",
-        "1",
-        "--plugin",
-        "cpu",
-    ])
-    .args(["--coordinator", &format!("127.0.0.1:{port}")])
-    .args(flags)
-    .args(extra)
-    .stdout(Stdio::null())
-    .stderr(Stdio::piped());
+    c.args(["--lora-r", "8", "--lora-alpha", "16", "--steps", "1"])
+        // The CPU plugin unless `extra` names another.
+        .args(
+            ["--plugin", "cpu"]
+                .iter()
+                .filter(|_| !extra.contains(&"--plugin")),
+        )
+        .args(["--coordinator", &format!("127.0.0.1:{port}")])
+        .args(flags)
+        .args(extra)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
     for (k, v) in env {
         c.env(k, v);
     }
@@ -264,6 +261,51 @@ fn hosts_whose_data_files_differ_are_refused() {
             "{said}"
         );
     }
+}
+
+/// The CPU plugin under another file name is refused as well, from what its client spans (its
+/// devices are this process's alone), not from its name: no run of two where each process
+/// computes everything alone.
+#[test]
+fn a_renamed_cpu_plugin_is_refused_from_its_topology() {
+    let dir = tempdir("hosts-renamed");
+    let port = free_port();
+    let found = std::process::Command::new("find")
+        .args([
+            std::env::var("HOME").unwrap() + "/.cache/xtrain/plugins/cpu",
+            "-name".into(),
+            "*.so".into(),
+        ])
+        .output()
+        .unwrap();
+    let original = String::from_utf8(found.stdout).unwrap();
+    let original = original
+        .lines()
+        .next()
+        .expect("the CPU plugin is installed");
+    let renamed = dir.join("libmy_accelerator.so");
+    std::fs::copy(original, &renamed).unwrap();
+    let plugin = renamed.to_str().unwrap();
+    let processes: Vec<Process> = (0..2)
+        .map(|k| {
+            start(
+                &dir.join("out"),
+                port,
+                &refs(&placed(k, 2, 60)),
+                &["--plugin", plugin],
+                &[],
+            )
+        })
+        .collect();
+    let mut refused = 0;
+    for p in processes {
+        let (ok, said, _) = p.end(Duration::from_secs(120));
+        assert!(!ok, "a run of two on a client of one process ran:\n{said}");
+        assert!(!said.contains("panicked"), "{said}");
+        // The first to stop may end the other as a lost process before it says so itself.
+        refused += said.contains("client spans only this process's") as usize;
+    }
+    assert!(refused >= 1, "no process said why");
 }
 
 /// SIGTERM (as `scancel`, Kubernetes and `timeout` send) while a process waits for the others

@@ -159,6 +159,20 @@ impl Team {
             }),
         )?;
         let global = rt.client.global_devices()?.len();
+        if global == rt.devices.len() && launch.processes > 1 {
+            // Decided from what the client spans, not the plugin's name (a renamed CPU plugin
+            // opens as "a run" in which each process computes everything alone). Every process
+            // sees the same, and they stop together.
+            let _ = self.peers.barrier("client-alone");
+            bail!(
+                "the {} client spans only this process's {}: its collectives stay within one \
+                 process, so {} processes cannot share one step on it (the CPU plugin is such a \
+                 plugin). Run across hosts with a CUDA, ROCm or TPU plugin, or train on one host",
+                rt.platform(),
+                crate::cluster::wire::count(global, "device"),
+                launch.processes
+            );
+        }
         eprintln!(
             "xtrain: {}: the {} client spans {global} devices, {} of them here",
             launch.name(),
