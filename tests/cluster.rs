@@ -224,6 +224,7 @@ fn a_declared_4_gib_value_allocates_nothing() {
     }
     std::thread::sleep(Duration::from_millis(300));
     let grew = peak_memory().saturating_sub(before);
+    eprintln!("two declared 4 GiB puts: peak memory grew by {grew} bytes");
     assert!(grew < 256 << 20, "the store's process grew by {grew} bytes");
     still_meet(&address, "after-4-gib");
 }
@@ -352,4 +353,16 @@ fn a_process_hears_why_it_was_refused() {
         Err(Failed::Refused(why)) => assert!(why.contains("outside this run of 2"), "{why}"),
         other => panic!("{other:?}"),
     }
+}
+
+/// Dropping the store stops serving and frees its port at once (a run that ends leaves nothing
+/// listening; the next run can take the same port).
+#[test]
+fn dropping_the_store_frees_its_port() {
+    let (server, address) = serve();
+    let (zero, _one) = processes(&address);
+    drop(server);
+    let again = TcpListener::bind(&address);
+    assert!(again.is_ok(), "{address} still held: {again:?}");
+    assert!(zero.try_get("anything/0").is_err());
 }

@@ -29,7 +29,8 @@ use std::time::{Duration, Instant};
 /// What the store takes, at most.
 #[derive(Clone, Debug)]
 pub struct Limits {
-    /// Bytes of one value (the largest shard a run gathers is tens of MB at 405B, r=16).
+    /// Bytes of one value (the largest shard a run gathers is at most about 430 MB: the
+    /// stacked LoRA B of the MLP at 405B, r=16, unsharded).
     pub value: u64,
     /// Bytes of all values held at once.
     pub total: u64,
@@ -48,7 +49,10 @@ impl Limits {
     pub fn for_run(processes: usize) -> Limits {
         Limits {
             value: 1 << 30,
-            total: 4 << 30,
+            // Room for a whole gathered state should process 0 fall behind its readers (about
+            // 7.5 GB with both moments at 405B, r=16, every projection); the store forgets each
+            // shard once read.
+            total: 16 << 30,
             connections: 64 + 32 * processes,
             handshakes: 64,
             handshake: Duration::from_secs(10),
