@@ -312,6 +312,8 @@ fn a_process_writes_only_its_own_keys_once() {
         assert!(matches!(e, StoreError::Refused(_)), "{key}: {e}");
     }
     one.put("gather/3/1/1", b"mine").unwrap();
+    // The same bytes again change nothing (a barrier passed twice by name).
+    one.put("gather/3/1/1", b"mine").unwrap();
     let e = one.put("gather/3/1/1", b"changed").unwrap_err();
     assert!(e.to_string().contains("is written once"), "{e}");
     assert_eq!(zero.try_get("settings/0").unwrap(), Some(b"{}".to_vec()));

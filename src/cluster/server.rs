@@ -604,8 +604,9 @@ impl Connection<'_> {
         }
     }
 
-    /// A put of `len` bytes to `key`: refused (before its bytes are read) unless the key is
-    /// this process's and new, and the value within the caps.
+    /// A put of `len` bytes to `key`: refused (before its bytes are read where it can be) unless
+    /// the key is this process's and new (or holds the same bytes), and the value within the
+    /// caps.
     fn put(&mut self, key: String, len: u64, reader: &mut BufReader<TcpStream>) -> Then {
         let refuse = |message: String| Then::Close(Reply::Refused { message });
         let free = match owner(&key) {
@@ -622,7 +623,9 @@ impl Connection<'_> {
         let total = self.shared.config.limits.total;
         {
             let mut st = self.shared.state();
-            if !free && st.values.contains_key(&key) {
+            // The same value again (a barrier passed twice by name) changes nothing; another
+            // is refused before its bytes are read where its length already differs.
+            if !free && st.values.get(&key).is_some_and(|v| v.len() as u64 != len) {
                 return refuse(format!("{key:?} is written once, and was"));
             }
             if st.total.saturating_add(len) > total {
@@ -645,8 +648,16 @@ impl Connection<'_> {
                 message: "the value was cut short".into(),
             });
         };
-        if !free && st.values.contains_key(&key) {
+        if let Some(same) = st
+            .values
+            .get(&key)
+            .filter(|_| !free)
+            .map(|was| **was == value)
+        {
             st.total -= len;
+            if same {
+                return Then::Answer(Reply::Done, None);
+            }
             return refuse(format!("{key:?} is written once, and was"));
         }
         if let Some(old) = st.values.insert(key, Arc::new(value)) {
