@@ -368,3 +368,15 @@ fn dropping_the_store_frees_its_port() {
     assert!(again.is_ok(), "{address} still held: {again:?}");
     assert!(zero.try_get("anything/0").is_err());
 }
+
+/// The store listens on the address it is given and nowhere else (it once served every
+/// interface, whatever `--coordinator` said): another address of this host finds nothing.
+#[test]
+fn the_store_listens_only_on_its_address() {
+    let at: std::net::SocketAddr = "127.0.0.1:0".parse().unwrap();
+    let server = StoreServer::bind(at, Config::new(2, the_secret())).unwrap();
+    let port = server.address().port();
+    assert!(TcpStream::connect(("127.0.0.1", port)).is_ok());
+    let elsewhere = TcpStream::connect(("127.0.0.2", port));
+    assert!(elsewhere.is_err(), "the store answered on 127.0.0.2:{port}");
+}

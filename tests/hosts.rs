@@ -92,7 +92,11 @@ fn start_with(
                 .iter()
                 .filter(|_| !extra.contains(&"--plugin")),
         )
-        .args(["--coordinator", &format!("127.0.0.1:{port}")])
+        .args(
+            ["--coordinator".to_string(), format!("127.0.0.1:{port}")]
+                .iter()
+                .filter(|_| !extra.contains(&"--coordinator")),
+        )
         .args(flags)
         .args(extra)
         .stdout(Stdio::null())
@@ -306,6 +310,42 @@ fn a_renamed_cpu_plugin_is_refused_from_its_topology() {
         refused += said.contains("client spans only this process's") as usize;
     }
     assert!(refused >= 1, "no process said why");
+}
+
+/// A coordinator on an IPv6 address: process 0 serves the store there (and only there) and
+/// both processes meet through it.
+#[test]
+fn processes_meet_at_an_ipv6_coordinator() {
+    let dir = tempdir("hosts-ipv6");
+    let port = std::net::TcpListener::bind("[::1]:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let at = format!("[::1]:{port}");
+    let extra = ["--coordinator", at.as_str()];
+    let zero = start(
+        &dir.join("out"),
+        port,
+        &refs(&placed(0, 2, 60)),
+        &extra,
+        &[],
+    );
+    let one = start(
+        &dir.join("out"),
+        port,
+        &refs(&placed(1, 2, 60)),
+        &extra,
+        &[],
+    );
+    for p in [zero, one] {
+        let (_, said, _) = p.end(Duration::from_secs(60));
+        assert!(said.contains(&format!("joined the run at {at}")), "{said}");
+        assert!(
+            said.contains("all 2 processes run the same settings"),
+            "{said}"
+        );
+    }
 }
 
 /// SIGTERM (as `scancel`, Kubernetes and `timeout` send) while a process waits for the others
