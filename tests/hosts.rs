@@ -70,23 +70,37 @@ fn start(
     extra: &[&str],
     env: &[(&str, &str)],
 ) -> Process {
+    let data = fixtures().join("inputs.safetensors");
+    start_with(&data, out, port, flags, extra, env)
+}
+
+/// [`start`] with another data file.
+fn start_with(
+    data: &std::path::Path,
+    out: &std::path::Path,
+    port: u16,
+    flags: &[&str],
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> Process {
     let f = fixtures();
-    let mut c = train_cmd(&f.join("model"), &f.join("inputs.safetensors"), out);
-    c.args([
-        "--lora-r",
-        "8",
-        "--lora-alpha",
-        "16",
-        "--steps",
-        "1",
-        "--plugin",
-        "cpu",
-    ])
-    .args(["--coordinator", &format!("127.0.0.1:{port}")])
-    .args(flags)
-    .args(extra)
-    .stdout(Stdio::null())
-    .stderr(Stdio::piped());
+    let mut c = train_cmd(&f.join("model"), data, out);
+    c.args(["--lora-r", "8", "--lora-alpha", "16", "--steps", "1"])
+        // The CPU plugin unless `extra` names another.
+        .args(
+            ["--plugin", "cpu"]
+                .iter()
+                .filter(|_| !extra.contains(&"--plugin")),
+        )
+        .args(
+            ["--coordinator".to_string(), format!("127.0.0.1:{port}")]
+                .iter()
+                .filter(|_| !extra.contains(&"--coordinator")),
+        )
+        .args(flags)
+        .args(extra)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
     for (k, v) in env {
         c.env(k, v);
     }
@@ -192,6 +206,172 @@ fn a_process_started_with_other_settings_is_refused_by_every_process() {
     }
 }
 
+/// The run's secret from the environment: processes that hold it meet; one given another is
+/// refused on its own connection, and the secret appears in nothing either says.
+#[test]
+fn processes_meet_over_their_secret_and_one_without_it_is_refused() {
+    let dir = tempdir("hosts-secret");
+    let port = free_port();
+    let token = "0f5e1d2c3b4a59687766554433221100ffeeddccbbaa";
+    let env = [("XTRAIN_RUN_TOKEN", token)];
+    let zero = start(&dir.join("out"), port, &refs(&placed(0, 2, 60)), &[], &env);
+    zero.wait_to_say("joined the run", Duration::from_secs(30));
+    let wrong = [("XTRAIN_RUN_TOKEN", "another-token-of-enough-bytes-123456")];
+    let stranger = start(
+        &dir.join("out2"),
+        port,
+        &refs(&placed(1, 2, 60)),
+        &[],
+        &wrong,
+    );
+    let (ok, said, _) = stranger.end(Duration::from_secs(60));
+    assert!(!ok);
+    assert!(said.contains("does not prove the run's secret"), "{said}");
+    let one = start(&dir.join("out"), port, &refs(&placed(1, 2, 60)), &[], &env);
+    for p in [zero, one] {
+        let (_, said, _) = p.end(Duration::from_secs(60));
+        assert!(
+            said.contains("all 2 processes run the same settings"),
+            "{said}"
+        );
+        assert!(!said.contains(token), "the secret was shown:\n{said}");
+    }
+}
+
+/// Two hosts whose copies of the data file at the same path differ (here: the file changes at
+/// its end between process 0's start and process 1's) are refused before any step, naming the
+/// data file.
+#[test]
+fn hosts_whose_data_files_differ_are_refused() {
+    let dir = tempdir("hosts-data");
+    let port = free_port();
+    let bytes = std::fs::read(fixtures().join("inputs.safetensors")).unwrap();
+    let data = dir.join("data.safetensors");
+    std::fs::write(&data, &bytes).unwrap();
+    let out = dir.join("out");
+    let flags = |k| placed(k, 2, 60);
+    let zero = start_with(&data, &out, port, &refs(&flags(0)), &[], &[]);
+    zero.wait_to_say("joined the run", Duration::from_secs(30));
+    std::thread::sleep(Duration::from_millis(500));
+    let mut changed = bytes.clone();
+    *changed.last_mut().unwrap() ^= 1;
+    std::fs::write(&data, &changed).unwrap();
+    let one = start_with(&data, &out, port, &refs(&flags(1)), &[], &[]);
+    for p in [zero, one] {
+        let (ok, said, _) = p.end(Duration::from_secs(60));
+        assert!(!ok);
+        assert!(
+            said.contains("the data file (its size, and a hash of its first and last MiB)"),
+            "{said}"
+        );
+    }
+}
+
+/// The CPU plugin under another file name is refused as well, from what its client spans (its
+/// devices are this process's alone), not from its name: no run of two where each process
+/// computes everything alone.
+#[test]
+fn a_renamed_cpu_plugin_is_refused_from_its_topology() {
+    let dir = tempdir("hosts-renamed");
+    let port = free_port();
+    let found = std::process::Command::new("find")
+        .args([
+            std::env::var("HOME").unwrap() + "/.cache/xtrain/plugins/cpu",
+            "-name".into(),
+            "*.so".into(),
+        ])
+        .output()
+        .unwrap();
+    let original = String::from_utf8(found.stdout).unwrap();
+    let original = original
+        .lines()
+        .next()
+        .expect("the CPU plugin is installed");
+    let renamed = dir.join("libmy_accelerator.so");
+    std::fs::copy(original, &renamed).unwrap();
+    let plugin = renamed.to_str().unwrap();
+    let processes: Vec<Process> = (0..2)
+        .map(|k| {
+            start(
+                &dir.join("out"),
+                port,
+                &refs(&placed(k, 2, 60)),
+                &["--plugin", plugin],
+                &[],
+            )
+        })
+        .collect();
+    let mut refused = 0;
+    for p in processes {
+        let (ok, said, _) = p.end(Duration::from_secs(120));
+        assert!(!ok, "a run of two on a client of one process ran:\n{said}");
+        assert!(!said.contains("panicked"), "{said}");
+        // The first to stop may end the other as a lost process before it says so itself.
+        refused += said.contains("client spans only this process's") as usize;
+    }
+    assert!(refused >= 1, "no process said why");
+}
+
+/// A coordinator on an IPv6 address: process 0 serves the store there (and only there) and
+/// both processes meet through it.
+#[test]
+fn processes_meet_at_an_ipv6_coordinator() {
+    let dir = tempdir("hosts-ipv6");
+    let port = std::net::TcpListener::bind("[::1]:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let at = format!("[::1]:{port}");
+    let extra = ["--coordinator", at.as_str()];
+    let zero = start(
+        &dir.join("out"),
+        port,
+        &refs(&placed(0, 2, 60)),
+        &extra,
+        &[],
+    );
+    let one = start(
+        &dir.join("out"),
+        port,
+        &refs(&placed(1, 2, 60)),
+        &extra,
+        &[],
+    );
+    for p in [zero, one] {
+        let (_, said, _) = p.end(Duration::from_secs(60));
+        assert!(said.contains(&format!("joined the run at {at}")), "{said}");
+        assert!(
+            said.contains("all 2 processes run the same settings"),
+            "{said}"
+        );
+    }
+}
+
+/// SIGTERM (as `scancel`, Kubernetes and `timeout` send) while a process waits for the others
+/// ends it at once with 143, whatever --init-timeout says.
+#[test]
+fn sigterm_during_the_rendezvous_ends_a_process_at_once() {
+    use std::os::unix::process::ExitStatusExt;
+    let dir = tempdir("hosts-sigterm");
+    let port = free_port();
+    let mut zero = start(&dir.join("out"), port, &refs(&placed(0, 2, 3600)), &[], &[]);
+    zero.wait_to_say("joined the run", Duration::from_secs(30));
+    std::thread::sleep(Duration::from_millis(300));
+    let t0 = Instant::now();
+    // SAFETY: a signal to the child this test started.
+    unsafe { libc::kill(zero.child.id() as i32, libc::SIGTERM) };
+    let status = zero.child.wait().unwrap();
+    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+    assert_eq!(status.code(), Some(143), "{status:?} {:?}", status.signal());
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(
+        zero.said().contains("SIGTERM: ending now"),
+        "{}",
+        zero.said()
+    );
+}
+
 #[test]
 fn a_process_that_never_comes_ends_the_others_within_the_init_timeout() {
     let dir = tempdir("hosts-missing");
@@ -288,6 +468,30 @@ fn inconsistent_launch_values_are_refused_before_anything_starts() {
         (
             vec!["--num-processes", "2", "--process-id", "0"],
             "needs the address of process 0",
+        ),
+        (
+            vec![
+                "--num-processes",
+                "2",
+                "--process-id",
+                "0",
+                "--coordinator",
+                "127.0.0.1:9",
+                "--init-timeout",
+                "9223372036854775807",
+            ],
+            "--init-timeout 9223372036854775807 is more than a day",
+        ),
+        (
+            vec![
+                "--num-processes",
+                "2",
+                "--process-id",
+                "0",
+                "--coordinator",
+                "192.0.2.1:9",
+            ],
+            "has no secret",
         ),
     ] {
         let mut args = base.clone();
@@ -470,6 +674,14 @@ impl xtrain::train::checkpoint::Team for Member {
     }
 }
 
+/// Who process `process` of a run without a secret (on loopback) is to its store.
+fn as_process(process: usize) -> xtrain::cluster::store::Credentials {
+    xtrain::cluster::store::Credentials {
+        process,
+        secret: xtrain::cluster::auth::Secret::none(),
+    }
+}
+
 /// Checkpoint `dir` as process 0 writes it in a run of several (before its commit).
 fn write_uncommitted(dir: &std::path::Path) -> anyhow::Result<()> {
     xtrain::formats::atomic::write_dir_atomic(dir, |tmp| {
@@ -485,14 +697,21 @@ fn write_uncommitted(dir: &std::path::Path) -> anyhow::Result<()> {
 /// `--resume`, which names the newest committed one.
 #[test]
 fn a_checkpoint_counts_only_once_every_process_passed_its_barrier() {
-    use xtrain::cluster::{server::StoreServer, store::Store};
+    use xtrain::cluster::server::{Config, StoreServer};
+    use xtrain::cluster::{auth::Secret, store::Store};
     use xtrain::train::checkpoint::{commit_across, is_committed, latest_checkpoint, read_state};
     let dir = tempdir("hosts-commit");
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let address = format!("127.0.0.1:{}", listener.local_addr().unwrap().port());
-    let _server = StoreServer::serve(listener).unwrap();
+    let _server = StoreServer::serve(listener, Config::new(2, Secret::none())).unwrap();
     let member = |process: usize, timeout_ms: u64| Member {
-        store: Store::connect(&address, "commit", Duration::from_secs(5)).unwrap(),
+        store: Store::connect(
+            &address,
+            "commit",
+            as_process(process),
+            Duration::from_secs(5),
+        )
+        .unwrap(),
         process,
         timeout: Duration::from_millis(timeout_ms),
     };
@@ -656,9 +875,11 @@ fn a_client_of_one_process_places_every_position_here() {
     let gather = || {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let address = listener.local_addr().unwrap().to_string();
-        let server = xtrain::cluster::server::StoreServer::serve(listener).unwrap();
+        let config = xtrain::cluster::server::Config::new(1, xtrain::cluster::auth::Secret::none());
+        let server = xtrain::cluster::server::StoreServer::serve(listener, config).unwrap();
+        let me = as_process(0);
         let store =
-            xtrain::cluster::store::Store::connect(&address, "place", Duration::from_secs(5))
+            xtrain::cluster::store::Store::connect(&address, "place", me, Duration::from_secs(5))
                 .unwrap();
         let gather = xtrain::cluster::gather::StoreGather::new(store, 0, 1, Duration::from_secs(5));
         (server, gather)

@@ -162,6 +162,18 @@ pub struct TrainArgs {
     /// would; the run equals the one-host run.
     #[arg(long, value_name = "P", help_heading = "Hosts")]
     pub virtual_hosts: Option<usize>,
+    /// A file holding the run's secret, which every process must be given (default:
+    /// $XTRAIN_RUN_TOKEN). Make one with `openssl rand -hex 32`; the secret is never printed.
+    #[arg(long, value_name = "FILE", help_heading = "Hosts")]
+    pub run_token_file: Option<std::path::PathBuf>,
+    /// Run without a secret on a network address: only for a network that the run's hosts
+    /// alone can reach (anyone who reaches the coordinator can join, read or end the run).
+    #[arg(long, help_heading = "Hosts")]
+    pub trusted_network: bool,
+    /// ADDR or ADDR:PORT where process 0 serves the run's store, when the --coordinator address
+    /// the others reach is not one of its host's own (a NAT, a load balancer).
+    #[arg(long, value_name = "ADDR", help_heading = "Hosts")]
+    pub coordinator_bind: Option<String>,
 }
 
 pub fn train(
@@ -243,6 +255,9 @@ pub fn train(
             coordinator: a.coordinator,
             init_timeout: a.init_timeout.map(std::time::Duration::from_secs),
             virtual_hosts: a.virtual_hosts,
+            run_token_file: a.run_token_file,
+            trusted_network: a.trusted_network,
+            coordinator_bind: a.coordinator_bind,
         },
     };
     xtrain::train::run(&opts)

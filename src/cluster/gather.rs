@@ -5,8 +5,9 @@
 //! moments at 70B, r=16, every projection), so the store carries it; the step itself never goes
 //! through here.
 
-use crate::cluster::server::StoreServer;
-use crate::cluster::store::Store;
+use crate::cluster::auth::Secret;
+use crate::cluster::server::{Config, StoreServer};
+use crate::cluster::store::{Credentials, Store};
 use anyhow::{bail, Context, Result};
 use pjrt::{ElementType, HostTensor};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -15,18 +16,18 @@ use std::time::Duration;
 /// How process 0 gets every mesh position's shard of a result when each process holds only its
 /// own.
 pub trait Gather: Send + Sync {
-    /// Every position's shard (in position order, `positions` of them) on process 0, given this
-    /// process's own `(position, shard)` pairs; None on the other processes. Every process calls
-    /// it with the same results in the same order.
+    /// Every position's shard (in position order) on process 0, given this process's own
+    /// `(position, shard)` pairs and each process's positions (`hosts`, by process); None on the
+    /// other processes. Every process calls it with the same results in the same order.
     fn all(
         &self,
         mine: Vec<(usize, HostTensor)>,
-        positions: usize,
+        hosts: &[Vec<usize>],
     ) -> Result<Option<Vec<HostTensor>>>;
 }
 
-/// [`Gather`] through the run's store: round `r`'s shard of position `p` is key
-/// `gather/r/p`. Process 0 has the store forget each shard as soon as it has read it, so that
+/// [`Gather`] through the run's store: round `r`'s shard of position `p`, held by process `k`,
+/// is key `gather/r/p/k`, which only process `k` can write (and only once). Process 0 has the store forget each shard as soon as it has read it, so that
 /// the store holds at most the shards not yet read (gigabytes at 70B, on process 0's host); a
 /// barrier then ends the round.
 pub struct StoreGather {
@@ -54,21 +55,27 @@ impl Gather for StoreGather {
     fn all(
         &self,
         mine: Vec<(usize, HostTensor)>,
-        positions: usize,
+        hosts: &[Vec<usize>],
     ) -> Result<Option<Vec<HostTensor>>> {
         let round = self.round.fetch_add(1, Ordering::SeqCst);
         let receives = self.process == 0;
+        let positions: usize = hosts.iter().map(|h| h.len()).sum();
         let mut out: Vec<Option<HostTensor>> = (0..positions).map(|_| None).collect();
+        let me = self.process;
         for (p, t) in mine {
-            if receives {
-                out[p] = Some(t);
-            } else {
-                self.store.put(&format!("{round}/{p}"), &encode(&t))?;
+            match out.get_mut(p) {
+                Some(slot) if receives => *slot = Some(t),
+                Some(_) => self.store.put(&format!("{round}/{p}/{me}"), &encode(&t))?,
+                None => bail!("mesh position {p} is outside the step's {positions}"),
             }
         }
         if receives {
             for (p, slot) in out.iter_mut().enumerate().filter(|(_, s)| s.is_none()) {
-                let key = format!("{round}/{p}");
+                let holder = hosts
+                    .iter()
+                    .position(|h| h.contains(&p))
+                    .with_context(|| format!("mesh position {p} belongs to no process"))?;
+                let key = format!("{round}/{p}/{holder}");
                 let bytes = self
                     .store
                     .get(&key, self.timeout)
@@ -89,7 +96,8 @@ impl Gather for StoreGather {
 }
 
 /// `--virtual-hosts`: each virtual host hands its devices' shards to host 0 through a store of
-/// their own (served on loopback by this process), as separate hosts would through the run's.
+/// their own (served on loopback by this process, with a random secret of its own: nothing else
+/// on the host can reach it), as separate hosts would through the run's.
 pub struct VirtualHosts {
     /// One per host, in host order.
     hosts: Vec<(Vec<usize>, StoreGather)>,
@@ -101,13 +109,18 @@ impl VirtualHosts {
     pub fn start(hosts: &[Vec<usize>], timeout: Duration) -> Result<VirtualHosts> {
         let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
         let address = listener.local_addr()?.to_string();
-        let server = StoreServer::serve(listener)?;
+        let secret = Secret::random()?;
         let n = hosts.len();
+        let server = StoreServer::serve(listener, Config::new(n, secret.clone()))?;
         let hosts = hosts
             .iter()
             .enumerate()
             .map(|(g, positions)| {
-                let store = Store::connect(&address, "virtual-hosts", timeout)?;
+                let me = Credentials {
+                    process: g,
+                    secret: secret.clone(),
+                };
+                let store = Store::connect(&address, "virtual-hosts", me, timeout)?;
                 Ok((positions.clone(), StoreGather::new(store, g, n, timeout)))
             })
             .collect::<Result<_>>()?;
@@ -122,7 +135,7 @@ impl Gather for VirtualHosts {
     fn all(
         &self,
         mine: Vec<(usize, HostTensor)>,
-        positions: usize,
+        hosts: &[Vec<usize>],
     ) -> Result<Option<Vec<HostTensor>>> {
         let mut by_host: Vec<Vec<(usize, HostTensor)>> =
             self.hosts.iter().map(|_| Vec::new()).collect();
@@ -137,7 +150,7 @@ impl Gather for VirtualHosts {
                 .hosts
                 .iter()
                 .zip(by_host)
-                .map(|((_, gather), shards)| s.spawn(move || gather.all(shards, positions)))
+                .map(|((_, gather), shards)| s.spawn(move || gather.all(shards, hosts)))
                 .collect();
             let mut results = handles.into_iter().map(|h| {
                 h.join()
@@ -165,8 +178,12 @@ pub fn encode(t: &HostTensor) -> Vec<u8> {
     out
 }
 
+/// The most dims a shard has (a tensor of the step has at most a handful).
+const MAX_RANK: usize = 16;
+
 /// [`encode`]'s tensor back, in the same allocation (a shard may be gigabytes); an error says
-/// what was wrong with the bytes.
+/// what was wrong with the bytes (sizes computed with checked arithmetic: the bytes are a
+/// peer's).
 pub fn decode(mut bytes: Vec<u8>) -> Result<HostTensor> {
     let word = |at: usize, n: usize| -> Result<&[u8]> {
         bytes
@@ -177,11 +194,20 @@ pub fn decode(mut bytes: Vec<u8>) -> Result<HostTensor> {
     let ty = ElementType::from_pjrt_code(code)
         .with_context(|| format!("a shard in the store has unknown element type {code}"))?;
     let rank = u32::from_le_bytes(word(4, 4)?.try_into()?) as usize;
+    if rank > MAX_RANK {
+        bail!("a shard in the store has {rank} dims (at most {MAX_RANK})");
+    }
     let dims: Vec<i64> = (0..rank)
         .map(|k| Ok(i64::from_le_bytes(word(8 + 8 * k, 8)?.try_into()?)))
         .collect::<Result<_>>()?;
+    let elements = dims
+        .iter()
+        .try_fold(1usize, |n, d| n.checked_mul(usize::try_from(*d).ok()?))
+        .with_context(|| format!("a shard in the store has dims {dims:?}"))?;
+    let want = elements
+        .checked_mul(ty.size_bytes())
+        .with_context(|| format!("a shard in the store has dims {dims:?}"))?;
     bytes.drain(..(8 + 8 * rank).min(bytes.len()));
-    let want = ty.byte_size(dims.iter().product::<i64>().max(0) as usize);
     if bytes.len() != want {
         bail!(
             "a shard in the store of {ty:?}{dims:?} holds {} bytes, expected {want}",
@@ -204,6 +230,38 @@ mod tests {
         assert!(e.contains("holds 6 bytes, expected 24"), "{e}");
         let e = decode(encode(&t)[..12].to_vec()).unwrap_err().to_string();
         assert_eq!(e, "a shard in the store is cut short");
+        // A peer's sizes never overflow or allocate: negative, huge and too many dims.
+        for (dims, want) in [
+            (vec![-1i64, 4], "has dims [-1, 4]"),
+            (vec![i64::MAX, i64::MAX], "has dims ["),
+        ] {
+            let mut bytes = encode(&t)[..8].to_vec();
+            bytes[4..8].copy_from_slice(&(dims.len() as u32).to_le_bytes());
+            for d in &dims {
+                bytes.extend(d.to_le_bytes());
+            }
+            let e = decode(bytes).unwrap_err().to_string();
+            assert!(e.contains(want), "{e}");
+        }
+        let mut bytes = encode(&t);
+        bytes[4..8].copy_from_slice(&u32::MAX.to_le_bytes());
+        let e = decode(bytes).unwrap_err().to_string();
+        assert!(e.contains("4294967295 dims (at most 16)"), "{e}");
+    }
+
+    /// A store on loopback for a run of `processes`, and a way to reach it as process `k`.
+    pub(crate) fn store_for(processes: usize) -> (StoreServer, impl Fn(usize, &str) -> Store) {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let address = listener.local_addr().unwrap().to_string();
+        let server = StoreServer::serve(listener, Config::new(processes, Secret::none())).unwrap();
+        let connect = move |k: usize, run: &str| {
+            let me = Credentials {
+                process: k,
+                secret: Secret::none(),
+            };
+            Store::connect(&address, run, me, Duration::from_secs(5)).unwrap()
+        };
+        (server, connect)
     }
 
     fn shard(p: usize, round: usize) -> HostTensor {
@@ -211,12 +269,11 @@ mod tests {
     }
 
     /// Process `me` of two, holding positions `2me, 2me+1` of four: gathers twice.
-    fn process(address: String, me: usize) -> Store {
-        let store = Store::connect(&address, "g", Duration::from_secs(5)).unwrap();
+    fn process(store: Store, me: usize) -> Store {
         let g = StoreGather::new(store.clone(), me, 2, Duration::from_secs(10));
         for round in 0..2 {
             let mine = (2 * me..2 * me + 2).map(|p| (p, shard(p, round))).collect();
-            let all = g.all(mine, 4).unwrap();
+            let all = g.all(mine, &[vec![0, 1], vec![2, 3]]).unwrap();
             let want = (0..4).map(|p| shard(p, round)).collect::<Vec<_>>();
             assert_eq!(all, (me == 0).then_some(want), "process {me}");
         }
@@ -236,19 +293,16 @@ mod tests {
         let values: Vec<f32> = (0..n).map(|i| (i % 9973) as f32 * 0.5 - 7.0).collect();
         let shard = HostTensor::from_f32(&values, &[n as i64]);
         drop(values);
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let address = format!("127.0.0.1:{}", listener.local_addr().unwrap().port());
-        let _server = StoreServer::serve(listener).unwrap();
-        let gather = |me: usize| {
-            let store = Store::connect(&address, "big", Duration::from_secs(5)).unwrap();
-            StoreGather::new(store, me, 2, Duration::from_secs(120))
-        };
+        let (_server, connect) = store_for(2);
+        let gather =
+            |me: usize| StoreGather::new(connect(me, "big"), me, 2, Duration::from_secs(120));
         let (zero, one) = (gather(0), gather(1));
         let mine = vec![(1, shard.clone())];
         let started = std::time::Instant::now();
+        let hosts = [vec![0], vec![1]];
         let all = std::thread::scope(|s| {
-            let sent = s.spawn(|| one.all(mine, 2));
-            let all = zero.all(vec![(0, HostTensor::from_f32(&[0.0], &[1]))], 2);
+            let sent = s.spawn(|| one.all(mine, &hosts));
+            let all = zero.all(vec![(0, HostTensor::from_f32(&[0.0], &[1]))], &hosts);
             assert_eq!(sent.join().unwrap().unwrap(), None);
             all.unwrap().unwrap()
         });
@@ -265,18 +319,13 @@ mod tests {
     /// store.
     #[test]
     fn process_0_gets_every_shard() {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let _server = StoreServer::serve(listener).unwrap();
-        let address = format!("127.0.0.1:{port}");
-        let other = std::thread::spawn({
-            let address = address.clone();
-            move || process(address, 1)
-        });
-        let store = process(address, 0);
+        let (_server, connect) = store_for(2);
+        let one = connect(1, "g");
+        let other = std::thread::spawn(move || process(one, 1));
+        let store = process(connect(0, "g"), 0);
         other.join().unwrap();
         let store = store.scope("gather");
-        for key in ["0/0", "0/3", "1/1", "1/2"] {
+        for key in ["0/2/1", "0/3/1", "1/2/1", "1/3/1"] {
             assert_eq!(store.try_get(key).unwrap(), None, "{key} was left");
         }
     }

@@ -5,7 +5,9 @@
 //! `XTRAIN_*` variables. Each value comes from the first place that has it, in that order, so a
 //! flag always wins; the launch says where each came from.
 
+use crate::cluster::auth::Secret;
 use anyhow::{bail, Context, Result};
+use std::path::PathBuf;
 use std::time::Duration;
 
 /// The port process 0 serves the store on when the launcher names only a host: SLURM and TPU
@@ -15,6 +17,9 @@ pub const DEFAULT_PORT: u16 = 8476;
 /// How long a process waits for the others at the start of a run (and at each barrier) before
 /// it gives up, by default.
 pub const DEFAULT_INIT_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// The longest `--init-timeout` taken: a day.
+pub const MAX_INIT_TIMEOUT: Duration = Duration::from_secs(86_400);
 
 /// The flags of `xtrain train` that place a process in a run; `None` where not given.
 #[derive(Clone, Debug, Default)]
@@ -26,6 +31,13 @@ pub struct LaunchFlags {
     /// `--virtual-hosts P` (a test mode): one process whose devices are split into P hosts,
     /// each reading its own weights and batch rows.
     pub virtual_hosts: Option<usize>,
+    /// `--run-token-file FILE`: the run's secret (else `XTRAIN_RUN_TOKEN`).
+    pub run_token_file: Option<PathBuf>,
+    /// `--trusted-network`: a coordinator on a network address may run without a secret.
+    pub trusted_network: bool,
+    /// `--coordinator-bind ADDR`: where process 0 serves the store, when the coordinator's
+    /// address is not one of its host's own.
+    pub coordinator_bind: Option<String>,
 }
 
 /// One process's place in a run.
@@ -43,6 +55,14 @@ pub struct Launch {
     pub run: String,
     /// Where the values came from (`--num-processes`, `SLURM_NTASKS`, ...), for messages.
     pub source: String,
+    /// The run's secret, which every connection to the store proves (none: anyone who reaches
+    /// it may join; only on loopback or with `--trusted-network`).
+    pub secret: Secret,
+    /// `--coordinator-bind`: where process 0 serves the store instead of the coordinator's
+    /// address (`host` or `host:port`).
+    pub bind: Option<String>,
+    /// What the user should hear about how the launch was read (flags that do nothing here).
+    pub notes: Vec<String>,
 }
 
 /// Where process 0 serves the store.
@@ -72,6 +92,9 @@ impl Launch {
             init_timeout: DEFAULT_INIT_TIMEOUT,
             run: "run".into(),
             source: "one process".into(),
+            secret: Secret::none(),
+            bind: None,
+            notes: Vec::new(),
         }
     }
 
@@ -83,6 +106,26 @@ impl Launch {
     pub fn name(&self) -> String {
         format!("process {} of {}", self.process_id, self.processes)
     }
+
+    /// The one line a run without a secret on a network address says (`--trusted-network`).
+    pub fn warning(&self) -> Option<String> {
+        let c = self.coordinator.as_ref()?;
+        (!self.secret.is_set() && !is_loopback(&c.host)).then(|| {
+            format!(
+                "warning: the run has no secret (--trusted-network): any program that reaches {c} \
+                 can join the run, read what its processes exchange, or end it"
+            )
+        })
+    }
+}
+
+/// Whether `host` is a loopback address (`localhost`, `127.x.x.x`, `::1`). A host name is taken
+/// for a network address (it is not resolved: what it resolves to may differ between hosts).
+pub fn is_loopback(host: &str) -> bool {
+    host == "localhost"
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
 }
 
 /// Parse `--coordinator HOST:PORT` (`[v6addr]:PORT` for an IPv6 address).
@@ -243,6 +286,9 @@ fn environments(env: &dyn Fn(&str) -> Option<String>) -> Result<Vec<FromEnv>> {
                     .collect()
             })
             .unwrap_or_default();
+        if let Some(h) = hosts.as_ref().filter(|_| list.is_empty()) {
+            bail!("{} {:?} names no host", h.from, h.value);
+        }
         all.push(FromEnv {
             processes: hosts.as_ref().map(|h| Found {
                 value: list.len().to_string(),
@@ -273,26 +319,79 @@ fn environments(env: &dyn Fn(&str) -> Option<String>) -> Result<Vec<FromEnv>> {
 /// says otherwise.
 pub fn detect(flags: &LaunchFlags, env: &dyn Fn(&str) -> Option<String>) -> Result<Launch> {
     let envs = environments(env)?;
-    let first = |pick: &dyn Fn(&FromEnv) -> Option<&Found<String>>| {
-        envs.iter().find_map(pick).map(|f| Found {
-            value: f.value.clone(),
-            from: f.from.clone(),
-        })
+    let (processes, process_id) = counted(flags, &envs)?;
+    if flags.virtual_hosts == Some(0) {
+        bail!("--virtual-hosts must be at least 1");
+    }
+    let init_timeout = init_timeout(flags)?;
+    let run = envs
+        .iter()
+        .find_map(|e| e.run.clone())
+        .unwrap_or_else(|| "run".into());
+    let sources = |extra: &[&str]| {
+        let mut s: Vec<&str> = [processes.from.as_str(), process_id.from.as_str()]
+            .into_iter()
+            .chain(extra.iter().copied())
+            .filter(|s| !s.is_empty())
+            .collect();
+        s.dedup();
+        s.join(", ")
     };
-    // A number from its flag, else the first environment that has it, else the default.
+    if processes.value > 1 && flags.virtual_hosts.is_some() {
+        bail!(
+            "--virtual-hosts is a test mode of one process; this is {} ({})",
+            format_args!("process {} of {}", process_id.value, processes.value),
+            sources(&[])
+        );
+    }
+    if processes.value == 1 {
+        if let Some(c) = &flags.coordinator {
+            parse_coordinator(c, "--coordinator")?;
+        }
+        return Ok(Launch {
+            init_timeout,
+            run,
+            source: if processes.from.is_empty() {
+                "one process".into()
+            } else {
+                sources(&[])
+            },
+            notes: alone(flags, &processes.from),
+            ..Launch::single()
+        });
+    }
+    let coordinator = coordinator(flags, &envs, processes.value, &sources(&[]))?;
+    let secret = crate::cluster::auth::from_launch(flags.run_token_file.as_deref(), env)?;
+    refuse_untrusted(&coordinator.value, &secret, flags.trusted_network)?;
+    Ok(Launch {
+        processes: processes.value,
+        process_id: process_id.value,
+        source: sources(&[coordinator.from.as_str()]),
+        coordinator: Some(coordinator.value),
+        init_timeout,
+        run,
+        secret,
+        bind: flags.coordinator_bind.clone(),
+        notes: Vec::new(),
+    })
+}
+
+/// How many processes the run has and which one this is: each from its flag, else the first
+/// environment that has it, else 1 and 0; checked against each other.
+fn counted(flags: &LaunchFlags, envs: &[FromEnv]) -> Result<(Found<usize>, Found<usize>)> {
     let number = |flag: Option<usize>,
                   name: &str,
                   pick: &dyn Fn(&FromEnv) -> Option<&Found<String>>,
                   default: usize|
      -> Result<Found<usize>> {
-        Ok(match (flag, first(pick)) {
+        Ok(match (flag, envs.iter().find_map(pick)) {
             (Some(n), _) => Found {
                 value: n,
                 from: name.into(),
             },
             (None, Some(f)) => Found {
                 value: parse_count(&f.value, &f.from)?,
-                from: f.from,
+                from: f.from.clone(),
             },
             (None, None) => Found {
                 value: default,
@@ -320,28 +419,6 @@ pub fn detect(flags: &LaunchFlags, env: &dyn Fn(&str) -> Option<String>) -> Resu
             from: String::new(),
         };
     }
-    if let Some(v) = flags.virtual_hosts {
-        if v == 0 {
-            bail!("--virtual-hosts must be at least 1");
-        }
-    }
-    let init_timeout = flags.init_timeout.unwrap_or(DEFAULT_INIT_TIMEOUT);
-    if init_timeout.is_zero() {
-        bail!("--init-timeout must be at least 1 second");
-    }
-    let run = envs
-        .iter()
-        .find_map(|e| e.run.clone())
-        .unwrap_or_else(|| "run".into());
-    let sources = |extra: &[&str]| {
-        let mut s: Vec<&str> = [processes.from.as_str(), process_id.from.as_str()]
-            .into_iter()
-            .chain(extra.iter().copied())
-            .filter(|s| !s.is_empty())
-            .collect();
-        s.dedup();
-        s.join(", ")
-    };
     if processes.value == 0 {
         bail!("{} is 0: a run has at least one process", processes.from);
     }
@@ -356,64 +433,94 @@ pub fn detect(flags: &LaunchFlags, env: &dyn Fn(&str) -> Option<String>) -> Resu
             processes.value - 1
         );
     }
-    if processes.value > 1 && flags.virtual_hosts.is_some() {
+    Ok((processes, process_id))
+}
+
+/// `--init-timeout`, within its range (1 s to [`MAX_INIT_TIMEOUT`]).
+fn init_timeout(flags: &LaunchFlags) -> Result<Duration> {
+    let t = flags.init_timeout.unwrap_or(DEFAULT_INIT_TIMEOUT);
+    if t.is_zero() {
+        bail!("--init-timeout must be at least 1 second");
+    }
+    if t > MAX_INIT_TIMEOUT {
         bail!(
-            "--virtual-hosts is a test mode of one process; this is {} ({})",
-            format_args!("process {} of {}", process_id.value, processes.value),
-            sources(&[])
+            "--init-timeout {} is more than a day ({} s), the longest a process waits for the \
+             others",
+            t.as_secs(),
+            MAX_INIT_TIMEOUT.as_secs()
         );
     }
-    if processes.value == 1 {
-        if let Some(c) = &flags.coordinator {
-            parse_coordinator(c, "--coordinator")?;
-        }
-        return Ok(Launch {
-            init_timeout,
-            run,
-            source: if processes.from.is_empty() {
-                "one process".into()
-            } else {
-                sources(&[])
-            },
-            ..Launch::single()
-        });
+    Ok(t)
+}
+
+/// What a run of one process says about the flags of a run of several it was given.
+fn alone(flags: &LaunchFlags, count_from: &str) -> Vec<String> {
+    let given: Vec<&str> = [
+        ("--coordinator", flags.coordinator.is_some()),
+        ("--process-id", flags.process_id.is_some()),
+        ("--run-token-file", flags.run_token_file.is_some()),
+        ("--coordinator-bind", flags.coordinator_bind.is_some()),
+    ]
+    .into_iter()
+    .filter(|(_, g)| *g)
+    .map(|(f, _)| f)
+    .collect();
+    if given.is_empty() || !count_from.is_empty() {
+        return Vec::new();
     }
-    let coordinator = match &flags.coordinator {
-        Some(c) => Found {
+    vec![format!(
+        "{} given, but no --num-processes (nor a launcher's count): this is a run of one \
+         process, which meets no one",
+        given.join(", ")
+    )]
+}
+
+/// Where process 0 serves the store: `--coordinator`, else the launcher's host (and port, or
+/// [`DEFAULT_PORT`]).
+fn coordinator(
+    flags: &LaunchFlags,
+    envs: &[FromEnv],
+    processes: usize,
+    sources: &str,
+) -> Result<Found<Coordinator>> {
+    if let Some(c) = &flags.coordinator {
+        return Ok(Found {
             value: parse_coordinator(c, "--coordinator")?,
             from: "--coordinator".into(),
-        },
-        None => {
-            let Some(host) = first(&|e| e.host.as_ref()) else {
-                bail!(
-                    "a run of {} processes ({}) needs the address of process 0: pass \
-                     --coordinator HOST:PORT (process 0's host name and a free port), or set \
-                     MASTER_ADDR and MASTER_PORT",
-                    processes.value,
-                    sources(&[])
-                );
-            };
-            let port = match first(&|e| e.port.as_ref()) {
-                Some(p) => parse_port(p.value.trim(), &p.from)?,
-                None => DEFAULT_PORT,
-            };
-            Found {
-                value: Coordinator {
-                    host: host.value,
-                    port,
-                },
-                from: host.from,
-            }
-        }
+        });
+    }
+    let Some(host) = envs.iter().find_map(|e| e.host.as_ref()) else {
+        bail!(
+            "a run of {processes} processes ({sources}) needs the address of process 0: pass \
+             --coordinator HOST:PORT (process 0's host name and a free port), or set \
+             MASTER_ADDR and MASTER_PORT"
+        );
     };
-    Ok(Launch {
-        processes: processes.value,
-        process_id: process_id.value,
-        source: sources(&[coordinator.from.as_str()]),
-        coordinator: Some(coordinator.value),
-        init_timeout,
-        run,
+    let port = match envs.iter().find_map(|e| e.port.as_ref()) {
+        Some(p) => parse_port(p.value.trim(), &p.from)?,
+        None => DEFAULT_PORT,
+    };
+    Ok(Found {
+        value: Coordinator {
+            host: host.value.clone(),
+            port,
+        },
+        from: host.from.clone(),
     })
+}
+
+/// A store on a network address takes only processes that hold the run's secret, unless the
+/// user says the network is the run's alone.
+fn refuse_untrusted(c: &Coordinator, secret: &Secret, trusted: bool) -> Result<()> {
+    if secret.is_set() || trusted || is_loopback(&c.host) {
+        return Ok(());
+    }
+    bail!(
+        "the run's store at {c} has no secret: any program that reaches it could join, read or \
+         end the run. Give every process the same secret (export \
+         XTRAIN_RUN_TOKEN=$(openssl rand -hex 32) before starting them, or --run-token-file \
+         FILE), or pass --trusted-network if only the run's hosts can reach {c}"
+    )
 }
 
 fn or_default(from: &str) -> &str {
@@ -433,11 +540,15 @@ pub fn from_environment(flags: &LaunchFlags) -> Result<Launch> {
 mod tests {
     use super::*;
 
+    /// [`detect`] with these variables and, unless they say otherwise, the run's secret.
     fn with(vars: &[(&str, &str)], flags: &LaunchFlags) -> Result<Launch> {
-        let map: std::collections::HashMap<String, String> = vars
+        let mut map: std::collections::HashMap<String, String> = vars
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
+        map.entry("XTRAIN_RUN_TOKEN".into())
+            .or_insert_with(|| "a-secret-for-the-tests".into());
+        map.retain(|_, v| !v.is_empty());
         detect(flags, &|k| map.get(k).cloned())
     }
 
@@ -465,7 +576,7 @@ mod tests {
             process_id: Some(3),
             coordinator: Some("node01:1234".into()),
             init_timeout: Some(Duration::from_secs(9)),
-            virtual_hosts: None,
+            ..LaunchFlags::default()
         };
         let l = with(&[], &flags).unwrap();
         assert_eq!((l.processes, l.process_id), (4, 3));
@@ -582,8 +693,7 @@ mod tests {
             num_processes: n,
             process_id: k,
             coordinator: Some(c.to_string()),
-            init_timeout: None,
-            virtual_hosts: None,
+            ..LaunchFlags::default()
         };
         type Case<'a> = (Vec<(&'a str, &'a str)>, LaunchFlags, &'a str);
         let cases: Vec<Case> = vec![
@@ -630,6 +740,11 @@ mod tests {
                 LaunchFlags::default(),
                 "needs the address of process 0",
             ),
+            (
+                vec![("TPU_WORKER_ID", "0"), ("TPU_WORKER_HOSTNAMES", ",,")],
+                LaunchFlags::default(),
+                "TPU_WORKER_HOSTNAMES \",,\" names no host",
+            ),
         ];
         for (env, f, want) in cases {
             let e = format!("{:#}", with(&env, &f).unwrap_err());
@@ -643,6 +758,75 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("--init-timeout"));
+        // The largest a user can type is refused by name, not an overflow later.
+        let huge = LaunchFlags {
+            init_timeout: Some(Duration::from_secs(i64::MAX as u64)),
+            ..LaunchFlags::default()
+        };
+        let e = with(&[], &huge).unwrap_err().to_string();
+        assert!(
+            e.contains("--init-timeout 9223372036854775807 is more than a day (86400 s)"),
+            "{e}"
+        );
+    }
+
+    /// A store on a network address needs the run's secret (or --trusted-network); on
+    /// loopback it runs without; the secret is read from --run-token-file before the variable.
+    #[test]
+    fn a_network_coordinator_needs_a_secret_or_a_trusted_network() {
+        let flags = |c: &str, trusted| LaunchFlags {
+            num_processes: Some(2),
+            process_id: Some(1),
+            coordinator: Some(c.into()),
+            trusted_network: trusted,
+            ..LaunchFlags::default()
+        };
+        let none = [("XTRAIN_RUN_TOKEN", "")];
+        let e = with(&none, &flags("node01:8476", false))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("the run's store at node01:8476 has no secret")
+                && e.contains("--trusted-network"),
+            "{e}"
+        );
+        let trusted = with(&none, &flags("node01:8476", true)).unwrap();
+        assert!(!trusted.secret.is_set());
+        assert!(trusted.warning().unwrap().contains("node01:8476"));
+        for local in ["127.0.0.1:9", "localhost:9", "[::1]:9"] {
+            let l = with(&none, &flags(local, false)).unwrap();
+            assert!(l.warning().is_none() && !l.secret.is_set(), "{local}");
+        }
+        let l = with(&[], &flags("node01:8476", false)).unwrap();
+        assert!(l.secret.is_set() && l.warning().is_none());
+        assert_eq!(format!("{:?}", l.secret), "Secret(set)");
+        let dir = std::env::temp_dir().join(format!("xtrain-token-{}", std::process::id()));
+        std::fs::write(&dir, "short\n").unwrap();
+        let from_file = LaunchFlags {
+            run_token_file: Some(dir.clone()),
+            ..flags("node01:8476", false)
+        };
+        let e = with(&[], &from_file).unwrap_err().to_string();
+        assert!(e.contains("holds 5 bytes") && !e.contains("short"), "{e}");
+        std::fs::remove_file(&dir).unwrap();
+    }
+
+    #[test]
+    fn flags_of_a_run_of_several_without_a_count_get_a_note() {
+        let flags = LaunchFlags {
+            coordinator: Some("127.0.0.1:9".into()),
+            process_id: Some(0),
+            ..LaunchFlags::default()
+        };
+        let l = with(&[], &flags).unwrap();
+        assert!(l.is_single());
+        assert_eq!(
+            l.notes,
+            [
+                "--coordinator, --process-id given, but no --num-processes (nor a launcher's \
+              count): this is a run of one process, which meets no one"
+            ]
+        );
     }
 
     #[test]

@@ -3,13 +3,18 @@
 //! environments), the run's key-value store (served by process 0 over TCP, [`server`]; reached
 //! by every process, [`store`]; what they say, [`wire`]; the GPU plugins exchange their ids
 //! through it), the [`rendezvous`] at the start, where every process checks that the others run
-//! the same settings, and the shards process 0 [`gather`]s to write them.
+//! the same settings, and the shards process 0 [`gather`]s to write them. Only the run's
+//! processes get in: each connection proves the run's secret ([`auth`], in the [`handshake`]),
+//! and each process writes only its own [`keys`].
 //!
 //! It may use `data`, `formats`, `program` and `model` (it uses none of them today) and never
 //! `device`: where the step's mesh lies and each host's share of a batch are the device's
 //! (`device::hosts`), and reach this stage, not the other way round.
 
+pub mod auth;
 pub mod gather;
+pub mod handshake;
+pub mod keys;
 pub mod launch;
 pub mod rendezvous;
 pub mod server;

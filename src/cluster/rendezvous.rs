@@ -4,9 +4,9 @@
 //! refused at once, by every process, naming the flag and both values; a process that never
 //! comes is named after `--init-timeout`. All of this happens before any plugin is opened.
 
-use crate::cluster::launch::Launch;
-use crate::cluster::server::StoreServer;
-use crate::cluster::store::{Session, Store};
+use crate::cluster::launch::{parse_coordinator, Coordinator, Launch};
+use crate::cluster::server::{Config, StoreServer};
+use crate::cluster::store::{Credentials, Session, Store};
 use crate::cluster::wire::{hostname, secs, StoreError};
 use anyhow::{bail, Context, Result};
 use serde_json::Value;
@@ -34,12 +34,22 @@ pub fn join(launch: &Launch, on_lost: impl FnOnce(String) + Send + 'static) -> R
         .as_ref()
         .context("a run of several processes needs --coordinator")?;
     let server = if launch.process_id == 0 {
-        Some(StoreServer::bind(coordinator.port)?)
+        let config = Config::new(launch.processes, launch.secret.clone());
+        Some(serve(coordinator, launch.bind.as_deref(), config)?)
     } else {
         None
     };
-    let store = Store::connect(&coordinator.to_string(), &launch.run, launch.init_timeout)
-        .with_context(|| format!("{} ({})", launch.name(), launch.source))?;
+    let me = Credentials {
+        process: launch.process_id,
+        secret: launch.secret.clone(),
+    };
+    let store = Store::connect(
+        &coordinator.to_string(),
+        &launch.run,
+        me,
+        launch.init_timeout,
+    )
+    .with_context(|| format!("{} ({})", launch.name(), launch.source))?;
     let session = store.watch(launch.process_id, Some(launch.init_timeout), on_lost)?;
     Ok(Peers {
         launch: launch.clone(),
@@ -47,6 +57,53 @@ pub fn join(launch: &Launch, on_lost: impl FnOnce(String) + Send + 'static) -> R
         session,
         server,
     })
+}
+
+/// Serve the run's store on the coordinator's address (resolved; or `bind`,
+/// `--coordinator-bind`, a host or host:port), and nowhere else.
+fn serve(coordinator: &Coordinator, bind: Option<&str>, config: Config) -> Result<StoreServer> {
+    let at = match bind {
+        Some(b) => parse_coordinator(b, "--coordinator-bind").or_else(|_| {
+            let host = b.trim_start_matches('[').trim_end_matches(']');
+            parse_coordinator(
+                &Coordinator {
+                    host: host.to_string(),
+                    port: coordinator.port,
+                }
+                .to_string(),
+                "--coordinator-bind",
+            )
+        })?,
+        None => coordinator.clone(),
+    };
+    let addresses: Vec<std::net::SocketAddr> =
+        std::net::ToSocketAddrs::to_socket_addrs(&(at.host.as_str(), at.port))
+            .with_context(|| {
+                format!("process 0 cannot resolve {at}, where it serves the run's store")
+            })?
+            .collect();
+    let mut last = None;
+    for a in addresses {
+        match StoreServer::bind(a, config.clone()) {
+            Ok(server) => {
+                if a.ip().is_loopback() && !crate::cluster::launch::is_loopback(&at.host) {
+                    eprintln!(
+                        "xtrain: note: {} resolves to {} on this host: only this host reaches \
+                         the run's store there (give this host's network address with \
+                         --coordinator-bind if the other processes run elsewhere)",
+                        at.host,
+                        a.ip()
+                    );
+                }
+                return Ok(server);
+            }
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.map_or_else(
+        || anyhow::anyhow!("{at} resolves to no address to serve the run's store on"),
+        anyhow::Error::from,
+    ))
 }
 
 impl Peers {
@@ -137,6 +194,10 @@ fn difference(mine: &Settings, theirs: &serde_json::Map<String, Value>) -> Optio
                 // Not flags: what the binary and the program dir are.
                 "xtrain-version" => "xtrain".to_string(),
                 "program-sha256" => "the program dir's program, sha256".to_string(),
+                "data-file" => {
+                    "the data file (its size, and a hash of its first and last MiB)".to_string()
+                }
+                "resumed-step" => "the step of the checkpoint it resumes".to_string(),
                 flag => format!("--{flag}"),
             };
             format!("{what} {} there, {} here", show(a), show(b))
@@ -171,6 +232,7 @@ mod tests {
             init_timeout: Duration::from_millis(timeout_ms),
             run: "t".into(),
             source: "test".into(),
+            ..Launch::single()
         }
     }
 

@@ -7,7 +7,8 @@
 //!
 //! Transport and framing: std's blocking `TcpStream`, one thread per connection on the server,
 //! and per message a small JSON header and the value's raw bytes, after a greeting that names
-//! the protocol's version ([`crate::cluster::wire`]). The store holds tens of connections
+//! the protocol's version and the proofs that both sides hold the run's secret
+//! ([`crate::cluster::handshake`]). The store holds tens of connections
 //! and, but for a checkpoint's gathered shards, a few kilobytes, so threads cost nothing that
 //! matters, and no async runtime (tokio) is built for it. A blocking `get` waits on the server (a condition variable), so many gets wait at
 //! once: the client takes an idle connection from its pool, or opens another, per call.
@@ -17,14 +18,22 @@
 //! tells every other process, whose [`Store::watch`] callback ends it; when process 0 goes, the
 //! others see their sessions close. Waiting gets return at once with the same message.
 
+use crate::cluster::auth::Secret;
+use crate::cluster::handshake::{self, Failed};
 use crate::cluster::wire::{
-    greeting, hostname, other_protocol, read_greeting, receive, secs, send, Greeting, Reply,
-    Request, StoreError,
+    hostname, io_words, other_protocol, receive, secs, send, Greeting, Reply, Request, StoreError,
 };
-use std::io::{BufReader, Write};
+use std::io::BufReader;
 use std::net::{Shutdown, TcpStream, ToSocketAddrs};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+/// Who this process is to the store: its id in the run, and the run's secret it proves.
+#[derive(Clone, Debug)]
+pub struct Credentials {
+    pub process: usize,
+    pub secret: Secret,
+}
 
 /// A connection to the store, with its reader.
 struct Connection {
@@ -33,22 +42,30 @@ struct Connection {
 }
 
 impl Connection {
-    fn open(address: &str, timeout: Duration) -> Result<Connection, StoreError> {
+    /// Connect and prove who this process is, retrying for `timeout` while process 0 starts
+    /// (or has no room yet); a store that is not this run's is refused at once.
+    fn open(address: &str, me: &Credentials, timeout: Duration) -> Result<Connection, StoreError> {
         let deadline = Instant::now() + timeout;
+        // Connections that something accepted but that never greeted, in a row: a store that
+        // is busy may close one, another program closes (or ignores) every one.
+        let mut silent = 0;
         loop {
             let last = match connect_once(address) {
-                Ok(stream) => {
-                    let _ = stream.set_nodelay(true);
-                    let reader = stream
-                        .try_clone()
-                        .map_err(|e| StoreError::Unavailable(e.to_string()))?;
-                    let mut conn = Connection {
-                        writer: stream,
-                        reader: BufReader::new(reader),
-                    };
-                    conn.greet(address, timeout)?;
-                    return Ok(conn);
-                }
+                Ok(stream) => match Self::greet(stream, address, me, timeout) {
+                    Ok(conn) => return Ok(conn),
+                    Err(Retry::Now(e)) => return Err(e),
+                    Err(Retry::Later(why)) => {
+                        silent = 0;
+                        why
+                    }
+                    Err(Retry::Silent(why)) if silent < 2 => {
+                        silent += 1;
+                        why
+                    }
+                    Err(Retry::Silent(_)) => {
+                        return Err(StoreError::Unavailable(not_a_store(address)))
+                    }
+                },
                 Err(e) => e,
             };
             if Instant::now() >= deadline {
@@ -63,27 +80,59 @@ impl Connection {
         }
     }
 
-    /// Say which protocol this process speaks, and hear the store's: a store of another
-    /// protocol (another xtrain build on process 0) is refused here, naming both, not retried.
-    fn greet(&mut self, address: &str, timeout: Duration) -> Result<(), StoreError> {
+    /// The handshake on a new connection (`handshake`): which protocol each side speaks and
+    /// the proofs of the secret both ways.
+    fn greet(
+        stream: TcpStream,
+        address: &str,
+        me: &Credentials,
+        timeout: Duration,
+    ) -> Result<Connection, Retry> {
         let refused = |why: String| {
-            StoreError::Unavailable(format!("{why} (process 0's store at {address})"))
+            Retry::Now(StoreError::Unavailable(format!(
+                "{why} (process 0's store at {address})"
+            )))
         };
-        let _ = self.reader.get_ref().set_read_timeout(Some(timeout));
-        let heard = self
-            .writer
-            .write_all(&greeting())
-            .and_then(|_| read_greeting(&mut self.reader));
-        let _ = self.reader.get_ref().set_read_timeout(None);
-        match heard {
-            Ok(Greeting::Same) => Ok(()),
-            Ok(Greeting::Version(v)) => Err(refused(other_protocol("process 0", &v.to_string()))),
-            // Protocol 1 closes the connection on a greeting it cannot parse.
-            Ok(Greeting::Json | Greeting::Stranger) | Err(_) => Err(refused(other_protocol(
-                "process 0 (or whatever listens there)",
-                "1 or none",
-            ))),
+        let _ = stream.set_nodelay(true);
+        let hand = timeout.clamp(Duration::from_secs(1), Duration::from_secs(30));
+        let _ = stream.set_read_timeout(Some(hand));
+        let _ = stream.set_write_timeout(Some(hand));
+        let process = u32::try_from(me.process).unwrap_or(u32::MAX);
+        match handshake::open(&mut &stream, &mut &stream, &me.secret, process) {
+            Ok(()) => {}
+            Err(Failed::Protocol(Greeting::Version(v))) => {
+                return Err(refused(other_protocol("process 0", &v.to_string())))
+            }
+            Err(Failed::Protocol(Greeting::Json)) => {
+                return Err(refused(other_protocol("process 0", "1")))
+            }
+            Err(Failed::Protocol(_)) => {
+                return Err(Retry::Now(StoreError::Unavailable(not_a_store(address))))
+            }
+            Err(Failed::NoGreeting(e)) => return Err(Retry::Silent(io_words(&e))),
+            Err(Failed::Proof) => {
+                return Err(refused(
+                    "process 0's store does not prove the run's secret: every host must be \
+                     given the same XTRAIN_RUN_TOKEN or --run-token-file (or another program \
+                     answers there)"
+                        .into(),
+                ))
+            }
+            Err(Failed::Refused(why)) => return Err(refused(why)),
+            Err(Failed::Busy) => return Err(Retry::Later("the store has no room yet".into())),
+            // Closed on the way (a store still starting, or one that closed the oldest
+            // handshakes): tried again.
+            Err(Failed::Io(e)) => return Err(Retry::Later(io_words(&e))),
         }
+        let _ = stream.set_read_timeout(None);
+        let _ = stream.set_write_timeout(None);
+        let reader = stream
+            .try_clone()
+            .map_err(|e| Retry::Now(StoreError::Unavailable(io_words(&e))))?;
+        Ok(Connection {
+            writer: stream,
+            reader: BufReader::new(reader),
+        })
     }
 
     /// Send `request` (with `value`, a put's) and read the reply and its value.
@@ -93,19 +142,34 @@ impl Connection {
         value: &[u8],
         read_timeout: Option<Duration>,
     ) -> Result<(Reply, Vec<u8>), String> {
-        send(&mut self.writer, request, value).map_err(|e| e.to_string())?;
+        send(&mut self.writer, request, value).map_err(|e| io_words(&e))?;
         let _ = self.reader.get_ref().set_read_timeout(read_timeout);
-        receive::<Reply>(&mut self.reader).map_err(|e| e.to_string())
+        receive::<Reply>(&mut self.reader, u64::MAX).map_err(|e| io_words(&e))
     }
 }
 
+/// Why a connection did not open: for good (`Now`), or for now (`Later`: tried again;
+/// `Silent`: what answered never greeted, tried again a few times).
+enum Retry {
+    Now(StoreError),
+    Later(String),
+    Silent(String),
+}
+
+fn not_a_store(address: &str) -> String {
+    format!(
+        "{address} is not an xtrain store (another program holds {address}? or process 0 runs \
+         an xtrain of store protocol 1)"
+    )
+}
+
 fn connect_once(address: &str) -> Result<TcpStream, String> {
-    let addrs = address.to_socket_addrs().map_err(|e| e.to_string())?;
+    let addrs = address.to_socket_addrs().map_err(|e| io_words(&e))?;
     let mut last = String::from("the host name resolves to no address");
     for a in addrs {
         match TcpStream::connect_timeout(&a, Duration::from_secs(5)) {
             Ok(s) => return Ok(s),
-            Err(e) => last = e.to_string(),
+            Err(e) => last = io_words(&e),
         }
     }
     Err(last)
@@ -113,6 +177,7 @@ fn connect_once(address: &str) -> Result<TcpStream, String> {
 
 struct Pool {
     address: String,
+    me: Credentials,
     connect_timeout: Duration,
     idle: Mutex<Vec<Connection>>,
 }
@@ -126,17 +191,19 @@ pub struct Store {
 }
 
 impl Store {
-    /// Reach the store at `address` (`host:port`), retrying for `connect_timeout` while
-    /// process 0 starts. Keys are put under `xtrain/RUN/`.
+    /// Reach the store at `address` (`host:port`) as `me`, retrying for `connect_timeout`
+    /// while process 0 starts. Keys are put under `xtrain/RUN/`.
     pub fn connect(
         address: &str,
         run: &str,
+        me: Credentials,
         connect_timeout: Duration,
     ) -> Result<Store, StoreError> {
-        let first = Connection::open(address, connect_timeout)?;
+        let first = Connection::open(address, &me, connect_timeout)?;
         Ok(Store {
             pool: Arc::new(Pool {
                 address: address.to_string(),
+                me,
                 connect_timeout,
                 idle: Mutex::new(vec![first]),
             }),
@@ -165,10 +232,12 @@ impl Store {
         let taken = self.pool.idle.lock().unwrap().pop();
         let mut conn = match taken {
             Some(c) => c,
-            None => Connection::open(&self.pool.address, self.pool.connect_timeout)?,
+            None => Connection::open(&self.pool.address, &self.pool.me, self.pool.connect_timeout)?,
         };
         match conn.call(&request, value, read_timeout) {
             Ok((Reply::Lost { message }, _)) => Err(StoreError::Lost(message)),
+            // The store closes a connection it refused something on.
+            Ok((Reply::Refused { message }, _)) => Err(StoreError::Refused(message)),
             Ok(reply) => {
                 self.pool.idle.lock().unwrap().push(conn);
                 Ok(reply)
@@ -271,7 +340,8 @@ impl Store {
         silent: Option<Duration>,
         on_lost: impl FnOnce(String) + Send + 'static,
     ) -> Result<Session, StoreError> {
-        let mut conn = Connection::open(&self.pool.address, self.pool.connect_timeout)?;
+        let mut conn =
+            Connection::open(&self.pool.address, &self.pool.me, self.pool.connect_timeout)?;
         let host = hostname();
         let silent_ms = silent.map_or(0, |d| d.as_millis().max(1) as u64);
         let join = Request::Join {
@@ -281,6 +351,7 @@ impl Store {
         };
         match conn.call(&join, &[], None) {
             Ok((Reply::Done, _)) => {}
+            Ok((Reply::Refused { message }, _)) => return Err(StoreError::Refused(message)),
             Ok((other, _)) => {
                 return Err(StoreError::Unavailable(format!(
                     "the store answered {other:?} to a join"
@@ -298,7 +369,7 @@ impl Store {
             .name("xtrain-session".into())
             .spawn(move || {
                 let why = loop {
-                    match receive::<Reply>(&mut reader) {
+                    match receive::<Reply>(&mut reader, 0) {
                         // The answer to a heartbeat: the store is alive.
                         Ok((Reply::Done, _)) => continue,
                         Ok((Reply::Lost { message }, _)) => break message,
@@ -319,7 +390,8 @@ impl Store {
                         Err(e) => {
                             break format!(
                                 "process 0 (the coordinator at {address}) is gone: its store \
-                                 closed the connection ({e})"
+                                 closed the connection ({})",
+                                io_words(&e)
                             )
                         }
                     }
@@ -399,7 +471,9 @@ impl pjrt::KeyValueStore for Store {
 fn kv_error(e: StoreError) -> pjrt::KvError {
     let code = match &e {
         StoreError::DeadlineExceeded { .. } => pjrt::KvCode::DeadlineExceeded,
-        StoreError::Lost(_) | StoreError::Unavailable(_) => pjrt::KvCode::Unavailable,
+        StoreError::Lost(_) | StoreError::Unavailable(_) | StoreError::Refused(_) => {
+            pjrt::KvCode::Unavailable
+        }
     };
     pjrt::KvError {
         code,
@@ -414,31 +488,50 @@ mod tests {
     use std::net::TcpListener;
     use std::sync::mpsc;
 
+    use crate::cluster::server::Config;
+    use std::io::Write;
+
+    /// A store for a run of 3 processes, without a secret (loopback).
     fn serve() -> (StoreServer, String) {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let server = StoreServer::serve(listener).unwrap();
+        let server = StoreServer::serve(listener, Config::new(3, Secret::none())).unwrap();
         let address = format!("127.0.0.1:{}", server.port());
         (server, address)
     }
 
+    fn me(process: usize) -> Credentials {
+        Credentials {
+            process,
+            secret: Secret::none(),
+        }
+    }
+
+    /// The store as process `k` of the run.
+    fn store_as(address: &str, k: usize) -> Store {
+        Store::connect(address, "test", me(k), Duration::from_secs(5)).unwrap()
+    }
+
     fn store(address: &str) -> Store {
-        Store::connect(address, "test", Duration::from_secs(5)).unwrap()
+        store_as(address, 0)
     }
 
     #[test]
     fn put_get_and_try_get_under_the_runs_prefix() {
         let (_server, address) = serve();
         let a = store(&address);
-        let b = store(&address);
-        assert_eq!(a.try_get("k").unwrap(), None);
-        a.put("k", &[0, 1, 255]).unwrap();
-        assert_eq!(b.get("k", Duration::from_secs(1)).unwrap(), vec![0, 1, 255]);
-        assert_eq!(b.try_get("k").unwrap(), Some(vec![0, 1, 255]));
+        let b = store_as(&address, 1);
+        assert_eq!(a.try_get("k/0").unwrap(), None);
+        a.put("k/0", &[0, 1, 255]).unwrap();
+        assert_eq!(
+            b.get("k/0", Duration::from_secs(1)).unwrap(),
+            vec![0, 1, 255]
+        );
+        assert_eq!(b.try_get("k/0").unwrap(), Some(vec![0, 1, 255]));
         // A scope's keys are apart from the run's.
-        assert_eq!(a.scope("pjrt/cuda").try_get("k").unwrap(), None);
+        assert_eq!(a.scope("pjrt/cuda").try_get("k/0").unwrap(), None);
         assert_eq!(a.scope("pjrt/cuda").prefix(), "xtrain/test/pjrt/cuda/");
-        let other_run = Store::connect(&address, "other", Duration::from_secs(1)).unwrap();
-        assert_eq!(other_run.try_get("k").unwrap(), None);
+        let other_run = Store::connect(&address, "other", me(2), Duration::from_secs(1)).unwrap();
+        assert_eq!(other_run.try_get("k/0").unwrap(), None);
     }
 
     #[test]
@@ -472,12 +565,12 @@ mod tests {
             let s = s.clone();
             let tx = tx.clone();
             std::thread::spawn(move || {
-                tx.send((i, s.get("later", Duration::from_secs(10))))
+                tx.send((i, s.get("later/0", Duration::from_secs(10))))
                     .unwrap();
             });
         }
         std::thread::sleep(Duration::from_millis(200));
-        s.put("later", b"v").unwrap();
+        s.put("later/0", b"v").unwrap();
         for _ in 0..8 {
             let (_, got) = rx.recv_timeout(Duration::from_secs(10)).unwrap();
             assert_eq!(got.unwrap(), b"v");
@@ -487,7 +580,7 @@ mod tests {
     #[test]
     fn a_barrier_waits_for_all_and_names_who_is_missing() {
         let (_server, address) = serve();
-        let stores: Vec<Store> = (0..3).map(|_| store(&address)).collect();
+        let stores: Vec<Store> = (0..3).map(|k| store_as(&address, k)).collect();
         let handles: Vec<_> = stores
             .iter()
             .enumerate()
@@ -518,7 +611,7 @@ mod tests {
             .watch(0, None, move |why| tx.send(why).unwrap())
             .unwrap();
         // Process 1 joins, then its connection drops as a killed process's would.
-        let mut peer = Connection::open(&address, Duration::from_secs(5)).unwrap();
+        let mut peer = Connection::open(&address, &me(1), Duration::from_secs(5)).unwrap();
         let reply = peer.call(
             &Request::Join {
                 process: 1,
@@ -555,7 +648,7 @@ mod tests {
                 tx.send(why).unwrap()
             })
             .unwrap();
-        let mut peer = Connection::open(&address, Duration::from_secs(5)).unwrap();
+        let mut peer = Connection::open(&address, &me(1), Duration::from_secs(5)).unwrap();
         let join = Request::Join {
             process: 1,
             host: "peer".into(),
@@ -581,15 +674,15 @@ mod tests {
             let (stream, _) = listener.accept().unwrap();
             let mut writer = stream.try_clone().unwrap();
             let mut reader = BufReader::new(stream);
-            assert_eq!(read_greeting(&mut reader).unwrap(), Greeting::Same);
-            writer.write_all(&greeting()).unwrap();
-            let _: (Request, _) = receive(&mut reader).unwrap();
+            handshake::accept(&mut reader, &mut writer, &Secret::none(), &|_| Ok(())).unwrap();
+            let _: (Request, _) = receive(&mut reader, 0).unwrap();
             send(&mut writer, &Reply::Done, &[]).unwrap();
             std::thread::sleep(Duration::from_secs(3));
         });
         let s = Store {
             pool: Arc::new(Pool {
                 address: address.clone(),
+                me: me(1),
                 connect_timeout: Duration::from_secs(5),
                 idle: Mutex::new(Vec::new()),
             }),
@@ -618,10 +711,12 @@ mod tests {
         let (tx, rx) = mpsc::channel::<String>();
         let tx2 = tx.clone();
         let _watch = s.watch(0, None, move |why| tx.send(why).unwrap()).unwrap();
-        let done = s.watch(1, None, move |why| tx2.send(why).unwrap()).unwrap();
+        let done = store_as(&address, 1)
+            .watch(1, None, move |why| tx2.send(why).unwrap())
+            .unwrap();
         done.leave();
         assert!(rx.recv_timeout(Duration::from_millis(500)).is_err());
-        s.put("still", b"up").unwrap();
+        s.put("still/0", b"up").unwrap();
     }
 
     #[test]
@@ -646,7 +741,7 @@ mod tests {
     #[test]
     fn losing_process_0_is_seen_by_the_others() {
         let (server, address) = serve();
-        let s = store(&address);
+        let s = store_as(&address, 1);
         let (tx, rx) = mpsc::channel();
         let _watch = s.watch(1, None, move |why| tx.send(why).unwrap()).unwrap();
         drop(server);
@@ -655,25 +750,19 @@ mod tests {
     }
 
     /// A process of another xtrain build (another store protocol, or protocol 1's JSON lines)
-    /// is refused, and the run it tried to join ends at once, naming both versions.
+    /// is refused on its own connection, told both versions; the run goes on.
     #[test]
-    fn a_process_of_another_protocol_is_refused_and_ends_the_run() {
-        use crate::cluster::wire::{MAGIC, PROTOCOL};
+    fn a_process_of_another_protocol_is_refused_and_the_run_goes_on() {
+        use crate::cluster::wire::{greeting, MAGIC, PROTOCOL};
         use std::io::{BufRead, Read};
-        for (hello, answer) in [
-            (
-                [&MAGIC[..], &99u32.to_le_bytes()].concat(),
-                "store protocol 99, this xtrain protocol 2",
-            ),
-            (
-                br#"{"op":"put","key":"k","value":[1]}"#.to_vec(),
-                "store protocol 1, this xtrain protocol 2",
-            ),
+        let (_server, address) = serve();
+        let s = store(&address);
+        let (tx, rx) = mpsc::channel();
+        let _mine = s.watch(0, None, move |why| tx.send(why).unwrap()).unwrap();
+        for hello in [
+            [&MAGIC[..], &99u32.to_le_bytes()].concat(),
+            br#"{"op":"put","key":"k","value":[1]}"#.to_vec(),
         ] {
-            let (_server, address) = serve();
-            let s = store(&address);
-            let (tx, rx) = mpsc::channel();
-            let _mine = s.watch(0, None, move |why| tx.send(why).unwrap()).unwrap();
             let mut other = TcpStream::connect(&address).unwrap();
             other.write_all(&hello).unwrap();
             let mut heard = Vec::new();
@@ -682,7 +771,7 @@ mod tests {
                 other.read_to_end(&mut heard).unwrap();
                 assert_eq!(heard, greeting());
             } else {
-                // Protocol 1 hears a JSON line it prints as the reason its run ended.
+                // Protocol 1 hears a JSON line it prints as the reason it cannot join.
                 BufReader::new(other).read_until(b'\n', &mut heard).unwrap();
                 let text = String::from_utf8(heard).unwrap();
                 assert!(
@@ -692,21 +781,15 @@ mod tests {
                     "{text}"
                 );
             }
-            let why = rx.recv_timeout(Duration::from_secs(5)).unwrap();
-            assert!(
-                why.contains("another xtrain build") && why.contains(answer),
-                "{why}"
-            );
-            let e = s.get("never", Duration::from_secs(30)).unwrap_err();
-            assert!(
-                matches!(&e, StoreError::Lost(m) if m.contains(answer)),
-                "{e}"
-            );
         }
+        assert!(rx.recv_timeout(Duration::from_millis(300)).is_err());
+        s.put("still/0", b"up").unwrap();
+        assert_eq!(s.try_get("still/0").unwrap(), Some(b"up".to_vec()));
     }
 
     /// This process refuses a store of another protocol at once (not after its connect
-    /// timeout), naming both versions; protocol 1's store closes on the greeting.
+    /// timeout), naming both versions; what closes on the greeting (protocol 1's store, another
+    /// program) is not an xtrain store.
     #[test]
     fn a_store_of_another_protocol_is_refused_at_once() {
         use crate::cluster::wire::MAGIC;
@@ -714,25 +797,29 @@ mod tests {
         for answer in [Some(7u32), None] {
             let listener = TcpListener::bind("127.0.0.1:0").unwrap();
             let address = listener.local_addr().unwrap().to_string();
+            // A program that never greets is tried three times (a busy store may close one).
+            let tries = if answer.is_some() { 1 } else { 3 };
             let other = std::thread::spawn(move || {
-                let (mut stream, _) = listener.accept().unwrap();
-                let mut hello = [0u8; 12];
-                stream.read_exact(&mut hello).unwrap();
-                if let Some(v) = answer {
-                    stream
-                        .write_all(&[&MAGIC[..], &v.to_le_bytes()].concat())
-                        .unwrap();
+                for _ in 0..tries {
+                    let (mut stream, _) = listener.accept().unwrap();
+                    let mut hello = [0u8; 12];
+                    stream.read_exact(&mut hello).unwrap();
+                    if let Some(v) = answer {
+                        stream
+                            .write_all(&[&MAGIC[..], &v.to_le_bytes()].concat())
+                            .unwrap();
+                    }
                 }
             });
             let t0 = Instant::now();
-            let e = match Store::connect(&address, "t", Duration::from_secs(20)) {
+            let e = match Store::connect(&address, "t", me(1), Duration::from_secs(20)) {
                 Err(e) => e.to_string(),
                 Ok(_) => panic!("a store of another protocol was taken"),
             };
             assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
             let want = match answer {
-                Some(_) => "process 0 speaks store protocol 7, this xtrain protocol 2",
-                None => "speaks store protocol 1 or none, this xtrain protocol 2",
+                Some(_) => "process 0 speaks store protocol 7, this xtrain protocol 3",
+                None => "is not an xtrain store (another program holds",
             };
             assert!(e.contains(want) && e.contains(&address), "{e}");
             other.join().unwrap();
@@ -747,7 +834,7 @@ mod tests {
             .unwrap()
             .port();
         let address = format!("127.0.0.1:{port}");
-        let e = match Store::connect(&address, "t", Duration::from_millis(300)) {
+        let e = match Store::connect(&address, "t", me(1), Duration::from_millis(300)) {
             Err(e) => e.to_string(),
             Ok(_) => panic!("connected to nothing"),
         };

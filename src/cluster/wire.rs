@@ -3,7 +3,8 @@
 //!
 //! A connection opens with a greeting both ways: [`MAGIC`] and the protocol's version
 //! ([`PROTOCOL`], u32 little-endian); the server answers with its own, so that a process of
-//! another xtrain build is refused at once, naming both versions, rather than misread. Then each
+//! another xtrain build is refused at once, naming both versions, rather than misread. The
+//! handshake that proves both sides hold the run's secret follows (`handshake`). Then each
 //! message is one frame: the header's length (u32), the header (a JSON object: the operation
 //! and its small fields, such as the key), the value's length (u64) and the value's raw bytes
 //! (empty for every message but a put and a get's answer); lengths little-endian. A value goes
@@ -14,9 +15,10 @@ use serde::{Deserialize, Serialize};
 use std::io::{Read, Write};
 use std::time::Duration;
 
-/// The store protocol's version: 2 frames values as raw bytes (1 sent JSON lines, values as
-/// arrays of numbers). Raise it with any change to what goes over the wire.
-pub const PROTOCOL: u32 = 2;
+/// The store protocol's version: 3 authenticates every connection (2 had no handshake; 2 and 3
+/// frame values as raw bytes; 1 sent JSON lines, values as arrays of numbers). Raise it with any
+/// change to what goes over the wire.
+pub const PROTOCOL: u32 = 3;
 
 /// The first bytes of every connection to the store, both ways.
 pub const MAGIC: &[u8; 8] = b"xtrainKV";
@@ -36,6 +38,10 @@ pub enum StoreError {
     /// The coordinator could not be reached or answered nonsense.
     #[error("{0}")]
     Unavailable(String),
+    /// The store refused what this process asked (a key it does not own, a value over the cap,
+    /// a second join of its id); the run goes on.
+    #[error("{0}")]
+    Refused(String),
 }
 
 /// `30 s`, `1.5 s`: a duration as a person reads it.
@@ -88,6 +94,10 @@ pub(crate) enum Reply {
     Lost {
         message: String,
     },
+    /// The request was refused (the run goes on); the connection closes after it.
+    Refused {
+        message: String,
+    },
 }
 
 /// Send one frame: `msg`'s header, then `value` as it is.
@@ -108,11 +118,22 @@ pub(crate) fn send<T: Serialize>(w: &mut impl Write, msg: &T, value: &[u8]) -> s
     w.flush()
 }
 
-/// Read one frame: its header and its value.
+/// Read one frame: its header and its value, at most `max_value` bytes of it (a longer one is
+/// refused before any of it is read). The value is read as its bytes arrive: nothing is
+/// allocated for a length a peer only declared.
 pub(crate) fn receive<T: for<'de> Deserialize<'de>>(
     r: &mut impl Read,
+    max_value: u64,
 ) -> std::io::Result<(T, Vec<u8>)> {
-    let invalid = |m: String| std::io::Error::new(std::io::ErrorKind::InvalidData, m);
+    let (msg, len) = receive_header(r, max_value)?;
+    Ok((msg, receive_value(r, len)?))
+}
+
+/// A frame's header and its value's length (at most `max_value`); the value's bytes follow.
+pub(crate) fn receive_header<T: for<'de> Deserialize<'de>>(
+    r: &mut impl Read,
+    max_value: u64,
+) -> std::io::Result<(T, u64)> {
     let mut word = [0u8; 4];
     r.read_exact(&mut word)?;
     let n = u32::from_le_bytes(word) as usize;
@@ -123,22 +144,55 @@ pub(crate) fn receive<T: for<'de> Deserialize<'de>>(
     }
     let mut header = vec![0u8; n];
     r.read_exact(&mut header)?;
-    let msg = serde_json::from_slice(&header).map_err(|e| invalid(e.to_string()))?;
+    let msg = serde_json::from_slice(&header).map_err(|e| {
+        invalid(format!(
+            "a store message's header is not the protocol's ({e})"
+        ))
+    })?;
     let mut long = [0u8; 8];
     r.read_exact(&mut long)?;
     let len = u64::from_le_bytes(long);
+    if len > max_value {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::OutOfMemory,
+            format!("a value of {len} bytes, over the store's cap of {max_value} bytes for one"),
+        ));
+    }
+    Ok((msg, len))
+}
+
+/// A value of `len` bytes, read as they arrive.
+pub(crate) fn receive_value(r: &mut impl Read, len: u64) -> std::io::Result<Vec<u8>> {
     let mut value = Vec::new();
-    usize::try_from(len)
-        .ok()
-        .and_then(|len| value.try_reserve_exact(len).ok())
-        .ok_or_else(|| {
-            invalid(format!(
-                "a store value of {len} bytes: more than this process can hold"
-            ))
-        })?;
-    value.resize(len as usize, 0);
-    r.read_exact(&mut value)?;
-    Ok((msg, value))
+    r.take(len).read_to_end(&mut value)?;
+    if (value.len() as u64) < len {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::UnexpectedEof,
+            format!("a value cut short at {} of {len} bytes", value.len()),
+        ));
+    }
+    Ok(value)
+}
+
+fn invalid(m: String) -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::InvalidData, m)
+}
+
+/// An I/O error in words a user reads (not the OS's text for a closed connection).
+pub fn io_words(e: &std::io::Error) -> String {
+    use std::io::ErrorKind::*;
+    match e.kind() {
+        UnexpectedEof => "the connection closed".into(),
+        ConnectionReset | ConnectionAborted | BrokenPipe => "the connection was cut".into(),
+        ConnectionRefused => "nothing listens there".into(),
+        WouldBlock | TimedOut => "no answer in time".into(),
+        NotFound => "no such file".into(),
+        PermissionDenied => "permission denied".into(),
+        AddrInUse => "the address is in use".into(),
+        AddrNotAvailable => "the address is not one of this host's".into(),
+        InvalidData | OutOfMemory | Other => e.to_string(),
+        _ => e.to_string(),
+    }
 }
 
 /// This build's greeting: [`MAGIC`] and [`PROTOCOL`].
@@ -151,7 +205,7 @@ pub(crate) fn greeting() -> [u8; 12] {
 
 /// What a peer's greeting says.
 #[derive(Debug, PartialEq, Eq)]
-pub(crate) enum Greeting {
+pub enum Greeting {
     /// The same protocol as this build's.
     Same,
     /// An xtrain of another protocol version.
@@ -193,6 +247,24 @@ pub(crate) fn other_protocol(who: &str, other: &str) -> String {
         "{who} speaks store protocol {other}, this xtrain protocol {PROTOCOL}: every host of a run \
          must run the same xtrain build"
     )
+}
+
+/// `1 device`, `4 devices`: a count and its noun, for messages.
+pub fn count(n: usize, noun: &str) -> String {
+    if n == 1 {
+        format!("1 {noun}")
+    } else {
+        format!("{n} {noun}s")
+    }
+}
+
+/// `device 3`, `devices 0-3`: a run of consecutive indices (the first and last of `of`).
+pub fn span(of: &[usize], noun: &str) -> String {
+    match (of.first(), of.last()) {
+        (Some(a), Some(b)) if a != b => format!("{noun}s {a}-{b}"),
+        (Some(a), _) => format!("{noun} {a}"),
+        _ => format!("no {noun}s"),
+    }
 }
 
 /// This machine's host name, for messages (`?` where it cannot be read).
@@ -257,19 +329,45 @@ mod tests {
         let big = vec![7u8; 100 << 10];
         send(&mut wire, &Reply::Value, &big).unwrap();
         let mut r = &wire[..];
-        let (put, value) = receive::<Request>(&mut r).unwrap();
+        let (put, value) = receive::<Request>(&mut r, u64::MAX).unwrap();
         assert!(matches!(put, Request::Put { key } if key.ends_with("0/3")));
         assert_eq!(value, [0, 1, 255]);
-        assert!(matches!(receive::<Reply>(&mut r).unwrap(), (Reply::Done, v) if v.is_empty()));
-        assert!(matches!(receive::<Reply>(&mut r).unwrap(), (Reply::Value, v) if v == big));
+        assert!(matches!(receive::<Reply>(&mut r, 0).unwrap(), (Reply::Done, v) if v.is_empty()));
+        assert!(
+            matches!(receive::<Reply>(&mut r, 1 << 20).unwrap(), (Reply::Value, v) if v == big)
+        );
         assert!(r.is_empty());
         // A frame cut short is an unexpected end, not a shorter value.
         let cut = &wire[..wire.len() - 10];
         let mut r = cut;
-        receive::<Request>(&mut r).unwrap();
-        receive::<Reply>(&mut r).unwrap();
-        let e = receive::<Reply>(&mut r).unwrap_err();
+        receive::<Request>(&mut r, 16).unwrap();
+        receive::<Reply>(&mut r, 16).unwrap();
+        let e = receive::<Reply>(&mut r, 1 << 20).unwrap_err();
         assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof);
+    }
+
+    /// A frame declaring a value over the cap is refused before any of it is read, and one
+    /// under the cap is read as its bytes come: a declared length allocates nothing.
+    #[test]
+    fn a_declared_length_is_capped_and_never_allocated() {
+        let mut wire = Vec::new();
+        send(&mut wire, &Reply::Value, &[]).unwrap();
+        let at = wire.len() - 8;
+        wire[at..].copy_from_slice(&(4u64 << 30).to_le_bytes());
+        let e = receive::<Reply>(&mut &wire[..], 1 << 30).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("a value of 4294967296 bytes, over the store's cap"),
+            "{e}"
+        );
+        // Under the cap but with 3 bytes behind it: cut short, with 3 bytes held.
+        wire.extend([1, 2, 3]);
+        let e = receive::<Reply>(&mut &wire[..], u64::MAX).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof);
+        assert!(
+            e.to_string().contains("cut short at 3 of 4294967296"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -447,7 +447,7 @@ impl Trainer {
                 Ok(Some(
                     match &mesh {
                         Some(m) => {
-                            crate::device::shards::unshard(&shards, &dims, &result_shardings[k], m)
+                            crate::device::shards::unshard(&shards, &dims, &result_shardings[k], m)?
                         }
                         None => shards[0].clone(),
                     }
@@ -514,7 +514,7 @@ impl Trainer {
                     return Ok(None);
                 };
                 let t = match &mesh {
-                    Some(m) => crate::device::shards::unshard(&shards, &shape, sh, m),
+                    Some(m) => crate::device::shards::unshard(&shards, &shape, sh, m)?,
                     None => shards.into_iter().next().context("no shard")?,
                 };
                 Ok(Some((n, t)))

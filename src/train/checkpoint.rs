@@ -237,7 +237,8 @@ pub fn read_state(dir: &Path) -> Result<TrainerState> {
     if !is_committed(dir) {
         let newest = dir.parent().and_then(latest_checkpoint);
         bail!(
-            "checkpoint {} is not committed: a process of its run (of several processes) ended              before every process reached it, so it may not match what the others held. {}",
+            "checkpoint {} is not committed: a process of its run (of several processes) ended \
+             before every process reached it, so it may not match what the others held. {}",
             dir.display(),
             match newest {
                 Some(c) => format!(

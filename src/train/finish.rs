@@ -8,7 +8,7 @@ use crate::train::output::RunDir;
 use anyhow::{bail, Context, Result};
 use std::io::Write;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// How a run's invocation ended, short of an error.
@@ -129,6 +129,9 @@ pub(super) struct Signals {
     pub interrupted: Arc<AtomicBool>,
     /// What the first signal does instead, while a phase without a safe point runs.
     abandon: Arc<Mutex<Option<Abandon>>>,
+    /// Set for a process of a run of several (its name, for the message): the first signal
+    /// ends it at once.
+    at_once: Arc<Mutex<Option<String>>>,
 }
 
 impl Signals {
@@ -141,6 +144,14 @@ impl Signals {
     /// plugin, minutes on a large program, that nothing interrupts), so that a signal during it
     /// (or before it, not yet acted on) runs `abandon` at once, which ends the process. Nothing
     /// is lost: no step was taken.
+    /// Make the first signal end this process at once, in any wait (the rendezvous, a barrier,
+    /// a gather) or step, with a message and exit code 130 (SIGINT) or 143 (SIGTERM): a process
+    /// of a run of several (`name`) has no safe point of its own, since the others cannot stop
+    /// at the same one, and they end as for a lost peer when its session closes.
+    pub fn end_at_once(&self, name: String) {
+        *locked(&self.at_once) = Some(name);
+    }
+
     pub fn abandonable<R>(&self, abandon: Abandon, phase: impl FnOnce() -> R) -> R {
         *locked(&self.abandon) = Some(abandon);
         let r = phase();
@@ -156,23 +167,31 @@ impl Signals {
 /// ([`Signals::abandonable`]). A second signal ends the process at once (exit code 130).
 pub(super) fn stop_on_signals() -> Result<Signals> {
     let interrupted = Arc::new(AtomicBool::new(false));
+    let which = Arc::new(AtomicUsize::new(0));
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
         // Registered first, so it sees the flag as the previous signal left it.
         signal_hook::flag::register_conditional_shutdown(sig, 130, interrupted.clone())
             .context("cannot install signal handlers")?;
         signal_hook::flag::register(sig, interrupted.clone())
             .context("cannot install signal handlers")?;
+        signal_hook::flag::register_usize(sig, which.clone(), sig as usize)
+            .context("cannot install signal handlers")?;
     }
     let abandon: Arc<Mutex<Option<Abandon>>> = Arc::default();
+    let at_once: Arc<Mutex<Option<String>>> = Arc::default();
     // A signal handler can neither print nor abandon; this thread says what the first signal
     // does, and abandons a phase without a safe point.
     let (flag, action) = (interrupted.clone(), abandon.clone());
+    let (sig, now) = (which.clone(), at_once.clone());
     std::thread::spawn(move || {
         let mut said = false;
         loop {
             std::thread::sleep(std::time::Duration::from_millis(100));
             if !flag.load(Ordering::SeqCst) {
                 continue;
+            }
+            if let Some(name) = locked(&now).as_ref() {
+                end_now(name, sig.load(Ordering::SeqCst));
             }
             // Held while abandoning, so that the phase's end waits for the process to end.
             let mut pending = locked(&action);
@@ -191,5 +210,21 @@ pub(super) fn stop_on_signals() -> Result<Signals> {
     Ok(Signals {
         interrupted,
         abandon,
+        at_once,
     })
+}
+
+/// End a process of a run of several on signal `sig`: say so, then end without running exit
+/// handlers (other threads may be inside the plugin), with 128 + the signal's number.
+fn end_now(name: &str, sig: usize) -> ! {
+    let (what, code) = match sig as i32 {
+        signal_hook::consts::SIGTERM => ("SIGTERM", 143),
+        _ => ("SIGINT", 130),
+    };
+    eprintln!(
+        "\nxtrain: {name}: {what}: ending now (a process of a run of several has no safe point \
+         of its own; the others end as for a lost process)"
+    );
+    let _ = std::io::stderr().flush();
+    signal_hook::low_level::exit(code)
 }

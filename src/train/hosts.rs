@@ -38,11 +38,14 @@ pub(super) fn meet(
 ) -> Result<(Team, Out)> {
     let name = launch.name();
     let peers = rendezvous::join(launch, {
-        let name = name.clone();
+        let (name, out) = (name.clone(), opts.out.clone());
         move |why| {
-            // A step with a lost peer never completes (its collectives wait forever): end now.
-            eprintln!("error: {}", ending(&why, &name));
-            std::process::exit(1);
+            // A step with a lost peer never completes (its collectives wait forever): end now,
+            // from this side thread without running exit handlers (the step's threads may be
+            // inside the plugin), the message flushed first.
+            eprintln!("error: {}", ending(&why, &name, &out));
+            let _ = std::io::Write::flush(&mut std::io::stderr());
+            signal_hook::low_level::exit(1);
         }
     })?;
     eprintln!(
@@ -57,7 +60,7 @@ pub(super) fn meet(
         // A lost peer reads the same whichever thread saw it first.
         let lost = e
             .downcast_ref::<StoreError>()
-            .map(|e| ending(&e.to_string(), &name));
+            .map(|e| ending(&e.to_string(), &name, &opts.out));
         peers.leave();
         return Err(lost.map_or(e, anyhow::Error::msg));
     }
@@ -156,6 +159,20 @@ impl Team {
             }),
         )?;
         let global = rt.client.global_devices()?.len();
+        if global == rt.devices.len() && launch.processes > 1 {
+            // Decided from what the client spans, not the plugin's name (a renamed CPU plugin
+            // opens as "a run" in which each process computes everything alone). Every process
+            // sees the same, and they stop together.
+            let _ = self.peers.barrier("client-alone");
+            bail!(
+                "the {} client spans only this process's {}: its collectives stay within one \
+                 process, so {} processes cannot share one step on it (the CPU plugin is such a \
+                 plugin). Run across hosts with a CUDA, ROCm or TPU plugin, or train on one host",
+                rt.platform(),
+                crate::cluster::wire::count(global, "device"),
+                launch.processes
+            );
+        }
         eprintln!(
             "xtrain: {}: the {} client spans {global} devices, {} of them here",
             launch.name(),
@@ -166,10 +183,9 @@ impl Team {
         if let Some(placed) = rt.hosts.placement() {
             let held = placed.held();
             eprintln!(
-                "xtrain: {}: this host holds mesh positions {}-{} of {}",
+                "xtrain: {}: this host holds mesh {} of {}",
                 launch.name(),
-                held.first().copied().unwrap_or(0),
-                held.last().copied().unwrap_or(0),
+                crate::cluster::wire::span(&held, "position"),
                 placed.ids.len()
             );
         }
@@ -229,12 +245,20 @@ pub(super) fn open(opts: &TrainOptions, team: Option<&Team>, devices: i64) -> Re
     }
 }
 
-/// What a process says as it ends because another is gone.
-fn ending(why: &str, name: &str) -> String {
-    format!(
-        "{why}. Ending {name} too; resume the run from its newest committed checkpoint with \
-         --resume once every host is up"
-    )
+/// What a process says as it ends because another is gone: a resume where a committed
+/// checkpoint exists in `out` (as this host sees it), else a new start.
+fn ending(why: &str, name: &str, out: &std::path::Path) -> String {
+    match crate::train::checkpoint::latest_checkpoint(out) {
+        Some(c) => format!(
+            "{why}. Ending {name} too; once every host is up, resume the run from its newest \
+             committed checkpoint with --resume {}",
+            c.display()
+        ),
+        None => format!(
+            "{why}. Ending {name} too; no checkpoint of the run was committed yet: start it \
+             again once every host is up"
+        ),
+    }
 }
 
 /// What every process must agree on: every setting by flag, the number of processes, the
@@ -243,6 +267,18 @@ fn settings(opts: &TrainOptions, launch: &Launch) -> Result<Settings> {
     let mut s: Settings = crate::train::settings::of_run(opts).into_iter().collect();
     s.insert("num-processes".into(), json!(launch.processes));
     s.insert("xtrain-version".into(), json!(env!("CARGO_PKG_VERSION")));
+    // What each host reads: the same data file (a copy that differs in size or at either end
+    // is named before any step), and the same checkpoint's step.
+    if opts.data.path.is_file() {
+        s.insert(
+            "data-file".into(),
+            json!(data_fingerprint(&opts.data.path)?),
+        );
+    }
+    if let Some(dir) = &opts.resume {
+        let state = crate::train::checkpoint::read_state(dir)?;
+        s.insert("resumed-step".into(), json!(state.step));
+    }
     if let Some(dir) = &opts.program {
         let (program, _) = crate::formats::program_dir::read_dir(dir)?;
         s.insert(
@@ -253,6 +289,38 @@ fn settings(opts: &TrainOptions, launch: &Launch) -> Result<Settings> {
         );
     }
     Ok(s)
+}
+
+/// `BYTES bytes, sha256 HASH`: the data file's size and a hash of its first and last MiB (the
+/// whole file may be gigabytes; a copy cut short, or another file, differs at one end).
+fn data_fingerprint(path: &std::path::Path) -> Result<String> {
+    use sha2::Digest;
+    use std::io::{Read, Seek, SeekFrom};
+    const MIB: u64 = 1 << 20;
+    let read = |what: &str, e: std::io::Error| {
+        anyhow::anyhow!(
+            "cannot read the data file {} ({what}): {}",
+            path.display(),
+            crate::cluster::wire::io_words(&e)
+        )
+    };
+    let mut f = std::fs::File::open(path).map_err(|e| read("open", e))?;
+    let size = f.metadata().map_err(|e| read("size", e))?.len();
+    let mut hash = sha2::Sha256::new();
+    let mut head = Vec::new();
+    (&mut f)
+        .take(MIB)
+        .read_to_end(&mut head)
+        .map_err(|e| read("first MiB", e))?;
+    hash.update(&head);
+    if size > MIB {
+        f.seek(SeekFrom::Start(size.saturating_sub(MIB).max(MIB)))
+            .map_err(|e| read("last MiB", e))?;
+        let mut tail = Vec::new();
+        f.read_to_end(&mut tail).map_err(|e| read("last MiB", e))?;
+        hash.update(&tail);
+    }
+    Ok(format!("{size} bytes, sha256 {:x}", hash.finalize()))
 }
 
 /// A program dir compiled for several hosts runs with one process per host: a run with another

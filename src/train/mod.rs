@@ -61,7 +61,14 @@ pub fn run(opts: &TrainOptions) -> Result<()> {
     }
     let opts = &opts;
     let launch = crate::cluster::launch::from_environment(&opts.launch)?;
+    for n in &launch.notes {
+        eprintln!("xtrain: note: {n}");
+    }
+    if let Some(w) = launch.warning() {
+        eprintln!("xtrain: {w}");
+    }
     if !launch.is_single() {
+        signals.end_at_once(launch.name());
         // Before the output dir is claimed: process 0 alone will write there.
         let (team, out) = hosts::meet(opts, &launch, notes)?;
         let finished = run_in(opts, &cfg, &signals, out.as_ref(), Some(&team));

@@ -135,11 +135,10 @@ pub(super) fn compile_and_upload(
         };
         let g = placed.hosts.iter().position(|h| h == devices).unwrap_or(0);
         eprintln!(
-            "xtrain: {which} host {g} of {} (devices {}-{}) read {read} of the {total} bytes of \
-             frozen weights",
+            "xtrain: {which} host {g} of {} ({}) read {read} of the {total} bytes of frozen \
+             weights",
             placed.hosts.len(),
-            devices.first().copied().unwrap_or(0),
-            devices.last().copied().unwrap_or(0),
+            crate::cluster::wire::span(devices, "device"),
         );
     }
     trainer.dropout_seed = opts.seed;

@@ -87,7 +87,9 @@ impl Hosts {
 
     /// Every mesh position's shard of a result from this process's (`mine`, one per position it
     /// holds, in [`Hosts::held`] order): its own with one host; gathered on host 0 (process 0)
-    /// otherwise, None on the other processes, which write nothing.
+    /// otherwise, None on the other processes, which write nothing. What another process sent
+    /// is checked against the box its position holds where it is put together
+    /// (`device::shards::unshard`).
     pub fn whole(&self, mine: Vec<HostTensor>) -> Result<Option<Vec<HostTensor>>> {
         let (placement, gather): (&Placement, &dyn Gather) = match self {
             Hosts::One => return Ok(Some(mine)),
@@ -96,7 +98,7 @@ impl Hosts {
         };
         gather.all(
             placement.held().into_iter().zip(mine).collect(),
-            placement.ids.len(),
+            &placement.hosts,
         )
     }
 }
@@ -208,8 +210,9 @@ impl Placement {
 pub fn device_groups(devices: usize, hosts: usize) -> Result<Vec<Vec<usize>>> {
     if hosts == 0 || !devices.is_multiple_of(hosts) {
         bail!(
-            "--virtual-hosts {hosts} must divide the step's {devices} devices (each virtual host \
-             holds the same number)"
+            "--virtual-hosts {hosts} must divide the step's {} (each virtual host holds the \
+             same number)",
+            crate::cluster::wire::count(devices, "device")
         );
     }
     let n = devices / hosts;
