@@ -158,14 +158,14 @@ pub fn tensorboard_python() -> PathBuf {
     python(&venv)
 }
 
-/// Run `c` (`what`, for the TensorBoard venv), panicking with its output when it fails.
+/// Run `c` (`what`, for a test's venv), panicking with its output when it fails.
 fn run(c: &mut Command, what: &str) {
     let o = c.output().unwrap_or_else(|e| {
-        panic!("cannot run {what}: {e} (the TensorBoard test needs python3 with venv and pip)")
+        panic!("cannot run {what}: {e} (the test needs python3 with venv and pip)")
     });
     assert!(
         o.status.success(),
-        "{what} failed (the TensorBoard test needs it):\n{}{}",
+        "{what} failed (the test needs it):\n{}{}",
         String::from_utf8_lossy(&o.stdout),
         String::from_utf8_lossy(&o.stderr)
     );
@@ -205,60 +205,47 @@ pub fn instruction_examples(path: &Path, n: usize) -> PathBuf {
 
 /// A Python with llama.cpp's Python bindings (`llama-cpp-python==0.3.36`, which builds
 /// llama.cpp from source: about 10 minutes on 2 cores the first time) and llama.cpp's own GGUF
-/// reader (`gguf==0.19.0`), in a venv under xtrain's cache made on first use and kept. Panics,
-/// saying why, when it cannot be made (no C++ compiler, no PyPI): a test that needs llama.cpp
-/// must not pass without it.
+/// reader (`gguf==0.19.0`), in a venv under xtrain's cache made on first use and kept, by one
+/// caller at a time: the tests of tests/llama_cpp.rs ask for it at once, and the others wait
+/// for the one that builds it rather than build it again beside it. Panics, saying why, when it
+/// cannot be made (no C++ compiler, no PyPI): a test that needs llama.cpp must not pass without it.
 pub fn llama_cpp_python() -> PathBuf {
     let venv = pjrt::discover::cache_dir()
         .join("venvs")
         .join("llama-cpp-python-0.3.36");
-    let python = venv.join("bin").join("python");
-    if python.is_file() {
-        return python;
-    }
-    std::fs::create_dir_all(venv.parent().unwrap()).unwrap();
-    let tmp = venv.with_extension(format!("tmp-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&tmp);
-    let run = |c: &mut Command, what: &str| {
-        let o = c.output().unwrap_or_else(|e| {
-            panic!("cannot run {what}: {e} (the llama.cpp tests need python3 with venv and pip)")
-        });
-        assert!(
-            o.status.success(),
-            "{what} failed (the llama.cpp tests need it; building llama.cpp needs a C++ \
-             compiler):\n{}{}",
-            String::from_utf8_lossy(&o.stdout),
-            String::from_utf8_lossy(&o.stderr)
-        );
-    };
-    run(
-        Command::new("python3").args(["-m", "venv"]).arg(&tmp),
-        "python3 -m venv",
-    );
-    eprintln!(
-        "xtrain tests: building llama-cpp-python 0.3.36 (llama.cpp from source, about 10 \
-         minutes on 2 cores) into {}",
-        venv.display()
-    );
-    let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
-    run(
-        Command::new(tmp.join("bin").join("python"))
-            .env("CMAKE_BUILD_PARALLEL_LEVEL", cores.to_string())
-            .args([
-                "-m",
-                "pip",
-                "install",
-                "--quiet",
-                "--disable-pip-version-check",
-                "llama-cpp-python==0.3.36",
-                "gguf==0.19.0",
-            ]),
-        "pip install llama-cpp-python==0.3.36 gguf==0.19.0",
-    );
-    // Another process may have made it meanwhile: keep theirs.
-    if std::fs::rename(&tmp, &venv).is_err() {
-        let _ = std::fs::remove_dir_all(&tmp);
-    }
-    assert!(python.is_file(), "{} was not made", python.display());
-    python
+    let python = |venv: &Path| venv.join("bin").join("python");
+    pjrt::once::create_once(
+        &venv,
+        "the llama.cpp venv",
+        |v| python(v).is_file(),
+        |tmp| -> std::io::Result<()> {
+            eprintln!(
+                "xtrain tests: building llama-cpp-python 0.3.36 (llama.cpp from source, about \
+                 10 minutes on 2 cores, once) into {}",
+                venv.display()
+            );
+            run(
+                Command::new("python3").args(["-m", "venv"]).arg(tmp),
+                "python3 -m venv",
+            );
+            let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+            run(
+                Command::new(python(tmp))
+                    .env("CMAKE_BUILD_PARALLEL_LEVEL", cores.to_string())
+                    .args([
+                        "-m",
+                        "pip",
+                        "install",
+                        "--quiet",
+                        "--disable-pip-version-check",
+                        "llama-cpp-python==0.3.36",
+                        "gguf==0.19.0",
+                    ]),
+                "pip install llama-cpp-python==0.3.36 gguf==0.19.0 (building llama.cpp needs a C++ compiler)",
+            );
+            Ok(())
+        },
+    )
+    .unwrap_or_else(|e| panic!("cannot make the llama.cpp venv: {e}"));
+    python(&venv)
 }
