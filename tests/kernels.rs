@@ -359,3 +359,61 @@ fn the_cudnn_stand_in_trains_as_the_loops_do_on_padded_rows() {
     assert_same_losses(&loops, &stand_in);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `train --program DIR` of a dir compiled with `--kernel every-key` runs its executable with
+/// the kernel it was compiled with, as it takes every other recorded setting from the dir; a
+/// `--kernel` that differs compiles here and says why.
+#[test]
+fn a_program_dir_runs_with_the_kernels_it_was_compiled_with() {
+    let dir = tempdir("kernel-dir");
+    let f = fixtures();
+    let prog = dir.join("prog");
+    let model = f.join("model");
+    let args = [
+        "compile",
+        "--model",
+        model.to_str().unwrap(),
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--key-block",
+        "4",
+        "--check",
+        "--kernel",
+        "every-key",
+        "--out",
+        prog.to_str().unwrap(),
+    ];
+    let o = xtrain(&args);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let train = |name: &str, extra: &[&str]| -> String {
+        let o = train_cmd(
+            &f.join("model"),
+            &f.join("inputs.safetensors"),
+            &dir.join(name),
+        )
+        .args(["--steps", "1", "--program"])
+        .arg(&prog)
+        .args(extra)
+        .output()
+        .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr).to_string();
+        assert!(o.status.success(), "{err}");
+        err
+    };
+    let err = train("as-compiled", &[]);
+    assert!(
+        err.contains("--kernel every-key (as it was compiled for cpu")
+            && err.contains("loaded the step compiled by `xtrain compile` for cpu")
+            && !err.contains("here, the same program"),
+        "{err}"
+    );
+    let err = train("asked-otherwise", &["--kernel", "cudnn-standin"]);
+    assert!(
+        err.contains("no executable of the dir fits this run")
+            && err.contains("was compiled with kernels [xtrain.attention v1 -> every-key"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}

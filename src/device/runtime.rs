@@ -31,6 +31,8 @@ pub struct Runtime {
     /// Kernels put in place of the program's composites before it is compiled (`--kernel`,
     /// see [`crate::device::kernels`]).
     pub kernels: Vec<&'static crate::device::kernels::Kernel>,
+    /// The program texts [`Runtime::kernels`] rewrote, each once.
+    rewritten: crate::device::kernels::Rewritten,
     /// How this process runs the step's mesh (see [`Hosts`]): one host unless
     /// [`Runtime::place_virtual_hosts`] or [`Runtime::place_across_processes`] placed it; a
     /// process of a run of several has its own devices in [`Runtime::devices`], in the order of
@@ -137,6 +139,7 @@ impl Runtime {
             devices,
             prebuilt: None,
             kernels: Vec::new(),
+            rewritten: Default::default(),
             hosts: Hosts::One,
         })
     }
@@ -191,9 +194,8 @@ impl Runtime {
     }
 
     pub fn compile(&self, program: &Program, options: &CompileOptions) -> Result<Executable> {
-        let (text, _) = self.kernel_text(program)?;
         let program = &Program {
-            text,
+            text: self.kernel_text(program)?.text.clone(),
             ..program.clone()
         };
         let mut options = self.options(options);
@@ -261,20 +263,21 @@ impl Runtime {
     }
 
     /// The text this runtime's compiler sees for `program`: the program with [`Runtime::kernels`]
-    /// in place of the composites they implement, and what they replaced.
+    /// in place of the composites they implement (each a composite of the program, or refused),
+    /// and what they replaced. Rewritten on the first call for a program and kept: compiling,
+    /// keying the cache and recording a build read the same text. Saying what was replaced is
+    /// the caller's ([`crate::device::kernels::announce`]).
     pub fn kernel_text(
         &self,
         program: &Program,
-    ) -> Result<(String, Vec<crate::device::kernels::KernelUse>)> {
-        if self.kernels.is_empty() {
-            return Ok((program.text.clone(), Vec::new()));
-        }
-        crate::device::kernels::replace(&program.text, &self.kernels)
+    ) -> Result<std::sync::Arc<crate::device::kernels::Replaced>> {
+        self.rewritten.get(&program.text, &self.kernels)
     }
 
     /// Choose the kernels `--kernel` names for this plugin's platform.
     pub fn use_kernels(&mut self, names: &[String]) -> Result<()> {
         self.kernels = crate::device::kernels::chosen(names, &self.platform())?;
+        self.rewritten.clear();
         Ok(())
     }
 

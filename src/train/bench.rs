@@ -224,7 +224,8 @@ pub fn run(
     let batch = random_batch(&spec, 1);
     let program = program::build_train_step(&spec)?;
     let bytes = program.text.len();
-    let kernels = crate::device::kernels::say_used(&rt.kernels, &rt.kernel_text(&program)?.1)?;
+    let kernels = rt.kernel_text(&program)?.uses.clone();
+    crate::device::kernels::announce(&kernels);
     let t0 = Instant::now();
     let frozen = if export.is_some() || spec.quant.is_nf4() {
         // Per-layer f32 weights under HF names: what peers read, and what the NF4 quantizer takes.

@@ -171,21 +171,9 @@ pub fn chosen(names: &[String], platform: &str) -> Result<Vec<&'static Kernel>> 
     Ok(out)
 }
 
-/// Say which composites the chosen kernels replace (nothing where none were chosen), and refuse
-/// a kernel whose composite the program lacks: a `--kernel` that would change nothing. Returns
-/// what was replaced, for the build's record.
-pub fn say_used(chosen: &[&Kernel], used: &[KernelUse]) -> Result<Vec<KernelUse>> {
-    for k in chosen {
-        if !used.iter().any(|u| u.kernel == k.name) {
-            bail!(
-                "--kernel {}: the program has no composite it implements ({} v{}: attention is \
-                 one with --key-block or a context mesh)",
-                k.name,
-                k.composite,
-                k.version
-            );
-        }
-    }
+/// Say which composites the chosen kernels replace (nothing where none were): the caller's
+/// word, once per run or build, of what [`replace`] did.
+pub fn announce(used: &[KernelUse]) {
     if !used.is_empty() {
         let list: Vec<String> = used.iter().map(|u| u.to_string()).collect();
         eprintln!(
@@ -193,13 +181,50 @@ pub fn say_used(chosen: &[&Kernel], used: &[KernelUse]) -> Result<Vec<KernelUse>
             list.join(", ")
         );
     }
-    Ok(used.to_vec())
+}
+
+/// A program's text as a runtime's compiler sees it: the chosen kernels in place of the
+/// composites they implement, and what they replaced (for the build's record).
+#[derive(Clone, Debug)]
+pub struct Replaced {
+    pub text: String,
+    pub uses: Vec<KernelUse>,
+}
+
+/// The texts a runtime's kernels rewrote, each kept by the sha256 of the program text it came
+/// from: a program is read, checked and rewritten once however often it is compiled, keyed or
+/// recorded.
+#[derive(Debug, Default)]
+pub struct Rewritten(std::sync::Mutex<Vec<(String, std::sync::Arc<Replaced>)>>);
+
+impl Rewritten {
+    /// `text` with `kernels` in place (see [`replace`]), rewritten on the first call only.
+    pub fn get(&self, text: &str, kernels: &[&Kernel]) -> Result<std::sync::Arc<Replaced>> {
+        let key = crate::formats::program_dir::sha256_hex(text.as_bytes());
+        let mut kept = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, r)) = kept.iter().find(|(k, _)| *k == key) {
+            return Ok(r.clone());
+        }
+        let (text, uses) = match kernels.is_empty() {
+            true => (text.to_string(), Vec::new()),
+            false => replace(text, kernels)?,
+        };
+        let r = std::sync::Arc::new(Replaced { text, uses });
+        kept.push((key, r.clone()));
+        Ok(r)
+    }
+
+    /// Forget every text (the kernels changed).
+    pub fn clear(&self) {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).clear();
+    }
 }
 
 /// `text` with the decomposition of every composite a kernel of `kernels` implements replaced
 /// by that kernel, and what was replaced (nothing: the text as it was). A composite no kernel
 /// names keeps its decomposition; a kernel whose composite the program lacks is not used. The
-/// text is read and rewritten by `hlo`'s reader, beside the printer that wrote it.
+/// text is read and rewritten by `hlo`'s reader, beside the printer that wrote it. A chosen
+/// kernel whose composite the program lacks is refused: a `--kernel` that would change nothing.
 pub fn replace(text: &str, kernels: &[&Kernel]) -> Result<(String, Vec<KernelUse>)> {
     let mut out = text.to_string();
     let mut uses: Vec<KernelUse> = Vec::new();
@@ -231,6 +256,17 @@ pub fn replace(text: &str, kernels: &[&Kernel]) -> Result<(String, Vec<KernelUse
         };
         if !uses.contains(&u) {
             uses.push(u);
+        }
+    }
+    for k in kernels {
+        if !uses.iter().any(|u| u.kernel == k.name) {
+            bail!(
+                "--kernel {}: the program has no composite it implements ({} v{}: attention is \
+                 one with --key-block or a context mesh)",
+                k.name,
+                k.composite,
+                k.version
+            );
         }
     }
     Ok((out, uses))
