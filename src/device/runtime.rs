@@ -1,7 +1,7 @@
 //! The device side: a PJRT client, compiled programs, host <-> device tensors.
 
 use crate::cluster::gather::StoreGather;
-use crate::device::hosts::place::{Hosts, Placement};
+use crate::device::hosts::place::{DeviceMap, Hosts};
 use crate::device::platform::{gpu_memory_fraction, keep_freed_host_memory, named_platform};
 use crate::formats::host::element_type;
 use crate::program::Program;
@@ -322,7 +322,7 @@ impl Runtime {
 
     /// Place a step of `partitions` devices over a client spanning a run of several
     /// processes: positions from the client's global devices and their process indices
-    /// ([`Placement::of_processes`]), and [`Runtime::devices`] (this process's) put in the order
+    /// ([`DeviceMap::of_processes`]), and [`Runtime::devices`] (this process's) put in the order
     /// of the positions it holds; `gather` brings the others' shards to process 0.
     pub fn place_across_processes(&mut self, partitions: usize, gather: StoreGather) -> Result<()> {
         let described = |d: &Device| -> Result<(i64, usize)> {
@@ -339,7 +339,7 @@ impl Runtime {
         let Some(me) = mine.first().map(|d| d.1) else {
             bail!("this process has no devices of its own in the run");
         };
-        let placed = Placement::of_processes(&global, partitions, me)?;
+        let placed = DeviceMap::of_processes(&global, partitions, me)?;
         let mut ordered = Vec::new();
         for p in placed.held() {
             let id = placed.ids[p];
