@@ -126,7 +126,7 @@ fn run_in(
     }
     let abandon: finish::Abandon = match out {
         Some(out) => finish::abandon(opts, out, "compiling the step"),
-        None => Box::new(|| signal_hook::low_level::exit(130)),
+        None => Box::new(|| signal_hook::low_level::exit(finish::interrupted_code())),
     };
     let trainer = signals.abandonable(abandon, || {
         upload::compile_and_upload(opts, rt, spec, program, weights, &start)
