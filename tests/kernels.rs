@@ -327,16 +327,36 @@ fn the_cudnn_kernel_compiles_for_an_absent_h100_and_is_refused_where_it_cannot_s
         "--kernel",
         "cudnn",
     ];
-    let e = fails(&train);
+    // On the CPU the plugin is the first reason, packed or not; on the CUDA plugin (named,
+    // not opened) packed rows are.
+    for extra in [&[][..], &["--no-pack"]] {
+        let e = fails(&[&train[..], extra].concat());
+        assert!(
+            e.contains("--kernel cudnn does not run on the cpu plugin"),
+            "{e}"
+        );
+    }
+    // A target whose plugin the kernel does not run on is refused before its plugin is opened
+    // (or downloaded).
+    let args = compile(&[
+        "--dtype",
+        "bf16",
+        "--seq",
+        "24",
+        "--target",
+        "rocm:mi300x:1",
+    ]);
+    let o = xtrain(&refs(&args));
+    let e = String::from_utf8_lossy(&o.stderr).to_string();
+    assert!(
+        !o.status.success() && e.contains("--kernel cudnn does not run on the rocm plugin"),
+        "{e}"
+    );
+    let e = fails(&[&train[..], &["--plugin", "cuda"]].concat());
     assert!(
         e.contains(
             "cuDNN's causal mask, which does not keep packed documents apart: add --no-pack"
         ),
-        "{e}"
-    );
-    let e = fails(&[&train[..], &["--no-pack"]].concat());
-    assert!(
-        e.contains("--kernel cudnn does not run on the cpu plugin"),
         "{e}"
     );
     assert!(!out.exists(), "a refused run writes nothing");

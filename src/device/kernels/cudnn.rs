@@ -446,8 +446,9 @@ pub fn check_rows(mask: &[i32], seq: usize) -> Result<()> {
         if let Some(t) = m.iter().position(|&x| x > 1) {
             bail!(
                 "row {row} holds several documents (a second one starts at token {}): \
-                 cuDNN's causal mask would let them attend to each other; train with --no-pack, \
-                 or without this kernel",
+                 cuDNN's causal mask would let them attend to each other; give rows of one \
+                 document each (--no-pack for JSONL or Parquet data; a pre-tokenized batch \
+                 written so), or train without this kernel",
                 m[t] - 1
             );
         }
