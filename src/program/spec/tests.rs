@@ -289,3 +289,22 @@ fn attention_loop_trips_count_the_loops_trips() {
     assert_eq!(at(131072, Some("context=8"), Some(512)), Some(4112));
     assert_eq!(at(8192, None, None), None);
 }
+
+/// A length a context axis cannot cut in 2 x CP chunks is said as such, whether or not the
+/// length happens to be a multiple of CP (100 is not, 105 is): it was "splits nothing" for
+/// the first, as a new user found at seq 4100 over context=3.
+#[test]
+fn a_length_the_context_axis_cannot_cut_is_named_before_the_axes_splits() {
+    for seq in [100, 105] {
+        let mut o = options(DType::F32);
+        o.mesh = Some(MeshPlan {
+            axes: vec![("context".into(), 3)],
+            rules: crate::program::sharding::Rules::default(),
+        });
+        let e = refused(&o, 4, seq);
+        assert!(
+            e.contains(&format!("--seq {seq} must be a multiple of 6")),
+            "{e}"
+        );
+    }
+}
