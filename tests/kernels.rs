@@ -68,7 +68,10 @@ fn a_run_with_a_kernel_trains_as_the_loops_do_and_says_so() {
     let data = instruction_examples(&dir.join("d.jsonl"), 12);
     let runs = (model.as_path(), data.as_path());
     let (loops, said) = train_run(&dir, runs, "loops", &[]);
-    assert!(said.contains("--key-block 8 (blocks of 8)"), "{said}");
+    assert!(
+        said.contains("--key-block 8 (blocks of 8; the sequence is padded to 48"),
+        "{said}"
+    );
     let (kernel, said) = train_run(&dir, runs, "kernel", &["--kernel", "every-key"]);
     assert!(
         said.contains(

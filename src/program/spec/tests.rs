@@ -308,3 +308,21 @@ fn a_length_the_context_axis_cannot_cut_is_named_before_the_axes_splits() {
         );
     }
 }
+
+/// Key blocks that do not cut the sequence in two halves of whole blocks pad it, and the form
+/// says so on one device as it does over a context axis.
+#[test]
+fn the_form_says_when_key_blocks_pad_the_sequence() {
+    let form = |seq: i64| {
+        let mut o = options(DType::F32);
+        o.key_block = KeyBlocks::Size(512);
+        o.spec(tiny(), 1, seq).unwrap().form()
+    };
+    let padded = form(4100);
+    assert!(
+        padded.contains("--key-block 512 (blocks of 512; the sequence is padded to 5120"),
+        "{padded}"
+    );
+    let whole = form(4096);
+    assert!(whole.contains("--key-block 512 (blocks of 512)"), "{whole}");
+}
