@@ -172,8 +172,6 @@ impl Runtime {
         o
     }
 
-    /// Compile a program (on as many devices as it has partitions), checking its arguments on
-    /// every execute.
     /// [`Runtime::compile`] with the usual options, XLA's optimized HLO written as text into
     /// `dump` when given (`compile --check --xla-dump DIR`).
     pub fn compile_dumping(
@@ -193,6 +191,8 @@ impl Runtime {
         self.compile(program, &options)
     }
 
+    /// Compile a program (on as many devices as it has partitions), checking its arguments on
+    /// every execute.
     pub fn compile(&self, program: &Program, options: &CompileOptions) -> Result<Executable> {
         let program = &Program {
             text: self.kernel_text(program)?.text.clone(),
