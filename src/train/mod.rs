@@ -150,7 +150,7 @@ fn run_in(
         metrics.mfu_seconds = opts.peak_tflops.map(|peak| {
             let spec = &trainer.spec;
             let devices = spec.mesh.as_ref().map_or(1, |m| m.devices()) as f64;
-            bench::model_flops_per_step(spec) / (peak * 1e12 * devices)
+            crate::program::flops::model_flops_per_step(spec) / (peak * 1e12 * devices)
         });
     }
     let mut run = Run {
