@@ -133,14 +133,11 @@ fn check_attention_form(spec: &StepSpec) -> Result<()> {
             bail!("--key-block must be a positive number of tokens, got {k}");
         }
     }
-    let cp = spec.context_size();
-    if cp > 1 {
-        if spec.key_block.is_none() {
-            bail!(
-                "a sequence split over the context axis is attended over key/value blocks: give \
-                 --key-block N or auto, not off"
-            );
-        }
+    if spec.context_size() > 1 && spec.key_block.is_none() {
+        bail!(
+            "a sequence split over the context axis is attended over key/value blocks: give \
+             --key-block N or auto, not off"
+        );
     }
     Ok(())
 }
