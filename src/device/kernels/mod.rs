@@ -200,15 +200,19 @@ pub struct Rewritten(std::sync::Mutex<Vec<(String, std::sync::Arc<Replaced>)>>);
 impl Rewritten {
     /// `text` with `kernels` in place (see [`replace`]), rewritten on the first call only.
     pub fn get(&self, text: &str, kernels: &[&Kernel]) -> Result<std::sync::Arc<Replaced>> {
+        if kernels.is_empty() {
+            // Nothing to rewrite or keep: the text as it is.
+            return Ok(std::sync::Arc::new(Replaced {
+                text: text.to_string(),
+                uses: Vec::new(),
+            }));
+        }
         let key = crate::formats::program_dir::sha256_hex(text.as_bytes());
         let mut kept = self.0.lock().unwrap_or_else(|e| e.into_inner());
         if let Some((_, r)) = kept.iter().find(|(k, _)| *k == key) {
             return Ok(r.clone());
         }
-        let (text, uses) = match kernels.is_empty() {
-            true => (text.to_string(), Vec::new()),
-            false => replace(text, kernels)?,
-        };
+        let (text, uses) = replace(text, kernels)?;
         let r = std::sync::Arc::new(Replaced { text, uses });
         kept.push((key, r.clone()));
         Ok(r)
@@ -275,6 +279,40 @@ pub fn replace(text: &str, kernels: &[&Kernel]) -> Result<(String, Vec<KernelUse
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A runtime's texts: each program rewritten once and kept (the same text back, not
+    /// rewritten again), and a kernel whose composite the program lacks refused by name.
+    #[test]
+    fn a_program_is_rewritten_once_and_a_kernel_that_replaces_nothing_is_refused() {
+        let cfg = crate::model::presets::preset_config("tiny-llama3")
+            .unwrap()
+            .unwrap();
+        let lora = crate::model::lora::LoraConfig {
+            r: 2,
+            alpha: 4.0,
+            dropout: 0.0,
+            targets: vec![crate::model::lora::Projection::Q],
+        };
+        let mut spec =
+            crate::program::StepSpec::new(cfg, lora, 1, 16, hlo::DType::F32).with_default_form();
+        spec.key_block = Some(4);
+        let with = crate::program::build_train_step(&spec).unwrap();
+        spec.key_block = None;
+        let without = crate::program::build_train_step(&spec).unwrap();
+        let kernels = chosen(&["every-key".into()], "cpu").unwrap();
+        let kept = Rewritten::default();
+        let first = kept.get(&with.text, &kernels).unwrap();
+        let again = kept.get(&with.text, &kernels).unwrap();
+        assert!(std::sync::Arc::ptr_eq(&first, &again));
+        assert_eq!(first.uses.len(), 2);
+        assert_ne!(first.text, with.text);
+        let e = kept.get(&without.text, &kernels).unwrap_err().to_string();
+        assert!(
+            e.contains("--kernel every-key: the program has no composite it implements"),
+            "{e}"
+        );
+        assert_eq!(kept.get(&without.text, &[]).unwrap().text, without.text);
+    }
 
     /// A kernel with a row rule refuses a packed batch by row and token; one without takes it.
     #[test]
