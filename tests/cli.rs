@@ -169,3 +169,25 @@ fn a_second_run_loads_the_compiled_step_from_the_cache() {
     );
     std::fs::remove_dir_all(&cache).unwrap();
 }
+
+/// `compile --lr`: compile takes train's optimizer flags but the learning rate, an argument of
+/// each step; it says so (clap's own answer was the nearest flag, `--lora-r`).
+#[test]
+fn compile_says_the_learning_rate_is_not_part_of_the_program() {
+    for lr in [&["--lr", "1e-3"][..], &["--lr=1e-3"]] {
+        let args = [
+            &["compile", "--model", "tiny-llama3", "--out", "unused"][..],
+            lr,
+        ]
+        .concat();
+        let o = xtrain(&args);
+        let e = String::from_utf8_lossy(&o.stderr).to_string();
+        assert_eq!(o.status.code(), Some(2), "{e}");
+        assert!(
+            e.contains(
+                "`xtrain compile` takes no --lr: the learning rate is an argument of each step"
+            ),
+            "{e}"
+        );
+    }
+}

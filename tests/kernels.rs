@@ -68,7 +68,10 @@ fn a_run_with_a_kernel_trains_as_the_loops_do_and_says_so() {
     let data = instruction_examples(&dir.join("d.jsonl"), 12);
     let runs = (model.as_path(), data.as_path());
     let (loops, said) = train_run(&dir, runs, "loops", &[]);
-    assert!(said.contains("--key-block 8 (blocks of 8)"), "{said}");
+    assert!(
+        said.contains("--key-block 8 (blocks of 8; the sequence is padded to 48"),
+        "{said}"
+    );
     let (kernel, said) = train_run(&dir, runs, "kernel", &["--kernel", "every-key"]);
     assert!(
         said.contains(
@@ -327,16 +330,36 @@ fn the_cudnn_kernel_compiles_for_an_absent_h100_and_is_refused_where_it_cannot_s
         "--kernel",
         "cudnn",
     ];
-    let e = fails(&train);
+    // On the CPU the plugin is the first reason, packed or not; on the CUDA plugin (named,
+    // not opened) packed rows are.
+    for extra in [&[][..], &["--no-pack"]] {
+        let e = fails(&[&train[..], extra].concat());
+        assert!(
+            e.contains("--kernel cudnn does not run on the cpu plugin"),
+            "{e}"
+        );
+    }
+    // A target whose plugin the kernel does not run on is refused before its plugin is opened
+    // (or downloaded).
+    let args = compile(&[
+        "--dtype",
+        "bf16",
+        "--seq",
+        "24",
+        "--target",
+        "rocm:mi300x:1",
+    ]);
+    let o = xtrain(&refs(&args));
+    let e = String::from_utf8_lossy(&o.stderr).to_string();
+    assert!(
+        !o.status.success() && e.contains("--kernel cudnn does not run on the rocm plugin"),
+        "{e}"
+    );
+    let e = fails(&[&train[..], &["--plugin", "cuda"]].concat());
     assert!(
         e.contains(
             "cuDNN's causal mask, which does not keep packed documents apart: add --no-pack"
         ),
-        "{e}"
-    );
-    let e = fails(&[&train[..], &["--no-pack"]].concat());
-    assert!(
-        e.contains("--kernel cudnn does not run on the cpu plugin"),
         "{e}"
     );
     assert!(!out.exists(), "a refused run writes nothing");
@@ -357,5 +380,63 @@ fn the_cudnn_stand_in_trains_as_the_loops_do_on_padded_rows() {
     let standin = ["--no-pack", "--kernel", "cudnn-standin"];
     let (stand_in, _) = train_run(&dir, runs, "standin", &standin);
     assert_same_losses(&loops, &stand_in);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `train --program DIR` of a dir compiled with `--kernel every-key` runs its executable with
+/// the kernel it was compiled with, as it takes every other recorded setting from the dir; a
+/// `--kernel` that differs compiles here and says why.
+#[test]
+fn a_program_dir_runs_with_the_kernels_it_was_compiled_with() {
+    let dir = tempdir("kernel-dir");
+    let f = fixtures();
+    let prog = dir.join("prog");
+    let model = f.join("model");
+    let args = [
+        "compile",
+        "--model",
+        model.to_str().unwrap(),
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--key-block",
+        "4",
+        "--check",
+        "--kernel",
+        "every-key",
+        "--out",
+        prog.to_str().unwrap(),
+    ];
+    let o = xtrain(&args);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let train = |name: &str, extra: &[&str]| -> String {
+        let o = train_cmd(
+            &f.join("model"),
+            &f.join("inputs.safetensors"),
+            &dir.join(name),
+        )
+        .args(["--steps", "1", "--program"])
+        .arg(&prog)
+        .args(extra)
+        .output()
+        .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr).to_string();
+        assert!(o.status.success(), "{err}");
+        err
+    };
+    let err = train("as-compiled", &[]);
+    assert!(
+        err.contains("--kernel every-key (as it was compiled for cpu")
+            && err.contains("loaded the step compiled by `xtrain compile` for cpu")
+            && !err.contains("here, the same program"),
+        "{err}"
+    );
+    let err = train("asked-otherwise", &["--kernel", "cudnn-standin"]);
+    assert!(
+        err.contains("no executable of the dir fits this run")
+            && err.contains("was compiled with kernels [xtrain.attention v1 -> every-key"),
+        "{err}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -124,6 +124,23 @@ fn a_run_stopped_with_ctrl_c_goes_on_evaluating_and_checkpointing_with_the_comma
         adapter(&full),
         "the same adapter as the uninterrupted run"
     );
+
+    // Resuming the last checkpoint trains nothing, and says so.
+    let last = int.join("checkpoint-120");
+    let o = xtrain_cmd()
+        .args(["train", "--resume", last.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr).to_string();
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains(&format!(
+            "nothing to do: {} is at step 120 of 120",
+            last.display()
+        )),
+        "{err}"
+    );
+    assert_eq!(adapter(&int), adapter(&full), "the adapter unchanged");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

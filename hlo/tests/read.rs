@@ -74,8 +74,8 @@ fn composite_calls_read_back_to_what_was_built() {
     let v3 = Shape::new(&[3], DType::F32);
     assert_eq!(calls[0].operands, [m23.clone(), v3.clone()]);
     assert_eq!(calls[0].results, [m23.clone(), v3.clone()]);
-    assert_eq!(calls[1].operands, [m23.clone()]);
-    assert_eq!(calls[1].results, [m23.clone()]);
+    assert_eq!(calls[1].operands, std::slice::from_ref(&m23));
+    assert_eq!(calls[1].results, std::slice::from_ref(&m23));
     assert!(text
         .lines()
         .nth(calls[1].line - 1)

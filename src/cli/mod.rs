@@ -124,9 +124,14 @@ fn parse() -> (Cli, clap::ArgMatches, Option<Recipe>) {
             std::process::exit(2);
         }
     };
+    let command = expanded.argv.get(1).cloned();
     let matches = match cmd.try_get_matches_from(expanded.argv) {
         Ok(m) => m,
         Err(e) => {
+            if let Some(said) = not_part_of_the_program(&e, command.as_deref()) {
+                eprintln!("error: {said}");
+                std::process::exit(2);
+            }
             let recipe = expanded.recipe.as_ref().map(|(f, _)| f.as_path());
             match config::recipe_value_error(&e, recipe, &expanded.keys) {
                 Some(said) => {
@@ -139,6 +144,24 @@ fn parse() -> (Cli, clap::ArgMatches, Option<Recipe>) {
     };
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     (cli, matches, expanded.recipe)
+}
+
+/// `compile --lr`: the learning rate is an argument of each step, not part of the program, so
+/// compile has no such flag; said so, rather than clap's nearest flag (`--lora-r`).
+fn not_part_of_the_program(e: &clap::Error, command: Option<&std::ffi::OsStr>) -> Option<String> {
+    use clap::error::{ContextKind, ContextValue, ErrorKind};
+    if e.kind() != ErrorKind::UnknownArgument || command? != "compile" {
+        return None;
+    }
+    let Some(ContextValue::String(arg)) = e.get(ContextKind::InvalidArg) else {
+        return None;
+    };
+    let flag = arg.split('=').next().unwrap_or(arg);
+    (flag == "--lr").then(|| {
+        "`xtrain compile` takes no --lr: the learning rate is an argument of each step, not part \
+         of the program (give it to `xtrain train`; compile takes train's other optimizer flags)"
+            .to_string()
+    })
 }
 
 use config::Recipe;

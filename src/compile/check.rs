@@ -24,7 +24,8 @@ pub(super) fn check(
         crate::device::runtime::Runtime::open(a.plugin.as_deref(), Some(program.partitions))?;
     crate::device::platform::check_offload(&rt.platform(), spec.offload, "this step")?;
     rt.use_kernels(&a.kernels)?;
-    let kernels = crate::device::kernels::say_used(&rt.kernels, &rt.kernel_text(program)?.1)?;
+    let kernels = rt.kernel_text(program)?.uses.clone();
+    crate::device::kernels::announce(&kernels);
     let t0 = std::time::Instant::now();
     let exe = rt.compile_dumping(program, a.xla_dump.as_deref())?;
     let compile_s = t0.elapsed().as_secs_f64();

@@ -111,8 +111,11 @@ pub fn run(o: &CompileOptions) -> Result<CompileReport> {
         targets
             .iter()
             .map(|t| {
+                // Chosen before the plugin is opened (or downloaded): a kernel that does not
+                // run on the target is refused first.
+                let kernels = crate::device::kernels::chosen(&o.kernels, t.platform.plugin())?;
                 let mut d = TargetDevices::open(t, o.plugin.as_deref(), o.verbose)?;
-                d.kernels = crate::device::kernels::chosen(&o.kernels, t.platform.plugin())?;
+                d.kernels = kernels;
                 Ok(d)
             })
             .collect::<Result<_>>()?

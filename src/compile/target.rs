@@ -230,7 +230,7 @@ fn print_estimate(t: &TargetDevices, spec: &StepSpec) -> Result<Option<StepEstim
         return Ok(None);
     }
     let tokens = (spec.batch * spec.seq) as f64;
-    let model_flops = crate::train::bench::model_flops_per_step(spec);
+    let model_flops = crate::program::flops::model_flops_per_step(spec);
     let devices = t.devices.len() as f64;
     let mfu = t
         .peak_bf16_tflops_per_device()

@@ -53,9 +53,7 @@ pub(super) fn write_program(w: &Writing, spec: &StepSpec) -> Result<(Program, Ma
         None => String::new(),
     };
     println!(
-        "step: --dtype {} (weights {}, compute {}), --batch {}, --seq {}, --lora-r {} (alpha {}, on {}), --remat {}, --grad-accum {}{}{}",
-        spec.dtype,
-        spec.dtype,
+        "step: --dtype {} (weights and compute), --batch {}, --seq {}, --lora-r {} (alpha {}, on {}), --remat {}, --grad-accum {}{}{}",
         spec.dtype,
         spec.batch,
         spec.seq,

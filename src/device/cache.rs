@@ -23,7 +23,7 @@ pub fn compile_cached(
     let plugin = rt.client.plugin();
     let (major, minor) = plugin.api_version();
     let mut key = Sha256::new();
-    key.update(rt.kernel_text(program)?.0.as_bytes());
+    key.update(rt.kernel_text(program)?.text.as_bytes());
     key.update(rt.options(options).to_bytes());
     key.update(plugin.path().to_string_lossy().as_bytes());
     key.update(

@@ -1,7 +1,7 @@
 //! The device side: a PJRT client, compiled programs, host <-> device tensors.
 
 use crate::cluster::gather::StoreGather;
-use crate::device::hosts::place::{Hosts, Placement};
+use crate::device::hosts::place::{DeviceMap, Hosts};
 use crate::device::platform::{gpu_memory_fraction, keep_freed_host_memory, named_platform};
 use crate::formats::host::element_type;
 use crate::program::Program;
@@ -31,6 +31,8 @@ pub struct Runtime {
     /// Kernels put in place of the program's composites before it is compiled (`--kernel`,
     /// see [`crate::device::kernels`]).
     pub kernels: Vec<&'static crate::device::kernels::Kernel>,
+    /// The program texts [`Runtime::kernels`] rewrote, each once.
+    rewritten: crate::device::kernels::Rewritten,
     /// How this process runs the step's mesh (see [`Hosts`]): one host unless
     /// [`Runtime::place_virtual_hosts`] or [`Runtime::place_across_processes`] placed it; a
     /// process of a run of several has its own devices in [`Runtime::devices`], in the order of
@@ -137,6 +139,7 @@ impl Runtime {
             devices,
             prebuilt: None,
             kernels: Vec::new(),
+            rewritten: Default::default(),
             hosts: Hosts::One,
         })
     }
@@ -169,8 +172,6 @@ impl Runtime {
         o
     }
 
-    /// Compile a program (on as many devices as it has partitions), checking its arguments on
-    /// every execute.
     /// [`Runtime::compile`] with the usual options, XLA's optimized HLO written as text into
     /// `dump` when given (`compile --check --xla-dump DIR`).
     pub fn compile_dumping(
@@ -190,10 +191,11 @@ impl Runtime {
         self.compile(program, &options)
     }
 
+    /// Compile a program (on as many devices as it has partitions), checking its arguments on
+    /// every execute.
     pub fn compile(&self, program: &Program, options: &CompileOptions) -> Result<Executable> {
-        let (text, _) = self.kernel_text(program)?;
         let program = &Program {
-            text,
+            text: self.kernel_text(program)?.text.clone(),
             ..program.clone()
         };
         let mut options = self.options(options);
@@ -261,20 +263,21 @@ impl Runtime {
     }
 
     /// The text this runtime's compiler sees for `program`: the program with [`Runtime::kernels`]
-    /// in place of the composites they implement, and what they replaced.
+    /// in place of the composites they implement (each a composite of the program, or refused),
+    /// and what they replaced. Rewritten on the first call for a program and kept: compiling,
+    /// keying the cache and recording a build read the same text. Saying what was replaced is
+    /// the caller's ([`crate::device::kernels::announce`]).
     pub fn kernel_text(
         &self,
         program: &Program,
-    ) -> Result<(String, Vec<crate::device::kernels::KernelUse>)> {
-        if self.kernels.is_empty() {
-            return Ok((program.text.clone(), Vec::new()));
-        }
-        crate::device::kernels::replace(&program.text, &self.kernels)
+    ) -> Result<std::sync::Arc<crate::device::kernels::Replaced>> {
+        self.rewritten.get(&program.text, &self.kernels)
     }
 
     /// Choose the kernels `--kernel` names for this plugin's platform.
     pub fn use_kernels(&mut self, names: &[String]) -> Result<()> {
         self.kernels = crate::device::kernels::chosen(names, &self.platform())?;
+        self.rewritten.clear();
         Ok(())
     }
 
@@ -319,7 +322,7 @@ impl Runtime {
 
     /// Place a step of `partitions` devices over a client spanning a run of several
     /// processes: positions from the client's global devices and their process indices
-    /// ([`Placement::of_processes`]), and [`Runtime::devices`] (this process's) put in the order
+    /// ([`DeviceMap::of_processes`]), and [`Runtime::devices`] (this process's) put in the order
     /// of the positions it holds; `gather` brings the others' shards to process 0.
     pub fn place_across_processes(&mut self, partitions: usize, gather: StoreGather) -> Result<()> {
         let described = |d: &Device| -> Result<(i64, usize)> {
@@ -336,7 +339,7 @@ impl Runtime {
         let Some(me) = mine.first().map(|d| d.1) else {
             bail!("this process has no devices of its own in the run");
         };
-        let placed = Placement::of_processes(&global, partitions, me)?;
+        let placed = DeviceMap::of_processes(&global, partitions, me)?;
         let mut ordered = Vec::new();
         for p in placed.held() {
             let id = placed.ids[p];

@@ -32,10 +32,19 @@ impl StepSpec {
                     if tb == 1 { "token" } else { "tokens" }
                 ))
             }
-            Some(k) => flags.push(format!(
-                "--key-block {k} (blocks of {})",
-                crate::model::flash::key_block(spec.seq, k)
-            )),
+            Some(k) => {
+                // Two halves of whole blocks: a length that is not one is padded at its end,
+                // said as it is with a context axis.
+                let tb = crate::model::flash::key_block(spec.seq, k);
+                let padded = crate::model::flash::padded(spec.seq, 2 * tb);
+                let pad = match padded > spec.seq {
+                    true => {
+                        format!("; the sequence is padded to {padded}, two halves of whole blocks")
+                    }
+                    false => String::new(),
+                };
+                flags.push(format!("--key-block {k} (blocks of {tb}{pad})"))
+            }
             None => {
                 flags.push("--key-block off".to_string());
                 flags.push(format!(

@@ -17,6 +17,7 @@
 //! does not grow with depth.
 
 mod build;
+pub mod flops;
 mod form;
 mod layout;
 mod passes;

@@ -4,7 +4,7 @@
 use crate::data::Batch;
 use crate::device::runtime::Runtime;
 use crate::device::trainer::Trainer;
-use crate::model::lora::{Projection, SplitMix};
+use crate::model::lora::SplitMix;
 use crate::program::{self, Program, Role, StepSpec};
 use anyhow::Result;
 use hlo::DType;
@@ -177,39 +177,8 @@ pub struct BenchResult {
     pub kernels: Vec<String>,
 }
 
-/// Model FLOPs of one training step, the count MFU and the benchmarks' FLOP/s use (work the step
-/// must do, no recomputation counted; a multiply-add is 2 FLOPs):
-/// - the frozen matmuls forward, `2 P` per token, and the activation gradients through them,
-///   another `2 P` (P = every projection's in x out, all layers, plus the LM head's hidden x
-///   vocab; the frozen weights get no gradients);
-/// - causal attention as full T x T (as is usual for MFU): `QK^T` and `PV` are `4 T d` per head
-///   and token forward, twice that backward;
-/// - LoRA: `2 r (in + out)` per token and adapted projection forward, twice that backward.
-pub fn model_flops_per_step(spec: &StepSpec) -> f64 {
-    let c = &spec.model;
-    let (l, t) = (c.num_hidden_layers as f64, spec.seq as f64);
-    let tokens = (spec.batch * spec.seq) as f64;
-    let per_layer: i64 = Projection::ALL
-        .iter()
-        .map(|&tg| {
-            let (i, o) = crate::model::tensors::projection_dims(c, tg);
-            i * o
-        })
-        .sum();
-    let p = l * per_layer as f64 + (c.hidden_size * c.vocab_size) as f64;
-    let attention = l * 4.0 * t * (c.num_attention_heads * c.head_dim) as f64;
-    let lora_per_layer: i64 = spec
-        .lora
-        .targets
-        .iter()
-        .map(|&tg| {
-            let (i, o) = crate::model::tensors::projection_dims(c, tg);
-            spec.lora.r * (i + o)
-        })
-        .sum();
-    let lora = l * 2.0 * lora_per_layer as f64;
-    tokens * (4.0 * p + 3.0 * attention + 3.0 * lora)
-}
+/// The step spec's model FLOPs (`program::flops`), named here too for the benchmarks' callers.
+pub use crate::program::flops::model_flops_per_step;
 
 /// Compile (no cache) on `rt` and run `warmup + steps` steps; optionally write the weights, LoRA
 /// and batch to `export` (safetensors, HF/PEFT names) for peers.
@@ -224,7 +193,8 @@ pub fn run(
     let batch = random_batch(&spec, 1);
     let program = program::build_train_step(&spec)?;
     let bytes = program.text.len();
-    let kernels = crate::device::kernels::say_used(&rt.kernels, &rt.kernel_text(&program)?.1)?;
+    let kernels = rt.kernel_text(&program)?.uses.clone();
+    crate::device::kernels::announce(&kernels);
     let t0 = Instant::now();
     let frozen = if export.is_some() || spec.quant.is_nf4() {
         // Per-layer f32 weights under HF names: what peers read, and what the NF4 quantizer takes.

@@ -9,7 +9,22 @@ use anyhow::{bail, Context, Result};
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+
+/// The number of the signal that stopped the run (0: none yet), set by the handlers of
+/// [`stop_on_signals`].
+static SIGNAL: OnceLock<Arc<AtomicUsize>> = OnceLock::new();
+
+/// The exit code of a run a signal stopped: 128 + the signal's number, the shell's convention
+/// (130 for SIGINT, 143 for SIGTERM); SIGINT's where none was heard (the code is then a
+/// Ctrl-C's).
+pub(super) fn interrupted_code() -> i32 {
+    let heard = SIGNAL.get().map_or(0, |s| s.load(Ordering::SeqCst));
+    128 + match heard {
+        0 => signal_hook::consts::SIGINT,
+        n => n as i32,
+    }
+}
 
 /// How a run's invocation ended, short of an error.
 pub(super) enum Finished {
@@ -22,7 +37,8 @@ pub(super) enum Finished {
 }
 
 /// Say how the run ended and settle its output dir: complete, stopped by `--stop-after` or
-/// interrupted (with the command that continues it; an interrupted process exits with code 130),
+/// interrupted (with the command that continues it; an interrupted process exits with 128 + the
+/// signal's number: 130 for SIGINT, 143 for SIGTERM),
 /// or failed (the error, with what became of the output dir).
 pub(super) fn end(opts: &TrainOptions, out: &mut RunDir, finished: Result<Finished>) -> Result<()> {
     match finished {
@@ -43,7 +59,7 @@ pub(super) fn end(opts: &TrainOptions, out: &mut RunDir, finished: Result<Finish
         }
         Ok(Finished::Interrupted(saved)) => {
             say_interrupted(opts, out, saved, "before a step was taken");
-            std::process::exit(130);
+            std::process::exit(interrupted_code());
         }
         Err(e) => match out.failed() {
             Some(note) => Err(anyhow::anyhow!("{e:#}\n({note})")),
@@ -80,7 +96,7 @@ fn say_interrupted(opts: &TrainOptions, out: &mut RunDir, saved: Option<PathBuf>
 pub(super) type Abandon = Box<dyn FnOnce() + Send>;
 
 /// Abandon the run during `phase` (`compiling the step`): say so as an interrupted run before
-/// its first step, settle the output dir and end the process with code 130, at once: the
+/// its first step, settle the output dir and end the process ([`interrupted_code`]) at once: the
 /// phase's thread is inside the plugin, so the process ends without running exit handlers
 /// under it (as a second Ctrl-C does).
 pub(super) fn abandon(opts: &TrainOptions, out: &Arc<Mutex<RunDir>>, phase: &str) -> Abandon {
@@ -92,7 +108,7 @@ pub(super) fn abandon(opts: &TrainOptions, out: &Arc<Mutex<RunDir>>, phase: &str
     Box::new(move || {
         say_interrupted(&opts, &mut locked(&out), None, &when);
         let _ = std::io::stderr().flush();
-        signal_hook::low_level::exit(130);
+        signal_hook::low_level::exit(interrupted_code());
     })
 }
 
@@ -164,17 +180,18 @@ impl Signals {
 /// SIGINT/SIGTERM set the returned flag: the run stops at the next safe point (after the current
 /// step, with a checkpoint; or before the first step, once the data or the first evaluation is
 /// done), or, during a phase without one (compiling the step), abandons it at once
-/// ([`Signals::abandonable`]). A second signal ends the process at once (exit code 130).
+/// ([`Signals::abandonable`]). A second signal ends the process at once. Either way the exit
+/// code is 128 + the signal's number ([`interrupted_code`]).
 pub(super) fn stop_on_signals() -> Result<Signals> {
     let interrupted = Arc::new(AtomicBool::new(false));
-    let which = Arc::new(AtomicUsize::new(0));
+    let heard = SIGNAL.get_or_init(Arc::default).clone();
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
         // Registered first, so it sees the flag as the previous signal left it.
-        signal_hook::flag::register_conditional_shutdown(sig, 130, interrupted.clone())
+        signal_hook::flag::register_conditional_shutdown(sig, 128 + sig, interrupted.clone())
             .context("cannot install signal handlers")?;
         signal_hook::flag::register(sig, interrupted.clone())
             .context("cannot install signal handlers")?;
-        signal_hook::flag::register_usize(sig, which.clone(), sig as usize)
+        signal_hook::flag::register_usize(sig, heard.clone(), sig as usize)
             .context("cannot install signal handlers")?;
     }
     let abandon: Arc<Mutex<Option<Abandon>>> = Arc::default();
@@ -182,7 +199,7 @@ pub(super) fn stop_on_signals() -> Result<Signals> {
     // A signal handler can neither print nor abandon; this thread says what the first signal
     // does, and abandons a phase without a safe point.
     let (flag, action) = (interrupted.clone(), abandon.clone());
-    let (sig, now) = (which.clone(), at_once.clone());
+    let (sig, now) = (heard.clone(), at_once.clone());
     std::thread::spawn(move || {
         let mut said = false;
         loop {

@@ -133,7 +133,7 @@ fn run_in(
     }
     let abandon: finish::Abandon = match out {
         Some(out) => finish::abandon(opts, out, "compiling the step"),
-        None => Box::new(|| signal_hook::low_level::exit(130)),
+        None => Box::new(|| signal_hook::low_level::exit(finish::interrupted_code())),
     };
     let trainer = signals.abandonable(abandon, || {
         upload::compile_and_upload(opts, rt, spec, program, weights, &start)
@@ -157,7 +157,7 @@ fn run_in(
         metrics.mfu_seconds = opts.peak_tflops.map(|peak| {
             let spec = &trainer.spec;
             let devices = spec.mesh.as_ref().map_or(1, |m| m.devices()) as f64;
-            bench::model_flops_per_step(spec) / (peak * 1e12 * devices)
+            crate::program::flops::model_flops_per_step(spec) / (peak * 1e12 * devices)
         });
     }
     let mut run = Run {

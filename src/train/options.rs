@@ -162,6 +162,12 @@ impl TrainOptions {
     /// Flags that would do nothing in the company they are given in: refused, naming where
     /// each came from.
     fn validate_combinations(&self) -> Result<()> {
+        // A kernel that does not run on the plugin named is refused before what it would ask
+        // of the data.
+        let platform = crate::device::platform::named_platform(self.plugin.as_deref());
+        if platform != "unknown" {
+            crate::device::kernels::chosen(&self.kernels, platform)?;
+        }
         let one_document = self
             .kernels
             .iter()

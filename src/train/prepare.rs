@@ -72,9 +72,9 @@ pub fn prepare_with(
             );
         }
         let mut rt = open(program.partitions)?;
-        rt.use_kernels(&opts.kernels)?;
-        crate::device::kernels::say_used(&rt.kernels, &rt.kernel_text(&program)?.1)?;
         let builds = crate::formats::program_dir::read_builds(dir)?;
+        rt.use_kernels(&kernels_of_dir(&opts.kernels, &rt, &builds, dir))?;
+        crate::device::kernels::announce(&rt.kernel_text(&program)?.uses);
         one_process(
             &rt.platform(),
             in_run(&rt),
@@ -117,11 +117,9 @@ pub fn prepare_with(
         .step
         .spec(cfg.clone(), batch, seq)
         .map_err(|e| name_the_batchs_length(e, opts, batch, seq))?;
+    // Chosen here, checked against the step (and announced) once it is built: a compile of a
+    // candidate below refuses a kernel that would replace nothing before XLA sees the text.
     rt.use_kernels(&opts.kernels)?;
-    if !rt.kernels.is_empty() {
-        let program = program::build_train_step(&spec)?;
-        crate::device::kernels::say_used(&rt.kernels, &rt.kernel_text(&program)?.1)?;
-    }
     if let Some(o) = opts.step.offload {
         crate::device::platform::check_offload(&rt.platform(), o, "this step")?;
     }
@@ -145,9 +143,11 @@ pub fn prepare_with(
             },
             opts.use_cache,
         )?;
+        crate::device::kernels::announce(&rt.kernel_text(&program)?.uses);
         return Ok((rt, spec, program));
     }
     let program = program::build_train_step(&spec)?;
+    crate::device::kernels::announce(&rt.kernel_text(&program)?.uses);
     Ok((rt, spec, program))
 }
 
@@ -202,6 +202,37 @@ pub fn one_process(
     )
 }
 
+/// The kernels a run of a program dir uses: those `--kernel` names, or else those the dir's
+/// build for this plugin and these devices was compiled with (said), as every other recorded
+/// setting is taken from the dir.
+fn kernels_of_dir(
+    asked: &[String],
+    rt: &Runtime,
+    builds: &[Build],
+    dir: &std::path::Path,
+) -> Vec<String> {
+    if !asked.is_empty() {
+        return asked.to_vec();
+    }
+    let Some(build) = builds
+        .iter()
+        .find(|b| crate::device::cache::matches(rt, b).is_ok())
+    else {
+        return Vec::new();
+    };
+    let mut names: Vec<String> = build.kernels.iter().map(|k| k.kernel.clone()).collect();
+    names.dedup();
+    if !names.is_empty() {
+        eprintln!(
+            "xtrain: program dir {}: --kernel {} (as it was compiled for {})",
+            dir.display(),
+            names.join(" --kernel "),
+            build.target
+        );
+    }
+    names
+}
+
 /// The executable of a program dir's builds that was compiled for this plugin and these
 /// devices, if one was; otherwise the dir's program text is compiled here, and the reason is
 /// said. Either way the program is the dir's own text.
@@ -213,10 +244,11 @@ fn prebuilt(
     use crate::formats::program_dir;
     let builds = program_dir::read_builds(dir)?;
     let mut why_not = Vec::new();
+    let replaced = rt.kernel_text(program)?;
+    let kernels = &replaced.uses;
     for build in &builds {
-        let kernels = rt.kernel_text(program)?.1;
         let matched = crate::device::cache::matches(rt, build).and_then(|()| {
-            match build.kernels == kernels {
+            match build.kernels == *kernels {
                 true => Ok(()),
                 false => Err(format!(
                     "{} was compiled with kernels [{}], this run asks for [{}]",
@@ -264,8 +296,8 @@ fn prebuilt(
     }
     if !builds.is_empty() {
         eprintln!(
-            "xtrain: compiling {} here, the same program (this machine has {}; its executables \
-             are for other devices: {})",
+            "xtrain: compiling {} here, the same program (this machine has {}; no executable \
+             of the dir fits this run: {})",
             dir.join("train_step.mlir").display(),
             crate::device::cache::describe(rt),
             why_not.join("; ")

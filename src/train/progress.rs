@@ -123,7 +123,8 @@ pub fn reset_peak() -> bool {
     std::fs::write("/proc/self/clear_refs", "5").is_ok()
 }
 
-/// Bytes as GiB with two decimals.
+/// Bytes as GiB with two decimals (MiB or KiB for small figures): the compile's figures'
+/// words, written once in `device::memory::fit`.
 pub fn gib(b: u64) -> String {
-    format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
+    crate::device::memory::fit::gib(i64::try_from(b).unwrap_or(i64::MAX))
 }

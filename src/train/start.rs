@@ -50,6 +50,15 @@ pub(super) fn starting_point(
         Some(dir) => {
             let c = load_checkpoint(dir, cfg, lora_cfg)?;
             check_resumed_data(dir, &c.state, schedule, data, &fingerprint)?;
+            if c.state.step >= schedule.total {
+                eprintln!(
+                    "xtrain: nothing to do: {} is at step {} of {} (the run is complete; its \
+                     adapter is written again from it; raise --steps to train further)",
+                    dir.display(),
+                    c.state.step,
+                    schedule.total
+                );
+            }
             (c.lora, c.moments, c.state)
         }
         None => {

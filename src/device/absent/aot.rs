@@ -201,14 +201,9 @@ impl TargetDevices {
     pub fn compile(&self, program: &Program, dump: Option<&Path>) -> Result<TargetBuild> {
         let (text, kernels) = match self.kernels.is_empty() {
             true => (program.text.clone(), Vec::new()),
-            false => {
-                let (text, used) = crate::device::kernels::replace(&program.text, &self.kernels)?;
-                (
-                    text,
-                    crate::device::kernels::say_used(&self.kernels, &used)?,
-                )
-            }
+            false => crate::device::kernels::replace(&program.text, &self.kernels)?,
         };
+        crate::device::kernels::announce(&kernels);
         let program = &Program {
             text,
             ..program.clone()

@@ -19,13 +19,13 @@ pub enum Hosts {
     /// `--virtual-hosts P`: this process runs P hosts, which hand their shards of a result to
     /// host 0 through a store of their own on loopback, as separate hosts would.
     Virtual {
-        placement: Placement,
+        placement: DeviceMap,
         gather: VirtualHosts,
     },
     /// One process of a run of several: its own host's positions; the shards the others hold
     /// reach process 0 through the run's store.
     Processes {
-        placement: Placement,
+        placement: DeviceMap,
         gather: StoreGather,
     },
 }
@@ -34,13 +34,13 @@ impl Hosts {
     /// `--virtual-hosts hosts` over the devices `ids` (in mesh order), with a store of their
     /// own on loopback that waits `timeout` for a host's shards.
     pub fn virtual_hosts(ids: Vec<i64>, hosts: usize, timeout: Duration) -> Result<Hosts> {
-        let placement = Placement::in_one_process(ids, hosts)?;
+        let placement = DeviceMap::in_one_process(ids, hosts)?;
         let gather = VirtualHosts::start(&placement.hosts, timeout)?;
         Ok(Hosts::Virtual { placement, gather })
     }
 
     /// Where the mesh positions lie, when they are split into hosts.
-    pub fn placement(&self) -> Option<&Placement> {
+    pub fn placement(&self) -> Option<&DeviceMap> {
         match self {
             Hosts::One => None,
             Hosts::Virtual { placement, .. } | Hosts::Processes { placement, .. } => {
@@ -91,7 +91,7 @@ impl Hosts {
     /// is checked against the box its position holds where it is put together
     /// (`device::shards::unshard`).
     pub fn whole(&self, mine: Vec<HostTensor>) -> Result<Option<Vec<HostTensor>>> {
-        let (placement, gather): (&Placement, &dyn Gather) = match self {
+        let (placement, gather): (&DeviceMap, &dyn Gather) = match self {
             Hosts::One => return Ok(Some(mine)),
             Hosts::Virtual { placement, gather } => (placement, gather),
             Hosts::Processes { placement, gather } => (placement, gather),
@@ -105,7 +105,7 @@ impl Hosts {
 
 /// The step's devices by mesh position, split into hosts.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Placement {
+pub struct DeviceMap {
     /// The global device id at each mesh position (what the step is compiled for).
     pub ids: Vec<i64>,
     /// Each host's mesh positions, in order (together: every position, once).
@@ -115,13 +115,13 @@ pub struct Placement {
     pub here: Vec<usize>,
 }
 
-impl Placement {
+impl DeviceMap {
     /// One process with every device (`ids`, in mesh order), as `hosts` hosts of equal size:
     /// host `g` holds positions `g*n .. (g+1)*n`, as each host of a slice holds its own chips.
     /// One host for a plain run; several for `--virtual-hosts`.
-    pub fn in_one_process(ids: Vec<i64>, hosts: usize) -> Result<Placement> {
+    pub fn in_one_process(ids: Vec<i64>, hosts: usize) -> Result<DeviceMap> {
         let groups = device_groups(ids.len(), hosts)?;
-        Ok(Placement {
+        Ok(DeviceMap {
             ids,
             here: (0..groups.len()).collect(),
             hosts: groups,
@@ -138,7 +138,7 @@ impl Placement {
         devices: &[(i64, usize)],
         partitions: usize,
         me: usize,
-    ) -> Result<Placement> {
+    ) -> Result<DeviceMap> {
         if devices.len() != partitions {
             bail!(
                 "the step is compiled for {partitions} devices, but the run's processes have {} \
@@ -173,7 +173,7 @@ impl Placement {
                 each.join(", ")
             );
         }
-        Ok(Placement {
+        Ok(DeviceMap {
             ids,
             hosts,
             here: vec![here],
@@ -188,7 +188,7 @@ impl Placement {
             .collect()
     }
 
-    /// Where mesh position `p` is among [`Placement::held`] (None: another process holds it).
+    /// Where mesh position `p` is among [`DeviceMap::held`] (None: another process holds it).
     pub fn slot(&self, p: usize) -> Option<usize> {
         self.held().iter().position(|q| *q == p)
     }
@@ -235,7 +235,7 @@ mod tests {
 
     #[test]
     fn one_process_holds_every_position() {
-        let p = Placement::in_one_process(vec![0, 1, 2, 3], 2).unwrap();
+        let p = DeviceMap::in_one_process(vec![0, 1, 2, 3], 2).unwrap();
         assert_eq!(p.hosts, vec![vec![0, 1], vec![2, 3]]);
         assert_eq!(p.held(), vec![0, 1, 2, 3]);
         assert!(p.holds_all());
@@ -250,8 +250,8 @@ mod tests {
             .iter()
             .map(|&id| (id, if id % 4 < 2 { 0 } else { 1 }))
             .collect();
-        let zero = Placement::of_processes(&devices, 8, 0).unwrap();
-        let one = Placement::of_processes(&devices, 8, 1).unwrap();
+        let zero = DeviceMap::of_processes(&devices, 8, 0).unwrap();
+        let one = DeviceMap::of_processes(&devices, 8, 1).unwrap();
         assert_eq!(zero.ids, vec![0, 1, 4, 5, 2, 3, 6, 7]);
         assert_eq!(
             zero.ids, one.ids,
@@ -268,7 +268,7 @@ mod tests {
     #[test]
     fn a_step_must_span_every_device_equally() {
         let devices = [(0, 0), (1, 0), (2, 1), (3, 1)];
-        let e = Placement::of_processes(&devices, 2, 0)
+        let e = DeviceMap::of_processes(&devices, 2, 0)
             .unwrap_err()
             .to_string();
         assert!(
@@ -276,7 +276,7 @@ mod tests {
             "{e}"
         );
         let uneven = [(0, 0), (1, 0), (2, 0), (3, 1)];
-        let e = Placement::of_processes(&uneven, 4, 1)
+        let e = DeviceMap::of_processes(&uneven, 4, 1)
             .unwrap_err()
             .to_string();
         assert!(e.contains("process 0: 3, process 1: 1"), "{e}");

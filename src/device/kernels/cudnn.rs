@@ -109,6 +109,11 @@ fn backend_config(dm: &Dims, backward: bool) -> String {
         .iter()
         .map(|x| x.to_string())
         .collect();
+    // Where the fixed values come from: the `algorithm` block (algo_id 0, tensor-op math, the
+    // frontend's knobs 17 and 24) is the one JAX's cuDNN attention lowering
+    // (jax/_src/cudnn/fused_attention_stablehlo.py) writes for every call; XLA builds the
+    // cuDNN frontend graph itself and reads these as they are. The seed only feeds dropout,
+    // which is off here (`dropout_rate` 0), so its value (42, JAX's default) changes nothing.
     let mut c = json!({
         "algorithm": {
             "algo_id": "0",
@@ -446,8 +451,9 @@ pub fn check_rows(mask: &[i32], seq: usize) -> Result<()> {
         if let Some(t) = m.iter().position(|&x| x > 1) {
             bail!(
                 "row {row} holds several documents (a second one starts at token {}): \
-                 cuDNN's causal mask would let them attend to each other; train with --no-pack, \
-                 or without this kernel",
+                 cuDNN's causal mask would let them attend to each other; give rows of one \
+                 document each (--no-pack for JSONL or Parquet data; a pre-tokenized batch \
+                 written so), or train without this kernel",
                 m[t] - 1
             );
         }

@@ -171,21 +171,9 @@ pub fn chosen(names: &[String], platform: &str) -> Result<Vec<&'static Kernel>> 
     Ok(out)
 }
 
-/// Say which composites the chosen kernels replace (nothing where none were chosen), and refuse
-/// a kernel whose composite the program lacks: a `--kernel` that would change nothing. Returns
-/// what was replaced, for the build's record.
-pub fn say_used(chosen: &[&Kernel], used: &[KernelUse]) -> Result<Vec<KernelUse>> {
-    for k in chosen {
-        if !used.iter().any(|u| u.kernel == k.name) {
-            bail!(
-                "--kernel {}: the program has no composite it implements ({} v{}: attention is \
-                 one with --key-block or a context mesh)",
-                k.name,
-                k.composite,
-                k.version
-            );
-        }
-    }
+/// Say which composites the chosen kernels replace (nothing where none were): the caller's
+/// word, once per run or build, of what [`replace`] did.
+pub fn announce(used: &[KernelUse]) {
     if !used.is_empty() {
         let list: Vec<String> = used.iter().map(|u| u.to_string()).collect();
         eprintln!(
@@ -193,13 +181,54 @@ pub fn say_used(chosen: &[&Kernel], used: &[KernelUse]) -> Result<Vec<KernelUse>
             list.join(", ")
         );
     }
-    Ok(used.to_vec())
+}
+
+/// A program's text as a runtime's compiler sees it: the chosen kernels in place of the
+/// composites they implement, and what they replaced (for the build's record).
+#[derive(Clone, Debug)]
+pub struct Replaced {
+    pub text: String,
+    pub uses: Vec<KernelUse>,
+}
+
+/// The texts a runtime's kernels rewrote, each kept by the sha256 of the program text it came
+/// from: a program is read, checked and rewritten once however often it is compiled, keyed or
+/// recorded.
+#[derive(Debug, Default)]
+pub struct Rewritten(std::sync::Mutex<Vec<(String, std::sync::Arc<Replaced>)>>);
+
+impl Rewritten {
+    /// `text` with `kernels` in place (see [`replace`]), rewritten on the first call only.
+    pub fn get(&self, text: &str, kernels: &[&Kernel]) -> Result<std::sync::Arc<Replaced>> {
+        if kernels.is_empty() {
+            // Nothing to rewrite or keep: the text as it is.
+            return Ok(std::sync::Arc::new(Replaced {
+                text: text.to_string(),
+                uses: Vec::new(),
+            }));
+        }
+        let key = crate::formats::program_dir::sha256_hex(text.as_bytes());
+        let mut kept = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, r)) = kept.iter().find(|(k, _)| *k == key) {
+            return Ok(r.clone());
+        }
+        let (text, uses) = replace(text, kernels)?;
+        let r = std::sync::Arc::new(Replaced { text, uses });
+        kept.push((key, r.clone()));
+        Ok(r)
+    }
+
+    /// Forget every text (the kernels changed).
+    pub fn clear(&self) {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).clear();
+    }
 }
 
 /// `text` with the decomposition of every composite a kernel of `kernels` implements replaced
 /// by that kernel, and what was replaced (nothing: the text as it was). A composite no kernel
 /// names keeps its decomposition; a kernel whose composite the program lacks is not used. The
-/// text is read and rewritten by `hlo`'s reader, beside the printer that wrote it.
+/// text is read and rewritten by `hlo`'s reader, beside the printer that wrote it. A chosen
+/// kernel whose composite the program lacks is refused: a `--kernel` that would change nothing.
 pub fn replace(text: &str, kernels: &[&Kernel]) -> Result<(String, Vec<KernelUse>)> {
     let mut out = text.to_string();
     let mut uses: Vec<KernelUse> = Vec::new();
@@ -233,12 +262,57 @@ pub fn replace(text: &str, kernels: &[&Kernel]) -> Result<(String, Vec<KernelUse
             uses.push(u);
         }
     }
+    for k in kernels {
+        if !uses.iter().any(|u| u.kernel == k.name) {
+            bail!(
+                "--kernel {}: the program has no composite it implements ({} v{}: attention is \
+                 one with --key-block or a context mesh)",
+                k.name,
+                k.composite,
+                k.version
+            );
+        }
+    }
     Ok((out, uses))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A runtime's texts: each program rewritten once and kept (the same text back, not
+    /// rewritten again), and a kernel whose composite the program lacks refused by name.
+    #[test]
+    fn a_program_is_rewritten_once_and_a_kernel_that_replaces_nothing_is_refused() {
+        let cfg = crate::model::presets::preset_config("tiny-llama3")
+            .unwrap()
+            .unwrap();
+        let lora = crate::model::lora::LoraConfig {
+            r: 2,
+            alpha: 4.0,
+            dropout: 0.0,
+            targets: vec![crate::model::lora::Projection::Q],
+        };
+        let mut spec =
+            crate::program::StepSpec::new(cfg, lora, 1, 16, hlo::DType::F32).with_default_form();
+        spec.key_block = Some(4);
+        let with = crate::program::build_train_step(&spec).unwrap();
+        spec.key_block = None;
+        let without = crate::program::build_train_step(&spec).unwrap();
+        let kernels = chosen(&["every-key".into()], "cpu").unwrap();
+        let kept = Rewritten::default();
+        let first = kept.get(&with.text, &kernels).unwrap();
+        let again = kept.get(&with.text, &kernels).unwrap();
+        assert!(std::sync::Arc::ptr_eq(&first, &again));
+        assert_eq!(first.uses.len(), 2);
+        assert_ne!(first.text, with.text);
+        let e = kept.get(&without.text, &kernels).unwrap_err().to_string();
+        assert!(
+            e.contains("--kernel every-key: the program has no composite it implements"),
+            "{e}"
+        );
+        assert_eq!(kept.get(&without.text, &[]).unwrap().text, without.text);
+    }
 
     /// A kernel with a row rule refuses a packed batch by row and token; one without takes it.
     #[test]

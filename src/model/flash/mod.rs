@@ -58,8 +58,9 @@
 //! [`ATTENTION_GRAD`], version [`VERSION`]) whose decomposition is the nested loops above and
 //! whose operands are one device's: a target may put a kernel of its own in the decomposition's
 //! place before its compiler sees the program (`device::kernels`); every other target inlines
-//! it. The attributes name what a kernel needs to know: the block, the chunk lengths, the scale
-//! and the head counts.
+//! it. The attributes name what a kernel needs to know: the block, the chunk lengths, the scale,
+//! the head counts and the causal rule. Names, operands and attributes are written once, in
+//! `contract.rs`, which the loops here and every kernel read them through.
 //!
 //! Masked scores are the lowest f32 rather than -inf, as in the whole-sequence form, so a row
 //! with no visible key (a padding query) averages its block uniformly instead of dividing by

@@ -48,6 +48,9 @@ pub(in crate::program) fn check_spec(spec: &StepSpec) -> Result<()> {
                 .map(|t| (t.name, t.shape)),
         );
         tensors.push(("input_ids".into(), vec![spec.batch, spec.seq]));
+        // Before the splits: a length the context axis cannot cut is said as such, not as an
+        // axis that splits nothing (seq 4100 over context=3).
+        check_context_length(spec)?;
         crate::program::sharding::check_splits(&m.axes, &m.rules, &tensors)?;
     }
     if let Some(c) = spec.loss_chunk {
@@ -131,22 +134,11 @@ fn check_attention_form(spec: &StepSpec) -> Result<()> {
             bail!("--key-block must be a positive number of tokens, got {k}");
         }
     }
-    let cp = spec.context_size();
-    if cp > 1 {
-        if spec.seq % (2 * cp) != 0 {
-            bail!(
-                "the mesh splits the sequence over {cp} devices, in 2 x {cp} chunks (two per \
-                 device, so that the causal work is balanced): --seq {} must be a multiple of {}",
-                spec.seq,
-                2 * cp
-            );
-        }
-        if spec.key_block.is_none() {
-            bail!(
-                "a sequence split over the context axis is attended over key/value blocks: give \
-                 --key-block N or auto, not off"
-            );
-        }
+    if spec.context_size() > 1 && spec.key_block.is_none() {
+        bail!(
+            "a sequence split over the context axis is attended over key/value blocks: give \
+             --key-block N or auto, not off"
+        );
     }
     Ok(())
 }
@@ -218,6 +210,21 @@ fn check_nf4_blocks(cfg: &LlamaConfig) -> Result<()> {
                 shape.iter().map(|d| d.to_string()).collect::<Vec<_>>().join("x")
             );
         }
+    }
+    Ok(())
+}
+
+/// Over a context axis of CP devices the sequence is cut in 2 x CP chunks (two per device, so
+/// that the causal work is balanced): the length must be a multiple of 2 CP.
+fn check_context_length(spec: &StepSpec) -> Result<()> {
+    let cp = spec.context_size();
+    if cp > 1 && spec.seq % (2 * cp) != 0 {
+        bail!(
+            "the mesh splits the sequence over {cp} devices, in 2 x {cp} chunks (two per \
+             device, so that the causal work is balanced): --seq {} must be a multiple of {}",
+            spec.seq,
+            2 * cp
+        );
     }
     Ok(())
 }

@@ -338,3 +338,40 @@ fn mlp_chunks_are_checked_against_the_sequence_and_the_mesh() {
     let e = refused(&with(16, Some("context=2")), 4, 64);
     assert!(e.contains("--mlp-chunk 16") && e.contains("context"), "{e}");
 }
+
+/// A length a context axis cannot cut in 2 x CP chunks is said as such, whether or not the
+/// length happens to be a multiple of CP (100 is not, 105 is): it was "splits nothing" for
+/// the first, as a new user found at seq 4100 over context=3.
+#[test]
+fn a_length_the_context_axis_cannot_cut_is_named_before_the_axes_splits() {
+    for seq in [100, 105] {
+        let mut o = options(DType::F32);
+        o.mesh = Some(MeshPlan {
+            axes: vec![("context".into(), 3)],
+            rules: crate::program::sharding::Rules::default(),
+        });
+        let e = refused(&o, 4, seq);
+        assert!(
+            e.contains(&format!("--seq {seq} must be a multiple of 6")),
+            "{e}"
+        );
+    }
+}
+
+/// Key blocks that do not cut the sequence in two halves of whole blocks pad it, and the form
+/// says so on one device as it does over a context axis.
+#[test]
+fn the_form_says_when_key_blocks_pad_the_sequence() {
+    let form = |seq: i64| {
+        let mut o = options(DType::F32);
+        o.key_block = KeyBlocks::Size(512);
+        o.spec(tiny(), 1, seq).unwrap().form()
+    };
+    let padded = form(4100);
+    assert!(
+        padded.contains("--key-block 512 (blocks of 512; the sequence is padded to 5120"),
+        "{padded}"
+    );
+    let whole = form(4096);
+    assert!(whole.contains("--key-block 512 (blocks of 512)"), "{whole}");
+}

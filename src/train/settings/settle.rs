@@ -49,8 +49,9 @@ fn reconcile(
         None => of_run(o),
     };
     let mut taken = Vec::new();
+    // Computed once, and again only after a recorded value is taken into `o`.
+    let mut current = now(o);
     for (flag, want) in recorded {
-        let current = now(o);
         let Some(have) = current.get(flag) else {
             continue;
         };
@@ -82,6 +83,7 @@ fn reconcile(
             // The program's mesh with the sharding rules it was built with.
             o.step.mesh = spec.mesh.clone();
         }
+        current = now(o);
         taken.push(format!("--{flag} {}", show(want)));
         pinned.0.insert(flag.clone(), source.to_string());
         o.taken_from.insert(flag.clone(), source.to_string());

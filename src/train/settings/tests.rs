@@ -129,6 +129,19 @@ fn a_checkpoint_written_before_the_typed_settings_is_taken_whole() {
     }
 }
 
+/// The flag lists that decide how a recorded setting is taken name recorded settings: a typo
+/// there would silently make a may-differ flag a must-agree one (or a path one compared).
+#[test]
+fn every_listed_flag_is_a_recorded_setting() {
+    let recorded = of_run(&options());
+    for flag in PATH_FLAGS.iter().chain(LAYOUT_AND_REPORTING) {
+        assert!(
+            recorded.contains_key(*flag),
+            "--{flag} is listed but no recorded setting has that name"
+        );
+    }
+}
+
 /// A setting of another type, or one no flag has, is refused naming it.
 #[test]
 fn a_recorded_value_of_another_type_or_flag_is_refused() {
