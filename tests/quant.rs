@@ -48,7 +48,7 @@ fn quantizer_matches_a_reference_of_the_algorithm() {
         assert!((*a as f64 - b).abs() < 1e-7);
     }
     let w = test_weights(64 * 300);
-    let q = quant::quantize(&w);
+    let q = quant::quantize(&w).unwrap();
     assert_eq!(q.packed.len(), w.len() / 2);
     // Reference: per block of 64, absmax; code = nearest normalised value (f64), packed hi/lo.
     for (bi, block) in w.chunks(64).enumerate() {
@@ -95,7 +95,7 @@ fn quantizer_matches_a_reference_of_the_algorithm() {
 #[test]
 fn graph_dequantization_equals_the_host() {
     let w = test_weights(64 * 40);
-    let q = quant::quantize(&w);
+    let q = quant::quantize(&w).unwrap();
     let mut b = hlo::Builder::new("main");
     let n = w.len() as i64;
     let parts: Vec<hlo::Value> = xtrain::model::tensors::nf4_parts(n)

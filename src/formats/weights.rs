@@ -212,7 +212,11 @@ impl CheckpointWeights {
         let mut per_part: Vec<Vec<HostTensor>> = vec![Vec::new(); 4];
         for l in &layers {
             let w = convert(&self.files.read(l)?, ElementType::F32)?.to_f32()?;
-            let q = crate::model::quant::quantize(&w);
+            let q = crate::model::quant::quantize(&w).map_err(|e| {
+                anyhow::anyhow!(
+                    "tensor `{l}`: {e}; the checkpoint is damaged or was saved after a diverged run"
+                )
+            })?;
             drop(w);
             per_part[0].push(HostTensor::from_u8(&q.packed, &[q.packed.len() as i64]));
             per_part[1].push(HostTensor::from_i8(&q.scales, &[q.scales.len() as i64]));
