@@ -66,7 +66,7 @@ impl AlignedHost {
     }
 
     fn is_aligned(&self) -> bool {
-        self.data().as_ptr() as usize % HOST_ALIGN == 0
+        (self.data().as_ptr() as usize).is_multiple_of(HOST_ALIGN)
     }
 
     fn realigned(self) -> AlignedHost {

@@ -85,7 +85,6 @@ pub trait FrozenWeights {
 
     /// [`FrozenWeights::shard`] in memory aligned for the plugin to take as the device
     /// buffer's own ([`pjrt::AlignedHost`]; copied there unless the reader writes it there).
-    #[allow(clippy::too_many_arguments)]
     fn shard_aligned(
         &mut self,
         k: usize,
