@@ -427,7 +427,7 @@ fn a_qlora_adapter_merges_against_the_nf4_base_it_was_trained_on() {
         let t = xtrain::model::lora::Projection::V;
         let w = files.read(&t.weight_name(layer)).unwrap().to_f32().unwrap();
         let w = if nf4 {
-            xtrain::model::quant::dequantize(&xtrain::model::quant::quantize(&w))
+            xtrain::model::quant::dequantize(&xtrain::model::quant::quantize(&w).unwrap())
         } else {
             w
         };

@@ -3,6 +3,7 @@
 //! base weights against bf16.
 
 mod assets;
+mod common;
 
 use pjrt::{CompileOptions, ElementType, HostTensor};
 use xtrain::device::runtime::Runtime;
@@ -48,7 +49,7 @@ fn quantizer_matches_a_reference_of_the_algorithm() {
         assert!((*a as f64 - b).abs() < 1e-7);
     }
     let w = test_weights(64 * 300);
-    let q = quant::quantize(&w);
+    let q = quant::quantize(&w).unwrap();
     assert_eq!(q.packed.len(), w.len() / 2);
     // Reference: per block of 64, absmax; code = nearest normalised value (f64), packed hi/lo.
     for (bi, block) in w.chunks(64).enumerate() {
@@ -95,7 +96,7 @@ fn quantizer_matches_a_reference_of_the_algorithm() {
 #[test]
 fn graph_dequantization_equals_the_host() {
     let w = test_weights(64 * 40);
-    let q = quant::quantize(&w);
+    let q = quant::quantize(&w).unwrap();
     let mut b = hlo::Builder::new("main");
     let n = w.len() as i64;
     let parts: Vec<hlo::Value> = xtrain::model::tensors::nf4_parts(n)
@@ -243,4 +244,42 @@ fn smollm2_loss_with_nf4_is_close_to_bf16() {
         losses[1],
         losses[0]
     );
+}
+
+/// A NaN in a checkpoint's projection is refused when NF4 quantizes it, naming the tensor and
+/// the element (NF4 has no code for it; it used to quantize to garbage), and the run writes
+/// nothing: no adapter, no metrics.
+#[test]
+fn a_nan_in_a_checkpoint_is_refused_by_name_when_quantizing() {
+    let f = common::fixtures();
+    let dir = common::tempdir("nf4-nan");
+    let model = dir.join("model");
+    std::fs::create_dir_all(&model).unwrap();
+    std::fs::copy(f.join("model/config.json"), model.join("config.json")).unwrap();
+    let mut bytes = std::fs::read(f.join("model/model.safetensors")).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let name = "model.layers.1.self_attn.q_proj.weight";
+    let t = &header[name];
+    assert_eq!(t["dtype"], "F32");
+    let cols = t["shape"][1].as_u64().unwrap() as usize;
+    let at = 8 + n + t["data_offsets"][0].as_u64().unwrap() as usize + (3 * cols + 5) * 4;
+    bytes[at..at + 4].copy_from_slice(&f32::NAN.to_le_bytes());
+    std::fs::write(model.join("model.safetensors"), &bytes).unwrap();
+    let out = dir.join("out");
+    let o = common::train_cmd(&model, &f.join("inputs.safetensors"), &out)
+        .args(["--steps", "1", "--quant", "nf4", "--no-plot"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    let element = format!("element {} (index [3, 5])", 3 * cols + 5);
+    for want in [name, element.as_str(), "NaN or infinite"] {
+        assert!(err.contains(want), "`{want}` not in:\n{err}");
+    }
+    for written in ["adapter", "metrics.jsonl", "checkpoint-1"] {
+        assert!(!out.join(written).exists(), "{written} was written");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -9,6 +9,10 @@ use std::sync::Arc;
 pub struct Buffer {
     pub(crate) client: Arc<ClientInner>,
     pub(crate) raw: *mut PJRT_Buffer,
+    /// Host memory the plugin uses as this buffer's (a zero-copy upload,
+    /// [`crate::Client::to_device_owned`]), with the event that fires once the plugin is done
+    /// with it: freed only then, after the buffer is destroyed.
+    pub(crate) host: Option<(Vec<u8>, Event)>,
 }
 
 unsafe impl Send for Buffer {}
@@ -23,6 +27,14 @@ impl Drop for Buffer {
             }
         );
         let _ = (|| call!(&self.client.plugin, Buffer_Destroy, &mut a))();
+        if let Some((bytes, done)) = self.host.take() {
+            // The plugin may still read the memory until the work using the buffer ends; if
+            // waiting fails the memory is leaked rather than freed under it.
+            match done.wait() {
+                Ok(()) => drop(bytes),
+                Err(_) => std::mem::forget(bytes),
+            }
+        }
     }
 }
 
@@ -58,6 +70,22 @@ impl Buffer {
         let mut a = args!(PJRT_Buffer_IsDeleted_Args, is_deleted { buffer: self.raw });
         call!(self.p(), Buffer_IsDeleted, &mut a)?;
         Ok(a.is_deleted)
+    }
+
+    /// Whether this buffer's memory is host memory handed over by a zero-copy upload.
+    pub fn holds_host_memory(&self) -> bool {
+        self.host.is_some()
+    }
+
+    /// The address of the buffer's memory on its device (for checks: on the CPU plugin, where a
+    /// zero-copy upload put the buffer).
+    pub fn device_pointer(&self) -> Result<usize> {
+        let mut a = args!(
+            PJRT_Buffer_UnsafePointer_Args,
+            buffer_pointer { buffer: self.raw }
+        );
+        call!(self.p(), Buffer_UnsafePointer, &mut a)?;
+        Ok(a.buffer_pointer)
     }
 
     pub fn on_device_bytes(&self) -> Result<usize> {

@@ -3,8 +3,8 @@
 
 use crate::ffi::*;
 use crate::{
-    kv, mlir_program, str_from, Buffer, CompileOptions, Device, Error, Event, Executable,
-    HostTensor, Memory, Plugin, Result, Value,
+    kv, mlir_program, str_from, AlignedHost, Buffer, CompileOptions, Device, ElementType, Error,
+    Event, Executable, HostTensor, Memory, Plugin, Result, Value,
 };
 use std::ffi::{c_char, c_void};
 use std::ptr::null_mut;
@@ -175,38 +175,74 @@ impl Client {
 
     /// Copy a host tensor to `device`. The host data may be freed when this returns.
     pub fn to_device(&self, host: &HostTensor, device: &Device) -> Result<Buffer> {
-        self.upload(host, device.raw, null_mut())
+        self.upload_copy(host.ty, &host.dims, &host.bytes, device.raw, null_mut())
     }
 
     /// Copy a host tensor into a memory space (e.g. a device's `pinned_host` memory).
     pub fn to_memory(&self, host: &HostTensor, memory: &Memory) -> Result<Buffer> {
-        self.upload(host, null_mut(), memory.raw)
+        self.upload_copy(host.ty, &host.dims, &host.bytes, null_mut(), memory.raw)
     }
 
+    /// Copy an aligned host tensor to `device` (one another device also takes).
+    pub fn to_device_copy(&self, host: &AlignedHost, device: &Device) -> Result<Buffer> {
+        self.upload_copy(host.ty, &host.dims, host.data(), device.raw, null_mut())
+    }
+
+    /// Move a host tensor to `device`, letting the plugin use its memory as the buffer's own
+    /// (PJRT's zero-copy host buffers) where it can: the CPU plugin does for memory aligned as
+    /// its code needs ([`crate::HOST_ALIGN`]) in row-major layout. Where the plugin copies
+    /// instead, the host memory is freed now. Returns the buffer and whether it kept the host
+    /// memory. A buffer made this way must not be donated to an execution.
+    pub fn to_device_owned(&self, host: AlignedHost, device: &Device) -> Result<(Buffer, bool)> {
+        let (mut buffer, done) = self.upload(
+            (host.ty, &host.dims, host.data()),
+            device.raw,
+            null_mut(),
+            HOST_BUFFER_IMMUTABLE_ZERO_COPY,
+        )?;
+        let Some(done) = done else {
+            return Ok((buffer, false));
+        };
+        // Aliased when the buffer's memory is the host memory; else the plugin copied it (maybe
+        // still copying: waiting for the event says when the memory may go).
+        let aliased = match buffer.device_pointer() {
+            Ok(p) => p == host.data().as_ptr() as usize,
+            Err(_) => !done.is_ready()?,
+        };
+        if !aliased {
+            done.wait()?;
+            return Ok((buffer, false));
+        }
+        buffer.host = Some((host.into_memory(), done));
+        Ok((buffer, true))
+    }
+
+    /// `PJRT_Client_BufferFromHostBuffer` of the tensor (`ty`, `dims`, `data`) with
+    /// `semantics`: the buffer, and the event that fires once the plugin is done with the host
+    /// memory (None: done already).
     fn upload(
         &self,
-        host: &HostTensor,
+        (ty, dims, data): (ElementType, &[i64], &[u8]),
         device: *mut PJRT_Device,
         memory: *mut PJRT_Memory,
-    ) -> Result<Buffer> {
-        let expected = host.ty.byte_size(host.element_count());
-        if host.bytes.len() != expected {
+        semantics: std::ffi::c_int,
+    ) -> Result<(Buffer, Option<Event>)> {
+        let expected = ty.byte_size(dims.iter().product::<i64>().max(0) as usize);
+        if data.len() != expected {
             return Err(Error::Invalid(format!(
-                "host tensor {:?} {:?} needs {expected} bytes but has {}",
-                host.ty,
-                host.dims,
-                host.bytes.len()
+                "host tensor {ty:?} {dims:?} needs {expected} bytes but has {}",
+                data.len()
             )));
         }
         let mut a = args!(
             PJRT_Client_BufferFromHostBuffer_Args,
             buffer {
                 client: self.inner.raw,
-                data: host.bytes.as_ptr() as *const c_void,
-                type_: host.ty.pjrt_code(),
-                dims: host.dims.as_ptr(),
-                num_dims: host.dims.len(),
-                host_buffer_semantics: HOST_BUFFER_IMMUTABLE_ONLY_DURING_CALL,
+                data: data.as_ptr() as *const c_void,
+                type_: ty.pjrt_code(),
+                dims: dims.as_ptr(),
+                num_dims: dims.len(),
+                host_buffer_semantics: semantics,
                 device: device,
                 memory: memory as *mut c_void,
             }
@@ -215,9 +251,30 @@ impl Client {
         let buffer = Buffer {
             client: self.inner.clone(),
             raw: a.buffer,
+            host: None,
         };
-        if !a.done_with_host_buffer.is_null() {
-            Event::new(self.inner.clone(), a.done_with_host_buffer).wait()?;
+        let done = (!a.done_with_host_buffer.is_null())
+            .then(|| Event::new(self.inner.clone(), a.done_with_host_buffer));
+        Ok((buffer, done))
+    }
+
+    /// [`Client::upload`] of memory the caller frees when this returns.
+    fn upload_copy(
+        &self,
+        ty: ElementType,
+        dims: &[i64],
+        data: &[u8],
+        device: *mut PJRT_Device,
+        memory: *mut PJRT_Memory,
+    ) -> Result<Buffer> {
+        let (buffer, done) = self.upload(
+            (ty, dims, data),
+            device,
+            memory,
+            HOST_BUFFER_IMMUTABLE_ONLY_DURING_CALL,
+        )?;
+        if let Some(done) = done {
+            done.wait()?;
         }
         Ok(buffer)
     }

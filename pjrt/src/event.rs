@@ -19,6 +19,13 @@ impl Event {
         let mut a = args!(PJRT_Event_Args, event { event: self.raw });
         call!(&self.client.plugin, Event_Await, &mut a)
     }
+
+    /// Whether the work is done (without waiting).
+    pub(crate) fn is_ready(&self) -> Result<bool> {
+        let mut a = args!(PJRT_Event_IsReady_Args, is_ready { event: self.raw });
+        call!(&self.client.plugin, Event_IsReady, &mut a)?;
+        Ok(a.is_ready)
+    }
 }
 
 impl Drop for Event {

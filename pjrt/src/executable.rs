@@ -147,6 +147,7 @@ impl Executable {
                     .map(|raw| Buffer {
                         client: self.client.clone(),
                         raw,
+                        host: None,
                     })
                     .collect()
             })

@@ -15,6 +15,7 @@
 #[macro_use]
 mod calls;
 
+mod aligned;
 mod buffer;
 mod client;
 mod device;
@@ -31,6 +32,7 @@ pub mod options;
 mod plugin;
 mod topology;
 
+pub use aligned::{AlignedHost, HOST_ALIGN};
 pub use buffer::Buffer;
 pub use client::{Client, ClientOptions};
 pub use device::{Device, DeviceInfo, Memory};

@@ -21,6 +21,7 @@
 
 pub mod absent;
 pub mod cache;
+pub mod frozen;
 pub mod generate;
 pub mod hosts;
 pub mod kernels;

@@ -38,6 +38,9 @@ pub struct Runtime {
     /// process of a run of several has its own devices in [`Runtime::devices`], in the order of
     /// the positions it holds.
     pub hosts: Hosts,
+    /// Whether [`Runtime::upload_owned`] may hand a shard's memory to the CPU plugin (true
+    /// unless a caller measuring the loader's own memory apart from the devices' says not).
+    pub zero_copy: bool,
 }
 
 /// This process's part of a client that spans a run of several processes: the plugin creates
@@ -141,6 +144,7 @@ impl Runtime {
             kernels: Vec::new(),
             rewritten: Default::default(),
             hosts: Hosts::One,
+            zero_copy: true,
         })
     }
 
@@ -408,6 +412,32 @@ impl Runtime {
                 Ok(self.client.to_memory(t, &m)?)
             }
         }
+    }
+
+    /// Whether uploads into memory of kind `memory` (None: the device's own) may hand host
+    /// memory to the plugin instead of copying it: on the CPU plugin, whose devices' memory is
+    /// host memory (unless [`Runtime::zero_copy`] is off).
+    pub fn takes_host_memory(&self, memory: Option<hlo::MemoryKind>) -> bool {
+        self.zero_copy && memory.is_none() && self.platform() == "cpu"
+    }
+
+    /// A shard this process no longer needs onto device `p` (a slot of [`Runtime::devices`]):
+    /// where [`Runtime::takes_host_memory`], the plugin takes the shard's memory as the
+    /// buffer's instead of copying it (PJRT's zero-copy host buffers; the buffer keeps it until
+    /// it is destroyed). Returns the buffer and whether the plugin kept the memory (false: it
+    /// copied it, and the shard is freed now).
+    pub fn upload_owned(&self, t: pjrt::AlignedHost, p: usize) -> Result<(Buffer, bool)> {
+        let slot = self.slot(p)?;
+        if !self.takes_host_memory(None) {
+            return Ok((self.client.to_device_copy(&t, &self.devices[slot])?, false));
+        }
+        Ok(self.client.to_device_owned(t, &self.devices[slot])?)
+    }
+
+    /// A copy of an aligned shard onto device `p` (one that other devices also take).
+    pub fn upload_copy(&self, t: &pjrt::AlignedHost, p: usize) -> Result<Buffer> {
+        let slot = self.slot(p)?;
+        Ok(self.client.to_device_copy(t, &self.devices[slot])?)
     }
 
     /// Device `p`'s (a slot of [`Runtime::devices`]) memory of `kind`, or an error naming the

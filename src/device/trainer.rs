@@ -4,9 +4,8 @@
 
 use crate::data::Batch;
 use crate::device::runtime::Runtime;
-use crate::formats::host::{convert, element_type};
+use crate::formats::host::convert;
 use crate::formats::weights::FrozenWeights;
-use crate::program::sharding::shard_box;
 use crate::program::{self, Program, Role, StepSpec};
 use anyhow::{bail, Context, Result};
 use pjrt::{Buffer, CompileOptions, ElementType, Executable, HostTensor};
@@ -15,9 +14,6 @@ use std::time::Instant;
 
 /// LoRA weights or AdamW moments by per-layer PEFT name.
 type LoraState = BTreeMap<String, HostTensor>;
-
-/// A box of a frozen weight as read (starts, sizes, the shard).
-type ReadBox = (Vec<i64>, Vec<i64>, HostTensor);
 
 /// A compiled training step with its state on the device.
 pub struct Trainer {
@@ -37,6 +33,8 @@ pub struct Trainer {
     eval_exe: Option<(Executable, Vec<hlo::Sharding>)>,
     /// Seconds spent compiling the step (or loading it from the cache).
     pub compile_s: f64,
+    /// Whether the step came from the executable cache (else it was compiled).
+    pub compile_cached: bool,
     /// The largest |LoRA weight| the last step's update computed (None: the program does not
     /// report it). Not finite when the program refused the update and kept the old state.
     pub last_max_weight: Option<f32>,
@@ -48,6 +46,8 @@ pub struct Trainer {
     /// Bytes of frozen weights each of this process's hosts' readers handed out (one entry for
     /// one host; see [`Runtime::hosts`]).
     pub frozen_bytes_read: Vec<u64>,
+    /// Where loading the frozen weights spent its time.
+    pub loading: crate::device::frozen::LoadFigures,
 }
 
 impl Trainer {
@@ -123,7 +123,6 @@ impl Trainer {
             .iter()
             .map(|p| hosts.iter().position(|h| h.contains(p)).unwrap_or(0))
             .collect();
-        let mut read = vec![0u64; weights.len()];
         let t0 = Instant::now();
         let (exe, cached) = crate::device::cache::compile_cached(
             &rt,
@@ -143,72 +142,32 @@ impl Trainer {
                 program.text.len()
             );
         }
-        let mesh = spec.mesh.as_ref().map(|m| m.mesh());
-        let shardings = program.arg_shardings(&spec);
-        // One device's shard at a time: read (or cut) it, upload it, free it. A shard every
-        // device holds whole (replicated) is read once.
-        let frozen = crate::device::platform::while_loading(|| -> Result<Vec<Vec<Buffer>>> {
-            let mut frozen = Vec::new();
-            let frozen_args = program
-                .args
-                .iter()
-                .zip(&shardings)
-                .filter(|(a, _)| a.role == Role::Frozen);
-            for (k, (a, sh)) in frozen_args.enumerate() {
-                let want = element_type(a.dtype);
-                // Host memory for offloaded frozen weights (--offload frozen), else the device's.
-                let memory = a.memory(&spec);
-                let buffers = match &mesh {
-                    None => {
-                        let whole = vec![0; a.shape.len()];
-                        let t = weights[0].shard(k, &a.name, &a.shape, &whole, &a.shape, want)?;
-                        read[0] += t.bytes.len() as u64;
-                        vec![rt.upload_to(&t, 0, memory)?]
-                    }
-                    Some(m) => {
-                        // Per host: the shard it read last (a host reads a box once, however
-                        // many of its devices hold it).
-                        let mut last: Vec<Option<ReadBox>> = weights.iter().map(|_| None).collect();
-                        let mut per_device = Vec::new();
-                        for (&p, &g) in held.iter().zip(&host_of) {
-                            let (starts, sizes) = shard_box(&a.shape, sh, m, p);
-                            if last[g]
-                                .as_ref()
-                                .is_none_or(|(s, z, _)| (s, z) != (&starts, &sizes))
-                            {
-                                drop(last[g].take()); // the previous shard goes before the next
-                                let t = weights[g]
-                                    .shard(k, &a.name, &a.shape, &starts, &sizes, want)?;
-                                read[g] += t.bytes.len() as u64;
-                                last[g] = Some((starts, sizes, t));
-                            }
-                            let t = &last[g].as_ref().unwrap().2;
-                            per_device.push(rt.upload_to(t, p, memory)?);
-                        }
-                        per_device
-                    }
-                };
-                for w in &mut weights {
-                    w.done(k);
-                }
-                frozen.push(buffers);
-            }
-            Ok(frozen)
+        let loaded = crate::device::platform::while_loading(|| {
+            crate::device::frozen::upload_frozen(
+                &rt,
+                &spec,
+                &program,
+                &mut weights,
+                &held,
+                &host_of,
+            )
         })?;
         let mut trainer = Trainer {
             rt,
             program,
             exe,
-            frozen,
+            frozen: loaded.frozen,
             state: Vec::new(),
             step: 0,
             spec,
             dropout_seed: 0,
             eval_exe: None,
             compile_s,
+            compile_cached: cached,
             last_max_weight: None,
             last_update: None,
-            frozen_bytes_read: read,
+            frozen_bytes_read: loaded.bytes_read,
+            loading: loaded.figures,
         };
         trainer.set_state(lora, moments)?;
         Ok(trainer)

@@ -212,7 +212,9 @@ fn merged_weight(
     drop(t);
     let is_projection = hf.starts_with("model.layers.") && hf.ends_with("_proj.weight");
     if base == Base::Nf4 && is_projection {
-        w = crate::model::quant::dequantize(&crate::model::quant::quantize(&w));
+        let nf4 = crate::model::quant::quantize(&w)
+            .map_err(|e| anyhow::anyhow!("{hf}: {e}: the base checkpoint is damaged"))?;
+        w = crate::model::quant::dequantize(&nf4);
     }
     if let Some((lora, tensors)) = adapter {
         if let Some((layer, target)) = adapted(lora, hf) {

@@ -168,6 +168,25 @@ pub fn from_program_layout(named: Vec<(String, HostTensor)>) -> BTreeMap<String,
     out
 }
 
+/// Elements of `from` (little-endian bytes `src`) widened to `to` and appended to `out`, where
+/// that is exact and needs no intermediate tensor: bf16 or f16 to f32. False (nothing appended)
+/// for any other pair, which [`convert`] does.
+pub fn widen_into(src: &[u8], from: ElementType, to: ElementType, out: &mut Vec<u8>) -> bool {
+    let widen: fn([u8; 2]) -> f32 = match (from, to) {
+        (ElementType::BF16, ElementType::F32) => {
+            |b| f32::from_bits((u16::from_le_bytes(b) as u32) << 16)
+        }
+        (ElementType::F16, ElementType::F32) => |b| f16::from_bits(u16::from_le_bytes(b)).to_f32(),
+        _ => return false,
+    };
+    out.reserve(src.len() * 2);
+    out.extend(
+        src.chunks_exact(2)
+            .flat_map(|v| widen([v[0], v[1]]).to_le_bytes()),
+    );
+    true
+}
+
 /// The box (`starts`, `sizes`) of a row-major tensor of type `ty` and shape `dims` whose bytes
 /// are `src`, as a tensor of shape `sizes`: one device's shard, read straight out of a mapped
 /// file.
@@ -178,47 +197,58 @@ pub fn slice_bytes(
     starts: &[i64],
     sizes: &[i64],
 ) -> HostTensor {
+    let n: i64 = sizes.iter().product();
+    let mut bytes = Vec::with_capacity(n as usize * ty.size_bytes());
+    slice_bytes_into(src, ty, dims, starts, sizes, &mut bytes);
+    HostTensor {
+        ty,
+        dims: sizes.to_vec(),
+        bytes,
+    }
+}
+
+/// [`slice_bytes`] appended to `out` (a stacked tensor assembled layer by layer in one buffer).
+pub fn slice_bytes_into(
+    src: &[u8],
+    ty: ElementType,
+    dims: &[i64],
+    starts: &[i64],
+    sizes: &[i64],
+    out: &mut Vec<u8>,
+) {
     let es = ty.size_bytes();
     let r = dims.len();
-    // The trailing dims the box takes whole are one contiguous run with the first one it cuts.
     let mut k = r;
     while k > 0 && sizes[k - 1] == dims[k - 1] && starts[k - 1] == 0 {
         k -= 1;
     }
     let n: i64 = sizes.iter().product();
-    let mut bytes = Vec::with_capacity(n as usize * es);
     if k == 0 {
-        bytes.extend_from_slice(&src[..n as usize * es]);
-    } else {
-        // Runs along dim k-1 (with everything after it), for every index of the dims before.
-        let inner: i64 = dims[k..].iter().product();
-        let run = (sizes[k - 1] * inner) as usize * es;
-        let mut strides = vec![1i64; r];
-        for i in (0..r.saturating_sub(1)).rev() {
-            strides[i] = strides[i + 1] * dims[i + 1];
-        }
-        let outer: i64 = sizes[..k - 1].iter().product();
-        let mut idx = vec![0i64; k - 1];
-        for _ in 0..outer {
-            let mut off = starts[k - 1] * strides[k - 1];
-            for d in 0..k - 1 {
-                off += (starts[d] + idx[d]) * strides[d];
-            }
-            let off = off as usize * es;
-            bytes.extend_from_slice(&src[off..off + run]);
-            for d in (0..k - 1).rev() {
-                idx[d] += 1;
-                if idx[d] < sizes[d] {
-                    break;
-                }
-                idx[d] = 0;
-            }
-        }
+        out.extend_from_slice(&src[..n as usize * es]);
+        return;
     }
-    HostTensor {
-        ty,
-        dims: sizes.to_vec(),
-        bytes,
+    let inner: i64 = dims[k..].iter().product();
+    let run = (sizes[k - 1] * inner) as usize * es;
+    let mut strides = vec![1i64; r];
+    for i in (0..r.saturating_sub(1)).rev() {
+        strides[i] = strides[i + 1] * dims[i + 1];
+    }
+    let outer: i64 = sizes[..k - 1].iter().product();
+    let mut idx = vec![0i64; k - 1];
+    for _ in 0..outer {
+        let mut off = starts[k - 1] * strides[k - 1];
+        for d in 0..k - 1 {
+            off += (starts[d] + idx[d]) * strides[d];
+        }
+        let off = off as usize * es;
+        out.extend_from_slice(&src[off..off + run]);
+        for d in (0..k - 1).rev() {
+            idx[d] += 1;
+            if idx[d] < sizes[d] {
+                break;
+            }
+            idx[d] = 0;
+        }
     }
 }
 
@@ -253,5 +283,31 @@ mod tests {
         }
         let s = HostTensor::from_f32(&[7.0], &[]);
         assert_eq!(slice_bytes(&s.bytes, s.ty, &[], &[], &[]), s);
+    }
+
+    /// Widening bf16 and f16 in place gives what `convert` gives, bit for bit.
+    #[test]
+    fn widening_equals_convert() {
+        let values: Vec<f32> = (0..2000)
+            .map(|i| ((i as f32) - 1000.0) * 0.37e-3 * (1.0 + (i % 13) as f32).powi(5))
+            .chain([0.0, -0.0, f32::INFINITY, f32::NEG_INFINITY, 6e-8, 1e-40])
+            .collect();
+        let f = HostTensor::from_f32(&values, &[values.len() as i64]);
+        for ty in [ElementType::BF16, ElementType::F16] {
+            let narrow = convert(&f, ty).unwrap();
+            let mut out = Vec::new();
+            assert!(widen_into(&narrow.bytes, ty, ElementType::F32, &mut out));
+            assert_eq!(
+                out,
+                convert(&narrow, ElementType::F32).unwrap().bytes,
+                "{ty:?}"
+            );
+        }
+        assert!(!widen_into(
+            &f.bytes,
+            ElementType::F32,
+            ElementType::BF16,
+            &mut Vec::new()
+        ));
     }
 }

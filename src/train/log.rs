@@ -25,6 +25,10 @@ pub struct Metrics {
     /// Model FLOPs of a step over the devices' peak FLOP/s, when the peak is known: a step's MFU
     /// is this over its time.
     pub mfu_seconds: Option<f64>,
+    /// When this invocation began and where its time went before the first step (loading,
+    /// compiling): written into its first step's line as `time_to_first_step`, with the step's
+    /// own time and the total.
+    pub first_step: Option<(std::time::Instant, serde_json::Value)>,
 }
 
 impl Metrics {
@@ -64,6 +68,7 @@ impl Metrics {
             recent: Vec::new(),
             tensorboard,
             mfu_seconds: None,
+            first_step: None,
         })
     }
 
@@ -126,11 +131,13 @@ impl Metrics {
         }
         let tokens = self.tokens_per_step;
         let dt = step_time_s;
-        writeln!(
-            self.file,
-            "{}",
-            serde_json::json!({"step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "epoch": epoch, "tokens": tokens, "step_time_s": dt})
-        )?;
+        let mut line = serde_json::json!({"step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "epoch": epoch, "tokens": tokens, "step_time_s": dt});
+        if let Some((began, mut before)) = self.first_step.take() {
+            before["first_step_s"] = dt.into();
+            before["total_s"] = began.elapsed().as_secs_f64().into();
+            line["time_to_first_step"] = before;
+        }
+        writeln!(self.file, "{line}")?;
         self.file.flush()?;
         self.history.push((step, loss as f64, None));
         let mut scalars = vec![

@@ -96,6 +96,8 @@ fn run_in(
     out: Option<&Arc<Mutex<RunDir>>>,
     team: Option<&hosts::Team>,
 ) -> Result<Finished> {
+    // Time to the first step counts from here: reading the data, planning, compiling, loading.
+    let began = Instant::now();
     let stop = || signals.stop() && team.is_none();
     let data = crate::data::load(&opts.data, &opts.model, cfg)?;
     if stop() {
@@ -154,6 +156,7 @@ fn run_in(
         false => None,
     };
     if let Some(metrics) = &mut metrics {
+        metrics.first_step = Some((began, before_first_step(&trainer)));
         metrics.mfu_seconds = opts.peak_tflops.map(|peak| {
             let spec = &trainer.spec;
             let devices = spec.mesh.as_ref().map_or(1, |m| m.devices()) as f64;
@@ -234,6 +237,22 @@ fn schedule(opts: &TrainOptions, source: &Source) -> Schedule {
 /// device's shard at a time as they are uploaded (`upload::compile_and_upload`).
 fn load_weights(opts: &TrainOptions, cfg: &LlamaConfig) -> Result<CheckpointWeights> {
     CheckpointWeights::open(&opts.model, cfg)
+}
+
+/// Where the time before the first step went: loading the frozen weights (and its split into
+/// reading, converting or quantizing, and uploading, which overlap) and compiling the step (or
+/// loading it from the executable cache). `metrics.jsonl` keeps it in the first step's line.
+fn before_first_step(t: &Trainer) -> serde_json::Value {
+    let l = &t.loading;
+    serde_json::json!({
+        "load_s": l.wall_s,
+        "read_s": l.read.read_s,
+        "convert_s": l.read.convert_s,
+        "quantize_s": l.read.quantize_s,
+        "upload_s": l.upload_s,
+        "compile_s": t.compile_s,
+        "compile": if t.compile_cached { "cache hit" } else { "compiled" },
+    })
 }
 
 /// The progress of the loop: a bar on a terminal (its message updated every `--log-every`

@@ -42,6 +42,22 @@ pub struct PJRT_Event_Args {
 }
 
 #[repr(C)]
+pub struct PJRT_Buffer_UnsafePointer_Args {
+    pub struct_size: usize,
+    pub extension_start: *mut c_void,
+    pub buffer: *mut PJRT_Buffer,
+    pub buffer_pointer: usize,
+}
+
+#[repr(C)]
+pub struct PJRT_Event_IsReady_Args {
+    pub struct_size: usize,
+    pub extension_start: *mut c_void,
+    pub event: *mut PJRT_Event,
+    pub is_ready: bool,
+}
+
+#[repr(C)]
 pub struct PJRT_Client_Create_Args {
     pub struct_size: usize,
     pub extension_start: *mut c_void,
@@ -97,6 +113,9 @@ pub struct PJRT_Client_Compile_Args {
 }
 
 pub const HOST_BUFFER_IMMUTABLE_ONLY_DURING_CALL: c_int = 0;
+/// The plugin may use the host memory as the buffer's own for as long as the buffer lives (it
+/// copies where it cannot); `done_with_host_buffer` fires once it no longer needs the memory.
+pub const HOST_BUFFER_IMMUTABLE_ZERO_COPY: c_int = 2;
 
 #[repr(C)]
 pub struct PJRT_Client_BufferFromHostBuffer_Args {

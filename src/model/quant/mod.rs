@@ -7,6 +7,9 @@
 
 use hlo::{Builder, DType, Literal, Result, Shape, Value};
 
+pub mod encode;
+pub use encode::NonFinite;
+
 /// The 16 NF4 code values (QLoRA, Dettmers et al. 2023, Appendix E): quantiles of N(0, 1)
 /// normalised to [-1, 1], with an exact zero.
 pub const NF4: [f32; 16] = [
@@ -51,7 +54,8 @@ pub fn scale_blocks(n: usize) -> usize {
     blocks(n).div_ceil(SCALE_BLOCK)
 }
 
-/// The nearest NF4 code of a value in [-1, 1] (ties to the lower code).
+/// The nearest NF4 code of a value in [-1, 1] (ties to the lower code), by search: the
+/// definition [`encode`]'s thresholds are checked against.
 pub fn nearest_code(x: f32) -> u8 {
     let mut best = 0;
     for (k, v) in NF4.iter().enumerate().skip(1) {
@@ -62,48 +66,17 @@ pub fn nearest_code(x: f32) -> u8 {
     best as u8
 }
 
-/// Quantize `w` (length a multiple of 64).
-pub fn quantize(w: &[f32]) -> Nf4 {
+/// Quantize `w` (length a multiple of 64) on all cores; a NaN or infinite value is refused
+/// (its index is in the error).
+pub fn quantize(w: &[f32]) -> std::result::Result<Nf4, NonFinite> {
     assert!(
         w.len().is_multiple_of(BLOCK),
         "NF4 needs a multiple of {BLOCK} values, got {}",
         w.len()
     );
-    let absmax: Vec<f32> = w
-        .chunks(BLOCK)
-        .map(|b| b.iter().fold(0f32, |m, &x| m.max(x.abs())))
-        .collect();
-    let mut codes = Vec::with_capacity(w.len());
-    for (b, &m) in w.chunks(BLOCK).zip(&absmax) {
-        let inv = if m > 0.0 { 1.0 / m } else { 0.0 };
-        codes.extend(b.iter().map(|&x| nearest_code(x * inv)));
-    }
-    let packed = codes.chunks(2).map(|c| (c[0] << 4) | c[1]).collect();
-    // Double quantization of the block scales.
-    let mean = absmax.iter().sum::<f32>() / absmax.len().max(1) as f32;
-    let centered: Vec<f32> = absmax.iter().map(|&s| s - mean).collect();
-    let scale_absmax: Vec<f32> = centered
-        .chunks(SCALE_BLOCK)
-        .map(|b| b.iter().fold(0f32, |m, &x| m.max(x.abs())))
-        .collect();
-    let scales = centered
-        .iter()
-        .enumerate()
-        .map(|(i, &s)| {
-            let a = scale_absmax[i / SCALE_BLOCK];
-            if a > 0.0 {
-                (s / a * 127.0).round().clamp(-127.0, 127.0) as i8
-            } else {
-                0
-            }
-        })
-        .collect();
-    Nf4 {
-        packed,
-        scales,
-        scale_absmax,
-        mean,
-    }
+    encode::quantize_with(w.len(), encode::threads(), |b, out| {
+        out.copy_from_slice(&w[b * BLOCK..(b + 1) * BLOCK])
+    })
 }
 
 /// The block scales a quantized tensor decodes with.
