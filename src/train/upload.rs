@@ -104,8 +104,23 @@ pub(super) fn compile_and_upload(
             Some(&platform),
         )
     })?;
-    // A progress line like the steps' (quiet with --log-every 0).
-    if let Some((t0, before)) = started.get().filter(|_| opts.log_every > 0 || opts.verbose) {
+    say_loaded(opts, &trainer, started.get(), &hosts, (total, largest));
+    trainer.dropout_seed = opts.seed;
+    trainer.step = start.state.step;
+    Ok(trainer)
+}
+
+/// Say what loading did: a progress line like the steps' (quiet with --log-every 0) with where
+/// its time went and the host memory it took, and with several hosts what each read of the
+/// `total` bytes of frozen weights (`largest`: the largest tensor's bytes).
+fn say_loaded(
+    opts: &TrainOptions,
+    trainer: &Trainer,
+    started: Option<LoadStart>,
+    hosts: &[Vec<usize>],
+    (total, largest): (u64, u64),
+) {
+    if let Some((t0, before)) = started.filter(|_| opts.log_every > 0 || opts.verbose) {
         let devices = trainer.program.partitions.max(1);
         let peak_bytes = progress::peak_bytes();
         if opts.verbose {
@@ -143,9 +158,6 @@ pub(super) fn compile_and_upload(
             crate::cluster::wire::span(devices, "device"),
         );
     }
-    trainer.dropout_seed = opts.seed;
-    trainer.step = start.state.step;
-    Ok(trainer)
 }
 
 /// Where loading's time went, as one line, each part with its rate: reading the files (GiB of
