@@ -11,7 +11,8 @@
 //! - [`device`]: a PJRT plugin, compiled programs, the trainer's state on the devices;
 //! - [`train`]: the recipes that put them together (`xtrain train`, `xtrain bench`);
 //! - [`compile`]: `xtrain compile`, the step's program dir without weights, compiled with
-//!   `--check` for this machine or for absent targets.
+//!   `--check` for this machine or for absent targets;
+//! - [`plan`]: `xtrain plan`, the settings that fit a target and how fast, by compiling for it.
 //!
 //! The command line (`src/cli`) is the binary's, on top of all of them.
 
@@ -21,6 +22,7 @@ pub mod data;
 pub mod device;
 pub mod formats;
 pub mod model;
+pub mod plan;
 pub mod program;
 pub mod train;
 

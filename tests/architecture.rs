@@ -1,7 +1,7 @@
 //! The code map's shape, checked (docs/architecture.md): no file of `src/` reaches itself through
 //! its imports (no two files import each other, nor any longer circle), and each stage of the
 //! library imports only the stages before it (`model` < `program` < `formats` < `data` <
-//! `cluster` < `device` < `train` < `compile` < `cli`).
+//! `cluster` < `device` < `train` < `compile` < `plan` < `cli`).
 //!
 //! A file imports another when it names a path into it: a `use` (`crate::`, `super::`, `self::`,
 //! `xtrain::`, or a child module of its own), or such a path written inline in code. A name a
@@ -13,8 +13,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 /// The library's stages, in the order each may use the ones before it.
-const STAGES: [&str; 9] = [
-    "model", "program", "formats", "data", "cluster", "device", "train", "compile", "cli",
+const STAGES: [&str; 10] = [
+    "model", "program", "formats", "data", "cluster", "device", "train", "compile", "plan", "cli",
 ];
 
 #[test]

@@ -11,6 +11,7 @@ mod convert;
 mod export;
 mod generate;
 mod model;
+mod plan;
 mod plugins;
 mod targets;
 mod train;
@@ -44,6 +45,10 @@ enum Command {
     /// Build the training step program (StableHLO + manifest) without weights; --check also
     /// compiles it and prints XLA's memory figures.
     Compile(Box<compile::CompileArgs>),
+    /// Find the settings that fit a target (mesh, microbatches, remat, offload, key blocks,
+    /// loss chunks, MLP tiles) by compiling for it, rank them, and write plan.json and a
+    /// recipe; --seq max finds the longest sequence that fits.
+    Plan(Box<plan::PlanArgs>),
     /// Convert a llama.cpp GGUF file into a Hugging Face model directory.
     ImportGguf {
         /// The .gguf file.
@@ -191,6 +196,11 @@ pub fn main() {
             recipe,
         ),
         Command::Compile(a) => compile::compile(*a, cli.verbose, recipe),
+        Command::Plan(a) => plan::plan(
+            *a,
+            cli.verbose,
+            given_flags(matches.subcommand_matches("plan")),
+        ),
         Command::ImportGguf {
             file,
             out,

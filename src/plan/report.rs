@@ -1,0 +1,232 @@
+//! What `xtrain plan` says and writes: the ranked table, `plan.json` (the pick, every point
+//! with its outcome and figures, the method) and `recipe.toml`, the pick as a `--config` recipe
+//! that `xtrain compile` and `xtrain train` take as they are.
+
+use super::options::{Plan, PlanOptions, SeqGoal};
+use super::search::{Outcome, Point};
+use crate::compile::figures::{gib, secs};
+use anyhow::Result;
+use serde_json::{json, Value};
+use std::path::Path;
+
+/// The table of the points that fit, best first, and a line on what else was found.
+pub fn print_table(plan: &Plan) {
+    let time = match plan.by_estimate {
+        true => "TPU estimate",
+        false => "model (not measured)",
+    };
+    println!(
+        "plan for {}: {} tokens x {} rows per step, device memory limit {}",
+        plan.target,
+        plan.seq,
+        plan.global_batch,
+        gib(plan.limit_bytes)
+    );
+    println!(
+        "{:>4}  {:<72} {:>22} {:>10} {:>22} {:>11}  binding",
+        "rank", "settings", "device of limit", "host", time, "tokens/s"
+    );
+    for (rank, &i) in plan.ranked.iter().enumerate() {
+        let p = &plan.points[i];
+        let f = p.figures.as_ref().expect("a point that fits was compiled");
+        let seconds = step_seconds(plan, p);
+        println!(
+            "{:>4}  {:<72} {:>22} {:>10} {:>22} {:>11}  {}",
+            rank + 1,
+            p.settings.line(),
+            format!("{} of {}", gib(f.device_bytes), gib(plan.limit_bytes)),
+            gib(f.host_bytes),
+            seconds.map_or("-".into(), secs),
+            seconds.map_or("-".into(), |s| format!("{:.0}", tokens(plan) / s)),
+            binding(plan, p)
+        );
+    }
+    let count = |o: fn(&Outcome) -> bool| plan.points.iter().filter(|p| o(&p.outcome)).count();
+    println!(
+        "{} points: {} fit, {} do not, {} skipped by the bound, {} by smaller microbatches that \
+         do not fit, {} refused by the step's checks, {} not compiled (ranked below those that \
+         fit)",
+        plan.points.len(),
+        count(|o| *o == Outcome::Fits),
+        count(|o| *o == Outcome::DoesNotFit),
+        count(|o| *o == Outcome::AboveBound),
+        count(|o| matches!(o, Outcome::LargerThan(_))),
+        count(|o| matches!(o, Outcome::Refused(_))),
+        count(|o| *o == Outcome::Unexplored),
+    );
+    match plan.chosen() {
+        Some(p) => println!("pick: {}", p.settings.line()),
+        None => println!(
+            "nothing fits {} at {} tokens x {} rows: see plan.json's candidates, or try \
+             --seq max",
+            plan.target, plan.seq, plan.global_batch
+        ),
+    }
+}
+
+/// Tokens per step, all devices together.
+fn tokens(plan: &Plan) -> f64 {
+    (plan.seq * plan.global_batch) as f64
+}
+
+/// The step's time as the plan ranks it: the TPU estimate, or the GPU model's.
+fn step_seconds(plan: &Plan, p: &Point) -> Option<f64> {
+    match plan.by_estimate {
+        true => p.estimate_s,
+        false => p.model.map(|m| m.seconds),
+    }
+}
+
+/// What binds a point: device memory where it does not fit, else the model's largest part.
+fn binding(plan: &Plan, p: &Point) -> &'static str {
+    match (&p.outcome, p.model) {
+        (Outcome::Fits, _) if plan.by_estimate => "(TPU estimate)",
+        (Outcome::Fits, Some(m)) => m.binding(),
+        _ => "device memory",
+    }
+}
+
+/// One point as plan.json has it.
+fn point_json(plan: &Plan, p: &Point) -> Value {
+    let flags: serde_json::Map<String, Value> = p
+        .settings
+        .flags()
+        .into_iter()
+        .map(|(f, v)| (f.to_string(), Value::String(v)))
+        .collect();
+    let mut figures = json!({
+        "fits": p.outcome == Outcome::Fits,
+        "limit_gib": plan.limit_bytes as f64 / GIB,
+    });
+    if let Some(f) = &p.figures {
+        figures["device_gib"] = json!(f.device_bytes as f64 / GIB);
+        figures["host_gib"] = json!(f.host_bytes as f64 / GIB);
+        figures["compile_s"] = json!(f.compile_s);
+    }
+    if let Some(b) = p.bound_bytes {
+        figures["lower_bound_gib"] = json!(b as f64 / GIB);
+    }
+    if let Some(m) = p.model {
+        figures["model_s"] = json!(m.seconds);
+        figures["model"] = json!(m);
+    }
+    if let Some(e) = p.estimate_s {
+        figures["estimate_s"] = json!(e);
+    }
+    if let Some(s) = step_seconds(plan, p).filter(|_| p.outcome == Outcome::Fits) {
+        figures["tokens_per_s"] = json!(tokens(plan) / s);
+    }
+    json!({
+        "flags": flags,
+        "outcome": p.outcome.says(&plan.points),
+        "figures": figures,
+    })
+}
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// plan.json's text.
+pub fn plan_json(o: &PlanOptions, plan: &Plan) -> Value {
+    let chosen = plan.chosen().map(|p| point_json(plan, p));
+    let mut ranked: Vec<usize> = plan.ranked.clone();
+    ranked.extend((0..plan.points.len()).filter(|i| !plan.ranked.contains(i)));
+    json!({
+        "target": plan.target,
+        "model": o.model_flag,
+        "seq": plan.seq,
+        "global_batch": plan.global_batch,
+        "seq_max": match o.seq {
+            SeqGoal::Max { step, upto } => json!({"step": step, "upto": upto, "longest": plan.seq, "probes": plan.probes}),
+            SeqGoal::Fixed(_) => Value::Null,
+        },
+        "chosen": chosen,
+        "candidates": ranked.iter().map(|&i| point_json(plan, &plan.points[i])).collect::<Vec<_>>(),
+        "method": plan.method,
+    })
+}
+
+/// The pick as a `--config` recipe: the model and its flags as given, the shapes and the
+/// pick's settings at the top (both commands take them), the target under `[compile]`.
+pub fn recipe(o: &PlanOptions, plan: &Plan, p: &Point) -> String {
+    let spec = p.spec.as_ref().expect("the pick was built");
+    let q = |s: &str| format!("{s:?}");
+    let mut lines =
+        vec![
+            format!(
+            "# Written by `xtrain plan` for {}: {} tokens x {} rows per step, {} of {} per device \
+             by the target compiler's figures (not a run on the hardware).",
+            plan.target,
+            plan.seq,
+            plan.global_batch,
+            p.figures.as_ref().map_or("?".into(), |f| gib(f.device_bytes)),
+            gib(plan.limit_bytes)
+        ),
+            "#   xtrain compile --config recipe.toml --check --out PROGRAM_DIR".into(),
+            "#   xtrain train --config recipe.toml --data DATA".into(),
+            String::new(),
+            format!("model = {}", q(&o.model_flag)),
+            format!("dtype = {}", q(spec.dtype.mlir())),
+            format!("quant = {}", q(spec.quant.name())),
+            format!("lora_r = {}", spec.lora.r),
+            format!("lora_alpha = {:?}", spec.lora.alpha),
+            format!("lora_dropout = {:?}", spec.lora.dropout),
+            format!(
+                "lora_targets = {}",
+                q(&crate::model::lora::Projection::list(&spec.lora.targets))
+            ),
+            format!("batch_size = {}", plan.global_batch),
+            format!("seq = {}", plan.seq),
+            format!("matmul_result = {}", q(o.step.matmul_result.name())),
+            format!("attention_scores = {}", q(o.step.attention_scores.name())),
+            format!("keep_softmax_stats = {}", spec.keep_softmax_stats),
+        ];
+    if let Some(b) = spec.attention_block {
+        lines.push(format!("attention_block = {b}"));
+    }
+    if spec.mesh.is_some() {
+        lines.push(format!(
+            "pin_mlp_activations = {}",
+            spec.pin_mlp_activations
+        ));
+    }
+    for (flag, value) in p.settings.flags() {
+        let key = flag.replace('-', "_");
+        match (flag, value.as_str()) {
+            ("mesh", "") | ("loss-chunk", "off") => {}
+            ("grad-accum", v) | ("loss-chunk", v) => lines.push(format!("{key} = {v}")),
+            (_, v) => lines.push(format!("{key} = {}", q(v))),
+        }
+    }
+    if let Some(target) = &plan.target_flag {
+        lines.push(String::new());
+        lines.push("[compile]".into());
+        lines.push(format!("target = {}", q(target)));
+        if let Some(c) = &o.target_config {
+            lines.push(format!("target_config = {}", q(&c.display().to_string())));
+        }
+    }
+    lines.join("\n") + "\n"
+}
+
+/// Write plan.json and recipe.toml (the latter only where something fits) into `out`, whole or
+/// not at all.
+pub fn write(out: &Path, o: &PlanOptions, plan: &Plan) -> Result<()> {
+    let json = serde_json::to_string_pretty(&plan_json(o, plan))? + "\n";
+    let recipe = plan.chosen().map(|p| recipe(o, plan, p));
+    crate::formats::atomic::write_dir_atomic(out, |dir| {
+        crate::formats::atomic::write_bytes_atomic(&dir.join("plan.json"), json.as_bytes())?;
+        if let Some(r) = &recipe {
+            crate::formats::atomic::write_bytes_atomic(&dir.join("recipe.toml"), r.as_bytes())?;
+        }
+        Ok(())
+    })?;
+    println!(
+        "wrote {}{}",
+        out.join("plan.json").display(),
+        match recipe {
+            Some(_) => format!(" and {}", out.join("recipe.toml").display()),
+            None => String::new(),
+        }
+    );
+    Ok(())
+}
