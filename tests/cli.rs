@@ -160,13 +160,21 @@ fn a_second_run_loads_the_compiled_step_from_the_cache() {
     };
     assert!(run("a").contains("xtrain: compiled the step"));
     assert!(run("b").contains("xtrain: loaded the compiled step from the cache"));
-    let entries = std::fs::read_dir(cache.join("executables"))
+    // Beside each executable lies the lock its makers take turns under (`.NAME.lock`, see
+    // pjrt::once), and nothing else.
+    let names: Vec<String> = std::fs::read_dir(cache.join("executables"))
         .unwrap()
-        .count();
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    let (locks, executables): (Vec<&String>, Vec<&String>) = names
+        .iter()
+        .partition(|n| n.starts_with('.') && n.ends_with(".lock"));
     assert_eq!(
-        entries, 1,
-        "one executable, keyed by program, options and plugin"
+        executables.len(),
+        1,
+        "one executable, keyed by program, options and plugin: {names:?}"
     );
+    assert!(locks.len() <= 1, "{names:?}");
     std::fs::remove_dir_all(&cache).unwrap();
 }
 
