@@ -178,11 +178,13 @@ pub fn modelled(spec: &StepSpec, program: &Program, peak_tflops: f64) -> Modelle
                 .product::<i64>()
         }) as f64
     };
-    let (fsdp, tensor) = (axis("fsdp"), axis("tensor"));
-    // FSDP gathers each layer's weights for the forward pass and the backward one; tensor
+    let (fsdp, tensor, context) = (axis("fsdp"), axis("tensor"), axis("context"));
+    // The weights are split over the fsdp and context axes alike (program::sharding's rules), so
+    // both gather each layer's weights for the forward pass and the backward one; tensor
     // parallelism reduces two activations per layer in the forward, recomputed and backward
-    // passes.
-    let gathers = 2.0 * micro * frozen as f64 * (fsdp - 1.0);
+    // passes; a context axis also gathers each layer's keys and values (forward, recomputed)
+    // and reduces their gradients (backward).
+    let gathers = 2.0 * micro * frozen as f64 * (fsdp * context - 1.0);
     let c = &spec.model;
     let rows = (spec.batch as f64 / micro) / (devices / tensor);
     let activation = rows * (spec.seq * c.hidden_size * spec.dtype.size_bytes() as i64) as f64;
@@ -193,7 +195,16 @@ pub fn modelled(spec: &StepSpec, program: &Program, peak_tflops: f64) -> Modelle
         }
         false => 0.0,
     };
-    let interconnect_s = (gathers + reductions) / DEVICE_LINK;
+    let key_values = match context > 1.0 {
+        true => {
+            let kv_width = (2 * c.num_key_value_heads * c.head_dim) as f64 / tensor;
+            let rows_here = (spec.batch as f64 / micro) / (devices / (tensor * context));
+            let bytes = rows_here * spec.seq as f64 * kv_width * spec.dtype.size_bytes() as f64;
+            micro * 3.0 * c.num_hidden_layers as f64 * bytes * (context - 1.0) / context
+        }
+        false => 0.0,
+    };
+    let interconnect_s = (gathers + reductions + key_values) / DEVICE_LINK;
     let host_s = host / HOST_LINK;
     Modelled {
         seconds: compute_s + host_s + interconnect_s,
