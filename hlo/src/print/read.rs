@@ -252,6 +252,29 @@ pub fn function_signature(text: &str, name: &str) -> Result<(Vec<Shape>, Vec<Sha
 
 /// Where the list that `text` starts inside ends: its `)` at depth 0, outside strings.
 fn closing(text: &str) -> Result<usize> {
+    match first_at_top(text, |_, ch| ch == ')') {
+        Some(i) => Ok(i),
+        None => read_err(format!("a list that does not close: {:?}", head(text))),
+    }
+}
+
+/// `text` cut at each `, ` outside brackets and strings.
+fn top_level_items(text: &str) -> Vec<&str> {
+    let mut items = Vec::new();
+    let mut rest = text;
+    while !rest.is_empty() {
+        let cut = first_at_top(rest, |i, ch| ch == ',' && rest[i..].starts_with(LIST_SEP))
+            .unwrap_or(rest.len());
+        items.push(&rest[..cut]);
+        rest = rest.get(cut + LIST_SEP.len()..).unwrap_or("");
+    }
+    items
+}
+
+/// The first position of `text`, outside strings and at bracket depth 0, whose character
+/// `wanted` takes: the one walk over brackets and strings that [`closing`] and
+/// [`top_level_items`] share. A closing bracket at depth 0 is offered before it is passed over.
+fn first_at_top(text: &str, wanted: impl Fn(usize, char) -> bool) -> Option<usize> {
     let mut depth = 0usize;
     let mut in_string = false;
     let mut escaped = false;
@@ -262,43 +285,12 @@ fn closing(text: &str) -> Result<usize> {
             (_, '"') => in_string = !in_string,
             (true, _) => {}
             (false, '(' | '{' | '[' | '<') => depth += 1,
-            (false, ')') if depth == 0 => return Ok(i),
+            (false, _) if depth == 0 && wanted(i, ch) => return Some(i),
             (false, ')' | '}' | ']' | '>') => depth = depth.saturating_sub(1),
             _ => {}
         }
     }
-    read_err(format!("a list that does not close: {:?}", head(text)))
-}
-
-/// `text` cut at each `, ` outside brackets and strings.
-fn top_level_items(text: &str) -> Vec<&str> {
-    let mut items = Vec::new();
-    let mut rest = text;
-    while !rest.is_empty() {
-        // The end of this item: the first `, ` at depth 0, found by closing a virtual list.
-        let mut cut = rest.len();
-        let mut depth = 0usize;
-        let mut in_string = false;
-        let mut escaped = false;
-        for (i, ch) in rest.char_indices() {
-            match (in_string, ch) {
-                (true, _) if escaped => escaped = false,
-                (true, '\\') => escaped = true,
-                (_, '"') => in_string = !in_string,
-                (true, _) => {}
-                (false, '(' | '{' | '[' | '<') => depth += 1,
-                (false, ')' | '}' | ']' | '>') => depth = depth.saturating_sub(1),
-                (false, ',') if depth == 0 && rest[i..].starts_with(LIST_SEP) => {
-                    cut = i;
-                    break;
-                }
-                _ => {}
-            }
-        }
-        items.push(&rest[..cut]);
-        rest = rest.get(cut + LIST_SEP.len()..).unwrap_or("");
-    }
-    items
+    None
 }
 
 /// `text` with the private function `@name` replaced by `f`, printed under that name. `f`
