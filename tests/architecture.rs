@@ -9,6 +9,8 @@
 //! declaring and re-exporting its own files does not import them. Comments and strings are not
 //! read.
 
+mod common;
+use common::collect_rs;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
@@ -524,17 +526,6 @@ impl SourceTree {
             }
         }
         out
-    }
-}
-
-fn collect_rs(dir: &Path, out: &mut Vec<PathBuf>) {
-    for entry in std::fs::read_dir(dir).unwrap() {
-        let path = entry.unwrap().path();
-        if path.is_dir() {
-            collect_rs(&path, out);
-        } else if path.extension().is_some_and(|e| e == "rs") {
-            out.push(path);
-        }
     }
 }
 

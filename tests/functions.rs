@@ -3,7 +3,9 @@
 //! them: a function runs from its `fn` line to the first line after it that is its own closing
 //! brace, at the indentation the `fn` line has.
 
-use std::path::{Path, PathBuf};
+mod common;
+use common::collect_rs;
+use std::path::Path;
 
 /// The longest a function may be, its signature and closing brace included.
 const MOST_LINES: usize = 120;
@@ -146,15 +148,4 @@ fn fn_line(line: &str) -> Option<(&str, String)> {
         .take_while(|c| c.is_alphanumeric() || *c == '_')
         .collect();
     (!name.is_empty()).then_some((indent, name))
-}
-
-fn collect_rs(dir: &Path, out: &mut Vec<PathBuf>) {
-    for entry in std::fs::read_dir(dir).unwrap() {
-        let path = entry.unwrap().path();
-        if path.is_dir() {
-            collect_rs(&path, out);
-        } else if path.extension().is_some_and(|e| e == "rs") {
-            out.push(path);
-        }
-    }
 }

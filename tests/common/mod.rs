@@ -249,3 +249,16 @@ pub fn llama_cpp_python() -> PathBuf {
     .unwrap_or_else(|e| panic!("cannot make the llama.cpp venv: {e}"));
     python(&venv)
 }
+
+/// Every `.rs` file under `dir`, into `out` (the source readers of tests/architecture.rs and
+/// tests/functions.rs).
+pub fn collect_rs(dir: &Path, out: &mut Vec<PathBuf>) {
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            collect_rs(&path, out);
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            out.push(path);
+        }
+    }
+}
