@@ -37,6 +37,14 @@ fn types(f: &Func, vs: &[Value]) -> String {
         .join(", ")
 }
 
+/// An op's result types as its signature writes them: one bare, several in parentheses.
+fn result_types(f: &Func, vs: &[Value]) -> String {
+    match vs.len() {
+        1 => types(f, vs),
+        _ => format!("({})", types(f, vs)),
+    }
+}
+
 impl Printer {
     pub(super) fn new(decomps: &Rc<Decompositions>) -> Printer {
         Printer {
@@ -246,8 +254,7 @@ impl Printer {
                 self.while_text(&ins, &in_types, &outs, cond, body, indent)
             }
             Op::OptimizationBarrier => {
-                let outs = types(f, &node.outputs);
-                let outs = if node.outputs.len() == 1 { outs } else { format!("({outs})") };
+                let outs = result_types(f, &node.outputs);
                 format!("\"stablehlo.optimization_barrier\"({ins}) : ({in_types}) -> {outs}")
             }
             Op::ShardingConstraint(sh) => format!("sdy.sharding_constraint {ins} {} : {out_t}", sharding_attr(sh)),
@@ -263,8 +270,7 @@ impl Printer {
             Op::Composite(c) => self.composite_text(f, node, c, (&ins, &in_types)),
             Op::CustomCall(c) => custom_call_text(f, node, c, (&ins, &in_types)),
             Op::ManualComputation(m) => {
-                let outs = types(f, &node.outputs);
-                let outs = if node.outputs.len() == 1 { outs } else { format!("({outs})") };
+                let outs = result_types(f, &node.outputs);
                 self.manual_text(&ins, &in_types, &outs, m, indent)
             }
             Op::StopGradient | Op::UseSaved | Op::CustomVjp(_) => {
@@ -288,12 +294,7 @@ impl Printer {
             .iter()
             .map(|(k, v)| format!("{k}{ATTR_IS}{}", attr_text(v)))
             .collect();
-        let outs = types(f, &node.outputs);
-        let outs = if node.outputs.len() == 1 {
-            outs
-        } else {
-            format!("({outs})")
-        };
+        let outs = result_types(f, &node.outputs);
         format!(
             "{COMPOSITE_OP}\"{}\" {ins} {COMPOSITE_ATTRS}{}{COMPOSITE_DECOMPOSITION}{symbol}{COMPOSITE_VERSION}{}{COMPOSITE_END}{in_types}) -> {outs}",
             escape(&c.name),
@@ -464,12 +465,7 @@ fn custom_call_text(
             .collect();
         format!("[{}]", each.join(", "))
     };
-    let outs = types(f, &node.outputs);
-    let outs = if node.outputs.len() == 1 {
-        outs
-    } else {
-        format!("({outs})")
-    };
+    let outs = result_types(f, &node.outputs);
     format!(
         "stablehlo.custom_call @{}({ins}) {{api_version = 2 : i32, backend_config = \"{}\", operand_layouts = {}, result_layouts = {}}} : ({in_types}) -> {outs}",
         c.target,
