@@ -300,38 +300,20 @@ fn export_refuses_bad_requests_naming_what_is_wrong() {
     let model = tiny_text_model(&dir);
     let out = dir.join("m.gguf");
     let m = s(&model);
-    let e = fails(&["export-gguf", "--model", m, "--lora-only", "--out", s(&out)]);
-    assert!(e.contains("--adapter"), "{e}");
-    let e = fails(&[
-        "export-gguf",
-        "--model",
-        m,
-        "--type",
-        "q4",
-        "--out",
-        s(&out),
-    ]);
-    assert!(e.contains("--type q4"), "{e}");
-    let e = fails(&[
-        "export-gguf",
-        "--model",
-        m,
-        "--adapter",
-        s(&dir),
-        "--out",
-        s(&out),
-    ]);
-    assert!(e.contains("adapter_config.json"), "{e}");
-    let e = fails(&[
-        "export-gguf",
-        "--model",
-        m,
-        "--base-quant",
-        "nf8",
-        "--out",
-        s(&out),
-    ]);
-    assert!(e.contains("--base-quant nf8"), "{e}");
+    // Each request's own flags, and what its refusal must name.
+    let requests: [(&[&str], &str); 4] = [
+        (&["--lora-only"], "--adapter"),
+        (&["--type", "q4"], "--type q4"),
+        (&["--adapter", s(&dir)], "adapter_config.json"),
+        (&["--base-quant", "nf8"], "--base-quant nf8"),
+    ];
+    for (flags, named) in requests {
+        let mut args = vec!["export-gguf", "--model", m];
+        args.extend(flags);
+        args.extend(["--out", s(&out)]);
+        let e = fails(&args);
+        assert!(e.contains(named), "{flags:?}: {e}");
+    }
     assert!(!out.exists());
     export(&["--model", m, "--out", s(&out)]);
     let e = fails(&["export-gguf", "--model", m, "--out", s(&out)]);
