@@ -102,12 +102,16 @@ impl Default for CompileOptions {
 impl CompileOptions {
     /// Options for an SPMD program over `device_ids.len()` partitions (one replica).
     pub fn spmd(device_ids: Vec<i64>) -> Self {
-        CompileOptions {
-            num_partitions: device_ids.len() as i64,
-            spmd: device_ids.len() > 1,
-            device_ids,
-            ..Default::default()
-        }
+        CompileOptions::default().partitioned_over(device_ids)
+    }
+
+    /// These options, for an SPMD program partitioned over `device_ids` (one replica); the
+    /// other settings (overrides, layouts) are kept.
+    pub fn partitioned_over(mut self, device_ids: Vec<i64>) -> Self {
+        self.num_partitions = device_ids.len() as i64;
+        self.spmd = device_ids.len() > 1;
+        self.device_ids = device_ids;
+        self
     }
 
     pub fn with_override(mut self, name: &str, value: OptionValue) -> Self {

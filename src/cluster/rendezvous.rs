@@ -21,8 +21,9 @@ pub struct Peers {
     server: Option<StoreServer>,
 }
 
-/// What a process says about itself at the start: settings by flag (`lr`, `mesh`, `program`),
-/// compared across processes, and where it runs, which is not.
+/// Settings by flag name, without `--` (`lr`, `mesh`, `program`): what a process says about
+/// itself at the start, compared across processes (where it runs is not), and what a checkpoint
+/// records (`train::checkpoint`, `train::settings`).
 pub type Settings = BTreeMap<String, Value>;
 
 /// Join the run: process 0 starts serving the store first. `on_lost` is called (from a thread
@@ -205,11 +206,14 @@ fn difference(mine: &Settings, theirs: &serde_json::Map<String, Value>) -> Optio
     })
 }
 
-fn show(v: &Value) -> String {
+/// A value as a user would write it after its flag (`train::settings` words its refusals with
+/// it too).
+pub fn show(v: &Value) -> String {
     match v {
-        Value::Null => "(none)".into(),
         Value::String(s) if s.is_empty() => "(none)".into(),
         Value::String(s) => s.clone(),
+        Value::Null => "(none)".into(),
+        Value::Number(n) if n.is_f64() => format!("{}", n.as_f64().unwrap_or(f64::NAN)),
         v => v.to_string(),
     }
 }

@@ -195,6 +195,38 @@ impl Runtime {
         self.compile(program, &options)
     }
 
+    /// The devices a program of `partitions` partitions runs on, in partition order. A run of
+    /// several processes (or virtual hosts): the placement's assignment, the same in every
+    /// process. Otherwise a client spanning several processes compiles over every process's
+    /// devices (each process then runs its own share), and any other over this process's.
+    fn partition_devices(&self, partitions: i64) -> Result<Vec<i64>> {
+        if let Some(placed) = self.hosts.placement() {
+            if placed.ids.len() as i64 != partitions {
+                bail!(
+                    "the program needs {partitions} devices but the run places its step on {}",
+                    placed.ids.len()
+                );
+            }
+            return Ok(placed.ids.clone());
+        }
+        let global = self.client.global_devices()?;
+        let devices = if global.len() > self.devices.len() {
+            &global
+        } else {
+            &self.devices
+        };
+        if (devices.len() as i64) < partitions {
+            bail!(
+                "the program needs {partitions} devices but the plugin has {}",
+                devices.len()
+            );
+        }
+        Ok(devices[..partitions as usize]
+            .iter()
+            .map(|d| d.id().map(|i| i as i64))
+            .collect::<std::result::Result<_, _>>()?)
+    }
+
     /// Compile a program (on as many devices as it has partitions), checking its arguments on
     /// every execute.
     pub fn compile(&self, program: &Program, options: &CompileOptions) -> Result<Executable> {
@@ -203,44 +235,8 @@ impl Runtime {
             ..program.clone()
         };
         let mut options = self.options(options);
-        if let Some(placed) = self.hosts.placement().filter(|_| program.partitions > 1) {
-            // A run of several processes (or virtual hosts): the placement's assignment, the
-            // same in every process.
-            if placed.ids.len() as i64 != program.partitions {
-                bail!(
-                    "the program needs {} devices but the run places its step on {}",
-                    program.partitions,
-                    placed.ids.len()
-                );
-            }
-            let spmd = CompileOptions::spmd(placed.ids.clone());
-            options.num_partitions = spmd.num_partitions;
-            options.spmd = true;
-            options.device_ids = spmd.device_ids;
-        } else if program.partitions > 1 {
-            // A client spanning several processes compiles over every process's devices (each
-            // process then runs its own share); otherwise over this process's.
-            let global = self.client.global_devices()?;
-            let devices = if global.len() > self.devices.len() {
-                &global
-            } else {
-                &self.devices
-            };
-            if (devices.len() as i64) < program.partitions {
-                bail!(
-                    "the program needs {} devices but the plugin has {}",
-                    program.partitions,
-                    devices.len()
-                );
-            }
-            let ids: Vec<i64> = devices[..program.partitions as usize]
-                .iter()
-                .map(|d| d.id().map(|i| i as i64))
-                .collect::<std::result::Result<_, _>>()?;
-            let spmd = CompileOptions::spmd(ids);
-            options.num_partitions = spmd.num_partitions;
-            options.spmd = true;
-            options.device_ids = spmd.device_ids;
+        if program.partitions > 1 {
+            options = options.partitioned_over(self.partition_devices(program.partitions)?);
         }
         let compile = |options: &CompileOptions| {
             self.client

@@ -52,9 +52,9 @@ pub struct TrainerState {
     pub data: Option<String>,
 }
 
-/// The settings that define a run, by flag name (without `--`), as a checkpoint records them
-/// (see `train::settings`, which takes and checks them).
-pub type Settings = BTreeMap<String, serde_json::Value>;
+/// The settings that define a run, by flag name, as a checkpoint records them (see
+/// `train::settings`, which takes and checks them).
+pub use crate::cluster::rendezvous::Settings;
 
 /// The command that continues a run from checkpoint `dir`: its every setting, paths included,
 /// is recorded there (`settings::of_run`), so no other flag is needed.

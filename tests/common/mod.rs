@@ -9,11 +9,42 @@ pub fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-llama3")
 }
 
+/// A fresh `$TMPDIR/xtrain-test-NAME-PID`. Left in place when the test ends (a failed test's files
+/// can be read), and swept by the next test process to make one once their process is gone: a
+/// run of the whole suite leaves GBs otherwise (copied plugins, venvs, models), which filled a
+/// CI machine's disk.
 pub fn tempdir(name: &str) -> PathBuf {
+    sweep_dirs_of_ended_tests();
     let d = std::env::temp_dir().join(format!("xtrain-test-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
     d
+}
+
+/// Removes the `xtrain-test-*-PID` dirs of test processes that have ended (Linux: no
+/// `/proc/PID`), once per test process.
+fn sweep_dirs_of_ended_tests() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        if !Path::new("/proc/self").exists() {
+            return;
+        }
+        let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
+            return;
+        };
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let pid = name
+                .strip_prefix("xtrain-test-")
+                .and_then(|rest| rest.rsplit('-').next())
+                .and_then(|pid| pid.parse::<u32>().ok());
+            if let Some(pid) = pid {
+                if pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists() {
+                    let _ = std::fs::remove_dir_all(e.path());
+                }
+            }
+        }
+    });
 }
 
 /// `xtrain`, to add arguments, environment variables and pipes to.

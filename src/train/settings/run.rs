@@ -9,16 +9,7 @@ use anyhow::{bail, Context, Result};
 use serde_json::Value;
 use std::path::Path;
 
-/// A value as a user would write it after its flag.
-pub fn show(v: &Value) -> String {
-    match v {
-        Value::String(s) if s.is_empty() => "(none)".into(),
-        Value::String(s) => s.clone(),
-        Value::Null => "(none)".into(),
-        Value::Number(n) if n.is_f64() => format!("{}", n.as_f64().unwrap_or(f64::NAN)),
-        v => v.to_string(),
-    }
-}
+pub use crate::cluster::rendezvous::show;
 
 pub(super) fn mesh_text(m: &Option<MeshPlan>) -> String {
     m.as_ref().map_or(String::new(), |m| {
