@@ -118,6 +118,13 @@ fn start_with(
     Process { child, stderr }
 }
 
+/// Processes 0 and 1 of a run of two (60 s to meet), each with `extra`, writing under `out`.
+fn both(out: &std::path::Path, port: u16, extra: &[&str]) -> Vec<Process> {
+    (0..2)
+        .map(|k| start(out, port, &refs(&placed(k, 2, 60)), extra, &[]))
+        .collect()
+}
+
 fn placed(id: usize, count: usize, timeout: u64) -> Vec<String> {
     vec![
         "--num-processes".into(),
@@ -282,17 +289,7 @@ fn a_renamed_cpu_plugin_is_refused_from_its_topology() {
         std::fs::copy(&original, &renamed).unwrap();
     }
     let plugin = renamed.to_str().unwrap();
-    let processes: Vec<Process> = (0..2)
-        .map(|k| {
-            start(
-                &dir.join("out"),
-                port,
-                &refs(&placed(k, 2, 60)),
-                &["--plugin", plugin],
-                &[],
-            )
-        })
-        .collect();
+    let processes = both(&dir.join("out"), port, &["--plugin", plugin]);
     let mut refused = 0;
     for p in processes {
         let (ok, said, _) = p.end(Duration::from_secs(120));
@@ -316,21 +313,7 @@ fn processes_meet_at_an_ipv6_coordinator() {
         .port();
     let at = format!("[::1]:{port}");
     let extra = ["--coordinator", at.as_str()];
-    let zero = start(
-        &dir.join("out"),
-        port,
-        &refs(&placed(0, 2, 60)),
-        &extra,
-        &[],
-    );
-    let one = start(
-        &dir.join("out"),
-        port,
-        &refs(&placed(1, 2, 60)),
-        &extra,
-        &[],
-    );
-    for p in [zero, one] {
+    for p in both(&dir.join("out"), port, &extra) {
         let (_, said, _) = p.end(Duration::from_secs(60));
         assert!(said.contains(&format!("joined the run at {at}")), "{said}");
         assert!(
@@ -520,21 +503,7 @@ fn processes_running_a_program_dir_meet_over_its_program() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let port = free_port();
     let program = ["--program", prog.to_str().unwrap()];
-    let zero = start(
-        &dir.join("out"),
-        port,
-        &refs(&placed(0, 2, 60)),
-        &program,
-        &[],
-    );
-    let one = start(
-        &dir.join("out"),
-        port,
-        &refs(&placed(1, 2, 60)),
-        &program,
-        &[],
-    );
-    for p in [zero, one] {
+    for p in both(&dir.join("out"), port, &program) {
         let (ok, said, _) = p.end(Duration::from_secs(60));
         assert!(!ok);
         assert!(
