@@ -15,6 +15,11 @@ use std::path::Path;
 
 /// `xtrain plan` with `args`, into `out`; its plan.json.
 fn plan(args: &[&str], out: &Path) -> Value {
+    plan_and_log(args, out).0
+}
+
+/// [`plan`], and what it printed.
+fn plan_and_log(args: &[&str], out: &Path) -> (Value, String) {
     let o = xtrain_cmd()
         .arg("plan")
         .args(["--model", "tiny-llama3"])
@@ -30,7 +35,7 @@ fn plan(args: &[&str], out: &Path) -> Value {
     );
     assert!(o.status.success(), "plan {args:?}: {text}");
     let json = std::fs::read_to_string(out.join("plan.json")).unwrap();
-    serde_json::from_str(&json).unwrap()
+    (serde_json::from_str(&json).unwrap(), text)
 }
 
 /// The chosen point's flags, checking that it fits its limit by the compiler's figures.
@@ -161,13 +166,14 @@ fn plan_for_an_absent_gpu_picks_what_the_exhaustive_search_picks() {
 /// `--seq max` on the CPU (one row, every knob fixed, in steps of 64 up to 1024; the step needs
 /// 2.22, 3.23 and 5.26 MiB at 128, 256 and 512 tokens) under 2.5 and 5 MiB: more memory
 /// never gives a shorter sequence, the longest fits and the next step does not, and every
-/// probe agrees with it (shorter ones fit, longer ones do not).
+/// probe agrees with it (shorter ones fit, longer ones do not). The search's one point is the
+/// longest probe that fits, compiled once: its figures are the probe's.
 #[test]
 fn seq_max_is_monotone_in_the_memory_limit() {
     let dir = tempdir("plan-seq-max");
     let mut longest = Vec::new();
     for (k, limit) in ["0.0025", "0.005"].iter().enumerate() {
-        let p = plan(
+        let (p, said) = plan_and_log(
             &[
                 "--seq",
                 "max",
@@ -201,6 +207,19 @@ fn seq_max_is_monotone_in_the_memory_limit() {
         assert!(seq == 1024 || probed(seq + 64), "{p:#}");
         assert_eq!(p["seq"].as_i64(), Some(seq));
         chosen(&p);
+        let reused = "the same step was compiled before; its figures are reused";
+        assert_eq!(said.matches(reused).count(), 1, "{said}");
+        let at_seq = probes
+            .iter()
+            .find(|q| q["seq"].as_i64() == Some(seq))
+            .unwrap();
+        assert_eq!(
+            p["chosen"]["figures"]["device_gib"].as_f64(),
+            at_seq["device_bytes"]
+                .as_f64()
+                .map(|b| b / (1u64 << 30) as f64),
+            "{p:#}"
+        );
         longest.push(seq);
     }
     assert!(longest[0] <= longest[1], "{longest:?}");

@@ -24,7 +24,9 @@ use anyhow::{bail, Result};
 use backend::Backend;
 pub use options::{Plan, PlanOptions, Probe, SeqGoal};
 use search::{Compiled, Limits, Point};
+use sha2::{Digest, Sha256};
 use space::Settings;
+use std::collections::HashMap;
 
 /// Plan the step for the target as `o` asks; write its outputs if `o.out` is given.
 pub fn run(o: &PlanOptions) -> Result<Plan> {
@@ -83,7 +85,23 @@ pub fn run(o: &PlanOptions) -> Result<Plan> {
         confirm: o.confirm,
         exhaustive: o.exhaustive,
     };
-    let mut compile = |_: &StepSpec, program: &Program| backend.compile(program);
+    // A step is compiled once: `--seq max`'s last probe is often a point of the search at the
+    // length it found, the same program.
+    let mut compiled: HashMap<[u8; 32], Compiled> = HashMap::new();
+    let mut compile = |_: &StepSpec, program: &Program| -> Result<Compiled> {
+        let key: [u8; 32] = Sha256::new()
+            .chain_update(program.partitions.to_le_bytes())
+            .chain_update(program.text.as_bytes())
+            .finalize()
+            .into();
+        if let Some(c) = compiled.get(&key) {
+            eprintln!("xtrain: plan: the same step was compiled before; its figures are reused");
+            return Ok(c.clone());
+        }
+        let c = backend.compile(program)?;
+        compiled.insert(key, c.clone());
+        Ok(c)
+    };
     let (seq, probes) = match o.seq {
         SeqGoal::Fixed(s) => (s, Vec::new()),
         SeqGoal::Max { step, upto } => longest(o, devices, &limits, (step, upto), &mut compile)?,

@@ -22,6 +22,7 @@ pub struct Figures {
 }
 
 /// How a compile ended.
+#[derive(Clone)]
 pub enum Compiled {
     Figures(Figures),
     /// The compiler refused the step for its memory (the TPU compiler does).
