@@ -107,6 +107,9 @@ fn llama_cpp_computes_the_oracles_logits_from_the_tiny_models_exports() {
     assert_eq!(meta["types"]["rope_freqs.weight"], "F32", "{meta}");
     let meta = client(&["metadata", s(&lora)]);
     assert_eq!(meta["meta"]["general.type"], "adapter", "{meta}");
+    // An adapter's file given to import-gguf is named for what it is.
+    let e = fails(&["import-gguf", s(&lora), "--out", s(&dir.join("from-lora"))]);
+    assert!(e.contains("a LoRA adapter GGUF"), "{e}");
     assert_eq!(meta["meta"]["adapter.type"], "lora", "{meta}");
     assert_eq!(meta["meta"]["adapter.lora.alpha"], 16.0, "{meta}");
     assert_eq!(
@@ -125,6 +128,78 @@ fn llama_cpp_computes_the_oracles_logits_from_the_tiny_models_exports() {
         assert_eq!(r["adapted"], 2 * 7, "{ty}: {r}");
         assert!(r["worst"]["ratio"].as_f64().unwrap() <= 1.0, "{ty}: {r}");
     }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A Llama 3 model's GGUF imports as the same model: the RoPE scaling llama.cpp keeps as
+/// per-frequency divisors, the regex split (`llama-bpe`) and the BOS before every text
+/// (`add_bos_token`) come back in config.json and tokenizer.json, so the imported model
+/// exported again computes the oracle's logits in llama.cpp and tokenizes as the original file.
+/// (An import that dropped them gave logits off by 0.06 and split "12345" as one token.)
+#[test]
+fn a_llama_3_gguf_imports_as_the_same_model() {
+    let dir = tempdir("gguf-llama3-import");
+    let model = tiny_text_model(&dir);
+    // Llama 3's tokenizer in small: its split and its BOS, and merges that make "12345" one
+    // token under GPT-2's split but "123", "4", "5" under Llama 3's (digits go in threes).
+    let mut tok: Json =
+        serde_json::from_str(&std::fs::read_to_string(model.join("tokenizer.json")).unwrap())
+            .unwrap();
+    let bos = "<|begin_of_text|>";
+    tok["added_tokens"].as_array_mut().unwrap().push(serde_json::json!(
+        {"id": 259, "content": bos, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}));
+    let vocab = tok["model"]["vocab"].as_object_mut().unwrap();
+    vocab.insert(bos.into(), 259.into());
+    for (k, t) in ["12", "123", "1234", "12345"].iter().enumerate() {
+        vocab.insert(t.to_string(), (260 + k).into());
+    }
+    tok["model"]["merges"] = serde_json::json!(["1 2", "12 3", "123 4", "1234 5"]);
+    tok["pre_tokenizer"] = serde_json::json!({"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": xtrain::formats::gguf_vocab::LLAMA3_SPLIT}, "behavior": "Isolated", "invert": false},
+        {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false}]});
+    let special = |t: i64| serde_json::json!({"SpecialToken": {"id": bos, "type_id": t}});
+    let seq = |s: &str, t: i64| serde_json::json!({"Sequence": {"id": s, "type_id": t}});
+    tok["post_processor"] = serde_json::json!({"type": "TemplateProcessing",
+        "single": [special(0), seq("A", 0)], "pair": [special(0), seq("A", 0), special(1), seq("B", 1)],
+        "special_tokens": {bos: {"id": bos, "ids": [259], "tokens": [bos]}}});
+    std::fs::write(model.join("tokenizer.json"), tok.to_string()).unwrap();
+    let tcfg = model.join("tokenizer_config.json");
+    let mut cfg: Json = serde_json::from_str(&std::fs::read_to_string(&tcfg).unwrap()).unwrap();
+    cfg["bos_token"] = bos.into();
+    std::fs::write(&tcfg, cfg.to_string()).unwrap();
+
+    let original = dir.join("original.gguf");
+    export(&["--model", s(&model), "--type", "f32", "--out", s(&original)]);
+    let imported = dir.join("imported");
+    let o = xtrain(&["import-gguf", s(&original), "--out", s(&imported)]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let config = |d: &Path| -> Json {
+        serde_json::from_str(&std::fs::read_to_string(d.join("config.json")).unwrap()).unwrap()
+    };
+    assert_eq!(
+        config(&imported)["rope_scaling"],
+        config(&model)["rope_scaling"]
+    );
+    let again = dir.join("again.gguf");
+    export(&["--model", s(&imported), "--type", "f32", "--out", s(&again)]);
+    logits_agree(&again, None, "base_outputs.safetensors");
+    let text = "12345 hello";
+    let mut said = Vec::new();
+    for f in [&original, &again] {
+        let meta = client(&["metadata", s(f)]);
+        assert_eq!(meta["meta"]["tokenizer.ggml.pre"], "llama-bpe", "{meta}");
+        assert_eq!(meta["meta"]["tokenizer.ggml.add_bos_token"], true, "{meta}");
+        assert_eq!(meta["types"]["rope_freqs.weight"], "F32", "{meta}");
+        said.push(client(&["tokens", s(f), text])["tokens"].clone());
+    }
+    assert_eq!(said[0], said[1]);
+    let ids: Vec<i64> = said[0]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i.as_i64().unwrap())
+        .collect();
+    assert_eq!(&ids[..4], &[259, 261, 52, 53], "BOS, then 123 4 5: {ids:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -300,19 +375,55 @@ fn export_refuses_bad_requests_naming_what_is_wrong() {
     let model = tiny_text_model(&dir);
     let out = dir.join("m.gguf");
     let m = s(&model);
+    // The fixture's adapter with another lora_alpha: 0 (no update; llama.cpp would read it as
+    // a scale of 1), and 1e30 (a merged weight past f16's 65,504).
+    let with_alpha = |name: &str, alpha: f64| {
+        let a = dir.join(name);
+        std::fs::create_dir_all(&a).unwrap();
+        let from = fixtures().join("adapter_init");
+        std::fs::copy(
+            from.join("adapter_model.safetensors"),
+            a.join("adapter_model.safetensors"),
+        )
+        .unwrap();
+        let mut c: Json = serde_json::from_str(
+            &std::fs::read_to_string(from.join("adapter_config.json")).unwrap(),
+        )
+        .unwrap();
+        c["lora_alpha"] = alpha.into();
+        std::fs::write(a.join("adapter_config.json"), c.to_string()).unwrap();
+        a
+    };
+    let (alpha0, huge) = (with_alpha("alpha0", 0.0), with_alpha("huge", 1e30));
     // Each request's own flags, and what its refusal must name.
-    let requests: [(&[&str], &str); 4] = [
+    let requests: [(&[&str], &str); 6] = [
         (&["--lora-only"], "--adapter"),
         (&["--type", "q4"], "--type q4"),
         (&["--adapter", s(&dir)], "adapter_config.json"),
         (&["--base-quant", "nf8"], "--base-quant nf8"),
+        (&["--adapter", s(&alpha0)], "`lora_alpha` = 0"),
+        (
+            &["--adapter", s(&huge), "--type", "f16"],
+            "merged with the adapter: element 0 is",
+        ),
     ];
     for (flags, named) in requests {
         let mut args = vec!["export-gguf", "--model", m];
         args.extend(flags);
         args.extend(["--out", s(&out)]);
-        let e = fails(&args);
-        assert!(e.contains(named), "{flags:?}: {e}");
+        // Refused before a byte is written, or (the f16 overflow) part way through the
+        // tensors, after the progress lines: the error is the last line.
+        let o = xtrain(&args);
+        let e = String::from_utf8_lossy(&o.stderr).to_string();
+        assert!(
+            !o.status.success() && !e.contains("panicked"),
+            "{flags:?}: {e}"
+        );
+        let last = e.lines().last().unwrap_or_default();
+        assert!(
+            last.starts_with("error: ") && last.contains(named),
+            "{flags:?}: {e}"
+        );
     }
     assert!(!out.exists());
     export(&["--model", m, "--out", s(&out)]);

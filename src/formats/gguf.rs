@@ -40,6 +40,12 @@ impl Meta {
             _ => None,
         }
     }
+    pub fn as_bool(&self) -> Option<bool> {
+        match self {
+            Meta::Bool(b) => Some(*b),
+            _ => None,
+        }
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -82,6 +88,49 @@ fn type_layout(t: u32) -> Option<(u64, u64, &'static str)> {
         other => return crate::formats::kquants::layout(other),
     })
 }
+
+/// A tensor of a quantization xtrain does not read: the file is valid, its tensor is not ours.
+#[derive(Debug)]
+struct UnsupportedType {
+    tensor: String,
+    ggml_type: u32,
+}
+
+impl std::fmt::Display for UnsupportedType {
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        // ggml's names of the types xtrain does not read (ggml.h's enum ggml_type).
+        let name = match self.ggml_type {
+            16 => "IQ2_XXS",
+            17 => "IQ2_XS",
+            18 => "IQ3_XXS",
+            19 => "IQ1_S",
+            20 => "IQ4_NL",
+            21 => "IQ3_S",
+            22 => "IQ2_S",
+            23 => "IQ4_XS",
+            24 => "I8",
+            25 => "I16",
+            26 => "I32",
+            27 => "I64",
+            28 => "F64",
+            29 => "IQ1_M",
+            34 => "TQ1_0",
+            35 => "TQ2_0",
+            39 => "MXFP4",
+            _ => "a type this xtrain does not know",
+        };
+        write!(
+            f,
+            "tensor `{}` is of ggml type {} ({name}), which xtrain does not read (it reads F32, \
+             F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K); convert \
+             the original model again, or requantize with llama.cpp's llama-quantize, to one of \
+             those (Q8_0 or Q4_K_M, say)",
+            self.tensor, self.ggml_type
+        )
+    }
+}
+
+impl std::error::Error for UnsupportedType {}
 
 /// A bounds-checked little-endian reader over the file bytes.
 struct Cursor<'a> {
@@ -152,7 +201,14 @@ impl Gguf {
     pub fn open(path: &Path) -> Result<Gguf> {
         let data =
             std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
-        Gguf::parse(data).with_context(|| format!("{} is not a valid GGUF file", path.display()))
+        Gguf::parse(data).map_err(|e| {
+            let what = if e.is::<UnsupportedType>() {
+                path.display().to_string()
+            } else {
+                format!("{} is not a valid GGUF file", path.display())
+            };
+            e.context(what)
+        })
     }
 
     pub fn parse(data: Vec<u8>) -> Result<Gguf> {
@@ -210,9 +266,13 @@ impl Gguf {
                 ggml_type,
                 offset,
             };
-            let (block, bytes, _) = type_layout(ggml_type).with_context(|| {
-                format!("tensor `{name}` has unsupported ggml type {ggml_type}")
-            })?;
+            let Some((block, bytes, _)) = type_layout(ggml_type) else {
+                return Err(UnsupportedType {
+                    tensor: name,
+                    ggml_type,
+                }
+                .into());
+            };
             let n = info
                 .dims
                 .iter()
@@ -353,11 +413,43 @@ pub fn hf_config(g: &Gguf) -> Result<Json> {
         .get("general.architecture")
         .and_then(|m| m.as_str())
         .unwrap_or("");
+    if g.meta.get("general.type").and_then(|m| m.as_str()) == Some("adapter") {
+        bail!(
+            "this is a LoRA adapter GGUF (general.type = adapter), not a model: import-gguf \
+             converts models; give the base model's GGUF (llama.cpp applies the adapter with \
+             --lora)"
+        );
+    }
     if arch != "llama" {
         bail!("general.architecture is `{arch}`; xtrain imports llama");
     }
     let heads = g.meta_i64("llama.attention.head_count")?;
     let hidden = g.meta_i64("llama.embedding_length")?;
+    let int = |key: &str| g.meta.get(key).and_then(|m| m.as_i64());
+    // A head's width: the key length where the file says it, else the rotary width (all of a
+    // Llama head rotates), else the hidden size over the heads.
+    let head_dim = int("llama.attention.key_length")
+        .or(int("llama.rope.dimension_count"))
+        .unwrap_or(hidden / heads.max(1));
+    for key in ["llama.rope.dimension_count", "llama.attention.value_length"] {
+        if let Some(d) = int(key).filter(|&d| d != head_dim) {
+            bail!(
+                "{key} = {d} but a head is {head_dim} wide: xtrain's Llama rotates (and values) \
+                 the whole head"
+            );
+        }
+    }
+    if let Some(kind) = g
+        .meta
+        .get("llama.rope.scaling.type")
+        .and_then(|m| m.as_str())
+        .filter(|k| *k != "none")
+    {
+        bail!(
+            "llama.rope.scaling.type = {kind}: xtrain supports no RoPE scaling but Llama 3's \
+             (carried by the tensor rope_freqs.weight); the model would not be the same"
+        );
+    }
     let vocab = match g.meta.get("llama.vocab_size").and_then(|m| m.as_i64()) {
         Some(v) => v,
         None => match g.meta.get("tokenizer.ggml.tokens") {
@@ -378,7 +470,7 @@ pub fn hf_config(g: &Gguf) -> Result<Json> {
         "num_hidden_layers": g.meta_i64("llama.block_count")?,
         "num_attention_heads": heads,
         "num_key_value_heads": g.meta.get("llama.attention.head_count_kv").and_then(|m| m.as_i64()).unwrap_or(heads),
-        "head_dim": g.meta.get("llama.rope.dimension_count").and_then(|m| m.as_i64()).unwrap_or(hidden / heads),
+        "head_dim": head_dim,
         "rms_norm_eps": g.meta_f64("llama.attention.layer_norm_rms_epsilon").unwrap_or(1e-5),
         "rope_theta": g.meta_f64("llama.rope.freq_base").unwrap_or(10000.0),
         "max_position_embeddings": g.meta.get("llama.context_length").and_then(|m| m.as_i64()).unwrap_or(2048),
@@ -394,7 +486,55 @@ pub fn hf_config(g: &Gguf) -> Result<Json> {
             c[k] = json!(v);
         }
     }
+    if let Some(t) = g.tensor("rope_freqs.weight") {
+        c["rope_scaling"] = llama3_scaling(g, t, &c)?;
+    }
     Ok(c)
+}
+
+/// `rope_scaling` of config `c` from the per-frequency divisors llama.cpp's converter writes for
+/// Llama 3's scaling (`rope_freqs.weight`): the divisor of the lowest frequencies is the factor,
+/// and every divisor must be what Llama 3's published scaling with that factor gives (low and
+/// high frequency factors 1 and 4 over an original context of 8,192; every Llama 3.1, 3.2 and
+/// 3.3 model). Other divisors are refused: the imported model would rotate differently.
+fn llama3_scaling(g: &Gguf, t: &TensorInfo, c: &Json) -> Result<Json> {
+    let divisors = g
+        .dequantize(t)
+        .with_context(|| format!("tensor `{}`", t.name))?;
+    let most = divisors.iter().copied().fold(f32::NAN, f32::max);
+    // The divisor is the factor up to f32 rounding; published factors are whole numbers.
+    let factor = if (most - most.round()).abs() <= 1e-4 * most.abs() {
+        most.round() as f64
+    } else {
+        most as f64
+    };
+    let scaling = json!({
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    });
+    let mut with = c.clone();
+    with["rope_scaling"] = scaling.clone();
+    let cfg = crate::model::config::LlamaConfig::from_json(&with)?;
+    let want = crate::formats::gguf_export::rope_freqs(&cfg).unwrap_or_default();
+    let differs = (divisors.len() != want.len()).then_some(0).or_else(|| {
+        (0..want.len()).find(|&i| (divisors[i] - want[i]).abs() > 1e-4 * want[i].abs())
+    });
+    if let Some(i) = differs {
+        bail!(
+            "tensor `{}` holds {} RoPE divisors, and they are not Llama 3's scaling with factor \
+             {factor} (low and high frequency factors 1 and 4, original context 8192: {} \
+             divisors, the {i}th {}; the file's is {}): xtrain cannot carry another scaling",
+            t.name,
+            divisors.len(),
+            want.len(),
+            want.get(i).copied().unwrap_or(f32::NAN),
+            divisors.get(i).copied().unwrap_or(f32::NAN),
+        );
+    }
+    Ok(scaling)
 }
 
 /// generation_config.json as transformers writes one from a model config: the special token
@@ -457,18 +597,7 @@ pub fn hf_tokenizer(g: &Gguf) -> Result<(Json, Json)> {
         .filter(|(i, _)| matches!(types.get(*i), Some(3) | Some(4)))
         .map(|(i, t)| json!({"id": i, "content": t, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": types[i] == 3}))
         .collect();
-    // SmolLM and StarCoder-style vocabularies split digits one by one before byte-level BPE.
-    let pre = g
-        .meta
-        .get("tokenizer.ggml.pre")
-        .and_then(|m| m.as_str())
-        .unwrap_or("default");
-    let byte_level = json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true});
-    let pre_tokenizer = if matches!(pre, "smollm" | "starcoder" | "refact" | "smaug-bpe") {
-        json!({"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": true}, byte_level]})
-    } else {
-        byte_level
-    };
+    let pre_tokenizer = pre_tokenizer(g)?;
     let tokenizer = json!({
         "version": "1.0",
         "truncation": null,
@@ -476,7 +605,7 @@ pub fn hf_tokenizer(g: &Gguf) -> Result<(Json, Json)> {
         "added_tokens": added,
         "normalizer": null,
         "pre_tokenizer": pre_tokenizer,
-        "post_processor": null,
+        "post_processor": bos_first(g, &tokens),
         "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
         "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null, "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false, "vocab": vocab, "merges": merges}
     });
@@ -495,6 +624,13 @@ pub fn hf_tokenizer(g: &Gguf) -> Result<(Json, Json)> {
     {
         config["chat_template"] = json!(t);
     }
+    if let Some(add) = g
+        .meta
+        .get("tokenizer.ggml.add_bos_token")
+        .and_then(|m| m.as_bool())
+    {
+        config["add_bos_token"] = json!(add);
+    }
     for (k, key) in [
         ("bos_token", "tokenizer.ggml.bos_token_id"),
         ("eos_token", "tokenizer.ggml.eos_token_id"),
@@ -508,13 +644,71 @@ pub fn hf_tokenizer(g: &Gguf) -> Result<(Json, Json)> {
     Ok((tokenizer, config))
 }
 
+/// tokenizer.json's `pre_tokenizer` for `tokenizer.ggml.pre`: how llama.cpp splits text before
+/// BPE, which the vocabulary's merges were made for. A name xtrain does not know is refused:
+/// another split gives other token ids than the model was trained on.
+fn pre_tokenizer(g: &Gguf) -> Result<Json> {
+    let pre = g
+        .meta
+        .get("tokenizer.ggml.pre")
+        .and_then(|m| m.as_str())
+        .unwrap_or("default");
+    let byte_level = |regex: bool| json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": regex});
+    Ok(match pre {
+        "default" | "gpt-2" | "gpt2" => byte_level(true),
+        // SmolLM and StarCoder-style vocabularies split digits one by one before byte-level BPE.
+        "smollm" | "starcoder" | "refact" | "smaug-bpe" => {
+            json!({"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": true}, byte_level(true)]})
+        }
+        // Llama 3's regex split (up to three digits a piece), then bytes without GPT-2's regex.
+        "llama-bpe" | "llama3" => json!({"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": crate::formats::gguf_vocab::LLAMA3_SPLIT}, "behavior": "Isolated", "invert": false},
+            byte_level(false)]}),
+        other => bail!(
+            "tokenizer.ggml.pre = {other}: xtrain knows how llama.cpp splits text for llama-bpe \
+             (Llama 3), smollm/starcoder/refact/smaug-bpe and gpt-2/default, not this one; \
+             another split would give other token ids than the model was trained on"
+        ),
+    })
+}
+
+/// tokenizer.json's `post_processor`: the BOS token before every text where the file says
+/// `tokenizer.ggml.add_bos_token` (as Llama 3's tokenizer.json does), else none.
+fn bos_first(g: &Gguf, tokens: &[String]) -> Json {
+    let add = g
+        .meta
+        .get("tokenizer.ggml.add_bos_token")
+        .and_then(|m| m.as_bool())
+        .unwrap_or(false);
+    let bos = g
+        .meta
+        .get("tokenizer.ggml.bos_token_id")
+        .and_then(|m| m.as_i64())
+        .and_then(|i| Some((i, tokens.get(usize::try_from(i).ok()?)?)));
+    match (add, bos) {
+        (true, Some((id, token))) => {
+            let special = |type_id: i64| json!({"SpecialToken": {"id": token, "type_id": type_id}});
+            let seq = |id: &str, type_id: i64| json!({"Sequence": {"id": id, "type_id": type_id}});
+            json!({
+                "type": "TemplateProcessing",
+                "single": [special(0), seq("A", 0)],
+                "pair": [special(0), seq("A", 0), special(1), seq("B", 1)],
+                "special_tokens": {token.as_str(): {"id": token, "ids": [id], "tokens": [token]}}
+            })
+        }
+        _ => Json::Null,
+    }
+}
+
 /// Write a Hugging Face model directory from a GGUF file: f32 weights (dequantized, q/k rows
 /// in HF order), config, generation config, tokenizer. The directory is written whole under a
 /// temp name and renamed into place, replacing whatever `out` held (a sharded model's index and
 /// shards included).
 pub fn import(path: &Path, out: &Path, mut progress: impl FnMut(usize, usize)) -> Result<()> {
     let g = Gguf::open(path)?;
-    let config = hf_config(&g)?;
+    let config = hf_config(&g).with_context(|| path.display().to_string())?;
+    // Before the tensors (minutes for a large model): a vocabulary it cannot carry is refused.
+    let (tokenizer, tconfig) = hf_tokenizer(&g).with_context(|| path.display().to_string())?;
     let cfg = crate::model::config::LlamaConfig::from_json(&config)?;
     let (heads, kv) = (
         cfg.num_attention_heads as usize,
@@ -523,8 +717,18 @@ pub fn import(path: &Path, out: &Path, mut progress: impl FnMut(usize, usize)) -
     let mut tensors = BTreeMap::new();
     let total = g.tensors.len();
     for (i, t) in g.tensors.iter().enumerate() {
+        if t.name == "rope_freqs.weight" {
+            continue; // the config's rope_scaling (hf_config)
+        }
         let Some(name) = hf_name(&t.name) else {
-            continue; // e.g. rope_freqs: derived from the config
+            bail!(
+                "{}: tensor `{}` has no place in the Llama model xtrain trains (token_embd, \
+                 output_norm, output, and per block attn_norm, attn_q/k/v/output, ffn_norm, \
+                 ffn_gate/up/down weights): biases and q/k norms are other architectures, and \
+                 leaving it out would change the model",
+                path.display(),
+                t.name
+            );
         };
         let dims = t.hf_dims();
         let mut values = g
@@ -542,9 +746,39 @@ pub fn import(path: &Path, out: &Path, mut progress: impl FnMut(usize, usize)) -
     if let Some((missing, _)) = files.iter().find(|(n, _)| !tensors.contains_key(n)) {
         bail!("{}: no tensor for `{missing}`", path.display());
     }
+    // Every tensor has the shape the config derived from the metadata gives it, and no tensor
+    // is left over (a block past llama.block_count, an output beside tied embeddings).
+    let shapes: BTreeMap<&str, &Vec<i64>> = files.iter().map(|(n, s)| (n.as_str(), s)).collect();
+    for (name, t) in &tensors {
+        match shapes.get(name.as_str()) {
+            None => bail!(
+                "{}: tensor `{name}` is not part of the model its metadata describes ({} \
+                 blocks, {} embeddings)",
+                path.display(),
+                cfg.num_hidden_layers,
+                if cfg.tie_word_embeddings {
+                    "tied"
+                } else {
+                    "untied"
+                }
+            ),
+            Some(&want) if *want != t.dims => bail!(
+                "{}: tensor `{name}` is {:?} but the metadata's model (hidden {}, heads {} of \
+                 {}, kv heads {}, intermediate {}, vocabulary {}) needs {want:?}",
+                path.display(),
+                t.dims,
+                cfg.hidden_size,
+                cfg.num_attention_heads,
+                cfg.head_dim,
+                cfg.num_key_value_heads,
+                cfg.intermediate_size,
+                cfg.vocab_size
+            ),
+            Some(_) => {}
+        }
+    }
     let mut meta = BTreeMap::new();
     meta.insert("format".to_string(), "pt".to_string());
-    let (tokenizer, tconfig) = hf_tokenizer(&g)?;
     crate::formats::atomic::write_dir_atomic(out, |tmp| {
         crate::formats::safetensors::write(&tmp.join("model.safetensors"), &tensors, &meta)?;
         crate::formats::atomic::write_bytes_atomic(

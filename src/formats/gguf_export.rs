@@ -333,7 +333,15 @@ pub fn export_merged(
                 if let Some(heads) = qk_heads(&cfg, hf) {
                     w = permute_qk(&w, heads, dims[0] as usize, dims[1] as usize);
                 }
-                encode(&w, entries[i].ty)
+                let merged = adapter
+                    .as_ref()
+                    .is_some_and(|(l, _)| adapted(l, hf).is_some());
+                let what = if merged {
+                    "merged with the adapter"
+                } else {
+                    "as stored"
+                };
+                encoded(hf, what, &w, entries[i].ty)?
             }
         };
         progress(i + 1, total, &entries[i].name)?;
@@ -419,8 +427,36 @@ pub fn export_lora(
             v = permute_qk(&v, *heads, t.dims[0] as usize, t.dims[1] as usize);
         }
         progress(i + 1, total, &entries[i].name)?;
-        Ok(encode(&v, entries[i].ty))
+        encoded(name, "in the adapter", &v, entries[i].ty)
     })
+}
+
+/// `values` of tensor `name` (`what`: as stored, merged, in the adapter) encoded as `ty`, or an
+/// error that names the tensor and the element where a value is not finite or does not fit the
+/// type (f16's largest is 65,504; q8_0 keeps each block's scale, its largest value over 127,
+/// in f16): llama.cpp would compute garbage from the file without a word.
+fn encoded(name: &str, what: &str, values: &[f32], ty: TensorType) -> Result<Vec<u8>> {
+    const F16_MAX: f32 = 65504.0;
+    let largest = match ty {
+        TensorType::F16 => F16_MAX,
+        TensorType::Q8_0 => F16_MAX * 127.0,
+        _ => f32::MAX,
+    };
+    if let Some(i) = values.iter().position(|v| !(v.abs() <= largest)) {
+        let v = values[i];
+        if !v.is_finite() {
+            bail!(
+                "`{name}` {what}: element {i} is {v}, not a finite number; llama.cpp would \
+                 compute garbage from it"
+            );
+        }
+        bail!(
+            "`{name}` {what}: element {i} is {v:e}, more than {} can hold; export with --type \
+             bf16 or f32",
+            ty.name()
+        );
+    }
+    Ok(encode(values, ty))
 }
 
 #[cfg(test)]

@@ -138,6 +138,18 @@ pub fn read_config_and_patterns(dir: &Path) -> Result<(LoraConfig, Patterns)> {
     let alpha = field("lora_alpha")
         .and_then(|v| v.as_f64())
         .with_context(|| format!("{}: no `lora_alpha`", path.display()))?;
+    // As `train` refuses these flags: a rank under 1 has no matrices, and alpha scales the
+    // update by alpha / r (llama.cpp reads an alpha of 0 as a scale of 1, not 0).
+    if r < 1 {
+        bail!("{}: `r` = {r}: a LoRA rank is at least 1", path.display());
+    }
+    if !(alpha.is_finite() && alpha > 0.0) {
+        bail!(
+            "{}: `lora_alpha` = {alpha}: it must be a positive number (the update is scaled by \
+             lora_alpha / r)",
+            path.display()
+        );
+    }
     let dropout = field("lora_dropout")
         .and_then(|v| v.as_f64())
         .unwrap_or(0.0);
@@ -190,9 +202,16 @@ pub fn read_config_and_patterns(dir: &Path) -> Result<(LoraConfig, Patterns)> {
             Ok((k, v as i64))
         })
         .collect::<Result<_>>()?;
+    let alphas = pattern("alpha_pattern")?;
+    if let Some((k, v)) = alphas.iter().find(|(_, v)| !(v.is_finite() && *v > 0.0)) {
+        bail!(
+            "{}: `alpha_pattern` gives `{k}` alpha {v}, not a positive number",
+            path.display()
+        );
+    }
     let patterns = Patterns {
         rank,
-        alpha: pattern("alpha_pattern")?,
+        alpha: alphas,
     };
     Ok((
         LoraConfig {

@@ -228,6 +228,13 @@ def cmd_chat(gguf_path, lora_path, prompt, max_tokens):
     print(json.dumps({"text": out["choices"][0]["message"]["content"]}))
 
 
+def cmd_tokens(gguf_path, text):
+    """llama.cpp's token ids for `text`, as the file says to tokenize it (its split, its BOS
+    where the file's add_bos_token says so)."""
+    llm = Llama(model_path=gguf_path, n_ctx=64, n_threads=2, verbose=False)
+    print(json.dumps({"tokens": llm.tokenize(text.encode(), add_bos=True)}))
+
+
 def cmd_quantize(src, dst, ftype):
     """llama.cpp's own quantizer (llama_model_quantize) on an exported file."""
     import ctypes
@@ -319,5 +326,6 @@ if __name__ == "__main__":
         "chat": cmd_chat,
         "quantize": cmd_quantize,
         "imported": cmd_imported,
+        "tokens": cmd_tokens,
         "blocks": cmd_blocks,
     }[cmd](*args)
