@@ -16,6 +16,26 @@
 //!
 //! The command line (`src/cli`) is the binary's, on top of all of them.
 
+/// `println!` that does not panic when the reader has gone (`xtrain compile | head -1`): the
+/// command goes on to its end, its files written whole, and the lines nobody reads are dropped.
+#[macro_export]
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout(), $($arg)*);
+    }};
+}
+
+/// [`say!`] to stderr: `eprintln!` that does not panic when stderr's reader has gone
+/// (`xtrain train ... 2>&1 | head`).
+#[macro_export]
+macro_rules! esay {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+
 pub mod cluster;
 pub mod compile;
 pub mod data;

@@ -87,7 +87,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     let (cfg, _) = xtrain::model::presets::resolve_model_config(&a.model)?;
     let options = a.step.options()?;
     for (_, note) in options.idle_result_types() {
-        eprintln!("xtrain: note: {note}");
+        xtrain::esay!("xtrain: note: {note}");
     }
     let devices = options.mesh.as_ref().map_or(1, |m| m.devices());
     let mut rt = Runtime::open(a.plugin.as_deref(), Some(devices))?;
@@ -95,6 +95,6 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     let spec = options.spec(cfg, a.batch, a.seq)?;
     xtrain::device::platform::check_offload(&rt.platform(), spec.offload, "this step")?;
     let r = xtrain::train::bench::run(rt, spec, a.warmup, a.steps, export.as_deref())?;
-    println!("{}", serde_json::to_string(&r)?);
+    xtrain::say!("{}", serde_json::to_string(&r)?);
     Ok(())
 }

@@ -168,5 +168,5 @@ fn say_what_auto_chose(o: &CompileOptions, report: &CompileReport) {
             report.targets.join(", ")
         ),
     };
-    println!("auto chose {} for {why}", chose.join(" "));
+    xtrain::say!("auto chose {} for {why}", chose.join(" "));
 }

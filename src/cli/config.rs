@@ -70,7 +70,7 @@ pub fn expand(argv: Vec<OsString>, cli: &Command) -> Result<Expanded> {
         let long = flag.trim_start_matches("--").to_string();
         match typed.iter().find(|(f, _)| *f == long) {
             Some((_, mine)) => {
-                eprintln!(
+                xtrain::esay!(
                     "xtrain: {flag}{} on the command line overrides the recipe {}'s {flag}{}",
                     mine.as_ref().map(|v| format!(" {v}")).unwrap_or_default(),
                     file.display(),
@@ -270,7 +270,7 @@ fn recipe_flags(
         }
     }
     if !left_out.is_empty() {
-        eprintln!(
+        xtrain::esay!(
             "xtrain: {}: not used by `xtrain {name}`: {}",
             path.display(),
             left_out.join(", ")

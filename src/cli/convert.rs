@@ -13,10 +13,10 @@ pub fn import_gguf(file: &Path, out: &Path, overwrite: bool) -> Result<()> {
         let pct = done * 100 / total.max(1);
         if pct >= shown + 10 || done == total {
             shown = pct;
-            eprintln!("importing {}: {pct}% of {total} tensors", file.display());
+            xtrain::esay!("importing {}: {pct}% of {total} tensors", file.display());
         }
     })?;
-    println!(
+    xtrain::say!(
         "wrote {} in {:.1}s",
         out.display(),
         t0.elapsed().as_secs_f64()
@@ -27,6 +27,6 @@ pub fn import_gguf(file: &Path, out: &Path, overwrite: bool) -> Result<()> {
 pub fn merge(model: &Path, adapter: &Path, out: &Path, overwrite: bool) -> Result<()> {
     let out = check_writable_dir(out, overwrite, &[model, adapter])?;
     xtrain::formats::merge::merge(model, adapter, &out)?;
-    println!("wrote {}", out.display());
+    xtrain::say!("wrote {}", out.display());
     Ok(())
 }

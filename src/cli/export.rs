@@ -56,23 +56,23 @@ fn choose_base(a: &ExportGgufArgs) -> Result<Base> {
         other => bail!("--base-quant {other}: choose auto, none or nf4"),
     };
     match (&recorded, base) {
-        (Some((q, file)), Base::AsStored) if q == "nf4" => eprintln!(
+        (Some((q, file)), Base::AsStored) if q == "nf4" => xtrain::esay!(
             "xtrain: warning: {} records --quant nf4, but --base-quant none merges against the \
              stored weights, which the adapter was not trained on",
             file.display()
         ),
-        (Some((q, file)), Base::Nf4) if q != "nf4" => eprintln!(
+        (Some((q, file)), Base::Nf4) if q != "nf4" => xtrain::esay!(
             "xtrain: warning: {} records --quant {q}, but --base-quant nf4 merges against the \
              NF4 base",
             file.display()
         ),
-        (Some((_, file)), Base::Nf4) if a.adapter.is_some() && !a.lora_only => eprintln!(
+        (Some((_, file)), Base::Nf4) if a.adapter.is_some() && !a.lora_only => xtrain::esay!(
             "xtrain: merging against the NF4-dequantized base the adapter was trained on ({} \
              records --quant nf4)",
             file.display()
         ),
         (None, Base::Nf4) if a.adapter.is_some() && !a.lora_only => {
-            eprintln!("xtrain: merging against the NF4-dequantized base (--base-quant nf4)")
+            xtrain::esay!("xtrain: merging against the NF4-dequantized base (--base-quant nf4)")
         }
         _ => {}
     }
@@ -114,7 +114,7 @@ pub fn export_gguf(mut a: ExportGgufArgs) -> Result<()> {
     let out = xtrain::formats::outdir::check_writable_file("--out", &a.out, a.overwrite, &inputs)?;
     let base = choose_base(&a)?;
     if a.lora_only && base == Base::Nf4 {
-        eprintln!(
+        xtrain::esay!(
             "xtrain: the adapter was trained against the NF4 base; llama.cpp applies it over \
              the base GGUF it is given, which differs from that base by NF4's rounding"
         );
@@ -138,7 +138,7 @@ pub fn export_gguf(mut a: ExportGgufArgs) -> Result<()> {
             shown = pct;
             let elapsed = t0.elapsed().as_secs_f64();
             let eta = elapsed / done as f64 * (total - done) as f64;
-            eprintln!(
+            xtrain::esay!(
                 "exporting: {pct}% ({done}/{total} tensors, {name}), {elapsed:.0}s, about {eta:.0}s left"
             );
         }
@@ -148,12 +148,12 @@ pub fn export_gguf(mut a: ExportGgufArgs) -> Result<()> {
         gguf_export::export_lora(&opts, &out, &mut progress)
     } else {
         gguf_export::export_merged(&opts, &out, &mut progress, &mut |n| {
-            eprintln!("xtrain: {n}")
+            xtrain::esay!("xtrain: {n}")
         })
     };
     let written = match written {
         Err(_) if interrupted.load(Ordering::SeqCst) => {
-            eprintln!(
+            xtrain::esay!(
                 "xtrain: export-gguf interrupted: {} was not written (its temp file is removed)",
                 out.display()
             );
@@ -166,7 +166,7 @@ pub fn export_gguf(mut a: ExportGgufArgs) -> Result<()> {
         (false, true) => "merged model",
         (false, false) => "model",
     };
-    println!(
+    xtrain::say!(
         "wrote {} ({what}, {}, {} tensors, {:.1} MB) in {:.1}s",
         out.display(),
         ty.name(),

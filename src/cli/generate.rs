@@ -104,9 +104,9 @@ pub fn generate(mut a: GenerateArgs) -> Result<()> {
         a.seed,
         tok.eos_id,
     )?;
-    println!("{}", tok.decode(&out)?);
+    xtrain::say!("{}", tok.decode(&out)?);
     if stop == Stop::Context {
-        eprintln!(
+        xtrain::esay!(
             "xtrain: stopped at the context limit after {} new tokens (--context {}: the prompt takes {} tokens); raise --context for a longer answer",
             out.len(),
             a.context,

@@ -125,7 +125,7 @@ fn parse() -> (Cli, clap::ArgMatches, Option<Recipe>) {
     let expanded = match config::expand(std::env::args_os().collect(), &cmd) {
         Ok(e) => e,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            xtrain::esay!("error: {e:#}");
             std::process::exit(2);
         }
     };
@@ -134,13 +134,13 @@ fn parse() -> (Cli, clap::ArgMatches, Option<Recipe>) {
         Ok(m) => m,
         Err(e) => {
             if let Some(said) = not_part_of_the_program(&e, command.as_deref()) {
-                eprintln!("error: {said}");
+                xtrain::esay!("error: {said}");
                 std::process::exit(2);
             }
             let recipe = expanded.recipe.as_ref().map(|(f, _)| f.as_path());
             match config::recipe_value_error(&e, recipe, &expanded.keys) {
                 Some(said) => {
-                    eprintln!("error: {said}");
+                    xtrain::esay!("error: {said}");
                     std::process::exit(2);
                 }
                 None => e.exit(),
@@ -220,7 +220,7 @@ pub fn main() {
             .and_then(|model| convert::merge(&model, &adapter, &out, overwrite)),
     };
     if let Err(e) = result {
-        eprintln!("error: {e:#}");
+        xtrain::esay!("error: {e:#}");
         std::process::exit(1);
     }
 }

@@ -52,7 +52,7 @@ pub fn model_config(model: &str, revision: Option<&str>) -> Result<LlamaConfig> 
         return LlamaConfig::load(&dir);
     }
     if let Some(name) = presets::preset_for_repo(model).filter(|_| revision.is_none()) {
-        eprintln!(
+        xtrain::esay!(
             "xtrain: {model} is not in the Hugging Face hub cache; using its built-in config ({name})"
         );
         return Ok(presets::preset_config(name)?.expect("REPO_PRESETS names presets"));

@@ -14,34 +14,34 @@ pub enum PluginAction {
 pub fn plugins(action: Option<PluginAction>, verbose: bool) -> Result<()> {
     if let Some(PluginAction::Install { name }) = action {
         let path = xtrain::device::plugins::install(&name)?;
-        println!("installed {}", path.display());
+        xtrain::say!("installed {}", path.display());
         return Ok(());
     }
     let found = xtrain::device::plugins::survey(verbose);
     if found.is_empty() {
-        println!("no PJRT plugins found; run `xtrain plugins install cpu`");
+        xtrain::say!("no PJRT plugins found; run `xtrain plugins install cpu`");
         return Ok(());
     }
     for f in found {
-        println!("{} ({}): {}", f.name, f.source, f.path.display());
+        xtrain::say!("{} ({}): {}", f.name, f.source, f.path.display());
         let p = match f.loaded {
             Err(e) => {
-                println!("  cannot load: {e}");
+                xtrain::say!("  cannot load: {e}");
                 continue;
             }
             Ok(p) => p,
         };
         let (major, minor) = p.api_version;
-        println!("  PJRT C API {major}.{minor}");
+        xtrain::say!("  PJRT C API {major}.{minor}");
         match p.client {
-            None => println!("  no TPU on this machine (no /dev/accel*): it compiles for absent TPUs (`xtrain compile --target tpu:...`)"),
-            Some(Err(e)) => println!("  no client: {e}"),
+            None => xtrain::say!("  no TPU on this machine (no /dev/accel*): it compiles for absent TPUs (`xtrain compile --target tpu:...`)"),
+            Some(Err(e)) => xtrain::say!("  no client: {e}"),
             Some(Ok(c)) => {
                 let version = c
                     .version
                     .map(|v| format!(" (version {v})"))
                     .unwrap_or_default();
-                println!(
+                xtrain::say!(
                     "  platform {}{version}, {} devices",
                     c.platform,
                     c.devices.len()
@@ -50,7 +50,7 @@ pub fn plugins(action: Option<PluginAction>, verbose: bool) -> Result<()> {
                     let mem = memory
                         .map(|b| format!(", {:.1} GiB", b as f64 / (1u64 << 30) as f64))
                         .unwrap_or_default();
-                    println!("    device {id}: {kind}{mem}");
+                    xtrain::say!("    device {id}: {kind}{mem}");
                 }
             }
         }

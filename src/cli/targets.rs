@@ -7,14 +7,14 @@ use xtrain::compile::figures::gib;
 pub fn targets(name: Option<&str>) -> Result<()> {
     use xtrain::device::absent::{gpus, tpus, GpuArch};
     let Some(name) = name else {
-        println!("TPU slices (libtpu's layouts, e.g. 2x2, 2x2x1, 4x4x4, 16x16; 1x1 for one chip):");
+        xtrain::say!("TPU slices (libtpu's layouts, e.g. 2x2, 2x2x1, 4x4x4, 16x16; 1x1 for one chip):");
         for t in tpus() {
-            println!(
+            xtrain::say!(
                 "  tpu:{}:<chips>  {} TFLOP/s bf16 per chip",
                 t.name, t.peak_bf16_tflops_per_chip
             );
         }
-        println!(
+        xtrain::say!(
             "GPUs (<count> per host, or <hosts>x<per host>; --target-config FILE for others):"
         );
         for g in gpus() {
@@ -23,7 +23,7 @@ pub fn targets(name: Option<&str>) -> Result<()> {
                 GpuArch::Rocm(n) => n.split(':').next().unwrap_or(n).to_string(),
             };
             let platform = g.platform().plugin();
-            println!(
+            xtrain::say!(
                 "  {platform}:{}:<count>  {} ({arch}, {} {}, {}, {:.1} TB/s, {} TFLOP/s bf16)",
                 g.name,
                 g.kind,
@@ -46,7 +46,7 @@ pub fn targets(name: Option<&str>) -> Result<()> {
                 xtrain::device::absent::known_targets()
             );
         };
-        println!(
+        xtrain::say!(
             "tpu:{}:<chips>  {} TFLOP/s bf16 per chip. TPUs need no description (libtpu knows \
              each generation): compile with --target tpu:{}:<chips>, the slice's layout as \
              libtpu names it (e.g. tpu:{}:2x2; 1x1 for one chip)",
@@ -63,6 +63,7 @@ pub fn targets(name: Option<&str>) -> Result<()> {
             xtrain::device::absent::known_targets()
         );
     };
-    print!("{}", g.target_config());
+    // Not print!: a reader that has gone (`| head`) is not a panic (see xtrain::say!).
+    let _ = std::io::Write::write_all(&mut std::io::stdout(), g.target_config().as_bytes());
     Ok(())
 }

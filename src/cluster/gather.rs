@@ -307,7 +307,7 @@ mod tests {
             all.unwrap().unwrap()
         });
         let took = started.elapsed().as_secs_f64();
-        eprintln!(
+        crate::esay!(
             "gathered a {mb} MiB shard over loopback in {took:.2} s ({:.0} MiB/s)",
             mb as f64 / took
         );

@@ -88,7 +88,7 @@ fn serve(coordinator: &Coordinator, bind: Option<&str>, config: Config) -> Resul
         match StoreServer::bind(a, config.clone()) {
             Ok(server) => {
                 if a.ip().is_loopback() && !crate::cluster::launch::is_loopback(&at.host) {
-                    eprintln!(
+                    crate::esay!(
                         "xtrain: note: {} resolves to {} on this host: only this host reaches \
                          the run's store there (give this host's network address with \
                          --coordinator-bind if the other processes run elsewhere)",

@@ -127,7 +127,7 @@ impl Shared {
     /// Say `message` once per `kind` of event.
     fn say_once(&self, kind: &'static str, message: &str) {
         if locked(&self.said).insert(kind) {
-            eprintln!("xtrain: store: {message} (said once)");
+            crate::esay!("xtrain: store: {message} (said once)");
         }
     }
 

@@ -312,7 +312,7 @@ mod tests {
             }))
             .unwrap()
             .len();
-            eprintln!(
+            crate::esay!(
                 "a put of {mb} MiB: {wire} bytes on the wire (protocol 1: {before}, {:.2}x)",
                 before as f64 / n as f64
             );

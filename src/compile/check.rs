@@ -31,9 +31,9 @@ pub(super) fn check(
     let compile_s = t0.elapsed().as_secs_f64();
     let m = exe.memory_stats()?;
     if a.verbose {
-        eprintln!("{m:?}");
+        crate::esay!("{m:?}");
     }
-    println!(
+    crate::say!(
         "XLA compile: {compile_s:.2}s on {}",
         rt.client.platform_name()?
     );
@@ -63,13 +63,13 @@ pub(super) fn check(
         usable_memory_per_device: info.memory_bytes,
     };
     let file = record(w.dir(), by, &build, None, manifest)?;
-    println!(
+    crate::say!(
         "wrote {} ({} bytes) for `xtrain train --program` on this machine",
         w.out.join(file).display(),
         build.executable.len()
     );
     if let Some(dir) = &a.xla_dump {
-        println!("XLA's HLO dumps: {}", dir.display());
+        crate::say!("XLA's HLO dumps: {}", dir.display());
     }
     Ok(())
 }

@@ -25,7 +25,7 @@ pub fn print_memory(
     devices_per_host: i64,
     spec: &StepSpec,
 ) {
-    println!(
+    crate::say!(
         "per device: arguments {}, outputs {} ({} aliased to arguments), temporaries {}, code {}",
         gib(m.argument_bytes),
         gib(m.output_bytes),
@@ -34,7 +34,7 @@ pub fn print_memory(
         gib(m.generated_code_bytes)
     );
     if m.host_total_bytes() > 0 {
-        println!(
+        crate::say!(
             "in host memory, per device: arguments {}, temporaries {}; per host ({devices_per_host} \
              device(s)): {}",
             gib(m.host_argument_bytes),
@@ -51,7 +51,7 @@ pub fn print_memory(
         ),
         None => String::new(),
     };
-    println!(
+    crate::say!(
         "per device total (arguments + non-aliased outputs + temporaries): {}{fits}",
         gib(m.total_bytes())
     );

@@ -63,7 +63,7 @@ pub fn run(o: &CompileOptions) -> Result<CompileReport> {
     }
     let mut options = o.step.clone();
     for (_, note) in options.idle_result_types() {
-        eprintln!("xtrain: note: {note}");
+        crate::esay!("xtrain: note: {note}");
     }
     // The mesh `fsdp=N` taken from the targets' device count, where --mesh is left out.
     let mut derived = None;
@@ -90,7 +90,7 @@ pub fn run(o: &CompileOptions) -> Result<CompileReport> {
     }
     if !o.check {
         for t in &targets {
-            println!(
+            crate::say!(
                 "target {}: {} devices (the program is written for them; --check compiles it \
                  with the {} plugin)",
                 t.spec,
@@ -355,7 +355,7 @@ fn check_targets(
     }
     let Some((next_remat, next_offload)) = next.filter(|_| !fits_all) else {
         if targets.len() > 1 {
-            println!(
+            crate::say!(
                 "one program ({}), {} executables: {}",
                 manifest.program_sha256,
                 manifest.builds.len(),
@@ -369,7 +369,7 @@ fn check_targets(
         }
         return Ok(true);
     };
-    println!(
+    crate::say!(
         "(auto: --remat {} --offload {} does not fit{}; trying --remat {} --offload {})",
         remat.name(),
         offload.name(),

@@ -39,7 +39,7 @@ pub fn print_target(t: &TargetDevices) -> Result<()> {
     } else {
         format!(" {version}")
     };
-    println!(
+    crate::say!(
         "target {}: {} x {} on {} host(s){memory} ({} plugin{version}, PJRT C API {}.{})",
         t.target.spec,
         t.devices.len(),
@@ -79,7 +79,7 @@ pub fn check_target(
             fits,
         })
     };
-    eprintln!(
+    crate::esay!(
         "xtrain: compiling for {} with the {} plugin (no device needed)",
         t.target.spec,
         t.target.platform.plugin()
@@ -101,12 +101,12 @@ pub fn check_target(
                 return Err(e);
             }
             tried.push(attempt(None, false)?);
-            println!("XLA compile for {}: does not fit: {e:#}", t.target.spec);
+            crate::say!("XLA compile for {}: does not fit: {e:#}", t.target.spec);
             return Ok(false);
         }
         Err(e) => return Err(e),
     };
-    println!(
+    crate::say!(
         "XLA compile for {}: {:.2}s ({} compiler)",
         t.target.spec,
         build.compile_s,
@@ -144,7 +144,7 @@ pub fn check_target(
     };
     let file = record(to.dir, by, &build, estimate, manifest)?;
     let build_record = manifest.builds.last().expect("recorded");
-    println!(
+    crate::say!(
         "wrote {} ({} bytes){} and the build in manifest.json",
         to.out.join(file).display(),
         build.executable.len(),
@@ -154,7 +154,7 @@ pub fn check_target(
             .collect::<String>()
     );
     if let Some(dir) = dump {
-        println!("XLA's dumps: {}", dir.display());
+        crate::say!("XLA's dumps: {}", dir.display());
     }
     Ok(fits)
 }
@@ -162,7 +162,7 @@ pub fn check_target(
 /// The TPU compiler's cost analysis of the step as compiled, one line.
 fn print_cost_analysis(cost: &[(String, f64)], unpriced_calls: usize) {
     let get = |k: &str| cost.iter().find(|(n, _)| n == k).map(|(_, v)| *v);
-    println!(
+    crate::say!(
         "TPU cost analysis per device, the step as compiled (the layer loop's body counted \
          once): {:.4} TFLOP, {:.4} GB accessed, optimal_seconds {}{}",
         get("flops").unwrap_or(0.0) / 1e12,
@@ -195,7 +195,7 @@ fn unpriced_note(e: &crate::device::absent::aot::Estimate) -> String {
 
 /// The TPU compiler's estimate of the whole step, from unrolled 1- and 2-layer steps.
 fn print_estimate(t: &TargetDevices, spec: &StepSpec) -> Result<Option<StepEstimate>> {
-    eprintln!(
+    crate::esay!(
         "xtrain: estimating the step from unrolled 1- and 2-layer steps{}",
         if spec.key_block.is_some() {
             " (and the same with two trips in each attention loop body)"
@@ -205,7 +205,7 @@ fn print_estimate(t: &TargetDevices, spec: &StepSpec) -> Result<Option<StepEstim
     );
     let e = t.estimate(spec)?;
     if let (Some(trip), Some(l)) = (e.trip_seconds(), &e.loops) {
-        println!(
+        crate::say!(
             "attention over key/value blocks: {} trips of each of a layer's loops, priced per \
              trip (the cost model counts a loop body once): one trip of a layer's loops {}, \
              from unrolled steps whose loop bodies hold two trips ({} and {})",
@@ -216,7 +216,7 @@ fn print_estimate(t: &TargetDevices, spec: &StepSpec) -> Result<Option<StepEstim
         );
     }
     if !e.has_time() {
-        println!(
+        crate::say!(
             "no step time estimate: the TPU cost model's optimal_seconds for the unrolled 1- and \
              2-layer steps are {} and {}{}, not times growing with the layers; {:.4} TFLOP and \
              {:.3} GB accessed per device, extrapolated to {} layers",
@@ -235,7 +235,7 @@ fn print_estimate(t: &TargetDevices, spec: &StepSpec) -> Result<Option<StepEstim
     let mfu = t
         .peak_bf16_tflops_per_device()
         .map(|peak| model_flops / (e.seconds() * devices * peak * 1e12));
-    println!(
+    crate::say!(
         "estimated step, by the TPU compiler's cost model (optimal_seconds of unrolled 1- and \
          2-layer steps{}, extrapolated to {} layers; an estimate, not a measurement): {} per \
          step, {:.4} TFLOP and {:.3} GB accessed per device, {:.0} tokens/s{}",
@@ -265,7 +265,7 @@ fn print_estimate(t: &TargetDevices, spec: &StepSpec) -> Result<Option<StepEstim
         }
     );
     for (i, layers) in ["1 layer", "2 layers"].iter().enumerate() {
-        println!(
+        crate::say!(
             "  unrolled step with {layers}: optimal_seconds {}, {:.4} TFLOP, {:.3} GB accessed \
              per device",
             secs(e.unrolled_seconds[i]),

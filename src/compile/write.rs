@@ -15,7 +15,7 @@ pub(super) fn write_program(w: &Writing, spec: &StepSpec) -> Result<(Program, Ma
     let manifest = program_dir::write_dir(w.dir(), &program, spec)?;
     let arg_bytes: i64 = manifest.args.iter().map(|t| t.bytes).sum();
     let per_device: i64 = manifest.args.iter().map(|t| t.bytes_per_device()).sum();
-    println!(
+    crate::say!(
         "wrote {} ({} bytes of StableHLO, {} arguments, built in {:.3}s) and manifest.json",
         w.out.join("train_step.mlir").display(),
         program.text.len(),
@@ -52,7 +52,7 @@ pub(super) fn write_program(w: &Writing, spec: &StepSpec) -> Result<(Program, Ma
         ),
         None => String::new(),
     };
-    println!(
+    crate::say!(
         "step: --dtype {} (weights and compute), --batch {}, --seq {}, --lora-r {} (alpha {}, on {}), --remat {}, --grad-accum {}{}{}",
         spec.dtype,
         spec.batch,
@@ -65,13 +65,13 @@ pub(super) fn write_program(w: &Writing, spec: &StepSpec) -> Result<(Program, Ma
         if spec.quant.is_nf4() { ", --quant nf4" } else { "" },
         mesh,
     );
-    println!(
+    crate::say!(
         "arguments: {}{sharded} ({} parameters in the base model{offload})",
         gib(arg_bytes),
         spec.model.param_count()
     );
-    println!("form: {}", spec.form());
-    println!("program sha256 {}", manifest.program_sha256);
+    crate::say!("form: {}", spec.form());
+    crate::say!("program sha256 {}", manifest.program_sha256);
     Ok((program, manifest))
 }
 
@@ -89,14 +89,14 @@ pub(super) fn print_device_order(m: &MeshPlan) {
         })
         .collect();
     if order.len() <= 16 {
-        println!(
+        crate::say!(
             "mesh {:?}, {} devices; {}",
             m.axes,
             m.devices(),
             order.join("; ")
         );
     } else {
-        println!(
+        crate::say!(
             "mesh {:?}, {} devices, numbered row-major over the axes in this order",
             m.axes,
             m.devices()

@@ -79,7 +79,7 @@ pub fn load(opts: &DataOptions, model_dir: &Path, cfg: &LlamaConfig) -> Result<T
             .check_vocab(cfg.vocab_size)
             .map_err(|e| anyhow::anyhow!("{}: {e}", opts.path.display()))?;
         for n in notes {
-            eprintln!("xtrain: note: {n}");
+            crate::esay!("xtrain: note: {n}");
         }
         let (rows, seq) = batch.dims();
         if opts.eval_fraction > 0.0 {
@@ -122,7 +122,7 @@ pub fn load(opts: &DataOptions, model_dir: &Path, cfg: &LlamaConfig) -> Result<T
                         opts.path.display()
                     );
                 }
-                eprintln!(
+                crate::esay!(
                     "xtrain: holding out {} of {n_examples} examples for evaluation (--eval-fraction {})",
                     eval.len(),
                     opts.eval_fraction
@@ -135,13 +135,13 @@ pub fn load(opts: &DataOptions, model_dir: &Path, cfg: &LlamaConfig) -> Result<T
     let (rows, report) = make_rows(&train_ex, seq, opts.pack, tok.pad_id, opts.strict_length)
         .with_context(|| format!("{}", opts.path.display()))?;
     if report.truncated > 0 {
-        eprintln!(
+        crate::esay!(
             "xtrain: truncated {} examples to --seq {seq}",
             report.truncated
         );
     }
     if report.dropped_empty > 0 {
-        eprintln!(
+        crate::esay!(
             "xtrain: left out {} of {} training examples with no target token within --seq {seq}",
             report.dropped_empty,
             train_ex.len()
@@ -208,13 +208,13 @@ fn eval_rows(
         .with_context(|| format!("{} (evaluation examples)", from.display()))?;
     let n = eval_ex.len();
     if report.truncated > 0 {
-        eprintln!(
+        crate::esay!(
             "xtrain: eval: truncated {} of {n} examples to {length} (their loss and accuracy see only the first {seq} tokens; --strict-length refuses them)",
             report.truncated
         );
     }
     if report.dropped_empty > 0 {
-        eprintln!(
+        crate::esay!(
             "xtrain: eval: left out {} of {n} examples with no target token within {length}; evaluating on {}",
             report.dropped_empty,
             rows.len()
@@ -318,11 +318,11 @@ impl Source {
 fn read_rows(path: &Path, tok: &TextTokenizer, opts: &DataOptions) -> Result<Vec<Tokenized>> {
     let report = read_examples(path, opts.skip_bad_lines, &opts.columns)?;
     for note in &report.notes {
-        eprintln!("xtrain: {note}");
+        crate::esay!("xtrain: {note}");
     }
     if let Some((at, reason)) = report.skipped.first() {
         let unit = report.unit;
-        eprintln!(
+        crate::esay!(
             "xtrain: skipped {} bad {unit}s of {} (first: {unit} {at}: {reason})",
             report.skipped.len(),
             path.display(),

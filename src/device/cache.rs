@@ -43,12 +43,12 @@ pub fn compile_cached(
             match rt.client.deserialize(&p.executable) {
                 Ok(mut exe) => {
                     if !p.from.is_empty() {
-                        eprintln!("xtrain: loaded the step compiled {}", p.from);
+                        crate::esay!("xtrain: loaded the step compiled {}", p.from);
                     }
                     exe.expect_inputs(expected);
                     return Ok((exe, true));
                 }
-                Err(e) => eprintln!(
+                Err(e) => crate::esay!(
                     "xtrain: recompiling the step: the plugin cannot load the one compiled {}: {e}",
                     p.from
                 ),
@@ -70,7 +70,7 @@ pub fn compile_cached(
     // finishes first and this one loads what it wrote. A cache that cannot be locked or written
     // only costs compiling again.
     let _lock = pjrt::once::Lock::exclusive(&pjrt::once::lock_path(&path), || {
-        eprintln!(
+        crate::esay!(
             "xtrain: another xtrain is compiling the same step; waiting to load its executable"
         )
     })

@@ -137,7 +137,7 @@ impl Trainer {
             } else {
                 "compiled the step"
             };
-            eprintln!(
+            crate::esay!(
                 "xtrain: {how} in {compile_s:.2}s ({} bytes of StableHLO)",
                 program.text.len()
             );

@@ -235,13 +235,13 @@ pub fn resolve(id: &str, revision: Option<&str>, need: Need) -> Result<PathBuf> 
     }
     // One xtrain downloads a repo at a time; one that waited finds it downloaded.
     let _writing = pjrt::once::Lock::exclusive(&lock, || {
-        eprintln!("xtrain: waiting for another xtrain downloading {id}")
+        crate::esay!("xtrain: waiting for another xtrain downloading {id}")
     })
     .with_context(|| format!("--model {id}: cannot lock the hub cache to download it"))?;
     if let Lookup::Found(dir) = lookup(&cache, id, revision, need)? {
         return Ok(dir);
     }
-    eprintln!(
+    crate::esay!(
         "xtrain: {id} is not in the Hugging Face hub cache {} ({why}); downloading it",
         cache.display()
     );

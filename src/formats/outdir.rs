@@ -86,9 +86,10 @@ pub fn check_writable_dir(out: &Path, overwrite: bool, inputs: &[&Path]) -> Resu
             parent
         };
         for note in clean_leftovers(parent, Some(&name.to_string_lossy())) {
-            eprintln!("xtrain: {note}");
+            crate::esay!("xtrain: {note}");
         }
     }
+    refuse_current_dir(&out)?;
     let held = entries(&out)?;
     if !held.is_empty() && !overwrite {
         bail!(
@@ -97,7 +98,33 @@ pub fn check_writable_dir(out: &Path, overwrite: bool, inputs: &[&Path]) -> Resu
             some_names(&held)
         );
     }
+    if !held.is_empty() {
+        crate::esay!(
+            "xtrain: --overwrite: {} (it holds {}) is replaced once the new output is complete",
+            out.display(),
+            some_names(&held)
+        );
+    }
     Ok(out)
+}
+
+/// Refuse to replace `out` when it is the directory the user stands in or one above it (`--out
+/// .`, `--out ..`, `--out ~`): it holds their own files, not an output of ours, and
+/// `--overwrite` replaces an output directory whole.
+pub fn refuse_current_dir(out: &Path) -> Result<()> {
+    if let (Ok(cwd), Ok(o)) = (
+        std::env::current_dir().and_then(|c| c.canonicalize()),
+        out.canonicalize(),
+    ) {
+        if cwd.starts_with(&o) {
+            bail!(
+                "--out {} is the current directory or holds it; xtrain replaces an --out whole, \
+                 so it writes only a directory of its own: choose one such as ./out",
+                out.display()
+            );
+        }
+    }
+    Ok(())
 }
 
 /// Refuse an output dir `out` (given as `flag`, such as `--out`) that is one of `inputs` (what the
@@ -181,7 +208,7 @@ pub fn check_writable_file(
         }
     }
     for note in clean_leftovers(parent, Some(&name.to_string_lossy())) {
-        eprintln!("xtrain: {note}");
+        crate::esay!("xtrain: {note}");
     }
     if path.symlink_metadata().is_ok() && !overwrite {
         bail!(

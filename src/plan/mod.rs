@@ -95,7 +95,7 @@ pub fn run(o: &PlanOptions) -> Result<Plan> {
             .finalize()
             .into();
         if let Some(c) = compiled.get(&key) {
-            eprintln!("xtrain: plan: the same step was compiled before; its figures are reused");
+            crate::esay!("xtrain: plan: the same step was compiled before; its figures are reused");
             return Ok(c.clone());
         }
         let c = backend.compile(program)?;
@@ -108,7 +108,7 @@ pub fn run(o: &PlanOptions) -> Result<Plan> {
     };
     let points = o.space.points(devices, o.global_batch, seq, &o.rules);
     let built = search::points(points, &o.step, &o.model, o.global_batch, seq, peak);
-    eprintln!(
+    crate::esay!(
         "xtrain: plan: {} points for {name} at {seq} tokens x {} rows ({} refused by the \
          step's checks)",
         built.len(),
@@ -120,7 +120,7 @@ pub fn run(o: &PlanOptions) -> Result<Plan> {
     if by_estimate {
         for &i in &ranked {
             let spec = points[i].spec.as_ref().expect("fits");
-            eprintln!(
+            crate::esay!(
                 "xtrain: plan: estimating {} (unrolled 1- and 2-layer steps)",
                 points[i].settings.line()
             );
@@ -219,7 +219,7 @@ fn longest(
             let found = probe(o, &s, seq, compile)?;
             let fit = found.as_ref().is_some_and(|f| limits.holds(f));
             let gib = crate::compile::figures::gib;
-            eprintln!(
+            crate::esay!(
                 "xtrain: plan: --seq {seq} with {}: {}",
                 s.line(),
                 match (fit, &found) {
@@ -266,7 +266,7 @@ fn longest(
             hi = mid;
         }
     }
-    eprintln!("xtrain: plan: --seq max: {} tokens", lo * step);
+    crate::esay!("xtrain: plan: --seq max: {} tokens", lo * step);
     Ok((lo * step, probes))
 }
 
@@ -284,7 +284,7 @@ fn probe(
     {
         Ok(spec) => spec,
         Err(e) => {
-            eprintln!(
+            crate::esay!(
                 "xtrain: plan: --seq {seq} with {}: refused: {e:#}",
                 s.line()
             );

@@ -15,14 +15,14 @@ pub fn print_table(plan: &Plan) {
         true => "TPU estimate",
         false => "model (not measured)",
     };
-    println!(
+    crate::say!(
         "plan for {}: {} tokens x {} rows per step, device memory limit {}",
         plan.target,
         plan.seq,
         plan.global_batch,
         gib(plan.limit_bytes)
     );
-    println!(
+    crate::say!(
         "{:>4}  {:<72} {:>22} {:>10} {:>22} {:>11}  binding",
         "rank", "settings", "device of limit", "host", time, "tokens/s"
     );
@@ -30,7 +30,7 @@ pub fn print_table(plan: &Plan) {
         let p = &plan.points[i];
         let f = p.figures.as_ref().expect("a point that fits was compiled");
         let seconds = step_seconds(plan, p);
-        println!(
+        crate::say!(
             "{:>4}  {:<72} {:>22} {:>10} {:>22} {:>11}  {}",
             rank + 1,
             p.settings.line(),
@@ -42,7 +42,7 @@ pub fn print_table(plan: &Plan) {
         );
     }
     let count = |o: fn(&Outcome) -> bool| plan.points.iter().filter(|p| o(&p.outcome)).count();
-    println!(
+    crate::say!(
         "{} points: {} fit, {} do not, {} skipped by the bound, {} by smaller microbatches that \
          do not fit, {} refused by the step's checks, {} not compiled (ranked below those that \
          fit)",
@@ -55,8 +55,8 @@ pub fn print_table(plan: &Plan) {
         count(|o| *o == Outcome::Unexplored),
     );
     match plan.chosen() {
-        Some(p) => println!("pick: {}", p.settings.line()),
-        None => println!(
+        Some(p) => crate::say!("pick: {}", p.settings.line()),
+        None => crate::say!(
             "nothing fits {} at {} tokens x {} rows: see plan.json's candidates, or try \
              --seq max",
             plan.target, plan.seq, plan.global_batch
@@ -179,6 +179,11 @@ pub fn recipe(o: &PlanOptions, plan: &Plan, p: &Point) -> String {
             format!("matmul_result = {}", q(o.step.matmul_result.name())),
             format!("attention_scores = {}", q(o.step.attention_scores.name())),
             format!("keep_softmax_stats = {}", spec.keep_softmax_stats),
+            // The optimizer's constants are part of the step program, as the plan compiled it.
+            format!("betas = {}", q(&format!("{},{}", o.step.adam.beta1, o.step.adam.beta2))),
+            format!("eps = {:?}", o.step.adam.eps),
+            format!("weight_decay = {:?}", o.step.adam.weight_decay),
+            format!("max_grad_norm = {:?}", o.step.adam.max_grad_norm),
         ];
     if let Some(b) = spec.attention_block {
         lines.push(format!("attention_block = {b}"));
@@ -220,7 +225,7 @@ pub fn write(out: &Path, o: &PlanOptions, plan: &Plan) -> Result<()> {
         }
         Ok(())
     })?;
-    println!(
+    crate::say!(
         "wrote {}{}",
         out.join("plan.json").display(),
         match recipe {

@@ -214,7 +214,7 @@ fn say_progress(k: usize, n: usize, compiled_s: &[f64], started: Instant, s: &Se
             )
         }
     };
-    eprintln!("xtrain: plan [{}/{n}{eta}] compiling {}", k + 1, s.line());
+    crate::esay!("xtrain: plan [{}/{n}{eta}] compiling {}", k + 1, s.line());
 }
 
 /// `1:05:03`, `4:07`.

@@ -155,7 +155,7 @@ pub fn random_batch(spec: &StepSpec, seed: u64) -> Batch {
 
 /// Progress for the long parts of a large benchmark, on stderr (stdout carries the JSON result).
 fn progress(msg: &str) {
-    eprintln!("xtrain bench: {msg}");
+    crate::esay!("xtrain bench: {msg}");
 }
 
 /// What `xtrain bench` measured.

@@ -189,7 +189,7 @@ pub fn latest_checkpoint(out: &Path) -> Option<PathBuf> {
         if is_committed(&dir) {
             return Some(dir);
         }
-        eprintln!("xtrain: {} is not committed (a process of its run ended before every process reached it); skipped", dir.display());
+        crate::esay!("xtrain: {} is not committed (a process of its run ended before every process reached it); skipped", dir.display());
     }
     None
 }

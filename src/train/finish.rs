@@ -44,7 +44,7 @@ pub(super) fn end(opts: &TrainOptions, out: &mut RunDir, finished: Result<Finish
     match finished {
         Ok(Finished::Complete) => out.complete(),
         Ok(Finished::Stopped(dir)) => {
-            eprintln!(
+            crate::esay!(
                 "xtrain: stopped after step {} (--stop-after); continue with `{}`",
                 dir.file_name()
                     .and_then(|n| n.to_str())
@@ -53,7 +53,7 @@ pub(super) fn end(opts: &TrainOptions, out: &mut RunDir, finished: Result<Finish
                 resume_command(&dir)
             );
             if let Some(note) = out.stopped() {
-                eprintln!("xtrain: {note}");
+                crate::esay!("xtrain: {note}");
             }
             Ok(())
         }
@@ -72,7 +72,7 @@ pub(super) fn end(opts: &TrainOptions, out: &mut RunDir, finished: Result<Finish
 /// when it came) and the command that continues it, and settle the output dir.
 fn say_interrupted(opts: &TrainOptions, out: &mut RunDir, saved: Option<PathBuf>, when: &str) {
     match saved {
-        Some(dir) => eprintln!(
+        Some(dir) => crate::esay!(
             "\nxtrain: interrupted; saved {} (continue with `{}`)",
             dir.display(),
             resume_command(&dir)
@@ -83,11 +83,11 @@ fn say_interrupted(opts: &TrainOptions, out: &mut RunDir, saved: Option<PathBuf>
                 .as_ref()
                 .map(|c| format!(" (continue with `{}`)", resume_command(c)))
                 .unwrap_or_default();
-            eprintln!("\nxtrain: interrupted {when}; nothing new to save{again}");
+            crate::esay!("\nxtrain: interrupted {when}; nothing new to save{again}");
         }
     }
     if let Some(note) = out.failed() {
-        eprintln!("xtrain: {note}");
+        crate::esay!("xtrain: {note}");
     }
 }
 
@@ -121,7 +121,7 @@ pub(super) fn locked<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// `first`), said; a run whose every step was skipped trained nothing and is an error.
 pub(super) fn check_skipped(skipped: u64, taken: u64, first: u64) -> Result<()> {
     if skipped > 0 {
-        eprintln!(
+        crate::esay!(
         "xtrain: skipped {} of {taken} steps (--skip-nonfinite-steps: their loss, gradient or update was not finite or blew the weights up; metrics.jsonl marks them `nonfinite`)",
         skipped
     );
@@ -217,7 +217,7 @@ pub(super) fn stop_on_signals() -> Result<Signals> {
             }
             drop(pending);
             if !said {
-                eprintln!(
+                crate::esay!(
                     "\nxtrain: stopping at the next safe point (press Ctrl-C again to quit at once)"
                 );
                 said = true;
@@ -238,7 +238,7 @@ fn end_now(name: &str, sig: usize) -> ! {
         signal_hook::consts::SIGTERM => ("SIGTERM", 143),
         _ => ("SIGINT", 130),
     };
-    eprintln!(
+    crate::esay!(
         "\nxtrain: {name}: {what}: ending now (a process of a run of several has no safe point \
          of its own; the others end as for a lost process)"
     );

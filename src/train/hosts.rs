@@ -43,12 +43,12 @@ pub(super) fn meet(
             // A step with a lost peer never completes (its collectives wait forever): end now,
             // from this side thread without running exit handlers (the step's threads may be
             // inside the plugin), the message flushed first.
-            eprintln!("error: {}", ending(&why, &name, &out));
+            crate::esay!("error: {}", ending(&why, &name, &out));
             let _ = std::io::Write::flush(&mut std::io::stderr());
             signal_hook::low_level::exit(1);
         }
     })?;
-    eprintln!(
+    crate::esay!(
         "xtrain: {name} joined the run at {} ({})",
         launch
             .coordinator
@@ -64,7 +64,7 @@ pub(super) fn meet(
         peers.leave();
         return Err(lost.map_or(e, anyhow::Error::msg));
     }
-    eprintln!(
+    crate::esay!(
         "xtrain: {name}: all {} processes run the same settings",
         launch.processes
     );
@@ -97,7 +97,7 @@ pub(super) fn meet(
             crate::formats::outdir::refuse_inputs_inside("--out", &opts.out, &opts.inputs())?;
             let out = RunDir::claim(&opts.out, opts.resume.as_deref(), opts.overwrite)?;
             for n in notes {
-                eprintln!("xtrain: note: {n}");
+                crate::esay!("xtrain: note: {n}");
             }
             Some(Arc::new(Mutex::new(out)))
         }
@@ -173,7 +173,7 @@ impl Team {
                 launch.processes
             );
         }
-        eprintln!(
+        crate::esay!(
             "xtrain: {}: the {} client spans {global} devices, {} of them here",
             launch.name(),
             rt.platform(),
@@ -182,7 +182,7 @@ impl Team {
         rt.place_across_processes(devices.max(1) as usize, self.gather())?;
         if let Some(placed) = rt.hosts.placement() {
             let held = placed.held();
-            eprintln!(
+            crate::esay!(
                 "xtrain: {}: this host holds mesh {} of {}",
                 launch.name(),
                 crate::cluster::wire::span(&held, "position"),
@@ -236,7 +236,7 @@ pub(super) fn open(opts: &TrainOptions, team: Option<&Team>, devices: i64) -> Re
                 .init_timeout
                 .unwrap_or(crate::cluster::launch::DEFAULT_INIT_TIMEOUT);
             rt.place_virtual_hosts(hosts, devices as usize, timeout)?;
-            eprintln!(
+            crate::esay!(
                 "xtrain: --virtual-hosts {hosts}: each host hands its shards of the LoRA state \
                  and of evaluations to host 0 through a store of their own, as a run's hosts do"
             );

@@ -62,10 +62,10 @@ pub fn run(opts: &TrainOptions) -> Result<()> {
     let opts = &opts;
     let launch = crate::cluster::launch::from_environment(&opts.launch)?;
     for n in &launch.notes {
-        eprintln!("xtrain: note: {n}");
+        crate::esay!("xtrain: note: {n}");
     }
     if let Some(w) = launch.warning() {
-        eprintln!("xtrain: {w}");
+        crate::esay!("xtrain: {w}");
     }
     if !launch.is_single() {
         signals.end_at_once(launch.name());
@@ -79,7 +79,7 @@ pub fn run(opts: &TrainOptions) -> Result<()> {
     // Shared with what abandons the compile on a signal (see finish::abandon).
     let out = Arc::new(Mutex::new(out));
     for n in notes {
-        eprintln!("xtrain: note: {n}");
+        crate::esay!("xtrain: note: {n}");
     }
     let finished = run_in(opts, &cfg, &signals, Some(&out), None);
     let mut out = finish::locked(&out);
@@ -110,11 +110,11 @@ fn run_in(
     if spec.key_block.is_some() {
         // The attention's form decides its speed and memory at long context: said as compile
         // says it.
-        eprintln!("xtrain: form: {}", spec.form());
+        crate::esay!("xtrain: form: {}", spec.form());
     }
     let schedule = schedule(opts, &data.source);
     if schedule.warmup > schedule.total {
-        eprintln!(
+        crate::esay!(
             "xtrain: warning: --warmup {} is longer than the run ({} steps): the learning rate rises to {:e} at the last step and never reaches --lr {:e}",
             schedule.warmup,
             schedule.total,
@@ -123,7 +123,7 @@ fn run_in(
         );
     }
     if opts.save_every > schedule.total {
-        eprintln!(
+        crate::esay!(
             "xtrain: warning: --save-every {} is longer than the run ({} steps): no checkpoint is written along the way (Ctrl-C still writes one; a killed run starts over)",
             opts.save_every, schedule.total
         );
@@ -275,7 +275,7 @@ impl Shown {
         } else if every {
             let done = (step + 1 - self.first_step) as f64;
             let eta = self.start.elapsed().as_secs_f64() / done * (total - step) as f64;
-            eprintln!("step {step}/{total} {what} eta {eta:.0}s");
+            crate::esay!("step {step}/{total} {what} eta {eta:.0}s");
         }
     }
 
@@ -534,7 +534,7 @@ impl Run<'_> {
                 &metrics.eval_accuracy,
                 &title,
             )?;
-            eprintln!("xtrain: loss curve in {}", path.display());
+            crate::esay!("xtrain: loss curve in {}", path.display());
         }
         Ok(())
     }

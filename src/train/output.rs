@@ -60,6 +60,9 @@ impl RunDir {
     /// remove what killed runs left, and check what it holds: nothing, the run `resume` continues,
     /// or, with `overwrite`, anything (set aside until this run completes).
     pub fn claim(out: &Path, resume: Option<&Path>, overwrite: bool) -> Result<RunDir> {
+        if overwrite {
+            crate::formats::outdir::refuse_current_dir(out)?;
+        }
         let created = !out.exists();
         std::fs::create_dir_all(out)
             .with_context(|| format!("cannot create output dir {}", out.display()))?;
@@ -213,7 +216,7 @@ impl RunDir {
 fn tidy_run_dir(out: &Path, run: &[String], resume: Option<&Path>) -> Vec<PathBuf> {
     let mut stale = Vec::new();
     for note in clean_leftovers(out, None) {
-        eprintln!("xtrain: {note}");
+        crate::esay!("xtrain: {note}");
     }
     for n in run.iter().filter(|n| n.starts_with(SET_ASIDE)) {
         let pid = n[SET_ASIDE.len()..].parse::<u32>().unwrap_or(0);
@@ -227,7 +230,7 @@ fn tidy_run_dir(out: &Path, run: &[String], resume: Option<&Path>) -> Vec<PathBu
         } else {
             "delete it, or move them back"
         };
-        eprintln!(
+        crate::esay!(
             "xtrain: {} holds the files of an earlier run that an --overwrite run (pid {pid}) was replacing when it stopped; {then}",
             out.join(n).display()
         );
@@ -262,7 +265,7 @@ fn set_aside(out: &Path, names: &[String]) -> Result<Option<PathBuf>> {
         std::fs::rename(out.join(n), d.join(n))
             .with_context(|| format!("cannot set {} aside", out.join(n).display()))?;
     }
-    eprintln!(
+    crate::esay!(
         "xtrain: --overwrite: set aside what {} held ({}) in {}; deleted once this run completes",
         out.display(),
         some_names(names),

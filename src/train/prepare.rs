@@ -88,7 +88,7 @@ pub fn prepare_with(
             &format!("program dir {}", dir.display()),
         )?;
         rt.prebuilt = prebuilt(&rt, dir, &program)?;
-        eprintln!(
+        crate::esay!(
             "xtrain: program dir {}: --remat {}, --offload {} (as it was compiled)",
             dir.display(),
             spec.remat.name(),
@@ -223,7 +223,7 @@ fn kernels_of_dir(
     let mut names: Vec<String> = build.kernels.iter().map(|k| k.kernel.clone()).collect();
     names.dedup();
     if !names.is_empty() {
-        eprintln!(
+        crate::esay!(
             "xtrain: program dir {}: --kernel {} (as it was compiled for {})",
             dir.display(),
             names.join(" --kernel "),
@@ -274,7 +274,7 @@ fn prebuilt(
                 let executable = match program_dir::read_executable(dir, build) {
                     Ok(e) => e,
                     Err(e) => {
-                        eprintln!(
+                        crate::esay!(
                             "xtrain: compiling {} here, the same program: {e:#}",
                             dir.join("train_step.mlir").display()
                         );
@@ -295,7 +295,7 @@ fn prebuilt(
         }
     }
     if !builds.is_empty() {
-        eprintln!(
+        crate::esay!(
             "xtrain: compiling {} here, the same program (this machine has {}; no executable \
              of the dir fits this run: {})",
             dir.join("train_step.mlir").display(),

@@ -87,8 +87,8 @@ pub fn leave(bar: &ProgressBar) {
 pub fn say(line: &str) {
     let active = ACTIVE.lock().unwrap_or_else(|e| e.into_inner()).clone();
     match active {
-        Some(bar) if !bar.is_finished() => bar.suspend(|| eprintln!("{line}")),
-        _ => eprintln!("{line}"),
+        Some(bar) if !bar.is_finished() => bar.suspend(|| crate::esay!("{line}")),
+        _ => crate::esay!("{line}"),
     }
 }
 

@@ -51,7 +51,7 @@ pub(super) fn starting_point(
             let c = load_checkpoint(dir, cfg, lora_cfg)?;
             check_resumed_data(dir, &c.state, schedule, data, &fingerprint)?;
             if c.state.step >= schedule.total {
-                eprintln!(
+                crate::esay!(
                     "xtrain: nothing to do: {} is at step {} of {} (the run is complete; its \
                      adapter is written again from it; raise --steps to train further)",
                     dir.display(),

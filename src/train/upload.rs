@@ -70,7 +70,7 @@ pub(super) fn compile_and_upload(
         })
     };
     if opts.verbose {
-        eprintln!("xtrain: compiling the step (Ctrl-C abandons the compile)");
+        crate::esay!("xtrain: compiling the step (Ctrl-C abandons the compile)");
     }
     // One reader of the checkpoint per host this process runs (several with --virtual-hosts),
     // each asked only for its own devices' boxes (the first also drives the bar).
@@ -125,7 +125,7 @@ fn say_loaded(
         let peak_bytes = progress::peak_bytes();
         if opts.verbose {
             // Exact figures, for tests and benchmarks (tests/loading.rs).
-            eprintln!(
+            crate::esay!(
                 "xtrain: loading bytes: peak {} before {} weights {total} largest {largest}",
                 peak_bytes.unwrap_or(0),
                 before.unwrap_or(0)
@@ -134,15 +134,15 @@ fn say_loaded(
         let peak = peak_bytes.map_or("unknown".into(), progress::gib);
         let before = before.map_or("unknown".into(), progress::gib);
         let secs = t0.elapsed().as_secs_f64();
-        eprintln!(
+        crate::esay!(
             "xtrain: loaded {} of weights onto {devices} device{} in {secs:.2}s, {:.2} GiB/s (largest tensor {})",
             progress::gib(total),
             if devices == 1 { "" } else { "s" },
             total as f64 / (1u64 << 30) as f64 / secs.max(1e-9),
             progress::gib(largest),
         );
-        eprintln!("xtrain: {}", loading_split(&trainer.loading));
-        eprintln!("xtrain: peak host memory while loading {peak} (VmHWM; {before} before loading)");
+        crate::esay!("xtrain: {}", loading_split(&trainer.loading));
+        crate::esay!("xtrain: peak host memory while loading {peak} (VmHWM; {before} before loading)");
     }
     for (devices, read) in hosts.iter().zip(&trainer.frozen_bytes_read) {
         let (which, placed) = match &trainer.rt.hosts {
@@ -151,7 +151,7 @@ fn say_loaded(
             Hosts::Processes { placement, .. } => ("this", placement),
         };
         let g = placed.hosts.iter().position(|h| h == devices).unwrap_or(0);
-        eprintln!(
+        crate::esay!(
             "xtrain: {which} host {g} of {} ({}) read {read} of the {total} bytes of frozen \
              weights",
             placed.hosts.len(),

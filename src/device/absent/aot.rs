@@ -249,7 +249,7 @@ impl TargetDevices {
                     && crate::device::platform::is_gemm_tiling_failure(&e) =>
             {
                 let (options, said) = crate::device::platform::without_triton_gemm(&options);
-                eprintln!(
+                crate::esay!(
                     "xtrain: the {} compiler's Triton GEMM emitter could not tile a matmul of \
                      this program ({}); compiling again with {said} (its matmuls become the \
                      vendor library's GEMM calls; the program is the same)",

@@ -176,7 +176,7 @@ pub fn chosen(names: &[String], platform: &str) -> Result<Vec<&'static Kernel>> 
 pub fn announce(used: &[KernelUse]) {
     if !used.is_empty() {
         let list: Vec<String> = used.iter().map(|u| u.to_string()).collect();
-        eprintln!(
+        crate::esay!(
             "xtrain: kernels in place of composites: {} (the program's text is unchanged)",
             list.join(", ")
         );

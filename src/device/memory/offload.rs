@@ -71,7 +71,7 @@ pub fn choose(
             format!(" ({} of host memory per device)", gib(m.host_total_bytes()))
         };
         if !offload.is_none() || several {
-            eprintln!(
+            crate::esay!(
                 "xtrain: the step needs {} per device with --remat {} --offload {}{host}, of {}",
                 gib(m.total_bytes()),
                 remat.name(),
