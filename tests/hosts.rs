@@ -301,6 +301,34 @@ fn a_renamed_cpu_plugin_is_refused_from_its_topology() {
     assert!(refused >= 1, "no process said why");
 }
 
+/// Behind NAT: the coordinator's address (here TEST-NET-1's 192.0.2.1, which routes nowhere) is
+/// one this host is not reached at, and process 0 serves the store where `--coordinator-bind`
+/// says; it joins its own store there, not through the coordinator's address.
+#[test]
+fn process_0_joins_its_store_where_it_binds_it() {
+    let dir = tempdir("hosts-bind");
+    let port = free_port();
+    let env = [("XTRAIN_RUN_TOKEN", "a-run-token-of-enough-bytes-0123456789")];
+    let routed = format!("192.0.2.1:{port}");
+    let bound = format!("127.0.0.1:{port}");
+    let extra = ["--coordinator", &routed, "--coordinator-bind", &bound];
+    let zero = start(
+        &dir.join("out"),
+        port,
+        &refs(&placed(0, 2, 60)),
+        &extra,
+        &env,
+    );
+    let one = start(&dir.join("out"), port, &refs(&placed(1, 2, 60)), &[], &env);
+    for p in [zero, one] {
+        let (_, said, _) = p.end(Duration::from_secs(60));
+        assert!(
+            said.contains("all 2 processes run the same settings"),
+            "{said}"
+        );
+    }
+}
+
 /// A coordinator on an IPv6 address: process 0 serves the store there (and only there) and
 /// both processes meet through it.
 #[test]

@@ -7,11 +7,14 @@ use xtrain::compile::figures::gib;
 pub fn targets(name: Option<&str>) -> Result<()> {
     use xtrain::device::absent::{gpus, tpus, GpuArch};
     let Some(name) = name else {
-        xtrain::say!("TPU slices (libtpu's layouts, e.g. 2x2, 2x2x1, 4x4x4, 16x16; 1x1 for one chip):");
+        xtrain::say!(
+            "TPU slices (libtpu's layouts, e.g. 2x2, 2x2x1, 4x4x4, 16x16; 1x1 for one chip):"
+        );
         for t in tpus() {
             xtrain::say!(
                 "  tpu:{}:<chips>  {} TFLOP/s bf16 per chip",
-                t.name, t.peak_bf16_tflops_per_chip
+                t.name,
+                t.peak_bf16_tflops_per_chip
             );
         }
         xtrain::say!(
@@ -50,7 +53,10 @@ pub fn targets(name: Option<&str>) -> Result<()> {
             "tpu:{}:<chips>  {} TFLOP/s bf16 per chip. TPUs need no description (libtpu knows \
              each generation): compile with --target tpu:{}:<chips>, the slice's layout as \
              libtpu names it (e.g. tpu:{}:2x2; 1x1 for one chip)",
-            t.name, t.peak_bf16_tflops_per_chip, t.name, t.name
+            t.name,
+            t.peak_bf16_tflops_per_chip,
+            t.name,
+            t.name
         );
         return Ok(());
     }

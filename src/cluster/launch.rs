@@ -21,6 +21,10 @@ pub const DEFAULT_INIT_TIMEOUT: Duration = Duration::from_secs(300);
 /// The longest `--init-timeout` taken: a day.
 pub const MAX_INIT_TIMEOUT: Duration = Duration::from_secs(86_400);
 
+/// The most processes a run may have: one per host of the largest pods (a TPU v5p pod's 8,960
+/// chips are 2,240 hosts) with room to spare; the store keeps a few keys per process.
+pub const MAX_PROCESSES: usize = 65_536;
+
 /// The flags of `xtrain train` that place a process in a run; `None` where not given.
 #[derive(Clone, Debug, Default)]
 pub struct LaunchFlags {
@@ -421,6 +425,13 @@ fn counted(flags: &LaunchFlags, envs: &[FromEnv]) -> Result<(Found<usize>, Found
     }
     if processes.value == 0 {
         bail!("{} is 0: a run has at least one process", processes.from);
+    }
+    if processes.value > MAX_PROCESSES {
+        bail!(
+            "{} is {}: xtrain runs at most {MAX_PROCESSES} processes (one per host)",
+            processes.from,
+            processes.value
+        );
     }
     if process_id.value >= processes.value {
         bail!(

@@ -44,13 +44,23 @@ pub fn join(launch: &Launch, on_lost: impl FnOnce(String) + Send + 'static) -> R
         process: launch.process_id,
         secret: launch.secret.clone(),
     };
-    let store = Store::connect(
-        &coordinator.to_string(),
-        &launch.run,
-        me,
-        launch.init_timeout,
-    )
-    .with_context(|| format!("{} ({})", launch.name(), launch.source))?;
+    // Process 0 reaches its store where it serves it: with --coordinator-bind the coordinator's
+    // address may be one the network routes to this host but this host cannot reach (NAT).
+    let at = match &server {
+        Some(s) => {
+            let mut a = s.address();
+            if a.ip().is_unspecified() {
+                a.set_ip(match a {
+                    std::net::SocketAddr::V4(_) => std::net::Ipv4Addr::LOCALHOST.into(),
+                    std::net::SocketAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
+                });
+            }
+            a.to_string()
+        }
+        None => coordinator.to_string(),
+    };
+    let store = Store::connect(&at, &launch.run, me, launch.init_timeout)
+        .with_context(|| format!("{} ({})", launch.name(), launch.source))?;
     let session = store.watch(launch.process_id, Some(launch.init_timeout), on_lost)?;
     Ok(Peers {
         launch: launch.clone(),
@@ -146,13 +156,13 @@ impl Peers {
             }
         }
         if !missing.is_empty() {
-            let list: Vec<String> = missing.iter().map(|p| p.to_string()).collect();
+            let list = id_ranges(&missing);
             bail!(
                 "DEADLINE_EXCEEDED: process{} {} of {} did not join the run at {} within \
                  --init-timeout {} ({}): was every process started, with the same \
                  --coordinator and --num-processes?",
                 if missing.len() == 1 { "" } else { "es" },
-                list.join(", "),
+                list,
                 l.processes,
                 l.coordinator
                     .as_ref()
@@ -206,6 +216,26 @@ fn difference(mine: &Settings, theirs: &serde_json::Map<String, Value>) -> Optio
     })
 }
 
+/// Process ids, ascending, as runs: `1-3, 7, 9-999`.
+fn id_ranges(ids: &[usize]) -> String {
+    let mut runs: Vec<(usize, usize)> = Vec::new();
+    for &id in ids {
+        match runs.last_mut() {
+            Some((_, end)) if *end + 1 == id => *end = id,
+            _ => runs.push((id, id)),
+        }
+    }
+    let runs: Vec<String> = runs
+        .iter()
+        .map(|&(a, b)| match b - a {
+            0 => a.to_string(),
+            1 => format!("{a}, {b}"),
+            _ => format!("{a}-{b}"),
+        })
+        .collect();
+    runs.join(", ")
+}
+
 /// A value as a user would write it after its flag (`train::settings` words its refusals with
 /// it too).
 pub fn show(v: &Value) -> String {
@@ -255,6 +285,16 @@ mod tests {
         ]
         .into_iter()
         .collect()
+    }
+
+    #[test]
+    fn missing_ids_are_said_as_runs() {
+        assert_eq!(
+            id_ranges(&[1, 2, 3, 5, 7, 8, 10, 11, 12, 13]),
+            "1-3, 5, 7, 8, 10-13"
+        );
+        assert_eq!(id_ranges(&[4]), "4");
+        assert_eq!(id_ranges(&[]), "");
     }
 
     #[test]

@@ -142,8 +142,11 @@ pub fn run(o: &PlanOptions) -> Result<Plan> {
         method: method(o, by_estimate, limit),
     };
     report::print_table(&plan);
-    if let Some(out) = out {
-        report::write(&out, o, &plan)?;
+    if let Some(out) = &out {
+        report::write(out, o, &plan)?;
+    }
+    if plan.chosen().is_none() {
+        bail!("{}", report::nothing_fits(&plan, out.as_deref()));
     }
     Ok(plan)
 }

@@ -24,7 +24,12 @@ pub fn print_table(plan: &Plan) {
     );
     crate::say!(
         "{:>4}  {:<72} {:>22} {:>10} {:>22} {:>11}  binding",
-        "rank", "settings", "device of limit", "host", time, "tokens/s"
+        "rank",
+        "settings",
+        "device of limit",
+        "host",
+        time,
+        "tokens/s"
     );
     for (rank, &i) in plan.ranked.iter().enumerate() {
         let p = &plan.points[i];
@@ -54,14 +59,68 @@ pub fn print_table(plan: &Plan) {
         count(|o| matches!(o, Outcome::Refused(_))),
         count(|o| *o == Outcome::Unexplored),
     );
-    match plan.chosen() {
-        Some(p) => crate::say!("pick: {}", p.settings.line()),
-        None => crate::say!(
-            "nothing fits {} at {} tokens x {} rows: see plan.json's candidates, or try \
-             --seq max",
-            plan.target, plan.seq, plan.global_batch
-        ),
+    if let Some(p) = plan.chosen() {
+        crate::say!("pick: {}", p.settings.line());
     }
+}
+
+/// Why nothing fits, for the error `plan` ends with: the step's refusals (each distinct reason
+/// once, with how many points it refused) and the smallest memory the compiled points need.
+pub fn nothing_fits(plan: &Plan, wrote: Option<&Path>) -> String {
+    let mut reasons: Vec<(String, usize)> = Vec::new();
+    for p in &plan.points {
+        if let Outcome::Refused(why) = &p.outcome {
+            match reasons.iter_mut().find(|(r, _)| r == why) {
+                Some((_, n)) => *n += 1,
+                None => reasons.push((why.clone(), 1)),
+            }
+        }
+    }
+    let mut said = format!(
+        "nothing fits {} at {} tokens x {} rows",
+        plan.target, plan.seq, plan.global_batch
+    );
+    let least = plan
+        .points
+        .iter()
+        .filter_map(|p| p.figures.as_ref())
+        .map(|f| f.device_bytes)
+        .min();
+    if let Some(b) = least {
+        said += &format!(
+            "; the least device memory a compiled point needs is {} of {}",
+            gib(b),
+            gib(plan.limit_bytes)
+        );
+    }
+    let bound = plan
+        .points
+        .iter()
+        .filter(|p| p.outcome == Outcome::AboveBound)
+        .filter_map(|p| p.bound_bytes)
+        .min();
+    if let Some(b) = bound {
+        said += &format!(
+            "; the points not compiled need at least {} of {} by their lower bound",
+            gib(b),
+            gib(plan.limit_bytes)
+        );
+    }
+    for (why, n) in reasons.iter().take(5) {
+        let points = if *n == 1 { "point" } else { "points" };
+        said += &format!("\n  the step's checks refused {n} {points}: {why}");
+    }
+    if reasons.len() > 5 {
+        said += &format!("\n  and {} other reasons", reasons.len() - 5);
+    }
+    said += &match wrote {
+        Some(dir) => format!("\nevery point is in {}", dir.join("plan.json").display()),
+        None => "\n(--out DIR writes every point to DIR/plan.json)".into(),
+    };
+    if reasons.is_empty() {
+        said += "; more devices, --quant nf4, offload or a shorter --seq (or --seq max) may fit";
+    }
+    said
 }
 
 /// Tokens per step, all devices together.
@@ -180,7 +239,10 @@ pub fn recipe(o: &PlanOptions, plan: &Plan, p: &Point) -> String {
             format!("attention_scores = {}", q(o.step.attention_scores.name())),
             format!("keep_softmax_stats = {}", spec.keep_softmax_stats),
             // The optimizer's constants are part of the step program, as the plan compiled it.
-            format!("betas = {}", q(&format!("{},{}", o.step.adam.beta1, o.step.adam.beta2))),
+            format!(
+                "betas = {}",
+                q(&format!("{},{}", o.step.adam.beta1, o.step.adam.beta2))
+            ),
             format!("eps = {:?}", o.step.adam.eps),
             format!("weight_decay = {:?}", o.step.adam.weight_decay),
             format!("max_grad_norm = {:?}", o.step.adam.max_grad_norm),

@@ -142,7 +142,9 @@ fn say_loaded(
             progress::gib(largest),
         );
         crate::esay!("xtrain: {}", loading_split(&trainer.loading));
-        crate::esay!("xtrain: peak host memory while loading {peak} (VmHWM; {before} before loading)");
+        crate::esay!(
+            "xtrain: peak host memory while loading {peak} (VmHWM; {before} before loading)"
+        );
     }
     for (devices, read) in hosts.iter().zip(&trainer.frozen_bytes_read) {
         let (which, placed) = match &trainer.rt.hosts {
