@@ -276,6 +276,24 @@ fn recipe_flags(
             left_out.join(", ")
         );
     }
+    // The other command's section, said as the top level's keys are (a plan's [compile] target
+    // is the hardware it planned for; `train` runs on this machine's plugin).
+    for other in COMMANDS.iter().filter(|c| **c != name) {
+        if let Some(toml::Value::Table(section)) = table.get(*other) {
+            let keys: Vec<String> = section
+                .iter()
+                .map(|(k, v)| match v.as_str() {
+                    Some(text) => format!("{k} = {text:?}"),
+                    None => k.clone(),
+                })
+                .collect();
+            xtrain::esay!(
+                "xtrain: {}: [{other}] is for `xtrain {other}`, not used by `xtrain {name}`: {}",
+                path.display(),
+                keys.join(", ")
+            );
+        }
+    }
     Ok(flags)
 }
 

@@ -83,6 +83,20 @@ impl Secret {
                 crate::cluster::wire::io_words(&e)
             )
         })?;
+        // As ssh does for a private key: a secret others on the host can read is no secret.
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            if let Ok(m) = std::fs::metadata(path) {
+                if m.permissions().mode() & 0o077 != 0 {
+                    crate::esay!(
+                        "xtrain: warning: {what} can be read by other users of this host (mode \
+                         {:o}); `chmod 600` it",
+                        m.permissions().mode() & 0o777
+                    );
+                }
+            }
+        }
         Secret::from_bytes(&bytes, &what)
     }
 

@@ -221,7 +221,7 @@ pub fn recipe(o: &PlanOptions, plan: &Plan, p: &Point) -> String {
             gib(plan.limit_bytes)
         ),
             "#   xtrain compile --config recipe.toml --check --out PROGRAM_DIR".into(),
-            "#   xtrain train --config recipe.toml --data DATA".into(),
+            train_line(&o.model_flag),
             String::new(),
             format!("model = {}", q(&o.model_flag)),
             format!("dtype = {}", q(spec.dtype.mlir())),
@@ -273,6 +273,19 @@ pub fn recipe(o: &PlanOptions, plan: &Plan, p: &Point) -> String {
         }
     }
     lines.join("\n") + "\n"
+}
+
+/// The recipe's `xtrain train` line: a preset is a config without weights, so the train line
+/// names a checkpoint (the preset's Hugging Face repo, or a directory) with --model.
+fn train_line(model: &str) -> String {
+    use crate::model::presets::{is_preset, REPO_PRESETS};
+    match REPO_PRESETS.iter().find(|(_, p)| is_preset(model) && *p == model) {
+        Some((repo, _)) => format!(
+            "#   xtrain train --config recipe.toml --model {repo} --data DATA   (the preset \
+             `{model}` has no weights: --model gives them, a repo id or a directory)"
+        ),
+        None => "#   xtrain train --config recipe.toml --data DATA".into(),
+    }
 }
 
 /// Write plan.json and recipe.toml (the latter only where something fits) into `out`, whole or
