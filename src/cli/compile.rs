@@ -17,7 +17,8 @@ pub struct CompileArgs {
     // Read before parsing, by config::expand; here only as an input --out may not replace.
     pub config: Option<PathBuf>,
     /// A Hugging Face model directory, a preset (llama-3.1-8b, llama-3.1-70b, llama-3.1-405b,
-    /// smollm2-135m, tiny-llama3), or a repo id (org/name; its config.json only).
+    /// llama-3.2-1b, llama-3.2-3b, llama-3.3-70b, smollm2-135m; tiny-llama3 and bench-512 for
+    /// tests and benchmarks), or a repo id (org/name; its config.json only).
     #[arg(long)]
     pub model: String,
     /// With a repo id: the branch, tag or commit (default main).

@@ -12,7 +12,8 @@ use xtrain::plan::{PlanOptions, SeqGoal};
 
 #[derive(Args)]
 pub struct PlanArgs {
-    /// A Hugging Face model directory, a preset (llama-3.1-8b, llama-3.1-70b, ...) or a repo id
+    /// A Hugging Face model directory, a preset (llama-3.1-8b, llama-3.1-70b, llama-3.2-1b,
+    /// llama-3.3-70b, ...; `xtrain compile --help` lists them) or a repo id
     /// (its config.json only).
     #[arg(long)]
     pub model: String,

@@ -279,7 +279,10 @@ pub fn recipe(o: &PlanOptions, plan: &Plan, p: &Point) -> String {
 /// names a checkpoint (the preset's Hugging Face repo, or a directory) with --model.
 fn train_line(model: &str) -> String {
     use crate::model::presets::{is_preset, REPO_PRESETS};
-    match REPO_PRESETS.iter().find(|(_, p)| is_preset(model) && *p == model) {
+    match REPO_PRESETS
+        .iter()
+        .find(|(_, p)| is_preset(model) && *p == model)
+    {
         Some((repo, _)) => format!(
             "#   xtrain train --config recipe.toml --model {repo} --data DATA   (the preset \
              `{model}` has no weights: --model gives them, a repo id or a directory)"
