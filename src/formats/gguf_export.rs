@@ -442,7 +442,7 @@ fn encoded(name: &str, what: &str, values: &[f32], ty: TensorType) -> Result<Vec
         TensorType::Q8_0 => F16_MAX * 127.0,
         _ => f32::MAX,
     };
-    if let Some(i) = values.iter().position(|v| !(v.abs() <= largest)) {
+    if let Some(i) = values.iter().position(|v| v.is_nan() || v.abs() > largest) {
         let v = values[i];
         if !v.is_finite() {
             bail!(
