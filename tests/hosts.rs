@@ -125,6 +125,20 @@ fn both(out: &std::path::Path, port: u16, extra: &[&str]) -> Vec<Process> {
         .collect()
 }
 
+/// Waits for each process of a run of two, checking that it met the other (the same settings);
+/// what each said.
+fn met(processes: impl IntoIterator<Item = Process>) -> Vec<String> {
+    let said = |p: Process| {
+        let (_, said, _) = p.end(Duration::from_secs(60));
+        assert!(
+            said.contains("all 2 processes run the same settings"),
+            "{said}"
+        );
+        said
+    };
+    processes.into_iter().map(said).collect()
+}
+
 fn placed(id: usize, count: usize, timeout: u64) -> Vec<String> {
     vec![
         "--num-processes".into(),
@@ -235,12 +249,7 @@ fn processes_meet_over_their_secret_and_one_without_it_is_refused() {
     assert!(!ok);
     assert!(said.contains("does not prove the run's secret"), "{said}");
     let one = start(&dir.join("out"), port, &refs(&placed(1, 2, 60)), &[], &env);
-    for p in [zero, one] {
-        let (_, said, _) = p.end(Duration::from_secs(60));
-        assert!(
-            said.contains("all 2 processes run the same settings"),
-            "{said}"
-        );
+    for said in met([zero, one]) {
         assert!(!said.contains(token), "the secret was shown:\n{said}");
     }
 }
@@ -320,13 +329,7 @@ fn process_0_joins_its_store_where_it_binds_it() {
         &env,
     );
     let one = start(&dir.join("out"), port, &refs(&placed(1, 2, 60)), &[], &env);
-    for p in [zero, one] {
-        let (_, said, _) = p.end(Duration::from_secs(60));
-        assert!(
-            said.contains("all 2 processes run the same settings"),
-            "{said}"
-        );
-    }
+    met([zero, one]);
 }
 
 /// A coordinator on an IPv6 address: process 0 serves the store there (and only there) and
@@ -341,13 +344,8 @@ fn processes_meet_at_an_ipv6_coordinator() {
         .port();
     let at = format!("[::1]:{port}");
     let extra = ["--coordinator", at.as_str()];
-    for p in both(&dir.join("out"), port, &extra) {
-        let (_, said, _) = p.end(Duration::from_secs(60));
+    for said in met(both(&dir.join("out"), port, &extra)) {
         assert!(said.contains(&format!("joined the run at {at}")), "{said}");
-        assert!(
-            said.contains("all 2 processes run the same settings"),
-            "{said}"
-        );
     }
 }
 
