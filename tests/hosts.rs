@@ -310,6 +310,39 @@ fn a_renamed_cpu_plugin_is_refused_from_its_topology() {
     assert!(refused >= 1, "no process said why");
 }
 
+/// Process 1 started with another secret gives up at its handshake; process 0, whose run never
+/// meets, says after its --init-timeout that a process with another secret is turned away.
+#[test]
+fn a_run_whose_processes_hold_other_secrets_says_so_at_its_timeout() {
+    let dir = tempdir("hosts-other-secret");
+    let port = free_port();
+    let mine = [("XTRAIN_RUN_TOKEN", "the-run-token-of-process-0-0123456789")];
+    let theirs = [("XTRAIN_RUN_TOKEN", "another-token-of-process-1-0123456789")];
+    let zero = start(&dir.join("out"), port, &refs(&placed(0, 2, 3)), &[], &mine);
+    std::thread::sleep(Duration::from_millis(300));
+    let one = start(
+        &dir.join("out"),
+        port,
+        &refs(&placed(1, 2, 3)),
+        &[],
+        &theirs,
+    );
+    let (ok, said, _) = one.end(Duration::from_secs(60));
+    assert!(
+        !ok && said.contains("does not prove the run's secret"),
+        "{said}"
+    );
+    let (ok, said, _) = zero.end(Duration::from_secs(60));
+    assert!(!ok, "{said}");
+    assert!(
+        said.contains("DEADLINE_EXCEEDED") && said.contains("another run secret"),
+        "{said}"
+    );
+    for (_, token) in [mine[0], theirs[0]] {
+        assert!(!said.contains(token), "a secret was shown:\n{said}");
+    }
+}
+
 /// Behind NAT: the coordinator's address (here TEST-NET-1's 192.0.2.1, which routes nowhere) is
 /// one this host is not reached at, and process 0 serves the store where `--coordinator-bind`
 /// says; it joins its own store there, not through the coordinator's address.

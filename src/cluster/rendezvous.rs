@@ -157,10 +157,20 @@ impl Peers {
         }
         if !missing.is_empty() {
             let list = id_ranges(&missing);
+            // What the store turned away: a process with another secret gives up at its
+            // handshake (or is refused there), so it never shows up as joined.
+            let refused = self.server.as_ref().map_or(Vec::new(), |s| s.refusals());
+            let secret = if refused.iter().any(|k| matches!(*k, "secret" | "handshake")) {
+                " The store refused or dropped connections during the handshake (said above): \
+                 a process started with another run secret (XTRAIN_RUN_TOKEN or \
+                 --run-token-file) is turned away there."
+            } else {
+                ""
+            };
             bail!(
                 "DEADLINE_EXCEEDED: process{} {} of {} did not join the run at {} within \
                  --init-timeout {} ({}): was every process started, with the same \
-                 --coordinator and --num-processes?",
+                 --coordinator and --num-processes?{secret}",
                 if missing.len() == 1 { "" } else { "es" },
                 list,
                 l.processes,

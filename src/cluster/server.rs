@@ -194,6 +194,12 @@ impl StoreServer {
         self.address
     }
 
+    /// The kinds of connection it refused or dropped so far ("secret", "handshake", "version",
+    /// "stranger", "refused"), for what a run that never met says.
+    pub fn refusals(&self) -> Vec<&'static str> {
+        locked(&self.shared.said).iter().copied().collect()
+    }
+
     /// Wait (up to `timeout`) until no session but `own` is open: every other process has left
     /// or is gone, so that closing the store strands no one.
     pub fn wait_for_others_to_leave(&self, own: usize, timeout: Duration) {
