@@ -73,6 +73,12 @@ pub fn join(launch: &Launch, on_lost: impl FnOnce(String) + Send + 'static) -> R
 /// Serve the run's store on the coordinator's address (resolved; or `bind`,
 /// `--coordinator-bind`, a host or host:port), and nowhere else.
 fn serve(coordinator: &Coordinator, bind: Option<&str>, config: Config) -> Result<StoreServer> {
+    // HOST:PORT with a port that is not one (an IPv6 address has more colons).
+    if let Some((b, (_, port))) = bind.and_then(|b| Some((b, b.split_once(':')?))) {
+        if !port.contains(':') && port.parse::<u16>().is_err() {
+            bail!("--coordinator-bind {b}: `{port}` is not a port number");
+        }
+    }
     let at = match bind {
         Some(b) => parse_coordinator(b, "--coordinator-bind").or_else(|_| {
             let host = b.trim_start_matches('[').trim_end_matches(']');

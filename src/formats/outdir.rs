@@ -90,6 +90,7 @@ pub fn check_writable_dir(out: &Path, overwrite: bool, inputs: &[&Path]) -> Resu
         }
     }
     refuse_current_dir(&out)?;
+    probe_writable(&out)?;
     let held = entries(&out)?;
     if !held.is_empty() && !overwrite {
         bail!(
@@ -106,6 +107,31 @@ pub fn check_writable_dir(out: &Path, overwrite: bool, inputs: &[&Path]) -> Resu
         );
     }
     Ok(out)
+}
+
+/// Check, before the work that fills it (a plan's or a compile's minutes), that `out` can be
+/// written: a probe file is made and removed in `out`, or where `out` does not exist yet in its
+/// nearest existing ancestor (where its directories will be made).
+fn probe_writable(out: &Path) -> Result<()> {
+    let mut at = out;
+    while !at.exists() {
+        match at.parent() {
+            Some(p) if !p.as_os_str().is_empty() => at = p,
+            _ => return Ok(()),
+        }
+    }
+    let probe = at.join(format!(".xtrain-probe-{}", std::process::id()));
+    match File::create(&probe) {
+        Ok(_) => {
+            let _ = std::fs::remove_file(&probe);
+            Ok(())
+        }
+        Err(e) => bail!(
+            "--out {}: cannot write in {} ({e})",
+            out.display(),
+            at.display()
+        ),
+    }
 }
 
 /// Refuse to replace `out` when it is the directory the user stands in or one above it (`--out
