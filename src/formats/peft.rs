@@ -264,6 +264,18 @@ pub fn read_tensors(
         );
     }
     if let Some(extra) = st.tensors.keys().find(|k| !out.contains_key(*k)) {
+        let layer = extra
+            .split_once(".layers.")
+            .and_then(|(_, rest)| rest.split('.').next()?.parse::<i64>().ok());
+        if let Some(l) = layer.filter(|&l| l >= cfg.num_hidden_layers) {
+            bail!(
+                "{}: tensor `{extra}` is for layer {l}, but the model has {} layers (an adapter \
+                 trained on a deeper model?{})",
+                path.display(),
+                cfg.num_hidden_layers,
+                trained_on(&dir.join("adapter_config.json"))
+            );
+        }
         bail!(
             "{}: tensor `{extra}` is not part of a rank-{} adapter on {}",
             path.display(),
