@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
+use xtrain::formats::atomic::Replace;
 use xtrain::formats::gguf_export::{self, Base, ExportOptions};
 use xtrain::formats::gguf_write::TensorType;
 
@@ -125,6 +126,11 @@ pub fn export_gguf(mut a: ExportGgufArgs) -> Result<()> {
         ty,
         base,
         lora_only: a.lora_only,
+        replace: if a.overwrite {
+            Replace::Yes
+        } else {
+            Replace::No
+        },
     };
     let interrupted = stop_on_signals()?;
     let t0 = Instant::now();

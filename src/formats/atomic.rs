@@ -12,6 +12,25 @@ pub fn write_atomic(
     path: &Path,
     fill: impl FnOnce(&mut BufWriter<File>) -> std::io::Result<()>,
 ) -> Result<()> {
+    write_atomic_as(path, Replace::Yes, fill)
+}
+
+/// Whether [`write_atomic_as`] may replace a file that is at its path when it is done.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Replace {
+    Yes,
+    /// The path was free when the command started (it was checked, no `--overwrite`): a file
+    /// that appeared there meanwhile (another command's) is left as it is, and this write fails.
+    No,
+}
+
+/// [`write_atomic`], refusing at the end to replace a file that appeared at `path` meanwhile
+/// when `replace` is [`Replace::No`] (a hard link made in one step: it fails where a name is).
+pub fn write_atomic_as(
+    path: &Path,
+    replace: Replace,
+    fill: impl FnOnce(&mut BufWriter<File>) -> std::io::Result<()>,
+) -> Result<()> {
     let (dir, tmp) = sibling(path, "tmp")?;
     let dir = dir.as_path();
     let result = (|| -> std::io::Result<()> {
@@ -19,7 +38,19 @@ pub fn write_atomic(
         fill(&mut w)?;
         let f = w.into_inner().map_err(|e| e.into_error())?;
         f.sync_all()?;
-        std::fs::rename(&tmp, path)?;
+        match replace {
+            Replace::Yes => std::fs::rename(&tmp, path)?,
+            Replace::No => {
+                std::fs::hard_link(&tmp, path).map_err(|e| match e.kind() {
+                    std::io::ErrorKind::AlreadyExists => std::io::Error::other(
+                        "a file appeared there while this was written (another command's?); it \
+                         is left as it is: pass --overwrite to replace it",
+                    ),
+                    _ => e,
+                })?;
+                std::fs::remove_file(&tmp)?;
+            }
+        }
         if let Ok(d) = File::open(dir) {
             let _ = d.sync_all();
         }

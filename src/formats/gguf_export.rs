@@ -41,6 +41,8 @@ pub struct ExportOptions<'a> {
     pub ty: TensorType,
     pub base: Base,
     pub lora_only: bool,
+    /// Whether the file written may replace one at its path (`--overwrite`).
+    pub replace: crate::formats::atomic::Replace,
 }
 
 /// What an export wrote.
@@ -325,7 +327,7 @@ pub fn export_merged(
         note,
     )?);
     let total = entries.len();
-    write_file(out, &meta, &entries, |i| {
+    write_file(out, opts.replace, &meta, &entries, |i| {
         let bytes = match &sources[i] {
             Source::RopeFreqs(f) => encode(f, entries[i].ty),
             Source::Weight(hf) => {
@@ -352,12 +354,13 @@ pub fn export_merged(
 /// Write `out` atomically: a temp file beside it renamed into place once complete.
 fn write_file(
     out: &Path,
+    replace: crate::formats::atomic::Replace,
     meta: &[(String, Value)],
     entries: &[TensorEntry],
     data: impl FnMut(usize) -> Result<Vec<u8>>,
 ) -> Result<Exported> {
     let mut data = data;
-    crate::formats::atomic::write_atomic(out, |w| {
+    crate::formats::atomic::write_atomic_as(out, replace, |w| {
         write_gguf(w, meta, entries, &mut data).map_err(|e| std::io::Error::other(format!("{e:#}")))
     })?;
     Ok(Exported {
@@ -419,7 +422,7 @@ pub fn export_lora(
         bail!("{}: the adapter adapts no weight", dir.display());
     }
     let total = entries.len();
-    write_file(out, &meta, &entries, |i| {
+    write_file(out, opts.replace, &meta, &entries, |i| {
         let (name, is_b, heads) = &sources[i];
         let t = &tensors[name];
         let mut v = t.to_f32()?;
