@@ -155,7 +155,7 @@ fn a_llama_3_gguf_imports_as_the_same_model() {
     }
     tok["model"]["merges"] = serde_json::json!(["1 2", "12 3", "123 4", "1234 5"]);
     tok["pre_tokenizer"] = serde_json::json!({"type": "Sequence", "pretokenizers": [
-        {"type": "Split", "pattern": {"Regex": xtrain::formats::gguf_vocab::LLAMA3_SPLIT}, "behavior": "Isolated", "invert": false},
+        {"type": "Split", "pattern": {"Regex": xtrain::formats::gguf::LLAMA3_SPLIT}, "behavior": "Isolated", "invert": false},
         {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false}]});
     let special = |t: i64| serde_json::json!({"SpecialToken": {"id": bos, "type_id": t}});
     let seq = |s: &str, t: i64| serde_json::json!({"Sequence": {"id": s, "type_id": t}});

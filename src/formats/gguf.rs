@@ -492,6 +492,24 @@ pub fn hf_config(g: &Gguf) -> Result<Json> {
     Ok(c)
 }
 
+/// llama.cpp's per-frequency RoPE divisors for llama3 scaling: the unscaled inverse frequency
+/// over the scaled one, computed from the same f32 frequencies the model trains with.
+pub fn rope_freqs(cfg: &crate::model::config::LlamaConfig) -> Option<Vec<f32>> {
+    cfg.rope_scaling.as_ref()?;
+    let plain = crate::model::config::LlamaConfig {
+        rope_scaling: None,
+        ..cfg.clone()
+    }
+    .rope_inv_freq();
+    Some(
+        plain
+            .iter()
+            .zip(cfg.rope_inv_freq())
+            .map(|(p, s)| p / s)
+            .collect(),
+    )
+}
+
 /// `rope_scaling` of config `c` from the per-frequency divisors llama.cpp's converter writes for
 /// Llama 3's scaling (`rope_freqs.weight`): the divisor of the lowest frequencies is the factor,
 /// and every divisor must be what Llama 3's published scaling with that factor gives (low and
@@ -518,7 +536,7 @@ fn llama3_scaling(g: &Gguf, t: &TensorInfo, c: &Json) -> Result<Json> {
     let mut with = c.clone();
     with["rope_scaling"] = scaling.clone();
     let cfg = crate::model::config::LlamaConfig::from_json(&with)?;
-    let want = crate::formats::gguf_export::rope_freqs(&cfg).unwrap_or_default();
+    let want = rope_freqs(&cfg).unwrap_or_default();
     let differs = (divisors.len() != want.len()).then_some(0).or_else(|| {
         (0..want.len()).find(|&i| (divisors[i] - want[i]).abs() > 1e-4 * want[i].abs())
     });
@@ -644,6 +662,10 @@ pub fn hf_tokenizer(g: &Gguf) -> Result<(Json, Json)> {
     Ok((tokenizer, config))
 }
 
+/// Llama 3's pre-tokenizer split pattern (tokenizer.json's `Split` regex), which llama.cpp
+/// calls `llama-bpe`.
+pub const LLAMA3_SPLIT: &str = "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
+
 /// tokenizer.json's `pre_tokenizer` for `tokenizer.ggml.pre`: how llama.cpp splits text before
 /// BPE, which the vocabulary's merges were made for. A name xtrain does not know is refused:
 /// another split gives other token ids than the model was trained on.
@@ -662,7 +684,7 @@ fn pre_tokenizer(g: &Gguf) -> Result<Json> {
         }
         // Llama 3's regex split (up to three digits a piece), then bytes without GPT-2's regex.
         "llama-bpe" | "llama3" => json!({"type": "Sequence", "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": crate::formats::gguf_vocab::LLAMA3_SPLIT}, "behavior": "Isolated", "invert": false},
+            {"type": "Split", "pattern": {"Regex": LLAMA3_SPLIT}, "behavior": "Isolated", "invert": false},
             byte_level(false)]}),
         other => bail!(
             "tokenizer.ggml.pre = {other}: xtrain knows how llama.cpp splits text for llama-bpe \

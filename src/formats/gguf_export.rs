@@ -109,24 +109,6 @@ fn qk_heads(cfg: &LlamaConfig, hf: &str) -> Option<usize> {
     }
 }
 
-/// llama.cpp's per-frequency RoPE divisors for llama3 scaling: the unscaled inverse frequency
-/// over the scaled one, computed from the same f32 frequencies the model trains with.
-pub fn rope_freqs(cfg: &LlamaConfig) -> Option<Vec<f32>> {
-    cfg.rope_scaling.as_ref()?;
-    let plain = LlamaConfig {
-        rope_scaling: None,
-        ..cfg.clone()
-    }
-    .rope_inv_freq();
-    Some(
-        plain
-            .iter()
-            .zip(cfg.rope_inv_freq())
-            .map(|(p, s)| p / s)
-            .collect(),
-    )
-}
-
 /// The `llama.*` and `general.*` metadata of a model.
 fn model_metadata(cfg: &LlamaConfig, name: &str, ty: TensorType) -> Vec<(String, Value)> {
     let u = |v: i64| Value::U32(v as u32);
@@ -259,7 +241,7 @@ fn merged_plan(
         &first.1,
         Source::Weight(first.0.clone()),
     );
-    if let Some(f) = rope_freqs(cfg) {
+    if let Some(f) = crate::formats::gguf::rope_freqs(cfg) {
         push(
             "rope_freqs.weight".into(),
             &[f.len() as i64],
@@ -486,7 +468,7 @@ mod tests {
         let cfg = crate::model::presets::preset_config("llama-3.1-8b")
             .unwrap()
             .unwrap();
-        let f = rope_freqs(&cfg).unwrap();
+        let f = crate::formats::gguf::rope_freqs(&cfg).unwrap();
         assert_eq!(f.len(), 64);
         // High frequencies unscaled, low ones divided by the factor (8).
         assert_eq!(f[0], 1.0);
@@ -494,6 +476,9 @@ mod tests {
         let tiny = crate::model::presets::preset_config("tiny-llama3")
             .unwrap()
             .unwrap();
-        assert_eq!(rope_freqs(&tiny).is_some(), tiny.rope_scaling.is_some());
+        assert_eq!(
+            crate::formats::gguf::rope_freqs(&tiny).is_some(),
+            tiny.rope_scaling.is_some()
+        );
     }
 }

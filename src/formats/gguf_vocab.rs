@@ -8,15 +8,12 @@
 //! digit-by-digit split before byte-level BPE is `smollm`, plain byte-level is `gpt-2`. Any other
 //! pre-tokenizer is refused rather than written under a name that would tokenize differently.
 
+use crate::formats::gguf::LLAMA3_SPLIT;
 use crate::formats::gguf_write::Value;
 use anyhow::{bail, Context, Result};
 use serde_json::Value as Json;
 use std::collections::BTreeMap;
 use std::path::Path;
-
-/// Llama 3's pre-tokenizer split pattern (tokenizer.json's `Split` regex), which llama.cpp
-/// calls `llama-bpe`.
-pub const LLAMA3_SPLIT: &str = "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
 
 // llama.cpp's token types.
 const NORMAL: i32 = 1;

@@ -132,24 +132,7 @@ pub fn read_config_and_patterns(dir: &Path) -> Result<(LoraConfig, Patterns)> {
             );
         }
     }
-    let r = field("r")
-        .and_then(|v| v.as_i64())
-        .with_context(|| format!("{}: no integer `r`", path.display()))?;
-    let alpha = field("lora_alpha")
-        .and_then(|v| v.as_f64())
-        .with_context(|| format!("{}: no `lora_alpha`", path.display()))?;
-    // As `train` refuses these flags: a rank under 1 has no matrices, and alpha scales the
-    // update by alpha / r (llama.cpp reads an alpha of 0 as a scale of 1, not 0).
-    if r < 1 {
-        bail!("{}: `r` = {r}: a LoRA rank is at least 1", path.display());
-    }
-    if !(alpha.is_finite() && alpha > 0.0) {
-        bail!(
-            "{}: `lora_alpha` = {alpha}: it must be a positive number (the update is scaled by \
-             lora_alpha / r)",
-            path.display()
-        );
-    }
+    let (r, alpha) = rank_and_alpha(&j, &path)?;
     let dropout = field("lora_dropout")
         .and_then(|v| v.as_f64())
         .unwrap_or(0.0);
@@ -222,6 +205,30 @@ pub fn read_config_and_patterns(dir: &Path) -> Result<(LoraConfig, Patterns)> {
         },
         patterns,
     ))
+}
+
+/// An adapter config's `r` and `lora_alpha`, refused where `train` would refuse them as flags.
+fn rank_and_alpha(j: &serde_json::Value, path: &Path) -> Result<(i64, f64)> {
+    let field = |k: &str| j.get(k).filter(|v| !v.is_null());
+    let r = field("r")
+        .and_then(|v| v.as_i64())
+        .with_context(|| format!("{}: no integer `r`", path.display()))?;
+    let alpha = field("lora_alpha")
+        .and_then(|v| v.as_f64())
+        .with_context(|| format!("{}: no `lora_alpha`", path.display()))?;
+    // As `train` refuses these flags: a rank under 1 has no matrices, and alpha scales the
+    // update by alpha / r (llama.cpp reads an alpha of 0 as a scale of 1, not 0).
+    if r < 1 {
+        bail!("{}: `r` = {r}: a LoRA rank is at least 1", path.display());
+    }
+    if !(alpha.is_finite() && alpha > 0.0) {
+        bail!(
+            "{}: `lora_alpha` = {alpha}: it must be a positive number (the update is scaled by \
+             lora_alpha / r)",
+            path.display()
+        );
+    }
+    Ok((r, alpha))
 }
 
 /// ` its adapter_config.json names NAME as its base`, where it names one.

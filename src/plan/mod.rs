@@ -85,23 +85,9 @@ pub fn run(o: &PlanOptions) -> Result<Plan> {
         confirm: o.confirm,
         exhaustive: o.exhaustive,
     };
-    // A step is compiled once: `--seq max`'s last probe is often a point of the search at the
-    // length it found, the same program.
-    let mut compiled: HashMap<[u8; 32], Compiled> = HashMap::new();
-    let mut compile = |_: &StepSpec, program: &Program| -> Result<Compiled> {
-        let key: [u8; 32] = Sha256::new()
-            .chain_update(program.partitions.to_le_bytes())
-            .chain_update(program.text.as_bytes())
-            .finalize()
-            .into();
-        if let Some(c) = compiled.get(&key) {
-            crate::esay!("xtrain: plan: the same step was compiled before; its figures are reused");
-            return Ok(c.clone());
-        }
-        let c = backend.compile(program)?;
-        compiled.insert(key, c.clone());
-        Ok(c)
-    };
+    let mut compiled = HashMap::new();
+    let mut compile =
+        |_: &StepSpec, program: &Program| compile_once(&mut backend, &mut compiled, program);
     let (seq, probes) = match o.seq {
         SeqGoal::Fixed(s) => (s, Vec::new()),
         SeqGoal::Max { step, upto } => longest(o, devices, &limits, (step, upto), &mut compile)?,
@@ -149,6 +135,27 @@ pub fn run(o: &PlanOptions) -> Result<Plan> {
         bail!("{}", report::nothing_fits(&plan, out.as_deref()));
     }
     Ok(plan)
+}
+
+/// Compile `program` for its figures, once per plan: `--seq max`'s last probe is often a point
+/// of the search at the length it found, the same program (`compiled`, by its sha256).
+fn compile_once(
+    backend: &mut Backend,
+    compiled: &mut HashMap<[u8; 32], Compiled>,
+    program: &Program,
+) -> Result<Compiled> {
+    let key: [u8; 32] = Sha256::new()
+        .chain_update(program.partitions.to_le_bytes())
+        .chain_update(program.text.as_bytes())
+        .finalize()
+        .into();
+    if let Some(c) = compiled.get(&key) {
+        crate::esay!("xtrain: plan: the same step was compiled before; its figures are reused");
+        return Ok(c.clone());
+    }
+    let c = backend.compile(program)?;
+    compiled.insert(key, c.clone());
+    Ok(c)
 }
 
 /// How the plan was made, as plan.json's `method` says it.
