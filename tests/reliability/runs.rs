@@ -1360,3 +1360,73 @@ fn a_copied_run_dir_resumes_in_the_copy_with_resume_alone() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `--out . --overwrite` from a directory of one's own files: refused, every file left (a
+/// merge, a train and a plan replaced the current directory whole before).
+#[test]
+fn the_current_directory_is_never_replaced_even_with_overwrite() {
+    let dir = tempdir("rel-out-cwd");
+    std::fs::write(dir.join("notes.txt"), "mine").unwrap();
+    let merge = merge_into(Path::new("."), &["--overwrite"]);
+    let f = fixtures();
+    let (model, data) = (f.join("model"), f.join("inputs.safetensors"));
+    let train = [
+        "train",
+        "--model",
+        model.to_str().unwrap(),
+        "--data",
+        data.to_str().unwrap(),
+        "--lora-r",
+        "8",
+        "--lora-alpha",
+        "16",
+        "--steps",
+        "1",
+        "--out",
+        "..",
+        "--overwrite",
+    ];
+    let runs = [refs(&merge), train.to_vec()];
+    for args in runs {
+        let o = xtrain_cmd().args(&args).current_dir(&dir).output().unwrap();
+        let e = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "{args:?}: {e}");
+        assert!(e.contains("is the current directory or holds it"), "{e}");
+        assert_eq!(
+            std::fs::read_to_string(dir.join("notes.txt")).unwrap(),
+            "mine"
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A reader that goes away (`xtrain compile ... | head -1`) ends no command: the program dir is
+/// written whole and the command succeeds (it panicked on the closed pipe and lost the dir).
+#[test]
+fn a_closed_stdout_does_not_stop_a_compile() {
+    let dir = tempdir("rel-closed-stdout");
+    let out = dir.join("program");
+    let mut child = xtrain_cmd()
+        .args([
+            "compile",
+            "--model",
+            "tiny-llama3",
+            "--seq",
+            "16",
+            "--batch",
+            "2",
+            "--check",
+        ])
+        .arg("--out")
+        .arg(&out)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let o = child.wait_with_output().unwrap();
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success() && !e.contains("panicked"), "{e}");
+    assert!(out.join("manifest.json").is_file() && out.join("train_step.mlir").is_file());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
