@@ -3,13 +3,14 @@
 
 use anyhow::Result;
 use std::path::Path;
+use xtrain::formats::atomic::Replace;
 use xtrain::formats::outdir::check_writable_dir;
 
 pub fn import_gguf(file: &Path, out: &Path, overwrite: bool) -> Result<()> {
     let out = check_writable_dir(out, overwrite, &[file])?;
     let t0 = std::time::Instant::now();
     let mut shown = 0;
-    xtrain::formats::gguf::import(file, &out, |done, total| {
+    xtrain::formats::gguf::import(file, &out, Replace::when(overwrite), |done, total| {
         let pct = done * 100 / total.max(1);
         if pct >= shown + 10 || done == total {
             shown = pct;
@@ -26,7 +27,7 @@ pub fn import_gguf(file: &Path, out: &Path, overwrite: bool) -> Result<()> {
 
 pub fn merge(model: &Path, adapter: &Path, out: &Path, overwrite: bool) -> Result<()> {
     let out = check_writable_dir(out, overwrite, &[model, adapter])?;
-    xtrain::formats::merge::merge(model, adapter, &out)?;
+    xtrain::formats::merge::merge(model, adapter, &out, Replace::when(overwrite))?;
     xtrain::say!("wrote {}", out.display());
     Ok(())
 }

@@ -141,7 +141,11 @@ pub fn run(o: &CompileOptions) -> Result<CompileReport> {
     });
     match result {
         Ok((chosen, spec, manifest)) => {
-            crate::formats::atomic::replace_dir_with(&out, &stage)?;
+            crate::formats::atomic::replace_dir_with_as(
+                &out,
+                &stage,
+                crate::formats::atomic::Replace::when(o.overwrite),
+            )?;
             Ok(CompileReport {
                 out,
                 spec,

@@ -24,6 +24,17 @@ pub enum Replace {
     No,
 }
 
+impl Replace {
+    /// [`Replace::Yes`] with `--overwrite`, else [`Replace::No`].
+    pub fn when(overwrite: bool) -> Replace {
+        if overwrite {
+            Replace::Yes
+        } else {
+            Replace::No
+        }
+    }
+}
+
 /// [`write_atomic`], refusing at the end to replace a file that appeared at `path` meanwhile
 /// when `replace` is [`Replace::No`] (a hard link made in one step: it fails where a name is).
 pub fn write_atomic_as(
@@ -73,6 +84,16 @@ pub fn write_bytes_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
 /// the two renames leaves the old one, which the next writer moves back
 /// ([`crate::formats::outdir::clean_leftovers`]).
 pub fn write_dir_atomic(dir: &Path, fill: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
+    write_dir_atomic_as(dir, Replace::Yes, fill)
+}
+
+/// [`write_dir_atomic`], where `replace` says whether a directory with files that is at `dir`
+/// when the new one is complete may be replaced ([`replace_dir_with_as`]).
+pub fn write_dir_atomic_as(
+    dir: &Path,
+    replace: Replace,
+    fill: impl FnOnce(&Path) -> Result<()>,
+) -> Result<()> {
     let (_, tmp) = sibling(dir, "tmp")?;
     let _ = std::fs::remove_dir_all(&tmp);
     std::fs::create_dir_all(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
@@ -80,7 +101,7 @@ pub fn write_dir_atomic(dir: &Path, fill: impl FnOnce(&Path) -> Result<()>) -> R
         let _ = std::fs::remove_dir_all(&tmp);
         return Err(e);
     }
-    replace_dir_with(dir, &tmp)
+    replace_dir_with_as(dir, &tmp, replace)
 }
 
 /// Where a directory `dir` that takes several steps to build (a program dir and its build) is
@@ -109,6 +130,34 @@ fn sibling(path: &Path, kind: &str) -> Result<(PathBuf, PathBuf)> {
 /// Move the complete directory `tmp` (beside `dir`) into place as `dir`, replacing an older
 /// `dir` only then: moved aside (`.NAME.old-PID-N`), the new one moved in, the old one removed.
 pub fn replace_dir_with(dir: &Path, tmp: &Path) -> Result<()> {
+    replace_dir_with_as(dir, tmp, Replace::Yes)
+}
+
+/// [`replace_dir_with`]; with [`Replace::No`] (`dir` was new or empty when the command started,
+/// no `--overwrite`) `tmp` is renamed onto `dir` directly, which the file system refuses where
+/// `dir` now holds files (another command's, written meanwhile): those are left as they are.
+pub fn replace_dir_with_as(dir: &Path, tmp: &Path, replace: Replace) -> Result<()> {
+    if replace == Replace::No {
+        if let Err(e) = std::fs::rename(tmp, dir) {
+            let _ = std::fs::remove_dir_all(tmp);
+            let held = dir.read_dir().is_ok_and(|mut d| d.next().is_some());
+            if held {
+                anyhow::bail!(
+                    "{} was new or empty when this command started and now holds files \
+                     (another command's?); they are left as they are: pass --overwrite to \
+                     replace them",
+                    dir.display()
+                );
+            }
+            return Err(e).with_context(|| format!("cannot move {} into place", dir.display()));
+        }
+        if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+            if let Ok(d) = std::fs::File::open(parent) {
+                let _ = d.sync_all();
+            }
+        }
+        return Ok(());
+    }
     let (parent, old) = sibling(dir, "old")?;
     let replacing = dir.exists();
     if replacing {

@@ -726,7 +726,12 @@ fn bos_first(g: &Gguf, tokens: &[String]) -> Json {
 /// in HF order), config, generation config, tokenizer. The directory is written whole under a
 /// temp name and renamed into place, replacing whatever `out` held (a sharded model's index and
 /// shards included).
-pub fn import(path: &Path, out: &Path, mut progress: impl FnMut(usize, usize)) -> Result<()> {
+pub fn import(
+    path: &Path,
+    out: &Path,
+    replace: crate::formats::atomic::Replace,
+    mut progress: impl FnMut(usize, usize),
+) -> Result<()> {
     let g = Gguf::open(path)?;
     let config = hf_config(&g).with_context(|| path.display().to_string())?;
     // Before the tensors (minutes for a large model): a vocabulary it cannot carry is refused.
@@ -801,7 +806,7 @@ pub fn import(path: &Path, out: &Path, mut progress: impl FnMut(usize, usize)) -
     }
     let mut meta = BTreeMap::new();
     meta.insert("format".to_string(), "pt".to_string());
-    crate::formats::atomic::write_dir_atomic(out, |tmp| {
+    crate::formats::atomic::write_dir_atomic_as(out, replace, |tmp| {
         crate::formats::safetensors::write(&tmp.join("model.safetensors"), &tensors, &meta)?;
         crate::formats::atomic::write_bytes_atomic(
             &tmp.join("config.json"),

@@ -36,7 +36,12 @@ pub fn merged(
     res
 }
 
-pub fn merge(model: &Path, adapter: &Path, out: &Path) -> Result<()> {
+pub fn merge(
+    model: &Path,
+    adapter: &Path,
+    out: &Path,
+    replace: crate::formats::atomic::Replace,
+) -> Result<()> {
     let cfg = LlamaConfig::load(model)?;
     let (lora, tensors) = crate::formats::peft::load_adapter(adapter, &cfg)?;
     let files = WeightFiles::open(model)?;
@@ -70,7 +75,7 @@ pub fn merge(model: &Path, adapter: &Path, out: &Path) -> Result<()> {
             merged_tensors.insert(wname, t);
         }
     }
-    crate::formats::atomic::write_dir_atomic(out, |tmp| {
+    crate::formats::atomic::write_dir_atomic_as(out, replace, |tmp| {
         let mut meta = BTreeMap::new();
         meta.insert("format".to_string(), "pt".to_string());
         crate::formats::safetensors::write(&tmp.join("model.safetensors"), &merged_tensors, &meta)?;

@@ -296,7 +296,8 @@ fn train_line(model: &str) -> String {
 pub fn write(out: &Path, o: &PlanOptions, plan: &Plan) -> Result<()> {
     let json = serde_json::to_string_pretty(&plan_json(o, plan))? + "\n";
     let recipe = plan.chosen().map(|p| recipe(o, plan, p));
-    crate::formats::atomic::write_dir_atomic(out, |dir| {
+    let replace = crate::formats::atomic::Replace::when(o.overwrite);
+    crate::formats::atomic::write_dir_atomic_as(out, replace, |dir| {
         crate::formats::atomic::write_bytes_atomic(&dir.join("plan.json"), json.as_bytes())?;
         if let Some(r) = &recipe {
             crate::formats::atomic::write_bytes_atomic(&dir.join("recipe.toml"), r.as_bytes())?;

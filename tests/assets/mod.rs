@@ -34,7 +34,12 @@ pub fn smollm2() -> Result<PathBuf> {
     }
     pjrt::once::create_once(&gguf, "the SmolLM2 GGUF", |g| g.is_file(), fetch_smollm2)?;
     pjrt::once::create_once(&dir, "the imported SmolLM2", imported, |staged| {
-        xtrain::formats::gguf::import(&gguf, staged, |_, _| {})
+        xtrain::formats::gguf::import(
+            &gguf,
+            staged,
+            xtrain::formats::atomic::Replace::Yes,
+            |_, _| {},
+        )
     })?;
     Ok(dir)
 }
