@@ -99,13 +99,6 @@ pub fn check_writable_dir(out: &Path, overwrite: bool, inputs: &[&Path]) -> Resu
             some_names(&held)
         );
     }
-    if !held.is_empty() {
-        crate::esay!(
-            "xtrain: --overwrite: {} (it holds {}) is replaced once the new output is complete",
-            out.display(),
-            some_names(&held)
-        );
-    }
     Ok(out)
 }
 
