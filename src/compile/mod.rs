@@ -141,11 +141,8 @@ pub fn run(o: &CompileOptions) -> Result<CompileReport> {
     });
     match result {
         Ok((chosen, spec, manifest)) => {
-            crate::formats::atomic::replace_dir_with_as(
-                &out,
-                &stage,
-                crate::formats::atomic::Replace::when(o.overwrite),
-            )?;
+            let replace = crate::formats::atomic::Replace::when(o.overwrite);
+            crate::formats::atomic::replace_dir_with_as(&out, &stage, replace)?;
             Ok(CompileReport {
                 out,
                 spec,
