@@ -231,6 +231,20 @@ fn rank_and_alpha(j: &serde_json::Value, path: &Path) -> Result<(i64, f64)> {
     Ok((r, alpha))
 }
 
+/// Refuse an adapter tensor holding a value that is not finite (a checkpoint of a run that
+/// blew up, a damaged file): training from it, merging or exporting it gives NaN everywhere.
+fn finite(path: &Path, name: &str, values: &[f32]) -> Result<()> {
+    if let Some(i) = values.iter().position(|v| !v.is_finite()) {
+        bail!(
+            "{}: tensor `{name}` holds {} at element {i}: an adapter's values must be finite \
+             (one saved from a run that blew up cannot be trained, merged or exported)",
+            path.display(),
+            values[i]
+        );
+    }
+    Ok(())
+}
+
 /// ` its adapter_config.json names NAME as its base`, where it names one.
 fn trained_on(config: &Path) -> String {
     std::fs::read_to_string(config)
@@ -265,10 +279,9 @@ pub fn read_tensors(
                 trained_on(&dir.join("adapter_config.json"))
             );
         }
-        out.insert(
-            t.name.clone(),
-            convert(&st.read(&t.name)?, ElementType::F32)?,
-        );
+        let values = convert(&st.read(&t.name)?, ElementType::F32)?;
+        finite(&path, &t.name, &values.to_f32()?)?;
+        out.insert(t.name.clone(), values);
     }
     if let Some(extra) = st.tensors.keys().find(|k| !out.contains_key(*k)) {
         let layer = extra
@@ -415,7 +428,9 @@ pub fn load_adapter(
                     trained_on(&dir.join("adapter_config.json"))
                 );
             }
-            Ok(convert(&st.read(&name)?, ElementType::F32)?.to_f32()?)
+            let values = convert(&st.read(&name)?, ElementType::F32)?.to_f32()?;
+            finite(&path, &name, &values)?;
+            Ok(values)
         };
         let a = read("A", [r, inp])?;
         let b = read("B", [outd, r])?;

@@ -378,6 +378,9 @@ impl Run<'_> {
         let opts = self.opts;
         let total = self.state.schedule.total;
         let step = self.state.step + 1;
+        // Where the data stood before this step's batch: a step that is not applied is not
+        // taken, and a checkpoint saved for it resumes with this batch.
+        let before = (self.state.epoch, self.state.position);
         let batch = self
             .source
             .next(opts.seed, &mut self.state.epoch, &mut self.state.position);
@@ -435,8 +438,19 @@ impl Run<'_> {
             };
             if !opts.skip_nonfinite {
                 self.state.step = step - 1;
+                (self.state.epoch, self.state.position) = before;
+                for h in &mut self.loaders {
+                    (h.epoch, h.position) = before;
+                }
                 let dir = self.save_checkpoint()?;
-                bail!("step {step}: {what}; stopped without applying it. The last good state (before step {step}) is in {} (--skip-nonfinite-steps skips such steps instead)", dir.display());
+                bail!(
+                    "step {step}: {what}; stopped without applying it. The last good state \
+                     (before step {step}) is in {dir}: `--resume {dir}` continues with the same \
+                     settings, and a new run from it with others (a lower --lr) takes \
+                     `--init-adapter {dir}` and another --out (--skip-nonfinite-steps skips such \
+                     steps instead)",
+                    dir = crate::formats::shell::path(&dir)
+                );
             }
             self.skipped += 1;
             progress::say(&format!("xtrain: step {step}: {what}; step skipped"));

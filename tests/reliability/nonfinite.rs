@@ -32,6 +32,19 @@ fn a_blown_up_update_stops_with_the_state_from_before_it() {
         );
     }
     assert!(!out.join("checkpoint-1").exists());
+    // Its data position is before step 1's batch (it was after it: a resume skipped the batch).
+    let state: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(ckpt.join("trainer_state.json")).unwrap())
+            .unwrap();
+    assert_eq!(
+        (state["step"].as_u64(), state["position"].as_u64()),
+        (Some(0), Some(0))
+    );
+    // The way on with other settings is said.
+    assert!(
+        e.contains("--init-adapter") && e.contains("another --out"),
+        "{e}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -109,5 +122,66 @@ fn the_nonfinite_guard_covers_the_updated_state() {
             "{name}: the last good state is finite"
         );
     }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// An adapter holding a NaN (a checkpoint of a run that blew up, a damaged file) is refused when
+/// it is read, naming the tensor: as `--init-adapter` it was trained from (every step NaN, and
+/// its "last good state" held the NaN too), and merged or exported as it was.
+#[test]
+fn an_adapter_holding_a_nan_is_refused_when_it_is_read() {
+    let dir = tempdir("rel-nan-adapter");
+    let from = fixtures().join("adapter_init");
+    let bad = dir.join("adapter");
+    std::fs::create_dir_all(&bad).unwrap();
+    std::fs::copy(
+        from.join("adapter_config.json"),
+        bad.join("adapter_config.json"),
+    )
+    .unwrap();
+    let st =
+        xtrain::formats::safetensors::SafeTensors::open(&from.join("adapter_model.safetensors"))
+            .unwrap();
+    let mut tensors = std::collections::BTreeMap::new();
+    let first = st.tensors.keys().next().unwrap().clone();
+    for name in st.tensors.keys() {
+        let t = st.read(name).unwrap();
+        let mut v = t.to_f32().unwrap();
+        if *name == first {
+            v[3] = f32::NAN;
+        }
+        tensors.insert(name.clone(), pjrt::HostTensor::from_f32(&v, &t.dims));
+    }
+    xtrain::formats::safetensors::write(
+        &bad.join("adapter_model.safetensors"),
+        &tensors,
+        &Default::default(),
+    )
+    .unwrap();
+    let model = fixtures().join("model");
+    let out = dir.join("out");
+    let o = train_cmd(&model, &fixtures().join("inputs.safetensors"), &out)
+        .args(["--lora-r", "8", "--lora-alpha", "16", "--init-adapter"])
+        .arg(&bad)
+        .output()
+        .unwrap();
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && !e.contains("panicked"), "{e}");
+    assert!(
+        e.contains(&format!("tensor `{first}` holds NaN at element 3")),
+        "{e}"
+    );
+    assert!(!out.join("checkpoint-0").exists());
+    let merged = dir.join("merged");
+    let e = fails(&[
+        "merge",
+        "--model",
+        model.to_str().unwrap(),
+        "--adapter",
+        bad.to_str().unwrap(),
+        "--out",
+        merged.to_str().unwrap(),
+    ]);
+    assert!(e.contains("holds NaN"), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
