@@ -27,6 +27,7 @@ pub fn import_gguf(file: &Path, out: &Path, overwrite: bool) -> Result<()> {
 
 pub fn merge(model: &Path, adapter: &Path, out: &Path, overwrite: bool) -> Result<()> {
     let out = check_writable_dir(out, overwrite, &[model, adapter])?;
+    xtrain::formats::gguf_export::warn_if_trained_on_nf4(adapter, "merge");
     xtrain::formats::merge::merge(model, adapter, &out, Replace::when(overwrite))?;
     xtrain::say!("wrote {}", out.display());
     Ok(())

@@ -82,7 +82,10 @@ pub fn generate(mut a: GenerateArgs) -> Result<()> {
     };
     let ids = tok.encode(&text)?;
     let adapter = match &a.adapter {
-        Some(d) => Some(xtrain::formats::peft::load_adapter(d, &cfg)?),
+        Some(d) => {
+            xtrain::formats::gguf_export::warn_if_trained_on_nf4(d, "generate");
+            Some(xtrain::formats::peft::load_adapter(d, &cfg)?)
+        }
         None => None,
     };
     let rt = xtrain::device::runtime::Runtime::open(a.plugin.as_deref(), Some(1))?;

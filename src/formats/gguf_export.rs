@@ -283,6 +283,20 @@ pub fn recorded_quant(adapter: &Path) -> Option<(String, PathBuf)> {
     quant_in(&state).map(|q| (q, state))
 }
 
+/// What `merge` and `generate` say of an adapter whose record says it was trained on the NF4
+/// base: they use the stored weights, which it did not see (export-gguf uses the NF4 base).
+pub fn warn_if_trained_on_nf4(adapter: &Path, command: &str) {
+    if let Some((q, record)) = recorded_quant(adapter).filter(|(q, _)| q == "nf4") {
+        crate::esay!(
+            "xtrain: warning: {} was trained on the {q} base ({}); {command} uses the stored \
+             weights, which it did not see, so its outputs differ from training's a little \
+             (`xtrain export-gguf` merges against the {q} base)",
+            adapter.display(),
+            record.display()
+        );
+    }
+}
+
 /// Write the merged model (with `opts.adapter` folded in, if any) to `out` as GGUF, atomically.
 /// `progress(done, total, name)` after each tensor (an error from it, such as an interrupt,
 /// abandons the file); `note` for what the user should know.

@@ -129,12 +129,19 @@ fn run_in(
         );
     }
     let start = start::starting_point(opts, cfg, &spec.lora, &schedule, &data)?;
+    if opts.resume.is_some() && start.state.step >= schedule.total && team.is_none() {
+        // Complete: the adapter is written again from the checkpoint, without loading the
+        // weights or compiling the step for nothing (minutes on a large model).
+        let base = crate::formats::peft::base_model(&opts.model);
+        save_adapter(&opts.out.join("adapter"), &spec.lora, &start.lora, &base)?;
+        return Ok(Finished::Complete);
+    }
     let weights = load_weights(opts, cfg)?;
     if stop() {
         return Ok(Finished::Interrupted(None));
     }
     let abandon: finish::Abandon = match out {
-        Some(out) => finish::abandon(opts, out, "compiling the step"),
+        Some(out) => finish::abandon(opts, out, "compiling the step and loading the weights"),
         None => Box::new(|| signal_hook::low_level::exit(finish::interrupted_code())),
     };
     let trainer = signals.abandonable(abandon, || {

@@ -1285,7 +1285,7 @@ fn the_first_ctrl_c_during_the_compile_abandons_it() {
         t0.elapsed()
     );
     assert!(
-        err.contains("interrupted while compiling the step (abandoned it); nothing new to save"),
+        err.contains("interrupted while compiling the step and loading the weights (abandoned it); nothing new to save"),
         "{err}"
     );
     assert!(!err.contains("compiled the step in"), "{err}");
