@@ -141,6 +141,10 @@ fn a_run_stopped_with_ctrl_c_goes_on_evaluating_and_checkpointing_with_the_comma
         "{err}"
     );
     assert_eq!(adapter(&int), adapter(&full), "the adapter unchanged");
+    assert!(
+        !err.contains("xtrain: loaded"),
+        "no weights are loaded for nothing: {err}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
