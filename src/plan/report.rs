@@ -22,8 +22,16 @@ pub fn print_table(plan: &Plan) {
         plan.global_batch,
         gib(plan.limit_bytes)
     );
+    // The settings column as wide as its longest line, so the figures line up.
+    let w = plan
+        .ranked
+        .iter()
+        .map(|&i| plan.points[i].settings.line().len())
+        .max()
+        .unwrap_or(0)
+        .max(72);
     crate::say!(
-        "{:>4}  {:<72} {:>22} {:>10} {:>22} {:>11}  binding",
+        "{:>4}  {:<w$} {:>22} {:>10} {:>22} {:>11}  binding",
         "rank",
         "settings",
         "device of limit",
@@ -36,7 +44,7 @@ pub fn print_table(plan: &Plan) {
         let f = p.figures.as_ref().expect("a point that fits was compiled");
         let seconds = step_seconds(plan, p);
         crate::say!(
-            "{:>4}  {:<72} {:>22} {:>10} {:>22} {:>11}  {}",
+            "{:>4}  {:<w$} {:>22} {:>10} {:>22} {:>11}  {}",
             rank + 1,
             p.settings.line(),
             format!("{} of {}", gib(f.device_bytes), gib(plan.limit_bytes)),
