@@ -92,8 +92,19 @@ pub fn read_config(dir: &Path) -> Result<LoraConfig> {
 /// per-module patterns.
 pub fn read_config_and_patterns(dir: &Path) -> Result<(LoraConfig, Patterns)> {
     let path = dir.join("adapter_config.json");
-    let text = std::fs::read_to_string(&path)
-        .with_context(|| format!("cannot read {}", path.display()))?;
+    let text = std::fs::read_to_string(&path).with_context(|| {
+        // A run's directory given for its adapter: say where the adapter is.
+        let inner = dir.join("adapter");
+        match inner.join("adapter_config.json").is_file() {
+            true => format!(
+                "cannot read {} ({} looks like a run's directory: its adapter is {})",
+                path.display(),
+                dir.display(),
+                inner.display()
+            ),
+            false => format!("cannot read {}", path.display()),
+        }
+    })?;
     let j: serde_json::Value = serde_json::from_str(&text)
         .with_context(|| format!("{} is not valid JSON", path.display()))?;
     let field = |k: &str| j.get(k).filter(|v| !v.is_null());

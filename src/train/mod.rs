@@ -122,6 +122,12 @@ fn run_in(
             schedule.lr
         );
     }
+    if opts.lr == 0.0 {
+        crate::esay!(
+            "xtrain: warning: --lr 0: every update is zero, so the adapter leaves the run as it \
+             came (the run only measures the loss)"
+        );
+    }
     if opts.save_every > schedule.total {
         crate::esay!(
             "xtrain: warning: --save-every {} is longer than the run ({} steps): no checkpoint is written along the way (Ctrl-C still writes one; a killed run starts over)",

@@ -1430,3 +1430,39 @@ fn a_closed_stdout_does_not_stop_a_compile() {
     assert!(out.join("manifest.json").is_file() && out.join("train_step.mlir").is_file());
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `--lr 0` trains nothing, and says so; a run's directory given where its adapter is wanted is
+/// pointed to the adapter inside it.
+#[test]
+fn lr_0_is_said_and_a_run_dir_given_as_an_adapter_is_pointed_inside() {
+    let dir = tempdir("rel-lr0-rundir");
+    let out = dir.join("run");
+    let o = xtrain(&refs(&train_on(
+        &fixtures().join("model"),
+        &out,
+        &["--lr", "0", "--steps", "1"],
+    )));
+    let said = stderr_of(&o);
+    assert!(o.status.success(), "{said}");
+    assert!(
+        said.contains("xtrain: warning: --lr 0: every update is zero"),
+        "{said}"
+    );
+    let e = fails(
+        &refs(&merge_into(&dir.join("merged"), &[]))
+            .iter()
+            .map(|a| {
+                if a.ends_with("adapter_init") {
+                    out.to_str().unwrap()
+                } else {
+                    a
+                }
+            })
+            .collect::<Vec<_>>(),
+    );
+    assert!(
+        e.contains(&format!("its adapter is {}", out.join("adapter").display())),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
