@@ -92,19 +92,7 @@ pub fn read_config(dir: &Path) -> Result<LoraConfig> {
 /// per-module patterns.
 pub fn read_config_and_patterns(dir: &Path) -> Result<(LoraConfig, Patterns)> {
     let path = dir.join("adapter_config.json");
-    let text = std::fs::read_to_string(&path).with_context(|| {
-        // A run's directory given for its adapter: say where the adapter is.
-        let inner = dir.join("adapter");
-        match inner.join("adapter_config.json").is_file() {
-            true => format!(
-                "cannot read {} ({} looks like a run's directory: its adapter is {})",
-                path.display(),
-                dir.display(),
-                inner.display()
-            ),
-            false => format!("cannot read {}", path.display()),
-        }
-    })?;
+    let text = read_config_text(dir, &path)?;
     let j: serde_json::Value = serde_json::from_str(&text)
         .with_context(|| format!("{} is not valid JSON", path.display()))?;
     let field = |k: &str| j.get(k).filter(|v| !v.is_null());
@@ -216,6 +204,23 @@ pub fn read_config_and_patterns(dir: &Path) -> Result<(LoraConfig, Patterns)> {
         },
         patterns,
     ))
+}
+
+/// The text of `dir`'s adapter_config.json (`path`); where `dir` is a run's directory, the
+/// error says where its adapter is.
+fn read_config_text(dir: &Path, path: &Path) -> Result<String> {
+    std::fs::read_to_string(path).with_context(|| {
+        let inner = dir.join("adapter");
+        match inner.join("adapter_config.json").is_file() {
+            true => format!(
+                "cannot read {} ({} looks like a run's directory: its adapter is {})",
+                path.display(),
+                dir.display(),
+                inner.display()
+            ),
+            false => format!("cannot read {}", path.display()),
+        }
+    })
 }
 
 /// An adapter config's `r` and `lora_alpha`, refused where `train` would refuse them as flags.

@@ -113,27 +113,7 @@ fn run_in(
         crate::esay!("xtrain: form: {}", spec.form());
     }
     let schedule = schedule(opts, &data.source);
-    if schedule.warmup > schedule.total {
-        crate::esay!(
-            "xtrain: warning: --warmup {} is longer than the run ({} steps): the learning rate rises to {:e} at the last step and never reaches --lr {:e}",
-            schedule.warmup,
-            schedule.total,
-            schedule.at(schedule.total),
-            schedule.lr
-        );
-    }
-    if opts.lr == 0.0 {
-        crate::esay!(
-            "xtrain: warning: --lr 0: every update is zero, so the adapter leaves the run as it \
-             came (the run only measures the loss)"
-        );
-    }
-    if opts.save_every > schedule.total {
-        crate::esay!(
-            "xtrain: warning: --save-every {} is longer than the run ({} steps): no checkpoint is written along the way (Ctrl-C still writes one; a killed run starts over)",
-            opts.save_every, schedule.total
-        );
-    }
+    warn_about_the_schedule(opts, &schedule);
     let start = start::starting_point(opts, cfg, &spec.lora, &schedule, &data)?;
     if opts.resume.is_some() && start.state.step >= schedule.total && team.is_none() {
         // Complete: the adapter is written again from the checkpoint, without loading the
@@ -213,6 +193,32 @@ fn run_in(
             run.save()?;
             Ok(Finished::Complete)
         }
+    }
+}
+
+/// The warnings about what the flags make of the run's schedule: a warmup or checkpoint interval
+/// longer than the run, and an lr of 0.
+fn warn_about_the_schedule(opts: &TrainOptions, schedule: &Schedule) {
+    if schedule.warmup > schedule.total {
+        crate::esay!(
+            "xtrain: warning: --warmup {} is longer than the run ({} steps): the learning rate rises to {:e} at the last step and never reaches --lr {:e}",
+            schedule.warmup,
+            schedule.total,
+            schedule.at(schedule.total),
+            schedule.lr
+        );
+    }
+    if opts.lr == 0.0 {
+        crate::esay!(
+            "xtrain: warning: --lr 0: every update is zero, so the adapter leaves the run as it \
+             came (the run only measures the loss)"
+        );
+    }
+    if opts.save_every > schedule.total {
+        crate::esay!(
+            "xtrain: warning: --save-every {} is longer than the run ({} steps): no checkpoint is written along the way (Ctrl-C still writes one; a killed run starts over)",
+            opts.save_every, schedule.total
+        );
     }
 }
 
