@@ -4,41 +4,11 @@
 
 mod common;
 
-use common::{fails, fixtures, tempdir, xtrain};
+use common::{edited_adapter, fails, fixtures, tempdir, xtrain};
 use pjrt::HostTensor;
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
-use xtrain::formats::safetensors::{self, SafeTensors};
-
-/// The oracle's trained adapter (r=8, lora_alpha=16, all seven projections) copied to `dir`,
-/// its config edited by `config` and its tensors by `tensors`.
-fn adapter(
-    dir: &Path,
-    config: impl FnOnce(&mut serde_json::Value),
-    tensors: impl FnOnce(&mut BTreeMap<String, HostTensor>),
-) -> PathBuf {
-    let src = fixtures().join("adapter_step3");
-    std::fs::create_dir_all(dir).unwrap();
-    let mut c: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(src.join("adapter_config.json")).unwrap())
-            .unwrap();
-    config(&mut c);
-    std::fs::write(dir.join("adapter_config.json"), c.to_string()).unwrap();
-    let st = SafeTensors::open(&src.join("adapter_model.safetensors")).unwrap();
-    let mut t: BTreeMap<String, HostTensor> = st
-        .tensors
-        .keys()
-        .map(|k| (k.clone(), st.read(k).unwrap()))
-        .collect();
-    tensors(&mut t);
-    safetensors::write(
-        &dir.join("adapter_model.safetensors"),
-        &t,
-        &Default::default(),
-    )
-    .unwrap();
-    dir.to_path_buf()
-}
+use std::path::Path;
+use xtrain::formats::safetensors::SafeTensors;
 
 /// Apply `f` to the values of every q_proj tensor named `which` (A or B).
 fn map_q(
@@ -108,14 +78,16 @@ fn logits(model: &Path, adapter: Option<&Path>) -> Vec<f32> {
 fn alpha_pattern_is_honoured_by_merge_and_generate_and_refused_for_training() {
     let dir = tempdir("alpha-pattern");
     // q_proj at alpha 64 instead of 16: its scale is 64/8, the others' 16/8.
-    let patterned = adapter(
+    let patterned = edited_adapter(
         &dir.join("patterned"),
+        "adapter_step3",
         |c| c["alpha_pattern"] = serde_json::json!({"q_proj": 64}),
         |_| {},
     );
     // What PEFT computes with it: the same adapter without the pattern, q's B times 64/16.
-    let scaled = adapter(
+    let scaled = edited_adapter(
         &dir.join("scaled"),
+        "adapter_step3",
         |_| {},
         |t| {
             map_q(t, "B", |v, d| {
@@ -188,14 +160,16 @@ fn rank_pattern_is_honoured_and_named_in_shape_errors() {
             (rows, vec![d[0], 4])
         });
     };
-    let patterned = adapter(
+    let patterned = edited_adapter(
         &dir.join("patterned"),
+        "adapter_step3",
         |c| c["rank_pattern"] = serde_json::json!({"q_proj": 4}),
         first4,
     );
     // The same at rank 8: q's rows and columns 4..8 zero, its B times (16/4)/(16/8) = 2.
-    let padded = adapter(
+    let padded = edited_adapter(
         &dir.join("padded"),
+        "adapter_step3",
         |_| {},
         |t| {
             map_q(t, "A", |v, d| {
@@ -235,8 +209,9 @@ fn rank_pattern_is_honoured_and_named_in_shape_errors() {
         .fold(0.0f32, f32::max);
     assert!(d < 1e-4, "adapter-applied logits differ from merged by {d}");
     // A pattern the tensors do not follow: the error names the pattern.
-    let wrong = adapter(
+    let wrong = edited_adapter(
         &dir.join("wrong"),
+        "adapter_step3",
         |c| c["rank_pattern"] = serde_json::json!({"k_proj": 4}),
         first4,
     );

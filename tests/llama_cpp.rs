@@ -378,21 +378,8 @@ fn export_refuses_bad_requests_naming_what_is_wrong() {
     // The fixture's adapter with another lora_alpha: 0 (no update; llama.cpp would read it as
     // a scale of 1), and 1e30 (a merged weight past f16's 65,504).
     let with_alpha = |name: &str, alpha: f64| {
-        let a = dir.join(name);
-        std::fs::create_dir_all(&a).unwrap();
-        let from = fixtures().join("adapter_init");
-        std::fs::copy(
-            from.join("adapter_model.safetensors"),
-            a.join("adapter_model.safetensors"),
-        )
-        .unwrap();
-        let mut c: Json = serde_json::from_str(
-            &std::fs::read_to_string(from.join("adapter_config.json")).unwrap(),
-        )
-        .unwrap();
-        c["lora_alpha"] = alpha.into();
-        std::fs::write(a.join("adapter_config.json"), c.to_string()).unwrap();
-        a
+        let config = |c: &mut Json| c["lora_alpha"] = alpha.into();
+        edited_adapter(&dir.join(name), "adapter_init", config, |_| {})
     };
     let (alpha0, huge) = (with_alpha("alpha0", 0.0), with_alpha("huge", 1e30));
     // Each request's own flags, and what its refusal must name.

@@ -47,6 +47,38 @@ fn sweep_dirs_of_ended_tests() {
     });
 }
 
+/// Fixture adapter `from` (`adapter_init`, `adapter_step3`: r=8, lora_alpha=16, all seven
+/// projections) copied to `dir`, its config edited by `config` and its tensors by `tensors`.
+pub fn edited_adapter(
+    dir: &Path,
+    from: &str,
+    config: impl FnOnce(&mut serde_json::Value),
+    tensors: impl FnOnce(&mut std::collections::BTreeMap<String, pjrt::HostTensor>),
+) -> PathBuf {
+    use xtrain::formats::safetensors::{self, SafeTensors};
+    let src = fixtures().join(from);
+    std::fs::create_dir_all(dir).unwrap();
+    let mut c: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("adapter_config.json")).unwrap())
+            .unwrap();
+    config(&mut c);
+    std::fs::write(dir.join("adapter_config.json"), c.to_string()).unwrap();
+    let st = SafeTensors::open(&src.join("adapter_model.safetensors")).unwrap();
+    let mut t: std::collections::BTreeMap<String, pjrt::HostTensor> = st
+        .tensors
+        .keys()
+        .map(|k| (k.clone(), st.read(k).unwrap()))
+        .collect();
+    tensors(&mut t);
+    safetensors::write(
+        &dir.join("adapter_model.safetensors"),
+        &t,
+        &Default::default(),
+    )
+    .unwrap();
+    dir.to_path_buf()
+}
+
 /// `xtrain`, to add arguments, environment variables and pipes to.
 pub fn xtrain_cmd() -> Command {
     Command::new(env!("CARGO_BIN_EXE_xtrain"))

@@ -6,33 +6,18 @@ use super::*;
 fn generate_refuses_non_finite_logits_instead_of_printing_nul_bytes() {
     let dir = tempdir("rel-generate-nan");
     let model = tiny_text_model(&dir);
-    let adapter = dir.join("nan-adapter");
-    std::fs::create_dir_all(&adapter).unwrap();
-    let init = fixtures().join("adapter_init");
-    std::fs::copy(
-        init.join("adapter_config.json"),
-        adapter.join("adapter_config.json"),
-    )
-    .unwrap();
-    let st =
-        xtrain::formats::safetensors::SafeTensors::open(&init.join("adapter_model.safetensors"))
-            .unwrap();
-    let mut t: std::collections::BTreeMap<String, pjrt::HostTensor> = st
-        .tensors
-        .keys()
-        .map(|k| (k.clone(), st.read(k).unwrap()))
-        .collect();
-    for (_, v) in t.iter_mut() {
-        let n = v.to_f32().unwrap().len();
-        // Finite (a NaN adapter is refused when read) but past f32 once multiplied.
-        *v = pjrt::HostTensor::from_f32(&vec![1e30; n], &v.dims);
-    }
-    xtrain::formats::safetensors::write(
-        &adapter.join("adapter_model.safetensors"),
-        &t,
-        &Default::default(),
-    )
-    .unwrap();
+    // Finite (a NaN adapter is refused when read) but past f32 once multiplied.
+    let adapter = edited_adapter(
+        &dir.join("nan-adapter"),
+        "adapter_init",
+        |_| {},
+        |t| {
+            for v in t.values_mut() {
+                let n = v.to_f32().unwrap().len();
+                *v = pjrt::HostTensor::from_f32(&vec![1e30; n], &v.dims);
+            }
+        },
+    );
     let o = xtrain(&[
         "generate",
         "--model",

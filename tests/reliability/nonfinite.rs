@@ -131,33 +131,19 @@ fn the_nonfinite_guard_covers_the_updated_state() {
 #[test]
 fn an_adapter_holding_a_nan_is_refused_when_it_is_read() {
     let dir = tempdir("rel-nan-adapter");
-    let from = fixtures().join("adapter_init");
-    let bad = dir.join("adapter");
-    std::fs::create_dir_all(&bad).unwrap();
-    std::fs::copy(
-        from.join("adapter_config.json"),
-        bad.join("adapter_config.json"),
-    )
-    .unwrap();
-    let st =
-        xtrain::formats::safetensors::SafeTensors::open(&from.join("adapter_model.safetensors"))
-            .unwrap();
-    let mut tensors = std::collections::BTreeMap::new();
-    let first = st.tensors.keys().next().unwrap().clone();
-    for name in st.tensors.keys() {
-        let t = st.read(name).unwrap();
-        let mut v = t.to_f32().unwrap();
-        if *name == first {
-            v[3] = f32::NAN;
-        }
-        tensors.insert(name.clone(), pjrt::HostTensor::from_f32(&v, &t.dims));
-    }
-    xtrain::formats::safetensors::write(
-        &bad.join("adapter_model.safetensors"),
-        &tensors,
-        &Default::default(),
-    )
-    .unwrap();
+    let mut first = String::new();
+    let bad = edited_adapter(
+        &dir.join("adapter"),
+        "adapter_init",
+        |_| {},
+        |t| {
+            let (name, v) = t.iter_mut().next().unwrap();
+            let mut values = v.to_f32().unwrap();
+            values[3] = f32::NAN;
+            *v = pjrt::HostTensor::from_f32(&values, &v.dims);
+            first = name.clone();
+        },
+    );
     let model = fixtures().join("model");
     let out = dir.join("out");
     let o = train_cmd(&model, &fixtures().join("inputs.safetensors"), &out)

@@ -1368,25 +1368,8 @@ fn the_current_directory_is_never_replaced_even_with_overwrite() {
     let dir = tempdir("rel-out-cwd");
     std::fs::write(dir.join("notes.txt"), "mine").unwrap();
     let merge = merge_into(Path::new("."), &["--overwrite"]);
-    let f = fixtures();
-    let (model, data) = (f.join("model"), f.join("inputs.safetensors"));
-    let train = [
-        "train",
-        "--model",
-        model.to_str().unwrap(),
-        "--data",
-        data.to_str().unwrap(),
-        "--lora-r",
-        "8",
-        "--lora-alpha",
-        "16",
-        "--steps",
-        "1",
-        "--out",
-        "..",
-        "--overwrite",
-    ];
-    let runs = [refs(&merge), train.to_vec()];
+    let train = train_on(&fixtures().join("model"), Path::new(".."), &["--overwrite"]);
+    let runs = [merge, train];
     for args in runs {
         let o = xtrain_cmd().args(&args).current_dir(&dir).output().unwrap();
         let e = String::from_utf8_lossy(&o.stderr);
