@@ -119,13 +119,18 @@ impl std::fmt::Display for UnsupportedType {
             39 => "MXFP4",
             _ => "a type this xtrain does not know",
         };
+        // What it reads, from the table that reads them.
+        let reads: Vec<&str> = (0..64)
+            .filter_map(|t| type_layout(t).map(|l| l.2))
+            .collect();
         write!(
             f,
-            "tensor `{}` is of ggml type {} ({name}), which xtrain does not read (it reads F32, \
-             F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K); convert \
-             the original model again, or requantize with llama.cpp's llama-quantize, to one of \
-             those (Q8_0 or Q4_K_M, say)",
-            self.tensor, self.ggml_type
+            "tensor `{}` is of ggml type {} ({name}), which xtrain does not read (it reads {}); \
+             convert the original model again, or requantize with llama.cpp's llama-quantize, \
+             to one of those (Q8_0 or Q4_K_M, say)",
+            self.tensor,
+            self.ggml_type,
+            reads.join(", ")
         )
     }
 }
