@@ -256,9 +256,6 @@ pub fn softmax_parts_last(
     Ok((e, s))
 }
 
-/// The pieces of the layer on small inputs, each against the equation computed here directly
-/// (the whole model is checked against Hugging Face in tests/oracle.rs). f32 throughout; the
-
 /// The attention's pieces on small inputs, each against its equation computed here directly
 /// (the whole model is checked against Hugging Face in tests/oracle.rs). f32 throughout; the
 /// tolerance, 1e-5 on values of order one, is a few f32 roundings of sums over at most 64 terms.
