@@ -15,9 +15,10 @@ use crate::cluster::auth::Secret;
 use crate::cluster::handshake::{self, Failed};
 use crate::cluster::keys::{may_delete, owner};
 use crate::cluster::wire::{
-    io_words, receive_header, receive_value, refusal_for_json, secs, send, Greeting, Reply,
-    Request, StoreError, PROTOCOL,
+    io_words, receive_header, receive_value, refusal_for_json, send, Greeting, Reply, Request,
+    StoreError, PROTOCOL,
 };
+use crate::words::secs;
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::io::{BufRead, BufReader, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
