@@ -551,6 +551,9 @@ pub fn from_environment(flags: &LaunchFlags) -> Result<Launch> {
 mod tests {
     use super::*;
 
+    /// A random secret (`xtrain run-token`'s form).
+    const TOKEN: &str = "9f2c41e07ab35d6890e1c4b7f03a26d58c1e9b47a02f6d3e85b9c0174ad2e6f3";
+
     /// [`detect`] with these variables and, unless they say otherwise, the run's secret.
     fn with(vars: &[(&str, &str)], flags: &LaunchFlags) -> Result<Launch> {
         let mut map: std::collections::HashMap<String, String> = vars
@@ -558,7 +561,7 @@ mod tests {
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
         map.entry("XTRAIN_RUN_TOKEN".into())
-            .or_insert_with(|| "a-secret-for-the-tests".into());
+            .or_insert_with(|| TOKEN.into());
         map.retain(|_, v| !v.is_empty());
         detect(flags, &|k| map.get(k).cloned())
     }
@@ -818,7 +821,10 @@ mod tests {
             ..flags("node01:8476", false)
         };
         let e = with(&[], &from_file).unwrap_err().to_string();
-        assert!(e.contains("holds 5 bytes") && !e.contains("short"), "{e}");
+        assert!(
+            e.contains("is not a random secret") && !e.contains("short"),
+            "{e}"
+        );
         std::fs::remove_file(&dir).unwrap();
     }
 

@@ -12,10 +12,12 @@
 //! (`device::hosts`), and reach this stage, not the other way round.
 
 pub mod auth;
+pub mod channel;
 pub mod gather;
 pub mod handshake;
 pub mod keys;
 pub mod launch;
+pub mod locks;
 pub mod rendezvous;
 pub mod server;
 pub mod store;

@@ -62,7 +62,7 @@ pub fn join(launch: &Launch, on_lost: impl FnOnce(String) + Send + 'static) -> R
     };
     let store = Store::connect(&at, &launch.run, me, launch.init_timeout)
         .with_context(|| format!("{} ({})", launch.name(), launch.source))?;
-    let session = store.watch(launch.process_id, Some(launch.init_timeout), on_lost)?;
+    let session = store.watch(Some(launch.init_timeout), on_lost)?;
     Ok(Peers {
         launch: launch.clone(),
         store,
@@ -163,20 +163,16 @@ impl Peers {
             }
         }
         if !missing.is_empty() {
-            // What the store turned away: a process with another secret gives up at its
-            // handshake (or is refused there), so it never shows up as joined.
-            let refused = self.server.as_ref().map_or(Vec::new(), |s| s.refusals());
-            let secret = if refused.iter().any(|k| matches!(*k, "secret" | "handshake")) {
-                " The store refused or dropped connections during the handshake (said above): \
-                 a process started with another run secret (XTRAIN_RUN_TOKEN or \
-                 --run-token-file) is turned away there."
-            } else {
-                ""
-            };
+            // What the store turned away, as it happened: a process with another secret is
+            // refused at its handshake, so it never shows up as joined.
+            let turned = self
+                .server
+                .as_ref()
+                .map_or(String::new(), |s| turned_away(&s.refusals()));
             bail!(
                 "DEADLINE_EXCEEDED: {} of {} did not join the run at {} within --init-timeout {} \
                  ({}): was every process started, with the same --coordinator and \
-                 --num-processes?{secret}",
+                 --num-processes?{turned}",
                 ids("process", &missing),
                 l.processes,
                 l.coordinator
@@ -203,9 +199,46 @@ impl Peers {
     /// Wait at barrier `name` for every process (up to `--init-timeout`).
     pub fn barrier(&self, name: &str) -> Result<()> {
         let l = &self.launch;
-        Ok(self
-            .store
-            .barrier(name, l.process_id, l.processes, l.init_timeout)?)
+        Ok(self.store.barrier(name, l.init_timeout)?)
+    }
+}
+
+/// What process 0's store turned away while the others did not come, by kind, with where from:
+/// empty where it turned away nothing.
+fn turned_away(refusals: &crate::cluster::server::Refusals) -> String {
+    let said: Vec<String> = refusals
+        .iter()
+        .map(|(kind, r)| {
+            let what = match *kind {
+                "secret" => {
+                    "whose first message did not open under the run's secret (a process \
+                             given another XTRAIN_RUN_TOKEN or --run-token-file, or a stranger)"
+                }
+                "unfinished" => {
+                    "that did not finish their handshake (closed, too slow, or \
+                                 crowded out by newer ones)"
+                }
+                "replayed" => {
+                    "that could not go on after their first message (a recorded \
+                               handshake replayed, or bytes changed on the way)"
+                }
+                "version" => "of another xtrain build",
+                "stranger" => "that do not speak xtrain's store protocol",
+                "busy" => "of a process that had as many connections open as it may",
+                "frame" => "whose frames were not the protocol's or did not open",
+                _ => "refused for an id outside the run or a second join",
+            };
+            let from: Vec<String> = r.from.iter().map(|ip| ip.to_string()).collect();
+            format!(
+                "{} {what}, from {}",
+                crate::words::count(r.count, "connection"),
+                from.join(", ")
+            )
+        })
+        .collect();
+    match said.is_empty() {
+        true => String::new(),
+        false => format!(" Meanwhile the store turned away: {}.", said.join("; ")),
     }
 }
 
