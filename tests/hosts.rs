@@ -690,7 +690,7 @@ impl xtrain::train::checkpoint::Team for Member {
     }
 
     fn barrier(&self, name: &str) -> anyhow::Result<()> {
-        Ok(self.store.barrier(name, self.process, 2, self.timeout)?)
+        Ok(self.store.barrier(name, self.timeout)?)
     }
 }
 
@@ -901,7 +901,7 @@ fn a_client_of_one_process_places_every_position_here() {
         let store =
             xtrain::cluster::store::Store::connect(&address, "place", me, Duration::from_secs(5))
                 .unwrap();
-        let gather = xtrain::cluster::gather::StoreGather::new(store, 0, 1, Duration::from_secs(5));
+        let gather = xtrain::cluster::gather::StoreGather::new(store, Duration::from_secs(5));
         (server, gather)
     };
     let (_server, g) = gather();

@@ -4,7 +4,7 @@
 //! refused at once, by every process, naming the flag and both values; a process that never
 //! comes is named after `--init-timeout`. All of this happens before any plugin is opened.
 
-use crate::cluster::launch::{parse_coordinator, Coordinator, Launch};
+use crate::cluster::launch::{Coordinator, Launch};
 use crate::cluster::server::{Config, StoreServer};
 use crate::cluster::store::{Credentials, Session, Store};
 use crate::cluster::wire::StoreError;
@@ -37,7 +37,7 @@ pub fn join(launch: &Launch, on_lost: impl FnOnce(String) + Send + 'static) -> R
         .context("a run of several processes needs --coordinator")?;
     let server = if launch.process_id == 0 {
         let config = Config::new(launch.processes, launch.secret.clone());
-        Some(serve(coordinator, launch.bind.as_deref(), config)?)
+        Some(serve(launch, config)?)
     } else {
         None
     };
@@ -71,29 +71,13 @@ pub fn join(launch: &Launch, on_lost: impl FnOnce(String) + Send + 'static) -> R
     })
 }
 
-/// Serve the run's store on the coordinator's address (resolved; or `bind`,
-/// `--coordinator-bind`, a host or host:port), and nowhere else.
-fn serve(coordinator: &Coordinator, bind: Option<&str>, config: Config) -> Result<StoreServer> {
-    // HOST:PORT with a port that is not one (an IPv6 address has more colons).
-    if let Some((b, (_, port))) = bind.and_then(|b| Some((b, b.split_once(':')?))) {
-        if !port.contains(':') && port.parse::<u16>().is_err() {
-            bail!("--coordinator-bind {b}: `{port}` is not a port number");
-        }
-    }
-    let at = match bind {
-        Some(b) => parse_coordinator(b, "--coordinator-bind").or_else(|_| {
-            let host = b.trim_start_matches('[').trim_end_matches(']');
-            parse_coordinator(
-                &Coordinator {
-                    host: host.to_string(),
-                    port: coordinator.port,
-                }
-                .to_string(),
-                "--coordinator-bind",
-            )
-        })?,
-        None => coordinator.clone(),
-    };
+/// Serve the run's store where the launch says (`--coordinator-bind`, else the coordinator's
+/// address, resolved), and nowhere else. Every address it would bind is checked: without a
+/// secret (and `--trusted-network`), only a loopback one.
+fn serve(launch: &Launch, config: Config) -> Result<StoreServer> {
+    let at = launch
+        .serves_at()
+        .context("a run of several processes needs --coordinator")?;
     let addresses: Vec<std::net::SocketAddr> =
         std::net::ToSocketAddrs::to_socket_addrs(&(at.host.as_str(), at.port))
             .with_context(|| {
@@ -102,6 +86,18 @@ fn serve(coordinator: &Coordinator, bind: Option<&str>, config: Config) -> Resul
             .collect();
     let mut last = None;
     for a in addresses {
+        if !a.ip().is_loopback() {
+            let resolved = Coordinator {
+                host: a.ip().to_string(),
+                port: a.port(),
+            };
+            crate::cluster::launch::refuse_untrusted(
+                &resolved,
+                &format!("where {at} resolves"),
+                &launch.secret,
+                launch.trusted_network,
+            )?;
+        }
         match StoreServer::bind(a, config.clone()) {
             Ok(server) => {
                 if a.ip().is_loopback() && !crate::cluster::launch::is_loopback(&at.host) {

@@ -59,6 +59,14 @@ impl StoreServer {
         let address = listener.local_addr().map_err(unavailable)?;
         // Polled, so that the accepting thread sees the server stop.
         listener.set_nonblocking(true).map_err(unavailable)?;
+        // A longer queue of connections not yet accepted than std's 128, so that a burst of
+        // them (a flood) does not make the kernel drop a process's connection meanwhile.
+        #[cfg(unix)]
+        {
+            use std::os::fd::AsRawFd;
+            // SAFETY: listen on the listener's own open descriptor; it only changes the queue.
+            unsafe { libc::listen(listener.as_raw_fd(), 4096) };
+        }
         let shared = Arc::new(Shared::new(config));
         let s = shared.clone();
         let accepting = std::thread::Builder::new()
