@@ -13,6 +13,11 @@ use snow::StatelessTransportState;
 use std::io::{Read, Write};
 use std::sync::Arc;
 
+/// The handshake's Noise pattern: both sides' keys are fresh for each connection (forward
+/// secrecy), and the pre-shared key (the secret's) goes in first, so that the process's first
+/// message already proves it holds the secret.
+pub const NOISE: &str = "Noise_NNpsk0_25519_AESGCM_SHA256";
+
 /// The longest sealed record (Noise's bound on a message), and the most plain bytes in one.
 pub const RECORD: usize = 65_535;
 const TAG: usize = 16;
@@ -226,7 +231,7 @@ mod tests {
     pub(crate) fn pair() -> (Keys, Keys) {
         let psk = [7u8; 32];
         let build = || {
-            snow::Builder::new(crate::cluster::handshake::NOISE.parse().unwrap())
+            snow::Builder::new(super::NOISE.parse().unwrap())
                 .psk(0, &psk)
                 .unwrap()
         };

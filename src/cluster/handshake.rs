@@ -1,5 +1,5 @@
 //! The opening of every connection to the run's store, both halves: the greetings (which
-//! protocol each side speaks), then a Noise handshake keyed by the run's secret ([`NOISE`]:
+//! protocol each side speaks), then a Noise handshake keyed by the run's secret (`channel::NOISE`:
 //! `NNpsk0`, X25519, AES-256-GCM, SHA-256), then the sealed channel (`channel`). In order:
 //!
 //! - process: `MAGIC`, `PROTOCOL` (u32), Noise's first message, whose sealed payload is its
@@ -21,17 +21,12 @@
 //! integers little-endian; a message is a u16 length and its bytes.
 
 use crate::cluster::auth::Secret;
-use crate::cluster::channel::{self, Keys, Opener, Sealer};
+use crate::cluster::channel::{self, Keys, Opener, Sealer, NOISE};
 use crate::cluster::wire::Greeting;
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::sync::Arc;
 use std::time::Instant;
-
-/// The handshake's Noise pattern: both sides' keys are fresh for each connection (forward
-/// secrecy), and the pre-shared key (the secret's) goes in first, so that the process's first
-/// message already proves it holds the secret.
-pub const NOISE: &str = "Noise_NNpsk0_25519_AESGCM_SHA256";
 
 const GO_ON: u8 = 0;
 const BUSY: u8 = 1;

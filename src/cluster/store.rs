@@ -614,8 +614,7 @@ mod tests {
         let stores: Vec<Store> = (0..3).map(|k| store_as(&address, k)).collect();
         let handles: Vec<_> = stores
             .iter()
-            .enumerate()
-            .map(|(_, s)| {
+            .map(|s| {
                 let s = s.clone();
                 std::thread::spawn(move || s.barrier("b1", Duration::from_secs(10)))
             })
