@@ -51,6 +51,9 @@ pub struct ExportOptions<'a> {
 pub struct Exported {
     pub tensors: usize,
     pub bytes: u64,
+    /// The matrices written in f16 rather than the type asked for, whose rows are not a whole
+    /// number of its blocks (llama.cpp's converter does the same).
+    pub in_f16: Vec<String>,
 }
 
 /// The architecture a model is written as.
@@ -276,7 +279,7 @@ pub fn export_merged(
         note,
     )?);
     let total = entries.len();
-    write_file(out, opts.replace, &meta, &entries, |i| {
+    write_file(out, opts, &meta, &entries, |i| {
         let bytes = match &sources[i] {
             Source::RopeFreqs(f) => encode(f, entries[i].ty),
             Source::Weight(hf) => {
@@ -307,18 +310,23 @@ pub fn export_merged(
 /// [`Replace::No`]: crate::formats::atomic::Replace::No
 fn write_file(
     out: &Path,
-    replace: crate::formats::atomic::Replace,
+    opts: &ExportOptions,
     meta: &[(String, Value)],
     entries: &[TensorEntry],
     data: impl FnMut(usize) -> Result<Vec<u8>>,
 ) -> Result<Exported> {
     let mut data = data;
-    crate::formats::atomic::write_atomic_as(out, replace, |w| {
+    crate::formats::atomic::write_atomic_as(out, opts.replace, |w| {
         write_gguf(w, meta, entries, &mut data).map_err(|e| std::io::Error::other(format!("{e:#}")))
     })?;
     Ok(Exported {
         tensors: entries.len(),
         bytes: std::fs::metadata(out).map(|m| m.len()).unwrap_or(0),
+        in_f16: entries
+            .iter()
+            .filter(|e| e.dims.len() >= 2 && e.ty != opts.ty)
+            .map(|e| e.name.clone())
+            .collect(),
     })
 }
 
@@ -374,7 +382,7 @@ pub fn export_lora(
         bail!("{}: the adapter adapts no weight", dir.display());
     }
     let total = entries.len();
-    write_file(out, opts.replace, &meta, &entries, |i| {
+    write_file(out, opts, &meta, &entries, |i| {
         let (name, is_b, heads) = &sources[i];
         let t = &tensors[name];
         let mut v = t.to_f32()?;

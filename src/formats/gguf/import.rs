@@ -154,9 +154,11 @@ fn llama3_scaling(g: &Gguf, t: &TensorInfo, c: &Json) -> Result<Json> {
     with["rope_scaling"] = scaling.clone();
     let cfg = LlamaConfig::from_json(&with)?;
     let want = arch::rope_freqs(&cfg).unwrap_or_default();
-    let differs = (divisors.len() != want.len()).then_some(0).or_else(|| {
-        (0..want.len()).find(|&i| (divisors[i] - want[i]).abs() > 1e-4 * want[i].abs())
-    });
+    // A NaN divisor is not close to anything (every comparison with NaN is false).
+    let close = |got: f32, want: f32| (got - want).abs() <= 1e-4 * want.abs();
+    let differs = (divisors.len() != want.len())
+        .then_some(0)
+        .or_else(|| (0..want.len()).find(|&i| !close(divisors[i], want[i])));
     if let Some(i) = differs {
         bail!(
             "tensor `{}` holds {} RoPE divisors, and they are not Llama 3's scaling with factor \
@@ -251,7 +253,8 @@ fn weights_of<'g>(
     Ok(found.into_iter().collect())
 }
 
-/// One weight in f32, in Hugging Face's layout.
+/// One weight in f32, in Hugging Face's layout; a value that is not finite (NaN, infinite) is
+/// refused, naming the tensor and the element: training from it fails at the first step.
 fn hf_values(
     g: &Gguf,
     a: &arch::Arch,
@@ -262,6 +265,16 @@ fn hf_values(
     let mut values = g
         .dequantize(t)
         .with_context(|| format!("tensor `{}`", t.name))?;
+    if let Some(i) = values.iter().position(|v| !v.is_finite()) {
+        bail!(
+            "tensor `{}` ({name}): element {i} of {} (in the file's order) is {}, not a finite \
+             number: the file is damaged or was written from a model that had diverged; xtrain \
+             imports finite weights only",
+            t.name,
+            values.len(),
+            values[i]
+        );
+    }
     if let Some(heads) = a.reordered_heads(cfg, name) {
         let dims = t.hf_dims();
         values = reorder_qk(
@@ -313,7 +326,8 @@ pub fn import(
             &meta,
             |i| {
                 let (name, t) = &weights[i];
-                let values = hf_values(&g, a, &cfg, name, t)?;
+                let values =
+                    hf_values(&g, a, &cfg, name, t).with_context(|| path.display().to_string())?;
                 done += 1;
                 progress(done, total);
                 Ok(Cow::Owned(
