@@ -14,6 +14,8 @@
 //!   `--check` for this machine or for absent targets;
 //! - [`plan`]: `xtrain plan`, the settings that fit a target and how fast, by compiling for it.
 //!
+//! [`words`] is how every stage words counts, spans, durations and sizes in its messages.
+//!
 //! The command line (`src/cli`) is the binary's, on top of all of them.
 
 /// `println!` that does not panic when the reader has gone (`xtrain compile | head -1`): the
@@ -45,6 +47,7 @@ pub mod model;
 pub mod plan;
 pub mod program;
 pub mod train;
+pub mod words;
 
 #[cfg(test)]
 mod test_support;

@@ -1,7 +1,7 @@
 //! `xtrain targets`: the known targets and the built-in GPU descriptions.
 
 use anyhow::{bail, Result};
-use xtrain::compile::figures::gib;
+use xtrain::words::gib;
 
 /// `xtrain targets [NAME]`.
 pub fn targets(name: Option<&str>) -> Result<()> {

@@ -7,7 +7,8 @@
 use crate::cluster::launch::{parse_coordinator, Coordinator, Launch};
 use crate::cluster::server::{Config, StoreServer};
 use crate::cluster::store::{Credentials, Session, Store};
-use crate::cluster::wire::{hostname, secs, StoreError};
+use crate::cluster::wire::StoreError;
+use crate::words::{host, ids, secs};
 use anyhow::{bail, Context, Result};
 use serde_json::Value;
 use std::collections::BTreeMap;
@@ -129,7 +130,7 @@ impl Peers {
     /// flag, its value there and here), or the processes that did not come.
     pub fn agree(&self, settings: &Settings) -> Result<()> {
         let l = &self.launch;
-        let me = serde_json::json!({ "host": hostname(), "settings": settings });
+        let me = serde_json::json!({ "host": host(), "settings": settings });
         self.store.put(
             &format!("settings/{}", l.process_id),
             me.to_string().as_bytes(),
@@ -148,21 +149,20 @@ impl Peers {
             };
             let theirs: Value = serde_json::from_slice(&bytes)
                 .with_context(|| format!("process {p}'s settings in the store are not JSON"))?;
-            let host = theirs["host"].as_str().unwrap_or("?").to_string();
+            let their_host = theirs["host"].as_str().unwrap_or("?").to_string();
             let empty = serde_json::Map::new();
             let them = theirs["settings"].as_object().unwrap_or(&empty);
             if let Some(diff) = difference(settings, them) {
                 bail!(
-                    "process {p} (on {host}) was started with other settings than this one \
+                    "process {p} (on {their_host}) was started with other settings than this one \
                      ({}, on {}): {diff}. Every process of a run must run the same command \
                      (only the launcher's variables differ)",
                     l.name(),
-                    hostname()
+                    host()
                 );
             }
         }
         if !missing.is_empty() {
-            let list = id_ranges(&missing);
             // What the store turned away: a process with another secret gives up at its
             // handshake (or is refused there), so it never shows up as joined.
             let refused = self.server.as_ref().map_or(Vec::new(), |s| s.refusals());
@@ -174,11 +174,10 @@ impl Peers {
                 ""
             };
             bail!(
-                "DEADLINE_EXCEEDED: process{} {} of {} did not join the run at {} within \
-                 --init-timeout {} ({}): was every process started, with the same \
-                 --coordinator and --num-processes?{secret}",
-                if missing.len() == 1 { "" } else { "es" },
-                list,
+                "DEADLINE_EXCEEDED: {} of {} did not join the run at {} within --init-timeout {} \
+                 ({}): was every process started, with the same --coordinator and \
+                 --num-processes?{secret}",
+                ids("process", &missing),
                 l.processes,
                 l.coordinator
                     .as_ref()
@@ -232,26 +231,6 @@ fn difference(mine: &Settings, theirs: &serde_json::Map<String, Value>) -> Optio
     })
 }
 
-/// Process ids, ascending, as runs: `1-3, 7, 9-999`.
-fn id_ranges(ids: &[usize]) -> String {
-    let mut runs: Vec<(usize, usize)> = Vec::new();
-    for &id in ids {
-        match runs.last_mut() {
-            Some((_, end)) if *end + 1 == id => *end = id,
-            _ => runs.push((id, id)),
-        }
-    }
-    let runs: Vec<String> = runs
-        .iter()
-        .map(|&(a, b)| match b - a {
-            0 => a.to_string(),
-            1 => format!("{a}, {b}"),
-            _ => format!("{a}-{b}"),
-        })
-        .collect();
-    runs.join(", ")
-}
-
 /// A value as a user would write it after its flag (`train::settings` words its refusals with
 /// it too).
 pub fn show(v: &Value) -> String {
@@ -301,16 +280,6 @@ mod tests {
         ]
         .into_iter()
         .collect()
-    }
-
-    #[test]
-    fn missing_ids_are_said_as_runs() {
-        assert_eq!(
-            id_ranges(&[1, 2, 3, 5, 7, 8, 10, 11, 12, 13]),
-            "1-3, 5, 7, 8, 10-13"
-        );
-        assert_eq!(id_ranges(&[4]), "4");
-        assert_eq!(id_ranges(&[]), "");
     }
 
     #[test]

@@ -21,8 +21,9 @@
 use crate::cluster::auth::Secret;
 use crate::cluster::handshake::{self, Failed};
 use crate::cluster::wire::{
-    hostname, io_words, other_protocol, receive, secs, send, Greeting, Reply, Request, StoreError,
+    io_words, other_protocol, receive, send, Greeting, Reply, Request, StoreError,
 };
+use crate::words::{host, ids, secs};
 use std::io::BufReader;
 use std::net::{Shutdown, TcpStream, ToSocketAddrs};
 use std::sync::{Arc, Mutex};
@@ -310,14 +311,13 @@ impl Store {
                     let mut missing = Vec::new();
                     for q in p..processes {
                         if self.try_get(&format!("barrier/{name}/{q}"))?.is_none() {
-                            missing.push(q.to_string());
+                            missing.push(q);
                         }
                     }
                     return Err(StoreError::Lost(format!(
-                        "DEADLINE_EXCEEDED at barrier {name:?}: process{} {} of {processes} did \
-                         not arrive within {}",
-                        if missing.len() == 1 { "" } else { "es" },
-                        missing.join(", "),
+                        "DEADLINE_EXCEEDED at barrier {name:?}: {} of {processes} did not arrive \
+                         within {}",
+                        ids("process", &missing),
                         secs(timeout)
                     )));
                 }
@@ -342,7 +342,7 @@ impl Store {
     ) -> Result<Session, StoreError> {
         let mut conn =
             Connection::open(&self.pool.address, &self.pool.me, self.pool.connect_timeout)?;
-        let host = hostname();
+        let host = host();
         let silent_ms = silent.map_or(0, |d| d.as_millis().max(1) as u64);
         let join = Request::Join {
             process,

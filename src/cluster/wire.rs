@@ -30,7 +30,10 @@ const MAX_HEADER: usize = 1 << 20;
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum StoreError {
     /// A blocking get (or a barrier) waited its whole timeout.
-    #[error("DEADLINE_EXCEEDED: no value for key {key:?} within {}", secs(*timeout))]
+    #[error(
+        "DEADLINE_EXCEEDED: no value for key {key:?} within {}",
+        crate::words::secs(*timeout)
+    )]
     DeadlineExceeded { key: String, timeout: Duration },
     /// A process of the run is gone (killed, crashed, or unreachable).
     #[error("{0}")]
@@ -42,11 +45,6 @@ pub enum StoreError {
     /// a second join of its id); the run goes on.
     #[error("{0}")]
     Refused(String),
-}
-
-/// `30 s`, `1.5 s`: a duration as a person reads it.
-pub fn secs(d: Duration) -> String {
-    format!("{} s", (d.as_secs_f64() * 1000.0).round() / 1000.0)
 }
 
 /// A request's header; its value (a put's) travels after it in the same frame.
@@ -247,33 +245,6 @@ pub(crate) fn other_protocol(who: &str, other: &str) -> String {
         "{who} speaks store protocol {other}, this xtrain protocol {PROTOCOL}: every host of a run \
          must run the same xtrain build"
     )
-}
-
-/// `1 device`, `4 devices`: a count and its noun, for messages.
-pub fn count(n: usize, noun: &str) -> String {
-    if n == 1 {
-        format!("1 {noun}")
-    } else {
-        format!("{n} {noun}s")
-    }
-}
-
-/// `device 3`, `devices 0-3`: a run of consecutive indices (the first and last of `of`).
-pub fn span(of: &[usize], noun: &str) -> String {
-    match (of.first(), of.last()) {
-        (Some(a), Some(b)) if a != b => format!("{noun}s {a}-{b}"),
-        (Some(a), _) => format!("{noun} {a}"),
-        _ => format!("no {noun}s"),
-    }
-}
-
-/// This machine's host name, for messages (`?` where it cannot be read).
-pub fn hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|h| h.trim().to_string())
-        .ok()
-        .filter(|h| !h.is_empty())
-        .unwrap_or_else(|| "?".into())
 }
 
 #[cfg(test)]

@@ -3,19 +3,7 @@
 
 use crate::program::StepSpec;
 
-/// Bytes in GiB, or MiB / KiB for small programs (the tiny test model), so no figure reads 0.00.
-pub use crate::device::memory::fit::gib;
-
-/// Seconds, or milliseconds / microseconds for small ones.
-pub fn secs(s: f64) -> String {
-    if s >= 1.0 {
-        format!("{s:.3} s")
-    } else if s >= 1e-3 {
-        format!("{:.3} ms", s * 1e3)
-    } else {
-        format!("{:.2} us", s * 1e6)
-    }
-}
+use crate::words::gib;
 
 /// Per-device figures, the same lines for every plugin: device memory (what must fit), host
 /// memory where the program offloads (per device and per host), and whether it fits.

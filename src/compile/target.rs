@@ -2,11 +2,12 @@
 //! own compiler: its memory figures, a TPU's cost analysis and whole-step estimate, the build
 //! recorded in the program dir). Apart from `mod.rs` because it is the part about targets.
 
-use crate::compile::figures::{gib, print_memory, secs};
+use crate::compile::figures::print_memory;
 use crate::device::absent::aot::{TargetBuild, TargetDevices};
 use crate::device::absent::Platform;
 use crate::formats::program_dir::{self, Attempt, Build, Manifest, MemoryFigures, StepEstimate};
 use crate::program::{Program, StepSpec};
+use crate::words::{duration, gib};
 use anyhow::Result;
 
 /// Where `--check` writes a build, and what it does besides compiling.
@@ -167,7 +168,7 @@ fn print_cost_analysis(cost: &[(String, f64)], unpriced_calls: usize) {
          once): {:.4} TFLOP, {:.4} GB accessed, optimal_seconds {}{}",
         get("flops").unwrap_or(0.0) / 1e12,
         get("bytes accessed").unwrap_or(0.0) / 1e9,
-        secs(get("optimal_seconds").unwrap_or(0.0)),
+        duration(get("optimal_seconds").unwrap_or(0.0)),
         if get("optimal_seconds").is_some_and(|s| s <= 0.0) {
             " (not a time)".to_string()
         } else if unpriced_calls > 0 {
@@ -210,9 +211,9 @@ fn print_estimate(t: &TargetDevices, spec: &StepSpec) -> Result<Option<StepEstim
              trip (the cost model counts a loop body once): one trip of a layer's loops {}, \
              from unrolled steps whose loop bodies hold two trips ({} and {})",
             l.trips,
-            secs(trip),
-            secs(l.seconds[0]),
-            secs(l.seconds[1])
+            duration(trip),
+            duration(l.seconds[0]),
+            duration(l.seconds[1])
         );
     }
     if !e.has_time() {
@@ -220,8 +221,8 @@ fn print_estimate(t: &TargetDevices, spec: &StepSpec) -> Result<Option<StepEstim
             "no step time estimate: the TPU cost model's optimal_seconds for the unrolled 1- and \
              2-layer steps are {} and {}{}, not times growing with the layers; {:.4} TFLOP and \
              {:.3} GB accessed per device, extrapolated to {} layers",
-            secs(e.unrolled_seconds[0]),
-            secs(e.unrolled_seconds[1]),
+            duration(e.unrolled_seconds[0]),
+            duration(e.unrolled_seconds[1]),
             unpriced_note(&e),
             e.flops() / 1e12,
             e.bytes_accessed() / 1e9,
@@ -241,7 +242,7 @@ fn print_estimate(t: &TargetDevices, spec: &StepSpec) -> Result<Option<StepEstim
          step, {:.4} TFLOP and {:.3} GB accessed per device, {:.0} tokens/s{}",
         unpriced_note(&e),
         e.layers,
-        secs(e.seconds()),
+        duration(e.seconds()),
         e.flops() / 1e12,
         e.bytes_accessed() / 1e9,
         tokens / e.seconds(),
@@ -268,7 +269,7 @@ fn print_estimate(t: &TargetDevices, spec: &StepSpec) -> Result<Option<StepEstim
         crate::say!(
             "  unrolled step with {layers}: optimal_seconds {}, {:.4} TFLOP, {:.3} GB accessed \
              per device",
-            secs(e.unrolled_seconds[i]),
+            duration(e.unrolled_seconds[i]),
             e.unrolled_flops[i] / 1e12,
             e.unrolled_bytes_accessed[i] / 1e9
         );

@@ -1,10 +1,10 @@
 //! The program dir of one choice of the step, and what compile says of it: the step it holds,
 //! its arguments' size, the program's form and the mesh.
 
-use crate::compile::figures::gib;
 use crate::compile::options::Writing;
 use crate::formats::program_dir::{self, Manifest};
 use crate::program::{MeshPlan, Program, StepSpec};
+use crate::words::gib;
 use anyhow::Result;
 
 /// Build the step and write its program dir, saying what it holds.

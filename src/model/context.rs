@@ -75,7 +75,7 @@ pub fn loop_trips(t: i64, cp: i64, requested: i64) -> i64 {
 
 /// Causal attention over the context axis: q [B, T, KV, G, D] and k, v [B, T, KV, D] in balanced
 /// order (sharded over the sequence), `doc_starts` [B, T] in balanced order (-1 for padding);
-/// the rule of `model::llama::attend`. Returns [B, T, KV x G x D] in balanced order after the
+/// the rule of `model::attention::attend`. Returns [B, T, KV x G x D] in balanced order after the
 /// save points `out_point` and [`flash::LSE`]. What it adds to `model::flash`'s per-device
 /// attention: the keys gathered to every device, and their gradients summed over the devices.
 #[allow(clippy::too_many_arguments)]

@@ -34,7 +34,7 @@ impl Saves<'_> {
 pub struct Numerics {
     /// Element type of activations and matmul operands (f32, or bf16 for mixed precision).
     pub compute: DType,
-    /// Query rows per causal attention block (see `llama::query_block`); None: the default rule.
+    /// Query rows per causal attention block (see `attention::query_block`); None: the default rule.
     pub attention_block: Option<i64>,
     /// Attention over key/value blocks of this many tokens with the flash recurrence (see
     /// `model::flash`), instead of every key at once; None: every key at once.
@@ -88,7 +88,7 @@ pub trait Placement {
 }
 
 /// `scores` (f32) with the lowest f32 wherever a query may not see a key: a key later than its
-/// query, or one before the query's document (each form of attention: `llama::attend`, and the
+/// query, or one before the query's document (each form of attention: `attention::attend`, and the
 /// loops of `flash` and `context`).
 ///
 /// `q_pos` and `k_pos` are the natural positions [..., TQ, TK] of the queries and keys the

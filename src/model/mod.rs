@@ -5,6 +5,7 @@
 //! files of weights or devices: it may use `hlo` only, and everything else in the crate builds
 //! on it.
 
+pub mod attention;
 pub mod config;
 pub mod context;
 pub mod dropout;

@@ -163,7 +163,7 @@ fn method(o: &PlanOptions, by_estimate: bool, limit: i64) -> String {
     let fit = format!(
         "fits: the target compiler's device memory per device (arguments + non-aliased outputs + \
          temporaries) within {} ({}); every point that fits was compiled whole",
-        crate::compile::figures::gib(limit),
+        crate::words::gib(limit),
         match o.memory_limit {
             Some(_) => "--memory-limit-gib",
             None => "what the device gives XLA",
@@ -171,7 +171,7 @@ fn method(o: &PlanOptions, by_estimate: bool, limit: i64) -> String {
     ) + &o.host_memory_limit.map_or(String::new(), |h| {
         format!(
             ", and host memory per device within {} (--host-memory-limit-gib)",
-            crate::compile::figures::gib(h)
+            crate::words::gib(h)
         )
     });
     let rank = match by_estimate {
@@ -228,7 +228,7 @@ fn longest(
         for s in o.space.least_memory(devices, o.global_batch, seq, &o.rules) {
             let found = probe(o, &s, seq, compile)?;
             let fit = found.as_ref().is_some_and(|f| limits.holds(f));
-            let gib = crate::compile::figures::gib;
+            let gib = crate::words::gib;
             crate::esay!(
                 "xtrain: plan: --seq {seq} with {}: {}",
                 s.line(),

@@ -77,7 +77,7 @@ pub fn lower_bound_bytes(spec: &StepSpec, program: &Program) -> i64 {
 fn smallest_scores_bytes(spec: &StepSpec) -> i64 {
     let c = &spec.model;
     let rows = spec.batch / spec.grad_accum.max(1);
-    let block = crate::model::llama::query_block(spec.seq, spec.attention_block);
+    let block = crate::model::attention::query_block(spec.seq, spec.attention_block);
     let size = spec.attention_scores.dtype(spec.dtype).size_bytes() as i64;
     rows * c.num_attention_heads * block * block * size
 }

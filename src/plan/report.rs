@@ -4,7 +4,7 @@
 
 use super::options::{Plan, PlanOptions, SeqGoal};
 use super::search::{Outcome, Point};
-use crate::compile::figures::{gib, secs};
+use crate::words::{duration, gib};
 use anyhow::Result;
 use serde_json::{json, Value};
 use std::path::Path;
@@ -49,7 +49,7 @@ pub fn print_table(plan: &Plan) {
             p.settings.line(),
             format!("{} of {}", gib(f.device_bytes), gib(plan.limit_bytes)),
             gib(f.host_bytes),
-            seconds.map_or("-".into(), secs),
+            seconds.map_or("-".into(), duration),
             seconds.map_or("-".into(), |s| format!("{:.0}", tokens(plan) / s)),
             binding(plan, p)
         );

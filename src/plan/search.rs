@@ -8,6 +8,7 @@
 use super::model::{lower_bound_bytes, modelled, Modelled};
 use super::space::Settings;
 use crate::program::{Program, StepOptions, StepSpec};
+use crate::words::clock;
 use anyhow::Result;
 use std::time::Instant;
 
@@ -215,13 +216,4 @@ fn say_progress(k: usize, n: usize, compiled_s: &[f64], started: Instant, s: &Se
         }
     };
     crate::esay!("xtrain: plan [{}/{n}{eta}] compiling {}", k + 1, s.line());
-}
-
-/// `1:05:03`, `4:07`.
-pub fn clock(s: f64) -> String {
-    let s = s.round() as i64;
-    match s >= 3600 {
-        true => format!("{}:{:02}:{:02}", s / 3600, s / 60 % 60, s % 60),
-        false => format!("{}:{:02}", s / 60, s % 60),
-    }
 }

@@ -49,7 +49,7 @@ impl StepSpec {
                 flags.push("--key-block off".to_string());
                 flags.push(format!(
                     "--attention-block {}",
-                    crate::model::llama::query_block(spec.seq, spec.attention_block)
+                    crate::model::attention::query_block(spec.seq, spec.attention_block)
                 ));
             }
         }

@@ -169,7 +169,7 @@ impl Team {
                  process, so {} processes cannot share one step on it (the CPU plugin is such a \
                  plugin). Run across hosts with a CUDA, ROCm or TPU plugin, or train on one host",
                 rt.platform(),
-                crate::cluster::wire::count(global, "device"),
+                crate::words::count(global, "device"),
                 launch.processes
             );
         }
@@ -185,7 +185,7 @@ impl Team {
             crate::esay!(
                 "xtrain: {}: this host holds mesh {} of {}",
                 launch.name(),
-                crate::cluster::wire::span(&held, "position"),
+                crate::words::span(&held, "position"),
                 placed.ids.len()
             );
         }

@@ -123,8 +123,8 @@ pub fn reset_peak() -> bool {
     std::fs::write("/proc/self/clear_refs", "5").is_ok()
 }
 
-/// Bytes as GiB with two decimals (MiB or KiB for small figures): the compile's figures'
-/// words, written once in `device::memory::fit`.
+/// Bytes as GiB with two decimals (MiB or KiB for small figures): [`crate::words::gib`] for a
+/// count of bytes.
 pub fn gib(b: u64) -> String {
-    crate::device::memory::fit::gib(i64::try_from(b).unwrap_or(i64::MAX))
+    crate::words::gib(i64::try_from(b).unwrap_or(i64::MAX))
 }

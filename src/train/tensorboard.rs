@@ -109,17 +109,6 @@ fn now() -> f64 {
         .map_or(0.0, |d| d.as_secs_f64())
 }
 
-fn hostname() -> String {
-    let mut buf = [0u8; 256];
-    // SAFETY: the buffer is valid for its length; gethostname NUL-terminates within it or fails.
-    let ok = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) } == 0;
-    let end = buf.iter().position(|&b| b == 0).unwrap_or(0);
-    match std::str::from_utf8(&buf[..end]) {
-        Ok(h) if ok && !h.is_empty() => h.to_string(),
-        _ => "localhost".to_string(),
-    }
-}
-
 /// The time in a new event file's name: now, or one second past the newest file already in
 /// `dir` where that is not earlier. TensorBoard reads a directory's files in name order, and a
 /// resumed run's `SessionLog` START drops only what the files read before it logged: the new
@@ -153,7 +142,7 @@ impl EventWriter {
         let path = dir.join(format!(
             "events.out.tfevents.{:010}.{}.{}.0",
             file_time(dir, wall as u64),
-            hostname(),
+            crate::words::hostname().unwrap_or_else(|| "localhost".into()),
             std::process::id()
         ));
         let file = std::fs::OpenOptions::new()

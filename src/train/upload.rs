@@ -157,7 +157,7 @@ fn say_loaded(
             "xtrain: {which} host {g} of {} ({}) read {read} of the {total} bytes of frozen \
              weights",
             placed.hosts.len(),
-            crate::cluster::wire::span(devices, "device"),
+            crate::words::span(devices, "device"),
         );
     }
 }

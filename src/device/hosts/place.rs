@@ -212,7 +212,7 @@ pub fn device_groups(devices: usize, hosts: usize) -> Result<Vec<Vec<usize>>> {
         bail!(
             "--virtual-hosts {hosts} must divide the step's {} (each virtual host holds the \
              same number)",
-            crate::cluster::wire::count(devices, "device")
+            crate::words::count(devices, "device")
         );
     }
     let n = devices / hosts;

@@ -6,18 +6,7 @@
 
 use crate::program::{Program, Remat, StepSpec};
 
-/// `n` bytes as GiB, two decimals; MiB or KiB for small figures (a tiny test model's), so that
-/// no figure reads 0.00.
-pub fn gib(n: i64) -> String {
-    let x = n as f64;
-    if x.abs() >= (1u64 << 30) as f64 / 100.0 {
-        format!("{:.2} GiB", x / (1u64 << 30) as f64)
-    } else if x.abs() >= (1u64 << 20) as f64 / 100.0 {
-        format!("{:.2} MiB", x / (1u64 << 20) as f64)
-    } else {
-        format!("{:.2} KiB", x / 1024.0)
-    }
-}
+use crate::words::gib;
 
 /// Whether an error (its whole chain) is a plugin saying memory ran out: XLA's
 /// `RESOURCE_EXHAUSTED`, or its "Out of memory" wording.

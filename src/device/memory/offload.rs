@@ -4,9 +4,9 @@
 //! this host has the memory the offloaded part needs.
 
 use crate::device::memory::auto::{first_that_fits, Choice};
-use crate::device::memory::fit::gib;
 use crate::device::runtime::Runtime;
 use crate::program::{Program, Remat, StepSpec};
+use crate::words::gib;
 use anyhow::{bail, Result};
 
 /// Compile the step with each of `choices` (remat policy, offload) in turn (through the

@@ -116,7 +116,7 @@ pub fn loop_trips(t: i64, requested: i64) -> i64 {
 /// softmax(q k^T / sqrt(D), masked) v over key/value blocks of `tb` on one device, for q
 /// [B, T, KV, G, D], k and v [B, T, KV, D], `query_docs` [B, T] (where each query's document
 /// starts, 0 for padding) and `key_docs` [B, T] (-1 for padding), with the masking rule of the
-/// whole-sequence form (`model::llama::attend`). Returns the output [B, T, KV x G x D] after the
+/// whole-sequence form (`model::attention::attend`). Returns the output [B, T, KV x G x D] after the
 /// save points `out_point` (the output) and [`LSE`].
 ///
 /// On a `mesh` (without a context axis) the loops run per device in a manual computation, each

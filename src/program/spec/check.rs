@@ -35,6 +35,17 @@ pub(in crate::program) fn check_spec(spec: &StepSpec) -> Result<()> {
             spec.model.max_position_embeddings
         );
     }
+    if let Some(w) = spec.model.sliding_window {
+        if spec.seq > w {
+            bail!(
+                "--seq {} is longer than the model's sliding window of {w} tokens (config.json's \
+                 `sliding_window`): its layers let a token see only the {w} before it, which \
+                 xtrain's attention does not implement; use --seq {w} or less, where the window \
+                 changes nothing",
+                spec.seq
+            );
+        }
+    }
     if spec.quant.is_nf4() {
         check_nf4_blocks(&spec.model)?;
     }
@@ -218,7 +229,8 @@ fn check_nf4_blocks(cfg: &LlamaConfig) -> Result<()> {
         let n: i64 = shape.iter().product();
         if crate::model::tensors::is_projection(kind) && n % block != 0 {
             bail!(
-                "--quant nf4 quantizes in blocks of {block} values, but this model's `{kind}` has {} = {n} values, not a multiple of {block}; train it without --quant",
+                "--quant nf4 quantizes in blocks of {block} values, but this model's `{}` has {} = {n} values, not a multiple of {block}; train it without --quant",
+                kind.trim_end_matches(".weight"),
                 shape.iter().map(|d| d.to_string()).collect::<Vec<_>>().join("x")
             );
         }

@@ -51,7 +51,7 @@ pub struct StepSpec {
     #[serde(default, alias = "loss_chunk")]
     pub loss_chunk: Option<i64>,
     /// Query rows per causal attention block (blocks above the diagonal are skipped); None: the
-    /// model's rule (`model::llama::query_block`: two blocks when the sequence is a multiple of
+    /// model's rule (`model::attention::query_block`: two blocks when the sequence is a multiple of
     /// 256, else one).
     #[serde(default, alias = "attention_block")]
     pub attention_block: Option<i64>,
