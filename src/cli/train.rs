@@ -63,8 +63,15 @@ pub struct TrainArgs {
     pub min_lr_ratio: f64,
     #[command(flatten)]
     pub step: StepArgs,
-    /// Rows per step (JSONL or Parquet data).
-    #[arg(long, default_value_t = 8, help_heading = "Data")]
+    /// Rows per optimizer step, all microbatches and devices together (JSONL or Parquet
+    /// data; also --batch, --global-batch).
+    #[arg(
+        long,
+        alias = "batch",
+        alias = "global-batch",
+        default_value_t = 8,
+        help_heading = "Data"
+    )]
     pub batch_size: i64,
     /// Tokens per row (JSONL or Parquet data).
     #[arg(long, default_value_t = 512, help_heading = "Data")]

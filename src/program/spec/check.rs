@@ -18,7 +18,7 @@ pub(in crate::program) fn check_spec(spec: &StepSpec) -> Result<()> {
     }
     spec.adam.validate()?;
     if spec.batch < 1 {
-        bail!("--batch must be at least 1, got {}", spec.batch);
+        bail!("--batch-size must be at least 1, got {}", spec.batch);
     }
     if spec.seq < 2 {
         bail!(
