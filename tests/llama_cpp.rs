@@ -155,7 +155,7 @@ fn a_llama_3_gguf_imports_as_the_same_model() {
     }
     tok["model"]["merges"] = serde_json::json!(["1 2", "12 3", "123 4", "1234 5"]);
     tok["pre_tokenizer"] = serde_json::json!({"type": "Sequence", "pretokenizers": [
-        {"type": "Split", "pattern": {"Regex": xtrain::formats::gguf::LLAMA3_SPLIT}, "behavior": "Isolated", "invert": false},
+        {"type": "Split", "pattern": {"Regex": xtrain::formats::gguf::vocab::LLAMA3_SPLIT}, "behavior": "Isolated", "invert": false},
         {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false}]});
     let special = |t: i64| serde_json::json!({"SpecialToken": {"id": bos, "type_id": t}});
     let seq = |s: &str, t: i64| serde_json::json!({"Sequence": {"id": s, "type_id": t}});
@@ -210,7 +210,7 @@ fn every_block_type_dequantizes_as_llama_cpps_reader_does() {
     let dir = tempdir("gguf-blocks");
     let file = dir.join("blocks.gguf");
     let made = client(&["blocks", s(&file), "7"]);
-    let g = xtrain::formats::gguf::Gguf::open(&file).unwrap();
+    let g = xtrain::formats::gguf::read::Gguf::open(&file).unwrap();
     let types = made["types"].as_array().unwrap();
     assert_eq!(types.len(), 10, "{made}");
     for ty in types {
@@ -502,8 +502,8 @@ fn a_qlora_adapter_merges_against_the_nf4_base_it_was_trained_on() {
     let cfg = xtrain::model::config::LlamaConfig::load(&model).unwrap();
     let (lora, tensors) = xtrain::formats::peft::load_adapter(&adapter, &cfg).unwrap();
     let files = xtrain::formats::safetensors::WeightFiles::open(&model).unwrap();
-    let g = xtrain::formats::gguf::Gguf::open(&out).unwrap();
-    let merged_of = |g: &xtrain::formats::gguf::Gguf, layer: i64, nf4: bool| {
+    let g = xtrain::formats::gguf::read::Gguf::open(&out).unwrap();
+    let merged_of = |g: &xtrain::formats::gguf::read::Gguf, layer: i64, nf4: bool| {
         let t = xtrain::model::lora::Projection::V;
         let w = files.read(&t.weight_name(layer)).unwrap().to_f32().unwrap();
         let w = if nf4 {
@@ -542,7 +542,7 @@ fn a_qlora_adapter_merges_against_the_nf4_base_it_was_trained_on() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "{err}");
     assert!(err.contains("records --quant nf4"), "{err}");
-    let g = xtrain::formats::gguf::Gguf::open(&out).unwrap();
+    let g = xtrain::formats::gguf::read::Gguf::open(&out).unwrap();
     let (got, want) = merged_of(&g, 1, false);
     assert_eq!(got, want, "W + (alpha/r) B A with --base-quant none");
     let _ = std::fs::remove_dir_all(&dir);

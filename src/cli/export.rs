@@ -8,8 +8,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 use xtrain::formats::atomic::Replace;
-use xtrain::formats::gguf_export::{self, Base, ExportOptions};
-use xtrain::formats::gguf_write::TensorType;
+use xtrain::formats::gguf::export::{self as gguf_export, Base, ExportOptions};
+use xtrain::formats::gguf::write::TensorType;
 
 #[derive(Args)]
 pub struct ExportGgufArgs {
