@@ -5,10 +5,10 @@
 //! describes); then the tensors are dequantized, put back in Hugging Face's row order and
 //! written one at a time, so memory holds about one tensor in f32, never the model.
 
-use super::arch::{self, hf_name, reorder_qk, Hparam, Kind, Missing, Toward, HPARAMS};
+use super::arch::{self, hf_name, Hparam, Kind, Missing, Toward, HPARAMS};
 use super::ggml::{arch_key, hparam, key};
 use super::read::{Gguf, Meta, TensorInfo};
-use crate::model::config::LlamaConfig;
+use crate::model::config::{Family, LlamaConfig};
 use anyhow::{bail, Context, Result};
 use pjrt::ElementType;
 use serde_json::{json, Value as Json};
@@ -16,12 +16,20 @@ use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::path::Path;
 
-/// A hyperparameter's value in the file, if it has one of the kind's type.
+/// A hyperparameter's value in the file, if it has one of the kind's type. A float the file
+/// holds in f32 (as llama.cpp writes them) is given as the shortest decimal that is that f32,
+/// as config.json had it: 1e-06, not 9.99999997e-07.
 fn hparam_value(g: &Gguf, arch: &str, h: &Hparam) -> Option<Json> {
     let m = g.get(&arch_key(arch, h.key))?;
     match h.kind {
         Kind::Int => m.as_i64().map(Json::from),
-        Kind::Float => m.as_f64().map(Json::from),
+        Kind::Float => m.as_f64().map(|v| {
+            let single = v as f32;
+            match (single as f64 == v).then(|| single.to_string().parse::<f64>()) {
+                Some(Ok(shortest)) => Json::from(shortest),
+                _ => Json::from(v),
+            }
+        }),
     }
 }
 
@@ -42,13 +50,22 @@ pub fn hf_config(g: &Gguf) -> Result<Json> {
             arch::arch_names()
         );
     };
+    let family = a.family();
     let mut c = json!({
-        "architectures": [a.hf_class],
-        "model_type": a.model_type,
+        "architectures": [family.architecture()],
+        "model_type": family.model_type(),
         "hidden_act": "silu",
-        "attention_bias": false,
         "mlp_bias": false,
     });
+    // The switches of the family's config that llama.cpp's architecture fixes.
+    match family {
+        Family::Llama | Family::Mistral => c["attention_bias"] = json!(false),
+        Family::Qwen2 => c["use_sliding_window"] = json!(false),
+        Family::Qwen3 => {
+            c["attention_bias"] = json!(false);
+            c["use_sliding_window"] = json!(false);
+        }
+    }
     // The key that gave each field, for a second key of the same field that disagrees.
     let mut given: BTreeMap<&str, String> = BTreeMap::new();
     for h in HPARAMS {
@@ -205,12 +222,11 @@ fn weights_of<'g>(
     for t in g.tensors.iter().filter(|t| t.name != arch::ROPE_FREQS) {
         let Some(name) = hf_name(&t.name) else {
             bail!(
-                "{}: tensor `{}` has no place in the Llama model xtrain trains (token_embd, \
-                 output_norm, output, and per block attn_norm, attn_q/k/v/output, ffn_norm, \
-                 ffn_gate/up/down weights): biases and q/k norms are other architectures, and \
+                "{}: tensor `{}` has no place in the models xtrain trains (it maps {}), and \
                  leaving it out would change the model",
                 path.display(),
-                t.name
+                t.name,
+                arch::gguf_names()
             );
         };
         found.insert(name, t);
@@ -225,15 +241,18 @@ fn weights_of<'g>(
     for (name, t) in &found {
         match shapes.get(name.as_str()) {
             None => bail!(
-                "{}: tensor `{name}` is not part of the model its metadata describes ({} \
-                 blocks, {} embeddings)",
+                "{}: tensor `{name}` is not part of the {} model its metadata describes ({} \
+                 blocks, {} embeddings, {} q/k/v biases, {} q/k norms)",
                 path.display(),
+                cfg.family.model_type(),
                 cfg.num_hidden_layers,
                 if cfg.tie_word_embeddings {
                     "tied"
                 } else {
                     "untied"
-                }
+                },
+                if cfg.qkv_bias { "with" } else { "no" },
+                if cfg.qk_norm { "with" } else { "no" },
             ),
             Some(&want) if *want != t.hf_dims() => bail!(
                 "{}: tensor `{name}` is {:?} but the metadata's model (hidden {}, heads {} of \
@@ -262,7 +281,7 @@ fn hf_values(
     name: &str,
     t: &TensorInfo,
 ) -> Result<Vec<f32>> {
-    let mut values = g
+    let values = g
         .dequantize(t)
         .with_context(|| format!("tensor `{}`", t.name))?;
     if let Some(i) = values.iter().position(|v| !v.is_finite()) {
@@ -275,17 +294,7 @@ fn hf_values(
             values[i]
         );
     }
-    if let Some(heads) = a.reordered_heads(cfg, name) {
-        let dims = t.hf_dims();
-        values = reorder_qk(
-            &values,
-            heads,
-            dims[0] as usize,
-            dims[1] as usize,
-            Toward::Hf,
-        );
-    }
-    Ok(values)
+    Ok(a.reordered(cfg, name, values, &t.hf_dims(), Toward::Hf))
 }
 
 /// Write a Hugging Face model directory from a GGUF file: f32 weights (dequantized, q/k rows
