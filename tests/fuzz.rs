@@ -154,7 +154,7 @@ fn small_gguf() -> Vec<u8> {
 #[test]
 fn gguf_reader() {
     let good = small_gguf();
-    let g = xtrain::formats::gguf::Gguf::parse(good.clone()).expect("the seed file is valid");
+    let g = xtrain::formats::gguf::read::Gguf::parse(good.clone()).expect("the seed file is valid");
     assert_eq!(
         g.dequantize(g.tensor("output_norm.weight").unwrap())
             .unwrap(),
@@ -169,12 +169,12 @@ fn gguf_reader() {
     for case in 0..iters(4000) {
         let m = mutate(&mut rng, &good);
         no_panic("gguf", case, || {
-            if let Ok(g) = xtrain::formats::gguf::Gguf::parse(m) {
+            if let Ok(g) = xtrain::formats::gguf::read::Gguf::parse(m) {
                 for t in &g.tensors {
                     let _ = g.dequantize(t);
                 }
-                let _ = xtrain::formats::gguf::hf_config(&g);
-                let _ = xtrain::formats::gguf::hf_tokenizer(&g);
+                let _ = xtrain::formats::gguf::import::hf_config(&g);
+                let _ = xtrain::formats::gguf::vocab::hf_tokenizer(&g);
             }
         });
     }

@@ -164,7 +164,7 @@ fn nf4_base_weights_take_about_half_a_byte_per_parameter() {
         .sum();
     let projection_params: i64 = xtrain::model::tensors::layer_kinds(&cfg)
         .iter()
-        .filter(|(k, _)| k.ends_with("_proj"))
+        .filter(|(k, _)| xtrain::model::tensors::is_projection(k))
         .map(|(_, s)| s.iter().product::<i64>())
         .sum::<i64>()
         * cfg.num_hidden_layers;

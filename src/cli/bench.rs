@@ -14,9 +14,9 @@ pub struct BenchArgs {
     /// Weights: only `random` (no checkpoint).
     #[arg(long, default_value = "random")]
     pub init: String,
-    /// Rows per step of the random batch.
-    #[arg(long, default_value_t = 4)]
-    pub batch: i64,
+    /// Rows per step of the random batch (also --batch).
+    #[arg(long, alias = "batch", alias = "global-batch", default_value_t = 4)]
+    pub batch_size: i64,
     /// Tokens per row of the random batch.
     #[arg(long, default_value_t = 256)]
     pub seq: i64,
@@ -92,7 +92,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     let devices = options.mesh.as_ref().map_or(1, |m| m.devices());
     let mut rt = Runtime::open(a.plugin.as_deref(), Some(devices))?;
     rt.use_kernels(&a.kernel)?;
-    let spec = options.spec(cfg, a.batch, a.seq)?;
+    let spec = options.spec(cfg, a.batch_size, a.seq)?;
     xtrain::device::platform::check_offload(&rt.platform(), spec.offload, "this step")?;
     let r = xtrain::train::bench::run(rt, spec, a.warmup, a.steps, export.as_deref())?;
     xtrain::say!("{}", serde_json::to_string(&r)?);

@@ -24,9 +24,9 @@ pub struct CompileArgs {
     /// With a repo id: the branch, tag or commit (default main).
     #[arg(long)]
     pub revision: Option<String>,
-    /// Rows per step (all microbatches together).
-    #[arg(long, alias = "batch-size", default_value_t = 1)]
-    pub batch: i64,
+    /// Rows per optimizer step, all microbatches and devices together (also --batch).
+    #[arg(long, alias = "batch", alias = "global-batch", default_value_t = 1)]
+    pub batch_size: i64,
     /// Tokens per row.
     #[arg(long, default_value_t = 2048)]
     pub seq: i64,
@@ -109,7 +109,7 @@ pub fn compile(
     }
     let options = CompileOptions {
         model: crate::cli::model::model_config(&a.model, a.revision.as_deref())?,
-        batch: a.batch,
+        batch: a.batch_size,
         seq: a.seq,
         step: a.step.options()?,
         mesh_flag: a.step.mesh.clone(),

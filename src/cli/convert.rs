@@ -10,7 +10,7 @@ pub fn import_gguf(file: &Path, out: &Path, overwrite: bool) -> Result<()> {
     let out = check_writable_dir(out, overwrite, &[file])?;
     let t0 = std::time::Instant::now();
     let mut shown = 0;
-    xtrain::formats::gguf::import(file, &out, Replace::when(overwrite), |done, total| {
+    xtrain::formats::gguf::import::import(file, &out, Replace::when(overwrite), |done, total| {
         let pct = done * 100 / total.max(1);
         if pct >= shown + 10 || done == total {
             shown = pct;
@@ -27,7 +27,7 @@ pub fn import_gguf(file: &Path, out: &Path, overwrite: bool) -> Result<()> {
 
 pub fn merge(model: &Path, adapter: &Path, out: &Path, overwrite: bool) -> Result<()> {
     let out = check_writable_dir(out, overwrite, &[model, adapter])?;
-    xtrain::formats::gguf_export::warn_if_trained_on_nf4(adapter, "merge");
+    xtrain::formats::gguf::export::warn_if_trained_on_nf4(adapter, "merge");
     xtrain::formats::merge::merge(model, adapter, &out, Replace::when(overwrite))?;
     xtrain::say!("wrote {}", out.display());
     Ok(())

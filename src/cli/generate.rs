@@ -83,7 +83,7 @@ pub fn generate(mut a: GenerateArgs) -> Result<()> {
     let ids = tok.encode(&text)?;
     let adapter = match &a.adapter {
         Some(d) => {
-            xtrain::formats::gguf_export::warn_if_trained_on_nf4(d, "generate");
+            xtrain::formats::gguf::export::warn_if_trained_on_nf4(d, "generate");
             Some(xtrain::formats::peft::load_adapter(d, &cfg)?)
         }
         None => None,

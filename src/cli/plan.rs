@@ -7,7 +7,7 @@ use anyhow::{bail, Result};
 use clap::Args;
 use std::collections::BTreeSet;
 use std::path::PathBuf;
-use xtrain::plan::space::Space;
+use xtrain::plan::space::{Knob, Space};
 use xtrain::plan::{PlanOptions, SeqGoal};
 
 #[derive(Args)]
@@ -30,9 +30,10 @@ pub struct PlanArgs {
     /// With --seq max: the longest sequence to try (default: the model's positions).
     #[arg(long, value_name = "N")]
     pub seq_limit: Option<i64>,
-    /// Rows per optimizer step, all microbatches and devices together.
-    #[arg(long, default_value_t = 1)]
-    pub global_batch: i64,
+    /// Rows per optimizer step, all microbatches and devices together (also --global-batch,
+    /// --batch).
+    #[arg(long, alias = "global-batch", alias = "batch", default_value_t = 1)]
+    pub batch_size: i64,
     #[command(flatten)]
     pub step: StepArgs,
     /// The hardware to plan for, which need not be here (as `compile --target`:
@@ -95,13 +96,13 @@ pub fn plan(a: PlanArgs, verbose: bool, given: BTreeSet<String>) -> Result<()> {
     let step = a.step.options()?;
     let fixed = |flag: &str| given.contains(flag);
     let space = Space {
-        mesh: fixed("mesh").then(|| step.mesh.clone()),
-        grad_accum: fixed("grad-accum").then_some(step.grad_accum),
-        remat: step.remat,
-        offload: step.offload,
-        key_block: fixed("key-block").then_some(step.key_block),
-        loss_chunk: fixed("loss-chunk").then_some(step.loss_chunk),
-        mlp_chunk: fixed("mlp-chunk").then_some(step.mlp_chunk),
+        mesh: Knob::given(fixed("mesh"), step.mesh.clone()),
+        grad_accum: Knob::given(fixed("grad-accum"), step.grad_accum),
+        remat: step.remat.map_or(Knob::Searched, Knob::Fixed),
+        offload: step.offload.map_or(Knob::Searched, Knob::Fixed),
+        key_block: Knob::given(fixed("key-block"), step.key_block),
+        loss_chunk: Knob::given(fixed("loss-chunk"), step.loss_chunk),
+        mlp_chunk: Knob::given(fixed("mlp-chunk"), step.mlp_chunk),
     };
     let model = std::path::Path::new(&a.model);
     let inputs: Vec<PathBuf> = [
@@ -124,7 +125,7 @@ pub fn plan(a: PlanArgs, verbose: bool, given: BTreeSet<String>) -> Result<()> {
         plugin: a.plugin,
         devices: a.devices,
         seq,
-        global_batch: a.global_batch,
+        batch_size: a.batch_size,
         memory_limit,
         host_memory_limit,
         confirm: a.confirm,

@@ -174,8 +174,8 @@ fn derived_mesh_splits_nothing(target: &str, n: i64, s: &SplitsNothing) -> anyho
                 })
                 .unwrap_or_default();
             format!(
-                "no mesh axis of {n} devices divides them, so give a --batch divisible by {n} \
-                 (e.g. --batch {n}, which {}={n} splits), or a --target with a number of devices \
+                "no mesh axis of {n} devices divides them, so give a --batch-size divisible by {n} \
+                 (e.g. --batch-size {n}, which {}={n} splits), or a --target with a number of devices \
                  that divides them{fewer}",
                 s.axis
             )

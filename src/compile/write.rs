@@ -53,7 +53,7 @@ pub(super) fn write_program(w: &Writing, spec: &StepSpec) -> Result<(Program, Ma
         None => String::new(),
     };
     crate::say!(
-        "step: --dtype {} (weights and compute), --batch {}, --seq {}, --lora-r {} (alpha {}, on {}), --remat {}, --grad-accum {}{}{}",
+        "step: --dtype {} (weights and compute), --batch-size {}, --seq {}, --lora-r {} (alpha {}, on {}), --remat {}, --grad-accum {}{}{}",
         spec.dtype,
         spec.batch,
         spec.seq,

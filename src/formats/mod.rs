@@ -8,12 +8,8 @@
 
 pub mod atomic;
 pub mod gguf;
-pub mod gguf_export;
-pub mod gguf_vocab;
-pub mod gguf_write;
 pub mod host;
 pub mod hub;
-pub mod kquants;
 pub mod merge;
 pub mod outdir;
 pub mod peft;

@@ -25,6 +25,7 @@ use memmap2::Mmap;
 use pjrt::{ElementType, HostTensor};
 use safetensors::tensor::{Dtype, Metadata, SafeTensorError, TensorInfo as StInfo};
 use safetensors::SafeTensors as Parsed;
+use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::io::Write;
@@ -276,30 +277,42 @@ pub fn write(
     tensors: &BTreeMap<String, HostTensor>,
     metadata: &BTreeMap<String, String>,
 ) -> Result<()> {
-    let mut order: Vec<(&String, &HostTensor)> = tensors.iter().collect();
-    order.sort_by(|(ln, lt), (rn, rt)| {
-        st_dtype(rt.ty)
-            .cmp(&st_dtype(lt.ty))
-            .then_with(|| ln.cmp(rn))
+    let list: Vec<(&String, &HostTensor)> = tensors.iter().collect();
+    let table: Vec<(String, ElementType, Vec<i64>)> = list
+        .iter()
+        .map(|(n, t)| (n.to_string(), t.ty, t.dims.clone()))
+        .collect();
+    write_streamed(path, &table, metadata, |i| {
+        Ok(Cow::Borrowed(&list[i].1.bytes))
+    })
+}
+
+/// [`write`] a tensor at a time: `tensors` is the table (name, element type, dims), and
+/// `data(i)` gives the bytes of its entry `i` when the file reaches it, so that a writer need
+/// not hold every tensor at once. An error from `data` abandons the file and is returned as it
+/// is; bytes of another length than the entry's are an error naming the tensor.
+pub fn write_streamed<'a>(
+    path: &Path,
+    tensors: &[(String, ElementType, Vec<i64>)],
+    metadata: &BTreeMap<String, String>,
+    mut data: impl FnMut(usize) -> Result<Cow<'a, [u8]>>,
+) -> Result<()> {
+    let mut order: Vec<usize> = (0..tensors.len()).collect();
+    order.sort_by(|&l, &r| {
+        let ((ln, lt, _), (rn, rt, _)) = (&tensors[l], &tensors[r]);
+        st_dtype(*rt).cmp(&st_dtype(*lt)).then_with(|| ln.cmp(rn))
     });
     let mut infos = Vec::with_capacity(order.len());
     let mut offset = 0usize;
-    for (name, t) in &order {
-        let expected = t.ty.byte_size(t.element_count());
-        if t.bytes.len() != expected {
-            bail!(
-                "tensor `{name}`: {:?}{:?} needs {expected} bytes but has {}",
-                t.ty,
-                t.dims,
-                t.bytes.len()
-            );
-        }
-        let end = offset + t.bytes.len();
+    for &i in &order {
+        let (name, ty, dims) = &tensors[i];
+        let count = dims.iter().product::<i64>().max(0) as usize;
+        let end = offset + ty.byte_size(count);
         infos.push((
             name.to_string(),
             StInfo {
-                dtype: st_dtype(t.ty),
-                shape: t.dims.iter().map(|&d| d as usize).collect(),
+                dtype: st_dtype(*ty),
+                shape: dims.iter().map(|&d| d as usize).collect(),
                 data_offsets: (offset, end),
             },
         ));
@@ -311,19 +324,43 @@ pub fn write(
             .map(|(k, v)| (k.clone(), v.clone()))
             .collect::<HashMap<_, _>>()
     });
-    let meta =
-        Metadata::new(meta, infos).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    let meta = Metadata::new(meta, infos.clone())
+        .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
     let mut header = serde_json::to_vec(&meta)?;
     // Pad the header to 8 bytes so tensor data is aligned, as the crate does.
     header.resize(header.len().next_multiple_of(8), b' ');
-    crate::formats::atomic::write_atomic(path, |f| {
+    // An error of `data` (a tensor's, not the file's) is kept whole to be returned as it is.
+    let mut failed = None;
+    let written = crate::formats::atomic::write_atomic(path, |f| {
         f.write_all(&(header.len() as u64).to_le_bytes())?;
         f.write_all(&header)?;
-        for (_, t) in &order {
-            f.write_all(&t.bytes)?;
+        for (&i, (name, info)) in order.iter().zip(&infos) {
+            let (start, end) = info.data_offsets;
+            let bytes = match data(i) {
+                Ok(b) if b.len() == end - start => b,
+                Ok(b) => {
+                    let (_, ty, dims) = &tensors[i];
+                    let e = anyhow::anyhow!(
+                        "tensor `{name}`: {ty:?}{dims:?} needs {} bytes but has {}",
+                        end - start,
+                        b.len()
+                    );
+                    failed = Some(e);
+                    return Err(std::io::Error::other("a tensor's bytes"));
+                }
+                Err(e) => {
+                    failed = Some(e);
+                    return Err(std::io::Error::other("a tensor's bytes"));
+                }
+            };
+            f.write_all(&bytes)?;
         }
         Ok(())
-    })
+    });
+    match failed {
+        Some(e) => Err(e),
+        None => written,
+    }
 }
 
 /// The weights of a model directory: `model.safetensors`, or shards listed in

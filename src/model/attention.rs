@@ -4,9 +4,11 @@
 //! over a mesh's context axis in `context`), then the output projection.
 //!
 //! ```text
-//! q, k, v = x W_q^T, x W_k^T, x W_v^T          (each with its LoRA term)
-//! q, k    = RoPE(q), RoPE(k)                   (positions within each token's document)
-//! out     = softmax(q k^T / sqrt(D) + mask) v  (GQA: query head j reads KV head j / G)
+//! q, k, v = x W_q^T + b_q, x W_k^T + b_k, x W_v^T + b_v   (each with its LoRA term;
+//!                                                           biases: Qwen2)
+//! q, k    = RMSNorm_D(q; g_q), RMSNorm_D(k; g_k)          (per head over its D dims: Qwen3)
+//! q, k    = RoPE(q), RoPE(k)                  (positions within each token's document)
+//! out     = softmax(q k^T / sqrt(D) + mask) v (GQA: query head j reads KV head j / G)
 //! Attn(x) = out W_o^T
 //! ```
 
@@ -169,11 +171,23 @@ impl Llama<'_> {
             let q = b.reshape(q, &[bs, t, kvh, g, d])?;
             let k = b.reshape(k, &[bs, t, kvh, d])?;
             let v = b.reshape(v, &[bs, t, kvh, d])?;
+            // Qwen3: each head RMS-normed over its D dims, before RoPE.
+            let q = self.head_norm(b, "q_norm", q, w.q_norm)?;
+            let k = self.head_norm(b, "k_norm", k, w.k_norm)?;
             let q = self.apply_rope(b, q, rope)?;
             let k = self.apply_rope(b, k, rope)?;
             self.attend_sequence(b, [q, k, v], doc_starts, &mut *saves)
         })?;
         self.project(b, Projection::O, attn, w.o, lora, ctx, saves)
+    }
+
+    /// `x` [B, T, ..heads.., D] with each head RMS-normed over its D dims by `g` [D] (one weight
+    /// shared by the heads), or `x` itself where the family has no such norm.
+    fn head_norm(&self, b: &mut Builder, name: &str, x: Value, g: Option<Value>) -> Result<Value> {
+        match g {
+            Some(g) => b.scoped(name, |b| self.rms_norm(b, x, g)),
+            None => Ok(x),
+        }
     }
 
     /// Causal attention over the whole sequence for q [B, T, KV, G, D], k and v [B, T, KV, D]

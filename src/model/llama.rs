@@ -1,10 +1,13 @@
-//! The Llama 3.1 forward pass and loss, as a graph. Written to read like the equations:
+//! The forward pass of the Llama-architecture families (Llama 3.x, Qwen2/2.5, Qwen3, Mistral),
+//! as a graph, written to read like the equations; the families differ only by the switches of
+//! [`LlamaConfig`], which the attention reads (`attention.rs`: Qwen2's q/k/v biases, Qwen3's
+//! per-head q/k norms):
 //!
 //! ```text
 //! h_0   = E[ids]
 //! a_l   = h_l + Attn_l(RMSNorm(h_l; g_l))          (GQA, RoPE, causal + padding mask)
 //! h_l+1 = a_l + W_down(silu(W_gate x) * W_up x),   x = RMSNorm(a_l; g'_l)
-//! logits = RMSNorm(h_L; g) W_head^T
+//! logits = RMSNorm(h_L; g) W_head^T                (W_head = E when embeddings are tied)
 //! loss  = sum_valid CE(logits[t], label[t+1]) / #valid      (HF: over the whole batch)
 //! ```
 //! Every projection `x W^T` may carry a LoRA term `(alpha/r) dropout(x) A^T B^T`.
@@ -16,32 +19,35 @@ use crate::model::{context, dropout};
 use hlo::{Builder, DType, DotDims, Result, Shape, Value};
 use std::collections::BTreeMap;
 
+/// A frozen attention projection: W [out, in] (HF layout) and, where the family has one, its
+/// bias [out] (Qwen2's q, k and v).
+#[derive(Clone, Copy, Debug)]
+pub struct Linear {
+    pub w: Value,
+    pub bias: Option<Value>,
+}
+
+impl From<Value> for Linear {
+    fn from(w: Value) -> Linear {
+        Linear { w, bias: None }
+    }
+}
+
 /// The frozen weights of one decoder layer (HF layout: projections are [out, in]).
 #[derive(Clone, Debug)]
 pub struct LayerWeights {
     pub input_norm: Value,
-    pub q: Value,
-    pub k: Value,
-    pub v: Value,
-    pub o: Value,
+    pub q: Linear,
+    pub k: Linear,
+    pub v: Linear,
+    pub o: Linear,
+    /// RMSNorm weights [D] of each query head and each key head, shared by the heads (Qwen3).
+    pub q_norm: Option<Value>,
+    pub k_norm: Option<Value>,
     pub post_norm: Value,
     pub gate: Value,
     pub up: Value,
     pub down: Value,
-}
-
-impl LayerWeights {
-    pub fn projection(&self, t: Projection) -> Value {
-        match t {
-            Projection::Q => self.q,
-            Projection::K => self.k,
-            Projection::V => self.v,
-            Projection::O => self.o,
-            Projection::Gate => self.gate,
-            Projection::Up => self.up,
-            Projection::Down => self.down,
-        }
-    }
 }
 
 #[derive(Clone, Debug)]
@@ -114,6 +120,18 @@ pub(super) fn starts_or_zero(b: &mut Builder, doc_starts: Value) -> Result<Value
 /// `x W^T` for x [.., in] and W [out, in], accumulating in f32 whatever the operand type; the
 /// product is given in `result` and rounded to x's type (see [`Numerics::matmul_result`]).
 fn linear(b: &mut Builder, x: Value, w: Value, result: DType) -> Result<Value> {
+    affine(b, x, w, None, result)
+}
+
+/// [`linear`] plus `bias` [out] when given, added to the product before it is rounded to x's
+/// type (as a GEMM's epilogue adds it).
+fn affine(
+    b: &mut Builder,
+    x: Value,
+    w: Value,
+    bias: Option<Value>,
+    result: DType,
+) -> Result<Value> {
     // As one [tokens, in] x [in, out] GEMM: the batch and sequence dims folded together.
     let xd = b.dims(x).to_vec();
     let rows: i64 = xd[..xd.len() - 1].iter().product();
@@ -123,10 +141,16 @@ fn linear(b: &mut Builder, x: Value, w: Value, result: DType) -> Result<Value> {
         rhs_contract: vec![1],
         ..Default::default()
     };
-    let y = b.dot_general(x2, w, dims, None, Some(result))?;
+    let mut y = b.dot_general(x2, w, dims, None, Some(result))?;
+    let out = b.dims(w)[0];
+    if let Some(bias) = bias {
+        let bias = b.convert(bias, result)?;
+        let bias = b.broadcast_in_dim(bias, &[rows, out], &[1])?;
+        y = b.add(y, bias)?;
+    }
     let y = b.convert(y, b.dtype(x))?;
     let mut yd = xd[..xd.len() - 1].to_vec();
-    yd.push(b.dims(w)[0]);
+    yd.push(out);
     b.reshape(y, &yd)
 }
 
@@ -279,7 +303,7 @@ impl Llama<'_> {
     }
 
     /// RMSNorm in f32: `g * x / sqrt(mean(x^2) + eps)`, back in the compute type.
-    fn rms_norm(&self, b: &mut Builder, x: Value, g: Value) -> Result<Value> {
+    pub(super) fn rms_norm(&self, b: &mut Builder, x: Value, g: Value) -> Result<Value> {
         let dims = b.dims(x).to_vec();
         let last = dims.len() as i64 - 1;
         let x32 = b.convert(x, DType::F32)?;
@@ -297,21 +321,22 @@ impl Llama<'_> {
         b.mul(normed, g)
     }
 
-    /// `x W^T` plus the layer's LoRA term for `target` when there is one.
+    /// `x W^T (+ bias)` plus the layer's LoRA term for `target` when there is one: PEFT's
+    /// `base_layer(x) + lora_B(lora_A(dropout(x))) * scale`.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn project(
         &self,
         b: &mut Builder,
         target: Projection,
         x: Value,
-        w: Value,
+        w: Linear,
         lora: &LayerAdapters,
         ctx: &mut LayerContext,
         saves: &mut Saves,
     ) -> Result<Value> {
         b.scoped(target.module(), |b| {
-            let w = b.convert(w, self.num.compute)?;
-            let y = linear(b, x, w, self.num.matmul_result)?;
+            let weight = b.convert(w.w, self.num.compute)?;
+            let y = affine(b, x, weight, w.bias, self.num.matmul_result)?;
             let y = saves.point(b, target.module(), y)?;
             let Some(pair) = lora.get(&target).copied() else {
                 return Ok(y);
@@ -359,8 +384,8 @@ impl Llama<'_> {
         // mesh puts activations (FSDP: split by batch). Left to itself, at a row per chip the
         // partitioner may gather the input over the batch, split F instead and move back with
         // all-to-alls around the down projection.
-        let gate = self.project(b, Projection::Gate, x, gate_w, lora, ctx, saves)?;
-        let up = self.project(b, Projection::Up, x, up_w, lora, ctx, saves)?;
+        let gate = self.project(b, Projection::Gate, x, gate_w.into(), lora, ctx, saves)?;
+        let up = self.project(b, Projection::Up, x, up_w.into(), lora, ctx, saves)?;
         let gate = self.pin(b, gate, &["batch", "length", "mlp"])?;
         let up = self.pin(b, up, &["batch", "length", "mlp"])?;
         // silu(g) = g * sigmoid(g), one op in the compute type as torch's silu is: computed in
@@ -372,7 +397,7 @@ impl Llama<'_> {
             let silu = b.convert(silu, self.num.compute)?;
             b.mul(silu, up)
         })?;
-        self.project(b, Projection::Down, act, down_w, lora, ctx, saves)
+        self.project(b, Projection::Down, act, down_w.into(), lora, ctx, saves)
     }
 }
 

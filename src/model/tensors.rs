@@ -1,4 +1,4 @@
-//! The tensors of a Llama checkpoint and of a LoRA adapter: Hugging Face and PEFT names and
+//! The tensors of a checkpoint (any of the Llama-architecture families) and of a LoRA adapter: Hugging Face and PEFT names and
 //! shapes, per layer (`model.layers.3.mlp.up_proj.weight`) or stacked over layers with a leading
 //! layer axis (`model.layers.*.mlp.up_proj.weight`, as a looped program takes them), and the parts
 //! an NF4-quantized weight is passed as.
@@ -7,22 +7,36 @@ use crate::model::config::LlamaConfig;
 use crate::model::lora::{LoraConfig, Projection};
 use hlo::DType;
 
-/// The frozen tensors of one layer: HF name suffix (`self_attn.q_proj`) and shape.
+/// The frozen tensors of one layer: HF name within the layer (`self_attn.q_proj.weight`) and
+/// shape, in checkpoint order. Qwen2 adds the q/k/v biases (`self_attn.q_proj.bias`, ...), Qwen3
+/// the per-head norms (`self_attn.q_norm.weight`, `self_attn.k_norm.weight`, [head_dim]).
 pub fn layer_kinds(cfg: &LlamaConfig) -> Vec<(&'static str, Vec<i64>)> {
-    let (h, f) = (cfg.hidden_size, cfg.intermediate_size);
-    let q = cfg.num_attention_heads * cfg.head_dim;
-    let kv = cfg.num_key_value_heads * cfg.head_dim;
-    vec![
-        ("input_layernorm", vec![h]),
-        ("self_attn.q_proj", vec![q, h]),
-        ("self_attn.k_proj", vec![kv, h]),
-        ("self_attn.v_proj", vec![kv, h]),
-        ("self_attn.o_proj", vec![h, q]),
-        ("post_attention_layernorm", vec![h]),
-        ("mlp.gate_proj", vec![f, h]),
-        ("mlp.up_proj", vec![f, h]),
-        ("mlp.down_proj", vec![h, f]),
-    ]
+    let (h, f, d) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim);
+    let q = cfg.num_attention_heads * d;
+    let kv = cfg.num_key_value_heads * d;
+    let mut out = vec![("input_layernorm.weight", vec![h])];
+    for (name, bias, rows, cols) in [
+        ("self_attn.q_proj.weight", "self_attn.q_proj.bias", q, h),
+        ("self_attn.k_proj.weight", "self_attn.k_proj.bias", kv, h),
+        ("self_attn.v_proj.weight", "self_attn.v_proj.bias", kv, h),
+    ] {
+        out.push((name, vec![rows, cols]));
+        if cfg.qkv_bias {
+            out.push((bias, vec![rows]));
+        }
+    }
+    out.push(("self_attn.o_proj.weight", vec![h, q]));
+    if cfg.qk_norm {
+        out.push(("self_attn.q_norm.weight", vec![d]));
+        out.push(("self_attn.k_norm.weight", vec![d]));
+    }
+    out.extend([
+        ("post_attention_layernorm.weight", vec![h]),
+        ("mlp.gate_proj.weight", vec![f, h]),
+        ("mlp.up_proj.weight", vec![f, h]),
+        ("mlp.down_proj.weight", vec![h, f]),
+    ]);
+    out
 }
 
 /// The frozen weights a Llama checkpoint must contain, with their shapes (HF names).
@@ -39,12 +53,12 @@ pub fn frozen_args(cfg: &LlamaConfig, stacked: bool) -> Vec<(String, Vec<i64>)> 
         for (kind, shape) in layer_kinds(cfg) {
             let mut s = vec![l];
             s.extend(shape);
-            out.push((format!("model.layers.*.{kind}.weight"), s));
+            out.push((format!("model.layers.*.{kind}"), s));
         }
     } else {
         for layer in 0..l {
             for (kind, shape) in layer_kinds(cfg) {
-                out.push((format!("model.layers.{layer}.{kind}.weight"), shape));
+                out.push((format!("model.layers.{layer}.{kind}"), shape));
             }
         }
     }
@@ -55,9 +69,10 @@ pub fn frozen_args(cfg: &LlamaConfig, stacked: bool) -> Vec<(String, Vec<i64>)> 
     out
 }
 
-/// Whether a layer kind is a projection (NF4-quantizable).
+/// Whether a layer tensor (a kind, or a full name) is a projection's weight matrix: what NF4
+/// quantizes (biases and norms stay as they are).
 pub fn is_projection(kind: &str) -> bool {
-    kind.ends_with("_proj")
+    kind.ends_with("_proj.weight")
 }
 
 /// The parts an NF4 weight of `n` elements is passed as: (suffix, dims, dtype).
@@ -83,8 +98,7 @@ pub fn frozen_args_typed(
 ) -> Vec<(String, Vec<i64>, DType)> {
     let mut out = Vec::new();
     for (name, shape) in frozen_args(cfg, stacked) {
-        let kind_is_proj =
-            name.starts_with("model.layers.") && is_projection(name.trim_end_matches(".weight"));
+        let kind_is_proj = name.starts_with("model.layers.") && is_projection(&name);
         if nf4 && kind_is_proj {
             let (lead, inner) = if stacked {
                 (vec![shape[0]], &shape[1..])

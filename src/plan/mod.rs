@@ -2,10 +2,10 @@
 //! the target's own compiler before any hardware is booked. It searches the settings a user
 //! would otherwise try by hand ([`space`]: the mesh, microbatches, remat, offload, key blocks,
 //! loss chunks and MLP tiles, each knob whose flag is given fixed), skips what cannot fit
-//! without compiling it ([`model`]: a lower bound of the device memory; larger microbatches
+//! without compiling it ([`cost`]: a lower bound of the device memory; larger microbatches
 //! than a step that does not fit), compiles the rest fastest first until enough fit
 //! ([`search`]), and ranks what fits: on TPUs by the compiler's estimate of the whole step, on
-//! GPUs, where XLA gives no time, by a model it states ([`model::GPU_MODEL`]), never presented
+//! GPUs, where XLA gives no time, by a model it states ([`cost::GPU_MODEL`]), never presented
 //! as a measurement. `--seq max` first finds the longest sequence that the least-memory settings
 //! fit. The answer is a ranked table, `plan.json` and a `recipe.toml` that `compile --config`
 //! and `train --config` take as they are ([`report`]).
@@ -13,25 +13,25 @@
 //! It drives compiles, so it is a stage after `compile`: it may use everything before it.
 
 pub mod backend;
-pub mod model;
+pub mod cost;
 pub mod options;
 pub mod report;
 pub mod search;
 pub mod space;
 
-use crate::program::{Program, StepSpec};
+use crate::program::Program;
 use anyhow::{bail, Result};
 use backend::Backend;
 pub use options::{Plan, PlanOptions, Probe, SeqGoal};
 use search::{Compiled, Limits, Point};
 use sha2::{Digest, Sha256};
-use space::Settings;
+use space::{Knob, Knobs};
 use std::collections::HashMap;
 
 /// Plan the step for the target as `o` asks; write its outputs if `o.out` is given.
 pub fn run(o: &PlanOptions) -> Result<Plan> {
-    if o.global_batch < 1 {
-        bail!("--global-batch must be at least 1, got {}", o.global_batch);
+    if o.batch_size < 1 {
+        bail!("--batch-size must be at least 1, got {}", o.batch_size);
     }
     if o.confirm < 1 {
         bail!(
@@ -70,12 +70,12 @@ pub fn run(o: &PlanOptions) -> Result<Plan> {
     let mut space = o.space.clone();
     if !backend.can_offload() {
         match space.offload {
-            Some(off) if !off.is_none() => bail!(
+            Knob::Fixed(off) if !off.is_none() => bail!(
                 "--offload {}: {name} cannot keep values in host memory; leave --offload out \
                  or give none",
                 off.name()
             ),
-            _ => space.offload = Some(crate::program::Offload::NONE),
+            _ => space.offload = Knob::Fixed(crate::program::Offload::NONE),
         }
     }
     let o = &PlanOptions { space, ..o.clone() };
@@ -86,19 +86,18 @@ pub fn run(o: &PlanOptions) -> Result<Plan> {
         exhaustive: o.exhaustive,
     };
     let mut compiled = HashMap::new();
-    let mut compile =
-        |_: &StepSpec, program: &Program| compile_once(&mut backend, &mut compiled, program);
+    let mut compile = |program: &Program| compile_once(&mut backend, &mut compiled, program);
     let (seq, probes) = match o.seq {
         SeqGoal::Fixed(s) => (s, Vec::new()),
         SeqGoal::Max { step, upto } => longest(o, devices, &limits, (step, upto), &mut compile)?,
     };
-    let points = o.space.points(devices, o.global_batch, seq, &o.rules);
-    let built = search::points(points, &o.step, &o.model, o.global_batch, seq, peak);
+    let points = o.space.points(devices, o.batch_size, seq, &o.rules);
+    let built = search::points(points, &o.step, &o.model, o.batch_size, seq, peak);
     crate::esay!(
         "xtrain: plan: {} points for {name} at {seq} tokens x {} rows ({} refused by the \
          step's checks)",
         built.len(),
-        o.global_batch,
+        o.batch_size,
         built.iter().filter(|(_, p)| p.is_none()).count()
     );
     let (mut points, mut ranked) = search::search(built, &limits, &mut compile)?;
@@ -108,7 +107,7 @@ pub fn run(o: &PlanOptions) -> Result<Plan> {
             let spec = points[i].spec.as_ref().expect("fits");
             crate::esay!(
                 "xtrain: plan: estimating {} (unrolled 1- and 2-layer steps)",
-                points[i].settings.line()
+                points[i].knobs.line()
             );
             points[i].estimate_s = backend.estimate(spec)?;
         }
@@ -119,7 +118,7 @@ pub fn run(o: &PlanOptions) -> Result<Plan> {
         target: name,
         target_flag: backend.target_flag(),
         seq,
-        global_batch: o.global_batch,
+        batch_size: o.batch_size,
         limit_bytes: limit,
         points,
         ranked,
@@ -178,7 +177,7 @@ fn method(o: &PlanOptions, by_estimate: bool, limit: i64) -> String {
         true => "ranked by the TPU compiler's estimate of the whole step (its cost model over \
                  unrolled 1- and 2-layer steps), among the points the model put first"
             .to_string(),
-        false => format!("ranked by a {}", model::GPU_MODEL),
+        false => format!("ranked by a {}", cost::GPU_MODEL),
     };
     let skip = match o.exhaustive {
         true => "every point compiled".to_string(),
@@ -208,7 +207,7 @@ fn longest(
     devices: i64,
     limits: &Limits,
     (step, upto): (i64, Option<i64>),
-    compile: &mut dyn FnMut(&StepSpec, &Program) -> Result<Compiled>,
+    compile: &mut dyn FnMut(&Program) -> Result<Compiled>,
 ) -> Result<(i64, Vec<Probe>)> {
     if step < 2 {
         bail!("--seq-step must be at least 2 tokens, got {step}");
@@ -225,7 +224,7 @@ fn longest(
     let mut probes = Vec::new();
     let mut fits = |k: i64, probes: &mut Vec<Probe>| -> Result<bool> {
         let seq = k * step;
-        for s in o.space.least_memory(devices, o.global_batch, seq, &o.rules) {
+        for s in o.space.least_memory(devices, o.batch_size, seq, &o.rules) {
             let found = probe(o, &s, seq, compile)?;
             let fit = found.as_ref().is_some_and(|f| limits.holds(f));
             let gib = crate::words::gib;
@@ -284,14 +283,11 @@ fn longest(
 /// says it does not fit.
 fn probe(
     o: &PlanOptions,
-    s: &Settings,
+    s: &Knobs,
     seq: i64,
-    compile: &mut dyn FnMut(&StepSpec, &Program) -> Result<Compiled>,
+    compile: &mut dyn FnMut(&Program) -> Result<Compiled>,
 ) -> Result<Option<search::Figures>> {
-    let spec = match s
-        .options(&o.step)
-        .spec(o.model.clone(), o.global_batch, seq)
-    {
+    let spec = match s.options(&o.step).spec(o.model.clone(), o.batch_size, seq) {
         Ok(spec) => spec,
         Err(e) => {
             crate::esay!(
@@ -302,7 +298,7 @@ fn probe(
         }
     };
     let program = crate::program::build_train_step(&spec)?;
-    Ok(match compile(&spec, &program)? {
+    Ok(match compile(&program)? {
         Compiled::Figures(f) => Some(f),
         Compiled::OutOfMemory => None,
     })

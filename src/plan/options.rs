@@ -24,7 +24,7 @@ pub struct PlanOptions {
     pub devices: i64,
     pub seq: SeqGoal,
     /// Rows per optimizer step, all microbatches and devices together.
-    pub global_batch: i64,
+    pub batch_size: i64,
     /// The device memory to fit, bytes (None: what the target's devices give XLA).
     pub memory_limit: Option<i64>,
     /// The host memory per device to fit, bytes (None: any).
@@ -65,7 +65,7 @@ pub struct Plan {
     /// `--target` as given (None: this machine).
     pub target_flag: Option<String>,
     pub seq: i64,
-    pub global_batch: i64,
+    pub batch_size: i64,
     pub limit_bytes: i64,
     /// Every point, and the indices of those that fit, best first.
     pub points: Vec<Point>,

@@ -19,14 +19,14 @@ pub fn print_table(plan: &Plan) {
         "plan for {}: {} tokens x {} rows per step, device memory limit {}",
         plan.target,
         plan.seq,
-        plan.global_batch,
+        plan.batch_size,
         gib(plan.limit_bytes)
     );
     // The settings column as wide as its longest line, so the figures line up.
     let w = plan
         .ranked
         .iter()
-        .map(|&i| plan.points[i].settings.line().len())
+        .map(|&i| plan.points[i].knobs.line().len())
         .max()
         .unwrap_or(0)
         .max(72);
@@ -46,7 +46,7 @@ pub fn print_table(plan: &Plan) {
         crate::say!(
             "{:>4}  {:<w$} {:>22} {:>10} {:>22} {:>11}  {}",
             rank + 1,
-            p.settings.line(),
+            p.knobs.line(),
             format!("{} of {}", gib(f.device_bytes), gib(plan.limit_bytes)),
             gib(f.host_bytes),
             seconds.map_or("-".into(), duration),
@@ -68,7 +68,7 @@ pub fn print_table(plan: &Plan) {
         count(|o| *o == Outcome::Unexplored),
     );
     if let Some(p) = plan.chosen() {
-        crate::say!("pick: {}", p.settings.line());
+        crate::say!("pick: {}", p.knobs.line());
     }
 }
 
@@ -86,7 +86,7 @@ pub fn nothing_fits(plan: &Plan, wrote: Option<&Path>) -> String {
     }
     let mut said = format!(
         "nothing fits {} at {} tokens x {} rows",
-        plan.target, plan.seq, plan.global_batch
+        plan.target, plan.seq, plan.batch_size
     );
     let least = plan
         .points
@@ -133,20 +133,20 @@ pub fn nothing_fits(plan: &Plan, wrote: Option<&Path>) -> String {
 
 /// Tokens per step, all devices together.
 fn tokens(plan: &Plan) -> f64 {
-    (plan.seq * plan.global_batch) as f64
+    (plan.seq * plan.batch_size) as f64
 }
 
 /// The step's time as the plan ranks it: the TPU estimate, or the GPU model's.
 fn step_seconds(plan: &Plan, p: &Point) -> Option<f64> {
     match plan.by_estimate {
         true => p.estimate_s,
-        false => p.model.map(|m| m.seconds),
+        false => p.modelled.map(|m| m.seconds),
     }
 }
 
 /// What binds a point: device memory where it does not fit, else the model's largest part.
 fn binding(plan: &Plan, p: &Point) -> &'static str {
-    match (&p.outcome, p.model) {
+    match (&p.outcome, p.modelled) {
         (Outcome::Fits, _) if plan.by_estimate => "(TPU estimate)",
         (Outcome::Fits, Some(m)) => m.binding(),
         _ => "device memory",
@@ -156,7 +156,7 @@ fn binding(plan: &Plan, p: &Point) -> &'static str {
 /// One point as plan.json has it.
 fn point_json(plan: &Plan, p: &Point) -> Value {
     let flags: serde_json::Map<String, Value> = p
-        .settings
+        .knobs
         .flags()
         .into_iter()
         .map(|(f, v)| (f.to_string(), Value::String(v)))
@@ -173,7 +173,7 @@ fn point_json(plan: &Plan, p: &Point) -> Value {
     if let Some(b) = p.bound_bytes {
         figures["lower_bound_gib"] = json!(b as f64 / GIB);
     }
-    if let Some(m) = p.model {
+    if let Some(m) = p.modelled {
         figures["model_s"] = json!(m.seconds);
         figures["model"] = json!(m);
     }
@@ -201,7 +201,7 @@ pub fn plan_json(o: &PlanOptions, plan: &Plan) -> Value {
         "target": plan.target,
         "model": o.model_flag,
         "seq": plan.seq,
-        "global_batch": plan.global_batch,
+        "batch_size": plan.batch_size,
         "seq_max": match o.seq {
             SeqGoal::Max { step, upto } => json!({"step": step, "upto": upto, "longest": plan.seq, "probes": plan.probes}),
             SeqGoal::Fixed(_) => Value::Null,
@@ -224,7 +224,7 @@ pub fn recipe(o: &PlanOptions, plan: &Plan, p: &Point) -> String {
              by the target compiler's figures (not a run on the hardware).",
             plan.target,
             plan.seq,
-            plan.global_batch,
+            plan.batch_size,
             p.figures.as_ref().map_or("?".into(), |f| gib(f.device_bytes)),
             gib(plan.limit_bytes)
         ),
@@ -241,7 +241,7 @@ pub fn recipe(o: &PlanOptions, plan: &Plan, p: &Point) -> String {
                 "lora_targets = {}",
                 q(&crate::model::lora::Projection::list(&spec.lora.targets))
             ),
-            format!("batch_size = {}", plan.global_batch),
+            format!("batch_size = {}", plan.batch_size),
             format!("seq = {}", plan.seq),
             format!("matmul_result = {}", q(o.step.matmul_result.name())),
             format!("attention_scores = {}", q(o.step.attention_scores.name())),
@@ -264,12 +264,11 @@ pub fn recipe(o: &PlanOptions, plan: &Plan, p: &Point) -> String {
             spec.pin_mlp_activations
         ));
     }
-    for (flag, value) in p.settings.flags() {
+    for (flag, value) in p.knobs.given() {
         let key = flag.replace('-', "_");
-        match (flag, value.as_str()) {
-            ("mesh", "") | ("loss-chunk", "off") => {}
-            ("grad-accum", v) | ("loss-chunk", v) => lines.push(format!("{key} = {v}")),
-            (_, v) => lines.push(format!("{key} = {}", q(v))),
+        match flag {
+            "grad-accum" | "loss-chunk" => lines.push(format!("{key} = {value}")),
+            _ => lines.push(format!("{key} = {}", q(&value))),
         }
     }
     if let Some(target) = &plan.target_flag {

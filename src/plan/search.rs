@@ -5,8 +5,8 @@
 //! microbatches than a point that did not fit, until enough fit. Every figure of a point that
 //! fits is the target compiler's, from a full compile of the step: no pick that does not fit.
 
-use super::model::{lower_bound_bytes, modelled, Modelled};
-use super::space::Settings;
+use super::cost::{lower_bound_bytes, modelled, Modelled};
+use super::space::Knobs;
 use crate::program::{Program, StepOptions, StepSpec};
 use crate::words::clock;
 use anyhow::Result;
@@ -53,7 +53,7 @@ impl Outcome {
             Outcome::AboveBound => "skipped: its lower bound is above the limit".into(),
             Outcome::LargerThan(i) => format!(
                 "skipped: larger microbatches than {}, which does not fit",
-                all[*i].settings.line()
+                all[*i].knobs.line()
             ),
             Outcome::Fits => "fits".into(),
             Outcome::DoesNotFit => "does not fit".into(),
@@ -64,10 +64,11 @@ impl Outcome {
 
 /// One point of the search.
 pub struct Point {
-    pub settings: Settings,
+    pub knobs: Knobs,
     pub spec: Option<StepSpec>,
     pub bound_bytes: Option<i64>,
-    pub model: Option<Modelled>,
+    /// The modelled time of its step ([`super::cost`]).
+    pub modelled: Option<Modelled>,
     pub figures: Option<Figures>,
     /// The TPU compiler's estimate of the whole step, seconds (TPUs, points that fit).
     pub estimate_s: Option<f64>,
@@ -92,17 +93,17 @@ impl Limits {
     }
 }
 
-/// The points of `settings` over `base` for `model` at `batch` x `seq`: each made a step and
+/// The points of `knobs` over `base` for `model` at `batch` x `seq`: each made a step and
 /// a program, with its bound and modelled time (refused ones say why).
 pub fn points(
-    settings: Vec<Settings>,
+    knobs: Vec<Knobs>,
     base: &StepOptions,
     model: &crate::model::config::LlamaConfig,
     batch: i64,
     seq: i64,
     peak_tflops: f64,
 ) -> Vec<(Point, Option<Program>)> {
-    settings
+    knobs
         .into_iter()
         .map(|s| {
             let built = s
@@ -110,10 +111,10 @@ pub fn points(
                 .spec(model.clone(), batch, seq)
                 .and_then(|spec| Ok((crate::program::build_train_step(&spec)?, spec)));
             let mut p = Point {
-                settings: s,
+                knobs: s,
                 spec: None,
                 bound_bytes: None,
-                model: None,
+                modelled: None,
                 figures: None,
                 estimate_s: None,
                 outcome: Outcome::Unexplored,
@@ -121,7 +122,7 @@ pub fn points(
             match built {
                 Ok((program, spec)) => {
                     p.bound_bytes = Some(lower_bound_bytes(&spec, &program));
-                    p.model = Some(modelled(&spec, &program, peak_tflops));
+                    p.modelled = Some(modelled(&spec, &program, peak_tflops));
                     p.spec = Some(spec);
                     (p, Some(program))
                 }
@@ -139,10 +140,10 @@ pub fn points(
 pub fn search(
     mut built: Vec<(Point, Option<Program>)>,
     limits: &Limits,
-    compile: &mut dyn FnMut(&StepSpec, &Program) -> Result<Compiled>,
+    compile: &mut dyn FnMut(&Program) -> Result<Compiled>,
 ) -> Result<(Vec<Point>, Vec<usize>)> {
     let mut order: Vec<usize> = (0..built.len()).filter(|&i| built[i].1.is_some()).collect();
-    let seconds = |p: &Point| p.model.map_or(f64::MAX, |m| m.seconds);
+    let seconds = |p: &Point| p.modelled.map_or(f64::MAX, |m| m.seconds);
     order.sort_by(|&a, &b| seconds(&built[a].0).total_cmp(&seconds(&built[b].0)));
     let mut fits = Vec::new();
     let mut compiled_s = Vec::new();
@@ -163,8 +164,8 @@ pub fn search(
             let smaller = (0..built.len()).find(|&j| {
                 let (p, q) = (&built[j].0, &built[i].0);
                 p.outcome == Outcome::DoesNotFit
-                    && p.settings.same_but_accumulation(&q.settings)
-                    && p.settings.grad_accum > q.settings.grad_accum
+                    && p.knobs.same_but_accumulation(&q.knobs)
+                    && p.knobs.grad_accum > q.knobs.grad_accum
             });
             if let Some(j) = smaller {
                 built[i].0.outcome = Outcome::LargerThan(j);
@@ -172,13 +173,10 @@ pub fn search(
             }
         }
         let (point, program) = &mut built[i];
-        let (spec, program) = (
-            point.spec.as_ref().expect("built"),
-            program.as_ref().expect("built"),
-        );
-        say_progress(k, order.len(), &compiled_s, started, &point.settings);
+        let program = program.as_ref().expect("built");
+        say_progress(k, order.len(), &compiled_s, started, &point.knobs);
         let t0 = Instant::now();
-        let result = compile(spec, program)?;
+        let result = compile(program)?;
         compiled_s.push(t0.elapsed().as_secs_f64());
         match result {
             Compiled::Figures(f) => {
@@ -203,7 +201,7 @@ pub fn search(
 
 /// One line on stderr before each compile: which of how many, the settings, and an ETA from
 /// the compiles so far (an upper bound: points may yet be skipped).
-fn say_progress(k: usize, n: usize, compiled_s: &[f64], started: Instant, s: &Settings) {
+fn say_progress(k: usize, n: usize, compiled_s: &[f64], started: Instant, s: &Knobs) {
     let eta = match compiled_s.is_empty() {
         true => String::new(),
         false => {

@@ -1,35 +1,73 @@
 //! The settings `xtrain plan` searches ([`Space`]): each knob either fixed (the user gave its
-//! flag) or searched over a short list of values, and one point of it ([`Settings`]), which is a
+//! flag) or searched over a short list of values, and one point of it ([`Knobs`]), which is a
 //! set of flags a user could have typed.
 
 use crate::program::sharding::Rules;
 use crate::program::{KeyBlocks, DEFAULT_KEY_BLOCK};
 use crate::program::{MeshPlan, MlpChunks, Offload, Remat, StepOptions, DEFAULT_MLP_CHUNK};
 
-/// The knobs of the search: None where the knob is searched, the value where it is fixed.
-#[derive(Clone, Debug, Default)]
-pub struct Space {
-    /// The mesh (`--mesh`); searched: every factorization of the devices into data x fsdp x
-    /// tensor x context.
-    pub mesh: Option<Option<MeshPlan>>,
-    /// Microbatches per step (`--grad-accum`); searched: every divisor of the global batch.
-    pub grad_accum: Option<i64>,
-    /// Searched: save-proj and layer (`none`, the unrolled step, only when asked: its compile
-    /// grows with the depth and it keeps every activation).
-    pub remat: Option<Remat>,
-    /// Searched: none, frozen, activations, all.
-    pub offload: Option<Offload>,
-    /// Searched: off and the default block.
-    pub key_block: Option<KeyBlocks>,
-    /// Searched: off and [`loss_chunk_for`] of the sequence.
-    pub loss_chunk: Option<Option<i64>>,
-    /// Searched: off and [`mlp_chunk_for`] of the sequence.
-    pub mlp_chunk: Option<MlpChunks>,
+/// A knob of the search: fixed by its flag, or searched over a short list.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub enum Knob<T> {
+    #[default]
+    Searched,
+    Fixed(T),
 }
 
-/// One point of the space: the flags of one step.
+impl<T: Clone> Knob<T> {
+    /// The fixed value, or `searched` where the knob is searched.
+    pub fn values(&self, searched: impl FnOnce() -> Vec<T>) -> Vec<T> {
+        match self {
+            Knob::Fixed(v) => vec![v.clone()],
+            Knob::Searched => searched(),
+        }
+    }
+
+    /// The fixed value, or `searched` where the knob is searched.
+    pub fn or_else(&self, searched: impl FnOnce() -> T) -> T {
+        match self {
+            Knob::Fixed(v) => v.clone(),
+            Knob::Searched => searched(),
+        }
+    }
+
+    /// Fixed to `value` where `given`, else searched.
+    pub fn given(given: bool, value: T) -> Knob<T> {
+        match given {
+            true => Knob::Fixed(value),
+            false => Knob::Searched,
+        }
+    }
+
+    pub fn is_searched(&self) -> bool {
+        matches!(self, Knob::Searched)
+    }
+}
+
+/// The knobs of the search, each fixed (the user gave its flag) or searched.
+#[derive(Clone, Debug, Default)]
+pub struct Space {
+    /// The mesh (`--mesh`; fixed to None: one device); searched: every factorization of the
+    /// devices into data x fsdp x tensor x context.
+    pub mesh: Knob<Option<MeshPlan>>,
+    /// Microbatches per step (`--grad-accum`); searched: every divisor of the global batch.
+    pub grad_accum: Knob<i64>,
+    /// Searched: save-proj and layer (`none`, the unrolled step, only when asked: its compile
+    /// grows with the depth and it keeps every activation).
+    pub remat: Knob<Remat>,
+    /// Searched: none, frozen, activations, all.
+    pub offload: Knob<Offload>,
+    /// Searched: off and the default block.
+    pub key_block: Knob<KeyBlocks>,
+    /// Searched: off and [`loss_chunk_for`] of the sequence (fixed to None: off).
+    pub loss_chunk: Knob<Option<i64>>,
+    /// Searched: off and [`mlp_chunk_for`] of the sequence.
+    pub mlp_chunk: Knob<MlpChunks>,
+}
+
+/// One point of the space, the knobs' values: the flags of one step.
 #[derive(Clone, Debug, PartialEq)]
-pub struct Settings {
+pub struct Knobs {
     pub mesh: Option<MeshPlan>,
     pub grad_accum: i64,
     pub remat: Remat,
@@ -103,45 +141,27 @@ impl Space {
     /// Every point of the space for `devices` devices, a global batch of `batch` rows and
     /// sequences of `seq` tokens, in a fixed order (meshes, then microbatches, remat, offload,
     /// key block, loss chunk, MLP tile). Points the step refuses are kept: the search says why.
-    pub fn points(&self, devices: i64, batch: i64, seq: i64, rules: &Rules) -> Vec<Settings> {
-        let meshes = match &self.mesh {
-            Some(m) => vec![m.clone()],
-            None => meshes(devices, rules),
-        };
-        let accums: Vec<i64> = match self.grad_accum {
-            Some(g) => vec![g],
-            None => (1..=batch).filter(|g| batch % g == 0).collect(),
-        };
-        let remats = match self.remat {
-            Some(r) => vec![r],
-            None => vec![Remat::SaveProj, Remat::Layer],
-        };
-        let offloads = match self.offload {
-            Some(o) => vec![o],
-            None => ["none", "frozen", "activations", "all"]
-                .map(|o| Offload::parse(o).expect("an offload name"))
-                .to_vec(),
-        };
-        let key_blocks = match self.key_block {
-            Some(k) => vec![k],
-            None => vec![KeyBlocks::Off, KeyBlocks::Size(DEFAULT_KEY_BLOCK)],
-        };
-        let loss_chunks = match self.loss_chunk {
-            Some(c) => vec![c],
-            None => [None, loss_chunk_for(seq)].into_iter().collect(),
-        };
-        let mlp_chunks = match self.mlp_chunk {
-            Some(c) => vec![c],
-            None => [
+    pub fn points(&self, devices: i64, batch: i64, seq: i64, rules: &Rules) -> Vec<Knobs> {
+        let meshes = self.mesh.values(|| meshes(devices, rules));
+        let accums = self
+            .grad_accum
+            .values(|| (1..=batch).filter(|g| batch % g == 0).collect());
+        let remats = self.remat.values(|| vec![Remat::SaveProj, Remat::Layer]);
+        let offloads = self.offload.values(|| Offload::EVERY.to_vec());
+        let key_blocks = self
+            .key_block
+            .values(|| vec![KeyBlocks::Off, KeyBlocks::Size(DEFAULT_KEY_BLOCK)]);
+        let mut loss_chunks = self.loss_chunk.values(|| vec![None, loss_chunk_for(seq)]);
+        loss_chunks.dedup();
+        let mlp_chunks = self.mlp_chunk.values(|| {
+            [
                 Some(MlpChunks::Off),
                 mlp_chunk_for(seq).map(MlpChunks::Size),
             ]
             .into_iter()
             .flatten()
-            .collect(),
-        };
-        let mut loss_chunks = loss_chunks;
-        loss_chunks.dedup();
+            .collect()
+        });
         let mut points = Vec::new();
         for mesh in &meshes {
             for &grad_accum in &accums {
@@ -150,7 +170,7 @@ impl Space {
                         for &key_block in &key_blocks {
                             for &loss_chunk in &loss_chunks {
                                 for &mlp_chunk in &mlp_chunks {
-                                    points.push(Settings {
+                                    points.push(Knobs {
                                         mesh: mesh.clone(),
                                         grad_accum,
                                         remat,
@@ -175,11 +195,10 @@ impl Space {
     /// the MLP in tiles, each where the knob is searched; on a searched mesh of several
     /// devices, one point with FSDP over them all and one with the sequence split over them
     /// (a context axis).
-    pub fn least_memory(&self, devices: i64, batch: i64, seq: i64, rules: &Rules) -> Vec<Settings> {
-        let meshes: Vec<Option<MeshPlan>> = match &self.mesh {
-            Some(m) => vec![m.clone()],
-            None if devices <= 1 => vec![None],
-            None => ["fsdp", "context"]
+    pub fn least_memory(&self, devices: i64, batch: i64, seq: i64, rules: &Rules) -> Vec<Knobs> {
+        let meshes = self.mesh.values(|| match devices <= 1 {
+            true => vec![None],
+            false => ["fsdp", "context"]
                 .map(|axis| {
                     Some(MeshPlan {
                         axes: vec![(axis.to_string(), devices)],
@@ -187,28 +206,30 @@ impl Space {
                     })
                 })
                 .to_vec(),
-        };
-        let frugal = Settings {
+        });
+        let frugal = Knobs {
             mesh: None,
-            grad_accum: self.grad_accum.unwrap_or(batch),
-            remat: self.remat.unwrap_or(Remat::Layer),
-            offload: self.offload.unwrap_or(Offload::parse("all").expect("all")),
-            key_block: self.key_block.unwrap_or(KeyBlocks::Size(DEFAULT_KEY_BLOCK)),
-            loss_chunk: self.loss_chunk.unwrap_or_else(|| loss_chunk_for(seq)),
+            grad_accum: self.grad_accum.or_else(|| batch),
+            remat: self.remat.or_else(|| Remat::Layer),
+            offload: self.offload.or_else(|| Offload::ALL),
+            key_block: self
+                .key_block
+                .or_else(|| KeyBlocks::Size(DEFAULT_KEY_BLOCK)),
+            loss_chunk: self.loss_chunk.or_else(|| loss_chunk_for(seq)),
             mlp_chunk: self
                 .mlp_chunk
-                .unwrap_or_else(|| mlp_chunk_for(seq).map_or(MlpChunks::Off, MlpChunks::Size)),
+                .or_else(|| mlp_chunk_for(seq).map_or(MlpChunks::Off, MlpChunks::Size)),
         };
         meshes
             .into_iter()
             .map(|mesh| {
                 // The MLP's tiles cut the sequence, which a context axis splits already.
                 let split = mesh.as_ref().is_some_and(|m| m.context_size() > 1);
-                let mlp_chunk = match split && self.mlp_chunk.is_none() {
+                let mlp_chunk = match split && self.mlp_chunk.is_searched() {
                     true => MlpChunks::Off,
                     false => frugal.mlp_chunk,
                 };
-                Settings {
+                Knobs {
                     mesh,
                     mlp_chunk,
                     ..frugal.clone()
@@ -218,8 +239,8 @@ impl Space {
     }
 }
 
-impl Settings {
-    /// The step options of these settings over `base` (the flags the user gave).
+impl Knobs {
+    /// The step options of these knobs over `base` (the flags the user gave).
     pub fn options(&self, base: &StepOptions) -> StepOptions {
         StepOptions {
             mesh: self.mesh.clone(),
@@ -233,49 +254,63 @@ impl Settings {
         }
     }
 
-    /// The flags these settings are, by name, as a user types them (`mesh` empty on one
-    /// device; `loss-chunk` off where there is none).
-    pub fn flags(&self) -> Vec<(&'static str, String)> {
-        vec![
-            ("mesh", mesh_text(&self.mesh)),
-            ("grad-accum", self.grad_accum.to_string()),
-            ("remat", self.remat.name().to_string()),
-            ("offload", self.offload.name().to_string()),
-            ("key-block", self.key_block.name()),
-            (
-                "loss-chunk",
-                self.loss_chunk.map_or("off".into(), |c| c.to_string()),
-            ),
-            ("mlp-chunk", self.mlp_chunk.name()),
+    /// Every knob's flag by name, with its value as a user types it, or None where the step
+    /// has none to give (no mesh on one device, no loss chunk): plan.json writes these as
+    /// empty or `off`, the command line and the recipe leave them out.
+    fn each(&self) -> [(&'static str, Option<String>); 7] {
+        [
+            ("mesh", self.mesh.as_ref().map(mesh_text)),
+            ("grad-accum", Some(self.grad_accum.to_string())),
+            ("remat", Some(self.remat.name().to_string())),
+            ("offload", Some(self.offload.name().to_string())),
+            ("key-block", Some(self.key_block.name())),
+            ("loss-chunk", self.loss_chunk.map(|c| c.to_string())),
+            ("mlp-chunk", Some(self.mlp_chunk.name())),
         ]
     }
 
-    /// The flags in one line (`--mesh fsdp=4 --remat layer ...`), the mesh left out on one
-    /// device and the loss chunk where there is none.
-    pub fn line(&self) -> String {
-        self.flags()
+    /// Every knob's flag by name and value, as plan.json has them (`mesh` empty on one device;
+    /// `loss-chunk` off where there is none).
+    pub fn flags(&self) -> Vec<(&'static str, String)> {
+        self.each()
             .into_iter()
-            .filter(|(f, v)| !(v.is_empty() || (*f == "loss-chunk" && v == "off")))
+            .map(|(f, v)| {
+                let none = if f == "mesh" { "" } else { "off" };
+                (f, v.unwrap_or_else(|| none.to_string()))
+            })
+            .collect()
+    }
+
+    /// The flags a command line or a recipe gives for these knobs: those with a value.
+    pub fn given(&self) -> Vec<(&'static str, String)> {
+        self.each()
+            .into_iter()
+            .filter_map(|(f, v)| Some((f, v?)))
+            .collect()
+    }
+
+    /// The flags in one line (`--mesh fsdp=4 --remat layer ...`).
+    pub fn line(&self) -> String {
+        self.given()
+            .into_iter()
             .map(|(f, v)| format!("--{f} {v}"))
             .collect::<Vec<_>>()
             .join(" ")
     }
 
-    /// The same settings but for the number of microbatches.
-    pub fn same_but_accumulation(&self, other: &Settings) -> bool {
-        Settings {
+    /// The same knobs but for the number of microbatches.
+    pub fn same_but_accumulation(&self, other: &Knobs) -> bool {
+        Knobs {
             grad_accum: other.grad_accum,
             ..self.clone()
         } == *other
     }
 }
 
-/// `data=2,fsdp=4`, empty for one device.
-pub fn mesh_text(m: &Option<MeshPlan>) -> String {
-    m.as_ref().map_or(String::new(), |m| {
-        let axes: Vec<String> = m.axes.iter().map(|(n, s)| format!("{n}={s}")).collect();
-        axes.join(",")
-    })
+/// `data=2,fsdp=4`.
+pub fn mesh_text(m: &MeshPlan) -> String {
+    let axes: Vec<String> = m.axes.iter().map(|(n, s)| format!("{n}={s}")).collect();
+    axes.join(",")
 }
 
 #[cfg(test)]
@@ -285,7 +320,10 @@ mod tests {
     #[test]
     fn meshes_are_every_factorization_of_the_devices() {
         let rules = Rules::default();
-        let texts: Vec<String> = meshes(4, &rules).iter().map(mesh_text).collect();
+        let texts: Vec<String> = meshes(4, &rules)
+            .iter()
+            .map(|m| mesh_text(m.as_ref().expect("a mesh")))
+            .collect();
         assert_eq!(texts.len(), 10, "{texts:?}");
         for want in [
             "context=4",
@@ -317,8 +355,8 @@ mod tests {
         let rules = Rules::default();
         assert_eq!(Space::default().points(1, 1, 64, &rules).len(), 64);
         let fixed = Space {
-            remat: Some(Remat::Layer),
-            offload: Some(Offload::NONE),
+            remat: Knob::Fixed(Remat::Layer),
+            offload: Knob::Fixed(Offload::NONE),
             ..Space::default()
         };
         let points = fixed.points(1, 2, 64, &rules);

@@ -4,10 +4,13 @@
 //! `ProgramBuilder::model_params`), and the helpers
 //! here read and write one layer of a stacked tensor.
 
-use crate::model::llama::{LayerAdapters, LayerContext, LayerWeights, Llama, LoraPair, Numerics};
+use crate::model::llama::{
+    LayerAdapters, LayerContext, LayerWeights, Linear, Llama, LoraPair, Numerics,
+};
 use crate::model::tensors::{is_projection, layer_kinds};
 use crate::program::spec::StepSpec;
 use hlo::{Builder, DType, MemoryKind, Value};
+use std::collections::BTreeMap;
 
 /// Frozen weights and LoRA values of a program, in argument order.
 #[derive(Clone)]
@@ -163,7 +166,7 @@ impl Layout<'_> {
         }
     }
 
-    /// How many argument values each of a layer's 9 weights takes (4 for an NF4 projection).
+    /// How many argument values each of a layer's weights takes (4 for an NF4 projection).
     pub(super) fn kind_sizes(&self) -> Vec<usize> {
         layer_kinds(&self.spec.model)
             .iter()
@@ -191,14 +194,14 @@ impl Layout<'_> {
     /// One layer's weights from its values (per-layer, not stacked), dequantizing NF4
     /// projections right here, before their matmuls.
     pub(super) fn layer_weights(&self, b: &mut Builder, w: &[Value]) -> hlo::Result<LayerWeights> {
-        let mut dense = Vec::new();
+        let mut by_kind = BTreeMap::new();
         let mut at = 0;
         for ((kind, shape), n) in layer_kinds(&self.spec.model)
             .into_iter()
             .zip(self.kind_sizes())
         {
             let v = if n == 4 {
-                b.scoped(kind, |b| {
+                b.scoped(kind.trim_end_matches(".weight"), |b| {
                     crate::model::quant::dequantize_graph(
                         b,
                         &w[at..at + 4],
@@ -209,20 +212,26 @@ impl Layout<'_> {
             } else {
                 w[at]
             };
-            dense.push(v);
+            by_kind.insert(kind, v);
             at += n;
         }
-        let w = dense;
+        let get = |kind: &str| by_kind.get(kind).copied();
+        let linear = |name: &str| Linear {
+            w: by_kind[format!("self_attn.{name}.weight").as_str()],
+            bias: get(&format!("self_attn.{name}.bias")),
+        };
         Ok(LayerWeights {
-            input_norm: w[0],
-            q: w[1],
-            k: w[2],
-            v: w[3],
-            o: w[4],
-            post_norm: w[5],
-            gate: w[6],
-            up: w[7],
-            down: w[8],
+            input_norm: by_kind["input_layernorm.weight"],
+            q: linear("q_proj"),
+            k: linear("k_proj"),
+            v: linear("v_proj"),
+            o: linear("o_proj"),
+            q_norm: get("self_attn.q_norm.weight"),
+            k_norm: get("self_attn.k_norm.weight"),
+            post_norm: by_kind["post_attention_layernorm.weight"],
+            gate: by_kind["mlp.gate_proj.weight"],
+            up: by_kind["mlp.up_proj.weight"],
+            down: by_kind["mlp.down_proj.weight"],
         })
     }
 

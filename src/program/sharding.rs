@@ -313,10 +313,16 @@ pub fn logical_axes(name: &str, rank: usize) -> Vec<&'static str> {
         vec!["rank", in_ax]
     } else if base.contains("lora_B") {
         vec![out_ax, "rank"]
+    } else if !out_ax.is_empty() && base.ends_with(".bias") {
+        // A projection's bias is split as its outputs are.
+        vec![out_ax]
     } else if !out_ax.is_empty() {
         vec![out_ax, in_ax]
     } else if base.contains("embed_tokens") || base.starts_with("lm_head") {
         vec!["vocab", "embed"]
+    } else if base.contains("q_norm") || base.contains("k_norm") {
+        // One weight over a head's dims, shared by the heads: whole on every device.
+        vec!["none"]
     } else if base.contains("norm") {
         vec!["embed"]
     } else if matches!(base, "input_ids" | "labels" | "attention_mask") {

@@ -23,18 +23,20 @@ pub fn smollm2() -> Result<PathBuf> {
         let generation = dir.join("generation_config.json");
         if !generation.is_file() && gguf.is_file() {
             // Imported by an older xtrain, which wrote no generation_config.json.
-            let g = xtrain::formats::gguf::Gguf::open(&gguf)?;
+            let g = xtrain::formats::gguf::read::Gguf::open(&gguf)?;
             xtrain::formats::atomic::write_bytes_atomic(
                 &generation,
-                serde_json::to_string_pretty(&xtrain::formats::gguf::hf_generation_config(&g))?
-                    .as_bytes(),
+                serde_json::to_string_pretty(
+                    &xtrain::formats::gguf::import::hf_generation_config(&g),
+                )?
+                .as_bytes(),
             )?;
         }
         return Ok(dir);
     }
     pjrt::once::create_once(&gguf, "the SmolLM2 GGUF", |g| g.is_file(), fetch_smollm2)?;
     pjrt::once::create_once(&dir, "the imported SmolLM2", imported, |staged| {
-        xtrain::formats::gguf::import(
+        xtrain::formats::gguf::import::import(
             &gguf,
             staged,
             xtrain::formats::atomic::Replace::Yes,

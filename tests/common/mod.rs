@@ -9,6 +9,12 @@ pub fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-llama3")
 }
 
+/// A family's tiny model and its transformers + PEFT oracle (`qwen2`, `qwen3`, `mistral`:
+/// tests/fixtures/tiny-FAMILY, made by tools/make-family-fixtures).
+pub fn family_dir(family: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("tests/fixtures/tiny-{family}"))
+}
+
 /// A fresh `$TMPDIR/xtrain-test-NAME-PID`. Left in place when the test ends (a failed test's files
 /// can be read), and swept by the next test process to make one once their process is gone: a
 /// run of the whole suite leaves GBs otherwise (copied plugins, venvs, models), which filled a

@@ -264,7 +264,7 @@ fn a_generate_flag_out_of_range_is_refused() {
 fn compile_batch_0_is_refused() {
     compile_is_refused(
         "rel-ranges-compile-batch",
-        &[(&["--batch", "0"], "--batch must be at least 1, got 0")],
+        &[(&["--batch", "0"], "--batch-size must be at least 1, got 0")],
     );
 }
 
@@ -1054,8 +1054,8 @@ fn a_mesh_taken_from_the_target_that_splits_nothing_is_said_to_come_from_the_tar
             "the mesh taken from --target cuda:h100:3, fsdp=3, splits nothing: no dimension it \
              applies to is divisible by 3 (vocab 512, embed 64, q_heads 64, kv_heads 32, mlp \
              128, batch 1), so every tensor would be replicated over it; no mesh axis of 3 \
-             devices divides them, so give a --batch divisible by 3 (e.g. --batch 3, which \
-             fsdp=3 splits), or a --target with a number of devices that divides them (e.g. \
+             devices divides them, so give a --batch-size divisible by 3 (e.g. --batch-size 3, \
+             which fsdp=3 splits), or a --target with a number of devices that divides them (e.g. \
              --target cuda:h100:2)",
         )],
     );

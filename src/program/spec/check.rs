@@ -18,7 +18,7 @@ pub(in crate::program) fn check_spec(spec: &StepSpec) -> Result<()> {
     }
     spec.adam.validate()?;
     if spec.batch < 1 {
-        bail!("--batch must be at least 1, got {}", spec.batch);
+        bail!("--batch-size must be at least 1, got {}", spec.batch);
     }
     if spec.seq < 2 {
         bail!(
@@ -34,6 +34,17 @@ pub(in crate::program) fn check_spec(spec: &StepSpec) -> Result<()> {
             spec.model.max_position_embeddings,
             spec.model.max_position_embeddings
         );
+    }
+    if let Some(w) = spec.model.sliding_window {
+        if spec.seq > w {
+            bail!(
+                "--seq {} is longer than the model's sliding window of {w} tokens (config.json's \
+                 `sliding_window`): its layers let a token see only the {w} before it, which \
+                 xtrain's attention does not implement; use --seq {w} or less, where the window \
+                 changes nothing",
+                spec.seq
+            );
+        }
     }
     if spec.quant.is_nf4() {
         check_nf4_blocks(&spec.model)?;
@@ -70,6 +81,18 @@ pub(in crate::program) fn check_spec(spec: &StepSpec) -> Result<()> {
     }
     if spec.grad_accum < 1 {
         bail!("--grad-accum must be at least 1, got {}", spec.grad_accum);
+    }
+    if let Some(p) = &spec.dpo {
+        p.validate()?;
+        // Each microbatch holds whole pairs (rows 2i and 2i + 1 of the batch).
+        if spec.batch % 2 != 0 || spec.examples() % spec.grad_accum != 0 {
+            bail!(
+                "--grad-accum {} must divide the batch size {} (pairs; {} rows)",
+                spec.grad_accum,
+                spec.examples(),
+                spec.batch
+            );
+        }
     }
     if spec.batch % spec.grad_accum != 0 {
         bail!(
@@ -206,7 +229,8 @@ fn check_nf4_blocks(cfg: &LlamaConfig) -> Result<()> {
         let n: i64 = shape.iter().product();
         if crate::model::tensors::is_projection(kind) && n % block != 0 {
             bail!(
-                "--quant nf4 quantizes in blocks of {block} values, but this model's `{kind}` has {} = {n} values, not a multiple of {block}; train it without --quant",
+                "--quant nf4 quantizes in blocks of {block} values, but this model's `{}` has {} = {n} values, not a multiple of {block}; train it without --quant",
+                kind.trim_end_matches(".weight"),
                 shape.iter().map(|d| d.to_string()).collect::<Vec<_>>().join("x")
             );
         }

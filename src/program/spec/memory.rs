@@ -66,6 +66,25 @@ impl Offload {
         frozen: false,
         activations: false,
     };
+    pub const FROZEN: Offload = Offload {
+        frozen: true,
+        activations: false,
+    };
+    pub const ACTIVATIONS: Offload = Offload {
+        frozen: false,
+        activations: true,
+    };
+    pub const ALL: Offload = Offload {
+        frozen: true,
+        activations: true,
+    };
+    /// Every value, least offloaded first: none, frozen, activations, all.
+    pub const EVERY: [Offload; 4] = [
+        Offload::NONE,
+        Offload::FROZEN,
+        Offload::ACTIVATIONS,
+        Offload::ALL,
+    ];
 
     pub fn is_none(&self) -> bool {
         *self == Offload::NONE
@@ -76,18 +95,9 @@ impl Offload {
     pub fn parse(s: &str) -> Result<Offload> {
         Ok(match s {
             "none" => Offload::NONE,
-            "frozen" => Offload {
-                frozen: true,
-                activations: false,
-            },
-            "activations" => Offload {
-                frozen: false,
-                activations: true,
-            },
-            "all" => Offload {
-                frozen: true,
-                activations: true,
-            },
+            "frozen" => Offload::FROZEN,
+            "activations" => Offload::ACTIVATIONS,
+            "all" => Offload::ALL,
             _ => bail!("--offload must be auto, none, frozen, activations or all, got `{s}`"),
         })
     }
@@ -114,17 +124,7 @@ impl Offload {
     /// What `--offload auto` tries, in order, until the step fits: nothing; the saved
     /// activations (a few GB moved per step); the frozen weights as well (every weight crosses
     /// the host link twice a step).
-    pub const AUTO_ORDER: [Offload; 3] = [
-        Offload::NONE,
-        Offload {
-            frozen: false,
-            activations: true,
-        },
-        Offload {
-            frozen: true,
-            activations: true,
-        },
-    ];
+    pub const AUTO_ORDER: [Offload; 3] = [Offload::NONE, Offload::ACTIVATIONS, Offload::ALL];
 }
 
 /// What the command tries, in order, until the step fits the device's memory, for `--remat`

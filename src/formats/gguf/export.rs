@@ -5,10 +5,11 @@
 //! projection becomes W + (alpha/r) B A (per module with PEFT's rank and alpha patterns); for an
 //! adapter trained with `--quant nf4` every projection is first replaced by its NF4 round trip,
 //! the dequantized base the adapter was trained against. Then the llama.cpp layout: names
-//! (`blk.N.attn_q.weight`...), dims fastest first, the rows of q and k per head reordered from
+//! (`blk.N.attn_q.weight`...) and architecture (`llama` for Llama and Mistral, `qwen2`, `qwen3`:
+//! [`super::arch`]), dims fastest first, for `llama` the rows of q and k per head reordered from
 //! Hugging Face's two rotary halves to llama.cpp's interleaved pairs, llama3 RoPE scaling as the
 //! per-frequency divisors `rope_freqs.weight`, a tied output left out (llama.cpp then reads
-//! `token_embd`), and the tokenizer ([`crate::formats::gguf_vocab`]). Tensors are read, merged,
+//! `token_embd`), and the tokenizer ([`super::vocab`]). Tensors are read, merged,
 //! encoded and written one at a time, so memory holds about one tensor, never the model.
 //!
 //! The adapter alone (`--lora-only`): llama.cpp's LoRA adapter file, `general.type = adapter`,
@@ -16,7 +17,9 @@
 //! A, [r, in]: dims [in, r]) and `<name>.lora_b` (PEFT's B, [out, r]: dims [r, out]), B's rows
 //! of q and k reordered as the base's are, so that B A is reordered as W is.
 
-use crate::formats::gguf_write::{encode, write_gguf, TensorEntry, TensorType, Value};
+use super::arch::{self, gguf_name, Kind, Toward, HPARAMS};
+use super::ggml::{arch_key, key};
+use super::write::{encode, write_gguf, TensorEntry, TensorType, Value};
 use crate::formats::safetensors::WeightFiles;
 use crate::model::config::LlamaConfig;
 use crate::model::lora::{LoraConfig, Projection};
@@ -49,91 +52,45 @@ pub struct ExportOptions<'a> {
 pub struct Exported {
     pub tensors: usize,
     pub bytes: u64,
+    /// The matrices written in f16 rather than the type asked for, whose rows are not a whole
+    /// number of its blocks (llama.cpp's converter does the same).
+    pub in_f16: Vec<String>,
 }
 
-/// llama.cpp's name of a Hugging Face weight.
-pub fn gguf_name(hf: &str) -> Option<String> {
-    if let Some(rest) = hf.strip_prefix("model.layers.") {
-        let (layer, kind) = rest.split_once('.')?;
-        let g = match kind {
-            "input_layernorm.weight" => "attn_norm.weight",
-            "self_attn.q_proj.weight" => "attn_q.weight",
-            "self_attn.k_proj.weight" => "attn_k.weight",
-            "self_attn.v_proj.weight" => "attn_v.weight",
-            "self_attn.o_proj.weight" => "attn_output.weight",
-            "post_attention_layernorm.weight" => "ffn_norm.weight",
-            "mlp.gate_proj.weight" => "ffn_gate.weight",
-            "mlp.up_proj.weight" => "ffn_up.weight",
-            "mlp.down_proj.weight" => "ffn_down.weight",
-            _ => return None,
-        };
-        return Some(format!("blk.{layer}.{g}"));
-    }
-    Some(
-        match hf {
-            "model.embed_tokens.weight" => "token_embd.weight",
-            "model.norm.weight" => "output_norm.weight",
-            "lm_head.weight" => "output.weight",
-            _ => return None,
-        }
-        .to_string(),
-    )
+/// The architecture a model is written as.
+fn arch_of(cfg: &LlamaConfig) -> &'static arch::Arch {
+    arch::arch_of(cfg.family)
 }
 
-/// llama.cpp's row order for q and k: per head, Hugging Face's rows (half, i) become (i, half),
-/// so the two halves rotated together are adjacent. `rows` = heads * head_dim, each of `cols`.
-/// The inverse of [`crate::formats::gguf::unpermute_qk`].
-pub fn permute_qk(w: &[f32], heads: usize, rows: usize, cols: usize) -> Vec<f32> {
-    let half = rows / heads / 2;
-    let mut out = vec![0f32; w.len()];
-    for h in 0..heads {
-        for p in 0..2 {
-            for i in 0..half {
-                let src = ((h * 2 + p) * half + i) * cols;
-                let dst = ((h * half + i) * 2 + p) * cols;
-                out[dst..dst + cols].copy_from_slice(&w[src..src + cols]);
-            }
-        }
-    }
-    out
-}
-
-/// The heads whose rows `hf` (a q or k projection) is reordered by, if it is one.
-fn qk_heads(cfg: &LlamaConfig, hf: &str) -> Option<usize> {
-    if hf.ends_with("self_attn.q_proj.weight") {
-        Some(cfg.num_attention_heads as usize)
-    } else if hf.ends_with("self_attn.k_proj.weight") {
-        Some(cfg.num_key_value_heads as usize)
-    } else {
-        None
-    }
-}
-
-/// The `llama.*` and `general.*` metadata of a model.
-fn model_metadata(cfg: &LlamaConfig, name: &str, ty: TensorType) -> Vec<(String, Value)> {
-    let u = |v: i64| Value::U32(v as u32);
-    let m = vec![
-        ("general.architecture", Value::Str("llama".into())),
-        ("general.name", Value::Str(name.into())),
-        ("general.file_type", Value::U32(ty.file_type())),
-        ("general.quantization_version", Value::U32(2)),
-        ("llama.vocab_size", u(cfg.vocab_size)),
-        ("llama.context_length", u(cfg.max_position_embeddings)),
-        ("llama.embedding_length", u(cfg.hidden_size)),
-        ("llama.block_count", u(cfg.num_hidden_layers)),
-        ("llama.feed_forward_length", u(cfg.intermediate_size)),
-        ("llama.rope.dimension_count", u(cfg.head_dim)),
-        ("llama.attention.head_count", u(cfg.num_attention_heads)),
-        ("llama.attention.head_count_kv", u(cfg.num_key_value_heads)),
-        ("llama.attention.key_length", u(cfg.head_dim)),
-        ("llama.attention.value_length", u(cfg.head_dim)),
-        (
-            "llama.attention.layer_norm_rms_epsilon",
-            Value::F32(cfg.rms_norm_eps as f32),
-        ),
-        ("llama.rope.freq_base", Value::F32(cfg.rope_theta as f32)),
+/// The general and architecture metadata of a model: each of [`HPARAMS`] from config.json's
+/// field of the same name.
+fn model_metadata(cfg: &LlamaConfig, name: &str, ty: TensorType) -> Result<Vec<(String, Value)>> {
+    let a = arch_of(cfg);
+    let mut m = vec![
+        (key::ARCHITECTURE.to_string(), Value::Str(a.name.into())),
+        (key::NAME.to_string(), Value::Str(name.into())),
+        (key::FILE_TYPE.to_string(), Value::U32(ty.file_type())),
+        (key::QUANTIZATION_VERSION.to_string(), Value::U32(2)),
     ];
-    m.into_iter().map(|(k, v)| (k.to_string(), v)).collect()
+    let fields = serde_json::to_value(cfg)?;
+    for h in HPARAMS {
+        let v = &fields[h.field];
+        let value = match h.kind {
+            Kind::Int => v
+                .as_u64()
+                .and_then(|v| u32::try_from(v).ok())
+                .map(Value::U32),
+            Kind::Float => v.as_f64().map(|v| Value::F32(v as f32)),
+        };
+        let value = value.with_context(|| {
+            format!(
+                "config field `{}` = {v} does not fit GGUF's `{}`",
+                h.field, h.key
+            )
+        })?;
+        m.push((arch_key(a.name, h.key), value));
+    }
+    Ok(m)
 }
 
 /// The type a tensor of `dims` (ggml order) is written as: vectors in f32 (as llama.cpp's
@@ -241,9 +198,9 @@ fn merged_plan(
         &first.1,
         Source::Weight(first.0.clone()),
     );
-    if let Some(f) = crate::formats::gguf::rope_freqs(cfg) {
+    if let Some(f) = arch::rope_freqs(cfg) {
         push(
-            "rope_freqs.weight".into(),
+            arch::ROPE_FREQS.into(),
             &[f.len() as i64],
             Source::RopeFreqs(f),
         );
@@ -315,22 +272,27 @@ pub fn export_merged(
     if adapter.is_none() && opts.base == Base::Nf4 {
         note("writing the NF4 round trip of every projection (no adapter given)".into());
     }
+    if let Some(window) = cfg.sliding_window {
+        note(format!(
+            "this model's attention slides over {window} tokens; llama.cpp's `{}` attends over \
+             the whole context, so the two agree on contexts up to {window} tokens",
+            arch_of(&cfg).name
+        ));
+    }
     let (entries, sources) = merged_plan(&cfg, &files, opts.ty)?;
-    let mut meta = model_metadata(&cfg, &model_name(opts.model), opts.ty);
-    meta.extend(crate::formats::gguf_vocab::tokenizer_metadata(
+    let mut meta = model_metadata(&cfg, &model_name(opts.model), opts.ty)?;
+    meta.extend(super::vocab::tokenizer_metadata(
         opts.model,
         cfg.vocab_size as usize,
         note,
     )?);
     let total = entries.len();
-    write_file(out, opts.replace, &meta, &entries, |i| {
+    write_file(out, opts, &meta, &entries, |i| {
         let bytes = match &sources[i] {
             Source::RopeFreqs(f) => encode(f, entries[i].ty),
             Source::Weight(hf) => {
-                let (mut w, dims) = merged_weight(&files, hf, opts.base, adapter.as_ref())?;
-                if let Some(heads) = qk_heads(&cfg, hf) {
-                    w = permute_qk(&w, heads, dims[0] as usize, dims[1] as usize);
-                }
+                let (w, dims) = merged_weight(&files, hf, opts.base, adapter.as_ref())?;
+                let w = arch_of(&cfg).reordered(&cfg, hf, w, &dims, Toward::Gguf);
                 let merged = adapter
                     .as_ref()
                     .is_some_and(|(l, _)| adapted(l, hf).is_some());
@@ -347,21 +309,30 @@ pub fn export_merged(
     })
 }
 
-/// Write `out` atomically: a temp file beside it renamed into place once complete.
+/// Write `out` atomically: a temp file beside it, put in place once complete (renamed over `out`
+/// with [`Replace::Yes`], linked where `out` is still free with [`Replace::No`]).
+///
+/// [`Replace::Yes`]: crate::formats::atomic::Replace::Yes
+/// [`Replace::No`]: crate::formats::atomic::Replace::No
 fn write_file(
     out: &Path,
-    replace: crate::formats::atomic::Replace,
+    opts: &ExportOptions,
     meta: &[(String, Value)],
     entries: &[TensorEntry],
     data: impl FnMut(usize) -> Result<Vec<u8>>,
 ) -> Result<Exported> {
     let mut data = data;
-    crate::formats::atomic::write_atomic_as(out, replace, |w| {
+    crate::formats::atomic::write_atomic_as(out, opts.replace, |w| {
         write_gguf(w, meta, entries, &mut data).map_err(|e| std::io::Error::other(format!("{e:#}")))
     })?;
     Ok(Exported {
         tensors: entries.len(),
         bytes: std::fs::metadata(out).map(|m| m.len()).unwrap_or(0),
+        in_f16: entries
+            .iter()
+            .filter(|e| e.dims.len() >= 2 && e.ty != opts.ty)
+            .map(|e| e.name.clone())
+            .collect(),
     })
 }
 
@@ -376,23 +347,21 @@ pub fn export_lora(
         .context("--lora-only writes an adapter: give it with --adapter")?;
     let cfg = LlamaConfig::load(opts.model)?;
     let (lora, tensors) = crate::formats::peft::load_adapter(dir, &cfg)?;
-    let mut meta = vec![
+    let a = arch_of(&cfg);
+    let meta = vec![
+        (key::ARCHITECTURE.to_string(), Value::Str(a.name.into())),
+        (key::TYPE.to_string(), Value::Str("adapter".into())),
         (
-            "general.architecture".to_string(),
-            Value::Str("llama".into()),
-        ),
-        ("general.type".to_string(), Value::Str("adapter".into())),
-        (
-            "general.name".to_string(),
+            key::NAME.to_string(),
             Value::Str(format!("{} LoRA", model_name(opts.model))),
         ),
-        ("adapter.type".to_string(), Value::Str("lora".into())),
+        (key::ADAPTER_TYPE.to_string(), Value::Str("lora".into())),
         (
-            "adapter.lora.alpha".to_string(),
+            key::ADAPTER_LORA_ALPHA.to_string(),
             Value::F32(lora.alpha as f32),
         ),
+        (key::FILE_TYPE.to_string(), Value::U32(opts.ty.file_type())),
     ];
-    meta.push(("general.file_type".into(), Value::U32(opts.ty.file_type())));
     let mut entries = Vec::new();
     let mut sources = Vec::new();
     for l in 0..cfg.num_hidden_layers {
@@ -410,7 +379,9 @@ pub fn export_lora(
                     dims,
                     ty,
                 });
-                sources.push((t.peft_name(l, which), which == "B", qk_heads(&cfg, &hf)));
+                // B's rows are W's rows: reordered as W is, so that B A is.
+                let reordered_as = (which == "B").then(|| hf.clone());
+                sources.push((t.peft_name(l, which), reordered_as));
             }
         }
     }
@@ -418,12 +389,12 @@ pub fn export_lora(
         bail!("{}: the adapter adapts no weight", dir.display());
     }
     let total = entries.len();
-    write_file(out, opts.replace, &meta, &entries, |i| {
-        let (name, is_b, heads) = &sources[i];
+    write_file(out, opts, &meta, &entries, |i| {
+        let (name, reordered_as) = &sources[i];
         let t = &tensors[name];
         let mut v = t.to_f32()?;
-        if let (true, Some(heads)) = (is_b, heads) {
-            v = permute_qk(&v, *heads, t.dims[0] as usize, t.dims[1] as usize);
+        if let Some(w) = reordered_as {
+            v = a.reordered(&cfg, w, v, &t.dims, Toward::Gguf);
         }
         progress(i + 1, total, &entries[i].name)?;
         encoded(name, "in the adapter", &v, entries[i].ty)
@@ -456,43 +427,4 @@ fn encoded(name: &str, what: &str, values: &[f32], ty: TensorType) -> Result<Vec
         );
     }
     Ok(encode(values, ty))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn permute_qk_is_undone_by_the_importers_unpermute() {
-        let (heads, head_dim, cols) = (3, 8, 5);
-        let w: Vec<f32> = (0..heads * head_dim * cols).map(|i| i as f32).collect();
-        let p = permute_qk(&w, heads, heads * head_dim, cols);
-        assert_ne!(p, w);
-        let back = crate::formats::gguf::unpermute_qk(&p, heads, heads * head_dim, cols);
-        assert_eq!(back, w);
-        // Head 0's row 1 of GGUF is its second half's first row in Hugging Face's order.
-        assert_eq!(
-            p[cols..2 * cols],
-            w[(head_dim / 2) * cols..(head_dim / 2 + 1) * cols]
-        );
-    }
-
-    #[test]
-    fn rope_freqs_divide_the_plain_frequencies_into_the_scaled_ones() {
-        let cfg = crate::model::presets::preset_config("llama-3.1-8b")
-            .unwrap()
-            .unwrap();
-        let f = crate::formats::gguf::rope_freqs(&cfg).unwrap();
-        assert_eq!(f.len(), 64);
-        // High frequencies unscaled, low ones divided by the factor (8).
-        assert_eq!(f[0], 1.0);
-        assert!((f[63] - 8.0).abs() < 1e-4, "{}", f[63]);
-        let tiny = crate::model::presets::preset_config("tiny-llama3")
-            .unwrap()
-            .unwrap();
-        assert_eq!(
-            crate::formats::gguf::rope_freqs(&tiny).is_some(),
-            tiny.rope_scaling.is_some()
-        );
-    }
 }

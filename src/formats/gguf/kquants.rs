@@ -2,45 +2,32 @@
 //! quantized per-sub-block scales) and Q5_0/Q5_1 (blocks of 32 with a fifth bit per value), the
 //! block formats of the GGUF files people hold (a Q4_K_M file mixes Q4_K, Q5_K or Q5_0, Q6_K and
 //! Q8_0). Each follows ggml's reference dequantizer value for value: the same layout, the same
-//! f32 operations in the same order; `tests/gguf_export.rs` checks each against the `gguf`
-//! package's dequantization of the same bytes.
+//! f32 operations in the same order; `tests/llama_cpp.rs`
+//! (`every_block_type_dequantizes_as_llama_cpps_reader_does`) checks each against the `gguf`
+//! package's dequantization of the same bytes. The layouts are [`super::ggml::TYPES`]'.
 
+use super::ggml;
 use half::f16;
-
-/// Values per K-quant super-block.
-const QK_K: usize = 256;
-
-/// (values per block, bytes per block, name) of the types this module reads.
-pub fn layout(ggml_type: u32) -> Option<(u64, u64, &'static str)> {
-    Some(match ggml_type {
-        6 => (32, 22, "Q5_0"),
-        7 => (32, 24, "Q5_1"),
-        10 => (QK_K as u64, 84, "Q2_K"),
-        11 => (QK_K as u64, 110, "Q3_K"),
-        12 => (QK_K as u64, 144, "Q4_K"),
-        13 => (QK_K as u64, 176, "Q5_K"),
-        14 => (QK_K as u64, 210, "Q6_K"),
-        _ => return None,
-    })
-}
 
 fn h(b: &[u8]) -> f32 {
     f16::from_le_bytes([b[0], b[1]]).to_f32()
 }
 
-/// Dequantize whole blocks `raw` of type `ggml_type` (one of [`layout`]'s) onto `out`.
+/// Dequantize whole blocks `raw` of type `ggml_type` (Q5_0, Q5_1 or a K-quant) onto `out`.
 pub fn dequantize(ggml_type: u32, raw: &[u8], out: &mut Vec<f32>) {
-    let (_, bytes, _) = layout(ggml_type).expect("a type of this module");
-    for blk in raw.chunks_exact(bytes as usize) {
-        match ggml_type {
-            6 => q5(blk, false, out),
-            7 => q5(blk, true, out),
-            10 => q2_k(blk, out),
-            11 => q3_k(blk, out),
-            12 => q4_k(blk, out),
-            13 => q5_k(blk, out),
-            _ => q6_k(blk, out),
-        }
+    let blocks = |f: fn(&[u8], &mut Vec<f32>), out: &mut Vec<f32>| {
+        let bytes = ggml::layout(ggml_type).expect("a type xtrain reads").bytes;
+        raw.chunks_exact(bytes as usize).for_each(|b| f(b, out));
+    };
+    match ggml_type {
+        ggml::Q5_0 => blocks(|b, out| q5(b, false, out), out),
+        ggml::Q5_1 => blocks(|b, out| q5(b, true, out), out),
+        ggml::Q2_K => blocks(q2_k, out),
+        ggml::Q3_K => blocks(q3_k, out),
+        ggml::Q4_K => blocks(q4_k, out),
+        ggml::Q5_K => blocks(q5_k, out),
+        ggml::Q6_K => blocks(q6_k, out),
+        other => unreachable!("ggml type {other} is not a K-quant or Q5"),
     }
 }
 

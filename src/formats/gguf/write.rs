@@ -7,8 +7,10 @@
 //! as a string key, a u32 value type and the value; each tensor as its name, dimension count,
 //! dims fastest-varying first (a Hugging Face `[out, in]` weight is `[in, out]`), ggml type and
 //! the offset of its data from the start of the data section; padding to `general.alignment`
-//! (32); then the data, each tensor starting at a multiple of the alignment.
+//! (32); then the data, each tensor starting at a multiple of the alignment. The numbers are
+//! [`super::ggml`]'s.
 
+use super::ggml::{self, ValueType};
 use anyhow::{bail, Context, Result};
 use half::{bf16, f16};
 use std::io::Write;
@@ -39,42 +41,55 @@ pub enum TensorType {
 }
 
 impl TensorType {
+    pub const ALL: [TensorType; 4] = [
+        TensorType::F32,
+        TensorType::F16,
+        TensorType::BF16,
+        TensorType::Q8_0,
+    ];
+
     /// ggml's type id.
     pub fn ggml_id(self) -> u32 {
         match self {
-            TensorType::F32 => 0,
-            TensorType::F16 => 1,
-            TensorType::Q8_0 => 8,
-            TensorType::BF16 => 30,
+            TensorType::F32 => ggml::F32,
+            TensorType::F16 => ggml::F16,
+            TensorType::Q8_0 => ggml::Q8_0,
+            TensorType::BF16 => ggml::BF16,
         }
     }
 
-    /// (values per block, bytes per block).
-    pub fn block(self) -> (u64, u64) {
-        match self {
-            TensorType::F32 => (1, 4),
-            TensorType::F16 | TensorType::BF16 => (1, 2),
-            TensorType::Q8_0 => (32, 34),
-        }
+    fn ggml(self) -> &'static ggml::GgmlType {
+        ggml::ggml_type(self.ggml_id()).expect("a written type is in ggml's table")
     }
 
-    pub fn name(self) -> &'static str {
-        match self {
-            TensorType::F32 => "f32",
-            TensorType::F16 => "f16",
-            TensorType::BF16 => "bf16",
-            TensorType::Q8_0 => "q8_0",
-        }
+    /// ggml's layout of the type.
+    pub fn layout(self) -> ggml::Layout {
+        self.ggml()
+            .layout
+            .expect("a written type is one xtrain reads")
+    }
+
+    /// The name `--type` takes (ggml's, in lower case).
+    pub fn name(self) -> String {
+        self.ggml().name.to_ascii_lowercase()
     }
 
     pub fn parse(s: &str) -> Result<TensorType> {
-        Ok(match s.to_ascii_lowercase().as_str() {
-            "f32" => TensorType::F32,
-            "f16" => TensorType::F16,
-            "bf16" => TensorType::BF16,
-            "q8_0" => TensorType::Q8_0,
-            _ => bail!("--type {s}: choose f32, f16, bf16 or q8_0"),
-        })
+        let lower = s.to_ascii_lowercase();
+        if let Some(t) = TensorType::ALL.into_iter().find(|t| t.name() == lower) {
+            return Ok(t);
+        }
+        let ours = TensorType::ALL.map(|t| t.name()).join(", ");
+        // A name of llama.cpp's quantizations (Q4_K_M, IQ4_XS, TQ1_0...): how to get one.
+        if ["q", "iq", "tq"].iter().any(|p| lower.starts_with(p)) {
+            let upper = s.to_ascii_uppercase();
+            bail!(
+                "--type {s}: xtrain writes {ours}; for {upper}, export f16 and quantize that \
+                 file with llama.cpp's own tool: `llama-quantize model-f16.gguf \
+                 model-{lower}.gguf {upper}`"
+            );
+        }
+        bail!("--type {s}: choose {ours}")
     }
 
     /// `general.file_type` of a file whose matrices are of this type (llama.cpp's
@@ -91,7 +106,7 @@ impl TensorType {
     /// The bytes of a tensor of `n` values, or None when `row` (the fastest dim) is not a
     /// whole number of blocks.
     pub fn bytes(self, n: u64, row: u64) -> Option<u64> {
-        let (block, bytes) = self.block();
+        let ggml::Layout { block, bytes } = self.layout();
         row.is_multiple_of(block).then(|| n / block * bytes)
     }
 }
@@ -123,37 +138,37 @@ fn put_str(w: &mut impl Write, s: &str) -> std::io::Result<()> {
 }
 
 fn put_value(w: &mut impl Write, v: &Value) -> std::io::Result<()> {
-    let ty = |w: &mut dyn Write, t: u32| w.write_all(&t.to_le_bytes());
+    let ty = |w: &mut dyn Write, t: ValueType| w.write_all(&t.id().to_le_bytes());
     match v {
         Value::U32(x) => {
-            ty(w, 4)?;
+            ty(w, ValueType::U32)?;
             w.write_all(&x.to_le_bytes())
         }
         Value::I32(x) => {
-            ty(w, 5)?;
+            ty(w, ValueType::I32)?;
             w.write_all(&x.to_le_bytes())
         }
         Value::F32(x) => {
-            ty(w, 6)?;
+            ty(w, ValueType::F32)?;
             w.write_all(&x.to_le_bytes())
         }
         Value::Bool(x) => {
-            ty(w, 7)?;
+            ty(w, ValueType::Bool)?;
             w.write_all(&[*x as u8])
         }
         Value::Str(s) => {
-            ty(w, 8)?;
+            ty(w, ValueType::Str)?;
             put_str(w, s)
         }
         Value::Strs(list) => {
-            ty(w, 9)?;
-            ty(w, 8)?;
+            ty(w, ValueType::Array)?;
+            ty(w, ValueType::Str)?;
             w.write_all(&(list.len() as u64).to_le_bytes())?;
             list.iter().try_for_each(|s| put_str(w, s))
         }
         Value::I32s(list) => {
-            ty(w, 9)?;
-            ty(w, 5)?;
+            ty(w, ValueType::Array)?;
+            ty(w, ValueType::I32)?;
             w.write_all(&(list.len() as u64).to_le_bytes())?;
             list.iter().try_for_each(|x| w.write_all(&x.to_le_bytes()))
         }
@@ -202,7 +217,7 @@ pub fn write_gguf(
         .map_err(io)?;
     w.write_all(&(meta.len() as u64 + 1).to_le_bytes())
         .map_err(io)?;
-    put_str(&mut w, "general.alignment").map_err(io)?;
+    put_str(&mut w, ggml::key::ALIGNMENT).map_err(io)?;
     put_value(&mut w, &Value::U32(ALIGNMENT as u32)).map_err(io)?;
     for (k, v) in meta {
         put_str(&mut w, k).map_err(io)?;
@@ -314,7 +329,7 @@ mod tests {
             })
         })
         .unwrap();
-        let g = crate::formats::gguf::Gguf::parse(file).unwrap();
+        let g = crate::formats::gguf::read::Gguf::parse(file).unwrap();
         assert_eq!(g.meta["llama.block_count"].as_i64(), Some(2));
         assert_eq!(g.meta["x.f"].as_f64(), Some(0.5));
         let a = g.dequantize(g.tensor("a").unwrap()).unwrap();

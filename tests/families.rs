@@ -1,0 +1,315 @@
+//! Qwen2, Qwen3 and Mistral through the one step, against transformers + PEFT
+//! (tests/fixtures/tiny-{qwen2,qwen3,mistral}, made by tools/make-family-fixtures: tiny random
+//! models with Qwen2's q/k/v biases and tied embeddings, Qwen3's per-head q/k norms and an
+//! explicit head_dim, Mistral's explicit head_dim and a sliding window as long as the batch's
+//! rows). f32 throughout; the tolerances are the and the Llama oracle's: logits 1e-4,
+//! losses 1e-5, every LoRA gradient 1e-4 relative (its L2 error over its L2 norm), the
+//! adapter after 3 AdamW steps 1e-4, each a few f32 roundings of sums over at most 64 terms
+//! taken in another order than torch's. (AdamW's update divides each gradient by its own
+//! magnitude, so where a gradient is near zero its rounding shows in the update: Qwen3's
+//! per-head norm makes q and k's gradients along each head's own direction vanish, and its
+//! adapter after 3 steps is within 5e-5 where the others are within 1e-6.)
+
+mod common;
+use common::*;
+use pjrt::{CompileOptions, ElementType, HostTensor};
+use std::collections::BTreeMap;
+use xtrain::data::Batch;
+use xtrain::device::runtime::Runtime;
+use xtrain::device::trainer::Trainer;
+use xtrain::formats::safetensors::SafeTensors;
+use xtrain::model::config::{Family, LlamaConfig};
+use xtrain::model::lora::{LoraConfig, Projection};
+use xtrain::model::optim::AdamW;
+use xtrain::program::sharding::{parse_mesh, Rules};
+use xtrain::program::{self, MeshPlan, Program, Remat, Role, StepSpec};
+
+const FAMILIES: [&str; 3] = ["qwen2", "qwen3", "mistral"];
+
+fn lora() -> LoraConfig {
+    LoraConfig {
+        r: 8,
+        alpha: 16.0,
+        dropout: 0.0,
+        targets: Projection::ALL.to_vec(),
+    }
+}
+
+fn spec(family: &str, mesh: Option<&str>, remat: Remat) -> StepSpec {
+    let model = LlamaConfig::load(&family_dir(family).join("model")).unwrap();
+    StepSpec {
+        remat,
+        adam: AdamW {
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+            max_grad_norm: 0.0,
+        },
+        mesh: mesh.map(|m| MeshPlan {
+            axes: parse_mesh(m).unwrap().axes,
+            rules: Rules::default(),
+        }),
+        ..StepSpec::new(model, lora(), 2, 16, hlo::DType::F32)
+    }
+}
+
+fn read(family: &str, file: &str) -> SafeTensors {
+    SafeTensors::open(&family_dir(family).join(file)).unwrap()
+}
+
+fn f32s(t: &HostTensor) -> Vec<f32> {
+    t.to_f32_lossy().unwrap()
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+fn manifest(family: &str) -> serde_json::Value {
+    let text = std::fs::read_to_string(family_dir(family).join("manifest.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+/// A program's inputs by argument: the family's weights, `lora` (per-layer PEFT names,
+/// stacked where the program loops), the fixture's batch.
+fn inputs(
+    p: &Program,
+    s: &StepSpec,
+    family: &str,
+    lora: &BTreeMap<String, HostTensor>,
+) -> Vec<HostTensor> {
+    let weights = xtrain::formats::weights::load(
+        &family_dir(family).join("model"),
+        &s.model,
+        &p.frozen_shapes(),
+        ElementType::F32,
+        |_, _| {},
+    )
+    .unwrap();
+    let state_names: Vec<(String, Vec<i64>)> = p
+        .args
+        .iter()
+        .filter(|a| a.role == Role::Lora)
+        .map(|a| (a.name.clone(), a.shape.clone()))
+        .collect();
+    let state =
+        xtrain::formats::host::to_program_layout(&state_names, lora, s.model.num_hidden_layers)
+            .unwrap();
+    let batch = read(family, "inputs.safetensors");
+    let (mut w, mut st) = (weights.into_iter(), state.into_iter());
+    p.args
+        .iter()
+        .map(|a| match a.role {
+            Role::Frozen => w.next().unwrap(),
+            Role::Lora => st.next().unwrap(),
+            Role::InputIds | Role::Labels | Role::AttentionMask => {
+                xtrain::formats::host::convert(&batch.read(&a.name).unwrap(), ElementType::S32)
+                    .unwrap()
+            }
+            r => panic!("no input for {} ({r:?})", a.name),
+        })
+        .collect()
+}
+
+/// Runs `p` on as many CPU devices as its mesh has, each argument cut into its devices'
+/// shards; the results put back together, stacked (`layers.*`) ones split per layer.
+fn execute(p: &Program, s: &StepSpec, host: &[HostTensor]) -> BTreeMap<String, HostTensor> {
+    let n = p.partitions;
+    let rt = Runtime::open(Some("cpu"), Some(n)).unwrap();
+    let exe = rt.compile(p, &CompileOptions::default()).unwrap();
+    let mesh = s.mesh.as_ref().map(|m| m.mesh());
+    let mut per_device: Vec<Vec<_>> = (0..n).map(|_| Vec::new()).collect();
+    for (t, sh) in host.iter().zip(p.arg_shardings(s)) {
+        for (d, buf) in rt
+            .upload_sharded(t, &sh, mesh.as_ref())
+            .unwrap()
+            .into_iter()
+            .enumerate()
+        {
+            per_device[d].push(buf);
+        }
+    }
+    let refs: Vec<Vec<_>> = per_device.iter().map(|v| v.iter().collect()).collect();
+    let out = exe.execute(&refs).unwrap();
+    let shardings = p.result_shardings(s);
+    let results =
+        p.results
+            .iter()
+            .enumerate()
+            .map(|(k, r)| {
+                let shards: Vec<HostTensor> = out.iter().map(|d| d[k].to_host().unwrap()).collect();
+                let t = match &mesh {
+                    Some(m) => xtrain::device::shards::unshard(&shards, &r.shape, &shardings[k], m)
+                        .unwrap(),
+                    None => shards[0].clone(),
+                };
+                (r.name.clone(), t)
+            })
+            .collect();
+    xtrain::formats::host::from_program_layout(results)
+}
+
+fn adapter(family: &str, dir: &str) -> BTreeMap<String, HostTensor> {
+    let s = spec(family, None, Remat::None);
+    xtrain::formats::peft::read_tensors(&family_dir(family).join(dir), &s.model, &lora()).unwrap()
+}
+
+#[test]
+fn each_familys_config_reads_alike_in_both_forms_with_its_switches() {
+    for f in FAMILIES {
+        let d = family_dir(f).join("model");
+        let v5 = LlamaConfig::load(&d.join("config.json")).unwrap();
+        let v4 = LlamaConfig::load(&d.join("config.v4.json")).unwrap();
+        assert_eq!(v5, v4, "{f}");
+        let (bias, norm, tie, head_dim, window) = match f {
+            "qwen2" => (true, false, true, 8, None),
+            "qwen3" => (false, true, false, 16, None),
+            _ => (false, false, false, 16, Some(16)),
+        };
+        assert_eq!(v5.family.model_type(), f);
+        assert_eq!(
+            (
+                v5.qkv_bias,
+                v5.qk_norm,
+                v5.tie_word_embeddings,
+                v5.head_dim,
+                v5.sliding_window
+            ),
+            (bias, norm, tie, head_dim, window),
+            "{f}"
+        );
+        assert_eq!(v5.rope_theta, 1e6, "{f}");
+    }
+}
+
+/// The base model's logits and loss, and with the initial adapter the loss and all 28 LoRA
+/// gradients: on one device with the layers unrolled, and on `tensor=2` with the layers looped
+/// (each weight, bias and norm stacked over layers and cut over the two devices).
+#[test]
+fn each_family_gives_transformers_logits_loss_and_every_lora_gradient_on_one_device_and_tensor_2() {
+    for f in FAMILIES {
+        let base = read(f, "base_outputs.safetensors");
+        let lo = read(f, "lora_outputs.safetensors");
+        let init = adapter(f, "adapter_init");
+        for (mesh, remat) in [(None, Remat::None), (Some("tensor=2"), Remat::Layer)] {
+            let what = format!("{f} on {}", mesh.unwrap_or("one device"));
+            let s = spec(f, mesh, remat);
+            let p = program::build_forward(&s, false).unwrap();
+            let out = execute(&p, &s, &inputs(&p, &s, f, &BTreeMap::new()));
+            let d = max_abs_diff(&f32s(&out["logits"]), &f32s(&base.read("logits").unwrap()));
+            assert!(
+                d <= 1e-4,
+                "{what}: base logits differ by {d} (tolerance 1e-4)"
+            );
+            let (loss, want) = (
+                out["loss"].scalar_f32().unwrap(),
+                base.read("loss").unwrap().scalar_f32().unwrap(),
+            );
+            assert!(
+                (loss - want).abs() <= 1e-5,
+                "{what}: base loss {loss} vs {want}"
+            );
+
+            let p = program::build_grad_program(&s).unwrap();
+            let out = execute(&p, &s, &inputs(&p, &s, f, &init));
+            let (loss, want) = (
+                out["loss"].scalar_f32().unwrap(),
+                lo.read("loss").unwrap().scalar_f32().unwrap(),
+            );
+            assert!(
+                (loss - want).abs() <= 1e-5,
+                "{what}: LoRA loss {loss} vs {want}"
+            );
+            let (mut checked, mut worst) = (0, 0f32);
+            for (name, t) in out.iter().filter(|(n, _)| n.starts_with("grad.")) {
+                let (got, want) = (f32s(t), f32s(&lo.read(name).unwrap()));
+                let err: f32 = got
+                    .iter()
+                    .zip(&want)
+                    .map(|(a, b)| (a - b) * (a - b))
+                    .sum::<f32>()
+                    .sqrt();
+                let norm: f32 = want.iter().map(|b| b * b).sum::<f32>().sqrt();
+                assert!(
+                    err / norm <= 1e-4,
+                    "{what} {name}: relative error {} (tolerance 1e-4)",
+                    err / norm
+                );
+                worst = worst.max(err / norm);
+                checked += 1;
+            }
+            assert_eq!(checked, 28, "{what}");
+            eprintln!("{what}: base logits within {d:.1e}, LoRA loss within {:.1e}, gradients within {worst:.1e} relative", (loss - want).abs());
+        }
+    }
+}
+
+/// Three AdamW steps from the fixture's initial adapter, as `xtrain train` takes them (the
+/// trainer, the whole step in one program): the losses PEFT saw before each update, and the
+/// adapter after the third equal to PEFT's `adapter_step3`.
+#[test]
+fn three_adamw_steps_give_peft_adapter_on_one_device_and_tensor_2() {
+    for f in FAMILIES {
+        let want_losses: Vec<f64> = manifest(f)["lora"]["losses_at_steps_1_2_3_before_update"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap())
+            .collect();
+        let want = adapter(f, "adapter_step3");
+        for mesh in [None, Some("tensor=2")] {
+            let what = format!("{f} on {}", mesh.unwrap_or("one device"));
+            let s = spec(f, mesh, Remat::Layer);
+            let p = program::build_train_step(&s).unwrap();
+            let weights = xtrain::formats::weights::load(
+                &family_dir(f).join("model"),
+                &s.model,
+                &p.frozen_shapes(),
+                ElementType::F32,
+                |_, _| {},
+            )
+            .unwrap();
+            let rt = Runtime::open(Some("cpu"), Some(p.partitions)).unwrap();
+            let init = adapter(f, "adapter_init");
+            let mut t =
+                Trainer::new(rt, s, p, weights, &init, &Default::default(), false, false).unwrap();
+            let batch = Batch::from_safetensors(&family_dir(f).join("inputs.safetensors")).unwrap();
+            for (step, want) in want_losses.iter().enumerate() {
+                let (loss, _) = t.step(&batch, 1e-3).unwrap();
+                assert!(
+                    (loss as f64 - want).abs() <= 1e-5,
+                    "{what} step {}: loss {loss} vs {want}",
+                    step + 1
+                );
+            }
+            let (got, _) = t.state_to_host().unwrap();
+            assert_eq!(got.len(), 28, "{what}");
+            let mut worst = 0f32;
+            for (name, w) in &want {
+                let d = max_abs_diff(&f32s(&got[name]), &f32s(w));
+                assert!(
+                    d <= 1e-4,
+                    "{what}: {name} after 3 steps differs by {d} (tolerance 1e-4)"
+                );
+                worst = worst.max(d);
+            }
+            eprintln!("{what}: the adapter after 3 steps within {worst:.1e}");
+        }
+    }
+}
+
+/// `Family` round-trips through the names config.json uses.
+#[test]
+fn family_names_are_config_model_types() {
+    for f in Family::ALL {
+        let j = serde_json::json!({"model_type": f.model_type(), "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "vocab_size": 512, "head_dim": 16});
+        assert_eq!(LlamaConfig::from_json(&j).unwrap().family, f);
+    }
+}
