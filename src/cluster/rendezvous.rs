@@ -145,10 +145,12 @@ impl Peers {
             };
             let theirs: Value = serde_json::from_slice(&bytes)
                 .with_context(|| format!("process {p}'s settings in the store are not JSON"))?;
-            let their_host = theirs["host"].as_str().unwrap_or("?").to_string();
+            // A peer's words reach this terminal: escaped, and short.
+            let their_host = crate::words::escaped(theirs["host"].as_str().unwrap_or("?"), 255);
             let empty = serde_json::Map::new();
             let them = theirs["settings"].as_object().unwrap_or(&empty);
             if let Some(diff) = difference(settings, them) {
+                let diff = crate::words::escaped(&diff, 4096);
                 bail!(
                     "process {p} (on {their_host}) was started with other settings than this one \
                      ({}, on {}): {diff}. Every process of a run must run the same command \
