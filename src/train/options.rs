@@ -244,13 +244,17 @@ impl TrainOptions {
             && self.resume.is_none()
         {
             bail!(
-                "--reference start compares the policy with the adapter the run starts from, but                  no --init-adapter was given: give --init-adapter DIR (e.g. an SFT run's adapter),                  or --reference base to compare with the model without an adapter"
+                "--reference start compares the policy with the adapter the run starts from, but \
+                 no --init-adapter was given: give --init-adapter DIR (e.g. an SFT run's \
+                 adapter), or --reference base to compare with the model without an adapter"
             );
         }
         for flag in ["train-on-prompt", "text-column", "messages-column"] {
             if self.given(flag) {
                 bail!(
-                    "--{flag} ({}) shapes supervised examples; --method dpo trains on pairs                      {{\"prompt\", \"chosen\", \"rejected\"}} whose loss is on the completions                      only: leave --{flag} out",
+                    "--{flag} ({}) shapes supervised examples; --method dpo trains on pairs \
+                     {{\"prompt\", \"chosen\", \"rejected\"}} whose loss is on the \
+                     completions only: leave --{flag} out",
                     self.given_by(flag)
                 );
             }
