@@ -243,10 +243,14 @@ impl TrainOptions {
             && self.init_adapter.is_none()
             && self.resume.is_none()
         {
+            let fix = match self.taken_from.get("reference") {
+                Some(from) => format!("({from} it)"),
+                None => "or --reference base to compare with the model without an adapter".into(),
+            };
             bail!(
                 "--reference start compares the policy with the adapter the run starts from, but \
                  no --init-adapter was given: give --init-adapter DIR (e.g. an SFT run's \
-                 adapter), or --reference base to compare with the model without an adapter"
+                 adapter) {fix}"
             );
         }
         for flag in ["train-on-prompt", "text-column", "messages-column"] {
