@@ -29,6 +29,7 @@ pub enum Value {
     Str(String),
     Strs(Vec<String>),
     I32s(Vec<i32>),
+    F32s(Vec<f32>),
 }
 
 /// The tensor types xtrain writes.
@@ -75,16 +76,21 @@ impl TensorType {
     }
 
     pub fn parse(s: &str) -> Result<TensorType> {
-        match TensorType::ALL
-            .into_iter()
-            .find(|t| t.name() == s.to_ascii_lowercase())
-        {
-            Some(t) => Ok(t),
-            None => bail!(
-                "--type {s}: choose {}",
-                TensorType::ALL.map(|t| t.name()).join(", ")
-            ),
+        let lower = s.to_ascii_lowercase();
+        if let Some(t) = TensorType::ALL.into_iter().find(|t| t.name() == lower) {
+            return Ok(t);
         }
+        let ours = TensorType::ALL.map(|t| t.name()).join(", ");
+        // A name of llama.cpp's quantizations (Q4_K_M, IQ4_XS, TQ1_0...): how to get one.
+        if ["q", "iq", "tq"].iter().any(|p| lower.starts_with(p)) {
+            let upper = s.to_ascii_uppercase();
+            bail!(
+                "--type {s}: xtrain writes {ours}; for {upper}, export f16 and quantize that \
+                 file with llama.cpp's own tool: `llama-quantize model-f16.gguf \
+                 model-{lower}.gguf {upper}`"
+            );
+        }
+        bail!("--type {s}: choose {ours}")
     }
 
     /// `general.file_type` of a file whose matrices are of this type (llama.cpp's
@@ -164,6 +170,12 @@ fn put_value(w: &mut impl Write, v: &Value) -> std::io::Result<()> {
         Value::I32s(list) => {
             ty(w, ValueType::Array)?;
             ty(w, ValueType::I32)?;
+            w.write_all(&(list.len() as u64).to_le_bytes())?;
+            list.iter().try_for_each(|x| w.write_all(&x.to_le_bytes()))
+        }
+        Value::F32s(list) => {
+            ty(w, ValueType::Array)?;
+            ty(w, ValueType::F32)?;
             w.write_all(&(list.len() as u64).to_le_bytes())?;
             list.iter().try_for_each(|x| w.write_all(&x.to_le_bytes()))
         }
