@@ -365,7 +365,7 @@ fn parquet_preference_pairs_read_as_jsonl_lines_do() {
         "chosen": one("assistant", "4"),
         "rejected": one("assistant", "5"),
     })];
-    write_parquet(&chat, &chat_cols, &[chat_rows.clone()]);
+    write_parquet(&chat, &chat_cols, std::slice::from_ref(&chat_rows));
     let chat_jsonl = dir.join("chat.jsonl");
     std::fs::write(&chat_jsonl, format!("{}\n", chat_rows[0])).unwrap();
     assert_eq!(pairs(&chat), pairs(&chat_jsonl));
