@@ -5,10 +5,10 @@
 //! rows). f32 throughout; the tolerances are the issue's and the Llama oracle's: logits 1e-4,
 //! losses 1e-5, every LoRA gradient 1e-4 relative (its L2 error over its L2 norm), the
 //! adapter after 3 AdamW steps 1e-4, each a few f32 roundings of sums over at most 64 terms
-//! taken in another order than torch's. (AdamW's update divides each gradient by its own
-//! magnitude, so where a gradient is near zero its rounding shows in the update: Qwen3's
-//! per-head norm makes q and k's gradients along each head's own direction vanish, and its
-//! adapter after 3 steps is within 5e-5 where the others are within 1e-6.)
+//! taken in another order than torch's. AdamW's update divides each gradient by its own
+//! magnitude, so where a gradient is within a few hundred roundings of zero the update's size
+//! is the rounding's, in torch as here: those elements (a few in a thousand) are held to
+//! AdamW's bound instead (see `three_steps_match_peft`).
 
 mod common;
 use common::*;
@@ -249,56 +249,138 @@ fn each_family_gives_transformers_logits_loss_and_every_lora_gradient_on_one_dev
     }
 }
 
-/// Three AdamW steps from the fixture's initial adapter, as `xtrain train` takes them (the
-/// trainer, the whole step in one program): the losses PEFT saw before each update, and the
-/// adapter after the third equal to PEFT's `adapter_step3`.
+/// Three AdamW steps of `s` from the fixture's initial adapter, as `xtrain train` takes them
+/// (the trainer, the whole step in one program), against PEFT: the losses it saw before each
+/// update, and the adapter after the third (`adapter_step3`). Returns the adapter's largest
+/// difference.
+fn three_steps_match_peft(f: &str, s: StepSpec, what: &str) -> f32 {
+    let want_losses: Vec<f64> = manifest(f)["lora"]["losses_at_steps_1_2_3_before_update"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap())
+        .collect();
+    let p = program::build_train_step(&s).unwrap();
+    let weights = xtrain::formats::weights::load(
+        &family_dir(f).join("model"),
+        &s.model,
+        &p.frozen_shapes(),
+        ElementType::F32,
+        |_, _| {},
+    )
+    .unwrap();
+    let rt = Runtime::open(Some("cpu"), Some(p.partitions)).unwrap();
+    let init = adapter(f, "adapter_init");
+    let mut t = Trainer::new(rt, s, p, weights, &init, &Default::default(), false, false).unwrap();
+    let batch = Batch::from_safetensors(&family_dir(f).join("inputs.safetensors")).unwrap();
+    for (step, want) in want_losses.iter().enumerate() {
+        let (loss, _) = t.step(&batch, 1e-3).unwrap();
+        assert!(
+            (loss as f64 - want).abs() <= 1e-5,
+            "{what} step {}: loss {loss} vs {want} (tolerance 1e-5)",
+            step + 1
+        );
+    }
+    let (got, _) = t.state_to_host().unwrap();
+    assert_eq!(got.len(), 28, "{what}");
+    let grads = read(f, "lora_outputs.safetensors");
+    let (mut worst, mut loose, mut all, mut loose_worst) = (0f32, 0, 0, 0f32);
+    for (name, w) in &adapter(f, "adapter_step3") {
+        let g = f32s(&grads.read(&format!("grad.{name}")).unwrap());
+        let g_max = g.iter().fold(0f32, |m, x| m.max(x.abs()));
+        for (k, (a, b)) in f32s(&got[name]).iter().zip(f32s(w)).enumerate() {
+            // AdamW moves each element by lr * m / (sqrt(v) + eps): where the first gradient
+            // is within ~100 roundings of zero (1e-4 of its tensor's largest), its direction
+            // is the rounding's, in torch as here, and only AdamW's bound holds: 2 lr a step.
+            let ill_conditioned = g[k].abs() < 1e-4 * g_max;
+            let tol = if ill_conditioned {
+                2.0 * 3.0 * 1e-3
+            } else {
+                1e-4
+            };
+            let d = (a - b).abs();
+            assert!(
+                d <= tol,
+                "{what}: {name}[{k}] after 3 steps differs by {d} (tolerance {tol}; its first \
+                 gradient {} of at most {g_max})",
+                g[k]
+            );
+            if ill_conditioned {
+                loose += 1;
+                loose_worst = loose_worst.max(d);
+            } else {
+                worst = worst.max(d);
+            }
+            all += 1;
+        }
+    }
+    assert!(
+        loose * 100 <= all,
+        "{what}: {loose} of {all} elements had near-zero gradients"
+    );
+    eprintln!(
+        "{what}: {loose} of {all} adapter elements with a near-zero first gradient, within \
+         {loose_worst:.1e}"
+    );
+    worst
+}
+
 #[test]
 fn three_adamw_steps_give_peft_adapter_on_one_device_and_tensor_2() {
     for f in FAMILIES {
-        let want_losses: Vec<f64> = manifest(f)["lora"]["losses_at_steps_1_2_3_before_update"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v.as_f64().unwrap())
-            .collect();
-        let want = adapter(f, "adapter_step3");
         for mesh in [None, Some("tensor=2")] {
             let what = format!("{f} on {}", mesh.unwrap_or("one device"));
-            let s = spec(f, mesh, Remat::Layer);
-            let p = program::build_train_step(&s).unwrap();
-            let weights = xtrain::formats::weights::load(
-                &family_dir(f).join("model"),
-                &s.model,
-                &p.frozen_shapes(),
-                ElementType::F32,
-                |_, _| {},
-            )
-            .unwrap();
-            let rt = Runtime::open(Some("cpu"), Some(p.partitions)).unwrap();
-            let init = adapter(f, "adapter_init");
-            let mut t =
-                Trainer::new(rt, s, p, weights, &init, &Default::default(), false, false).unwrap();
-            let batch = Batch::from_safetensors(&family_dir(f).join("inputs.safetensors")).unwrap();
-            for (step, want) in want_losses.iter().enumerate() {
-                let (loss, _) = t.step(&batch, 1e-3).unwrap();
-                assert!(
-                    (loss as f64 - want).abs() <= 1e-5,
-                    "{what} step {}: loss {loss} vs {want}",
-                    step + 1
-                );
-            }
-            let (got, _) = t.state_to_host().unwrap();
-            assert_eq!(got.len(), 28, "{what}");
-            let mut worst = 0f32;
-            for (name, w) in &want {
-                let d = max_abs_diff(&f32s(&got[name]), &f32s(w));
-                assert!(
-                    d <= 1e-4,
-                    "{what}: {name} after 3 steps differs by {d} (tolerance 1e-4)"
-                );
-                worst = worst.max(d);
-            }
-            eprintln!("{what}: the adapter after 3 steps within {worst:.1e}");
+            let d = three_steps_match_peft(f, spec(f, mesh, Remat::Layer), &what);
+            eprintln!("{what}: the adapter after 3 steps within {d:.1e}");
+        }
+    }
+}
+
+/// The step's other forms train each family as PEFT does too: every mesh axis (a sequence cut
+/// over `context` included), attention over key blocks (alone, and on a mesh), the MLP in
+/// tiles, the remat policies, loss chunks and microbatches.
+#[test]
+fn every_form_of_the_step_trains_each_family_as_peft_does() {
+    type Edit = fn(&mut StepSpec);
+    let forms: [(&str, Option<&str>, Remat, Edit); 8] = [
+        ("fsdp=2", Some("fsdp=2"), Remat::Layer, |_| {}),
+        ("data=2", Some("data=2"), Remat::Layer, |_| {}),
+        (
+            "context=2 key blocks of 4",
+            Some("context=2"),
+            Remat::SaveProj,
+            |s| s.key_block = Some(4),
+        ),
+        (
+            "fsdp=2,tensor=2 key blocks of 4",
+            Some("fsdp=2,tensor=2"),
+            Remat::SaveProj,
+            |s| s.key_block = Some(4),
+        ),
+        ("key blocks of 4", None, Remat::Layer, |s| {
+            s.key_block = Some(4)
+        }),
+        ("MLP in tiles of 4", None, Remat::SaveProj, |s| {
+            s.mlp_chunk = Some(4)
+        }),
+        ("unrolled layers", None, Remat::None, |_| {}),
+        (
+            "loss chunks of 8, 2 microbatches",
+            None,
+            Remat::Layer,
+            |s| {
+                s.loss_chunk = Some(8);
+                s.grad_accum = 2;
+            },
+        ),
+    ];
+    for f in FAMILIES {
+        for (what, mesh, remat, edit) in forms {
+            let mut s = spec(f, mesh, remat);
+            edit(&mut s);
+            let what = format!("{f}, {what}");
+            let d = three_steps_match_peft(f, s, &what);
+            eprintln!("{what}: the adapter after 3 steps within {d:.1e}");
         }
     }
 }
