@@ -155,8 +155,12 @@ fn execute(p: &Program, s: &StepSpec, host: &[HostTensor]) -> BTreeMap<String, H
 }
 
 fn adapter(family: &str, dir: &str) -> BTreeMap<String, HostTensor> {
+    adapter_at(family, &family_dir(family).join(dir))
+}
+
+fn adapter_at(family: &str, dir: &std::path::Path) -> BTreeMap<String, HostTensor> {
     let s = spec(family, None, Remat::None);
-    xtrain::formats::peft::read_tensors(&family_dir(family).join(dir), &s.model, &lora()).unwrap()
+    xtrain::formats::peft::read_tensors(dir, &s.model, &lora()).unwrap()
 }
 
 #[test]
@@ -282,6 +286,15 @@ fn three_steps_match_peft(f: &str, s: StepSpec, what: &str) -> f32 {
         );
     }
     let (got, _) = t.state_to_host().unwrap();
+    assert_adapter_is_peft_step3(f, &got, what)
+}
+
+/// `got` (PEFT names) equals PEFT's adapter after 3 steps to 1e-4. AdamW moves each element
+/// by lr * m / (sqrt(v) + eps): where an element's first gradient is within ~100 roundings of
+/// zero (1e-4 of its tensor's largest), the direction of its move is the rounding's, in torch
+/// as here, and only AdamW's bound holds, 2 lr a step (a few elements per thousand). Returns
+/// the largest difference of the others.
+fn assert_adapter_is_peft_step3(f: &str, got: &BTreeMap<String, HostTensor>, what: &str) -> f32 {
     assert_eq!(got.len(), 28, "{what}");
     let grads = read(f, "lora_outputs.safetensors");
     let (mut worst, mut loose, mut all, mut loose_worst) = (0f32, 0, 0, 0f32);
@@ -289,9 +302,6 @@ fn three_steps_match_peft(f: &str, s: StepSpec, what: &str) -> f32 {
         let g = f32s(&grads.read(&format!("grad.{name}")).unwrap());
         let g_max = g.iter().fold(0f32, |m, x| m.max(x.abs()));
         for (k, (a, b)) in f32s(&got[name]).iter().zip(f32s(w)).enumerate() {
-            // AdamW moves each element by lr * m / (sqrt(v) + eps): where the first gradient
-            // is within ~100 roundings of zero (1e-4 of its tensor's largest), its direction
-            // is the rounding's, in torch as here, and only AdamW's bound holds: 2 lr a step.
             let ill_conditioned = g[k].abs() < 1e-4 * g_max;
             let tol = if ill_conditioned {
                 2.0 * 3.0 * 1e-3
@@ -393,5 +403,153 @@ fn family_names_are_config_model_types() {
             "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
             "vocab_size": 512, "head_dim": 16});
         assert_eq!(LlamaConfig::from_json(&j).unwrap().family, f);
+    }
+}
+
+/// `--quant nf4` quantizes the projection matrices only: the biases and the per-head norms stay
+/// f32 arguments, and the step computes what the f32 step computes on a checkpoint whose
+/// matrices were quantized and dequantized on the host (the base logits within 1e-4: the two
+/// dequantizations agree to 1e-6, `tests/quant.rs`).
+#[test]
+fn nf4_quantizes_the_matrices_and_leaves_biases_and_norms_as_they_are() {
+    use xtrain::program::Quant;
+    for f in FAMILIES {
+        let mut s = spec(f, None, Remat::Layer);
+        s.quant = Quant::Nf4;
+        let p = program::build_forward(&s, false).unwrap();
+        let frozen: Vec<&str> = p
+            .args
+            .iter()
+            .filter(|a| a.role == Role::Frozen)
+            .map(|a| a.name.as_str())
+            .collect();
+        for a in &frozen {
+            let dense = a.ends_with(".bias") || a.contains("norm") || !a.contains("_proj");
+            assert_eq!(!dense, a.contains("_proj.weight."), "{f}: {a}");
+        }
+        let extra = match f {
+            "qwen2" => vec!["model.layers.*.self_attn.q_proj.bias"],
+            "qwen3" => vec!["model.layers.*.self_attn.q_norm.weight"],
+            _ => vec![],
+        };
+        for e in extra {
+            assert!(frozen.contains(&e), "{f}: {e} in {frozen:?}");
+        }
+        let out = execute(&p, &s, &inputs(&p, &s, f, &BTreeMap::new()));
+
+        // The reference: every projection matrix through the host's quantizer and back.
+        let dir = tempdir(&format!("nf4-{f}"));
+        let model = family_dir(f).join("model");
+        let st = SafeTensors::open(&model.join("model.safetensors")).unwrap();
+        let mut tensors = BTreeMap::new();
+        for name in st.tensors.keys() {
+            let t = st.read(name).unwrap();
+            let t = if name.ends_with("_proj.weight") {
+                let w = t.to_f32().unwrap();
+                let back =
+                    xtrain::model::quant::dequantize(&xtrain::model::quant::quantize(&w).unwrap());
+                HostTensor::from_f32(&back, &t.dims)
+            } else {
+                t
+            };
+            tensors.insert(name.clone(), t);
+        }
+        xtrain::formats::safetensors::write(
+            &dir.join("model.safetensors"),
+            &tensors,
+            &Default::default(),
+        )
+        .unwrap();
+        std::fs::copy(model.join("config.json"), dir.join("config.json")).unwrap();
+        let plain = spec(f, None, Remat::Layer);
+        let q = program::build_forward(&plain, false).unwrap();
+        let weights = xtrain::formats::weights::load(
+            &dir,
+            &plain.model,
+            &q.frozen_shapes(),
+            ElementType::F32,
+            |_, _| {},
+        )
+        .unwrap();
+        let mut host = inputs(&q, &plain, f, &BTreeMap::new());
+        for (slot, w) in host.iter_mut().zip(weights) {
+            *slot = w;
+        }
+        let want = execute(&q, &plain, &host);
+        let d = max_abs_diff(&f32s(&out["logits"]), &f32s(&want["logits"]));
+        assert!(
+            d <= 1e-4,
+            "{f}: NF4 logits differ from the host-dequantized model's by {d}"
+        );
+        let moved = max_abs_diff(
+            &f32s(&out["logits"]),
+            &f32s(&read(f, "base_outputs.safetensors").read("logits").unwrap()),
+        );
+        assert!(moved > 1e-3, "{f}: NF4 changed nothing ({moved})");
+        eprintln!("{f}: NF4 logits within {d:.1e} of the host-dequantized model's (and {moved:.2} from f32's)");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
+
+/// `xtrain train` as a user runs it, on two virtual hosts over an FSDP mesh (each host reading
+/// only its shards of the weights, biases and norms included): PEFT's losses at each step, and
+/// the saved adapter is PEFT's `adapter_step3`.
+#[test]
+fn xtrain_train_on_two_virtual_hosts_reproduces_peft_for_each_family() {
+    for f in FAMILIES {
+        let d = family_dir(f);
+        let out = tempdir(&format!("family-train-{f}"));
+        let o = train_cmd(&d.join("model"), &d.join("inputs.safetensors"), &out)
+            .arg("--init-adapter")
+            .arg(d.join("adapter_init"))
+            .args([
+                "--steps",
+                "3",
+                "--lr",
+                "1e-3",
+                "--betas",
+                "0.9,0.999",
+                "--eps",
+                "1e-8",
+            ])
+            .args(["--weight-decay", "0", "--lora-r", "8", "--lora-alpha", "16"])
+            .args([
+                "--lora-targets",
+                "q,k,v,o,gate,up,down",
+                "--save-every",
+                "3",
+            ])
+            .args(["--mesh", "fsdp=4", "--virtual-hosts", "2"])
+            .output()
+            .unwrap();
+        assert!(
+            o.status.success(),
+            "{f}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+        let losses: Vec<f64> = metrics
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .filter_map(|r| r["loss"].as_f64())
+            .collect();
+        let want = &manifest(f)["lora"]["losses_at_steps_1_2_3_before_update"];
+        assert_eq!(losses.len(), 3, "{f}: {metrics}");
+        for (k, l) in losses.iter().enumerate() {
+            let w = want[k].as_f64().unwrap();
+            assert!((l - w).abs() <= 1e-5, "{f} step {}: loss {l} vs {w}", k + 1);
+        }
+        // The adapter as PEFT writes it: the same tensor names in the file.
+        let ours = SafeTensors::open(&out.join("adapter/adapter_model.safetensors")).unwrap();
+        let peft = read(f, "adapter_step3/adapter_model.safetensors");
+        assert_eq!(
+            ours.tensors.keys().collect::<Vec<_>>(),
+            peft.tensors.keys().collect::<Vec<_>>()
+        );
+        let saved = adapter_at(f, &out.join("adapter"));
+        let what = format!("{f}, xtrain train --mesh fsdp=4 --virtual-hosts 2");
+        let dd = assert_adapter_is_peft_step3(f, &saved, &what);
+        eprintln!("{what}: the adapter within {dd:.1e}");
+        std::fs::remove_dir_all(&out).unwrap();
     }
 }
