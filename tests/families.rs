@@ -553,3 +553,156 @@ fn xtrain_train_on_two_virtual_hosts_reproduces_peft_for_each_family() {
         std::fs::remove_dir_all(&out).unwrap();
     }
 }
+
+/// The chat template comes from each family's tokenizer (ChatML for Qwen, `[INST]` for
+/// Mistral; the fixtures' templates use loops, namespaces, slices and Python's string methods
+/// as the released ones do): rendered as transformers renders it, and tokenized alike.
+#[test]
+fn each_familys_chat_template_renders_and_tokenizes_as_transformers_does() {
+    use xtrain::data::text::{Message, TextTokenizer};
+    for f in FAMILIES {
+        let chat: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(family_dir(f).join("chat.json")).unwrap(),
+        )
+        .unwrap();
+        let messages: Vec<Message> = serde_json::from_value(chat["conversation"].clone()).unwrap();
+        let tok = TextTokenizer::load(&family_dir(f).join("model")).unwrap();
+        for (key, prompt) in [
+            ("with_generation_prompt", true),
+            ("without_generation_prompt", false),
+        ] {
+            let want = &chat["rendered"][key];
+            let text = tok.render_chat(&messages, prompt).unwrap();
+            assert_eq!(text, want["text"].as_str().unwrap(), "{f} {key}");
+            let ids: Vec<u64> = tok
+                .encode(&text)
+                .unwrap()
+                .iter()
+                .map(|&i| i as u64)
+                .collect();
+            let want_ids: Vec<u64> = want["ids"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_u64().unwrap())
+                .collect();
+            assert_eq!(ids, want_ids, "{f} {key}");
+        }
+    }
+}
+
+/// Greedy decoding (the next-token program `xtrain generate` runs) continues a raw prompt as
+/// transformers does, with the base model and with the trained adapter (the fixture's smallest
+/// gap between the two best logits on the way is 4e-3, far above f32's rounding).
+#[test]
+fn generate_continues_each_family_as_transformers_does_with_and_without_the_adapter() {
+    use xtrain::device::generate::{generate, Forward, Kind};
+    let rt = Runtime::open(Some("cpu"), Some(1)).unwrap();
+    for f in FAMILIES {
+        let g: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(family_dir(f).join("generate.json")).unwrap(),
+        )
+        .unwrap();
+        let ids = |v: &serde_json::Value| -> Vec<u32> {
+            v.as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_u64().unwrap() as u32)
+                .collect()
+        };
+        let prompt = ids(&g["prompt_ids"]);
+        let model = family_dir(f).join("model");
+        let cfg = LlamaConfig::load(&model).unwrap();
+        let trained =
+            xtrain::formats::peft::load_adapter(&family_dir(f).join("adapter_step3"), &cfg)
+                .unwrap();
+        for (which, adapter) in [
+            ("base", None),
+            ("adapter_step3", Some((&trained.0, &trained.1))),
+        ] {
+            // 16 positions: tiny-mistral's sliding window.
+            let fw = Forward::new(
+                &rt,
+                &cfg,
+                &model,
+                adapter,
+                Kind::NextToken,
+                1,
+                16,
+                hlo::DType::F32,
+            )
+            .unwrap();
+            let got = generate(&fw, &prompt, 6, 0.0, 0, None).unwrap();
+            assert_eq!(got, ids(&g[which]["new_ids"]), "{f} {which}");
+        }
+    }
+}
+
+/// `xtrain merge` writes what PEFT's `merge_and_unload` wrote: the same tensors (biases, norms
+/// and the tie kept: no `lm_head` where the embedding is tied) within f32 rounding of
+/// W + 2 B A, a config that reads as the same family, and the merged logits transformers gave.
+#[test]
+fn merge_writes_the_checkpoint_peft_merges_for_each_family() {
+    for f in FAMILIES {
+        let d = family_dir(f);
+        let out = tempdir(&format!("family-merge-{f}"));
+        let merged = out.join("merged");
+        let o = xtrain(&[
+            "merge",
+            "--model",
+            d.join("model").to_str().unwrap(),
+            "--adapter",
+            d.join("adapter_step3").to_str().unwrap(),
+            "--out",
+            merged.to_str().unwrap(),
+        ]);
+        assert!(
+            o.status.success(),
+            "{f}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let ours = SafeTensors::open(&merged.join("model.safetensors")).unwrap();
+        let peft = read(f, "merged/model.safetensors");
+        assert_eq!(
+            ours.tensors.keys().collect::<Vec<_>>(),
+            peft.tensors.keys().collect::<Vec<_>>(),
+            "{f}"
+        );
+        let mut worst = 0f32;
+        for name in peft.tensors.keys() {
+            let (a, b) = (ours.read(name).unwrap(), peft.read(name).unwrap());
+            assert_eq!(a.dims, b.dims, "{f} {name}");
+            worst = worst.max(max_abs_diff(&f32s(&a), &f32s(&b)));
+        }
+        assert!(worst <= 1e-6, "{f}: merged tensors differ by up to {worst}");
+        let cfg = LlamaConfig::load(&merged).unwrap();
+        assert_eq!(cfg, LlamaConfig::load(&d.join("merged")).unwrap(), "{f}");
+        assert_eq!(cfg.family.model_type(), f);
+        // The merged checkpoint's logits, by xtrain's forward pass, are transformers'.
+        let s = StepSpec {
+            model: cfg,
+            ..spec(f, None, Remat::None)
+        };
+        let p = program::build_forward(&s, false).unwrap();
+        let weights = xtrain::formats::weights::load(
+            &merged,
+            &s.model,
+            &p.frozen_shapes(),
+            ElementType::F32,
+            |_, _| {},
+        )
+        .unwrap();
+        let mut host = inputs(&p, &s, f, &BTreeMap::new());
+        for (slot, w) in host.iter_mut().zip(weights) {
+            *slot = w;
+        }
+        let logits = &execute(&p, &s, &host)["logits"];
+        let want = read(f, "merged_outputs.safetensors")
+            .read("logits")
+            .unwrap();
+        let dl = max_abs_diff(&f32s(logits), &f32s(&want));
+        assert!(dl <= 1e-4, "{f}: the merged model's logits differ by {dl}");
+        eprintln!("{f}: merged tensors within {worst:.1e} of PEFT's, logits within {dl:.1e}");
+        std::fs::remove_dir_all(&out).unwrap();
+    }
+}
