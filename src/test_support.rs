@@ -89,7 +89,7 @@ fn per_layer(name: &str, shape: &[i64], values: &[f32]) -> Vec<(String, Vec<f32>
 
 /// Random values in [-0.2, 0.2) for a tensor, each layer's seeded by its per-layer name, so
 /// that every form of the step gets the same weights whether its layers are stacked or not.
-fn weights(name: &str, shape: &[i64]) -> Vec<f32> {
+pub fn weights(name: &str, shape: &[i64]) -> Vec<f32> {
     let layers = if name.contains(".layers.*.") {
         shape[0]
     } else {
@@ -115,28 +115,52 @@ pub fn loss_and_grads_on(
     labels: &[i32],
     mask: &[i32],
 ) -> LossAndGrads {
+    grads_program_on(spec, ids, labels, mask, None).0
+}
+
+/// [`loss_and_grads_on`] for any grads program, a DPO step's too: its reference adapter random
+/// as the policy's (other values: other names), its precomputed reference log-probabilities
+/// `reference`. Also returns the program's results after the gradients (a DPO step's rows'
+/// log-probabilities under the policy and the reference).
+pub fn grads_program_on(
+    spec: &StepSpec,
+    ids: &[i32],
+    labels: &[i32],
+    mask: &[i32],
+    reference: Option<&[f32]>,
+) -> (LossAndGrads, Vec<Vec<f32>>) {
     let program = crate::program::build_grad_program(spec).unwrap();
     let inputs: Vec<HostTensor> = program
         .args
         .iter()
         .map(|a| match a.role {
-            Role::Frozen | Role::Lora => {
+            Role::Frozen | Role::Lora | Role::ReferenceLora => {
                 HostTensor::from_f32(&weights(&a.name, &a.shape), &a.shape)
             }
             Role::InputIds => HostTensor::from_i32(ids, &a.shape),
             Role::Labels => HostTensor::from_i32(labels, &a.shape),
             Role::AttentionMask => HostTensor::from_i32(mask, &a.shape),
+            Role::ReferenceLogps => HostTensor::from_f32(
+                reference.expect("the reference's log-probabilities"),
+                &a.shape,
+            ),
             other => panic!("the grads program takes no {other:?} argument"),
         })
         .collect();
     let out = run_text(&program.text, &inputs);
     let loss = out[0].to_f32().unwrap()[0];
-    let grads = program.results[1..]
+    let n = program
+        .results
         .iter()
-        .zip(&out[1..])
+        .filter(|r| r.name.starts_with("grad."))
+        .count();
+    let grads = program.results[1..=n]
+        .iter()
+        .zip(&out[1..=n])
         .flat_map(|(r, g)| per_layer(&r.name, &r.shape, &g.to_f32().unwrap()))
         .collect();
-    (loss, grads)
+    let rest = out[1 + n..].iter().map(|t| t.to_f32().unwrap()).collect();
+    ((loss, grads), rest)
 }
 
 /// The same loss (to `tol` relative) and the same gradients (to `tol` times the largest one),

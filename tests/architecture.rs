@@ -270,7 +270,7 @@ fn the_import_reader_finds_the_trees_imports() {
         ("data/source.rs", "data/read.rs"),
         ("cli/compile.rs", "program/spec/attention.rs"),
         ("cli/mod.rs", "device/platform.rs"),
-        ("program/build.rs", "program/layout.rs"),
+        ("program/builder.rs", "program/layout.rs"),
     ] {
         assert!(
             edges[Path::new(from)].contains(Path::new(to)),

@@ -59,7 +59,11 @@ fn s(p: &Path) -> &str {
 const LOGITS_TOL: f64 = 2e-4;
 
 fn logits_agree(gguf: &Path, lora: Option<&Path>, expected: &str) {
-    let f = fixtures();
+    logits_agree_with(&fixtures(), gguf, lora, expected)
+}
+
+/// [`logits_agree`] against the oracle's logits in fixture directory `f`.
+fn logits_agree_with(f: &Path, gguf: &Path, lora: Option<&Path>, expected: &str) {
     let r = client(&[
         "logits",
         s(gguf),
@@ -128,7 +132,186 @@ fn llama_cpp_computes_the_oracles_logits_from_the_tiny_models_exports() {
         assert_eq!(r["adapted"], 2 * 7, "{ty}: {r}");
         assert!(r["worst"]["ratio"].as_f64().unwrap() <= 1.0, "{ty}: {r}");
     }
+    // The adapter in q8_0: A's rows (64 and 128 values) are whole q8_0 blocks, B's (r = 8) are
+    // not, so the 14 Bs are f16, and the export says how many and why.
+    let lora8 = dir.join("lora-q8_0.gguf");
+    let mut args = vec!["export-gguf"];
+    args.extend(a);
+    args.extend(["--lora-only", "--type", "q8_0", "--out", s(&lora8)]);
+    let o = xtrain(&args);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let said = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        said.contains(
+            "14 matrices are in f16, not q8_0: their rows are not a whole number of q8_0's \
+             32-value blocks (blk.0.attn_q.weight.lora_b, "
+        ),
+        "{said}"
+    );
+    let meta = client(&["metadata", s(&lora8)]);
+    assert_eq!(meta["types"]["blk.0.attn_q.weight.lora_b"], "F16", "{meta}");
+    assert_eq!(
+        meta["types"]["blk.0.attn_q.weight.lora_a"], "Q8_0",
+        "{meta}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A weight holding a NaN (a damaged file, or one written from a diverged model) is refused at
+/// import, naming the tensor and the element; nothing is written (training from it failed at
+/// step 1, blaming --lr).
+#[test]
+fn import_refuses_a_nan_weight_naming_the_tensor_and_element() {
+    let dir = tempdir("gguf-nan-import");
+    let model = tiny_text_model(&dir);
+    let file = dir.join("m.gguf");
+    export(&["--model", s(&model), "--type", "f32", "--out", s(&file)]);
+    let g = xtrain::formats::gguf::read::Gguf::open(&file).unwrap();
+    let at = g.tensor("blk.1.attn_k.weight").unwrap().offset as usize + 4 * 37;
+    drop(g);
+    let mut bytes = std::fs::read(&file).unwrap();
+    bytes[at..at + 4].copy_from_slice(&f32::NAN.to_le_bytes());
+    std::fs::write(&file, bytes).unwrap();
+    let out = dir.join("imported");
+    // Refused part way through the tensors, after the progress lines: the error is the last.
+    let o = xtrain(&["import-gguf", s(&file), "--out", s(&out)]);
+    let e = String::from_utf8_lossy(&o.stderr).to_string();
+    assert!(!o.status.success() && !e.contains("panicked"), "{e}");
+    let last = e.lines().last().unwrap_or_default();
+    assert!(
+        last.starts_with("error: ")
+            && last.contains(
+            "tensor `blk.1.attn_k.weight` (model.layers.1.self_attn.k_proj.weight): element 37 \
+             of 2048 (in the file's order) is NaN, not a finite number"
+        ),
+        "{e}"
+    );
+    assert!(!out.exists());
+    let staged: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains("imported"))
+        .collect();
+    assert!(staged.is_empty(), "{staged:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Each family's tiny model (tests/fixtures/tiny-FAMILY: transformers' own logits) in llama.cpp:
+/// Qwen2 (q/k/v biases, tied embeddings) as llama.cpp's `qwen2`, Qwen3 (per-head q/k norms, a
+/// head_dim other than hidden/heads) as `qwen3`, both with their rows as Hugging Face keeps them,
+/// and Mistral as `llama` (q/k rows reordered). llama.cpp's logits equal transformers' for the
+/// base, the merged model (the adapter after 3 steps) and the base with the adapter as
+/// llama.cpp's LoRA GGUF; every type of the merged file reads back as W + (alpha/r) B A; and the
+/// file imports back as the same model: the same config (Mistral's as Llama's, which llama.cpp's
+/// `llama` file cannot tell apart; its sliding window is not carried) and the same weights, bit
+/// for bit.
+#[test]
+fn each_family_runs_in_llama_cpp_as_in_transformers_and_imports_back() {
+    for (family, arch) in [("qwen2", "qwen2"), ("qwen3", "qwen3"), ("mistral", "llama")] {
+        let f = family_dir(family);
+        let dir = tempdir(&format!("gguf-family-{family}"));
+        let model = f.join("model");
+        let adapter = f.join("adapter_step3");
+        let a = ["--model", s(&model), "--adapter", s(&adapter)];
+        let base = dir.join("base.gguf");
+        export(&["--model", s(&model), "--type", "f32", "--out", s(&base)]);
+        logits_agree_with(&f, &base, None, "base_outputs.safetensors");
+        let merged = dir.join("merged-f32.gguf");
+        export(&[&a[..], &["--type", "f32", "--out", s(&merged)]].concat());
+        logits_agree_with(&f, &merged, None, "merged_outputs.safetensors");
+        let lora = dir.join("lora.gguf");
+        export(&[&a[..], &["--lora-only", "--type", "f32", "--out", s(&lora)]].concat());
+        logits_agree_with(&f, &base, Some(&lora), "merged_outputs.safetensors");
+
+        let cfg = xtrain::model::config::LlamaConfig::load(&model).unwrap();
+        let meta = client(&["metadata", s(&merged)]);
+        let m = &meta["meta"];
+        assert_eq!(m["general.architecture"], arch, "{family}: {meta}");
+        assert_eq!(
+            m[format!("{arch}.attention.key_length")],
+            cfg.head_dim,
+            "{meta}"
+        );
+        assert_eq!(
+            m[format!("{arch}.attention.value_length")],
+            cfg.head_dim,
+            "{meta}"
+        );
+        assert_eq!(m[format!("{arch}.block_count")], 2, "{meta}");
+        let eps = m[format!("{arch}.attention.layer_norm_rms_epsilon")]
+            .as_f64()
+            .unwrap();
+        assert!((eps - cfg.rms_norm_eps).abs() < 1e-12, "{meta}");
+        assert_eq!(
+            m[format!("{arch}.rope.freq_base")],
+            cfg.rope_theta,
+            "{meta}"
+        );
+        let types = &meta["types"];
+        assert_eq!(
+            types.get("output.weight").is_none(),
+            cfg.tie_word_embeddings,
+            "{meta}"
+        );
+        assert_eq!(
+            types.get("blk.1.attn_v.bias").is_some(),
+            cfg.qkv_bias,
+            "{meta}"
+        );
+        assert_eq!(
+            types.get("blk.1.attn_k_norm.weight").is_some(),
+            cfg.qk_norm,
+            "{meta}"
+        );
+        assert_eq!(
+            client(&["metadata", s(&lora)])["meta"]["general.architecture"],
+            arch
+        );
+
+        for ty in ["f32", "q8_0"] {
+            let out = dir.join(format!("merged-{ty}.gguf"));
+            if ty != "f32" {
+                export(&[&a[..], &["--type", ty, "--out", s(&out)]].concat());
+            }
+            let r = client(&["merged", s(&out), s(&model), s(&adapter)]);
+            assert_eq!(r["adapted"], 2 * 7, "{family} {ty}: {r}");
+            assert!(
+                r["worst"]["ratio"].as_f64().unwrap() <= 1.0,
+                "{family} {ty}: {r}"
+            );
+        }
+
+        let imported = dir.join("imported");
+        let o = xtrain(&["import-gguf", s(&base), "--out", s(&imported)]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let back = xtrain::model::config::LlamaConfig::load(&imported).unwrap();
+        let mut want = cfg.clone();
+        if family == "mistral" {
+            want.family = xtrain::model::config::Family::Llama;
+            want.sliding_window = None;
+        }
+        assert_eq!(back, want, "{family}");
+        let (ours, theirs) = (
+            xtrain::formats::safetensors::WeightFiles::open(&model).unwrap(),
+            xtrain::formats::safetensors::WeightFiles::open(&imported).unwrap(),
+        );
+        let names: Vec<String> = ours.names().cloned().collect();
+        assert_eq!(
+            names,
+            theirs.names().cloned().collect::<Vec<_>>(),
+            "{family}"
+        );
+        for name in &names {
+            let (x, y) = (ours.read(name).unwrap(), theirs.read(name).unwrap());
+            assert_eq!(x.dims, y.dims, "{family} {name}");
+            assert!(
+                x.to_f32().unwrap() == y.to_f32().unwrap(),
+                "{family} {name}"
+            );
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }
 
 /// A Llama 3 model's GGUF imports as the same model: the RoPE scaling llama.cpp keeps as
@@ -170,7 +353,8 @@ fn a_llama_3_gguf_imports_as_the_same_model() {
 
     let original = dir.join("original.gguf");
     export(&["--model", s(&model), "--type", "f32", "--out", s(&original)]);
-    let imported = dir.join("imported");
+    // --out's missing parents are made, as export-gguf makes its own (again.gguf's below).
+    let imported = dir.join("new/parents/imported");
     let o = xtrain(&["import-gguf", s(&original), "--out", s(&imported)]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let config = |d: &Path| -> Json {
@@ -180,7 +364,7 @@ fn a_llama_3_gguf_imports_as_the_same_model() {
         config(&imported)["rope_scaling"],
         config(&model)["rope_scaling"]
     );
-    let again = dir.join("again.gguf");
+    let again = dir.join("more/new/parents/again.gguf");
     export(&["--model", s(&imported), "--type", "f32", "--out", s(&again)]);
     logits_agree(&again, None, "base_outputs.safetensors");
     let text = "12345 hello";
@@ -200,6 +384,78 @@ fn a_llama_3_gguf_imports_as_the_same_model() {
         .map(|i| i.as_i64().unwrap())
         .collect();
     assert_eq!(&ids[..4], &[259, 261, 52, 53], "BOS, then 123 4 5: {ids:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A file of an architecture xtrain does not read is refused, naming those it reads.
+#[test]
+fn import_refuses_an_unknown_architecture_naming_those_it_reads() {
+    let dir = tempdir("gguf-unknown-arch");
+    let model = tiny_text_model(&dir);
+    let file = dir.join("m.gguf");
+    export(&["--model", s(&model), "--type", "f32", "--out", s(&file)]);
+    let mut bytes = std::fs::read(&file).unwrap();
+    // general.architecture's value: after the key, its type (u32) and length (u64).
+    let key = b"general.architecture";
+    let at = bytes.windows(key.len()).position(|w| w == key).unwrap() + key.len() + 12;
+    assert_eq!(&bytes[at..at + 5], b"llama");
+    bytes[at..at + 5].copy_from_slice(b"gemma");
+    std::fs::write(&file, bytes).unwrap();
+    let e = fails(&["import-gguf", s(&file), "--out", s(&dir.join("out"))]);
+    assert!(
+        e.contains("general.architecture is `gemma`; xtrain imports llama, qwen2, qwen3"),
+        "{e}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Qwen's pre-tokenizer (its regex split: digits one at a time, then bytes) is written as
+/// llama.cpp's `qwen2`, which llama.cpp splits the same way (merges that would join "12345"
+/// under GPT-2's split do not), and imports back as the same split with Qwen's NFC normalizer.
+#[test]
+fn a_qwen_split_is_written_as_qwen2_and_imports_back() {
+    let dir = tempdir("gguf-qwen2-split");
+    let model = tiny_text_model(&dir);
+    let path = model.join("tokenizer.json");
+    let mut tok: Json = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let vocab = tok["model"]["vocab"].as_object_mut().unwrap();
+    for (k, t) in ["12", "123", "1234", "12345"].iter().enumerate() {
+        vocab.insert(t.to_string(), (259 + k).into());
+    }
+    tok["model"]["merges"] = serde_json::json!(["1 2", "12 3", "123 4", "1234 5"]);
+    tok["normalizer"] = serde_json::json!({"type": "NFC"});
+    tok["pre_tokenizer"] = serde_json::json!({"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": xtrain::formats::gguf::vocab::QWEN2_SPLIT}, "behavior": "Isolated", "invert": false},
+        {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false}]});
+    std::fs::write(&path, tok.to_string()).unwrap();
+    let original = dir.join("original.gguf");
+    export(&["--model", s(&model), "--type", "f32", "--out", s(&original)]);
+    let imported = dir.join("imported");
+    let o = xtrain(&["import-gguf", s(&original), "--out", s(&imported)]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let back: Json =
+        serde_json::from_str(&std::fs::read_to_string(imported.join("tokenizer.json")).unwrap())
+            .unwrap();
+    assert_eq!(back["normalizer"], tok["normalizer"]);
+    assert_eq!(
+        back["pre_tokenizer"]["pretokenizers"][0],
+        tok["pre_tokenizer"]["pretokenizers"][0]
+    );
+    let again = dir.join("again.gguf");
+    export(&["--model", s(&imported), "--type", "f32", "--out", s(&again)]);
+    let mut said = Vec::new();
+    for f in [&original, &again] {
+        let meta = client(&["metadata", s(f)]);
+        assert_eq!(meta["meta"]["tokenizer.ggml.pre"], "qwen2", "{meta}");
+        said.push(client(&["tokens", s(f), "12345 hello"])["tokens"].clone());
+    }
+    assert_eq!(said[0], said[1]);
+    assert_eq!(
+        said[0].as_array().unwrap()[..5],
+        [49, 50, 51, 52, 53],
+        "{}",
+        said[0]
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -306,18 +562,19 @@ fn a_fine_tuned_smollm2_answers_in_llama_cpp_as_in_xtrain() {
     );
     let said = client(&["chat", s(&merged), "", QUESTION, ANSWER_TOKENS]);
     assert_eq!(said["text"], answer.as_str(), "merged, in llama.cpp");
-    // What tools/demo writes and runs: the merged model in q8_0.
-    let q8 = dir.join("merged-q8_0.gguf");
+    // What tools/demo writes and runs: the merged model in f16 (llama.cpp 0.3.36 answers this
+    // model's q8_0 wrongly on an AVX2-only CPU, its own Q8_0 too; f16 right on every CPU).
+    let f16 = dir.join("merged-f16.gguf");
     export(
         &[
             &m[..],
-            &["--adapter", s(&adapter), "--type", "q8_0", "--out", s(&q8)],
+            &["--adapter", s(&adapter), "--type", "f16", "--out", s(&f16)],
         ]
         .concat(),
     );
-    let said = client(&["chat", s(&q8), "", QUESTION, ANSWER_TOKENS]);
-    assert_eq!(said["text"], answer.as_str(), "merged q8_0, in llama.cpp");
-    std::fs::remove_file(&q8).unwrap();
+    let said = client(&["chat", s(&f16), "", QUESTION, ANSWER_TOKENS]);
+    assert_eq!(said["text"], answer.as_str(), "merged f16, in llama.cpp");
+    std::fs::remove_file(&f16).unwrap();
 
     let base = dir.join("base.gguf");
     let lora = dir.join("lora.gguf");
@@ -383,9 +640,18 @@ fn export_refuses_bad_requests_naming_what_is_wrong() {
     };
     let (alpha0, huge) = (with_alpha("alpha0", 0.0), with_alpha("huge", 1e30));
     // Each request's own flags, and what its refusal must name.
-    let requests: [(&[&str], &str); 6] = [
+    let requests: [(&[&str], &str); 8] = [
         (&["--lora-only"], "--adapter"),
         (&["--type", "q4"], "--type q4"),
+        (
+            &["--type", "f61"],
+            "--type f61: choose f32, f16, bf16, q8_0",
+        ),
+        (
+            &["--type", "q4_k_m"],
+            "export f16 and quantize that file with llama.cpp's own tool: `llama-quantize \
+             model-f16.gguf model-q4_k_m.gguf Q4_K_M`",
+        ),
         (&["--adapter", s(&dir)], "adapter_config.json"),
         (&["--base-quant", "nf8"], "--base-quant nf8"),
         (&["--adapter", s(&alpha0)], "`lora_alpha` = 0"),

@@ -10,9 +10,10 @@ use hlo::DType;
 use std::path::PathBuf;
 use xtrain::model::lora::{LoraConfig, Projection};
 use xtrain::model::optim::AdamW;
+use xtrain::model::preference::PairLoss;
 use xtrain::program::{
-    parse_dtype, KeyBlocks, MlpChunks, Offload, Quant, Remat, ResultType, StepOptions,
-    DEFAULT_ATTENTION_SCORES, DEFAULT_MATMUL_RESULT,
+    parse_dtype, KeyBlocks, Method, MlpChunks, Offload, Preference, Quant, Reference, Remat,
+    ResultType, StepOptions, DEFAULT_ATTENTION_SCORES, DEFAULT_MATMUL_RESULT,
 };
 
 #[derive(Args)]
@@ -135,6 +136,80 @@ pub struct StepArgs {
     /// the device's memory is not known).
     #[arg(long, default_value = "auto", value_parser = offload_or_auto)]
     pub offload: OrAuto<Offload>,
+    #[command(flatten)]
+    pub preference: PreferenceArgs,
+}
+
+/// The training method, and preference training's settings (`--method dpo`).
+#[derive(Args)]
+pub struct PreferenceArgs {
+    /// sft: next-token loss on the examples' responses; dpo: preference training (DPO, as TRL's
+    /// DPOTrainer) on pairs {"prompt", "chosen", "rejected"}, --batch-size counting pairs.
+    #[arg(long, default_value = "sft", value_parser = ["sft", "dpo"], help_heading = "Preference")]
+    pub method: String,
+    /// DPO: how far the policy may move from the reference (higher: less), > 0 [default: 0.1].
+    #[arg(long, allow_negative_numbers = true, help_heading = "Preference")]
+    pub beta: Option<f64>,
+    /// DPO: the pair loss, TRL's: sigmoid, ipo (over the log-ratios averaged per completion
+    /// token) or hinge [default: sigmoid].
+    #[arg(long, value_parser = ["sigmoid", "ipo", "hinge"], help_heading = "Preference")]
+    pub dpo_loss: Option<String>,
+    /// DPO with the sigmoid loss: cDPO's label smoothing, the chance that a pair's preference is
+    /// flipped, in [0, 0.5) [default: 0].
+    #[arg(long, allow_negative_numbers = true, help_heading = "Preference")]
+    pub label_smoothing: Option<f64>,
+    /// DPO: what the policy is compared with: base (the model without the adapter) or start
+    /// (the --init-adapter as it was at step 0) [default: start with --init-adapter, else base].
+    #[arg(long, value_parser = ["base", "start"], help_heading = "Preference")]
+    pub reference: Option<String>,
+    /// DPO: compute the reference's log-probabilities once over the data before training (TRL's
+    /// precompute_ref_log_probs), so that the step runs no reference forward pass.
+    #[arg(long, help_heading = "Preference")]
+    pub precompute_reference: bool,
+}
+
+impl PreferenceArgs {
+    /// `--method`; with sft, the DPO flags are refused (they would do nothing).
+    pub fn method(&self) -> Result<Method> {
+        let method = Method::parse(&self.method)?;
+        if method == Method::Sft {
+            let given = [
+                ("--beta", self.beta.is_some()),
+                ("--dpo-loss", self.dpo_loss.is_some()),
+                ("--label-smoothing", self.label_smoothing.is_some()),
+                ("--reference", self.reference.is_some()),
+                ("--precompute-reference", self.precompute_reference),
+            ];
+            if let Some((flag, _)) = given.iter().find(|(_, g)| *g) {
+                bail!(
+                    "{flag} is a setting of preference training: give --method dpo, or leave \
+                     {flag} out"
+                );
+            }
+        }
+        Ok(method)
+    }
+
+    /// The DPO settings: those given, TRL's defaults for the rest. `--reference` left out is
+    /// base; `train` makes it start when it is given an initial adapter.
+    pub fn preference(&self) -> Result<Preference> {
+        let d = Preference::default();
+        let p = Preference {
+            beta: self.beta.unwrap_or(d.beta),
+            dpo_loss: match &self.dpo_loss {
+                Some(l) => PairLoss::parse(l).map_err(anyhow::Error::msg)?,
+                None => d.dpo_loss,
+            },
+            label_smoothing: self.label_smoothing.unwrap_or(d.label_smoothing),
+            reference: match &self.reference {
+                Some(r) => Reference::parse(r)?,
+                None => d.reference,
+            },
+            precompute_reference: self.precompute_reference,
+        };
+        p.validate()?;
+        Ok(p)
+    }
 }
 
 impl StepArgs {
@@ -202,6 +277,8 @@ impl StepArgs {
             keep_softmax_stats: self.keep_softmax_stats,
             pin_mlp_activations: self.pin_mlp_activations,
             offload: self.offload.0,
+            method: self.preference.method()?,
+            preference: self.preference.preference()?,
         })
     }
 }

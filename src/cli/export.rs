@@ -180,5 +180,18 @@ pub fn export_gguf(mut a: ExportGgufArgs) -> Result<()> {
         written.bytes as f64 / 1e6,
         t0.elapsed().as_secs_f64()
     );
+    if !written.in_f16.is_empty() {
+        let n = written.in_f16.len();
+        let block = ty.layout().block;
+        xtrain::say!(
+            "{n} {} in f16, not {}: {} rows are not a whole number of {}'s {block}-value \
+             blocks ({})",
+            if n == 1 { "matrix is" } else { "matrices are" },
+            ty.name(),
+            if n == 1 { "its" } else { "their" },
+            ty.name(),
+            xtrain::formats::outdir::some_names(&written.in_f16)
+        );
+    }
     Ok(())
 }

@@ -64,7 +64,7 @@ pub struct TrainArgs {
     #[command(flatten)]
     pub step: StepArgs,
     /// Rows per optimizer step, all microbatches and devices together (JSONL or Parquet
-    /// data; also --batch, --global-batch).
+    /// data; also --batch, --global-batch); preference pairs with --method dpo.
     #[arg(
         long,
         alias = "batch",
@@ -214,6 +214,11 @@ pub fn train(
         Some(m) => crate::cli::model::model_dir(m, a.revision.as_deref(), "train")?,
         None => PathBuf::new(),
     };
+    let mut step = a.step.options()?;
+    // TRL's reference for a model that arrives with an adapter: a frozen copy of it.
+    if a.step.preference.reference.is_none() && a.init_adapter.is_some() {
+        step.preference.reference = xtrain::program::Reference::Start;
+    }
     let opts = TrainOptions {
         data: DataOptions {
             path: a.data.unwrap_or_default(),
@@ -226,9 +231,10 @@ pub fn train(
             eval_fraction: a.eval_fraction,
             eval_data: a.eval_data,
             columns: Columns::new(a.text_column, a.messages_column),
+            pairs: step.dpo().is_some(),
         },
         sharding_rules: a.step.sharding_rules.clone(),
-        step: a.step.options()?,
+        step,
         model,
         init_adapter: a.init_adapter,
         steps: a.steps,

@@ -13,6 +13,9 @@ pub struct Batch {
     pub input_ids: HostTensor,
     pub labels: HostTensor,
     pub attention_mask: HostTensor,
+    /// Each row's completion log-probability under the DPO reference [B] (f32), when the
+    /// rows carry one (`--precompute-reference`).
+    pub reference_logps: Option<HostTensor>,
 }
 
 impl Batch {
@@ -118,6 +121,7 @@ impl Batch {
             input_ids,
             labels,
             attention_mask,
+            reference_logps: None,
         };
         let (given, trained) = (batch.given_targets(), batch.target_tokens());
         if given > trained {
@@ -226,10 +230,12 @@ pub fn batch(rows: &[&Row]) -> Batch {
             .flat_map(|r| f(r).iter().copied())
             .collect::<Vec<i32>>()
     };
+    let reference: Option<Vec<f32>> = rows.iter().map(|r| r.reference).collect();
     Batch {
         input_ids: HostTensor::from_i32(&cat(|r| &r.ids), &[b, t]),
         labels: HostTensor::from_i32(&cat(|r| &r.labels), &[b, t]),
         attention_mask: HostTensor::from_i32(&cat(|r| &r.mask), &[b, t]),
+        reference_logps: reference.map(|v| HostTensor::from_f32(&v, &[b])),
     }
 }
 
@@ -244,6 +250,7 @@ mod tests {
             input_ids: HostTensor::from_i32(ids, &dims),
             labels: HostTensor::from_i32(labels, &dims),
             attention_mask: HostTensor::from_i32(mask, &dims),
+            reference_logps: None,
         }
     }
 

@@ -7,6 +7,8 @@
 
 mod batch;
 mod examples;
+mod pair_source;
+pub mod pairs;
 mod parquet_rows;
 mod read;
 mod rows;

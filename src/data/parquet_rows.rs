@@ -215,3 +215,79 @@ fn to_json(f: &Field) -> serde_json::Value {
         other => J::String(other.to_string()),
     }
 }
+
+/// Each row of a Parquet file's `columns` (each must be there) as the object a JSONL line would
+/// be, with where it is (`FILE: row group G, row R (row N of the file, counting from 0)`); a
+/// column holding a JSON string of a list (as some datasets store conversations) is that list.
+pub(crate) fn read_parquet_objects(
+    path: &Path,
+    columns: &[&str],
+) -> Result<Vec<(String, std::result::Result<serde_json::Value, String>)>> {
+    let file =
+        std::fs::File::open(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let reader = SerializedFileReader::new(file)
+        .map_err(|e| anyhow!("{} is not a readable Parquet file: {e}", path.display()))?;
+    let schema = reader
+        .metadata()
+        .file_metadata()
+        .schema_descr()
+        .root_schema();
+    let fields = schema.get_fields();
+    if let Some(missing) = columns
+        .iter()
+        .find(|c| !fields.iter().any(|f| f.name() == **c))
+    {
+        let found: Vec<String> = fields.iter().map(|f| describe(f)).collect();
+        bail!(
+            "{}: no column `{missing}`: preference pairs are `{}`; the file has {}",
+            path.display(),
+            columns.join("`, `"),
+            if found.is_empty() {
+                "no columns".to_string()
+            } else {
+                found.join(", ")
+            }
+        );
+    }
+    let projected: Vec<TypePtr> = fields
+        .iter()
+        .filter(|f| columns.contains(&f.name()))
+        .cloned()
+        .collect();
+    let projection = Type::group_type_builder(schema.name())
+        .with_fields(projected)
+        .build()
+        .map_err(|e| anyhow!("{}: {e}", path.display()))?;
+    let mut out = Vec::new();
+    let mut first_row = 0usize;
+    for g in 0..reader.num_row_groups() {
+        let at_group =
+            |e: parquet::errors::ParquetError| anyhow!("{}: row group {g}: {e}", path.display());
+        let group = reader.get_row_group(g).map_err(at_group)?;
+        let rows = group
+            .get_row_iter(Some(projection.clone()))
+            .map_err(at_group)?;
+        for (r, row) in rows.enumerate() {
+            let row = row.map_err(at_group)?;
+            let mut object: serde_json::Map<String, serde_json::Value> = row
+                .get_column_iter()
+                .map(|(k, v)| (k.clone(), to_json(v)))
+                .collect();
+            for c in columns {
+                if let Some(serde_json::Value::String(s)) = object.get(*c) {
+                    if let Ok(list @ serde_json::Value::Array(_)) = serde_json::from_str(s) {
+                        object.insert(c.to_string(), list);
+                    }
+                }
+            }
+            let place = format!(
+                "{}: row group {g}, row {r} (row {} of the file, counting from 0)",
+                path.display(),
+                first_row + r
+            );
+            out.push((place, Ok(serde_json::Value::Object(object))));
+        }
+        first_row += group.metadata().num_rows() as usize;
+    }
+    Ok(out)
+}

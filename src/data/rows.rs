@@ -13,6 +13,9 @@ pub struct Row {
     /// The program's `attention_mask`: 0 for padding, and for a real token 1 + the index in the
     /// row where its example starts (1 on every token of a row that holds one example).
     pub mask: Vec<i32>,
+    /// With `--precompute-reference`: the row's completion log-probability under the DPO
+    /// reference, computed once before training (None: not computed).
+    pub reference: Option<f32>,
 }
 
 /// What making rows did to the examples.
@@ -59,6 +62,7 @@ pub fn make_rows(
                 ids: e_ids,
                 labels: e_labels,
                 mask: vec![1; n],
+                reference: None,
             };
             rows.push(finish_packed(alone, seq, pad_id));
             continue;

@@ -29,6 +29,9 @@ pub struct DataOptions {
     pub eval_data: Option<PathBuf>,
     /// The keys (JSONL) or columns (Parquet) of text and of chat messages.
     pub columns: Columns,
+    /// Preference pairs (`--method dpo`): rows `{"prompt", "chosen", "rejected"}`, two rows each,
+    /// never packed; `batch_size` counts pairs.
+    pub pairs: bool,
 }
 
 impl DataOptions {
@@ -73,6 +76,9 @@ pub struct TrainingData {
 /// Read the training data for a model (its directory holds the tokenizer for text data): a
 /// pre-tokenized batch file, or JSONL examples made into rows, with held-out evaluation batches.
 pub fn load(opts: &DataOptions, model_dir: &Path, cfg: &LlamaConfig) -> Result<TrainingData> {
+    if opts.pairs {
+        return load_pairs(opts, &load_tokenizer(model_dir, cfg)?);
+    }
     if opts.is_batch_file() {
         let (batch, notes) = Batch::read(&opts.path)?;
         batch
@@ -161,6 +167,7 @@ pub fn load(opts: &DataOptions, model_dir: &Path, cfg: &LlamaConfig) -> Result<T
             rows,
             batch: b,
             order: None,
+            group: 1,
         },
         eval_batches: eval_batches(
             &eval_rows(
@@ -172,6 +179,50 @@ pub fn load(opts: &DataOptions, model_dir: &Path, cfg: &LlamaConfig) -> Result<T
             )?,
             b,
         ),
+        batch: b as i64,
+        seq: seq as i64,
+    })
+}
+
+/// A preference run's data (`--method dpo`): pairs of rows, `batch_size` pairs a batch.
+fn load_pairs(opts: &DataOptions, tok: &TextTokenizer) -> Result<TrainingData> {
+    if opts.is_batch_file() {
+        bail!(
+            "--method dpo trains on preference pairs (JSONL or Parquet rows {{\"prompt\", \
+             \"chosen\", \"rejected\"}}), but --data {} is one pre-tokenized batch",
+            opts.path.display()
+        );
+    }
+    let held_out = (opts.eval_data.as_deref(), opts.eval_fraction);
+    let seq = opts.seq as usize;
+    let (rows, eval_rows) = crate::data::pair_source::pair_rows(
+        &opts.path,
+        held_out,
+        opts.skip_bad_lines,
+        seq,
+        opts.strict_length,
+        tok,
+    )?;
+    let b = opts.batch_size as usize;
+    if rows.len() / 2 < b {
+        bail!(
+            "{} gives {} preference pairs, fewer than one batch of {b} (--batch-size counts pairs)",
+            opts.path.display(),
+            rows.len() / 2
+        );
+    }
+    let eval_batches = match eval_rows.is_empty() {
+        true => Vec::new(),
+        false => eval_batches(&eval_rows, 2 * b),
+    };
+    Ok(TrainingData {
+        source: Source::Rows {
+            rows,
+            batch: b,
+            order: None,
+            group: 2,
+        },
+        eval_batches,
         batch: b as i64,
         seq: seq as i64,
     })
@@ -249,11 +300,14 @@ fn eval_batches(eval_rows: &[Row], b: usize) -> Vec<Batch> {
 pub enum Source {
     /// One batch used for every step.
     Fixed(Batch),
-    /// Rows visited epoch by epoch in a seeded order (the current epoch's order cached).
+    /// Rows visited epoch by epoch in a seeded order (the current epoch's order cached), in
+    /// groups of `group` consecutive rows that stay together (2: a preference pair's chosen and
+    /// rejected rows); `batch` counts groups.
     Rows {
         rows: Vec<Row>,
         batch: usize,
         order: Option<(u64, Vec<usize>)>,
+        group: usize,
     },
 }
 
@@ -283,10 +337,39 @@ impl Source {
         h.finalize().iter().map(|b| format!("{b:02x}")).collect()
     }
 
+    /// Give each row its completion log-probability under the DPO reference (`logps`, one per
+    /// row in file order), which its batches then carry.
+    pub fn set_reference(&mut self, logps: &[f32]) -> Result<()> {
+        let Source::Rows { rows, .. } = self else {
+            bail!("the reference's log-probabilities are for rows of pairs, not a fixed batch");
+        };
+        if rows.len() != logps.len() {
+            bail!(
+                "{} reference log-probabilities for {} rows",
+                logps.len(),
+                rows.len()
+            );
+        }
+        for (r, &l) in rows.iter_mut().zip(logps) {
+            r.reference = Some(l);
+        }
+        Ok(())
+    }
+
+    /// Every row, in file order (a fixed batch: none).
+    pub fn rows(&self) -> &[Row] {
+        match self {
+            Source::Fixed(_) => &[],
+            Source::Rows { rows, .. } => rows,
+        }
+    }
+
     pub fn steps_per_epoch(&self) -> u64 {
         match self {
             Source::Fixed(_) => 1,
-            Source::Rows { rows, batch, .. } => (rows.len() / batch).max(1) as u64,
+            Source::Rows {
+                rows, batch, group, ..
+            } => (rows.len() / group / batch).max(1) as u64,
         }
     }
 
@@ -294,18 +377,27 @@ impl Source {
     pub fn next(&mut self, seed: u64, epoch: &mut u64, position: &mut u64) -> Batch {
         match self {
             Source::Fixed(b) => b.clone(),
-            Source::Rows { rows, batch, order } => {
-                if *position as usize + *batch > rows.len() {
+            Source::Rows {
+                rows,
+                batch,
+                order,
+                group,
+            } => {
+                let groups = rows.len() / *group;
+                if *position as usize + *batch > groups {
                     *epoch += 1;
                     *position = 0;
                 }
                 // The shuffle of an epoch is computed once, not at every step.
                 if order.as_ref().is_none_or(|(e, _)| e != epoch) {
-                    *order = Some((*epoch, epoch_order(rows.len(), seed, *epoch)));
+                    *order = Some((*epoch, epoch_order(groups, seed, *epoch)));
                 }
                 let ord = &order.as_ref().unwrap().1;
                 let at = *position as usize;
-                let picked: Vec<&Row> = ord[at..at + *batch].iter().map(|&i| &rows[i]).collect();
+                let picked: Vec<&Row> = ord[at..at + *batch]
+                    .iter()
+                    .flat_map(|&i| &rows[i * *group..(i + 1) * *group])
+                    .collect();
                 *position += *batch as u64;
                 crate::data::batch(&picked)
             }

@@ -19,6 +19,9 @@ pub struct TextTokenizer {
     pub eos: Option<String>,
     pub eos_id: Option<u32>,
     pub pad_id: u32,
+    /// The tokenizer config's own `eos_token`, as transformers reads it (`eos` may be the chat
+    /// template's end-of-turn token instead): what TRL appends to plain-text completions.
+    pub eos_token: Option<String>,
 }
 
 /// Llama 3's header format, used when a model ships no template but has Llama 3's special tokens.
@@ -83,7 +86,8 @@ impl TextTokenizer {
             _ => "{% for m in messages %}{{ m.content }}\n{% endfor %}".to_string(),
         };
         let bos = token_text(cfg.get("bos_token"));
-        let mut eos = token_text(cfg.get("eos_token"));
+        let eos_token = token_text(cfg.get("eos_token"));
+        let mut eos = eos_token.clone();
         // Chat models end a turn with their end-of-turn token; prefer it for stopping.
         for t in ["<|im_end|>", "<|eot_id|>"] {
             if template.contains(t) && vocab_has(t) {
@@ -102,6 +106,7 @@ impl TextTokenizer {
             eos,
             eos_id,
             pad_id,
+            eos_token,
         })
     }
 
@@ -114,6 +119,16 @@ impl TextTokenizer {
         let enc = self
             .tok
             .encode(text, false)
+            .map_err(|e| anyhow::anyhow!("tokenizer: {e}"))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// Token ids of `text` as transformers' `tokenizer(text)` gives them: special tokens in it
+    /// recognised, and the tokenizer's own additions (its post-processor: a BOS) made.
+    pub fn encode_with_specials(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self
+            .tok
+            .encode(text, true)
             .map_err(|e| anyhow::anyhow!("tokenizer: {e}"))?;
         Ok(enc.get_ids().to_vec())
     }

@@ -28,6 +28,7 @@ pub mod kernels;
 pub mod memory;
 pub mod platform;
 pub mod plugins;
+pub mod preference;
 pub mod runtime;
 pub mod shards;
 pub mod trainer;

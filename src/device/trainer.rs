@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 
 /// LoRA weights or AdamW moments by per-layer PEFT name.
-type LoraState = BTreeMap<String, HostTensor>;
+pub type LoraState = BTreeMap<String, HostTensor>;
 
 /// A compiled training step with its state on the device.
 pub struct Trainer {
@@ -21,9 +21,9 @@ pub struct Trainer {
     pub program: Program,
     exe: Executable,
     /// Per argument, one buffer per device (its shard).
-    frozen: Vec<Vec<Buffer>>,
+    pub(super) frozen: Vec<Vec<Buffer>>,
     /// LoRA params, then m, then v, in program order (the donated part); per device.
-    state: Vec<Vec<Buffer>>,
+    pub(super) state: Vec<Vec<Buffer>>,
     /// Number of optimizer steps taken.
     pub step: u64,
     pub spec: StepSpec,
@@ -48,6 +48,22 @@ pub struct Trainer {
     pub frozen_bytes_read: Vec<u64>,
     /// Where loading the frozen weights spent its time.
     pub loading: crate::device::frozen::LoadFigures,
+    /// A DPO step's reference adapter and log-probability programs (`device::preference`).
+    pub(super) dpo: DpoState,
+}
+
+/// What a trainer holds for a DPO step.
+#[derive(Default)]
+pub(super) struct DpoState {
+    /// The reference adapter's tensors on the devices, in LoRA argument order (each one buffer
+    /// per device); empty unless `set_reference` was given one.
+    pub(super) reference: Vec<Vec<Buffer>>,
+    /// The log-probability program with LoRA arguments and without (the base model), compiled
+    /// on first use for batches of that many rows.
+    pub(super) with_lora: Option<(i64, Executable)>,
+    pub(super) base: Option<(i64, Executable)>,
+    /// The last step's rows' log-probabilities under the policy and the reference.
+    pub(super) last: Option<(Vec<f32>, Vec<f32>)>,
 }
 
 impl Trainer {
@@ -168,6 +184,7 @@ impl Trainer {
             last_update: None,
             frozen_bytes_read: loaded.bytes_read,
             loading: loaded.figures,
+            dpo: Default::default(),
         };
         trainer.set_state(lora, moments)?;
         Ok(trainer)
@@ -231,7 +248,7 @@ impl Trainer {
     }
 
     /// Upload a per-step input (replicated or sharded by its name) to every device.
-    fn put(&self, name: &str, t: &HostTensor) -> Result<Vec<Buffer>> {
+    pub(super) fn put(&self, name: &str, t: &HostTensor) -> Result<Vec<Buffer>> {
         match &self.spec.mesh {
             Some(m) => self
                 .rt
@@ -243,7 +260,7 @@ impl Trainer {
     /// A batch tensor (`tensors`: one per host of this process, each from its own loader, or
     /// one for all): as one host puts it, or on hosts of a placement (virtual hosts, a run of
     /// several processes) each host its own rows.
-    fn put_rows(&self, name: &str, tensors: &[&HostTensor]) -> Result<Vec<Buffer>> {
+    pub(super) fn put_rows(&self, name: &str, tensors: &[&HostTensor]) -> Result<Vec<Buffer>> {
         match (&self.spec.mesh, self.rt.hosts.placement()) {
             (Some(m), Some(placed)) => crate::device::hosts::share::upload_by_host(
                 &self.rt,
@@ -257,7 +274,7 @@ impl Trainer {
     }
 
     /// The number of devices this process runs the step on (its argument lists).
-    fn devices(&self) -> usize {
+    pub(super) fn devices(&self) -> usize {
         self.rt.held(self.program.partitions.max(1) as usize).len()
     }
 
@@ -268,7 +285,7 @@ impl Trainer {
     }
 
     /// Refuse a batch that a kernel in use would compute wrongly (`device::kernels`).
-    fn check_kernel_rows(&self, batch: &Batch) -> Result<()> {
+    pub(super) fn check_kernel_rows(&self, batch: &Batch) -> Result<()> {
         crate::device::kernels::check_batch(&self.rt.kernels, &batch.attention_mask)
     }
 
@@ -304,17 +321,21 @@ impl Trainer {
                 },
             )?);
         }
+        inputs.extend(self.precomputed_reference(batches[0])?);
+        let reference = self.reference_args()?;
         let args: Vec<Vec<&Buffer>> = (0..self.devices())
             .map(|d| {
                 self.frozen
                     .iter()
                     .chain(&self.state)
                     .chain(&inputs)
+                    .chain(reference)
                     .map(|per_device| &per_device[d])
                     .collect()
             })
             .collect();
         let out = self.exe.execute(&args)?;
+        self.read_pair_results(&out)?;
         let n_state = self.state.len();
         // Loss and grad norm are replicated: read device 0's.
         let loss = out[0][n_state].to_host()?.scalar_f32()?;
@@ -487,5 +508,69 @@ impl Trainer {
         let (moments, lora): (BTreeMap<_, _>, BTreeMap<_, _>) =
             all.into_iter().partition(|(n, _)| n.starts_with("exp_avg"));
         Ok(Some((lora, moments)))
+    }
+}
+
+/// The DPO step's own arguments and results.
+impl Trainer {
+    /// Whether the step's program takes the reference adapter.
+    fn takes_reference_adapter(&self) -> bool {
+        self.program
+            .args
+            .iter()
+            .any(|a| a.role == Role::ReferenceLora)
+    }
+
+    /// A DPO step's arguments after the per-step inputs: the precomputed reference
+    /// log-probabilities of `batch` (an argument of a `--precompute-reference` step), as
+    /// buffers one per device.
+    fn precomputed_reference(&self, batch: &Batch) -> Result<Option<Vec<Buffer>>> {
+        if !self
+            .program
+            .args
+            .iter()
+            .any(|a| a.role == Role::ReferenceLogps)
+        {
+            return Ok(None);
+        }
+        let Some(t) = &batch.reference_logps else {
+            bail!(
+                "this step takes the reference's precomputed log-probabilities \
+                 (--precompute-reference), but the batch carries none"
+            );
+        };
+        Ok(Some(self.put("precomputed_reference_logps", t)?))
+    }
+
+    /// The reference adapter's buffers, where the step takes them (after every other argument).
+    fn reference_args(&self) -> Result<&[Vec<Buffer>]> {
+        if !self.takes_reference_adapter() {
+            return Ok(&[]);
+        }
+        if self.dpo.reference.is_empty() {
+            bail!("this step compares with the starting adapter (--reference start), but none was given");
+        }
+        Ok(&self.dpo.reference)
+    }
+
+    /// Read the rows' log-probabilities a DPO step returned (replicated: this process's first
+    /// device's).
+    fn read_pair_results(&mut self, out: &[Vec<Buffer>]) -> Result<()> {
+        let read = |role: Role| -> Result<Option<Vec<f32>>> {
+            match self.program.results.iter().position(|r| r.role == role) {
+                Some(k) => Ok(Some(out[0][k].to_host()?.to_f32()?)),
+                None => Ok(None),
+            }
+        };
+        self.dpo.last = match (read(Role::Logps)?, read(Role::ReferenceLogps)?) {
+            (Some(p), Some(r)) => Some((p, r)),
+            _ => None,
+        };
+        Ok(())
+    }
+
+    /// The last DPO step's rows' log-probabilities under the policy and the reference.
+    pub fn last_logps(&self) -> Option<&(Vec<f32>, Vec<f32>)> {
+        self.dpo.last.as_ref()
     }
 }

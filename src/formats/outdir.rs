@@ -90,7 +90,7 @@ pub fn check_writable_dir(out: &Path, overwrite: bool, inputs: &[&Path]) -> Resu
         }
     }
     refuse_current_dir(&out)?;
-    probe_writable(&out)?;
+    probe_writable("--out", &out)?;
     let held = entries(&out)?;
     if !held.is_empty() && !overwrite {
         bail!(
@@ -105,7 +105,7 @@ pub fn check_writable_dir(out: &Path, overwrite: bool, inputs: &[&Path]) -> Resu
 /// Check, before the work that fills it (a plan's or a compile's minutes), that `out` can be
 /// written: a probe file is made and removed in `out`, or where `out` does not exist yet in its
 /// nearest existing ancestor (where its directories will be made).
-fn probe_writable(out: &Path) -> Result<()> {
+fn probe_writable(flag: &str, out: &Path) -> Result<()> {
     let mut at = out;
     while !at.exists() {
         match at.parent() {
@@ -120,7 +120,7 @@ fn probe_writable(out: &Path) -> Result<()> {
             Ok(())
         }
         Err(e) => bail!(
-            "--out {}: cannot write in {} ({e})",
+            "{flag} {}: cannot write in {} ({e})",
             out.display(),
             at.display()
         ),
@@ -172,9 +172,11 @@ pub fn refuse_inputs_inside(flag: &str, out: &Path, inputs: &[&Path]) -> Result<
     Ok(())
 }
 
-/// Check that a command may write the file `path` (given as `flag`, such as `--export`): its
-/// directory exists, and it is new, or `overwrite` is given (the caller then replaces it
-/// atomically, [`crate::formats::atomic::write_atomic`]). An existing `path` that is one of
+/// Check that a command may write the file `path` (given as `flag`, such as `--export`): it is
+/// new, or `overwrite` is given (the caller then replaces it atomically,
+/// [`crate::formats::atomic::write_atomic`]). Its directory is made when it is missing (the
+/// nearest existing one checked writable first), as a directory output's are: every command
+/// makes the missing parents of what it writes. An existing `path` that is one of
 /// `inputs` (what the command reads) or lies inside one (a file of the model dir) is refused even
 /// with `overwrite`, through symlinks and `..`. Leftovers of killed writes of `path` are removed
 /// first. Returns `path` as given (a symlink there is replaced, not what it points to).
@@ -198,13 +200,14 @@ pub fn check_writable_file(
         Some(p) if !p.as_os_str().is_empty() => p,
         _ => Path::new("."),
     };
-    if !parent.is_dir() {
+    if parent.exists() && !parent.is_dir() {
         bail!(
-            "{flag} {}: the directory {} does not exist",
+            "{flag} {}: {} is not a directory",
             path.display(),
             parent.display()
         );
     }
+    probe_writable(flag, parent)?;
     if let Ok(real) = path.canonicalize() {
         for input in inputs {
             let Ok(inp) = input.canonicalize() else {
@@ -235,6 +238,13 @@ pub fn check_writable_file(
             path.display()
         );
     }
+    std::fs::create_dir_all(parent).with_context(|| {
+        format!(
+            "{flag} {}: cannot make {}",
+            path.display(),
+            parent.display()
+        )
+    })?;
     Ok(path.to_path_buf())
 }
 

@@ -16,6 +16,7 @@ pub mod lora;
 pub mod loss;
 pub mod mlp_tiles;
 pub mod optim;
+pub mod preference;
 pub mod presets;
 pub mod quant;
 mod rope;

@@ -17,6 +17,8 @@
 //! does not grow with depth.
 
 mod build;
+mod builder;
+mod dpo;
 pub mod flops;
 mod form;
 mod layout;
@@ -30,10 +32,11 @@ pub use build::{
     build_eval, build_forward, build_grad_program, build_next_token, build_train_step,
     build_train_step_priced, build_train_step_unrolled,
 };
+pub use dpo::build_sequence_logps;
 pub use signature::{Program, Role, TensorSpec};
 pub use spec::{
-    default_choice, fit_choices, parse_dtype, AttentionBlockUnused, KeyBlocks, MeshPlan, MlpChunks,
-    Offload, Quant, Remat, ResultType, StepOptions, StepSpec, DEFAULT_ATTENTION_SCORES,
-    DEFAULT_KEY_BLOCK, DEFAULT_MATMUL_RESULT, DEFAULT_MLP_CHUNK, KEY_BLOCKS_ABOVE,
-    MLP_CHUNKS_ABOVE,
+    default_choice, fit_choices, parse_dtype, AttentionBlockUnused, KeyBlocks, MeshPlan, Method,
+    MlpChunks, Offload, Preference, Quant, Reference, Remat, ResultType, StepOptions, StepSpec,
+    DEFAULT_ATTENTION_SCORES, DEFAULT_KEY_BLOCK, DEFAULT_MATMUL_RESULT, DEFAULT_MLP_CHUNK,
+    KEY_BLOCKS_ABOVE, MLP_CHUNKS_ABOVE,
 };

@@ -18,7 +18,7 @@ use std::collections::BTreeMap;
 /// The invariants both layer loops are given (see [`Layout::loop_invariants`]): the values, and
 /// how many of them are stacked weights and stacked LoRA tensors, and whether a dropout key
 /// follows the RoPE tables and the document starts.
-struct LoopInputs {
+pub(super) struct LoopInputs {
     values: Vec<Value>,
     stacked: usize,
     lora: usize,
@@ -27,7 +27,7 @@ struct LoopInputs {
 
 impl Layout<'_> {
     /// Logits with layers unrolled over per-layer weights.
-    fn logits_unrolled(
+    pub(super) fn logits_unrolled(
         &self,
         b: &mut Builder,
         m: &ModelValues,
@@ -60,7 +60,7 @@ impl Layout<'_> {
 
     /// Pin the batch dim of an activation [B, T, ...] to the mesh's batch sharding (a hint for
     /// the partitioner where the embedding gather would otherwise leave it guessing).
-    fn constrain_batch(&self, b: &mut Builder, x: Value) -> hlo::Result<Value> {
+    pub(super) fn constrain_batch(&self, b: &mut Builder, x: Value) -> hlo::Result<Value> {
         let Some(m) = &self.spec.mesh else {
             return Ok(x);
         };
@@ -243,7 +243,7 @@ impl Layout<'_> {
     /// The forward loop over the stacked layers from the embedded input `h0`. Its carry, and what
     /// it returns: the last hidden state, every layer's input [L, B, T, H] and (with `save-proj`)
     /// a stack [L, ...] of each of [`Layout::saved_points`], stacks kept as [`stack_type`].
-    fn forward_loop(
+    pub(super) fn forward_loop(
         &self,
         b: &mut Builder,
         m: &ModelValues,
@@ -314,7 +314,7 @@ impl Layout<'_> {
     /// gradient `dh` of the last hidden state, recompute each layer (substituting the saved
     /// projections) and apply its vjp; the carry is (dh, the LoRA gradient stacks). Returns the
     /// gradients in LoRA argument order.
-    fn backward_loop(
+    pub(super) fn backward_loop(
         &self,
         b: &mut Builder,
         m: &ModelValues,

@@ -29,6 +29,14 @@ pub enum Role {
     MaxWeightBefore,
     Logits,
     TokenLoss,
+    /// A LoRA tensor of the reference adapter of a DPO step (`--reference start`): the adapter
+    /// the run started from, frozen, named `reference.<PEFT name>`.
+    ReferenceLora,
+    /// Each row's completion log-probability under the reference [rows], an argument of a DPO
+    /// step built with `--precompute-reference`, or a result of a DPO step.
+    ReferenceLogps,
+    /// Each row's completion log-probability under the policy [rows] (a result).
+    Logps,
 }
 
 /// One argument or result of a program.

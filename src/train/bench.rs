@@ -146,10 +146,15 @@ pub fn random_batch(spec: &StepSpec, seed: u64) -> Batch {
         .map(|_| (rng.next_u64() % spec.model.vocab_size as u64) as i32)
         .collect();
     let dims = [spec.batch, spec.seq];
+    // A DPO step with --precompute-reference takes the reference's log-probabilities: any
+    // values time it.
+    let precomputed = spec.dpo.as_ref().is_some_and(|p| p.precompute_reference);
     Batch {
         input_ids: HostTensor::from_i32(&ids, &dims),
         labels: HostTensor::from_i32(&ids, &dims),
         attention_mask: HostTensor::from_i32(&vec![1; n], &dims),
+        reference_logps: precomputed
+            .then(|| HostTensor::from_f32(&vec![-1.0; spec.batch as usize], &[spec.batch])),
     }
 }
 

@@ -68,7 +68,13 @@ pub struct Checkpoint {
     pub lora: BTreeMap<String, HostTensor>,
     pub moments: BTreeMap<String, HostTensor>,
     pub state: TrainerState,
+    /// A DPO run's reference adapter (`--reference start`): the adapter it started from, kept
+    /// in each checkpoint's `reference/` so that a resumed run compares with the same one.
+    pub reference: Option<BTreeMap<String, HostTensor>>,
 }
+
+/// Where a checkpoint keeps a DPO run's reference adapter.
+pub const REFERENCE: &str = "reference";
 
 /// The marker that makes a checkpoint count (see the module docs).
 pub const COMMITTED: &str = "committed.json";
@@ -84,15 +90,16 @@ pub trait Team {
     fn barrier(&self, name: &str) -> Result<()>;
 }
 
-/// A checkpoint: adapter + AdamW moments + trainer state, in one directory written atomically,
-/// and committed (module docs). With a `team` every process calls this (the state is gathered
-/// from all of them); process 0 alone writes.
+/// A checkpoint: adapter + AdamW moments + trainer state (+ a DPO run's `reference` adapter),
+/// in one directory written atomically, and committed (module docs). With a `team` every
+/// process calls this (the state is gathered from all of them); process 0 alone writes.
 pub fn save_checkpoint(
     dir: &Path,
     trainer: &Trainer,
     state: &TrainerState,
     base: &crate::formats::peft::BaseModel,
     team: Option<&dyn Team>,
+    reference: Option<&BTreeMap<String, HostTensor>>,
 ) -> Result<()> {
     // Every process hands over its shards; process 0 alone gets the state, and writes.
     let Some((lora, moments)) = trainer.state_on_host()? else {
@@ -115,6 +122,9 @@ pub fn save_checkpoint(
                 &tmp.join("trainer_state.json"),
                 serde_json::to_string_pretty(state)?.as_bytes(),
             )?;
+            if let Some(r) = reference {
+                crate::formats::peft::write(&tmp.join(REFERENCE), &trainer.spec.lora, r, base)?;
+            }
             extra(tmp)
         })
     };
@@ -279,9 +289,18 @@ pub fn load_checkpoint(dir: &Path, cfg: &LlamaConfig, lora: &LoraConfig) -> Resu
     for name in opt.tensors.keys() {
         moments.insert(name.clone(), opt.read(name)?);
     }
+    let reference = match dir.join(REFERENCE).is_dir() {
+        true => Some(crate::formats::peft::read_tensors(
+            &dir.join(REFERENCE),
+            cfg,
+            lora,
+        )?),
+        false => None,
+    };
     Ok(Checkpoint {
         lora: weights,
         moments,
         state,
+        reference,
     })
 }

@@ -3,6 +3,7 @@
 //! for TensorBoard (`OUT/tensorboard/`); its lines on stderr go above the progress bar
 //! (`progress::say`).
 
+use crate::device::preference::PairMetrics;
 use crate::device::trainer::EvalResult;
 use crate::train::tensorboard::EventWriter;
 use anyhow::Result;
@@ -93,6 +94,32 @@ impl Metrics {
         )
     }
 
+    /// An evaluation of held-out preference pairs at `step`: TRL's metrics (`eval_loss`,
+    /// `eval_rewards/margins`, ...), a line on stderr, and a point of the curve.
+    pub fn eval_pairs(&mut self, step: u64, m: &PairMetrics) -> Result<()> {
+        let mut line = serde_json::json!({"step": step});
+        for (k, v) in pair_fields(m) {
+            line[format!("eval_{k}")] = v.into();
+        }
+        line["eval_pairs"] = m.pairs.into();
+        writeln!(self.file, "{line}")?;
+        crate::train::progress::say(&format!(
+            "eval at step {step}: loss {:.4}, reward margin {:.4}, accuracy {:.1}% of {} pairs",
+            m.loss,
+            m.rewards_margins,
+            100.0 * m.rewards_accuracies,
+            m.pairs
+        ));
+        self.history.push((step, f64::NAN, Some(m.loss)));
+        self.eval_accuracy.push((step, m.rewards_accuracies));
+        let scalars: Vec<(String, f64)> = pair_fields(m)
+            .into_iter()
+            .map(|(k, v)| (format!("eval/{k}"), v))
+            .collect();
+        let named: Vec<(&str, f64)> = scalars.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+        self.tensorboard.scalars(step, &named)
+    }
+
     /// A step whose loss or gradient norm was not finite (and was not applied).
     pub fn nonfinite(&mut self, step: u64, loss: f32, grad_norm: f32) -> Result<()> {
         writeln!(
@@ -104,7 +131,8 @@ impl Metrics {
     }
 
     /// A step taken: a loss spike against the recent mean is reported first, then the step's
-    /// line (flushed) and its point of the curve.
+    /// line (flushed) and its point of the curve; a DPO step's line has TRL's metrics (`pairs`).
+    #[allow(clippy::too_many_arguments)]
     pub fn step(
         &mut self,
         step: u64,
@@ -113,6 +141,7 @@ impl Metrics {
         lr: f64,
         epoch: u64,
         step_time_s: f64,
+        pairs: Option<&PairMetrics>,
     ) -> Result<()> {
         if self.recent.len() >= 5 {
             let mean = self.recent.iter().sum::<f32>() / self.recent.len() as f32;
@@ -132,6 +161,17 @@ impl Metrics {
         let tokens = self.tokens_per_step;
         let dt = step_time_s;
         let mut line = serde_json::json!({"step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "epoch": epoch, "tokens": tokens, "step_time_s": dt});
+        // The step's loss is the program's; the rest of TRL's metrics come from the rows'
+        // log-probabilities.
+        let pair_scalars: Vec<(&str, f64)> = pairs.map_or(Vec::new(), |m| {
+            pair_fields(m)
+                .into_iter()
+                .filter(|(k, _)| *k != "loss")
+                .collect()
+        });
+        for (k, v) in &pair_scalars {
+            line[*k] = (*v).into();
+        }
         if let Some((began, mut before)) = self.first_step.take() {
             before["first_step_s"] = dt.into();
             before["total_s"] = began.elapsed().as_secs_f64().into();
@@ -140,7 +180,7 @@ impl Metrics {
         writeln!(self.file, "{line}")?;
         self.file.flush()?;
         self.history.push((step, loss as f64, None));
-        let mut scalars = vec![
+        let mut scalars: Vec<(&str, f64)> = vec![
             ("train/loss", loss as f64),
             ("train/lr", lr),
             ("train/grad_norm", grad_norm as f64),
@@ -149,8 +189,26 @@ impl Metrics {
         if let Some(s) = self.mfu_seconds {
             scalars.push(("train/mfu", s / dt));
         }
+        let named: Vec<(String, f64)> = pair_scalars
+            .iter()
+            .map(|(k, v)| (format!("train/{k}"), *v))
+            .collect();
+        scalars.extend(named.iter().map(|(k, v)| (k.as_str(), *v)));
         self.tensorboard.scalars(step, &scalars)
     }
+}
+
+/// TRL's metric names and values of a set of pairs.
+fn pair_fields(m: &PairMetrics) -> Vec<(&'static str, f64)> {
+    vec![
+        ("loss", m.loss),
+        ("rewards/chosen", m.rewards_chosen),
+        ("rewards/rejected", m.rewards_rejected),
+        ("rewards/margins", m.rewards_margins),
+        ("rewards/accuracies", m.rewards_accuracies),
+        ("logps/chosen", m.logps_chosen),
+        ("logps/rejected", m.logps_rejected),
+    ]
 }
 
 #[cfg(test)]

@@ -14,6 +14,7 @@ pub mod log;
 pub mod options;
 pub mod output;
 pub mod plot;
+mod preference;
 mod prepare;
 pub mod progress;
 pub mod schedule;
@@ -130,17 +131,19 @@ fn run_in(
         Some(out) => finish::abandon(opts, out, "compiling the step and loading the weights"),
         None => Box::new(|| signal_hook::low_level::exit(finish::interrupted_code())),
     };
-    let trainer = signals.abandonable(abandon, || {
+    let mut trainer = signals.abandonable(abandon, || {
         upload::compile_and_upload(opts, rt, spec, program, weights, &start)
     })?;
     let state = start.state;
     let TrainingData {
-        source,
+        mut source,
         eval_batches,
         batch,
         seq,
     } = data;
-    let tokens_per_step = batch * seq;
+    let reference_logps =
+        preference::reference(&mut trainer, start.reference.as_ref(), &mut source)?;
+    let tokens_per_step = batch * seq * trainer.spec.rows_per_example();
     let resumed_at = opts.resume.is_some().then_some(state.step);
     // Only process 0 of a run of several writes metrics (every process reads the same loss).
     let writes = team.is_none_or(|t| t.process() == 0);
@@ -168,10 +171,15 @@ fn run_in(
         skipped: 0,
         team,
         loaders: Vec::new(),
+        reference: start.reference,
     };
     for _ in 1..opts.launch.virtual_hosts.unwrap_or(1) {
+        let mut source = crate::data::load(&opts.data, &opts.model, cfg)?.source;
+        if let Some(logps) = &reference_logps {
+            source.set_reference(logps)?;
+        }
         run.loaders.push(Loader {
-            source: crate::data::load(&opts.data, &opts.model, cfg)?.source,
+            source,
             epoch: run.state.epoch,
             position: run.state.position,
         });
@@ -283,9 +291,19 @@ struct Shown {
 }
 
 impl Shown {
-    fn show(&self, step: u64, total: u64, every: bool, loss: f32, tokens_per_s: f64, lr: f64) {
+    #[allow(clippy::too_many_arguments)]
+    fn show(
+        &self,
+        step: u64,
+        total: u64,
+        every: bool,
+        loss: f32,
+        tokens_per_s: f64,
+        lr: f64,
+        pairs: &str,
+    ) {
         let Some(bar) = &self.bar else { return };
-        let what = format!("loss {loss:.4} lr {lr:.2e} {tokens_per_s:.0} tok/s");
+        let what = format!("loss {loss:.4}{pairs} lr {lr:.2e} {tokens_per_s:.0} tok/s");
         if progress::drawn() {
             bar.set_position(step);
             if every {
@@ -324,6 +342,8 @@ struct Run<'a> {
     /// `--virtual-hosts P`: the loaders of hosts 1..P, each reading the data itself as a
     /// separate host would (host 0's is `source`).
     loaders: Vec<Loader>,
+    /// A DPO run's reference adapter (`--reference start`), kept in its checkpoints.
+    reference: Option<std::collections::BTreeMap<String, pjrt::HostTensor>>,
 }
 
 /// A host's own loader of the training rows, and where it stands in them.
@@ -475,13 +495,23 @@ impl Run<'_> {
             progress::say(&format!("xtrain: step {step}: {what}; step skipped"));
             return Ok(());
         }
+        let pairs = preference::step_metrics(&self.trainer, &batches[0])?;
         if let Some(m) = &mut self.metrics {
-            m.step(step, loss, grad_norm, lr, self.state.epoch, dt)?;
+            m.step(
+                step,
+                loss,
+                grad_norm,
+                lr,
+                self.state.epoch,
+                dt,
+                pairs.as_ref(),
+            )?;
         }
         if opts.log_every > 0 {
             let tokens_per_s = self.tokens_per_step as f64 / dt;
             let every = step.is_multiple_of(opts.log_every) || step == total;
-            shown.show(step, total, every, loss, tokens_per_s, lr);
+            let extra = preference::shown(pairs.as_ref());
+            shown.show(step, total, every, loss, tokens_per_s, lr, &extra);
         }
         if opts.eval_every > 0 && step.is_multiple_of(opts.eval_every) && step != total {
             self.evaluate(step)?;
@@ -505,6 +535,13 @@ impl Run<'_> {
     fn evaluate(&mut self, step: u64) -> Result<()> {
         if self.eval_batches.is_empty() {
             return Ok(());
+        }
+        if self.trainer.spec.dpo.is_some() {
+            let m = self.trainer.evaluate_pairs(&self.eval_batches)?;
+            return match &mut self.metrics {
+                Some(metrics) => metrics.eval_pairs(step, &m),
+                None => Ok(()),
+            };
         }
         match (
             self.trainer.evaluate(&self.eval_batches)?,
@@ -530,7 +567,14 @@ impl Run<'_> {
     /// Save `OUT/checkpoint-<step>` for the current step.
     fn save_checkpoint(&self) -> Result<PathBuf> {
         let dir = self.checkpoint_dir();
-        save_checkpoint(&dir, &self.trainer, &self.state, &self.base, self.team())?;
+        save_checkpoint(
+            &dir,
+            &self.trainer,
+            &self.state,
+            &self.base,
+            self.team(),
+            self.reference.as_ref(),
+        )?;
         Ok(dir)
     }
 

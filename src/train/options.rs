@@ -172,7 +172,8 @@ impl TrainOptions {
             .kernels
             .iter()
             .find(|k| crate::device::kernels::needs_one_document_rows(k));
-        if let Some(k) = one_document.filter(|_| self.data.pack && !self.data.is_batch_file()) {
+        let packed = self.data.pack && !self.data.is_batch_file() && self.step.dpo().is_none();
+        if let Some(k) = one_document.filter(|_| packed) {
             bail!(
                 "--kernel {k} attends with cuDNN's causal mask, which does not keep packed \
                  documents apart: add --no-pack (one example per row), or leave --kernel {k} out"
@@ -209,6 +210,7 @@ impl TrainOptions {
                 );
             }
         }
+        self.validate_preference()?;
         if self.given("min-lr-ratio") && self.schedule == "constant" {
             let schedule_by = if self.given("schedule") {
                 self.given_by("schedule")
@@ -220,6 +222,38 @@ impl TrainOptions {
                 self.min_lr_ratio,
                 self.given_by("min-lr-ratio")
             );
+        }
+        Ok(())
+    }
+
+    /// The flags `--method dpo` takes or refuses: `--reference start` needs the adapter it
+    /// names; the flags that shape supervised examples would do nothing.
+    fn validate_preference(&self) -> Result<()> {
+        let Some(p) = self.step.dpo() else {
+            return Ok(());
+        };
+        if self.data.is_batch_file() {
+            bail!(
+                "--method dpo trains on preference pairs (JSONL or Parquet rows {{\"prompt\", \
+                 \"chosen\", \"rejected\"}}), but --data {} is one pre-tokenized batch",
+                self.data.path.display()
+            );
+        }
+        if p.reference == crate::program::Reference::Start
+            && self.init_adapter.is_none()
+            && self.resume.is_none()
+        {
+            bail!(
+                "--reference start compares the policy with the adapter the run starts from, but                  no --init-adapter was given: give --init-adapter DIR (e.g. an SFT run's adapter),                  or --reference base to compare with the model without an adapter"
+            );
+        }
+        for flag in ["train-on-prompt", "text-column", "messages-column"] {
+            if self.given(flag) {
+                bail!(
+                    "--{flag} ({}) shapes supervised examples; --method dpo trains on pairs                      {{\"prompt\", \"chosen\", \"rejected\"}} whose loss is on the completions                      only: leave --{flag} out",
+                    self.given_by(flag)
+                );
+            }
         }
         Ok(())
     }

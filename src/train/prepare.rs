@@ -63,11 +63,12 @@ pub fn prepare_with(
     if let Some(dir) = &opts.program {
         let (program, spec) =
             crate::formats::program_dir::read_dir_for_model(dir, cfg, &opts.model)?;
-        if (spec.batch, spec.seq) != (batch, seq) {
+        if (spec.examples(), spec.seq) != (batch, seq) {
+            let pairs = if spec.dpo.is_some() { " pairs" } else { "" };
             bail!(
-                "program dir {} takes batches of {}x{} but the data gives {batch}x{seq}",
+                "program dir {} takes batches of {}x{}{pairs} but the data gives {batch}x{seq}",
                 dir.display(),
-                spec.batch,
+                spec.examples(),
                 spec.seq
             );
         }

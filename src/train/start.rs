@@ -46,9 +46,21 @@ pub(super) fn starting_point(
             }
         }
     }
-    let (lora, moments, mut state) = match &opts.resume {
+    let starts_from_itself = opts
+        .step
+        .dpo()
+        .is_some_and(|p| p.reference == crate::program::Reference::Start);
+    let (lora, moments, mut state, reference) = match &opts.resume {
         Some(dir) => {
             let c = load_checkpoint(dir, cfg, lora_cfg)?;
+            if starts_from_itself && c.reference.is_none() {
+                bail!(
+                    "checkpoint {} holds no reference adapter ({}/), which its run's --reference \
+                     start compares with; it was not written by a DPO run that had one",
+                    dir.display(),
+                    crate::train::checkpoint::REFERENCE
+                );
+            }
             check_resumed_data(dir, &c.state, schedule, data, &fingerprint)?;
             if c.state.step >= schedule.total {
                 crate::esay!(
@@ -59,7 +71,8 @@ pub(super) fn starting_point(
                     schedule.total
                 );
             }
-            (c.lora, c.moments, c.state)
+            let reference = c.reference.filter(|_| starts_from_itself);
+            (c.lora, c.moments, c.state, reference)
         }
         None => {
             let w = match &opts.init_adapter {
@@ -74,6 +87,7 @@ pub(super) fn starting_point(
                 }
                 None => init_lora(cfg, lora_cfg, opts.seed),
             };
+            let reference = starts_from_itself.then(|| w.clone());
             (
                 w,
                 BTreeMap::new(),
@@ -86,6 +100,7 @@ pub(super) fn starting_point(
                     settings: Default::default(),
                     data: None,
                 },
+                reference,
             )
         }
     };
@@ -96,6 +111,7 @@ pub(super) fn starting_point(
         lora,
         moments,
         state,
+        reference,
     })
 }
 

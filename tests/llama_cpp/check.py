@@ -51,7 +51,8 @@ def to_llama_cpp_rows(w, heads):
 
 
 def gguf_name(hf):
-    """llama.cpp's tensor name of a Hugging Face weight."""
+    """llama.cpp's tensor name of a Hugging Face weight (the q/k/v biases of Qwen2 and the q/k
+    norms of Qwen3 included)."""
     table = {
         "model.embed_tokens.weight": "token_embd.weight",
         "model.norm.weight": "output_norm.weight",
@@ -65,13 +66,24 @@ def gguf_name(hf):
         "self_attn.k_proj": "attn_k",
         "self_attn.v_proj": "attn_v",
         "self_attn.o_proj": "attn_output",
+        "self_attn.q_norm": "attn_q_norm",
+        "self_attn.k_norm": "attn_k_norm",
         "post_attention_layernorm": "ffn_norm",
         "mlp.gate_proj": "ffn_gate",
         "mlp.up_proj": "ffn_up",
         "mlp.down_proj": "ffn_down",
     }
     _, _, layer, rest = hf.split(".", 3)
-    return f"blk.{layer}.{kinds[rest[: -len('.weight')]]}.weight"
+    kind, suffix = rest.rsplit(".", 1)
+    return f"blk.{layer}.{kinds[kind]}.{suffix}"
+
+
+def permuted(reader):
+    """Whether the file's architecture keeps q and k rows in llama.cpp's interleaved order:
+    `llama` does (its RoPE rotates adjacent pairs); `qwen2` and `qwen3` rotate halves, as
+    Hugging Face does, and keep the rows as they are."""
+    field = reader.fields["general.architecture"]
+    return field.contents() == "llama"
 
 
 def dequantized(path):
@@ -109,7 +121,8 @@ def cmd_merged(gguf_path, model_dir, adapter_dir):
         acfg = json.load(open(f"{adapter_dir}/adapter_config.json"))
         scale = acfg["lora_alpha"] / acfg["r"]
         lora = read_safetensors(f"{adapter_dir}/adapter_model.safetensors")
-    _, tensors = dequantized(gguf_path)
+    reader, tensors = dequantized(gguf_path)
+    reorder = permuted(reader)
     worst = {"ratio": 0.0}
     checked = 0
     adapted = 0
@@ -123,9 +136,9 @@ def cmd_merged(gguf_path, model_dir, adapter_dir):
             b = lora[f"base_model.model.{module}.lora_B.weight"]
             expected = expected + scale * (b.astype(np.float64) @ a.astype(np.float64))
             adapted += 1
-        if hf.endswith("q_proj.weight"):
+        if reorder and hf.endswith("q_proj.weight"):
             expected = to_llama_cpp_rows(expected, heads)
-        elif hf.endswith("k_proj.weight"):
+        elif reorder and hf.endswith("k_proj.weight"):
             expected = to_llama_cpp_rows(expected, kv_heads)
         got, ty = tensors[gguf_name(hf)]
         got = got.astype(np.float64)
@@ -258,12 +271,13 @@ def cmd_imported(gguf_path, model_dir):
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads", heads)
     weights = read_safetensors(f"{model_dir}/model.safetensors")
-    _, tensors = dequantized(gguf_path)
+    reader, tensors = dequantized(gguf_path)
+    reorder = permuted(reader)
     worst = {"diff": 0.0}
     checked = 0
     for hf, w in weights.items():
         got, ty = tensors[gguf_name(hf)]
-        if hf.endswith("q_proj.weight") or hf.endswith("k_proj.weight"):
+        if reorder and (hf.endswith("q_proj.weight") or hf.endswith("k_proj.weight")):
             h = heads if "q_proj" in hf else kv_heads
             rows = got.shape[0]
             got = got.reshape(h, rows // h // 2, 2, -1).swapaxes(1, 2).reshape(got.shape)

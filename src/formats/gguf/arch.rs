@@ -1,19 +1,23 @@
 //! llama.cpp's architectures as xtrain maps them, each fact once and used both ways (export
-//! reads these tables from the Hugging Face side, import from the GGUF side): the tensor names,
-//! the q/k row order, the hyperparameter keys against config.json's fields, and Llama 3's RoPE
-//! scaling as per-frequency divisors.
+//! reads these tables from the Hugging Face side, import from the GGUF side): which family is
+//! written as which architecture, the tensor names, the q/k row order, the hyperparameter keys
+//! against config.json's fields, and Llama 3's RoPE scaling as per-frequency divisors.
+//!
+//! llama.cpp's `llama` architecture rotates adjacent pairs of a head's values, so its converter
+//! reorders the rows of q and k from Hugging Face's two halves ([`reorder_qk`]); `qwen2` and
+//! `qwen3` rotate the two halves as Hugging Face does (NeoX-style RoPE) and keep the rows as
+//! they are. Mistral is Llama's graph and is written as `llama`.
 
 use super::ggml::hparam;
-use crate::model::config::LlamaConfig;
+use crate::model::config::{Family, LlamaConfig};
 
 /// A llama.cpp architecture xtrain reads and writes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Arch {
     /// llama.cpp's name (`general.architecture`, the prefix of its hyperparameter keys).
     pub name: &'static str,
-    /// config.json's `model_type` and `architectures` of the model it imports as.
-    pub model_type: &'static str,
-    pub hf_class: &'static str,
+    /// The families written as this architecture; a file of it imports as the first.
+    pub families: &'static [Family],
     /// Whether llama.cpp keeps the rows of q and k per head as interleaved pairs (its Llama
     /// RoPE rotates adjacent values), where Hugging Face keeps two halves: see [`reorder_qk`].
     pub permuted_qk: bool,
@@ -21,17 +25,43 @@ pub struct Arch {
 
 pub const LLAMA: Arch = Arch {
     name: "llama",
-    model_type: "llama",
-    hf_class: "LlamaForCausalLM",
+    families: &[Family::Llama, Family::Mistral],
     permuted_qk: true,
 };
 
+pub const QWEN2: Arch = Arch {
+    name: "qwen2",
+    families: &[Family::Qwen2],
+    permuted_qk: false,
+};
+
+pub const QWEN3: Arch = Arch {
+    name: "qwen3",
+    families: &[Family::Qwen3],
+    permuted_qk: false,
+};
+
 /// Every architecture xtrain reads and writes.
-pub const ARCHS: &[Arch] = &[LLAMA];
+pub const ARCHS: &[Arch] = &[LLAMA, QWEN2, QWEN3];
 
 /// The architecture llama.cpp calls `name`, if xtrain has it.
 pub fn arch(name: &str) -> Option<&'static Arch> {
     ARCHS.iter().find(|a| a.name == name)
+}
+
+/// The architecture a family is written as.
+pub fn arch_of(family: Family) -> &'static Arch {
+    ARCHS
+        .iter()
+        .find(|a| a.families.contains(&family))
+        .expect("every family has an architecture")
+}
+
+impl Arch {
+    /// The family a file of this architecture imports as.
+    pub fn family(&self) -> Family {
+        self.families[0]
+    }
 }
 
 /// The names of [`ARCHS`], for messages.
@@ -45,6 +75,11 @@ const BLOCK_NAMES: &[(&str, &str)] = &[
     ("self_attn.q_proj.weight", "attn_q.weight"),
     ("self_attn.k_proj.weight", "attn_k.weight"),
     ("self_attn.v_proj.weight", "attn_v.weight"),
+    ("self_attn.q_proj.bias", "attn_q.bias"),
+    ("self_attn.k_proj.bias", "attn_k.bias"),
+    ("self_attn.v_proj.bias", "attn_v.bias"),
+    ("self_attn.q_norm.weight", "attn_q_norm.weight"),
+    ("self_attn.k_norm.weight", "attn_k_norm.weight"),
     ("self_attn.o_proj.weight", "attn_output.weight"),
     ("post_attention_layernorm.weight", "ffn_norm.weight"),
     ("mlp.gate_proj.weight", "ffn_gate.weight"),
@@ -75,6 +110,17 @@ fn renamed(name: &str, from: usize, to: usize) -> Option<String> {
     Some([row.0, row.1][to].to_string())
 }
 
+/// llama.cpp's tensor names xtrain maps, for messages.
+pub fn gguf_names() -> String {
+    let model = MODEL_NAMES.iter().map(|r| r.1.to_string());
+    let block = BLOCK_NAMES.iter().map(|r| format!("blk.N.{}", r.1));
+    model
+        .chain([ROPE_FREQS.to_string()])
+        .chain(block)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// llama.cpp's name of a Hugging Face weight.
 pub fn gguf_name(hf: &str) -> Option<String> {
     renamed(hf, 0, 1)
@@ -86,17 +132,38 @@ pub fn hf_name(gguf: &str) -> Option<String> {
 }
 
 impl Arch {
-    /// The heads whose rows this architecture reorders in the Hugging Face weight `hf` (see
-    /// [`reorder_qk`]): q's and k's where [`Arch::permuted_qk`], else none.
+    /// The heads whose rows this architecture reorders in the Hugging Face tensor `hf` (see
+    /// [`reorder_qk`]): q's and k's (weights and biases) where [`Arch::permuted_qk`], else none.
     pub fn reordered_heads(&self, cfg: &LlamaConfig, hf: &str) -> Option<usize> {
+        let q = ["self_attn.q_proj.weight", "self_attn.q_proj.bias"];
+        let k = ["self_attn.k_proj.weight", "self_attn.k_proj.bias"];
         if !self.permuted_qk {
             None
-        } else if hf.ends_with("self_attn.q_proj.weight") {
+        } else if q.iter().any(|n| hf.ends_with(n)) {
             Some(cfg.num_attention_heads as usize)
-        } else if hf.ends_with("self_attn.k_proj.weight") {
+        } else if k.iter().any(|n| hf.ends_with(n)) {
             Some(cfg.num_key_value_heads as usize)
         } else {
             None
+        }
+    }
+
+    /// `values` of the Hugging Face tensor `hf` (`dims` as Hugging Face writes them), in the
+    /// other side's row order where this architecture reorders it, else as they are.
+    pub fn reordered(
+        &self,
+        cfg: &LlamaConfig,
+        hf: &str,
+        values: Vec<f32>,
+        dims: &[i64],
+        to: Toward,
+    ) -> Vec<f32> {
+        match self.reordered_heads(cfg, hf) {
+            Some(heads) => {
+                let rows = dims[0] as usize;
+                reorder_qk(&values, heads, rows, values.len() / rows.max(1), to)
+            }
+            None => values,
         }
     }
 }
@@ -291,7 +358,15 @@ mod tests {
             gguf_name("model.layers.3.self_attn.q_proj.weight").as_deref(),
             Some("blk.3.attn_q.weight")
         );
-        assert_eq!(hf_name("blk.0.attn_q.bias"), None);
+        assert_eq!(
+            hf_name("blk.0.attn_q.bias").as_deref(),
+            Some("model.layers.0.self_attn.q_proj.bias")
+        );
+        assert_eq!(
+            gguf_name("model.layers.5.self_attn.k_norm.weight").as_deref(),
+            Some("blk.5.attn_k_norm.weight")
+        );
+        assert_eq!(hf_name("blk.0.attn_qkv.weight"), None);
         assert_eq!(gguf_name("model.layers.x"), None);
     }
 

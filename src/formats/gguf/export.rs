@@ -5,7 +5,8 @@
 //! projection becomes W + (alpha/r) B A (per module with PEFT's rank and alpha patterns); for an
 //! adapter trained with `--quant nf4` every projection is first replaced by its NF4 round trip,
 //! the dequantized base the adapter was trained against. Then the llama.cpp layout: names
-//! (`blk.N.attn_q.weight`...), dims fastest first, the rows of q and k per head reordered from
+//! (`blk.N.attn_q.weight`...) and architecture (`llama` for Llama and Mistral, `qwen2`, `qwen3`:
+//! [`super::arch`]), dims fastest first, for `llama` the rows of q and k per head reordered from
 //! Hugging Face's two rotary halves to llama.cpp's interleaved pairs, llama3 RoPE scaling as the
 //! per-frequency divisors `rope_freqs.weight`, a tied output left out (llama.cpp then reads
 //! `token_embd`), and the tokenizer ([`super::vocab`]). Tensors are read, merged,
@@ -16,7 +17,7 @@
 //! A, [r, in]: dims [in, r]) and `<name>.lora_b` (PEFT's B, [out, r]: dims [r, out]), B's rows
 //! of q and k reordered as the base's are, so that B A is reordered as W is.
 
-use super::arch::{self, gguf_name, reorder_qk, Kind, Toward, HPARAMS};
+use super::arch::{self, gguf_name, Kind, Toward, HPARAMS};
 use super::ggml::{arch_key, key};
 use super::write::{encode, write_gguf, TensorEntry, TensorType, Value};
 use crate::formats::safetensors::WeightFiles;
@@ -51,11 +52,14 @@ pub struct ExportOptions<'a> {
 pub struct Exported {
     pub tensors: usize,
     pub bytes: u64,
+    /// The matrices written in f16 rather than the type asked for, whose rows are not a whole
+    /// number of its blocks (llama.cpp's converter does the same).
+    pub in_f16: Vec<String>,
 }
 
 /// The architecture a model is written as.
-fn arch_of(_cfg: &LlamaConfig) -> &'static arch::Arch {
-    &arch::LLAMA
+fn arch_of(cfg: &LlamaConfig) -> &'static arch::Arch {
+    arch::arch_of(cfg.family)
 }
 
 /// The general and architecture metadata of a model: each of [`HPARAMS`] from config.json's
@@ -268,6 +272,13 @@ pub fn export_merged(
     if adapter.is_none() && opts.base == Base::Nf4 {
         note("writing the NF4 round trip of every projection (no adapter given)".into());
     }
+    if let Some(window) = cfg.sliding_window {
+        note(format!(
+            "this model's attention slides over {window} tokens; llama.cpp's `{}` attends over \
+             the whole context, so the two agree on contexts up to {window} tokens",
+            arch_of(&cfg).name
+        ));
+    }
     let (entries, sources) = merged_plan(&cfg, &files, opts.ty)?;
     let mut meta = model_metadata(&cfg, &model_name(opts.model), opts.ty)?;
     meta.extend(super::vocab::tokenizer_metadata(
@@ -276,14 +287,12 @@ pub fn export_merged(
         note,
     )?);
     let total = entries.len();
-    write_file(out, opts.replace, &meta, &entries, |i| {
+    write_file(out, opts, &meta, &entries, |i| {
         let bytes = match &sources[i] {
             Source::RopeFreqs(f) => encode(f, entries[i].ty),
             Source::Weight(hf) => {
-                let (mut w, dims) = merged_weight(&files, hf, opts.base, adapter.as_ref())?;
-                if let Some(heads) = arch_of(&cfg).reordered_heads(&cfg, hf) {
-                    w = reorder_qk(&w, heads, dims[0] as usize, dims[1] as usize, Toward::Gguf);
-                }
+                let (w, dims) = merged_weight(&files, hf, opts.base, adapter.as_ref())?;
+                let w = arch_of(&cfg).reordered(&cfg, hf, w, &dims, Toward::Gguf);
                 let merged = adapter
                     .as_ref()
                     .is_some_and(|(l, _)| adapted(l, hf).is_some());
@@ -307,18 +316,23 @@ pub fn export_merged(
 /// [`Replace::No`]: crate::formats::atomic::Replace::No
 fn write_file(
     out: &Path,
-    replace: crate::formats::atomic::Replace,
+    opts: &ExportOptions,
     meta: &[(String, Value)],
     entries: &[TensorEntry],
     data: impl FnMut(usize) -> Result<Vec<u8>>,
 ) -> Result<Exported> {
     let mut data = data;
-    crate::formats::atomic::write_atomic_as(out, replace, |w| {
+    crate::formats::atomic::write_atomic_as(out, opts.replace, |w| {
         write_gguf(w, meta, entries, &mut data).map_err(|e| std::io::Error::other(format!("{e:#}")))
     })?;
     Ok(Exported {
         tensors: entries.len(),
         bytes: std::fs::metadata(out).map(|m| m.len()).unwrap_or(0),
+        in_f16: entries
+            .iter()
+            .filter(|e| e.dims.len() >= 2 && e.ty != opts.ty)
+            .map(|e| e.name.clone())
+            .collect(),
     })
 }
 
@@ -365,8 +379,9 @@ pub fn export_lora(
                     dims,
                     ty,
                 });
-                let heads = a.reordered_heads(&cfg, &hf);
-                sources.push((t.peft_name(l, which), which == "B", heads));
+                // B's rows are W's rows: reordered as W is, so that B A is.
+                let reordered_as = (which == "B").then(|| hf.clone());
+                sources.push((t.peft_name(l, which), reordered_as));
             }
         }
     }
@@ -374,18 +389,12 @@ pub fn export_lora(
         bail!("{}: the adapter adapts no weight", dir.display());
     }
     let total = entries.len();
-    write_file(out, opts.replace, &meta, &entries, |i| {
-        let (name, is_b, heads) = &sources[i];
+    write_file(out, opts, &meta, &entries, |i| {
+        let (name, reordered_as) = &sources[i];
         let t = &tensors[name];
         let mut v = t.to_f32()?;
-        if let (true, Some(heads)) = (is_b, heads) {
-            v = reorder_qk(
-                &v,
-                *heads,
-                t.dims[0] as usize,
-                t.dims[1] as usize,
-                Toward::Gguf,
-            );
+        if let Some(w) = reordered_as {
+            v = a.reordered(&cfg, w, v, &t.dims, Toward::Gguf);
         }
         progress(i + 1, total, &entries[i].name)?;
         encoded(name, "in the adapter", &v, entries[i].ty)

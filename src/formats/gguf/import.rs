@@ -5,10 +5,10 @@
 //! describes); then the tensors are dequantized, put back in Hugging Face's row order and
 //! written one at a time, so memory holds about one tensor in f32, never the model.
 
-use super::arch::{self, hf_name, reorder_qk, Hparam, Kind, Missing, Toward, HPARAMS};
+use super::arch::{self, hf_name, Hparam, Kind, Missing, Toward, HPARAMS};
 use super::ggml::{arch_key, hparam, key};
 use super::read::{Gguf, Meta, TensorInfo};
-use crate::model::config::LlamaConfig;
+use crate::model::config::{Family, LlamaConfig};
 use anyhow::{bail, Context, Result};
 use pjrt::ElementType;
 use serde_json::{json, Value as Json};
@@ -16,12 +16,20 @@ use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::path::Path;
 
-/// A hyperparameter's value in the file, if it has one of the kind's type.
+/// A hyperparameter's value in the file, if it has one of the kind's type. A float the file
+/// holds in f32 (as llama.cpp writes them) is given as the shortest decimal that is that f32,
+/// as config.json had it: 1e-06, not 9.99999997e-07.
 fn hparam_value(g: &Gguf, arch: &str, h: &Hparam) -> Option<Json> {
     let m = g.get(&arch_key(arch, h.key))?;
     match h.kind {
         Kind::Int => m.as_i64().map(Json::from),
-        Kind::Float => m.as_f64().map(Json::from),
+        Kind::Float => m.as_f64().map(|v| {
+            let single = v as f32;
+            match (single as f64 == v).then(|| single.to_string().parse::<f64>()) {
+                Some(Ok(shortest)) => Json::from(shortest),
+                _ => Json::from(v),
+            }
+        }),
     }
 }
 
@@ -42,13 +50,22 @@ pub fn hf_config(g: &Gguf) -> Result<Json> {
             arch::arch_names()
         );
     };
+    let family = a.family();
     let mut c = json!({
-        "architectures": [a.hf_class],
-        "model_type": a.model_type,
+        "architectures": [family.architecture()],
+        "model_type": family.model_type(),
         "hidden_act": "silu",
-        "attention_bias": false,
         "mlp_bias": false,
     });
+    // The switches of the family's config that llama.cpp's architecture fixes.
+    match family {
+        Family::Llama | Family::Mistral => c["attention_bias"] = json!(false),
+        Family::Qwen2 => c["use_sliding_window"] = json!(false),
+        Family::Qwen3 => {
+            c["attention_bias"] = json!(false);
+            c["use_sliding_window"] = json!(false);
+        }
+    }
     // The key that gave each field, for a second key of the same field that disagrees.
     let mut given: BTreeMap<&str, String> = BTreeMap::new();
     for h in HPARAMS {
@@ -154,9 +171,11 @@ fn llama3_scaling(g: &Gguf, t: &TensorInfo, c: &Json) -> Result<Json> {
     with["rope_scaling"] = scaling.clone();
     let cfg = LlamaConfig::from_json(&with)?;
     let want = arch::rope_freqs(&cfg).unwrap_or_default();
-    let differs = (divisors.len() != want.len()).then_some(0).or_else(|| {
-        (0..want.len()).find(|&i| (divisors[i] - want[i]).abs() > 1e-4 * want[i].abs())
-    });
+    // A NaN divisor is not close to anything (every comparison with NaN is false).
+    let close = |got: f32, want: f32| (got - want).abs() <= 1e-4 * want.abs();
+    let differs = (divisors.len() != want.len())
+        .then_some(0)
+        .or_else(|| (0..want.len()).find(|&i| !close(divisors[i], want[i])));
     if let Some(i) = differs {
         bail!(
             "tensor `{}` holds {} RoPE divisors, and they are not Llama 3's scaling with factor \
@@ -203,12 +222,11 @@ fn weights_of<'g>(
     for t in g.tensors.iter().filter(|t| t.name != arch::ROPE_FREQS) {
         let Some(name) = hf_name(&t.name) else {
             bail!(
-                "{}: tensor `{}` has no place in the Llama model xtrain trains (token_embd, \
-                 output_norm, output, and per block attn_norm, attn_q/k/v/output, ffn_norm, \
-                 ffn_gate/up/down weights): biases and q/k norms are other architectures, and \
+                "{}: tensor `{}` has no place in the models xtrain trains (it maps {}), and \
                  leaving it out would change the model",
                 path.display(),
-                t.name
+                t.name,
+                arch::gguf_names()
             );
         };
         found.insert(name, t);
@@ -223,15 +241,18 @@ fn weights_of<'g>(
     for (name, t) in &found {
         match shapes.get(name.as_str()) {
             None => bail!(
-                "{}: tensor `{name}` is not part of the model its metadata describes ({} \
-                 blocks, {} embeddings)",
+                "{}: tensor `{name}` is not part of the {} model its metadata describes ({} \
+                 blocks, {} embeddings, {} q/k/v biases, {} q/k norms)",
                 path.display(),
+                cfg.family.model_type(),
                 cfg.num_hidden_layers,
                 if cfg.tie_word_embeddings {
                     "tied"
                 } else {
                     "untied"
-                }
+                },
+                if cfg.qkv_bias { "with" } else { "no" },
+                if cfg.qk_norm { "with" } else { "no" },
             ),
             Some(&want) if *want != t.hf_dims() => bail!(
                 "{}: tensor `{name}` is {:?} but the metadata's model (hidden {}, heads {} of \
@@ -251,7 +272,8 @@ fn weights_of<'g>(
     Ok(found.into_iter().collect())
 }
 
-/// One weight in f32, in Hugging Face's layout.
+/// One weight in f32, in Hugging Face's layout; a value that is not finite (NaN, infinite) is
+/// refused, naming the tensor and the element: training from it fails at the first step.
 fn hf_values(
     g: &Gguf,
     a: &arch::Arch,
@@ -259,20 +281,20 @@ fn hf_values(
     name: &str,
     t: &TensorInfo,
 ) -> Result<Vec<f32>> {
-    let mut values = g
+    let values = g
         .dequantize(t)
         .with_context(|| format!("tensor `{}`", t.name))?;
-    if let Some(heads) = a.reordered_heads(cfg, name) {
-        let dims = t.hf_dims();
-        values = reorder_qk(
-            &values,
-            heads,
-            dims[0] as usize,
-            dims[1] as usize,
-            Toward::Hf,
+    if let Some(i) = values.iter().position(|v| !v.is_finite()) {
+        bail!(
+            "tensor `{}` ({name}): element {i} of {} (in the file's order) is {}, not a finite \
+             number: the file is damaged or was written from a model that had diverged; xtrain \
+             imports finite weights only",
+            t.name,
+            values.len(),
+            values[i]
         );
     }
-    Ok(values)
+    Ok(a.reordered(cfg, name, values, &t.hf_dims(), Toward::Hf))
 }
 
 /// Write a Hugging Face model directory from a GGUF file: f32 weights (dequantized, q/k rows
@@ -313,7 +335,8 @@ pub fn import(
             &meta,
             |i| {
                 let (name, t) = &weights[i];
-                let values = hf_values(&g, a, &cfg, name, t)?;
+                let values =
+                    hf_values(&g, a, &cfg, name, t).with_context(|| path.display().to_string())?;
                 done += 1;
                 progress(done, total);
                 Ok(Cow::Owned(

@@ -22,6 +22,10 @@ use std::path::Path;
 /// calls `llama-bpe`.
 pub const LLAMA3_SPLIT: &str = "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
 
+/// Qwen2's pre-tokenizer split pattern (Qwen2, Qwen2.5 and Qwen3's tokenizer.json): Llama 3's
+/// but for digits, which go one at a time. llama.cpp calls it `qwen2`.
+pub const QWEN2_SPLIT: &str = "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
+
 /// A split llama.cpp knows by name.
 pub struct PreTokenizer {
     /// llama.cpp's names for it: the first is the one xtrain writes; all are read.
@@ -30,6 +34,8 @@ pub struct PreTokenizer {
     pub what: &'static str,
     /// tokenizer.json's `pre_tokenizer` parts (in a `Sequence` when more than one).
     parts: fn() -> Vec<Json>,
+    /// Whether the model's tokenizer.json puts text in Unicode NFC first (its `normalizer`).
+    nfc: bool,
 }
 
 fn byte_level(regex: bool) -> Json {
@@ -46,6 +52,7 @@ pub const PRE_TOKENIZERS: &[PreTokenizer] = &[
         names: &["gpt-2", "default", "gpt2"],
         what: "GPT-2's byte-level split",
         parts: || vec![byte_level(true)],
+        nfc: false,
     },
     // SmolLM and StarCoder-style vocabularies split digits one by one before byte-level BPE.
     PreTokenizer {
@@ -57,12 +64,21 @@ pub const PRE_TOKENIZERS: &[PreTokenizer] = &[
                 byte_level(true),
             ]
         },
+        nfc: false,
     },
     // Llama 3's regex split (up to three digits a piece), then bytes without GPT-2's regex.
     PreTokenizer {
         names: &["llama-bpe", "llama3"],
         what: "Llama 3's regex split",
         parts: || vec![split(LLAMA3_SPLIT), byte_level(false)],
+        nfc: false,
+    },
+    // Qwen's regex split (digits one at a time), then bytes without GPT-2's regex.
+    PreTokenizer {
+        names: &["qwen2"],
+        what: "Qwen2's regex split",
+        parts: || vec![split(QWEN2_SPLIT), byte_level(false)],
+        nfc: true,
     },
 ];
 
@@ -138,13 +154,13 @@ fn pre_name(pre: &Json, path: &Path) -> Result<&'static str> {
     }
 }
 
-/// tokenizer.json's `pre_tokenizer` for `tokenizer.ggml.pre`: how llama.cpp splits text before
+/// The split of `tokenizer.ggml.pre`: how llama.cpp splits text before
 /// BPE, which the vocabulary's merges were made for. A name xtrain does not know is refused:
 /// another split gives other token ids than the model was trained on.
-fn pre_tokenizer(g: &Gguf) -> Result<Json> {
+fn pre_tokenizer(g: &Gguf) -> Result<&'static PreTokenizer> {
     let pre = g.str(key::PRE).unwrap_or("default");
     match PRE_TOKENIZERS.iter().find(|p| p.names.contains(&pre)) {
-        Some(p) => Ok(p.json()),
+        Some(p) => Ok(p),
         None => bail!(
             "{} = {pre}: xtrain knows how llama.cpp splits text for {}, not this one; another \
              split would give other token ids than the model was trained on",
@@ -414,13 +430,19 @@ pub fn hf_tokenizer(g: &Gguf) -> Result<(Json, Json)> {
         .filter(|(i, _)| control(*i) || types.get(*i) == Some(&(TOKEN_USER_DEFINED as i64)))
         .map(|(i, t)| json!({"id": i, "content": t, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": control(i)}))
         .collect();
+    let pre = pre_tokenizer(g)?;
+    let normalizer = if pre.nfc {
+        json!({"type": "NFC"})
+    } else {
+        Json::Null
+    };
     let tokenizer = json!({
         "version": "1.0",
         "truncation": null,
         "padding": null,
         "added_tokens": added,
-        "normalizer": null,
-        "pre_tokenizer": pre_tokenizer(g)?,
+        "normalizer": normalizer,
+        "pre_tokenizer": pre.json(),
         "post_processor": bos_first(g, &tokens),
         "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
         "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null, "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false, "vocab": vocab, "merges": merges}

@@ -75,16 +75,21 @@ impl TensorType {
     }
 
     pub fn parse(s: &str) -> Result<TensorType> {
-        match TensorType::ALL
-            .into_iter()
-            .find(|t| t.name() == s.to_ascii_lowercase())
-        {
-            Some(t) => Ok(t),
-            None => bail!(
-                "--type {s}: choose {}",
-                TensorType::ALL.map(|t| t.name()).join(", ")
-            ),
+        let lower = s.to_ascii_lowercase();
+        if let Some(t) = TensorType::ALL.into_iter().find(|t| t.name() == lower) {
+            return Ok(t);
         }
+        let ours = TensorType::ALL.map(|t| t.name()).join(", ");
+        // A name of llama.cpp's quantizations (Q4_K_M, IQ4_XS, TQ1_0...): how to get one.
+        if ["q", "iq", "tq"].iter().any(|p| lower.starts_with(p)) {
+            let upper = s.to_ascii_uppercase();
+            bail!(
+                "--type {s}: xtrain writes {ours}; for {upper}, export f16 and quantize that \
+                 file with llama.cpp's own tool: `llama-quantize model-f16.gguf \
+                 model-{lower}.gguf {upper}`"
+            );
+        }
+        bail!("--type {s}: choose {ours}")
     }
 
     /// `general.file_type` of a file whose matrices are of this type (llama.cpp's

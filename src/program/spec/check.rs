@@ -82,6 +82,18 @@ pub(in crate::program) fn check_spec(spec: &StepSpec) -> Result<()> {
     if spec.grad_accum < 1 {
         bail!("--grad-accum must be at least 1, got {}", spec.grad_accum);
     }
+    if let Some(p) = &spec.dpo {
+        p.validate()?;
+        // Each microbatch holds whole pairs (rows 2i and 2i + 1 of the batch).
+        if spec.batch % 2 != 0 || spec.examples() % spec.grad_accum != 0 {
+            bail!(
+                "--grad-accum {} must divide the batch size {} (pairs; {} rows)",
+                spec.grad_accum,
+                spec.examples(),
+                spec.batch
+            );
+        }
+    }
     if spec.batch % spec.grad_accum != 0 {
         bail!(
             "--grad-accum {} must divide the batch size {}",

@@ -25,6 +25,7 @@ mod memory;
 mod mlp;
 mod numerics;
 mod options;
+mod preference;
 mod step;
 
 pub use attention::{AttentionBlockUnused, KeyBlocks, DEFAULT_KEY_BLOCK, KEY_BLOCKS_ABOVE};
@@ -36,6 +37,7 @@ pub use numerics::{
     parse_dtype, Quant, ResultType, DEFAULT_ATTENTION_SCORES, DEFAULT_MATMUL_RESULT,
 };
 pub use options::StepOptions;
+pub use preference::{Method, Preference, Reference};
 pub use step::{MeshPlan, StepSpec};
 
 #[cfg(test)]

@@ -49,6 +49,18 @@ pub struct StepOptions {
     /// `--offload` when it names a choice (none, frozen, activations, all); None for `auto`,
     /// which the command decides once it knows the device's memory.
     pub offload: Option<Offload>,
+    /// `--method`: supervised or preference training.
+    pub method: super::preference::Method,
+    /// Preference training's settings (`--beta`, `--dpo-loss`, ...), used with `--method dpo`
+    /// (kept whatever the method, as the flags hold them).
+    pub preference: super::preference::Preference,
+}
+
+impl StepOptions {
+    /// The DPO settings in force: None with `--method sft`.
+    pub fn dpo(&self) -> Option<&super::preference::Preference> {
+        (self.method == super::preference::Method::Dpo).then_some(&self.preference)
+    }
 }
 
 impl StepOptions {
@@ -80,7 +92,8 @@ impl StepOptions {
         .collect()
     }
 
-    /// The spec of the step for `model` and batches of `batch` x `seq` tokens.
+    /// The spec of the step for `model` and batches of `batch` examples (rows, or with DPO
+    /// pairs of two rows each) of `seq` tokens.
     pub fn spec(&self, model: LlamaConfig, batch: i64, seq: i64) -> Result<StepSpec> {
         let dtype = self.dtype;
         let context = self.mesh.as_ref().map_or(1, MeshPlan::context_size);
@@ -88,7 +101,7 @@ impl StepOptions {
             model,
             lora: self.lora.clone(),
             adam: self.adam.clone(),
-            batch,
+            batch: batch * if self.dpo().is_some() { 2 } else { 1 },
             seq,
             dtype,
             remat: self.remat.unwrap_or(Remat::Layer),
@@ -105,6 +118,7 @@ impl StepOptions {
             keep_softmax_stats: self.keep_softmax_stats,
             pin_mlp_activations: self.pin_mlp_activations,
             offload: self.offload.unwrap_or(Offload::NONE),
+            dpo: self.dpo().cloned(),
         };
         check_spec(&spec)?;
         Ok(spec)

@@ -95,6 +95,11 @@ pub struct StepSpec {
     /// What the step keeps in host memory instead of the device's (looped layers only).
     #[serde(default, skip_serializing_if = "Offload::is_none")]
     pub offload: Offload,
+    /// Preference training (`--method dpo`): the batch's rows are pairs of completions, chosen
+    /// then rejected (`batch` counts rows, two per pair), and the step's loss is DPO's. None:
+    /// supervised training (left out of the manifest, as an xtrain before it wrote nothing).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dpo: Option<super::preference::Preference>,
 }
 
 impl StepSpec {
@@ -140,7 +145,23 @@ impl StepSpec {
             keep_softmax_stats: false,
             pin_mlp_activations: false,
             offload: Offload::NONE,
+            dpo: None,
         }
+    }
+
+    /// Rows of the batch per example: two for preference pairs (chosen and rejected), one
+    /// otherwise.
+    pub fn rows_per_example(&self) -> i64 {
+        if self.dpo.is_some() {
+            2
+        } else {
+            1
+        }
+    }
+
+    /// Examples per step as `--batch-size` counts them: pairs for DPO, else rows.
+    pub fn examples(&self) -> i64 {
+        self.batch / self.rows_per_example()
     }
 
     /// This spec with the program form's defaults (`--matmul-result`, `--attention-scores`) for

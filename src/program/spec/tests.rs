@@ -37,6 +37,8 @@ fn options(dtype: DType) -> StepOptions {
         keep_softmax_stats: false,
         pin_mlp_activations: false,
         offload: None,
+        method: Default::default(),
+        preference: Default::default(),
     }
 }
 

@@ -3,7 +3,7 @@
 
 use super::run::{mesh_text, RunSettings};
 use crate::model::lora::Projection;
-use crate::program::{KeyBlocks, MlpChunks, ResultType, StepSpec};
+use crate::program::{KeyBlocks, MlpChunks, Preference, ResultType, StepSpec};
 use crate::train::options::TrainOptions;
 
 /// The settings a program dir fixes, each field named as its flag (a subset of
@@ -46,6 +46,36 @@ pub(super) struct ProgramSettings {
     pub(super) batch_size: Option<i64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(super) seq: Option<i64>,
+    method: String,
+    #[serde(flatten, skip_serializing_if = "Option::is_none")]
+    dpo: Option<DpoSettings>,
+}
+
+/// A DPO step's settings by flag (those of [`RunSettings`]).
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+struct DpoSettings {
+    beta: f64,
+    dpo_loss: String,
+    label_smoothing: f64,
+    reference: String,
+    precompute_reference: bool,
+}
+
+impl DpoSettings {
+    fn of(p: &Preference) -> DpoSettings {
+        DpoSettings {
+            beta: p.beta,
+            dpo_loss: p.dpo_loss.name().into(),
+            label_smoothing: p.label_smoothing,
+            reference: p.reference.name().into(),
+            precompute_reference: p.precompute_reference,
+        }
+    }
+}
+
+fn method(dpo: Option<&Preference>) -> String {
+    if dpo.is_some() { "dpo" } else { "sft" }.into()
 }
 
 impl ProgramSettings {
@@ -75,8 +105,10 @@ impl ProgramSettings {
             pin_mlp_activations: spec.pin_mlp_activations,
             mesh: mesh_text(&spec.mesh),
             offload: Some(spec.offload.name().to_string()),
-            batch_size: Some(spec.batch),
+            batch_size: Some(spec.examples()),
             seq: Some(spec.seq),
+            method: method(spec.dpo.as_ref()),
+            dpo: spec.dpo.as_ref().map(DpoSettings::of),
         }
     }
 
@@ -109,6 +141,9 @@ impl ProgramSettings {
             offload: s.offload.map(|o| o.name().to_string()),
             batch_size: Some(run.batch_size),
             seq: Some(run.seq),
+            method: s.method.name().into(),
+            // A run holds them whatever its method: a program dir's are taken by flag.
+            dpo: Some(DpoSettings::of(&s.preference)),
         }
     }
 }

@@ -2,7 +2,11 @@
 //! them are paths and which only lay out and report; setting one flag of a run's options.
 
 use crate::model::lora::Projection;
-use crate::program::{sharding, KeyBlocks, MeshPlan, MlpChunks, Offload, Quant, Remat, ResultType};
+use crate::model::preference::PairLoss;
+use crate::program::{
+    sharding, KeyBlocks, MeshPlan, Method, MlpChunks, Offload, Preference, Quant, Reference, Remat,
+    ResultType,
+};
 use crate::train::checkpoint::Settings;
 use crate::train::options::TrainOptions;
 use anyhow::{bail, Context, Result};
@@ -131,6 +135,35 @@ pub struct RunSettings {
     pub log_every: u64,
     pub no_plot: bool,
     pub peak_tflops: Option<f64>,
+    // Preference training (a checkpoint written before it has none of these: supervised).
+    #[serde(default = "sft")]
+    pub method: String,
+    #[serde(default = "default_beta")]
+    pub beta: f64,
+    #[serde(default = "sigmoid")]
+    pub dpo_loss: String,
+    #[serde(default)]
+    pub label_smoothing: f64,
+    #[serde(default = "base")]
+    pub reference: String,
+    #[serde(default)]
+    pub precompute_reference: bool,
+}
+
+fn sft() -> String {
+    "sft".into()
+}
+
+fn default_beta() -> f64 {
+    Preference::default().beta
+}
+
+fn sigmoid() -> String {
+    Preference::default().dpo_loss.name().into()
+}
+
+fn base() -> String {
+    Preference::default().reference.name().into()
 }
 
 /// The settings of `value` (a [`RunSettings`] or [`ProgramSettings`]) by flag, the form a
@@ -146,6 +179,7 @@ impl RunSettings {
     /// The settings of the run `o` would be.
     pub fn of(o: &TrainOptions) -> RunSettings {
         let s = &o.step;
+        let p = &s.preference;
         RunSettings {
             model: path_text(Some(&o.model)),
             data: path_text(Some(&o.data.path)),
@@ -198,6 +232,12 @@ impl RunSettings {
             log_every: o.log_every,
             no_plot: !o.plot,
             peak_tflops: o.peak_tflops,
+            method: s.method.name().into(),
+            beta: p.beta,
+            dpo_loss: p.dpo_loss.name().into(),
+            label_smoothing: p.label_smoothing,
+            reference: p.reference.name().into(),
+            precompute_reference: p.precompute_reference,
         }
     }
 
@@ -256,6 +296,12 @@ impl RunSettings {
             log_every,
             no_plot,
             peak_tflops,
+            method,
+            beta,
+            dpo_loss,
+            label_smoothing,
+            reference,
+            precompute_reference,
         } = self;
         o.seed = seed;
         let s = &mut o.step;
@@ -269,11 +315,7 @@ impl RunSettings {
         o.min_lr_ratio = min_lr_ratio;
         o.steps = steps;
         o.epochs = epochs;
-        let (b1, b2) = betas
-            .split_once(',')
-            .and_then(|(a, b)| Some((a.parse().ok()?, b.parse().ok()?)))
-            .ok_or_else(|| anyhow::anyhow!("--betas `{betas}` is not two numbers"))?;
-        (s.adam.beta1, s.adam.beta2) = (b1, b2);
+        (s.adam.beta1, s.adam.beta2) = two_numbers(&betas)?;
         s.adam.eps = eps;
         s.adam.weight_decay = weight_decay;
         s.adam.max_grad_norm = max_grad_norm;
@@ -301,22 +343,45 @@ impl RunSettings {
         s.attention_scores = ResultType::parse("attention-scores", &attention_scores)?;
         s.keep_softmax_stats = keep_softmax_stats;
         s.pin_mlp_activations = pin_mlp_activations;
-        // The mesh under the sharding rules of `--sharding-rules`, or the default rules.
-        o.sharding_rules = (!sharding_rules.is_empty()).then(|| sharding_rules.into());
-        let rules = match &o.sharding_rules {
-            Some(p) => crate::formats::sharding_rules::read_rules(p)?,
-            None => sharding::Rules::default(),
-        };
-        let axes = sharding::parse_mesh(&mesh)?.axes;
-        o.step.mesh = (!axes.is_empty()).then_some(MeshPlan { axes, rules });
+        set_mesh(o, &mesh, sharding_rules)?;
         o.plugin = (!plugin.is_empty()).then_some(plugin);
         o.save_every = save_every;
         o.eval_every = eval_every;
         o.log_every = log_every;
         o.plot = !no_plot;
         o.peak_tflops = peak_tflops;
+        o.step.method = Method::parse(&method)?;
+        o.data.pairs = o.step.method == Method::Dpo;
+        o.step.preference = Preference {
+            beta,
+            dpo_loss: PairLoss::parse(&dpo_loss).map_err(anyhow::Error::msg)?,
+            label_smoothing,
+            reference: Reference::parse(&reference)?,
+            precompute_reference,
+        };
         Ok(())
     }
+}
+
+/// `--betas` as recorded: two numbers, `b1,b2`.
+fn two_numbers(betas: &str) -> Result<(f64, f64)> {
+    betas
+        .split_once(',')
+        .and_then(|(a, b)| Some((a.parse().ok()?, b.parse().ok()?)))
+        .ok_or_else(|| anyhow::anyhow!("--betas `{betas}` is not two numbers"))
+}
+
+/// Set `o`'s mesh to `mesh` under the sharding rules of `--sharding-rules` (a path, "" for
+/// none), or the default rules.
+fn set_mesh(o: &mut TrainOptions, mesh: &str, sharding_rules: String) -> Result<()> {
+    o.sharding_rules = (!sharding_rules.is_empty()).then(|| sharding_rules.into());
+    let rules = match &o.sharding_rules {
+        Some(p) => crate::formats::sharding_rules::read_rules(p)?,
+        None => sharding::Rules::default(),
+    };
+    let axes = sharding::parse_mesh(mesh)?.axes;
+    o.step.mesh = (!axes.is_empty()).then_some(MeshPlan { axes, rules });
+    Ok(())
 }
 
 /// What a run records in its checkpoints, by flag ([`RunSettings`]).

@@ -27,6 +27,7 @@ fn options() -> TrainOptions {
             eval_fraction: 0.5,
             eval_data: None,
             columns: Columns::new(Some("t".into()), Some("m".into())),
+            pairs: false,
         },
         step: StepOptions {
             lora: LoraConfig {
@@ -59,6 +60,8 @@ fn options() -> TrainOptions {
             keep_softmax_stats: true,
             pin_mlp_activations: true,
             offload: Some(Offload::NONE),
+            method: Default::default(),
+            preference: Default::default(),
         },
         init_adapter: None,
         steps: 9,
@@ -111,7 +114,15 @@ fn a_checkpoint_written_before_the_typed_settings_is_taken_whole() {
     let now = of_run(&o);
     // The flags added since that checkpoint was written, which it does not record (a resumed
     // run takes them as given, or their defaults).
-    let added = ["mlp-chunk"];
+    let added = [
+        "mlp-chunk",
+        "method",
+        "beta",
+        "dpo-loss",
+        "label-smoothing",
+        "reference",
+        "precompute-reference",
+    ];
     assert_eq!(
         now.keys()
             .filter(|k| !added.contains(&k.as_str()))
