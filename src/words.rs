@@ -125,6 +125,27 @@ pub fn host() -> String {
     hostname().unwrap_or_else(|| "?".into())
 }
 
+/// Text from a peer (a host name, a setting's value, a key), as it may be printed: control
+/// characters and escape sequences escaped (`\u{1b}`), at most `max` characters kept.
+pub fn escaped(text: &str, max: usize) -> String {
+    let mut out: String = text
+        .chars()
+        .take(max)
+        .flat_map(|c| {
+            let keep = !c.is_control() && c != '\u{2028}' && c != '\u{2029}';
+            let one: Vec<char> = match keep {
+                true => vec![c],
+                false => c.escape_default().collect(),
+            };
+            one
+        })
+        .collect();
+    if text.chars().nth(max).is_some() {
+        out.push_str("...");
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -153,6 +174,13 @@ mod tests {
         assert_eq!(ids("process", &[1, 2]), "processes 1, 2");
         let many: Vec<usize> = (1..65_536).filter(|p| *p != 500).collect();
         assert_eq!(ids("process", &many), "processes 1-499, 501-65535");
+    }
+
+    #[test]
+    fn a_peers_text_is_escaped_and_cut() {
+        assert_eq!(escaped("node-07", 255), "node-07");
+        assert_eq!(escaped("a\u{1b}[2Jb\n", 255), "a\\u{1b}[2Jb\\n");
+        assert_eq!(escaped("abcdef", 3), "abc...");
     }
 
     #[test]

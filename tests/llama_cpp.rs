@@ -157,15 +157,21 @@ fn llama_cpp_computes_the_oracles_logits_from_the_tiny_models_exports() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A temp dir `name` and the tiny model exported into it in f32, to be damaged.
+fn tiny_gguf(name: &str) -> (PathBuf, PathBuf) {
+    let dir = tempdir(name);
+    let model = tiny_text_model(&dir);
+    let file = dir.join("m.gguf");
+    export(&["--model", s(&model), "--type", "f32", "--out", s(&file)]);
+    (dir, file)
+}
+
 /// A weight holding a NaN (a damaged file, or one written from a diverged model) is refused at
 /// import, naming the tensor and the element; nothing is written (training from it failed at
 /// step 1, blaming --lr).
 #[test]
 fn import_refuses_a_nan_weight_naming_the_tensor_and_element() {
-    let dir = tempdir("gguf-nan-import");
-    let model = tiny_text_model(&dir);
-    let file = dir.join("m.gguf");
-    export(&["--model", s(&model), "--type", "f32", "--out", s(&file)]);
+    let (dir, file) = tiny_gguf("gguf-nan-import");
     let g = xtrain::formats::gguf::read::Gguf::open(&file).unwrap();
     let at = g.tensor("blk.1.attn_k.weight").unwrap().offset as usize + 4 * 37;
     drop(g);
@@ -390,10 +396,7 @@ fn a_llama_3_gguf_imports_as_the_same_model() {
 /// A file of an architecture xtrain does not read is refused, naming those it reads.
 #[test]
 fn import_refuses_an_unknown_architecture_naming_those_it_reads() {
-    let dir = tempdir("gguf-unknown-arch");
-    let model = tiny_text_model(&dir);
-    let file = dir.join("m.gguf");
-    export(&["--model", s(&model), "--type", "f32", "--out", s(&file)]);
+    let (dir, file) = tiny_gguf("gguf-unknown-arch");
     let mut bytes = std::fs::read(&file).unwrap();
     // general.architecture's value: after the key, its type (u32) and length (u64).
     let key = b"general.architecture";
@@ -456,6 +459,107 @@ fn a_qwen_split_is_written_as_qwen2_and_imports_back() {
         "{}",
         said[0]
     );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A SentencePiece-style vocabulary (Llama 2's, Mistral v0.1-v0.3's: BPE over characters with
+/// byte fallback, spaces as `▁`, a `Metaspace` pre-tokenizer) is written as llama.cpp's `llama`
+/// tokenizer model, its scores ranking each token by the merge that makes it: llama.cpp
+/// tokenizes as Hugging Face's tokenizers does (merges, unknown characters as bytes, the BOS),
+/// and the file imports back as a tokenizer.json that tokenizes the same.
+#[test]
+fn a_sentencepiece_vocabulary_is_written_as_llama_and_tokenizes_the_same() {
+    let dir = tempdir("gguf-spm");
+    let model = tiny_text_model(&dir);
+    let mut vocab = serde_json::Map::new();
+    let mut texts: Vec<String> = ["<unk>", "<s>", "</s>"].map(String::from).to_vec();
+    texts.extend((0..=255).map(|b| format!("<0x{b:02X}>")));
+    texts.extend(
+        "▁abcdefghijklmnopqrstuvwxyz0123456789"
+            .chars()
+            .map(String::from),
+    );
+    let singles = texts.len();
+    // Multi-character pieces, most preferred first; the merges are every split of each into
+    // two pieces, in that order (as Hugging Face's converter makes them from a SentencePiece
+    // model).
+    for piece in [
+        "lo", "ll", "el", "he", "▁h", "▁he", "wo", "▁w", "▁wo", "or", "rl", "▁wor", "ld", "▁world",
+        "ell", "▁hell", "▁hello", "42", "▁4",
+    ] {
+        texts.push(piece.to_string());
+    }
+    for (i, t) in texts.iter().enumerate() {
+        vocab.insert(t.clone(), i.into());
+    }
+    let mut merges = Vec::new();
+    for t in &texts[singles..] {
+        for (k, _) in t.char_indices().skip(1) {
+            let (a, b) = t.split_at(k);
+            if vocab.contains_key(a) && vocab.contains_key(b) {
+                merges.push(serde_json::json!([a, b]));
+            }
+        }
+    }
+    let special = |id: usize, t: &str| serde_json::json!({"id": id, "content": t, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true});
+    let bos = |t: i64| serde_json::json!({"SpecialToken": {"id": "<s>", "type_id": t}});
+    let seq = |s: &str, t: i64| serde_json::json!({"Sequence": {"id": s, "type_id": t}});
+    let tok = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null,
+        "added_tokens": [special(0, "<unk>"), special(1, "<s>"), special(2, "</s>")],
+        "normalizer": null,
+        "pre_tokenizer": {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first", "split": false},
+        "post_processor": {"type": "TemplateProcessing", "single": [bos(0), seq("A", 0)],
+            "pair": [bos(0), seq("A", 0), bos(1), seq("B", 1)],
+            "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}}},
+        "decoder": {"type": "Sequence", "decoders": [
+            {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+            {"type": "ByteFallback"}, {"type": "Fuse"},
+            {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
+        "model": {"type": "BPE", "dropout": null, "unk_token": "<unk>", "continuing_subword_prefix": null,
+            "end_of_word_suffix": null, "fuse_unk": true, "byte_fallback": true, "ignore_merges": false,
+            "vocab": vocab, "merges": merges}
+    });
+    std::fs::write(model.join("tokenizer.json"), tok.to_string()).unwrap();
+    let config = serde_json::json!({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": true});
+    std::fs::write(model.join("tokenizer_config.json"), config.to_string()).unwrap();
+
+    let file = dir.join("spm.gguf");
+    export(&["--model", s(&model), "--type", "f32", "--out", s(&file)]);
+    let meta = client(&["metadata", s(&file)]);
+    assert_eq!(meta["meta"]["tokenizer.ggml.model"], "llama", "{meta}");
+    assert_eq!(
+        meta["meta"]["tokenizer.ggml.add_space_prefix"], true,
+        "{meta}"
+    );
+    let imported = dir.join("imported");
+    let o = xtrain(&["import-gguf", s(&file), "--out", s(&imported)]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let theirs = tokenizers::Tokenizer::from_file(model.join("tokenizer.json")).unwrap();
+    let back = tokenizers::Tokenizer::from_file(imported.join("tokenizer.json")).unwrap();
+    // (Not a text that starts with a space: llama.cpp puts `▁` before it whatever it starts
+    // with, as SentencePiece does; tokenizers' Metaspace only before a text that does not.)
+    for text in [
+        "hello world",
+        "hello  wor ld",
+        "héllo 42\nworld",
+        "z",
+        "4242  hell z ",
+    ] {
+        let want = theirs.encode(text, true).unwrap().get_ids().to_vec();
+        let llama: Vec<u32> = client(&["tokens", s(&file), text])["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|i| i.as_u64().unwrap() as u32)
+            .collect();
+        assert_eq!(llama, want, "{text:?}: llama.cpp");
+        assert_eq!(
+            back.encode(text, true).unwrap().get_ids(),
+            want,
+            "{text:?}: imported"
+        );
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
 

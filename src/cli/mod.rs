@@ -42,6 +42,9 @@ enum Command {
     },
     /// Train LoRA adapters.
     Train(Box<train::TrainArgs>),
+    /// Print a fresh secret for a run of several processes (32 random bytes as hex): give every
+    /// process the same one, as XTRAIN_RUN_TOKEN or in a --run-token-file.
+    RunToken,
     /// Build the training step program (StableHLO + manifest) without weights; --check also
     /// compiles it and prints XLA's memory figures.
     Compile(Box<compile::CompileArgs>),
@@ -173,6 +176,9 @@ use config::Recipe;
 
 /// Parse the command line and run the command; an error is printed as `error: ...` with exit code 1.
 pub fn main() {
+    // First, while this process has one thread: no program it starts (a plugin's Python, pip)
+    // inherits the run's secret.
+    xtrain::cluster::auth::take_from_environment();
     let (cli, matches, recipe) = parse();
     pjrt::set_verbose(cli.verbose);
     xtrain::device::platform::set_verbose(cli.verbose);
@@ -210,6 +216,7 @@ pub fn main() {
         Command::Generate(a) => generate::generate(a),
         Command::Bench(a) => bench::bench(*a),
         Command::Targets { name } => targets::targets(name.as_deref()),
+        Command::RunToken => xtrain::cluster::auth::random_token().map(|t| xtrain::say!("{t}")),
         Command::Merge {
             model,
             revision,

@@ -1,29 +1,29 @@
-//! Who may talk to the run's store: the run's secret, and the handshake that proves holding it
-//! both ways without sending it.
+//! The run's secret: where a process gets it (`--run-token-file`, else `XTRAIN_RUN_TOKEN`), what
+//! is taken as one, and the key the handshake (`handshake`) derives from it.
 //!
-//! Every connection opens with a mutual challenge-response over fresh nonces: the process sends
-//! a nonce of its own; the store answers with its nonce and an HMAC-SHA256 (keyed by the secret)
-//! over both nonces and the process's id; the process checks it (the store holds the secret: a
-//! fake coordinator learns nothing and is refused) and answers with its own HMAC over the same,
-//! in the other order and under another label (a proof seen on one connection is worth nothing
-//! on another, or in the other direction). Proofs are compared in constant time (`hmac`'s
-//! `verify_slice`). The secret itself never goes over the wire, and never into a message: its
-//! `Debug` says only whether there is one.
-//!
-//! Without a secret the same handshake runs keyed by nothing, which anyone can compute: that is
-//! a run on loopback, or one the user declared a trusted network (`--trusted-network`).
+//! Only a random secret is taken: at least 128 bits, as hex (32 hex digits or more, as
+//! `xtrain run-token` or `openssl rand -hex 32` print) or as raw random bytes in a file (16 or
+//! more, `head -c 32 /dev/urandom`). A passphrase, words, or a string of few distinct characters
+//! is refused, saying how to make one: whoever records one connection's handshake can try
+//! guesses against it offline, as fast as they can compute, so a secret that can be guessed is
+//! guessed. The secret never goes over the wire, and never into a message: its `Debug` says only
+//! whether there is one; the process drops it from its environment at its start
+//! ([`take_from_environment`]), so that no program it starts inherits it.
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
-/// Bytes of a nonce and of a proof.
-pub const NONCE: usize = 32;
-pub const PROOF: usize = 32;
+/// The fewest bits of a secret taken.
+pub const MIN_BITS: usize = 128;
 
-/// The shortest secret taken: shorter ones are guessable.
-pub const MIN_SECRET: usize = 16;
+/// The longest `--run-token-file` read: a secret is tens of bytes.
+pub const MAX_FILE: u64 = 4096;
+
+/// How to make a secret, for every refusal.
+pub const HOW: &str = "make one with `xtrain run-token` (32 random bytes as hex) and give every \
+                       process the same one";
 
 /// The run's secret (none: anyone who reaches the store may join).
 #[derive(Clone, Default)]
@@ -60,116 +60,254 @@ impl Secret {
         Secret(None)
     }
 
-    /// A secret of these bytes; `what` names where they came from, for the refusal of a short
-    /// one (which never quotes them).
+    /// A secret of these bytes (surrounding whitespace dropped), if they are random enough;
+    /// `what` names where they came from, for the refusal (which never quotes them).
     pub fn from_bytes(bytes: &[u8], what: &str) -> anyhow::Result<Secret> {
         let trimmed = bytes.trim_ascii();
-        if trimmed.len() < MIN_SECRET {
+        if let Err(why) = random_enough(trimmed) {
             anyhow::bail!(
-                "{what} holds {} bytes: a run's secret needs at least {MIN_SECRET} (make one with \
-                 `openssl rand -hex 32`)",
-                trimmed.len()
+                "{what} is not a random secret: {why}. Only a random secret of at least \
+                 {MIN_BITS} bits is taken, since whoever sees one connection can try guesses \
+                 offline: {HOW}"
             );
         }
         Ok(Secret(Some(trimmed.into())))
     }
 
-    /// The secret in a file (`--run-token-file`), surrounding whitespace dropped.
+    /// The secret in a file (`--run-token-file`): a regular file (a link is followed and said),
+    /// of at most [`MAX_FILE`] bytes, opened without waiting (a FIFO or a device is refused,
+    /// never read).
     pub fn from_file(path: &Path) -> anyhow::Result<Secret> {
         let what = format!("--run-token-file {}", path.display());
-        let bytes = std::fs::read(path).map_err(|e| {
-            anyhow::anyhow!(
-                "{what}: cannot read it ({})",
-                crate::cluster::wire::io_words(&e)
-            )
-        })?;
-        // As ssh does for a private key: a secret others on the host can read is no secret.
-        #[cfg(unix)]
-        {
-            use std::os::unix::fs::PermissionsExt;
-            if let Ok(m) = std::fs::metadata(path) {
-                if m.permissions().mode() & 0o077 != 0 {
-                    crate::esay!(
-                        "xtrain: warning: {what} can be read by other users of this host (mode \
-                         {:o}); `chmod 600` it",
-                        m.permissions().mode() & 0o777
-                    );
-                }
-            }
-        }
+        let bytes = read_token_file(path, &what)?;
         Secret::from_bytes(&bytes, &what)
     }
 
-    /// A fresh random secret (for `--virtual-hosts`, whose store only this process reaches).
+    /// A fresh random secret of 32 bytes (for `--virtual-hosts`, whose store only this process
+    /// reaches).
     pub fn random() -> anyhow::Result<Secret> {
-        let mut bytes = [0u8; 32];
-        getrandom::fill(&mut bytes)
-            .map_err(|e| anyhow::anyhow!("cannot draw a random secret: {e}"))?;
-        Ok(Secret(Some(bytes.to_vec().into())))
+        Ok(Secret(Some(random_token()?.into_bytes().into())))
     }
 
     pub fn is_set(&self) -> bool {
         self.0.is_some()
     }
 
-    fn mac(&self, label: &[u8], first: &[u8], second: &[u8], process: u32) -> Hmac<Sha256> {
+    /// The key the handshake's pattern takes (`psk`): HMAC-SHA256 of a label under the secret
+    /// (under no key without one: the channel is still sealed, but anyone can open it).
+    pub fn key(&self) -> [u8; 32] {
         let key = self.0.as_deref().unwrap_or(&[]);
         let mut mac = Hmac::<Sha256>::new_from_slice(key).expect("HMAC takes keys of any length");
-        mac.update(label);
-        mac.update(first);
-        mac.update(second);
-        mac.update(&process.to_le_bytes());
-        mac
-    }
-
-    /// The store's proof on the connection of `process` with these nonces.
-    pub fn store_proof(&self, client: &[u8], server: &[u8], process: u32) -> [u8; PROOF] {
-        self.mac(b"xtrain-store/store", client, server, process)
-            .finalize()
-            .into_bytes()
-            .into()
-    }
-
-    /// A process's proof on its connection with these nonces.
-    pub fn process_proof(&self, client: &[u8], server: &[u8], process: u32) -> [u8; PROOF] {
-        self.mac(b"xtrain-store/process", server, client, process)
-            .finalize()
-            .into_bytes()
-            .into()
-    }
-
-    /// Whether `proof` is the store's proof for these nonces (constant time).
-    pub fn store_proved(&self, proof: &[u8], client: &[u8], server: &[u8], process: u32) -> bool {
-        self.mac(b"xtrain-store/store", client, server, process)
-            .verify_slice(proof)
-            .is_ok()
-    }
-
-    /// Whether `proof` is the process's proof for these nonces (constant time).
-    pub fn process_proved(&self, proof: &[u8], client: &[u8], server: &[u8], process: u32) -> bool {
-        self.mac(b"xtrain-store/process", server, client, process)
-            .verify_slice(proof)
-            .is_ok()
+        mac.update(b"xtrain-store/noise-psk/4");
+        mac.finalize().into_bytes().into()
     }
 }
 
-/// A fresh nonce.
-pub fn nonce() -> std::io::Result<[u8; NONCE]> {
-    let mut n = [0u8; NONCE];
-    getrandom::fill(&mut n).map_err(|e| std::io::Error::other(e.to_string()))?;
-    Ok(n)
+/// 32 random bytes as 64 hex digits: `xtrain run-token`'s secret.
+pub fn random_token() -> anyhow::Result<String> {
+    let mut bytes = [0u8; 32];
+    getrandom::fill(&mut bytes).map_err(|e| anyhow::anyhow!("cannot draw a random secret: {e}"))?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// Whether `s` is a random secret of at least [`MIN_BITS`] bits, and why not. Hex digits count
+/// 4 bits each; raw bytes (a file of random bytes: an eighth of them or more outside printable
+/// ASCII) 8 bits each. Printable text that is not hex is refused (a passphrase, words, base64:
+/// nothing tells a random one from words). A secret is also refused where it shows what random
+/// draws almost never do: few distinct characters, a repeated block, or (for hex) digits and
+/// letters in long runs of their own, as words of a-f do (`deadbeef`).
+pub fn random_enough(s: &[u8]) -> Result<(), String> {
+    if s.is_empty() {
+        return Err("it is empty".into());
+    }
+    let printable = |b: &u8| (0x20..0x7f).contains(b);
+    let outside = s.iter().filter(|b| !printable(b)).count();
+    let (bits_each, alphabet) = if s.iter().all(u8::is_ascii_hexdigit) {
+        (4, 16)
+    } else if outside * 8 >= s.len() {
+        (8, 256)
+    } else {
+        return Err(
+            "it is text but not hex (words, a passphrase or base64 look alike, and words are \
+             guessed)"
+                .into(),
+        );
+    };
+    let bits = bits_each * s.len();
+    if bits < MIN_BITS {
+        return Err(format!(
+            "it holds {bits} bits ({} {})",
+            s.len(),
+            if bits_each == 4 {
+                "hex digits"
+            } else {
+                "bytes"
+            }
+        ));
+    }
+    let folded: Vec<u8> = s.iter().map(u8::to_ascii_lowercase).collect();
+    let mut distinct = folded.clone();
+    distinct.sort_unstable();
+    distinct.dedup();
+    // A uniform draw of n symbols from the alphabet shows about this many distinct ones; half
+    // of it (at least 8 for hex) is far out in the tail for a random secret.
+    let n = folded.len() as f64;
+    let expected = alphabet as f64 * (1.0 - (1.0 - 1.0 / alphabet as f64).powf(n));
+    if (distinct.len() as f64) < (expected / 2.0).max(8.0_f64.min(expected)) {
+        return Err(format!(
+            "it uses only {} distinct characters (a short alphabet)",
+            distinct.len()
+        ));
+    }
+    if let Some(p) = (1..=folded.len() / 2).find(|&p| folded[p..] == folded[..folded.len() - p]) {
+        return Err(format!("it repeats a block of {p}"));
+    }
+    if bits_each == 4 {
+        // Digit-to-letter changes between neighbours: about 47% of them in random hex; fewer
+        // than the mean less 4.5 standard deviations is text of a-f and digits in runs.
+        let changes = folded
+            .windows(2)
+            .filter(|w| w[0].is_ascii_digit() != w[1].is_ascii_digit())
+            .count() as f64;
+        let p = 2.0 * (10.0 / 16.0) * (6.0 / 16.0);
+        let pairs = n - 1.0;
+        let least = pairs * p - 4.5 * (pairs * p * (1.0 - p)).sqrt();
+        if changes < least {
+            return Err("its digits and letters come in long runs, as words do".into());
+        }
+    }
+    Ok(())
+}
+
+/// A token file's bytes, read as [`Secret::from_file`] says.
+fn read_token_file(path: &Path, what: &str) -> anyhow::Result<Vec<u8>> {
+    use std::io::Read;
+    let words = |e: &std::io::Error| crate::cluster::wire::io_words(e);
+    let link = std::fs::symlink_metadata(path)
+        .map_err(|e| anyhow::anyhow!("{what}: cannot read it ({})", words(&e)))?;
+    if link.file_type().is_symlink() {
+        let target = std::fs::canonicalize(path)
+            .map_err(|e| anyhow::anyhow!("{what}: a link that leads nowhere ({})", words(&e)))?;
+        crate::esay!(
+            "xtrain: note: {what} is a link; reading {}",
+            target.display()
+        );
+    }
+    let mut options = std::fs::OpenOptions::new();
+    options.read(true);
+    // Opened without waiting: a FIFO nobody writes would block the open itself.
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        options.custom_flags(libc::O_NONBLOCK);
+    }
+    let file = options
+        .open(path)
+        .map_err(|e| anyhow::anyhow!("{what}: cannot read it ({})", words(&e)))?;
+    let meta = file
+        .metadata()
+        .map_err(|e| anyhow::anyhow!("{what}: cannot read it ({})", words(&e)))?;
+    if !meta.is_file() {
+        anyhow::bail!(
+            "{what} is not a regular file ({}): give a file that holds the secret",
+            kind_of(&meta)
+        );
+    }
+    if meta.len() > MAX_FILE {
+        anyhow::bail!(
+            "{what} holds {} bytes: a run's secret is tens of bytes (at most {MAX_FILE} read); {HOW}",
+            meta.len()
+        );
+    }
+    // As ssh does for a private key: a secret others on the host can read is no secret.
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        if meta.permissions().mode() & 0o077 != 0 {
+            crate::esay!(
+                "xtrain: warning: {what} can be read by other users of this host (mode {:o}); \
+                 `chmod 600` it",
+                meta.permissions().mode() & 0o777
+            );
+        }
+    }
+    let mut bytes = Vec::new();
+    file.take(MAX_FILE + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| anyhow::anyhow!("{what}: cannot read it ({})", words(&e)))?;
+    if bytes.len() as u64 > MAX_FILE {
+        anyhow::bail!("{what} grew past {MAX_FILE} bytes while it was read");
+    }
+    Ok(bytes)
+}
+
+fn kind_of(meta: &std::fs::Metadata) -> &'static str {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::FileTypeExt;
+        let t = meta.file_type();
+        if t.is_fifo() {
+            return "a FIFO";
+        }
+        if t.is_char_device() || t.is_block_device() {
+            return "a device";
+        }
+        if t.is_socket() {
+            return "a socket";
+        }
+    }
+    if meta.is_dir() {
+        "a directory"
+    } else {
+        "not a file"
+    }
+}
+
+/// The `XTRAIN_RUN_TOKEN` this process was started with, taken out of its environment.
+static FROM_ENVIRONMENT: OnceLock<Option<String>> = OnceLock::new();
+
+/// Take `XTRAIN_RUN_TOKEN` out of this process's environment and keep it for
+/// [`from_launch`], so that no program this process starts (a plugin's Python, pip) inherits
+/// the secret. Call it first thing in `main`, before any thread starts.
+pub fn take_from_environment() {
+    FROM_ENVIRONMENT.get_or_init(|| {
+        let token = std::env::var("XTRAIN_RUN_TOKEN").ok();
+        std::env::remove_var("XTRAIN_RUN_TOKEN");
+        token
+    });
+}
+
+/// `XTRAIN_RUN_TOKEN` as this process was started with it (taken out of its environment by
+/// [`take_from_environment`]), else as its environment has it now.
+pub fn token_variable() -> Option<String> {
+    match FROM_ENVIRONMENT.get() {
+        Some(taken) => taken.clone(),
+        None => std::env::var("XTRAIN_RUN_TOKEN").ok(),
+    }
 }
 
 /// The run's secret as this process was given it: `--run-token-file FILE`, else the
-/// `XTRAIN_RUN_TOKEN` variable (`env` looks a variable up), else none.
+/// `XTRAIN_RUN_TOKEN` variable (`env` looks a variable up), else none. Both given and holding
+/// different secrets is refused (which one the others hold is not known).
 pub fn from_launch(
     file: Option<&Path>,
     env: &dyn Fn(&str) -> Option<String>,
 ) -> anyhow::Result<Secret> {
+    let variable = env("XTRAIN_RUN_TOKEN").filter(|v| !v.trim().is_empty());
     if let Some(path) = file {
-        return Secret::from_file(path);
+        let secret = Secret::from_file(path)?;
+        if let Some(v) = variable {
+            if Secret(Some(v.as_bytes().trim_ascii().into())) != secret {
+                anyhow::bail!(
+                    "--run-token-file {} and XTRAIN_RUN_TOKEN hold different secrets: give one \
+                     (every process of the run must hold the same)",
+                    path.display()
+                );
+            }
+        }
+        return Ok(secret);
     }
-    match env("XTRAIN_RUN_TOKEN") {
+    match variable {
         Some(v) => Secret::from_bytes(v.as_bytes(), "XTRAIN_RUN_TOKEN"),
         None => Ok(Secret::none()),
     }
@@ -179,42 +317,115 @@ pub fn from_launch(
 mod tests {
     use super::*;
 
-    #[test]
-    fn proofs_hold_only_for_their_secret_nonces_process_and_direction() {
-        let s = Secret::from_bytes(b"0123456789abcdef0123", "t").unwrap();
-        let other = Secret::from_bytes(b"0123456789abcdef0124", "t").unwrap();
-        let (c, v) = ([1u8; NONCE], [2u8; NONCE]);
-        let store = s.store_proof(&c, &v, 1);
-        assert!(s.store_proved(&store, &c, &v, 1));
-        assert!(!other.store_proved(&store, &c, &v, 1));
-        assert!(!s.store_proved(&store, &c, &[3u8; NONCE], 1));
-        assert!(!s.store_proved(&store, &c, &v, 2));
-        // The store's proof is not the process's (nor the other way round).
-        assert!(!s.process_proved(&store, &c, &v, 1));
-        let process = s.process_proof(&c, &v, 1);
-        assert!(s.process_proved(&process, &c, &v, 1));
-        assert!(!Secret::none().process_proved(&process, &c, &v, 1));
-        assert_ne!(nonce().unwrap(), nonce().unwrap());
+    fn hex(bytes: &[u8]) -> String {
+        bytes.iter().map(|b| format!("{b:02x}")).collect()
     }
 
     #[test]
-    fn a_secret_is_never_shown_and_a_short_one_is_refused_unquoted() {
-        let s = Secret::from_bytes(b"  super-secret-token-1234\n", "XTRAIN_RUN_TOKEN").unwrap();
+    fn random_secrets_are_taken_and_guessable_ones_refused() {
+        let token = random_token().unwrap();
+        assert_eq!(token.len(), 64);
+        random_enough(token.as_bytes()).unwrap();
+        random_enough(token.to_uppercase().as_bytes()).unwrap();
+        // 128 bits as 32 hex digits (`openssl rand -hex 16`), and 16 raw random bytes.
+        let mut raw = [0u8; 16];
+        for _ in 0..200 {
+            getrandom::fill(&mut raw).unwrap();
+            random_enough(hex(&raw).as_bytes()).unwrap();
+        }
+        random_enough(&[
+            0x8d, 0x02, 0xf1, 0x7e, 0x33, 0xa0, 0x5c, 0xee, 0x91, 0x10, 0x4b, 0xd7, 0x6a, 0x29,
+            0xb8, 0x00,
+        ])
+        .unwrap();
+        for (bad, why) in [
+            ("capitals-training", "text but not hex"),
+            (
+                "correct horse battery staple and more words",
+                "text but not hex",
+            ),
+            ("a-secret-for-the-tests", "text but not hex"),
+            (
+                "dGhpcyBpcyBub3QgcmFuZG9tIGF0IGFsbCBub3Qgb25l",
+                "text but not hex",
+            ),
+            ("0123456789abcdef", "64 bits"),
+            (&"0".repeat(64), "distinct"),
+            (&"01".repeat(32), "distinct"),
+            (&"3f7a9c2e".repeat(8), "repeats a block of 8"),
+            ("deadbeefcafebabefacadedecade0000deadbeefcafe1", "long runs"),
+            ("", "empty"),
+        ] {
+            let e = random_enough(bad.as_bytes()).unwrap_err();
+            assert!(e.contains(why), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn a_secret_is_never_shown_and_a_weak_one_is_refused_unquoted() {
+        let token = random_token().unwrap();
+        let s = Secret::from_bytes(format!("  {token}\n").as_bytes(), "XTRAIN_RUN_TOKEN").unwrap();
         assert_eq!(format!("{s:?}"), "Secret(set)");
-        assert_eq!(
-            s,
-            Secret::from_bytes(b"super-secret-token-1234", "t").unwrap()
-        );
-        let e = Secret::from_bytes(b"hunter2", "XTRAIN_RUN_TOKEN")
+        assert_eq!(s, Secret::from_bytes(token.as_bytes(), "t").unwrap());
+        assert_ne!(s.key(), Secret::none().key());
+        let e = Secret::from_bytes(b"hunter2-hunter2-hunter2", "XTRAIN_RUN_TOKEN")
             .unwrap_err()
             .to_string();
         assert!(
-            e.contains("XTRAIN_RUN_TOKEN holds 7 bytes") && !e.contains("hunter2"),
+            e.contains("XTRAIN_RUN_TOKEN is not a random secret")
+                && e.contains("xtrain run-token")
+                && !e.contains("hunter2"),
             "{e}"
         );
-        let env = |k: &str| (k == "XTRAIN_RUN_TOKEN").then(|| "z".repeat(40));
+        let env = |k: &str| (k == "XTRAIN_RUN_TOKEN").then(|| token.clone());
         assert!(from_launch(None, &env).unwrap().is_set());
         assert!(!from_launch(None, &|_| None).unwrap().is_set());
         assert_ne!(Secret::random().unwrap(), Secret::random().unwrap());
+    }
+
+    #[test]
+    fn a_token_file_is_a_small_regular_file_and_beats_no_other_secret_silently() {
+        let dir = std::env::temp_dir().join(format!("xtrain-auth-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let token = random_token().unwrap();
+        let file = dir.join("token");
+        std::fs::write(&file, format!("{token}\n")).unwrap();
+        let none = |_: &str| None;
+        assert!(from_launch(Some(&file), &none).unwrap().is_set());
+        let same = |_: &str| Some(token.clone());
+        assert!(from_launch(Some(&file), &same).unwrap().is_set());
+        let other = random_token().unwrap();
+        let differs = |_: &str| Some(other.clone());
+        let e = from_launch(Some(&file), &differs).unwrap_err().to_string();
+        assert!(e.contains("hold different secrets"), "{e}");
+        // A link is followed and said; a directory, a device and a FIFO are refused unread.
+        let link = dir.join("link");
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(&file, &link).unwrap();
+        assert!(from_launch(Some(&link), &none).unwrap().is_set());
+        for (path, kind) in [
+            (dir.clone(), "a directory"),
+            ("/dev/zero".into(), "a device"),
+        ] {
+            let e = from_launch(Some(&path), &none).unwrap_err().to_string();
+            assert!(
+                e.contains(&format!("is not a regular file ({kind})")),
+                "{e}"
+            );
+        }
+        let fifo = dir.join("fifo");
+        let _ = std::fs::remove_file(&fifo);
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let t0 = std::time::Instant::now();
+        let e = from_launch(Some(&fifo), &none).unwrap_err().to_string();
+        assert!(e.contains("(a FIFO)"), "{e}");
+        assert!(t0.elapsed() < std::time::Duration::from_secs(2));
+        let big = dir.join("big");
+        std::fs::write(&big, vec![b'a'; 5000]).unwrap();
+        let e = from_launch(Some(&big), &none).unwrap_err().to_string();
+        assert!(e.contains("holds 5000 bytes"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -31,20 +31,17 @@ pub trait Gather: Send + Sync {
 /// the store holds at most the shards not yet read (gigabytes at 70B, on process 0's host); a
 /// barrier then ends the round.
 pub struct StoreGather {
+    /// Whose credentials say which process this is.
     pub store: Store,
-    pub process: usize,
-    pub processes: usize,
     /// How long a process waits for another's shard (`--init-timeout`).
     pub timeout: Duration,
     round: AtomicU64,
 }
 
 impl StoreGather {
-    pub fn new(store: Store, process: usize, processes: usize, timeout: Duration) -> StoreGather {
+    pub fn new(store: Store, timeout: Duration) -> StoreGather {
         StoreGather {
             store: store.scope("gather"),
-            process,
-            processes,
             timeout,
             round: AtomicU64::new(0),
         }
@@ -58,14 +55,16 @@ impl Gather for StoreGather {
         hosts: &[Vec<usize>],
     ) -> Result<Option<Vec<HostTensor>>> {
         let round = self.round.fetch_add(1, Ordering::SeqCst);
-        let receives = self.process == 0;
+        let me = self.store.process();
+        let receives = me == 0;
         let positions: usize = hosts.iter().map(|h| h.len()).sum();
         let mut out: Vec<Option<HostTensor>> = (0..positions).map(|_| None).collect();
-        let me = self.process;
         for (p, t) in mine {
             match out.get_mut(p) {
                 Some(slot) if receives => *slot = Some(t),
-                Some(_) => self.store.put(&format!("{round}/{p}/{me}"), &encode(&t))?,
+                Some(_) => self
+                    .store
+                    .put_parts(&format!("{round}/{p}/{me}"), &[&header(&t), &t.bytes])?,
                 None => bail!("mesh position {p} is outside the step's {positions}"),
             }
         }
@@ -85,12 +84,8 @@ impl Gather for StoreGather {
             }
         }
         // Every process leaves the round together (process 0 has read every shard).
-        self.store.barrier(
-            &format!("gather/{round}"),
-            self.process,
-            self.processes,
-            self.timeout,
-        )?;
+        self.store
+            .barrier(&format!("gather/{round}"), self.timeout)?;
         Ok(receives.then(|| out.into_iter().flatten().collect()))
     }
 }
@@ -121,7 +116,7 @@ impl VirtualHosts {
                     secret: secret.clone(),
                 };
                 let store = Store::connect(&address, "virtual-hosts", me, timeout)?;
-                Ok((positions.clone(), StoreGather::new(store, g, n, timeout)))
+                Ok((positions.clone(), StoreGather::new(store, timeout)))
             })
             .collect::<Result<_>>()?;
         Ok(VirtualHosts {
@@ -165,16 +160,20 @@ impl Gather for VirtualHosts {
     }
 }
 
-/// A tensor as bytes: its PJRT type code (i32), rank (u32), dims (i64 each), then its bytes;
-/// all little-endian.
+/// A tensor as bytes: [`header`], then its bytes.
 pub fn encode(t: &HostTensor) -> Vec<u8> {
-    let mut out = Vec::with_capacity(8 + 8 * t.dims.len() + t.bytes.len());
+    [header(t), t.bytes.clone()].concat()
+}
+
+/// What goes before a tensor's bytes in the store: its PJRT type code (i32), rank (u32), dims
+/// (i64 each); all little-endian. A shard goes as this and its bytes, never copied together.
+pub fn header(t: &HostTensor) -> Vec<u8> {
+    let mut out = Vec::with_capacity(8 + 8 * t.dims.len());
     out.extend(t.ty.pjrt_code().to_le_bytes());
     out.extend((t.dims.len() as u32).to_le_bytes());
     for d in &t.dims {
         out.extend(d.to_le_bytes());
     }
-    out.extend(&t.bytes);
     out
 }
 
@@ -270,7 +269,7 @@ mod tests {
 
     /// Process `me` of two, holding positions `2me, 2me+1` of four: gathers twice.
     fn process(store: Store, me: usize) -> Store {
-        let g = StoreGather::new(store.clone(), me, 2, Duration::from_secs(10));
+        let g = StoreGather::new(store.clone(), Duration::from_secs(10));
         for round in 0..2 {
             let mine = (2 * me..2 * me + 2).map(|p| (p, shard(p, round))).collect();
             let all = g.all(mine, &[vec![0, 1], vec![2, 3]]).unwrap();
@@ -294,8 +293,7 @@ mod tests {
         let shard = HostTensor::from_f32(&values, &[n as i64]);
         drop(values);
         let (_server, connect) = store_for(2);
-        let gather =
-            |me: usize| StoreGather::new(connect(me, "big"), me, 2, Duration::from_secs(120));
+        let gather = |me: usize| StoreGather::new(connect(me, "big"), Duration::from_secs(120));
         let (zero, one) = (gather(0), gather(1));
         let mine = vec![(1, shard.clone())];
         let started = std::time::Instant::now();

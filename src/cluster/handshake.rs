@@ -1,24 +1,43 @@
 //! The opening of every connection to the run's store, both halves: the greetings (which
-//! protocol each side speaks), then the proofs that both hold the run's secret (`auth`), then
-//! the store's verdict. What each says, in order:
+//! protocol each side speaks), then a Noise handshake keyed by the run's secret (`channel::NOISE`:
+//! `NNpsk0`, X25519, AES-256-GCM, SHA-256), then the sealed channel (`channel`). In order:
 //!
-//! - process: `MAGIC`, `PROTOCOL` (u32), its process id (u32), its nonce;
-//! - store: `MAGIC`, `PROTOCOL`, a status byte: go on (its nonce and its proof follow),
-//!   busy (too many connections: the process tries again) or refused (a message follows);
-//! - process: its proof;
-//! - store: accepted, or refused with a message; then the connection carries frames (`wire`).
+//! - process: `MAGIC`, `PROTOCOL` (u32), Noise's first message, whose sealed payload is its
+//!   process id;
+//! - store: `MAGIC`, `PROTOCOL`, a status byte: go on (Noise's second message follows), busy
+//!   (no room for another connection now: the process tries again) or refused (a message
+//!   follows: the first message did not open under the run's secret);
+//! - process: its first sealed record, a fixed word: proof that it made the first message now
+//!   (not a recording of another connection's) and holds the keys;
+//! - store: its first sealed record, the verdict: accepted, busy (this process has as many
+//!   connections as it may), or refused with why (an id outside the run).
 //!
-//! A process of another protocol hears the store's greeting and nothing more, so both name
-//! both versions. All integers little-endian; a message is a u16 length and its UTF-8 bytes.
+//! The first message is sealed under the secret's key, so a stranger's probe earns one refusal
+//! that says nothing about the run (not even its size), and nothing that would let it test
+//! guesses of the secret: those need a recorded handshake, and a random secret of 128 bits
+//! or more ([`auth`](super::auth)) makes them hopeless. A process of another protocol hears the
+//! store's greeting and nothing more, so both name both versions. Every read and write of the
+//! handshake is bounded by one deadline, however slowly the peer trickles its bytes. All
+//! integers little-endian; a message is a u16 length and its bytes.
 
-use crate::cluster::auth::{nonce, Secret, NONCE, PROOF};
+use crate::cluster::auth::Secret;
+use crate::cluster::channel::{self, Keys, Opener, Sealer, NOISE};
 use crate::cluster::wire::Greeting;
 use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::sync::Arc;
+use std::time::Instant;
 
 const GO_ON: u8 = 0;
 const BUSY: u8 = 1;
 const REFUSED: u8 = 2;
 const ACCEPTED: u8 = 3;
+
+/// The process's first sealed record.
+const CONFIRM: &[u8] = b"xtrain-store/confirm";
+
+/// Noise's messages in this pattern are tens of bytes.
+const MAX_MESSAGE: usize = 256;
 
 /// Why a connection did not open, as the side that failed sees it.
 #[derive(Debug)]
@@ -30,11 +49,15 @@ pub enum Failed {
     NoGreeting(std::io::Error),
     /// The store has no room now: try again.
     Busy,
-    /// The other side does not hold the run's secret (or another one).
+    /// The other side does not hold the run's secret (or another one), or its messages were
+    /// changed on the way.
     Proof,
     /// The store refused this process, saying why.
     Refused(String),
-    /// The connection failed on the way.
+    /// The process's first message opened, but it did not prove it holds this connection's
+    /// keys (a recorded first message replayed, or bytes changed on the way).
+    Unconfirmed,
+    /// The connection failed on the way (or its deadline passed).
     Io(std::io::Error),
 }
 
@@ -44,130 +67,247 @@ impl From<std::io::Error> for Failed {
     }
 }
 
-fn greeting_then(extra: &[u8]) -> Vec<u8> {
-    let mut g = crate::cluster::wire::greeting().to_vec();
-    g.extend(extra);
-    g
+/// What the store decides about a proven process by its id (it may count the connection as the
+/// process's where it says yes).
+#[derive(Clone, Debug)]
+pub enum Verdict {
+    Accepted,
+    /// No room for another connection of this process now.
+    Busy,
+    Refused(String),
 }
 
-fn read_message(r: &mut impl Read) -> std::io::Result<String> {
-    let mut n = [0u8; 2];
-    r.read_exact(&mut n)?;
-    let mut text = vec![0u8; u16::from_le_bytes(n) as usize];
-    r.read_exact(&mut text)?;
-    Ok(String::from_utf8_lossy(&text).into_owned())
+/// A connection whose handshake is done: its sealed halves over the same socket.
+pub struct Opened {
+    pub sealer: Sealer<TcpStream>,
+    pub opener: Opener<TcpStream>,
 }
 
-fn message(text: &str) -> Vec<u8> {
-    let bytes = &text.as_bytes()[..text.len().min(u16::MAX as usize)];
+/// Reads and writes on `stream`, each bounded by what is left until `deadline`.
+struct Timed<'a> {
+    stream: &'a TcpStream,
+    deadline: Instant,
+}
+
+impl Timed<'_> {
+    fn left(&self) -> std::io::Result<std::time::Duration> {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::ErrorKind::TimedOut.into());
+        }
+        Ok(left)
+    }
+
+    fn read_exact(&mut self, buf: &mut [u8]) -> std::io::Result<()> {
+        let mut got = 0;
+        while got < buf.len() {
+            self.stream.set_read_timeout(Some(self.left()?))?;
+            match (&mut &*self.stream).read(&mut buf[got..]) {
+                Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+                Ok(n) => got += n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    fn write_all(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+        self.stream.set_write_timeout(Some(self.left()?))?;
+        (&mut &*self.stream).write_all(bytes)?;
+        (&mut &*self.stream).flush()
+    }
+
+    /// A u16-length-prefixed message of at most `max` bytes.
+    fn read_message(&mut self, max: usize) -> std::io::Result<Vec<u8>> {
+        let mut n = [0u8; 2];
+        self.read_exact(&mut n)?;
+        let n = u16::from_le_bytes(n) as usize;
+        if n > max {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("a handshake message of {n} bytes (at most {max})"),
+            ));
+        }
+        let mut m = vec![0u8; n];
+        self.read_exact(&mut m)?;
+        Ok(m)
+    }
+
+    fn greeting(&mut self) -> std::io::Result<Greeting> {
+        let mut g = [0u8; 12];
+        self.read_exact(&mut g)?;
+        crate::cluster::wire::read_greeting(&mut &g[..])
+    }
+}
+
+fn with_length(bytes: &[u8]) -> Vec<u8> {
+    let bytes = &bytes[..bytes.len().min(u16::MAX as usize)];
     let mut out = (bytes.len() as u16).to_le_bytes().to_vec();
     out.extend(bytes);
     out
 }
 
-/// The process's half: greet the store as `process`, check its proof, prove this side's.
+fn noise() -> snow::Builder<'static> {
+    snow::Builder::new(NOISE.parse().expect("the pattern's name parses"))
+}
+
+fn broken<E: std::fmt::Display>(e: E) -> Failed {
+    Failed::Io(std::io::Error::other(format!("the handshake failed ({e})")))
+}
+
+/// The sealed halves, once the keys are there; the next record each way is the second.
+fn opened(stream: &TcpStream, keys: Keys) -> Result<Opened, Failed> {
+    Ok(Opened {
+        sealer: Sealer::starting_at(keys.clone(), stream.try_clone()?, 1),
+        opener: Opener::starting_at(keys, stream.try_clone()?, 1),
+    })
+}
+
+/// The process's half: greet the store as `process`, check that the store holds the secret,
+/// prove this side's; everything by `deadline`.
 pub fn open(
-    r: &mut impl Read,
-    w: &mut impl Write,
+    stream: &TcpStream,
     secret: &Secret,
     process: u32,
-) -> Result<(), Failed> {
-    let mine = nonce()?;
-    let mut hello = greeting_then(&process.to_le_bytes());
-    hello.extend(mine);
-    w.write_all(&hello)?;
-    w.flush()?;
-    match crate::cluster::wire::read_greeting(r).map_err(Failed::NoGreeting)? {
+    deadline: Instant,
+) -> Result<Opened, Failed> {
+    let key = secret.key();
+    let greeting = crate::cluster::wire::greeting();
+    let mut hs = noise()
+        .psk(0, &key)
+        .and_then(|b| b.prologue(&greeting))
+        .and_then(|b| b.build_initiator())
+        .map_err(broken)?;
+    let mut t = Timed { stream, deadline };
+    let mut first = [0u8; MAX_MESSAGE];
+    let n = hs
+        .write_message(&process.to_le_bytes(), &mut first)
+        .map_err(broken)?;
+    let mut hello = greeting.to_vec();
+    hello.extend(with_length(&first[..n]));
+    t.write_all(&hello)?;
+    match t.greeting().map_err(Failed::NoGreeting)? {
         Greeting::Same => {}
         other => return Err(Failed::Protocol(other)),
     }
     let mut status = [0u8; 1];
-    r.read_exact(&mut status)?;
+    t.read_exact(&mut status)?;
     match status[0] {
         GO_ON => {}
         BUSY => return Err(Failed::Busy),
-        REFUSED => return Err(Failed::Refused(read_message(r)?)),
+        REFUSED => {
+            let why = t.read_message(1024)?;
+            return Err(Failed::Refused(String::from_utf8_lossy(&why).into_owned()));
+        }
         _ => return Err(Failed::Protocol(Greeting::Stranger)),
     }
-    let mut theirs = [0u8; NONCE];
-    r.read_exact(&mut theirs)?;
-    let mut proof = [0u8; PROOF];
-    r.read_exact(&mut proof)?;
-    if !secret.store_proved(&proof, &mine, &theirs, process) {
-        return Err(Failed::Proof);
-    }
-    w.write_all(&secret.process_proof(&mine, &theirs, process))?;
-    w.flush()?;
-    r.read_exact(&mut status)?;
-    match status[0] {
-        ACCEPTED => Ok(()),
-        REFUSED => Err(Failed::Refused(read_message(r)?)),
+    let second = t.read_message(MAX_MESSAGE)?;
+    // The store's message opens only under the same secret: a store without it (a fake
+    // coordinator) is refused here, having learnt nothing.
+    hs.read_message(&second, &mut [0u8; MAX_MESSAGE])
+        .map_err(|_| Failed::Proof)?;
+    let keys: Keys = Arc::new(hs.into_stateless_transport_mode().map_err(broken)?);
+    t.write_all(&with_length(&channel::seal_one(&keys, 0, CONFIRM)?))?;
+    let sealed = t.read_message(channel::RECORD)?;
+    let verdict = channel::open_one(&keys, 0, &sealed)?;
+    match verdict.first() {
+        Some(&ACCEPTED) => opened(stream, keys),
+        Some(&BUSY) => Err(Failed::Busy),
+        Some(&REFUSED) => Err(Failed::Refused(
+            String::from_utf8_lossy(&verdict[1..]).into_owned(),
+        )),
         _ => Err(Failed::Protocol(Greeting::Stranger)),
     }
 }
 
-/// What the store decides about a process by its id, before any proof (`Err`: why it is
-/// refused, told to it).
-pub type Admit<'a> = &'a dyn Fn(u32) -> Result<(), String>;
-
-/// The store's half: hear the process's greeting, refuse it where `admit` says so, prove this
-/// side's secret, check the process's proof. Returns the process's id.
+/// The store's half: hear the process's greeting and first message, which must open under the
+/// secret; answer; take its proof of the keys; then ask `admit` about its id. Returns the
+/// process's id and the sealed halves; everything by `deadline`.
 pub fn accept(
-    r: &mut impl Read,
-    w: &mut impl Write,
+    stream: &TcpStream,
     secret: &Secret,
-    admit: Admit,
-) -> Result<u32, Failed> {
-    match crate::cluster::wire::read_greeting(r)? {
+    deadline: Instant,
+    admit: &dyn Fn(u32) -> Verdict,
+) -> Result<(u32, Opened), Failed> {
+    let mut t = Timed { stream, deadline };
+    match t.greeting()? {
         Greeting::Same => {}
         Greeting::Version(v) => {
             // Answered with this side's version, so that the peer names both too.
-            let _ = w.write_all(&greeting_then(&[]));
+            let _ = t.write_all(&crate::cluster::wire::greeting());
             return Err(Failed::Protocol(Greeting::Version(v)));
         }
         other => return Err(Failed::Protocol(other)),
     }
-    let mut rest = [0u8; 4 + NONCE];
-    r.read_exact(&mut rest)?;
-    let process = u32::from_le_bytes(rest[..4].try_into().unwrap());
-    let theirs = &rest[4..];
-    if let Err(why) = admit(process) {
-        let mut out = greeting_then(&[REFUSED]);
-        out.extend(message(&why));
-        let _ = w.write_all(&out);
-        return Err(Failed::Refused(why));
+    let first = t.read_message(MAX_MESSAGE)?;
+    let key = secret.key();
+    let greeting = crate::cluster::wire::greeting();
+    let mut hs = noise()
+        .psk(0, &key)
+        .and_then(|b| b.prologue(&greeting))
+        .and_then(|b| b.build_responder())
+        .map_err(broken)?;
+    let mut payload = [0u8; MAX_MESSAGE];
+    let process = match hs.read_message(&first, &mut payload) {
+        Ok(4) => u32::from_le_bytes(payload[..4].try_into().unwrap()),
+        _ => {
+            let mut out = greeting.to_vec();
+            out.push(REFUSED);
+            out.extend(with_length(
+                b"this process does not hold the run's secret: every host must be given the \
+                  same XTRAIN_RUN_TOKEN or --run-token-file",
+            ));
+            let _ = t.write_all(&out);
+            return Err(Failed::Proof);
+        }
+    };
+    let mut second = [0u8; MAX_MESSAGE];
+    let n = hs.write_message(&[], &mut second).map_err(broken)?;
+    let mut out = greeting.to_vec();
+    out.push(GO_ON);
+    out.extend(with_length(&second[..n]));
+    t.write_all(&out)?;
+    let keys: Keys = Arc::new(hs.into_stateless_transport_mode().map_err(broken)?);
+    // A recorded first message replayed gets this far, but no further: its sender cannot make
+    // the keys of this connection's fresh second message.
+    let sealed = t.read_message(channel::RECORD)?;
+    match channel::open_one(&keys, 0, &sealed) {
+        Ok(word) if word == CONFIRM => {}
+        _ => return Err(Failed::Unconfirmed),
     }
-    let mine = nonce()?;
-    let mut out = greeting_then(&[GO_ON]);
-    out.extend(mine);
-    out.extend(secret.store_proof(theirs, &mine, process));
-    w.write_all(&out)?;
-    w.flush()?;
-    let mut proof = [0u8; PROOF];
-    r.read_exact(&mut proof)?;
-    if !secret.process_proved(&proof, theirs, &mine, process) {
-        let mut out = vec![REFUSED];
-        out.extend(message(
-            "this process does not hold the run's secret: every host must be given the same \
-             XTRAIN_RUN_TOKEN or --run-token-file",
-        ));
-        let _ = w.write_all(&out);
-        return Err(Failed::Proof);
-    }
-    w.write_all(&[ACCEPTED])?;
-    w.flush()?;
-    Ok(process)
+    let (verdict, result) = match admit(process) {
+        Verdict::Accepted => (vec![ACCEPTED], Ok(())),
+        Verdict::Busy => (vec![BUSY], Err(Failed::Busy)),
+        Verdict::Refused(why) => {
+            let mut v = vec![REFUSED];
+            v.extend(why.as_bytes());
+            (v, Err(Failed::Refused(why)))
+        }
+    };
+    t.write_all(&with_length(&channel::seal_one(&keys, 0, &verdict)?))?;
+    result?;
+    Ok((process, opened(stream, keys)?))
 }
 
 /// The store's answer to a connection it has no room for: its greeting and "busy".
 pub fn busy() -> Vec<u8> {
-    greeting_then(&[BUSY])
+    let mut g = crate::cluster::wire::greeting().to_vec();
+    g.push(BUSY);
+    g
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::net::{TcpListener, TcpStream};
+    use crate::cluster::auth::random_token;
+    use std::io::{Read, Write};
+    use std::net::TcpListener;
+    use std::time::Duration;
+
+    fn soon() -> Instant {
+        Instant::now() + Duration::from_secs(10)
+    }
 
     /// Both halves over loopback, the store's with `store`'s secret and the process's with
     /// `process`'s; what each side got.
@@ -176,54 +316,99 @@ mod tests {
         let at = l.local_addr().unwrap();
         let server = std::thread::spawn(move || {
             let (s, _) = l.accept().unwrap();
-            let mut r = s.try_clone().unwrap();
-            let mut w = s;
             let admit = |p: u32| {
                 if p < 2 {
-                    Ok(())
+                    Verdict::Accepted
                 } else {
-                    Err(format!("process {p} is outside this run of 2 processes"))
+                    Verdict::Refused(format!("process {p} is outside this run of 2 processes"))
                 }
             };
-            accept(&mut r, &mut w, &store, &admit)
+            let (p, mut o) = accept(&s, &store, soon(), &admit)?;
+            // One sealed frame each way after the handshake.
+            let mut hello = [0u8; 5];
+            o.opener.read_exact(&mut hello)?;
+            assert_eq!(&hello, b"hello");
+            o.sealer.write_all(b"there")?;
+            o.sealer.flush()?;
+            Ok(p)
         });
-        let s = TcpStream::connect(at).unwrap();
-        let mut r = s.try_clone().unwrap();
-        let mut w = s;
-        let client = open(&mut r, &mut w, &process, id);
+        let s = std::net::TcpStream::connect(at).unwrap();
+        let client = open(&s, &process, id, soon()).and_then(|mut o| {
+            o.sealer.write_all(b"hello")?;
+            o.sealer.flush()?;
+            let mut there = [0u8; 5];
+            o.opener.read_exact(&mut there)?;
+            assert_eq!(&there, b"there");
+            Ok(())
+        });
         // Closed as a process that gave up closes it: the store's side sees the end.
-        drop((r, w));
+        drop(s);
         (server.join().unwrap(), client)
     }
 
-    fn secret(text: &str) -> Secret {
-        Secret::from_bytes(text.as_bytes(), "t").unwrap()
+    fn secret() -> Secret {
+        Secret::from_bytes(random_token().unwrap().as_bytes(), "t").unwrap()
     }
 
     #[test]
     fn both_sides_prove_the_secret_and_a_wrong_or_missing_one_is_refused() {
-        let s = || secret("a-run-secret-of-enough-bytes");
-        let (store, process) = meet(s(), s(), 1);
+        let s = secret();
+        let (store, process) = meet(s.clone(), s.clone(), 1);
         assert_eq!(store.unwrap(), 1);
         process.unwrap();
         let (store, process) = meet(Secret::none(), Secret::none(), 0);
         assert_eq!(store.unwrap(), 0);
         process.unwrap();
-        // A process with another secret (or none) fails the store's proof and sends nothing more.
-        for other in [secret("another-secret-of-enough-bytes"), Secret::none()] {
-            let (store, process) = meet(s(), other, 1);
-            assert!(matches!(process, Err(Failed::Proof)), "{process:?}");
-            assert!(store.is_err());
+        // A process with another secret (or none) is refused at its first message.
+        for other in [secret(), Secret::none()] {
+            let (store, process) = meet(s.clone(), other, 1);
+            match process {
+                Err(Failed::Refused(m)) => assert!(m.contains("does not hold the run's secret")),
+                other => panic!("{other:?}"),
+            }
+            assert!(matches!(store, Err(Failed::Proof)));
         }
         // A store without the secret (a fake coordinator) is refused by the process.
-        let (_, process) = meet(Secret::none(), s(), 1);
-        assert!(matches!(process, Err(Failed::Proof)), "{process:?}");
-        // An id outside the run is refused with the store's words.
-        let (store, process) = meet(s(), s(), 5);
+        let (_, process) = meet(secret(), s.clone(), 1);
+        assert!(matches!(process, Err(Failed::Refused(_))), "{process:?}");
+        // An id outside the run is refused with the store's words, once proven.
+        let (store, process) = meet(s.clone(), s, 5);
         assert!(matches!(store, Err(Failed::Refused(_))));
         match process {
             Err(Failed::Refused(m)) => assert!(m.contains("process 5 is outside"), "{m}"),
             other => panic!("{other:?}"),
         }
+    }
+
+    /// A peer that trickles its bytes cannot stretch the handshake past its deadline.
+    #[test]
+    fn a_slow_peer_is_bounded_by_the_deadline() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let at = l.local_addr().unwrap();
+        let slow = std::thread::spawn(move || {
+            let mut s = std::net::TcpStream::connect(at).unwrap();
+            for b in crate::cluster::wire::greeting() {
+                if s.write_all(&[b]).is_err() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(150));
+            }
+        });
+        let (s, _) = l.accept().unwrap();
+        let t0 = Instant::now();
+        let got = accept(
+            &s,
+            &secret(),
+            Instant::now() + Duration::from_millis(500),
+            &|_| Verdict::Accepted,
+        );
+        assert!(matches!(got, Err(Failed::Io(_))), "{:?}", got.err());
+        assert!(
+            t0.elapsed() < Duration::from_millis(900),
+            "{:?}",
+            t0.elapsed()
+        );
+        drop(s);
+        slow.join().unwrap();
     }
 }

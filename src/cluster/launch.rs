@@ -5,6 +5,8 @@
 //! `XTRAIN_*` variables. Each value comes from the first place that has it, in that order, so a
 //! flag always wins; the launch says where each came from.
 
+use crate::cluster::address::parse_port;
+pub use crate::cluster::address::{is_loopback, parse_bind, parse_coordinator, Coordinator};
 use crate::cluster::auth::Secret;
 use anyhow::{bail, Context, Result};
 use std::path::PathBuf;
@@ -62,28 +64,13 @@ pub struct Launch {
     /// The run's secret, which every connection to the store proves (none: anyone who reaches
     /// it may join; only on loopback or with `--trusted-network`).
     pub secret: Secret,
+    /// `--trusted-network`: the store may serve a network address without a secret.
+    pub trusted_network: bool,
     /// `--coordinator-bind`: where process 0 serves the store instead of the coordinator's
-    /// address (`host` or `host:port`).
-    pub bind: Option<String>,
+    /// address (its port the coordinator's where it names none).
+    pub bind: Option<Coordinator>,
     /// What the user should hear about how the launch was read (flags that do nothing here).
     pub notes: Vec<String>,
-}
-
-/// Where process 0 serves the store.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Coordinator {
-    pub host: String,
-    pub port: u16,
-}
-
-impl std::fmt::Display for Coordinator {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        if self.host.contains(':') {
-            write!(f, "[{}]:{}", self.host, self.port)
-        } else {
-            write!(f, "{}:{}", self.host, self.port)
-        }
-    }
 }
 
 impl Launch {
@@ -97,6 +84,7 @@ impl Launch {
             run: "run".into(),
             source: "one process".into(),
             secret: Secret::none(),
+            trusted_network: false,
             bind: None,
             notes: Vec::new(),
         }
@@ -111,53 +99,30 @@ impl Launch {
         format!("process {} of {}", self.process_id, self.processes)
     }
 
-    /// The one line a run without a secret on a network address says (`--trusted-network`).
+    /// Where process 0 serves the store: `--coordinator-bind`, else the coordinator.
+    pub fn serves_at(&self) -> Option<&Coordinator> {
+        self.bind.as_ref().or(self.coordinator.as_ref())
+    }
+
+    /// The one line a run without a secret says: on a network address (`--trusted-network`),
+    /// anyone who reaches it; on loopback, any user of this host.
     pub fn warning(&self) -> Option<String> {
-        let c = self.coordinator.as_ref()?;
-        (!self.secret.is_set() && !is_loopback(&c.host)).then(|| {
+        let at = self.serves_at()?;
+        if self.secret.is_set() {
+            return None;
+        }
+        Some(if is_loopback(&at.host) {
             format!(
-                "warning: the run has no secret (--trusted-network): any program that reaches {c} \
-                 can join the run, read what its processes exchange, or end it"
+                "warning: the run has no secret: any user of this host can join the run at {at}, \
+                 read what its processes exchange, or end it (give every process \
+                 XTRAIN_RUN_TOKEN=$(xtrain run-token) to keep them out)"
+            )
+        } else {
+            format!(
+                "warning: the run has no secret (--trusted-network): any program that reaches \
+                 {at} can join the run, read what its processes exchange, or end it"
             )
         })
-    }
-}
-
-/// Whether `host` is a loopback address (`localhost`, `127.x.x.x`, `::1`). A host name is taken
-/// for a network address (it is not resolved: what it resolves to may differ between hosts).
-pub fn is_loopback(host: &str) -> bool {
-    host == "localhost"
-        || host
-            .parse::<std::net::IpAddr>()
-            .is_ok_and(|ip| ip.is_loopback())
-}
-
-/// Parse `--coordinator HOST:PORT` (`[v6addr]:PORT` for an IPv6 address).
-pub fn parse_coordinator(text: &str, what: &str) -> Result<Coordinator> {
-    let (host, port) = match text.strip_prefix('[') {
-        Some(rest) => match rest.split_once("]:") {
-            Some((h, p)) => (h, p),
-            None => bail!("{what} {text:?}: expected [IPV6]:PORT"),
-        },
-        None => match text.rsplit_once(':') {
-            Some((h, p)) if !h.contains(':') => (h, p),
-            _ => bail!("{what} {text:?}: expected HOST:PORT, e.g. node01:8476"),
-        },
-    };
-    if host.is_empty() {
-        bail!("{what} {text:?}: the host is empty (expected HOST:PORT, e.g. node01:8476)");
-    }
-    let port = parse_port(port.trim(), &format!("{what} {text:?}"))?;
-    Ok(Coordinator {
-        host: host.to_string(),
-        port,
-    })
-}
-
-fn parse_port(text: &str, what: &str) -> Result<u16> {
-    match text.parse::<u32>() {
-        Ok(p) if (1..=65535).contains(&p) => Ok(p as u16),
-        _ => bail!("{what}: the port must be a number from 1 to 65535, got {text:?}"),
     }
 }
 
@@ -365,8 +330,19 @@ pub fn detect(flags: &LaunchFlags, env: &dyn Fn(&str) -> Option<String>) -> Resu
         });
     }
     let coordinator = coordinator(flags, &envs, processes.value, &sources(&[]))?;
+    let bind = match &flags.coordinator_bind {
+        Some(b) => Some(parse_bind(b, coordinator.value.port)?),
+        None => None,
+    };
     let secret = crate::cluster::auth::from_launch(flags.run_token_file.as_deref(), env)?;
-    refuse_untrusted(&coordinator.value, &secret, flags.trusted_network)?;
+    for (at, what) in [
+        (Some(&coordinator.value), "--coordinator"),
+        (bind.as_ref(), "--coordinator-bind"),
+    ] {
+        if let Some(at) = at {
+            refuse_untrusted(at, what, &secret, flags.trusted_network)?;
+        }
+    }
     Ok(Launch {
         processes: processes.value,
         process_id: process_id.value,
@@ -375,7 +351,8 @@ pub fn detect(flags: &LaunchFlags, env: &dyn Fn(&str) -> Option<String>) -> Resu
         init_timeout,
         run,
         secret,
-        bind: flags.coordinator_bind.clone(),
+        trusted_network: flags.trusted_network,
+        bind,
         notes: Vec::new(),
     })
 }
@@ -520,17 +497,18 @@ fn coordinator(
     })
 }
 
-/// A store on a network address takes only processes that hold the run's secret, unless the
-/// user says the network is the run's alone.
-fn refuse_untrusted(c: &Coordinator, secret: &Secret, trusted: bool) -> Result<()> {
+/// A store on a network address (`what` names the flag it comes from, which may be where it
+/// binds) takes only processes that hold the run's secret, unless the user says the network is
+/// the run's alone.
+pub fn refuse_untrusted(c: &Coordinator, what: &str, secret: &Secret, trusted: bool) -> Result<()> {
     if secret.is_set() || trusted || is_loopback(&c.host) {
         return Ok(());
     }
     bail!(
-        "the run's store at {c} has no secret: any program that reaches it could join, read or \
-         end the run. Give every process the same secret (export \
-         XTRAIN_RUN_TOKEN=$(openssl rand -hex 32) before starting them, or --run-token-file \
-         FILE), or pass --trusted-network if only the run's hosts can reach {c}"
+        "the run's store would serve {c} ({what}) with no secret: any program that reaches it \
+         could join, read or end the run. Give every process the same secret (export \
+         XTRAIN_RUN_TOKEN=$(xtrain run-token) before starting them, or --run-token-file FILE), \
+         or pass --trusted-network if only the run's hosts can reach {c}"
     )
 }
 
@@ -544,12 +522,20 @@ fn or_default(from: &str) -> &str {
 
 /// [`detect`] on this process's environment.
 pub fn from_environment(flags: &LaunchFlags) -> Result<Launch> {
-    detect(flags, &|k| std::env::var(k).ok())
+    // The secret's variable as the process was started with it: `main` took it out of the
+    // environment, so that no program it starts inherits it.
+    detect(flags, &|k| match k {
+        "XTRAIN_RUN_TOKEN" => crate::cluster::auth::token_variable(),
+        _ => std::env::var(k).ok(),
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A random secret (`xtrain run-token`'s form).
+    const TOKEN: &str = "9f2c41e07ab35d6890e1c4b7f03a26d58c1e9b47a02f6d3e85b9c0174ad2e6f3";
 
     /// [`detect`] with these variables and, unless they say otherwise, the run's secret.
     fn with(vars: &[(&str, &str)], flags: &LaunchFlags) -> Result<Launch> {
@@ -558,7 +544,7 @@ mod tests {
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
         map.entry("XTRAIN_RUN_TOKEN".into())
-            .or_insert_with(|| "a-secret-for-the-tests".into());
+            .or_insert_with(|| TOKEN.into());
         map.retain(|_, v| !v.is_empty());
         detect(flags, &|k| map.get(k).cloned())
     }
@@ -797,7 +783,7 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(
-            e.contains("the run's store at node01:8476 has no secret")
+            e.contains("the run's store would serve node01:8476 (--coordinator) with no secret")
                 && e.contains("--trusted-network"),
             "{e}"
         );
@@ -806,8 +792,29 @@ mod tests {
         assert!(trusted.warning().unwrap().contains("node01:8476"));
         for local in ["127.0.0.1:9", "localhost:9", "[::1]:9"] {
             let l = with(&none, &flags(local, false)).unwrap();
-            assert!(l.warning().is_none() && !l.secret.is_set(), "{local}");
+            let w = l.warning().unwrap();
+            assert!(
+                w.contains("any user of this host") && !l.secret.is_set(),
+                "{local}: {w}"
+            );
         }
+        // The bind is checked as the coordinator is: a wildcard without a secret is refused.
+        for bind in ["0.0.0.0", "0.0.0.0:9", "[::]", "10.1.2.3"] {
+            let wild = LaunchFlags {
+                coordinator_bind: Some(bind.into()),
+                ..flags("127.0.0.1:9", false)
+            };
+            let e = with(&none, &wild).unwrap_err().to_string();
+            assert!(
+                e.contains("(--coordinator-bind) with no secret"),
+                "{bind}: {e}"
+            );
+        }
+        let bound = LaunchFlags {
+            coordinator_bind: Some("127.0.0.2".into()),
+            ..flags("127.0.0.1:9", false)
+        };
+        assert_eq!(with(&none, &bound).unwrap().bind, coord("127.0.0.2", 9));
         let l = with(&[], &flags("node01:8476", false)).unwrap();
         assert!(l.secret.is_set() && l.warning().is_none());
         assert_eq!(format!("{:?}", l.secret), "Secret(set)");
@@ -818,7 +825,10 @@ mod tests {
             ..flags("node01:8476", false)
         };
         let e = with(&[], &from_file).unwrap_err().to_string();
-        assert!(e.contains("holds 5 bytes") && !e.contains("short"), "{e}");
+        assert!(
+            e.contains("is not a random secret") && !e.contains("short"),
+            "{e}"
+        );
         std::fs::remove_file(&dir).unwrap();
     }
 
@@ -851,5 +861,17 @@ mod tests {
             }
         );
         assert_eq!(c.to_string(), "[fe80::1]:8476");
+        let e = parse_coordinator("::1:8476", "--coordinator")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("[::1]:8476"), "{e}");
+        assert_eq!(
+            parse_bind("::", 9).unwrap(),
+            Coordinator {
+                host: "::".into(),
+                port: 9
+            }
+        );
+        assert!(parse_bind("h:port", 9).is_err());
     }
 }

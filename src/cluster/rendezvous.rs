@@ -4,7 +4,7 @@
 //! refused at once, by every process, naming the flag and both values; a process that never
 //! comes is named after `--init-timeout`. All of this happens before any plugin is opened.
 
-use crate::cluster::launch::{parse_coordinator, Coordinator, Launch};
+use crate::cluster::launch::{Coordinator, Launch};
 use crate::cluster::server::{Config, StoreServer};
 use crate::cluster::store::{Credentials, Session, Store};
 use crate::cluster::wire::StoreError;
@@ -37,7 +37,7 @@ pub fn join(launch: &Launch, on_lost: impl FnOnce(String) + Send + 'static) -> R
         .context("a run of several processes needs --coordinator")?;
     let server = if launch.process_id == 0 {
         let config = Config::new(launch.processes, launch.secret.clone());
-        Some(serve(coordinator, launch.bind.as_deref(), config)?)
+        Some(serve(launch, config)?)
     } else {
         None
     };
@@ -62,7 +62,7 @@ pub fn join(launch: &Launch, on_lost: impl FnOnce(String) + Send + 'static) -> R
     };
     let store = Store::connect(&at, &launch.run, me, launch.init_timeout)
         .with_context(|| format!("{} ({})", launch.name(), launch.source))?;
-    let session = store.watch(launch.process_id, Some(launch.init_timeout), on_lost)?;
+    let session = store.watch(Some(launch.init_timeout), on_lost)?;
     Ok(Peers {
         launch: launch.clone(),
         store,
@@ -71,29 +71,13 @@ pub fn join(launch: &Launch, on_lost: impl FnOnce(String) + Send + 'static) -> R
     })
 }
 
-/// Serve the run's store on the coordinator's address (resolved; or `bind`,
-/// `--coordinator-bind`, a host or host:port), and nowhere else.
-fn serve(coordinator: &Coordinator, bind: Option<&str>, config: Config) -> Result<StoreServer> {
-    // HOST:PORT with a port that is not one (an IPv6 address has more colons).
-    if let Some((b, (_, port))) = bind.and_then(|b| Some((b, b.split_once(':')?))) {
-        if !port.contains(':') && port.parse::<u16>().is_err() {
-            bail!("--coordinator-bind {b}: `{port}` is not a port number");
-        }
-    }
-    let at = match bind {
-        Some(b) => parse_coordinator(b, "--coordinator-bind").or_else(|_| {
-            let host = b.trim_start_matches('[').trim_end_matches(']');
-            parse_coordinator(
-                &Coordinator {
-                    host: host.to_string(),
-                    port: coordinator.port,
-                }
-                .to_string(),
-                "--coordinator-bind",
-            )
-        })?,
-        None => coordinator.clone(),
-    };
+/// Serve the run's store where the launch says (`--coordinator-bind`, else the coordinator's
+/// address, resolved), and nowhere else. Every address it would bind is checked: without a
+/// secret (and `--trusted-network`), only a loopback one.
+fn serve(launch: &Launch, config: Config) -> Result<StoreServer> {
+    let at = launch
+        .serves_at()
+        .context("a run of several processes needs --coordinator")?;
     let addresses: Vec<std::net::SocketAddr> =
         std::net::ToSocketAddrs::to_socket_addrs(&(at.host.as_str(), at.port))
             .with_context(|| {
@@ -102,6 +86,18 @@ fn serve(coordinator: &Coordinator, bind: Option<&str>, config: Config) -> Resul
             .collect();
     let mut last = None;
     for a in addresses {
+        if !a.ip().is_loopback() {
+            let resolved = Coordinator {
+                host: a.ip().to_string(),
+                port: a.port(),
+            };
+            crate::cluster::launch::refuse_untrusted(
+                &resolved,
+                &format!("where {at} resolves"),
+                &launch.secret,
+                launch.trusted_network,
+            )?;
+        }
         match StoreServer::bind(a, config.clone()) {
             Ok(server) => {
                 if a.ip().is_loopback() && !crate::cluster::launch::is_loopback(&at.host) {
@@ -149,10 +145,12 @@ impl Peers {
             };
             let theirs: Value = serde_json::from_slice(&bytes)
                 .with_context(|| format!("process {p}'s settings in the store are not JSON"))?;
-            let their_host = theirs["host"].as_str().unwrap_or("?").to_string();
+            // A peer's words reach this terminal: escaped, and short.
+            let their_host = crate::words::escaped(theirs["host"].as_str().unwrap_or("?"), 255);
             let empty = serde_json::Map::new();
             let them = theirs["settings"].as_object().unwrap_or(&empty);
             if let Some(diff) = difference(settings, them) {
+                let diff = crate::words::escaped(&diff, 4096);
                 bail!(
                     "process {p} (on {their_host}) was started with other settings than this one \
                      ({}, on {}): {diff}. Every process of a run must run the same command \
@@ -163,20 +161,16 @@ impl Peers {
             }
         }
         if !missing.is_empty() {
-            // What the store turned away: a process with another secret gives up at its
-            // handshake (or is refused there), so it never shows up as joined.
-            let refused = self.server.as_ref().map_or(Vec::new(), |s| s.refusals());
-            let secret = if refused.iter().any(|k| matches!(*k, "secret" | "handshake")) {
-                " The store refused or dropped connections during the handshake (said above): \
-                 a process started with another run secret (XTRAIN_RUN_TOKEN or \
-                 --run-token-file) is turned away there."
-            } else {
-                ""
-            };
+            // What the store turned away, as it happened: a process with another secret is
+            // refused at its handshake, so it never shows up as joined.
+            let turned = self
+                .server
+                .as_ref()
+                .map_or(String::new(), |s| turned_away(&s.refusals()));
             bail!(
                 "DEADLINE_EXCEEDED: {} of {} did not join the run at {} within --init-timeout {} \
                  ({}): was every process started, with the same --coordinator and \
-                 --num-processes?{secret}",
+                 --num-processes?{turned}",
                 ids("process", &missing),
                 l.processes,
                 l.coordinator
@@ -203,9 +197,46 @@ impl Peers {
     /// Wait at barrier `name` for every process (up to `--init-timeout`).
     pub fn barrier(&self, name: &str) -> Result<()> {
         let l = &self.launch;
-        Ok(self
-            .store
-            .barrier(name, l.process_id, l.processes, l.init_timeout)?)
+        Ok(self.store.barrier(name, l.init_timeout)?)
+    }
+}
+
+/// What process 0's store turned away while the others did not come, by kind, with where from:
+/// empty where it turned away nothing.
+fn turned_away(refusals: &crate::cluster::server::Refusals) -> String {
+    let said: Vec<String> = refusals
+        .iter()
+        .map(|(kind, r)| {
+            let what = match *kind {
+                "secret" => {
+                    "whose first message did not open under the run's secret (a process \
+                             given another XTRAIN_RUN_TOKEN or --run-token-file, or a stranger)"
+                }
+                "unfinished" => {
+                    "that did not finish their handshake (closed, too slow, or \
+                                 crowded out by newer ones)"
+                }
+                "replayed" => {
+                    "that could not go on after their first message (a recorded \
+                               handshake replayed, or bytes changed on the way)"
+                }
+                "version" => "of another xtrain build",
+                "stranger" => "that do not speak xtrain's store protocol",
+                "busy" => "of a process that had as many connections open as it may",
+                "frame" => "whose frames were not the protocol's or did not open",
+                _ => "refused for an id outside the run or a second join",
+            };
+            let from: Vec<String> = r.from.iter().map(|ip| ip.to_string()).collect();
+            format!(
+                "{} {what}, from {}",
+                crate::words::count(r.count, "connection"),
+                from.join(", ")
+            )
+        })
+        .collect();
+    match said.is_empty() {
+        true => String::new(),
+        false => format!(" Meanwhile the store turned away: {}.", said.join("; ")),
     }
 }
 

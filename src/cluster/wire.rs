@@ -4,37 +4,38 @@
 //! A connection opens with a greeting both ways: [`MAGIC`] and the protocol's version
 //! ([`PROTOCOL`], u32 little-endian); the server answers with its own, so that a process of
 //! another xtrain build is refused at once, naming both versions, rather than misread. The
-//! handshake that proves both sides hold the run's secret follows (`handshake`). Then each
-//! message is one frame: the header's length (u32), the header (a JSON object: the operation
-//! and its small fields, such as the key), the value's length (u64) and the value's raw bytes
-//! (empty for every message but a put and a get's answer); lengths little-endian. A value goes
-//! as it is: the LoRA state a checkpoint gathers through the store is gigabytes at 70B, and
-//! as JSON numbers it was about 3.5 times that (protocol 1, one JSON object per message).
+//! handshake that proves both sides hold the run's secret and makes the connection's keys
+//! follows (`handshake`); from then on every byte goes sealed (`channel`). Each message is one
+//! frame: the header's length (u32), the header (a JSON object: the operation and its small
+//! fields, such as the key), the value's length (u64) and the value's raw bytes (empty for
+//! every message but a put and a get's answer); lengths little-endian. A value goes as it is:
+//! the LoRA state a checkpoint gathers through the store is gigabytes at 70B.
 
 use serde::{Deserialize, Serialize};
 use std::io::{Read, Write};
 use std::time::Duration;
 
-/// The store protocol's version: 3 authenticates every connection (2 had no handshake; 2 and 3
-/// frame values as raw bytes; 1 sent JSON lines, values as arrays of numbers). Raise it with any
-/// change to what goes over the wire.
-pub const PROTOCOL: u32 = 3;
+/// The store protocol's version: 4 seals every frame after a Noise handshake keyed by the run's
+/// secret (3 authenticated the connection only). Raise it with any change to what goes over
+/// the wire.
+pub const PROTOCOL: u32 = 4;
 
 /// The first bytes of every connection to the store, both ways.
 pub const MAGIC: &[u8; 8] = b"xtrainKV";
 
-/// A header longer than this is not the store's (keys are short).
-const MAX_HEADER: usize = 1 << 20;
+/// A header longer than this is not the store's (keys are short: [`MAX_KEY`]).
+const MAX_HEADER: usize = 16 << 10;
+
+/// The longest key the store takes.
+pub const MAX_KEY: usize = 1024;
 
 /// What went wrong with the store.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum StoreError {
-    /// A blocking get (or a barrier) waited its whole timeout.
-    #[error(
-        "DEADLINE_EXCEEDED: no value for key {key:?} within {}",
-        crate::words::secs(*timeout)
-    )]
-    DeadlineExceeded { key: String, timeout: Duration },
+    /// A blocking get or a barrier waited its whole timeout; `waited` says for what (`no value
+    /// for key ...`, `at barrier ...: process 3 of 4 did not arrive`).
+    #[error("DEADLINE_EXCEEDED: {waited} within {}", crate::words::secs(*timeout))]
+    DeadlineExceeded { waited: String, timeout: Duration },
     /// A process of the run is gone (killed, crashed, or unreachable).
     #[error("{0}")]
     Lost(String),
@@ -66,12 +67,17 @@ pub(crate) enum Request {
     Delete {
         key: String,
     },
-    /// Opens a session: this connection lives as long as the process's part in the run.
-    /// `silent_ms` (0: never): a session that sends nothing for that long is a hung process.
+    /// This process reached the barrier `name`; answered once every process of the run has
+    /// (or with who has not, after `timeout_ms`).
+    Barrier {
+        name: String,
+        timeout_ms: u64,
+    },
+    /// Opens the connection's process's session: this connection lives as long as the
+    /// process's part in the run. `silent_ms` (0: never): a session that sends nothing for that
+    /// long is a hung process.
     Join {
-        process: usize,
         host: String,
-        #[serde(default)]
         silent_ms: u64,
     },
     /// A session's sign of life (answered, so that the process hears the store's too).
@@ -89,6 +95,11 @@ pub(crate) enum Reply {
     Value,
     NotFound,
     Timeout,
+    /// A barrier's timeout passed: `count` processes did not arrive, `ids` as ranges.
+    Missing {
+        count: usize,
+        ids: String,
+    },
     Lost {
         message: String,
     },
@@ -100,18 +111,26 @@ pub(crate) enum Reply {
 
 /// Send one frame: `msg`'s header, then `value` as it is.
 pub(crate) fn send<T: Serialize>(w: &mut impl Write, msg: &T, value: &[u8]) -> std::io::Result<()> {
+    send_parts(w, msg, &[value])
+}
+
+/// [`send`] with a value in parts, sent one after another as one value (a shard's small header
+/// and its bytes, never copied into one buffer).
+pub(crate) fn send_parts<T: Serialize>(
+    w: &mut impl Write,
+    msg: &T,
+    parts: &[&[u8]],
+) -> std::io::Result<()> {
     let header = serde_json::to_vec(msg)?;
+    let len: usize = parts.iter().map(|p| p.len()).sum();
     let mut head = Vec::with_capacity(12 + header.len());
     head.extend((header.len() as u32).to_le_bytes());
     head.extend(&header);
-    head.extend((value.len() as u64).to_le_bytes());
-    // A small frame goes in one write (one packet); a large value is not copied.
-    if value.len() <= 64 << 10 {
-        head.extend(value);
-        w.write_all(&head)?;
-    } else {
-        w.write_all(&head)?;
-        w.write_all(value)?;
+    head.extend((len as u64).to_le_bytes());
+    w.write_all(&head)?;
+    // Buffered into records by the channel: a large part is not copied.
+    for part in parts {
+        w.write_all(part)?;
     }
     w.flush()
 }
@@ -159,15 +178,22 @@ pub(crate) fn receive_header<T: for<'de> Deserialize<'de>>(
     Ok((msg, len))
 }
 
-/// A value of `len` bytes, read as they arrive.
+/// A value of `len` bytes, read as they arrive: room is made 64 MiB at a time, as they come.
 pub(crate) fn receive_value(r: &mut impl Read, len: u64) -> std::io::Result<Vec<u8>> {
+    const STEP: u64 = 64 << 20;
     let mut value = Vec::new();
-    r.take(len).read_to_end(&mut value)?;
-    if (value.len() as u64) < len {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::UnexpectedEof,
-            format!("a value cut short at {} of {len} bytes", value.len()),
-        ));
+    let mut left = len;
+    while left > 0 {
+        let step = left.min(STEP);
+        value.reserve_exact(step as usize);
+        let got = (&mut *r).take(step).read_to_end(&mut value)? as u64;
+        if got < step {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                format!("a value cut short at {} of {len} bytes", value.len()),
+            ));
+        }
+        left -= step;
     }
     Ok(value)
 }
@@ -208,8 +234,6 @@ pub enum Greeting {
     Same,
     /// An xtrain of another protocol version.
     Version(u32),
-    /// An xtrain of protocol 1 (JSON lines, no greeting: its first request).
-    Json,
     /// Not xtrain's store at all.
     Stranger,
 }
@@ -218,25 +242,13 @@ pub(crate) fn read_greeting(r: &mut impl Read) -> std::io::Result<Greeting> {
     let mut g = [0u8; 12];
     r.read_exact(&mut g)?;
     Ok(if g[..8] != MAGIC[..] {
-        if g.starts_with(b"{\"op\":") {
-            Greeting::Json
-        } else {
-            Greeting::Stranger
-        }
+        Greeting::Stranger
     } else {
         match u32::from_le_bytes(g[8..].try_into().unwrap()) {
             PROTOCOL => Greeting::Same,
             v => Greeting::Version(v),
         }
     })
-}
-
-/// The answer protocol 1 reads as a refusal (a JSON line: its processes print the message).
-pub(crate) fn refusal_for_json(message: &str) -> Vec<u8> {
-    let mut line =
-        serde_json::to_vec(&serde_json::json!({"reply": "lost", "message": message})).unwrap();
-    line.push(b'\n');
-    line
 }
 
 /// Why a peer of another protocol cannot take part (`other`: its version, as far as known).
@@ -342,7 +354,7 @@ mod tests {
     }
 
     #[test]
-    fn greetings_tell_this_protocol_from_another_and_from_protocol_1() {
+    fn greetings_tell_this_protocol_from_another_and_from_strangers() {
         assert_eq!(read_greeting(&mut &greeting()[..]).unwrap(), Greeting::Same);
         let mut other = greeting();
         other[8..].copy_from_slice(&7u32.to_le_bytes());
@@ -350,16 +362,11 @@ mod tests {
             read_greeting(&mut &other[..]).unwrap(),
             Greeting::Version(7)
         );
-        let v1 = br#"{"op":"join","process":1}"#;
-        assert_eq!(read_greeting(&mut &v1[..]).unwrap(), Greeting::Json);
+        let json = br#"{"op":"join","process":1}"#;
+        assert_eq!(read_greeting(&mut &json[..]).unwrap(), Greeting::Stranger);
         assert_eq!(
             read_greeting(&mut &b"GET / HTTP/1.1\r\n"[..]).unwrap(),
             Greeting::Stranger
         );
-        // Protocol 1's processes read the refusal as a loss and print its message.
-        let line = refusal_for_json("no");
-        let v: serde_json::Value = serde_json::from_slice(&line).unwrap();
-        assert_eq!(v["reply"], "lost");
-        assert_eq!(v["message"], "no");
     }
 }

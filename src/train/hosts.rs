@@ -195,13 +195,7 @@ impl Team {
     /// How the trainer gets the shards of the LoRA state (and evaluation's results) that the
     /// other processes hold: through the store.
     fn gather(&self) -> StoreGather {
-        let l = &self.peers.launch;
-        StoreGather::new(
-            self.peers.store.clone(),
-            l.process_id,
-            l.processes,
-            l.init_timeout,
-        )
+        StoreGather::new(self.peers.store.clone(), self.peers.launch.init_timeout)
     }
 }
 

@@ -1,19 +1,28 @@
-//! Admission: accepting connections within the caps (handshakes under way, connections
-//! open), each one's handshake on a thread of its own, and what is said of those refused. A
-//! proven connection goes on to [`requests`](super::requests).
+//! Admission: accepting connections, making room for each one's handshake fairly, the
+//! handshake on a thread of its own, the caps on proven connections, and what is said (and
+//! counted, for process 0's messages) of those turned away. A proven connection goes on to
+//! `requests`.
+//!
+//! Fairness: handshakes under way are capped per source address ([`Limits::slots_per_source`])
+//! and in all ([`Limits::handshake_slots`]). A newcomer always gets a slot: past its source's
+//! cap it closes that source's oldest handshake, past the total the oldest of the source that
+//! holds the most. A flood from one address so only ever crowds out itself, and a process on
+//! another address gets in at once. Each handshake must end within
+//! [`Limits::handshake_time`], however slowly its bytes come.
+//!
+//! [`Limits::slots_per_source`]: super::Limits::slots_per_source
+//! [`Limits::handshake_slots`]: super::Limits::handshake_slots
+//! [`Limits::handshake_time`]: super::Limits::handshake_time
 
 use super::requests;
-use super::shared::{locked, Shared};
-use crate::cluster::handshake::{self, Failed};
-use crate::cluster::wire::{refusal_for_json, Greeting, PROTOCOL};
-use std::io::Write;
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use super::shared::{Pending, Shared};
+use crate::cluster::handshake::{self, Failed, Verdict};
+use crate::cluster::locks::locked;
+use crate::cluster::wire::{Greeting, PROTOCOL};
+use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-/// How long a handshake may go on before a newcomer may close it to take its place.
-const STALE_HANDSHAKE: Duration = Duration::from_millis(500);
 
 /// Accept connections until the server stops; a failing accept (no descriptors left) backs
 /// off, said once.
@@ -26,7 +35,7 @@ pub(super) fn accept_all(listener: TcpListener, shared: &Arc<Shared>) {
                 admit(shared, stream, from);
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                std::thread::sleep(Duration::from_millis(20));
+                std::thread::sleep(Duration::from_millis(5));
             }
             Err(e) => {
                 shared.say_once(
@@ -43,54 +52,64 @@ pub(super) fn accept_all(listener: TcpListener, shared: &Arc<Shared>) {
     }
 }
 
-/// Take a new connection within the caps and serve it on a thread of its own.
+/// Which handshake a newcomer from `source` closes to take its slot, if one must go: its own
+/// source's oldest past that source's cap, else past the total the oldest of the source that
+/// holds the most.
+fn crowded_out(
+    pending: &[Pending],
+    source: IpAddr,
+    per_source: usize,
+    all: usize,
+) -> Option<usize> {
+    let mine = pending.iter().filter(|p| p.source == source).count();
+    if mine >= per_source {
+        return pending.iter().position(|p| p.source == source);
+    }
+    if pending.len() < all {
+        return None;
+    }
+    let mut counts: std::collections::HashMap<IpAddr, usize> = Default::default();
+    for p in pending {
+        *counts.entry(p.source).or_default() += 1;
+    }
+    let most = counts.values().copied().max()?;
+    // Of the sources holding the most, the one whose oldest handshake is oldest.
+    pending.iter().position(|p| counts[&p.source] == most)
+}
+
+/// Give a new connection a handshake slot and serve it on a thread of its own.
 fn admit(shared: &Arc<Shared>, stream: TcpStream, from: SocketAddr) {
     let limits = &shared.config.limits;
     let _ = stream.set_nonblocking(false);
     let _ = stream.set_nodelay(true);
-    let _ = stream.set_read_timeout(Some(limits.handshake));
-    let _ = stream.set_write_timeout(Some(limits.handshake));
     let mut c = locked(&shared.conns);
-    if c.open.len() >= limits.connections {
+    if let Some(k) = crowded_out(
+        &c.handshaking,
+        from.ip(),
+        limits.slots_per_source,
+        limits.handshake_slots,
+    ) {
+        let old = c.handshaking.remove(k);
+        let _ = old.stream.shutdown(Shutdown::Both);
         drop(c);
-        // A few bytes into an empty socket buffer: never blocks.
-        let _ = (&stream).write_all(&handshake::busy());
         shared.say_once(
-            "full",
+            "crowded",
             &format!(
-                "{} connections are open, the most it takes: newcomers are told to try again",
-                limits.connections
+                "more connections in their handshake than it takes ({} in all, {} from one \
+                 address): the oldest of the address holding the most are closed for newcomers",
+                limits.handshake_slots, limits.slots_per_source
             ),
         );
-        return;
-    }
-    if c.handshaking.len() >= limits.handshakes {
-        shared.say_once(
-            "handshakes",
-            &format!(
-                "more than {} connections in their handshake at once: the oldest are closed, \
-                 newcomers told to try again",
-                limits.handshakes
-            ),
-        );
-        // A real process's handshake takes milliseconds: one that has taken a while is idle
-        // (and closed to make room); a newcomer among fresh ones is told to try again.
-        match c.handshaking.front() {
-            Some((_, _, at)) if at.elapsed() >= STALE_HANDSHAKE => {
-                let (_, oldest, _) = c.handshaking.pop_front().unwrap();
-                let _ = oldest.shutdown(Shutdown::Both);
-            }
-            _ => {
-                drop(c);
-                let _ = (&stream).write_all(&handshake::busy());
-                return;
-            }
-        }
+        c = locked(&shared.conns);
     }
     let id = c.next;
     c.next += 1;
     let Ok(kept) = stream.try_clone() else { return };
-    c.handshaking.push_back((id, kept, Instant::now()));
+    c.handshaking.push(Pending {
+        id,
+        stream: kept,
+        source: from.ip(),
+    });
     drop(c);
     let s = shared.clone();
     let spawned = std::thread::Builder::new()
@@ -106,37 +125,43 @@ fn admit(shared: &Arc<Shared>, stream: TcpStream, from: SocketAddr) {
 
 /// One connection: its handshake, then its requests until it closes.
 fn serve_connection(stream: TcpStream, from: SocketAddr, id: u64, shared: &Shared) {
-    let processes = shared.config.processes;
+    let config = &shared.config;
+    let processes = config.processes;
+    let deadline = Instant::now() + config.limits.handshake_time;
+    // Asked once the process proved the secret and the keys: nothing about the run (not its
+    // size) is said to anyone before.
     let admit = |p: u32| {
-        if (p as usize) < processes {
-            Ok(())
-        } else {
-            Err(format!(
-                "process {p} is outside this run of {processes} processes (ids 0 to {})",
+        let p = p as usize;
+        if p >= processes {
+            return Verdict::Refused(format!(
+                "process {p} is outside this run of {} (ids 0 to {})",
+                crate::words::count(processes, "process"),
                 processes - 1
-            ))
+            ));
         }
-    };
-    let process = match handshake::accept(&mut &stream, &mut &stream, &shared.config.secret, &admit)
-    {
-        Ok(p) => p as usize,
-        Err(failed) => return refused(shared, &stream, from, failed),
-    };
-    {
         let mut c = locked(&shared.conns);
-        // Closed meanwhile as the oldest handshake: gone.
-        let Some(k) = c.handshaking.iter().position(|(k, _, _)| *k == id) else {
-            return;
+        let Some(k) = c.handshaking.iter().position(|q| q.id == id) else {
+            // Closed meanwhile to make room for a newcomer.
+            return Verdict::Busy;
         };
-        let (_, s, _) = c.handshaking.remove(k).unwrap();
-        c.open.insert(id, s);
-    }
-    let _ = stream.set_write_timeout(Some(shared.config.limits.io));
-    requests::serve(shared, stream, from, process);
+        if c.of(p) >= config.limits.connections {
+            return Verdict::Busy;
+        }
+        let pending = c.handshaking.remove(k);
+        c.open.insert(id, (pending.stream, p));
+        Verdict::Accepted
+    };
+    let (process, opened) = match handshake::accept(&stream, &config.secret, deadline, &admit) {
+        Ok(done) => done,
+        Err(failed) => return refused(shared, from, failed),
+    };
+    let _ = stream.set_read_timeout(None);
+    let _ = stream.set_write_timeout(Some(config.limits.io));
+    requests::serve(shared, stream, opened, from, process as usize);
 }
 
-/// Say (once per kind) why a connection was refused in its handshake.
-fn refused(shared: &Shared, stream: &TcpStream, from: SocketAddr, failed: Failed) {
+/// Count and say (once per kind) why a connection was turned away in its handshake.
+fn refused(shared: &Shared, from: SocketAddr, failed: Failed) {
     let (kind, message) = match failed {
         Failed::Protocol(Greeting::Version(v)) => (
             "version",
@@ -145,17 +170,6 @@ fn refused(shared: &Shared, stream: &TcpStream, from: SocketAddr, failed: Failed
                  this xtrain {PROTOCOL}): every host of a run must run the same build"
             ),
         ),
-        Failed::Protocol(Greeting::Json) => {
-            // Protocol 1's processes print the JSON line's message as the reason they end.
-            let _ = (&*stream).write_all(&refusal_for_json(&format!(
-                "process 0's store speaks store protocol {PROTOCOL}, this xtrain protocol 1: \
-                 every host of a run must run the same xtrain build"
-            )));
-            (
-                "version",
-                format!("refused a process of another xtrain build from {from} (store protocol 1)"),
-            )
-        }
         Failed::Protocol(_) => (
             "stranger",
             format!("closed a connection from {from} that does not speak xtrain's store protocol"),
@@ -168,10 +182,28 @@ fn refused(shared: &Shared, stream: &TcpStream, from: SocketAddr, failed: Failed
             "refused",
             format!("refused a connection from {from}: {why}"),
         ),
-        Failed::Busy | Failed::Io(_) | Failed::NoGreeting(_) => (
-            "handshake",
-            format!("closed a connection from {from} that did not finish its handshake"),
+        Failed::Busy => (
+            "busy",
+            format!(
+                "told a process at {from} to try again: it has {} connections open, the most \
+                 one process may",
+                shared.config.limits.connections
+            ),
+        ),
+        Failed::Unconfirmed => (
+            "replayed",
+            format!(
+                "closed a connection from {from} whose first message opened but which could \
+                 not go on (a recorded handshake replayed, or bytes changed on the way)"
+            ),
+        ),
+        Failed::Io(_) | Failed::NoGreeting(_) => (
+            "unfinished",
+            format!(
+                "closed a connection from {from} that did not finish its handshake (it closed, \
+                 was too slow, or was crowded out by newer ones)"
+            ),
         ),
     };
-    shared.say_once(kind, &message);
+    shared.refuse(kind, from, &message);
 }

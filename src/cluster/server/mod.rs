@@ -11,21 +11,24 @@
 //! socket under the state's lock: each session has a writer of its own. A connection that fails
 //! any of this is closed, said once in the log, and never ends the run.
 //!
-//! Its files: `admission` (accepting, the caps, each connection's handshake), `requests`
-//! (what a proven connection asks, and the sessions), `shared` (the state they share, the
-//! [`Config`] and [`Limits`]).
+//! Its files: `admission` (accepting, fair handshake slots, each connection's handshake, the
+//! caps on proven connections), `requests` (what a proven connection asks, and the sessions),
+//! `values` (the values under the keys' rules and the caps, blocking gets, barriers), `shared`
+//! (the state they share, the [`Config`] and [`Limits`]).
 
 mod admission;
 mod requests;
 mod shared;
+mod values;
 
-pub use shared::{Config, Limits};
+pub use shared::{Config, Limits, Refusals, Refused};
 
+use crate::cluster::locks::{locked, wait};
 use crate::cluster::wire::{io_words, StoreError};
-use shared::{locked, Shared, State};
+use shared::Shared;
 use std::net::{Shutdown, SocketAddr, TcpListener};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Process 0's side: the store's values, served to every process until dropped (which stops
@@ -56,14 +59,15 @@ impl StoreServer {
         let address = listener.local_addr().map_err(unavailable)?;
         // Polled, so that the accepting thread sees the server stop.
         listener.set_nonblocking(true).map_err(unavailable)?;
-        let shared = Arc::new(Shared {
-            state: Mutex::new(State::default()),
-            changed: Condvar::new(),
-            config,
-            conns: Mutex::default(),
-            said: Mutex::default(),
-            stopped: AtomicBool::new(false),
-        });
+        // A longer queue of connections not yet accepted than std's 128, so that a burst of
+        // them (a flood) does not make the kernel drop a process's connection meanwhile.
+        #[cfg(unix)]
+        {
+            use std::os::fd::AsRawFd;
+            // SAFETY: listen on the listener's own open descriptor; it only changes the queue.
+            unsafe { libc::listen(listener.as_raw_fd(), 4096) };
+        }
+        let shared = Arc::new(Shared::new(config));
         let s = shared.clone();
         let accepting = std::thread::Builder::new()
             .name("xtrain-store".into())
@@ -84,10 +88,10 @@ impl StoreServer {
         self.address
     }
 
-    /// The kinds of connection it refused or dropped so far ("secret", "handshake", "version",
-    /// "stranger", "refused"), for what a run that never met says.
-    pub fn refusals(&self) -> Vec<&'static str> {
-        locked(&self.shared.said).iter().copied().collect()
+    /// The connections it turned away so far, by kind ([`Refusals`]), for what a run that never
+    /// met says.
+    pub fn refusals(&self) -> Refusals {
+        locked(&self.shared.refusals).clone()
     }
 
     /// Wait (up to `timeout`) until no session but `own` is open: every other process has left
@@ -97,12 +101,11 @@ impl StoreServer {
         let mut st = self.shared.state();
         while st.sessions.keys().any(|p| *p != own) && Instant::now() < deadline {
             let left = deadline.saturating_duration_since(Instant::now());
-            st = self
-                .shared
-                .changed
-                .wait_timeout(st, left.min(Duration::from_millis(100)))
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
+            st = wait(
+                &self.shared.changed,
+                st,
+                left.min(Duration::from_millis(100)),
+            );
         }
     }
 }
@@ -118,12 +121,15 @@ impl Drop for StoreServer {
             for s in c
                 .open
                 .values()
-                .chain(c.handshaking.iter().map(|(_, s, _)| s))
+                .map(|(s, _)| s)
+                .chain(c.handshaking.iter().map(|p| &p.stream))
             {
                 let _ = s.shutdown(Shutdown::Both);
             }
         }
-        self.shared.changed.notify_all();
+        let st = self.shared.state();
+        self.shared.wake_all(&st);
+        drop(st);
         if let Some(t) = self.accepting.take() {
             let _ = t.join();
         }

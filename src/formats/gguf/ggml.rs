@@ -155,9 +155,11 @@ impl ValueType {
 
 /// llama.cpp's token types (`tokenizer.ggml.token_type`).
 pub const TOKEN_NORMAL: i32 = 1;
+pub const TOKEN_UNKNOWN: i32 = 2;
 pub const TOKEN_CONTROL: i32 = 3;
 pub const TOKEN_USER_DEFINED: i32 = 4;
 pub const TOKEN_UNUSED: i32 = 5;
+pub const TOKEN_BYTE: i32 = 6;
 
 /// The metadata keys xtrain reads or writes, outside an architecture's own (see [`arch_key`]).
 pub mod key {
@@ -174,6 +176,8 @@ pub mod key {
     pub const TOKENS: &str = "tokenizer.ggml.tokens";
     pub const TOKEN_TYPE: &str = "tokenizer.ggml.token_type";
     pub const MERGES: &str = "tokenizer.ggml.merges";
+    pub const SCORES: &str = "tokenizer.ggml.scores";
+    pub const ADD_SPACE_PREFIX: &str = "tokenizer.ggml.add_space_prefix";
     pub const BOS_ID: &str = "tokenizer.ggml.bos_token_id";
     pub const EOS_ID: &str = "tokenizer.ggml.eos_token_id";
     pub const EOT_ID: &str = "tokenizer.ggml.eot_token_id";

@@ -10,8 +10,12 @@
 //! byte-level BPE is `smollm`, plain byte-level is `gpt-2`. Any other pre-tokenizer is refused
 //! rather than written under a name that would tokenize differently.
 
-use super::ggml::{self, key, TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_UNUSED, TOKEN_USER_DEFINED};
+use super::ggml::{
+    self, key, TOKEN_BYTE, TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_UNUSED,
+    TOKEN_USER_DEFINED,
+};
 use super::read::{Gguf, Meta};
+use super::spm;
 use super::write::Value;
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value as Json};
@@ -251,14 +255,47 @@ pub fn tokenizer_metadata(
     let model = tok.get("model").context("tokenizer.json has no `model`")?;
     if model.get("type").and_then(|t| t.as_str()) != Some("BPE") {
         bail!(
-            "{}: the tokenizer model is {}; xtrain writes byte-level BPE vocabularies (Llama 3, SmolLM)",
+            "{}: the tokenizer model is {}; xtrain writes BPE vocabularies, byte-level (Llama 3, \
+             Qwen, SmolLM) and SentencePiece-style (Llama 2, Mistral v0.1-v0.3)",
             path.display(),
             model.get("type").unwrap_or(&Json::Null)
         );
     }
-    let pre = pre_name(tok.get("pre_tokenizer").unwrap_or(&Json::Null), &path)?;
-    let (texts, types, ids) = vocabulary(&tok, model, &path, vocab_size)?;
+    let space_prefix = spm::space_prefix(&tok);
+    let (texts, mut types, ids) = vocabulary(&tok, model, &path, vocab_size)?;
     let merges = merges_of(model, &path)?;
+    let mut meta = match space_prefix {
+        None => {
+            let pre = pre_name(tok.get("pre_tokenizer").unwrap_or(&Json::Null), &path)?;
+            vec![
+                (key::TOKENIZER_MODEL.to_string(), Value::Str(GPT2.into())),
+                (key::PRE.to_string(), Value::Str(pre.into())),
+                (key::TOKENS.to_string(), Value::Strs(texts)),
+                (key::TOKEN_TYPE.to_string(), Value::I32s(types)),
+                (key::MERGES.to_string(), Value::Strs(merges)),
+            ]
+        }
+        Some(prefix) => {
+            let unknown = model.get("unk_token").and_then(|u| u.as_str());
+            for (ty, text) in types.iter_mut().zip(&texts) {
+                if Some(text.as_str()) == unknown {
+                    *ty = TOKEN_UNKNOWN;
+                } else if spm::is_byte(text) && *ty == TOKEN_NORMAL {
+                    *ty = TOKEN_BYTE;
+                }
+            }
+            vec![
+                (key::TOKENIZER_MODEL.to_string(), Value::Str(LLAMA.into())),
+                (key::TOKENS.to_string(), Value::Strs(texts.clone())),
+                (
+                    key::SCORES.to_string(),
+                    Value::F32s(spm::scores(&texts, &merges)),
+                ),
+                (key::TOKEN_TYPE.to_string(), Value::I32s(types)),
+                (key::ADD_SPACE_PREFIX.to_string(), Value::Bool(prefix)),
+            ]
+        }
+    };
 
     let tcfg = read_json(&dir.join("tokenizer_config.json"))?.unwrap_or(Json::Null);
     let config = read_json(&dir.join("config.json"))?;
@@ -268,13 +305,6 @@ pub fn tokenizer_metadata(
             .or_else(|| config_id(generation.as_ref(), id_key))
             .or_else(|| config_id(config.as_ref(), id_key))
     };
-    let mut meta = vec![
-        (key::TOKENIZER_MODEL.to_string(), Value::Str(GPT2.into())),
-        (key::PRE.to_string(), Value::Str(pre.into())),
-        (key::TOKENS.to_string(), Value::Strs(texts)),
-        (key::TOKEN_TYPE.to_string(), Value::I32s(types)),
-        (key::MERGES.to_string(), Value::Strs(merges)),
-    ];
     let bos = id_of("bos_token", "bos_token_id");
     for (k, id) in [
         (key::BOS_ID, bos),
@@ -386,30 +416,23 @@ fn merges_of(model: &Json, path: &Path) -> Result<Vec<String>> {
     })
 }
 
-/// `tokenizer.ggml.model` of a byte-level BPE vocabulary, the one kind xtrain carries.
+/// `tokenizer.ggml.model` of a byte-level BPE vocabulary.
 const GPT2: &str = "gpt2";
+/// `tokenizer.ggml.model` of a SentencePiece-style vocabulary ([`spm`]).
+const LLAMA: &str = "llama";
 
 /// tokenizer.json (HF tokenizers' format) and tokenizer_config.json for a GGUF `gpt2`-style
-/// BPE vocabulary.
+/// BPE vocabulary or a `llama` (SentencePiece-style) one.
 pub fn hf_tokenizer(g: &Gguf) -> Result<(Json, Json)> {
     let model = g.str(key::TOKENIZER_MODEL).unwrap_or("");
-    if model != GPT2 {
+    if model != GPT2 && model != LLAMA {
         bail!(
-            "{} is `{model}`; xtrain converts {GPT2}-style BPE vocabularies",
+            "{} is `{model}`; xtrain converts {GPT2} (byte-level BPE) and {LLAMA} \
+             (SentencePiece-style BPE) vocabularies",
             key::TOKENIZER_MODEL
         );
     }
-    let strings = |k: &str| -> Result<Vec<String>> {
-        match g.get(k) {
-            Some(Meta::Array(a)) => Ok(a
-                .iter()
-                .map(|m| m.as_str().unwrap_or_default().to_string())
-                .collect()),
-            _ => bail!("GGUF metadata `{k}` is missing"),
-        }
-    };
-    let tokens = strings(key::TOKENS)?;
-    let merges = strings(key::MERGES)?;
+    let tokens = strings(g, key::TOKENS)?;
     let types: Vec<i64> = match g.get(key::TOKEN_TYPE) {
         Some(Meta::Array(a)) => a
             .iter()
@@ -417,24 +440,35 @@ pub fn hf_tokenizer(g: &Gguf) -> Result<(Json, Json)> {
             .collect(),
         _ => vec![TOKEN_NORMAL as i64; tokens.len()],
     };
-    let vocab: serde_json::Map<String, Json> = tokens
-        .iter()
-        .enumerate()
-        .map(|(i, t)| (t.clone(), json!(i)))
-        .collect();
-    // Control and user-defined tokens are matched whole before BPE.
-    let control = |i: usize| types.get(i) == Some(&(TOKEN_CONTROL as i64));
+    // Control, unknown and user-defined tokens are matched whole before BPE.
+    let control = |i: usize| {
+        [TOKEN_CONTROL, TOKEN_UNKNOWN]
+            .iter()
+            .any(|&t| types.get(i) == Some(&(t as i64)))
+    };
     let added: Vec<Json> = tokens
         .iter()
         .enumerate()
         .filter(|(i, _)| control(*i) || types.get(*i) == Some(&(TOKEN_USER_DEFINED as i64)))
         .map(|(i, t)| json!({"id": i, "content": t, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": control(i)}))
         .collect();
-    let pre = pre_tokenizer(g)?;
-    let normalizer = if pre.nfc {
-        json!({"type": "NFC"})
+    let (normalizer, pre, decoder, bpe) = if model == GPT2 {
+        byte_level_parts(g, &tokens)?
     } else {
-        Json::Null
+        let scores: Vec<f32> = match g.get(key::SCORES) {
+            Some(Meta::Array(a)) => a.iter().map(|m| m.as_f64().unwrap_or(0.0) as f32).collect(),
+            _ => bail!("GGUF metadata `{}` is missing", key::SCORES),
+        };
+        let unknown = g.int(key::UNKNOWN_ID).and_then(|i| tokens.get(i as usize));
+        let prefix = g.bool(key::ADD_SPACE_PREFIX).unwrap_or(true);
+        let (bpe, pre, decoder) = spm::hf_parts(
+            &tokens,
+            &scores,
+            &types,
+            unknown.map(|u| u.as_str()),
+            prefix,
+        )?;
+        (Json::Null, pre, decoder, bpe)
     };
     let tokenizer = json!({
         "version": "1.0",
@@ -442,10 +476,10 @@ pub fn hf_tokenizer(g: &Gguf) -> Result<(Json, Json)> {
         "padding": null,
         "added_tokens": added,
         "normalizer": normalizer,
-        "pre_tokenizer": pre.json(),
+        "pre_tokenizer": pre,
         "post_processor": bos_first(g, &tokens),
-        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
-        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null, "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false, "vocab": vocab, "merges": merges}
+        "decoder": decoder,
+        "model": bpe
     });
     let tok = |k: &str| g.int(k).and_then(|i| tokens.get(i as usize)).cloned();
     let arch = g.str(key::ARCHITECTURE).unwrap_or_default();
@@ -468,6 +502,37 @@ pub fn hf_tokenizer(g: &Gguf) -> Result<(Json, Json)> {
         }
     }
     Ok((tokenizer, config))
+}
+
+/// The array of strings metadata `k` holds.
+fn strings(g: &Gguf, k: &str) -> Result<Vec<String>> {
+    match g.get(k) {
+        Some(Meta::Array(a)) => Ok(a
+            .iter()
+            .map(|m| m.as_str().unwrap_or_default().to_string())
+            .collect()),
+        _ => bail!("GGUF metadata `{k}` is missing"),
+    }
+}
+
+/// tokenizer.json's `normalizer`, `pre_tokenizer`, `decoder` and `model` of a GGUF `gpt2`
+/// vocabulary: byte-level BPE with the file's merges, split as `tokenizer.ggml.pre` names.
+fn byte_level_parts(g: &Gguf, tokens: &[String]) -> Result<(Json, Json, Json, Json)> {
+    let merges = strings(g, key::MERGES)?;
+    let vocab: serde_json::Map<String, Json> = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.clone(), json!(i)))
+        .collect();
+    let pre = pre_tokenizer(g)?;
+    let normalizer = if pre.nfc {
+        json!({"type": "NFC"})
+    } else {
+        Json::Null
+    };
+    let decoder = json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true});
+    let model = json!({"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null, "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false, "vocab": vocab, "merges": merges});
+    Ok((normalizer, pre.json(), decoder, model))
 }
 
 /// tokenizer.json's `post_processor`: the BOS token before every text where the file says

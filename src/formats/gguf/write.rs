@@ -29,6 +29,7 @@ pub enum Value {
     Str(String),
     Strs(Vec<String>),
     I32s(Vec<i32>),
+    F32s(Vec<f32>),
 }
 
 /// The tensor types xtrain writes.
@@ -169,6 +170,12 @@ fn put_value(w: &mut impl Write, v: &Value) -> std::io::Result<()> {
         Value::I32s(list) => {
             ty(w, ValueType::Array)?;
             ty(w, ValueType::I32)?;
+            w.write_all(&(list.len() as u64).to_le_bytes())?;
+            list.iter().try_for_each(|x| w.write_all(&x.to_le_bytes()))
+        }
+        Value::F32s(list) => {
+            ty(w, ValueType::Array)?;
+            ty(w, ValueType::F32)?;
             w.write_all(&(list.len() as u64).to_le_bytes())?;
             list.iter().try_for_each(|x| w.write_all(&x.to_le_bytes()))
         }
