@@ -567,6 +567,17 @@ fn an_insider_is_bounded() {
         taken < 300,
         "{taken} keys of 1000 bytes taken in a share of 256 KiB"
     );
+    // Barriers under names of its own count toward its share as keys do.
+    let one = connect(&address, 1, the_secret()).unwrap();
+    let e = (0..100)
+        .find_map(
+            |i| match one.barrier(&format!("b{i}"), Duration::from_millis(1)) {
+                Err(StoreError::DeadlineExceeded { .. }) | Ok(()) => None,
+                Err(e) => Some(e),
+            },
+        )
+        .unwrap();
+    assert!(e.to_string().contains("share of the store"), "{e}");
     zero.put("settings/0", b"{}").unwrap();
 
     // Declared and never sent: two hold its share, the third is refused; process 0 is not.

@@ -221,7 +221,7 @@ fn turned_away(refusals: &crate::cluster::server::Refusals) -> String {
                                handshake replayed, or bytes changed on the way)"
                 }
                 "version" => "of another xtrain build",
-                "stranger" => "that do not speak xtrain's store protocol",
+                "stranger" => "that did not speak xtrain's store protocol",
                 "busy" => "of a process that had as many connections open as it may",
                 "frame" => "whose frames were not the protocol's or did not open",
                 _ => "refused for an id outside the run or a second join",

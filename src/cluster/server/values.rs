@@ -201,6 +201,23 @@ pub(super) fn barrier(shared: &Shared, process: usize, name: &str, timeout_ms: u
     if st.passed.contains(name) {
         return Reply::Done;
     }
+    if !st.barriers.contains_key(name) {
+        // A barrier's room is counted as a key's is, to the process that opens it: a process
+        // cannot make the store hold barriers without bound.
+        let c = name.len() as u64 + n as u64 + ENTRY;
+        let limits = &shared.config.limits;
+        let held = st.held.get(&process).copied().unwrap_or(0);
+        if held.saturating_add(c) > limits.share || st.total.saturating_add(c) > limits.total {
+            return Reply::Refused {
+                message: format!(
+                    "a barrier would take process {process}'s keys over its share of the store \
+                     ({} bytes)",
+                    limits.share
+                ),
+            };
+        }
+        st.count(process, c as i64);
+    }
     let b = st
         .barriers
         .entry(name.to_string())
