@@ -762,3 +762,85 @@ fn every_preset_compiles() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// The three 24 GB recipes (Qwen2.5 7B, Qwen3 8B and Mistral Nemo 12B, QLoRA, 4 x 2048) fit one
+/// RTX 4090 by the CUDA compiler's own figures (`compile --check`, no GPU needed; the plugin is
+/// fetched into the cache on first use), with the built-in configs of their repos.
+#[test]
+fn the_24gb_family_recipes_fit_one_rtx_4090_by_the_cuda_compiler() {
+    let dir = tempdir("family-recipes");
+    for name in ["qwen2.5-7b", "qwen3-8b", "mistral-nemo-12b"] {
+        let recipe = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join(format!("recipes/{name}-qlora-24gb.toml"));
+        let out = dir.join(name);
+        let o = xtrain_cmd()
+            .args(["compile", "--config"])
+            .arg(&recipe)
+            .args(["--check", "--out"])
+            .arg(&out)
+            .env("HF_HUB_CACHE", dir.join("empty-hub"))
+            .env("HF_HUB_OFFLINE", "1")
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&o.stdout);
+        assert!(
+            o.status.success(),
+            "{name}: {stdout}{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let line = stdout
+            .lines()
+            .find(|l| l.starts_with("per device total"))
+            .unwrap_or_else(|| panic!("{name}: {stdout}"));
+        assert!(line.ends_with("of 21.59 GiB: fits"), "{name}: {line}");
+        assert!(
+            stdout.contains("auto chose --offload none for cuda:rtx4090:1"),
+            "{name}: {stdout}"
+        );
+        eprintln!("{name}: {line}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Past a sliding window the step would not be exact: `compile`/`train` refuse a longer `--seq`
+/// and `generate` a longer `--context`, saying why and what length works; at the window's length
+/// the step is built (and is exact: the oracle tests above run tiny-mistral at its window).
+#[test]
+fn a_sequence_longer_than_the_sliding_window_is_refused_with_the_reason() {
+    let dir = tempdir("family-window");
+    let model = family_dir("mistral").join("model");
+    let m = model.to_str().unwrap();
+    let out = dir.join("prog");
+    let e = fails(&[
+        "compile",
+        "--model",
+        m,
+        "--seq",
+        "32",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(
+        e.contains("--seq 32 is longer than the model's sliding window of 16 tokens")
+            && e.contains("use --seq 16 or less"),
+        "{e}"
+    );
+    assert!(!out.exists(), "nothing written");
+    let e = fails(&["generate", "--model", m, "--prompt", "hi"]);
+    assert!(
+        e.contains("--context 256 is longer than the model's sliding window of 16 tokens")
+            && e.contains("use --context 16 or less"),
+        "{e}"
+    );
+    let o = xtrain(&[
+        "compile",
+        "--model",
+        m,
+        "--seq",
+        "16",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
