@@ -245,6 +245,47 @@ const COMPILES: &[(&str, bool, &[&str])] = &[
         false,
         &["--model", "llama-3.1-8b", "--seq", "256", "--remat", "none"],
     ),
+    // The other families: Qwen3's per-head q/k norms (QLoRA, the 24 GB recipe's form), Qwen2.5's
+    // q/k/v biases and tied embeddings over tensor and FSDP axes, Mistral Nemo's head_dim over
+    // key blocks.
+    (
+        "qwen3-8b-nf4",
+        false,
+        &[
+            "--model", "qwen3-8b", "--dtype", "bf16", "--quant", "nf4", "--lora-r", "16", "--seq",
+            "512", "--batch", "2",
+        ],
+    ),
+    (
+        "qwen2.5-0.5b-tensor",
+        false,
+        &[
+            "--model",
+            "qwen2.5-0.5b",
+            "--mesh",
+            "fsdp=2,tensor=2",
+            "--seq",
+            "256",
+            "--batch",
+            "2",
+        ],
+    ),
+    (
+        "mistral-nemo-key-blocks",
+        false,
+        &[
+            "--model",
+            "mistral-nemo-12b",
+            "--dtype",
+            "bf16",
+            "--seq",
+            "1024",
+            "--key-block",
+            "256",
+            "--remat",
+            "save-proj",
+        ],
+    ),
 ];
 
 /// The one step whose whole text is pinned: the tiny model, looped layers, small shapes.
