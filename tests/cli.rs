@@ -200,12 +200,14 @@ fn compile_says_the_learning_rate_is_not_part_of_the_program() {
     }
 }
 
-/// `xtrain compile --help` names every preset `--model` takes.
+/// `xtrain compile --help` and `xtrain plan --help` name every preset `--model` takes.
 #[test]
 fn compile_help_names_every_preset() {
-    let o = xtrain(&["compile", "--help"]);
-    let help = String::from_utf8_lossy(&o.stdout).replace('\n', " ");
-    for (name, _) in xtrain::model::presets::PRESETS {
-        assert!(help.contains(name), "{name} is not in:\n{help}");
+    for command in ["compile", "plan"] {
+        let o = xtrain(&[command, "--help"]);
+        let help = String::from_utf8_lossy(&o.stdout).replace('\n', " ");
+        for (name, _) in xtrain::model::presets::PRESETS {
+            assert!(help.contains(name), "{command}: {name} is not in:\n{help}");
+        }
     }
 }

@@ -141,6 +141,11 @@ fn llama_cpp_computes_the_oracles_logits_from_the_tiny_models_exports() {
     let o = xtrain(&args);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let said = String::from_utf8_lossy(&o.stdout);
+    // Its size in a unit that does not round it to nothing (it said "0.0 MB").
+    assert!(
+        said.contains("(LoRA adapter, q8_0, 28 tensors, 0.03 MiB) in "),
+        "{said}"
+    );
     assert!(
         said.contains(
             "14 matrices are in f16, not q8_0: their rows are not a whole number of q8_0's \

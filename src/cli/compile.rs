@@ -16,10 +16,9 @@ pub struct CompileArgs {
     #[arg(long, value_name = "FILE")]
     // Read before parsing, by config::expand; here only as an input --out may not replace.
     pub config: Option<PathBuf>,
-    /// A Hugging Face model directory, a preset (llama-3.1-8b, llama-3.1-70b, llama-3.1-405b,
-    /// llama-3.2-1b, llama-3.2-3b, llama-3.3-70b, smollm2-135m; tiny-llama3 and bench-512 for
-    /// tests and benchmarks), or a repo id (org/name; its config.json only).
-    #[arg(long)]
+    /// A Hugging Face model directory, a preset (llama-3.1-8b, qwen3-8b, mistral-7b-v0.3, ...;
+    /// --help lists them all), or a repo id (org/name; its config.json only).
+    #[arg(long, long_help = model_long_help())]
     pub model: String,
     /// With a repo id: the branch, tag or commit (default main).
     #[arg(long)]
@@ -170,4 +169,18 @@ fn say_what_auto_chose(o: &CompileOptions, report: &CompileReport) {
         ),
     };
     xtrain::say!("auto chose {} for {why}", chose.join(" "));
+}
+
+/// `--model`'s long help, with every preset by name: the list grows with the families, so it is
+/// written from `presets::PRESETS` rather than by hand.
+pub(crate) fn model_long_help() -> String {
+    let names: Vec<&str> = xtrain::model::presets::PRESETS
+        .iter()
+        .map(|(name, _)| *name)
+        .collect();
+    format!(
+        "A Hugging Face model directory, a preset, or a repo id (org/name; its config.json \
+         only). Presets (tiny-llama3 and bench-512 are for tests and benchmarks): {}",
+        names.join(", ")
+    )
 }

@@ -173,20 +173,24 @@ pub fn export_gguf(mut a: ExportGgufArgs) -> Result<()> {
         (false, false) => "model",
     };
     xtrain::say!(
-        "wrote {} ({what}, {}, {} tensors, {:.1} MB) in {:.1}s",
+        "wrote {} ({what}, {}, {}, {}) in {:.1}s",
         out.display(),
         ty.name(),
-        written.tensors,
-        written.bytes as f64 / 1e6,
+        xtrain::words::count(written.tensors, "tensor"),
+        xtrain::words::gib(written.bytes as i64),
         t0.elapsed().as_secs_f64()
     );
     if !written.in_f16.is_empty() {
         let n = written.in_f16.len();
         let block = ty.layout().block;
         xtrain::say!(
-            "{n} {} in f16, not {}: {} rows are not a whole number of {}'s {block}-value \
+            "{} in f16, not {}: {} rows are not a whole number of {}'s {block}-value \
              blocks ({})",
-            if n == 1 { "matrix is" } else { "matrices are" },
+            if n == 1 {
+                "1 matrix is".to_string()
+            } else {
+                format!("{n} matrices are")
+            },
             ty.name(),
             if n == 1 { "its" } else { "their" },
             ty.name(),

@@ -68,6 +68,14 @@ pub fn generate(mut a: GenerateArgs) -> Result<()> {
             cfg.max_position_embeddings
         );
     }
+    if let Some(w) = cfg.sliding_window.filter(|w| a.context > *w) {
+        bail!(
+            "--context {} is longer than the model's sliding window of {w} tokens (config.json's \
+             `sliding_window`): its layers let a token see only the last {w} tokens, itself \
+             included, which xtrain's attention does not implement; use --context {w} or less",
+            a.context
+        );
+    }
     let tok = xtrain::data::text::TextTokenizer::load(&a.model)?;
     let text = if a.raw {
         a.prompt.clone()

@@ -13,9 +13,9 @@ use xtrain::plan::{PlanOptions, SeqGoal};
 #[derive(Args)]
 pub struct PlanArgs {
     /// A Hugging Face model directory, a preset (llama-3.1-8b, llama-3.1-70b, llama-3.2-1b,
-    /// llama-3.3-70b, ...; `xtrain compile --help` lists them) or a repo id
+    /// qwen3-8b, ...; `xtrain plan --help` lists them) or a repo id
     /// (its config.json only).
-    #[arg(long)]
+    #[arg(long, long_help = crate::cli::compile::model_long_help())]
     pub model: String,
     /// With a repo id: the branch, tag or commit (default main).
     #[arg(long)]

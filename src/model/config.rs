@@ -92,9 +92,8 @@ const REFUSED: &[(&str, &str)] = &[
 ];
 
 /// What xtrain trains, for messages.
-pub const SUPPORTED: &str =
-    "llama (Llama 2/3.x, SmolLM2), qwen2 (Qwen2, Qwen2.5), qwen3 (Qwen3 dense) \
-                             and mistral (Mistral v0.2, v0.3, Nemo)";
+pub const SUPPORTED: &str = "llama (Llama 2/3.x, SmolLM2), qwen2 (Qwen2, Qwen2.5), qwen3 (Qwen3 \
+                             dense) and mistral (Mistral 7B, Mistral Nemo)";
 
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct LlamaConfig {
@@ -196,14 +195,21 @@ fn check_switches(j: &Json, family: Family) -> Result<()> {
     expect(j, "hidden_act", |v| v == "silu", "\"silu\"")?;
     expect(j, "mlp_bias", |v| v == false, "false")?;
     expect(j, "pretraining_tp", |v| v == 1, "1")?;
-    let bias_refusal = match family {
+    let why = match family {
         // Qwen2 always has q/k/v biases and reads no such field.
-        Family::Qwen2 => None,
-        Family::Llama | Family::Mistral => Some("false (this family's attention has no biases)"),
-        Family::Qwen3 => Some("false (Qwen3's attention_bias also puts a bias on o_proj, which xtrain does not implement)"),
+        Family::Qwen2 => return Ok(()),
+        Family::Llama | Family::Mistral => {
+            "this family's attention_bias puts a bias on all four \
+                                           attention projections, o_proj included"
+        }
+        Family::Qwen3 => "Qwen3's attention_bias puts a bias on o_proj too",
     };
-    if let Some(what) = bias_refusal {
-        expect(j, "attention_bias", |v| v == false, what)?;
+    if get(j, "attention_bias").is_some_and(|v| v != false) {
+        bail!(
+            "field `attention_bias` = {} is not supported: {why}, which xtrain does not \
+             implement (xtrain supports false, and Qwen2's q/k/v biases)",
+            j["attention_bias"]
+        );
     }
     Ok(())
 }

@@ -39,9 +39,9 @@ pub(in crate::program) fn check_spec(spec: &StepSpec) -> Result<()> {
         if spec.seq > w {
             bail!(
                 "--seq {} is longer than the model's sliding window of {w} tokens (config.json's \
-                 `sliding_window`): its layers let a token see only the {w} before it, which \
-                 xtrain's attention does not implement; use --seq {w} or less, where the window \
-                 changes nothing",
+                 `sliding_window`): its layers let a token see only the last {w} tokens, itself \
+                 included, which xtrain's attention does not implement; use --seq {w} or less, \
+                 where the window changes nothing",
                 spec.seq
             );
         }
