@@ -94,10 +94,15 @@ pub fn run(o: &PlanOptions) -> Result<Plan> {
     let points = o.space.points(devices, o.batch_size, seq, &o.rules);
     let built = search::points(points, &o.step, &o.model, o.batch_size, seq, peak);
     crate::esay!(
-        "xtrain: plan: {} points for {name} at {seq} tokens x {} rows ({} refused by the \
+        "xtrain: plan: {} points for {name} at {seq} tokens x {} {} ({} refused by the \
          step's checks)",
         built.len(),
         o.batch_size,
+        if o.step.dpo().is_some() {
+            "pairs"
+        } else {
+            "rows"
+        },
         built.iter().filter(|(_, p)| p.is_none()).count()
     );
     let (mut points, mut ranked) = search::search(built, &limits, &mut compile)?;

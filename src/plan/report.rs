@@ -15,11 +15,21 @@ pub fn print_table(plan: &Plan) {
         true => "TPU estimate",
         false => "model (not measured)",
     };
+    let pairs = plan
+        .points
+        .iter()
+        .find_map(|p| p.spec.as_ref())
+        .is_some_and(|s| s.dpo.is_some());
     crate::say!(
-        "plan for {}: {} tokens x {} rows per step, device memory limit {}",
+        "plan for {}: {} tokens x {} {} per step, device memory limit {}",
         plan.target,
         plan.seq,
         plan.batch_size,
+        if pairs {
+            "preference pairs (two rows each)"
+        } else {
+            "rows"
+        },
         gib(plan.limit_bytes)
     );
     // The settings column as wide as its longest line, so the figures line up.
@@ -131,9 +141,14 @@ pub fn nothing_fits(plan: &Plan, wrote: Option<&Path>) -> String {
     said
 }
 
-/// Tokens per step, all devices together.
+/// Tokens per step, all devices together (a preference pair's two rows each).
 fn tokens(plan: &Plan) -> f64 {
-    (plan.seq * plan.batch_size) as f64
+    let rows = plan
+        .points
+        .iter()
+        .find_map(|p| p.spec.as_ref())
+        .map_or(1, |s| s.rows_per_example());
+    (plan.seq * plan.batch_size * rows) as f64
 }
 
 /// The step's time as the plan ranks it: the TPU estimate, or the GPU model's.
@@ -255,6 +270,15 @@ pub fn recipe(o: &PlanOptions, plan: &Plan, p: &Point) -> String {
             format!("weight_decay = {:?}", o.step.adam.weight_decay),
             format!("max_grad_norm = {:?}", o.step.adam.max_grad_norm),
         ];
+    // Preference training: the step the plan compiled is DPO's (batch_size counts pairs).
+    if let Some(d) = &spec.dpo {
+        lines.push(format!("method = {}", q("dpo")));
+        lines.push(format!("beta = {:?}", d.beta));
+        lines.push(format!("dpo_loss = {}", q(d.dpo_loss.name())));
+        lines.push(format!("label_smoothing = {:?}", d.label_smoothing));
+        lines.push(format!("reference = {}", q(d.reference.name())));
+        lines.push(format!("precompute_reference = {}", d.precompute_reference));
+    }
     if let Some(b) = spec.attention_block {
         lines.push(format!("attention_block = {b}"));
     }
