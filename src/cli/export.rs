@@ -80,12 +80,12 @@ fn choose_base(a: &ExportGgufArgs) -> Result<Base> {
     Ok(base)
 }
 
-const INTERRUPTED: &str = "interrupted";
+pub(crate) const INTERRUPTED: &str = "interrupted";
 
 /// SIGINT/SIGTERM set the returned flag, which the export reads between tensors: it then stops
 /// and removes its temp file, so an interrupted export leaves nothing behind. A second signal
 /// ends the process at once (exit code 130; the next export to the same file removes the temp).
-fn stop_on_signals() -> Result<Arc<AtomicBool>> {
+pub(crate) fn stop_on_signals() -> Result<Arc<AtomicBool>> {
     let flag = Arc::new(AtomicBool::new(false));
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
         // Registered first, so it sees the flag as the previous signal left it.
