@@ -35,9 +35,12 @@ pub fn import_gguf(file: &Path, out: &Path, overwrite: bool) -> Result<()> {
 
 pub fn merge(model: &Path, adapter: &Path, out: &Path, overwrite: bool) -> Result<()> {
     let out = check_writable_dir(out, overwrite, &[model, adapter])?;
-    xtrain::formats::adapter_base::warn_if_another_base(adapter, model, "merge");
-    let nf4 = trained_on_nf4(adapter, "merge")?;
-    xtrain::formats::merge::merge(model, adapter, &out, Replace::when(overwrite), nf4)?;
+    // Said once the adapter is read and checked (a refusal comes first).
+    let nf4 = || {
+        xtrain::formats::adapter_base::warn_if_another_base(adapter, model, "merge");
+        trained_on_nf4(adapter, "merge")
+    };
+    xtrain::formats::merge::merge(model, adapter, &out, Replace::when(overwrite), &nf4)?;
     xtrain::say!("wrote {}", out.display());
     Ok(())
 }

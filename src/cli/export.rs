@@ -127,6 +127,9 @@ pub fn export_gguf(mut a: ExportGgufArgs) -> Result<()> {
     inputs.extend(a.adapter.as_deref());
     let out = xtrain::formats::outdir::check_writable_file("--out", &a.out, a.overwrite, &inputs)?;
     if let Some(adapter) = &a.adapter {
+        // Read and checked first, so that a refusal comes before what is said of its base.
+        let cfg = xtrain::model::config::LlamaConfig::load(&a.model)?;
+        xtrain::formats::peft::load_adapter(adapter, &cfg)?;
         xtrain::formats::adapter_base::warn_if_another_base(adapter, &a.model, "export-gguf");
     }
     let base = choose_base(&a)?;

@@ -36,18 +36,20 @@ pub fn merged(
     res
 }
 
-/// Merge `adapter` into `model` and write the checkpoint to `out`. `nf4_base`: the adapter was
-/// trained with `--quant nf4`, so it is folded into the base as training saw it: every layer's
-/// projection matrix NF4-quantized and dequantized (in f32), then stored in its own type.
+/// Merge `adapter` into `model` and write the checkpoint to `out`. `nf4_base`, asked once the
+/// adapter is read and checked: whether it was trained with `--quant nf4`, so that it is folded
+/// into the base as training saw it: every layer's projection matrix NF4-quantized and
+/// dequantized (in f32), then stored in its own type.
 pub fn merge(
     model: &Path,
     adapter: &Path,
     out: &Path,
     replace: crate::formats::atomic::Replace,
-    nf4_base: bool,
+    nf4_base: &dyn Fn() -> Result<bool>,
 ) -> Result<()> {
     let cfg = LlamaConfig::load(model)?;
     let (lora, tensors) = crate::formats::peft::load_adapter(adapter, &cfg)?;
+    let nf4_base = nf4_base()?;
     let files = WeightFiles::open(model)?;
     crate::formats::weights::check(&files, &cfg)?;
     let scale = lora.scale() as f32;

@@ -135,30 +135,7 @@ pub fn read_config_and_patterns(dir: &Path) -> Result<(LoraConfig, Patterns)> {
     let dropout = field("lora_dropout")
         .and_then(|v| v.as_f64())
         .unwrap_or(0.0);
-    let targets = match field("target_modules") {
-        Some(serde_json::Value::Array(a)) => {
-            let mut t: Vec<Projection> = a
-                .iter()
-                .map(|v| Projection::parse(v.as_str().unwrap_or("?")))
-                .collect::<Result<_>>()
-                .with_context(|| format!("in {}", path.display()))?;
-            t.sort();
-            t.dedup();
-            t
-        }
-        // PEFT's word for every linear layer but the head: on Llama, the seven projections.
-        Some(serde_json::Value::String(s)) if s == "all-linear" => Projection::ALL.to_vec(),
-        Some(serde_json::Value::String(s)) => bail!(
-            "{}: `target_modules` is the string {s:?}, which PEFT takes as a regular expression \
-             over module names; xtrain reads a list of module names (or \"all-linear\"): write \
-             it as a list, e.g. [\"q_proj\", \"v_proj\"]",
-            path.display()
-        ),
-        _ => bail!(
-            "{}: `target_modules` must be a list of module names",
-            path.display()
-        ),
-    };
+    let targets = target_modules(field("target_modules"), &path)?;
     let pattern = |key: &str| -> Result<Vec<(String, f64)>> {
         match field(key) {
             None => Ok(Vec::new()),
@@ -212,6 +189,34 @@ pub fn read_config_and_patterns(dir: &Path) -> Result<(LoraConfig, Patterns)> {
         },
         patterns,
     ))
+}
+
+/// `target_modules` as PEFT writes it: a list of module names, or "all-linear".
+fn target_modules(given: Option<&serde_json::Value>, path: &Path) -> Result<Vec<Projection>> {
+    Ok(match given {
+        Some(serde_json::Value::Array(a)) => {
+            let mut t: Vec<Projection> = a
+                .iter()
+                .map(|v| Projection::parse(v.as_str().unwrap_or("?")))
+                .collect::<Result<_>>()
+                .with_context(|| format!("in {}", path.display()))?;
+            t.sort();
+            t.dedup();
+            t
+        }
+        // PEFT's word for every linear layer but the head: on Llama, the seven projections.
+        Some(serde_json::Value::String(s)) if s == "all-linear" => Projection::ALL.to_vec(),
+        Some(serde_json::Value::String(s)) => bail!(
+            "{}: `target_modules` is the string {s:?}, which PEFT takes as a regular expression \
+             over module names; xtrain reads a list of module names (or \"all-linear\"): write \
+             it as a list, e.g. [\"q_proj\", \"v_proj\"]",
+            path.display()
+        ),
+        _ => bail!(
+            "{}: `target_modules` must be a list of module names",
+            path.display()
+        ),
+    })
 }
 
 /// The text of `dir`'s adapter_config.json (`path`); where `dir` is a run's directory, the

@@ -192,13 +192,7 @@ fn run_in(
         return Ok(Finished::Interrupted(None));
     }
     if run.state.step == 0 {
-        let t0 = Instant::now();
-        run.evaluate(0)?;
-        // The step-0 evaluation is part of the time to the first step (on a large held-out set
-        // most of it): said apart, in the first step's line.
-        if let Some((_, before)) = run.metrics.as_mut().and_then(|m| m.first_step.as_mut()) {
-            before["eval_s"] = t0.elapsed().as_secs_f64().into();
-        }
+        run.evaluate_first()?;
     }
     let first = run.state.step;
     let finished = run.train(&signals.interrupted)?;
@@ -542,6 +536,17 @@ impl Run<'_> {
     }
 
     /// Loss and exact-match accuracy on the held-out batches (if any), logged at `step`.
+    /// The step-0 evaluation, part of the time to the first step (on a large held-out set
+    /// most of it): said apart, as `eval_s` in the first step's line.
+    fn evaluate_first(&mut self) -> Result<()> {
+        let t0 = Instant::now();
+        self.evaluate(0)?;
+        if let Some((_, before)) = self.metrics.as_mut().and_then(|m| m.first_step.as_mut()) {
+            before["eval_s"] = t0.elapsed().as_secs_f64().into();
+        }
+        Ok(())
+    }
+
     fn evaluate(&mut self, step: u64) -> Result<()> {
         if self.eval_batches.is_empty() {
             return Ok(());
