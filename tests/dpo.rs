@@ -220,3 +220,323 @@ fn pairs_are_tokenized_as_trl_tokenizes_them() {
         }
     }
 }
+
+/// Two virtual hosts over fsdp=2, each reading its own rows and weights: TRL's run again.
+#[test]
+fn virtual_hosts_equal_trl() {
+    let dir = tempdir("dpo-hosts");
+    let out = dir.join("hosts");
+    let extra = ["--mesh", "fsdp=2", "--virtual-hosts", "2"];
+    ok(
+        &train(&dir, "sigmoid_start", &out, &extra),
+        "--virtual-hosts 2",
+    );
+    check_against_trl("sigmoid_start", &out, "--virtual-hosts 2");
+}
+
+fn bytes(path: &Path) -> Vec<u8> {
+    std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// A run stopped after 2 steps and resumed from its checkpoint ends bit for bit where the
+/// uninterrupted run ends: the adapter, and every step's line of metrics. With the starting
+/// adapter as the reference (the checkpoint keeps it) and its log-probabilities precomputed
+/// (computed again from it on resume).
+#[test]
+fn a_resumed_dpo_run_equals_an_uninterrupted_one() {
+    let dir = tempdir("dpo-resume");
+    let extra = ["--precompute-reference"];
+    let whole = dir.join("whole");
+    ok(&train(&dir, "sigmoid_start", &whole, &extra), "whole");
+    let parts = dir.join("parts");
+    let mut first: Vec<&str> = extra.to_vec();
+    first.extend(["--stop-after", "2"]);
+    ok(&train(&dir, "sigmoid_start", &parts, &first), "first part");
+    let ckpt = parts.join("checkpoint-2");
+    assert!(ckpt.join("reference/adapter_model.safetensors").is_file());
+    let o = xtrain_cmd()
+        .args(["train", "--resume"])
+        .arg(&ckpt)
+        .output()
+        .unwrap();
+    let err = ok(&o, "resumed");
+    assert!(
+        err.contains("computed the reference's log-probabilities"),
+        "{err}"
+    );
+    for f in [
+        "adapter/adapter_model.safetensors",
+        "step-3/adapter_model.safetensors",
+    ] {
+        assert!(
+            bytes(&whole.join(f)) == bytes(&parts.join(f)),
+            "{f} differs"
+        );
+    }
+    let strip = |v: &Vec<Value>| -> Vec<Value> {
+        v.iter()
+            .map(|l| {
+                let mut l = l.clone();
+                for k in ["step_time_s", "time_to_first_step"] {
+                    l.as_object_mut().unwrap().remove(k);
+                }
+                l
+            })
+            .collect()
+    };
+    assert_eq!(strip(&metrics(&whole)), strip(&metrics(&parts)));
+}
+
+/// QLoRA DPO: NF4 base weights, a fresh adapter (the base model is then the reference, and the
+/// first loss ln 2): the loss falls and the margin grows over the steps.
+#[test]
+fn an_nf4_dpo_run_trains() {
+    let dir = tempdir("dpo-nf4");
+    let out = dir.join("nf4");
+    let o = train_cmd(&model(&dir), &dpo().join("pairs.jsonl"), &out)
+        .args([
+            "--method",
+            "dpo",
+            "--quant",
+            "nf4",
+            "--seq",
+            "48",
+            "--batch-size",
+            "4",
+        ])
+        .args(["--steps", "8", "--lr", "1e-2", "--lora-r", "4", "--no-plot"])
+        .output()
+        .unwrap();
+    ok(&o, "--quant nf4");
+    let m = metrics(&out);
+    let loss = |i: usize| m[i]["loss"].as_f64().unwrap();
+    let margin = |i: usize| m[i]["rewards/margins"].as_f64().unwrap();
+    assert!(
+        (loss(0) - std::f64::consts::LN_2).abs() < 1e-6,
+        "{}",
+        loss(0)
+    );
+    assert!(loss(7) < loss(0) - 0.05, "{} -> {}", loss(0), loss(7));
+    assert!(
+        margin(7) > margin(0) + 0.5,
+        "{} -> {}",
+        margin(0),
+        margin(7)
+    );
+    assert!(out.join("adapter/adapter_model.safetensors").is_file());
+}
+
+/// `--eval-data` gives TRL's metrics on held-out pairs; on the training pairs at step 0 they
+/// are the first step's own (computed by the log-probability program instead of the step).
+#[test]
+fn evaluation_on_pairs_gives_trls_metrics() {
+    let dir = tempdir("dpo-eval");
+    let out = dir.join("eval");
+    let data = dpo().join("pairs.jsonl");
+    let extra = ["--eval-data", data.to_str().unwrap(), "--eval-every", "2"];
+    let err = ok(&train(&dir, "sigmoid_base", &out, &extra), "--eval-data");
+    assert!(err.contains("eval at step 0: loss 0.7142"), "{err}");
+    let lines: Vec<Value> = std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let evals: Vec<&Value> = lines
+        .iter()
+        .filter(|l| l.get("eval_loss").is_some())
+        .collect();
+    assert_eq!(
+        evals
+            .iter()
+            .map(|e| e["step"].as_u64().unwrap())
+            .collect::<Vec<_>>(),
+        [0, 2, 3]
+    );
+    let first = &metrics(&out)[0];
+    for key in [
+        "loss",
+        "rewards/chosen",
+        "rewards/rejected",
+        "rewards/margins",
+        "rewards/accuracies",
+        "logps/chosen",
+        "logps/rejected",
+    ] {
+        let (e, t) = (
+            evals[0][format!("eval_{key}")].as_f64().unwrap(),
+            first[key].as_f64().unwrap(),
+        );
+        assert!(
+            (e - t).abs() <= 1e-5 * (1.0 + t.abs()),
+            "{key}: eval {e}, step 1 {t}"
+        );
+    }
+    assert_eq!(evals[0]["eval_pairs"], 4);
+}
+
+/// The adapter a DPO run writes is an ordinary PEFT adapter: generate and merge take it.
+#[test]
+fn the_dpo_adapter_is_an_ordinary_adapter() {
+    let dir = tempdir("dpo-adapter");
+    let out = dir.join("run");
+    ok(&train(&dir, "sigmoid_base", &out, &[]), "train");
+    let m = model(&dir);
+    let adapter = out.join("adapter");
+    let o = xtrain(&[
+        "generate",
+        "--model",
+        m.to_str().unwrap(),
+        "--adapter",
+        adapter.to_str().unwrap(),
+        "--prompt",
+        "Q: 2+2? A:",
+        "--max-new-tokens",
+        "4",
+    ]);
+    ok(&o, "generate");
+    let merged = dir.join("merged");
+    let o = xtrain(&[
+        "merge",
+        "--model",
+        m.to_str().unwrap(),
+        "--adapter",
+        adapter.to_str().unwrap(),
+        "--out",
+        merged.to_str().unwrap(),
+    ]);
+    ok(&o, "merge");
+    assert!(merged.join("model.safetensors").is_file());
+}
+
+/// A pairs file written to `dir`, line by line.
+fn pairs_file(dir: &Path, name: &str, lines: &[&str]) -> PathBuf {
+    let p = dir.join(name);
+    std::fs::write(&p, lines.join("\n") + "\n").unwrap();
+    p
+}
+
+/// Bad input is refused naming what and where (the file's line), before any weight is loaded;
+/// pairs whose completions are the same are counted in a warning.
+#[test]
+fn bad_pairs_and_flags_are_refused_naming_what_and_where() {
+    let dir = tempdir("dpo-bad");
+    let m = model(&dir);
+    let good = r#"{"prompt": "a", "chosen": " b", "rejected": " c"}"#;
+    let run = |data: &Path, extra: &[&str]| {
+        let mut args = vec![
+            "train",
+            "--method",
+            "dpo",
+            "--model",
+            m.to_str().unwrap(),
+            "--data",
+            data.to_str().unwrap(),
+            "--seq",
+            "32",
+            "--batch-size",
+            "1",
+            "--steps",
+            "1",
+            "--no-plot",
+        ];
+        let out = dir.join("out");
+        args.extend(["--out", out.to_str().unwrap(), "--overwrite"]);
+        args.extend(extra);
+        args.into_iter().map(String::from).collect::<Vec<_>>()
+    };
+    let no_rejected = pairs_file(
+        &dir,
+        "a.jsonl",
+        &[good, r#"{"prompt": "x", "chosen": " y"}"#],
+    );
+    let e = fails(&refs(&run(&no_rejected, &[])));
+    assert!(e.contains("a.jsonl:2: no `rejected`"), "{e}");
+    let empty = pairs_file(
+        &dir,
+        "b.jsonl",
+        &[
+            good,
+            "",
+            r#"{"prompt": "x", "chosen": "", "rejected": " z"}"#,
+        ],
+    );
+    let e = fails(&refs(&run(&empty, &[])));
+    assert!(e.contains("b.jsonl:3: `chosen` is empty"), "{e}");
+    let chat = pairs_file(
+        &dir,
+        "c.jsonl",
+        &[r#"{"prompt": [{"role": "user", "content": "hi"}], "chosen": "text", "rejected": []}"#],
+    );
+    let e = fails(&refs(&run(&chat, &[])));
+    assert!(
+        e.contains("c.jsonl:1: `chosen` is not a list of messages"),
+        "{e}"
+    );
+    let long = format!(
+        r#"{{"prompt": "{}", "chosen": " y", "rejected": " z"}}"#,
+        "x".repeat(40)
+    );
+    let no_room = pairs_file(&dir, "d.jsonl", &[good, &long]);
+    let e = fails(&refs(&run(&no_room, &[])));
+    assert!(
+        e.contains("d.jsonl:2: the prompt has 40 tokens, which leaves no room for a completion within --seq 32"),
+        "{e}"
+    );
+    let data = pairs_file(&dir, "e.jsonl", &[good, good]);
+    for (flags, says) in [
+        (&["--beta", "0"][..], "--beta must be a number > 0"),
+        (&["--beta", "-1"], "--beta must be a number > 0"),
+        (&["--beta", "nan"], "--beta must be a number > 0"),
+        (&["--reference", "start"], "no --init-adapter was given"),
+        (
+            &["--label-smoothing", "0.5"],
+            "--label-smoothing must be in [0, 0.5)",
+        ),
+        (
+            &["--dpo-loss", "hinge", "--label-smoothing", "0.1"],
+            "does not use it",
+        ),
+        (
+            &["--train-on-prompt"],
+            "--train-on-prompt (the command line) shapes supervised",
+        ),
+        (
+            &["--batch-size", "3"],
+            "gives 2 preference pairs, fewer than one batch of 3",
+        ),
+    ] {
+        let mut args = run(&data, &[]);
+        // A flag given twice is refused as such: the later value replaces the default's.
+        if let Some(i) = args.iter().position(|a| a == flags[0]) {
+            args.drain(i..i + 2);
+        }
+        args.extend(flags.iter().map(|f| f.to_string()));
+        let e = fails(&refs(&args));
+        assert!(e.contains(says), "{flags:?}: {e}");
+    }
+    // Supervised training refuses DPO's flags, and names --method dpo for a pairs file.
+    let sft = |extra: &[&str]| {
+        let mut a = run(&data, extra);
+        a.drain(1..3);
+        a
+    };
+    let e = fails(&refs(&sft(&["--beta", "0.2"])));
+    assert!(
+        e.contains("--beta is a setting of preference training"),
+        "{e}"
+    );
+    let e = fails(&refs(&sft(&[])));
+    assert!(
+        e.contains("e.jsonl:1: a preference pair") && e.contains("--method dpo"),
+        "{e}"
+    );
+    // The same completion twice: said once, with the count; the run goes on.
+    let same = r#"{"prompt": "a", "chosen": " b", "rejected": " b"}"#;
+    let data = pairs_file(&dir, "f.jsonl", &[same, good, same]);
+    let o = xtrain(&refs(&run(&data, &[])));
+    let err = ok(&o, "same completions");
+    assert!(
+        err.contains("warning: 2 of 3 pairs have the same chosen and rejected completion"),
+        "{err}"
+    );
+}

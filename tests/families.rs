@@ -844,3 +844,120 @@ fn a_sequence_longer_than_the_sliding_window_is_refused_with_the_reason() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `plan` searches a step for each family and its recipe compiles with `--check` and trains
+/// (one step, PEFT's first loss); a step that keeps the frozen layers, biases included, in host
+/// memory (`--offload all`, which the CPU cannot run) compiles for an absent RTX 4090 by the
+/// CUDA compiler, the biases placed in `pinned_host` memory.
+#[test]
+fn plan_compile_check_train_and_offload_work_for_each_family() {
+    let dir = tempdir("family-plan");
+    for f in FAMILIES {
+        let d = family_dir(f);
+        let plan = dir.join(format!("plan-{f}"));
+        let o = xtrain_cmd()
+            .args(["plan", "--model"])
+            .arg(d.join("model"))
+            .args([
+                "--seq",
+                "16",
+                "--global-batch",
+                "2",
+                "--memory-limit-gib",
+                "1",
+            ])
+            .args([
+                "--remat",
+                "layer",
+                "--key-block",
+                "off",
+                "--mlp-chunk",
+                "off",
+            ])
+            .args(["--grad-accum", "1", "--lora-r", "8"])
+            .args(["--lora-alpha", "16", "--out"])
+            .arg(&plan)
+            .output()
+            .unwrap();
+        assert!(
+            o.status.success(),
+            "{f}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let recipe = plan.join("recipe.toml");
+        let o = xtrain_cmd()
+            .args(["compile", "--config"])
+            .arg(&recipe)
+            .args(["--check", "--out"])
+            .arg(dir.join(format!("prog-{f}")))
+            .output()
+            .unwrap();
+        let out = String::from_utf8_lossy(&o.stdout);
+        assert!(
+            o.status.success() && out.contains("XLA compile"),
+            "{f}: {out}{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let run = dir.join(format!("run-{f}"));
+        let o = xtrain_cmd()
+            .args(["train", "--config"])
+            .arg(&recipe)
+            .arg("--data")
+            .arg(d.join("inputs.safetensors"))
+            .arg("--init-adapter")
+            .arg(d.join("adapter_init"))
+            .args(["--steps", "1", "--lr", "1e-3", "--out"])
+            .arg(&run)
+            .output()
+            .unwrap();
+        assert!(
+            o.status.success(),
+            "{f}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+        let row: serde_json::Value = serde_json::from_str(metrics.lines().next().unwrap()).unwrap();
+        let want = manifest(f)["lora"]["losses_at_steps_1_2_3_before_update"][0]
+            .as_f64()
+            .unwrap();
+        let loss = row["loss"].as_f64().unwrap();
+        assert!(
+            (loss - want).abs() <= 1e-5,
+            "{f}: the planned step's loss {loss} vs PEFT's {want}"
+        );
+    }
+    let out = dir.join("offload");
+    let model = family_dir("qwen2").join("model");
+    let o = xtrain(&[
+        "compile",
+        "--model",
+        model.to_str().unwrap(),
+        "--seq",
+        "16",
+        "--batch",
+        "2",
+        "--dtype",
+        "bf16",
+        "--remat",
+        "layer",
+        "--offload",
+        "all",
+        "--target",
+        "cuda:rtx4090:1",
+        "--check",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success() && stdout.contains(": fits"),
+        "{stdout}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let text = std::fs::read_to_string(out.join("train_step.mlir")).unwrap();
+    assert!(
+        text.contains("%model.layers._.self_attn.q_proj.bias: tensor<2x32xbf16> {mhlo.memory_kind = \"pinned_host\""),
+        "the stacked biases are host arguments"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -20,9 +20,10 @@ use hlo::DType;
 use std::path::{Path, PathBuf};
 use xtrain::formats::program_dir::sha256_hex as sha;
 use xtrain::model::lora::{LoraConfig, Projection};
+use xtrain::model::preference::PairLoss;
 use xtrain::model::presets::resolve_model_config;
 use xtrain::program::sharding::{parse_mesh, Rules};
-use xtrain::program::{self, MeshPlan, Quant, Remat, ResultType, StepSpec};
+use xtrain::program::{self, MeshPlan, Preference, Quant, Reference, Remat, ResultType, StepSpec};
 
 /// The tiny model's flags every tiny configuration starts from.
 const TINY: &[&str] = &[
@@ -155,6 +156,60 @@ const COMPILES: &[(&str, bool, &[&str])] = &[
             "save-proj",
             "--key-block",
             "8",
+        ],
+    ),
+    // Preference training (--method dpo): the base model or the starting adapter as the
+    // reference, or its log-probabilities precomputed; each loss; the step's forms.
+    ("tiny-dpo", true, &["--method", "dpo"]),
+    (
+        "tiny-dpo-start-ipo-save-proj",
+        true,
+        &[
+            "--method",
+            "dpo",
+            "--reference",
+            "start",
+            "--dpo-loss",
+            "ipo",
+            "--grad-accum",
+            "2",
+            "--remat",
+            "save-proj",
+            "--loss-chunk",
+            "16",
+            "--dtype",
+            "bf16",
+        ],
+    ),
+    (
+        "tiny-dpo-precomputed-fsdp-nf4",
+        true,
+        &[
+            "--method",
+            "dpo",
+            "--precompute-reference",
+            "--label-smoothing",
+            "0.1",
+            "--mesh",
+            "fsdp=2",
+            "--quant",
+            "nf4",
+            "--lora-dropout",
+            "0.1",
+        ],
+    ),
+    (
+        "tiny-dpo-hinge-start-context",
+        true,
+        &[
+            "--method",
+            "dpo",
+            "--dpo-loss",
+            "hinge",
+            "--reference",
+            "start",
+            "--mesh",
+            "context=2,fsdp=2",
         ],
     ),
     (
@@ -451,8 +506,62 @@ fn the_library_builds_the_programs_it_built_before() {
             );
         }
     }
+    // Preference training's programs: the step, its grads and the log-probabilities.
+    for (name, spec) in &dpo_specs() {
+        let mut line = |kind: &str, program: anyhow::Result<program::Program>| {
+            let p = program.unwrap_or_else(|e| panic!("{name}/{kind}: {e:#}"));
+            text += &format!("{name}/{kind} {}\n", sha(p.text.as_bytes()));
+        };
+        line("train_step", program::build_train_step(spec));
+        line("grads", program::build_grad_program(spec));
+        line("logps-base", program::build_sequence_logps(spec, false));
+        line("logps-lora", program::build_sequence_logps(spec, true));
+    }
     also_write(&text);
     check_golden("library.txt", &text);
+}
+
+/// The library's DPO configurations: each reference, each loss, and the step's forms.
+fn dpo_specs() -> Vec<(&'static str, StepSpec)> {
+    let base = library_specs()
+        .into_iter()
+        .find(|(n, _)| *n == "f32")
+        .unwrap()
+        .1;
+    let dpo = |reference, dpo_loss, precompute_reference| {
+        Some(Preference {
+            reference,
+            dpo_loss,
+            precompute_reference,
+            ..Preference::default()
+        })
+    };
+    vec![
+        (
+            "dpo-base-sigmoid",
+            StepSpec {
+                dpo: dpo(Reference::Base, PairLoss::Sigmoid, false),
+                ..base.clone()
+            },
+        ),
+        (
+            "dpo-start-ipo-none",
+            StepSpec {
+                dpo: dpo(Reference::Start, PairLoss::Ipo, false),
+                remat: Remat::None,
+                ..base.clone()
+            },
+        ),
+        (
+            "dpo-precomputed-hinge-accum-chunk",
+            StepSpec {
+                dpo: dpo(Reference::Start, PairLoss::Hinge, true),
+                grad_accum: 2,
+                loss_chunk: Some(16),
+                ..base.clone()
+            },
+        ),
+    ]
 }
 
 #[test]

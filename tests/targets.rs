@@ -674,6 +674,17 @@ fn one_program_for_every_target() {
         // split over a context axis (the mesh given to every target).
         &["--dtype", "bf16", "--key-block", "5"],
         &["--dtype", "bf16", "--mesh", "context=2,fsdp=2"],
+        // Preference training: the reference adapter as extra arguments, pairs in microbatches.
+        &[
+            "--dtype",
+            "bf16",
+            "--method",
+            "dpo",
+            "--reference",
+            "start",
+            "--grad-accum",
+            "2",
+        ],
     ] {
         let mut hashes = Vec::new();
         let own_mesh = flags.contains(&"--mesh");

@@ -52,10 +52,29 @@ pub(super) fn write_program(w: &Writing, spec: &StepSpec) -> Result<(Program, Ma
         ),
         None => String::new(),
     };
+    let method = match &spec.dpo {
+        Some(p) => format!(
+            "--method dpo (--dpo-loss {}, --beta {}{}, --reference {}{}; {} rows, a pair's two), ",
+            p.dpo_loss.name(),
+            p.beta,
+            match p.label_smoothing {
+                0.0 => String::new(),
+                e => format!(", --label-smoothing {e}"),
+            },
+            p.reference.name(),
+            if p.precompute_reference {
+                ", --precompute-reference"
+            } else {
+                ""
+            },
+            spec.batch
+        ),
+        None => String::new(),
+    };
     crate::say!(
-        "step: --dtype {} (weights and compute), --batch-size {}, --seq {}, --lora-r {} (alpha {}, on {}), --remat {}, --grad-accum {}{}{}",
+        "step: {method}--dtype {} (weights and compute), --batch-size {}, --seq {}, --lora-r {} (alpha {}, on {}), --remat {}, --grad-accum {}{}{}",
         spec.dtype,
-        spec.batch,
+        spec.examples(),
         spec.seq,
         spec.lora.r,
         spec.lora.alpha,

@@ -108,6 +108,12 @@ pub(crate) fn parse_line(
         "expected `{}`, `instruction` + `output`, or `{}`",
         columns.text, columns.messages
     );
+    if obj.contains_key("chosen") && obj.contains_key("rejected") {
+        return Err(format!(
+            "a preference pair (`chosen`, `rejected`), which supervised training does not read \
+             ({expected}): train on pairs with --method dpo"
+        ));
+    }
     // Say what the text is instead, where it is there.
     Err(match obj.get(&columns.text) {
         Some(serde_json::Value::Null) => format!("`{}` is null ({expected})", columns.text),

@@ -74,7 +74,14 @@ pub fn run(o: &PlanOptions) -> Result<Plan> {
     crate::esay!(
         "xtrain: plan: {} for {name} at {seq} tokens x {} ({} refused by the step's checks)",
         count(built.len(), "point"),
-        count(o.batch_size as usize, "row"),
+        count(
+            o.batch_size as usize,
+            if o.step.dpo().is_some() {
+                "pair"
+            } else {
+                "row"
+            }
+        ),
         built.iter().filter(|(_, p)| p.is_none()).count()
     );
     let tight = matches!(o.seq, SeqGoal::Max { .. });

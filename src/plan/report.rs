@@ -15,13 +15,21 @@ pub fn print_table(plan: &Plan) {
         true => "TPU estimate",
         false => "model (not measured)",
     };
+    let pairs = plan
+        .points
+        .iter()
+        .find_map(|p| p.spec.as_ref())
+        .is_some_and(|s| s.dpo.is_some());
     let l = &plan.limits;
     crate::say!(
         "plan for {}: {} tokens x {} per step; per device: device memory limit {} ({}), host \
          memory budget {} ({})",
         plan.target,
         plan.seq,
-        count(plan.batch_size as usize, "row"),
+        match pairs {
+            true => count(plan.batch_size as usize, "preference pair") + " (two rows each)",
+            false => count(plan.batch_size as usize, "row"),
+        },
         gib(l.device.bytes),
         l.device.source,
         gib(l.host.bytes),
@@ -156,9 +164,14 @@ pub fn nothing_fits(plan: &Plan, wrote: Option<&Path>) -> String {
     said
 }
 
-/// Tokens per step, all devices together.
+/// Tokens per step, all devices together (a preference pair's two rows each).
 fn tokens(plan: &Plan) -> f64 {
-    (plan.seq * plan.batch_size) as f64
+    let rows = plan
+        .points
+        .iter()
+        .find_map(|p| p.spec.as_ref())
+        .map_or(1, |s| s.rows_per_example());
+    (plan.seq * plan.batch_size * rows) as f64
 }
 
 /// The step's time as the plan ranks it: the TPU estimate, or the GPU model's.
@@ -290,6 +303,18 @@ pub fn recipe(o: &PlanOptions, plan: &Plan, p: &Point) -> Result<String> {
     put("eps", Value::Float(adam.eps));
     put("weight_decay", Value::Float(adam.weight_decay));
     put("max_grad_norm", Value::Float(adam.max_grad_norm));
+    // Preference training: the step the plan compiled is DPO's (batch_size counts pairs).
+    if let Some(d) = &spec.dpo {
+        put("method", text("dpo"));
+        put("beta", Value::Float(d.beta));
+        put("dpo_loss", text(d.dpo_loss.name()));
+        put("label_smoothing", Value::Float(d.label_smoothing));
+        put("reference", text(d.reference.name()));
+        put(
+            "precompute_reference",
+            Value::Boolean(d.precompute_reference),
+        );
+    }
     if let Some(b) = spec.attention_block {
         put("attention_block", Value::Integer(b));
     }

@@ -233,6 +233,14 @@ pub fn run(
         false,
         false,
     )?;
+    if spec
+        .dpo
+        .as_ref()
+        .is_some_and(|p| p.reference == crate::program::Reference::Start)
+    {
+        // A DPO step against a starting adapter: another random one.
+        trainer.set_reference(&random_lora(&spec, 2))?;
+    }
     let compile_s = trainer.compile_s;
     let upload_s = t0.elapsed().as_secs_f64() - compile_s;
     progress(&format!(

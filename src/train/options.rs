@@ -243,14 +243,22 @@ impl TrainOptions {
             && self.init_adapter.is_none()
             && self.resume.is_none()
         {
+            let fix = match self.taken_from.get("reference") {
+                Some(from) => format!("({from} it)"),
+                None => "or --reference base to compare with the model without an adapter".into(),
+            };
             bail!(
-                "--reference start compares the policy with the adapter the run starts from, but                  no --init-adapter was given: give --init-adapter DIR (e.g. an SFT run's adapter),                  or --reference base to compare with the model without an adapter"
+                "--reference start compares the policy with the adapter the run starts from, but \
+                 no --init-adapter was given: give --init-adapter DIR (e.g. an SFT run's \
+                 adapter) {fix}"
             );
         }
         for flag in ["train-on-prompt", "text-column", "messages-column"] {
             if self.given(flag) {
                 bail!(
-                    "--{flag} ({}) shapes supervised examples; --method dpo trains on pairs                      {{\"prompt\", \"chosen\", \"rejected\"}} whose loss is on the completions                      only: leave --{flag} out",
+                    "--{flag} ({}) shapes supervised examples; --method dpo trains on pairs \
+                     {{\"prompt\", \"chosen\", \"rejected\"}} whose loss is on the \
+                     completions only: leave --{flag} out",
                     self.given_by(flag)
                 );
             }

@@ -322,3 +322,63 @@ fn a_parquet_file_with_text_and_messages_trains_on_the_text_with_text_column() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Preference pairs (`--method dpo`) from Parquet: plain-text columns and conversational ones
+/// (lists of {role, content} structs) read as the same rows of JSONL do; a missing column is
+/// named with the file's columns.
+#[test]
+fn parquet_preference_pairs_read_as_jsonl_lines_do() {
+    use xtrain::data::pairs::read_pairs;
+    let dir = tempdir("parquet-pairs");
+    let text = dir.join("text.parquet");
+    let rows = [
+        json!({"prompt": "Q: 2+2?", "chosen": " 4", "rejected": " 5"}),
+        json!({"prompt": "Hi", "chosen": " hello", "rejected": " go"}),
+    ];
+    let str_cols = [
+        ("prompt", Kind::Str),
+        ("chosen", Kind::Str),
+        ("rejected", Kind::Str),
+    ];
+    write_parquet(&text, &str_cols, &[rows[..1].to_vec(), rows[1..].to_vec()]);
+    let jsonl = dir.join("text.jsonl");
+    let lines: String = rows.iter().map(|r| format!("{r}\n")).collect();
+    std::fs::write(&jsonl, lines).unwrap();
+    let pairs = |p: &Path| -> Vec<_> {
+        read_pairs(p, false)
+            .unwrap()
+            .pairs
+            .into_iter()
+            .map(|(_, pair)| pair)
+            .collect()
+    };
+    assert_eq!(pairs(&text), pairs(&jsonl));
+    let chat = dir.join("chat.parquet");
+    let chat_cols = [
+        ("prompt", Kind::Messages),
+        ("chosen", Kind::Messages),
+        ("rejected", Kind::Messages),
+    ];
+    let one = |role: &str, content: &str| json!([{"role": role, "content": content}]);
+    let chat_rows = vec![json!({
+        "prompt": one("user", "2+2?"),
+        "chosen": one("assistant", "4"),
+        "rejected": one("assistant", "5"),
+    })];
+    write_parquet(&chat, &chat_cols, std::slice::from_ref(&chat_rows));
+    let chat_jsonl = dir.join("chat.jsonl");
+    std::fs::write(&chat_jsonl, format!("{}\n", chat_rows[0])).unwrap();
+    assert_eq!(pairs(&chat), pairs(&chat_jsonl));
+    let missing = dir.join("missing.parquet");
+    write_parquet(
+        &missing,
+        &str_cols[..2],
+        &[vec![json!({"prompt": "a", "chosen": "b"})]],
+    );
+    let e = read_pairs(&missing, false).err().unwrap().to_string();
+    assert!(
+        e.contains("no column `rejected`") && e.contains("prompt: string, chosen: string"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}

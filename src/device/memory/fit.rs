@@ -171,12 +171,13 @@ pub fn fit_advice_on(
             spec.model.intermediate_size
         ));
     }
-    let rows = spec.batch / spec.grad_accum.max(1);
-    if rows > 1 {
+    // Examples (rows, or a DPO step's pairs) per microbatch.
+    let per_micro = spec.examples() / spec.grad_accum.max(1);
+    if per_micro > 1 {
         ways.push(format!(
             "a smaller batch per microbatch: --grad-accum {} keeps the batch of {} and halves the activations (or a smaller batch)",
             spec.grad_accum * 2,
-            spec.batch
+            spec.examples()
         ));
     } else {
         ways.push(format!("a shorter sequence than --seq {}", spec.seq));
