@@ -229,21 +229,14 @@ impl CheckpointWeights {
 
     /// Map in the pages of the box (`starts`, `sizes`) of tensor `name` (from the first byte of
     /// the box to its last), timed as reading.
-    fn read_pages(
-        &mut self,
-        name: &str,
-        shape: &[i64],
-        starts: &[i64],
-        sizes: &[i64],
-        es: u64,
-    ) -> u64 {
+    fn read_pages(&mut self, name: &str, shape: &[i64], at: &[i64], n: &[i64], es: u64) -> u64 {
         let t = Instant::now();
-        let (first, last) = box_span(shape, starts, sizes);
-        self.files
-            .populate(name, (first * es) as usize, (last * es) as usize);
+        let (first, last) = box_span(shape, at, n);
+        let (first, last) = (first * es, last * es);
+        self.files.populate(name, first as usize, last as usize);
         self.figures.read_s += t.elapsed().as_secs_f64();
-        self.figures.read_bytes += (last - first) * es;
-        (last - first) * es
+        self.figures.read_bytes += last - first;
+        last - first
     }
 
     /// The box of checkpoint tensor `name` (as stored: one layer's), converted to `ty` and
