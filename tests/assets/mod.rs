@@ -49,7 +49,7 @@ pub fn smollm2() -> Result<PathBuf> {
             &gguf,
             staged,
             xtrain::formats::atomic::Replace::Yes,
-            |_, _| Ok(()),
+            |_, _| {},
         )
     })?;
     Ok(dir)

@@ -320,8 +320,7 @@ fn hf_values(
 /// sharded model's index and shards included) with [`Replace::Yes`], and only where `out` is
 /// still free or empty with [`Replace::No`].
 ///
-/// `progress(done, total)` after each tensor; an error from it (an interrupt) abandons the
-/// directory, its temp directory removed.
+/// `progress(done, total)` after each tensor.
 ///
 /// [`Replace::Yes`]: crate::formats::atomic::Replace::Yes
 /// [`Replace::No`]: crate::formats::atomic::Replace::No
@@ -329,7 +328,7 @@ pub fn import(
     path: &Path,
     out: &Path,
     replace: crate::formats::atomic::Replace,
-    mut progress: impl FnMut(usize, usize) -> Result<()>,
+    mut progress: impl FnMut(usize, usize),
 ) -> Result<()> {
     let g = Gguf::open(path)?;
     let config = hf_config(&g).with_context(|| path.display().to_string())?;
@@ -358,7 +357,7 @@ pub fn import(
                 let values =
                     hf_values(&g, a, &cfg, name, t).with_context(|| path.display().to_string())?;
                 done += 1;
-                progress(done, total)?;
+                progress(done, total);
                 Ok(Cow::Owned(
                     values.iter().flat_map(|v| v.to_le_bytes()).collect(),
                 ))
