@@ -234,6 +234,24 @@ fn warn_about_the_schedule(opts: &TrainOptions, schedule: &Schedule) {
     }
 }
 
+/// A non-finite loss or gradient on an invocation's first step, before any of its updates:
+/// a step's loss and gradient do not depend on its learning rate, so what is not finite came
+/// in with the weights, the adapter or the data (or, for DPO, --beta). The state is as it was
+/// loaded, so there is no checkpoint to write.
+fn nonfinite_before_any_update(step: u64, what: &str, dpo: bool) -> anyhow::Error {
+    let beta = if dpo {
+        ", or --beta (DPO's loss scales by it; IPO's divides by it)"
+    } else {
+        ""
+    };
+    anyhow::anyhow!(
+        "step {step}: {what}, on this run's first step, before any update: the learning rate \
+         plays no part in it. Look at the weights (a NaN or infinite value in --model's \
+         tensors, e.g. from a damaged file or a conversion), the adapter it starts from \
+         (--init-adapter, --resume), the first batch of data{beta}"
+    )
+}
+
 /// What a blown-up update's message advises: `--lr`, and the weight decay when it is large
 /// enough to move a weight by more than itself each step (lr x decay of it).
 fn what_to_lower(opts: &TrainOptions) -> String {
@@ -467,18 +485,17 @@ impl Run<'_> {
             if let Some(m) = &mut self.metrics {
                 m.nonfinite(step, loss, grad_norm)?;
             }
-            let what = if !(loss.is_finite() && grad_norm.is_finite()) {
-                format!("the loss is {loss} and the gradient norm {grad_norm}")
-            } else if !largest.is_finite() {
-                format!("the loss ({loss}) and gradient norm ({grad_norm}) are finite but the update is not (it would make a LoRA weight {largest}, at lr {lr})")
-            } else {
-                let (moved, before) = self.trainer.last_update.unwrap_or_default();
-                format!(
-                    "the update blows the LoRA weights up: it would move one by {moved:.3e}, more than {} times the largest LoRA weight before it ({before:.3e}), at lr {lr:e} ({})",
-                    crate::model::optim::BLOWN_UP,
-                    what_to_lower(opts)
-                )
-            };
+            let what = self.what_is_not_finite(loss, grad_norm, largest, lr);
+            if !opts.skip_nonfinite
+                && step == shown.first_step
+                && !(loss.is_finite() && grad_norm.is_finite())
+            {
+                return Err(nonfinite_before_any_update(
+                    step,
+                    &what,
+                    self.trainer.spec.dpo.is_some(),
+                ));
+            }
             if !opts.skip_nonfinite {
                 self.state.step = step - 1;
                 (self.state.epoch, self.state.position) = before;
@@ -545,6 +562,23 @@ impl Run<'_> {
             before["eval_s"] = t0.elapsed().as_secs_f64().into();
         }
         Ok(())
+    }
+
+    /// What a step's non-finite or blown-up result was, in words: the loss or gradient, else
+    /// the update (with what to lower).
+    fn what_is_not_finite(&self, loss: f32, grad_norm: f32, largest: f32, lr: f64) -> String {
+        if !(loss.is_finite() && grad_norm.is_finite()) {
+            format!("the loss is {loss} and the gradient norm {grad_norm}")
+        } else if !largest.is_finite() {
+            format!("the loss ({loss}) and gradient norm ({grad_norm}) are finite but the update is not (it would make a LoRA weight {largest}, at lr {lr})")
+        } else {
+            let (moved, before) = self.trainer.last_update.unwrap_or_default();
+            format!(
+                "the update blows the LoRA weights up: it would move one by {moved:.3e}, more than {} times the largest LoRA weight before it ({before:.3e}), at lr {lr:e} ({})",
+                crate::model::optim::BLOWN_UP,
+                what_to_lower(self.opts)
+            )
+        }
     }
 
     fn evaluate(&mut self, step: u64) -> Result<()> {

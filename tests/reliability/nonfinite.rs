@@ -171,3 +171,44 @@ fn an_adapter_holding_a_nan_is_refused_when_it_is_read() {
     assert!(e.contains("holds NaN"), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A NaN in the base model's weights (a damaged file, a bad conversion) makes step 1's loss NaN
+/// before any update: the error points at the weights, the adapter or the data, not at --lr
+/// (which plays no part in a step's loss), and writes no checkpoint of the state as loaded.
+#[test]
+fn a_nan_at_the_first_step_points_at_the_weights_not_the_learning_rate() {
+    let dir = tempdir("rel-nan-weights");
+    let model = dir.join("model");
+    std::fs::create_dir_all(&model).unwrap();
+    for f in ["config.json", "generation_config.json"] {
+        std::fs::copy(fixtures().join("model").join(f), model.join(f)).unwrap();
+    }
+    let st = xtrain::formats::safetensors::SafeTensors::open(
+        &fixtures().join("model/model.safetensors"),
+    )
+    .unwrap();
+    let mut tensors = std::collections::BTreeMap::new();
+    for name in st.tensors.keys() {
+        let mut t = st.read(name).unwrap();
+        if name == "model.norm.weight" {
+            let mut values = t.to_f32().unwrap();
+            values[1] = f32::NAN;
+            t = pjrt::HostTensor::from_f32(&values, &t.dims);
+        }
+        tensors.insert(name.clone(), t);
+    }
+    xtrain::formats::safetensors::write(&model.join("model.safetensors"), &tensors, &st.metadata)
+        .unwrap();
+    let out = dir.join("out");
+    let a = train_on(&model, &out, &["--steps", "3"]);
+    let e = fails(&refs(&a));
+    assert!(
+        e.contains("step 1: the loss is NaN")
+            && e.contains("before any update")
+            && e.contains("--model's tensors")
+            && !e.contains("lower --lr"),
+        "{e}"
+    );
+    assert!(!out.join("checkpoint-0").exists(), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
