@@ -327,9 +327,10 @@ mod tests {
     use super::*;
 
     fn refusal(line: &str) -> String {
-        parse_pair(&serde_json::from_str(line).unwrap())
-            .err()
-            .expect("refused")
+        match parse_pair(&serde_json::from_str(line).unwrap()) {
+            Ok(_) => panic!("{line} was taken"),
+            Err(e) => e,
+        }
     }
 
     #[test]
