@@ -367,7 +367,8 @@ fn a_relay_reads_nothing_and_cannot_inject_or_rewrite() {
 }
 
 /// A first message recorded through a relay and replayed earns its sender nothing: the store
-/// answers, but the replayer cannot make this connection's keys, and is closed.
+/// remembers the fresh key of every first message that opened, and closes a replay unanswered
+/// (it would hold a handshake slot that newcomers do not crowd out).
 #[test]
 fn a_replayed_handshake_is_refused() {
     let (server, address) = serve();
@@ -402,19 +403,11 @@ fn a_replayed_handshake_is_refused() {
     replay
         .set_read_timeout(Some(Duration::from_secs(10)))
         .unwrap();
-    replay.write_all(&recorded[..12 + 2 + 52]).unwrap();
-    let mut heard = vec![0u8; 12 + 1 + 2];
-    replay.read_exact(&mut heard).unwrap();
-    assert_eq!(
-        heard[12], 0,
-        "the store did not answer a replayed first message"
-    );
-    let mut second = vec![0u8; u16::from_le_bytes([heard[13], heard[14]]) as usize];
-    replay.read_exact(&mut second).unwrap();
-    replay.write_all(&recorded[12 + 2 + 52..]).unwrap();
-    let mut rest = Vec::new();
-    let _ = replay.read_to_end(&mut rest);
-    assert!(rest.is_empty(), "{} bytes told to a replayer", rest.len());
+    // The whole recording at once, the proof record too.
+    replay.write_all(&recorded).unwrap();
+    let mut heard = Vec::new();
+    let _ = replay.read_to_end(&mut heard);
+    assert!(heard.is_empty(), "{} bytes told to a replayer", heard.len());
     std::thread::sleep(Duration::from_millis(200));
     assert!(server.refusals().contains_key("replayed"));
     still_meet(&address, "after-replay");
@@ -690,17 +683,29 @@ fn a_slow_reader_wedges_nothing() {
 fn a_duplicate_join_and_an_id_outside_the_run_are_refused() {
     let (_server, address) = serve();
     let (zero, one) = processes(&address);
+    // A second process 1 that connected before the first joined: its join is refused.
+    let early = connect(&address, 1, the_secret()).unwrap();
     let _first = one.watch(None, |_| {}).unwrap();
-    let again = connect(&address, 1, the_secret()).unwrap();
-    let e = match again.watch(None, |_| {}) {
+    let e = match early.watch(None, |_| {}) {
         Err(e) => e.to_string(),
         Ok(_) => panic!("a second join as process 1 was taken"),
     };
     assert!(
-        e.contains("process 1 joined the run twice: from 127.0.0.1:"),
+        e.contains("process 1 joined the run from 127.0.0.1:"),
         "{e}"
     );
     assert!(e.matches("127.0.0.1:").count() >= 2, "{e}");
+    // One that comes after is refused at its handshake, naming both addresses too.
+    let e = match connect(&address, 1, the_secret()) {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!("a second process 1 got in after the first joined"),
+    };
+    assert!(
+        e.contains("process 1 joined the run from 127.0.0.1:")
+            && e.contains("does not carry its session's ticket"),
+        "{e}"
+    );
+    assert!(e.matches("127.0.0.1:").count() >= 3, "{e}");
     for id in [2, 5] {
         let e = match connect(&address, id, the_secret()) {
             Err(e) => e.to_string(),
@@ -886,4 +891,342 @@ fn a_childs_environment_holds_no_secret() {
         "{env}"
     );
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Once process 1 joined the run, its id is its own: another holder of the secret that claims
+/// it (a connection made before the join, or a new one) is refused, as is one that claims
+/// process 0 to delete what others wrote; the real processes go on through connections that
+/// carry their session's ticket. (An insider could otherwise write a joined process's keys,
+/// shards of a gather still to come among them, and, as process 0, delete any key.)
+#[test]
+fn a_joined_process_id_is_its_ticket_holders_alone() {
+    let (_server, address) = serve();
+    let (zero, one) = processes(&address);
+    // Another holder of the secret, connected as process 1 before process 1 joins.
+    let early = connect(&address, 1, the_secret()).unwrap();
+    let _zero_session = zero.watch(None, |_| {}).unwrap();
+    let _one_session = one.watch(None, |_| {}).unwrap();
+    one.put("gather/0/0/1", b"real").unwrap();
+    zero.put("settings/0", b"{}").unwrap();
+    let e = early.put("gather/1/0/1", b"forged").unwrap_err();
+    assert!(
+        matches!(&e, StoreError::Refused(m) if m.contains("does not carry its session's ticket")),
+        "{e}"
+    );
+    for id in [0, 1] {
+        let e = match connect(&address, id, the_secret()) {
+            Err(e) => e.to_string(),
+            Ok(_) => panic!("a second process {id} got in after the first joined"),
+        };
+        assert!(
+            e.contains(&format!("process {id} joined the run from 127.0.0.1:")),
+            "{e}"
+        );
+    }
+    assert_eq!(zero.try_get("gather/1/0/1").unwrap(), None);
+    assert_eq!(
+        one.get("gather/0/0/1", Duration::from_secs(5)).unwrap(),
+        b"real"
+    );
+    assert_eq!(one.try_get("settings/0").unwrap(), Some(b"{}".to_vec()));
+    // Process 0 deletes what was read; a delete of a key never written leaves nothing behind
+    // (deletes of keys that never were cost the store nothing).
+    zero.delete("gather/0/0/1").unwrap();
+    let e = one.put("gather/0/0/1", b"again").unwrap_err();
+    assert!(e.to_string().contains("written once"), "{e}");
+    zero.delete("gather/5/0/1").unwrap();
+    one.put("gather/5/0/1", b"later").unwrap();
+}
+
+/// The greeting and first message a process sends on connecting as `process` with `s`, made by
+/// hand, and the handshake's state to go on with.
+fn first_message(s: &Secret, process: u32) -> (snow::HandshakeState, Vec<u8>) {
+    let greeting = [&MAGIC[..], &PROTOCOL.to_le_bytes()].concat();
+    let mut hs = snow::Builder::new(xtrain::cluster::channel::NOISE.parse().unwrap())
+        .psk(0, &s.key())
+        .unwrap()
+        .prologue(&greeting)
+        .unwrap()
+        .build_initiator()
+        .unwrap();
+    let mut m = [0u8; 256];
+    let n = hs.write_message(&process.to_le_bytes(), &mut m).unwrap();
+    let mut hello = greeting;
+    hello.extend((n as u16).to_le_bytes());
+    hello.extend(&m[..n]);
+    (hs, hello)
+}
+
+/// `threads` threads open connections from `sources` loopback addresses (127.x.y.7, each a host
+/// to the store) as fast as they can, each sending a few bytes, until `stop` (or 30 s at most),
+/// counting them in `opened`.
+fn flood(
+    at: SocketAddr,
+    sources: usize,
+    threads: usize,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    opened: Arc<std::sync::atomic::AtomicUsize>,
+) -> Vec<std::thread::JoinHandle<()>> {
+    use std::sync::atomic::Ordering::SeqCst;
+    (0..threads)
+        .map(|t| {
+            let (stop, opened) = (stop.clone(), opened.clone());
+            std::thread::spawn(move || {
+                let until = Instant::now() + Duration::from_secs(30);
+                let mut held = std::collections::VecDeque::new();
+                for i in 0..200_000usize {
+                    if stop.load(SeqCst) || Instant::now() > until {
+                        break;
+                    }
+                    let k = (i * threads + t) % sources;
+                    let from = Ipv4Addr::new(127, 1 + (k / 250) as u8, (k % 250) as u8, 7);
+                    if let Ok(mut s) = connect_from(from, at) {
+                        let _ = s.write_all(&MAGIC[..4]);
+                        held.push_back(s);
+                        opened.fetch_add(1, SeqCst);
+                    }
+                    if held.len() > 300 {
+                        held.pop_front();
+                    }
+                }
+            })
+        })
+        .collect()
+}
+
+/// A flood from hundreds of addresses (a stranger with a whole IPv6 prefix, or any local user
+/// on loopback) crowds out no process: a handshake whose first message opened under the secret
+/// is never closed for a newcomer while a stranger's is there to close, one closed before that
+/// is told "busy" (its process tries again), and process 1 joins as fast as without it. Each
+/// address holds few handshakes, so fairness per address alone made it first come, first
+/// closed: a real handshake lasted only until 64 newer connections came.
+#[test]
+fn a_flood_from_many_addresses_crowds_out_no_process() {
+    let (_server, address) = serve();
+    let at: SocketAddr = address.parse().unwrap();
+    // A process's handshake, its first message sent, its proof not yet.
+    let mut proven = TcpStream::connect(at).unwrap();
+    proven
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let (mut hs, hello) = first_message(&the_secret(), 1);
+    proven.write_all(&hello).unwrap();
+    let mut head = [0u8; 12 + 1 + 2];
+    proven.read_exact(&mut head).unwrap();
+    assert_eq!(head[12], 0, "the store did not say go on");
+    let mut second = vec![0u8; u16::from_le_bytes([head[13], head[14]]) as usize];
+    proven.read_exact(&mut second).unwrap();
+    // A stranger's connection that sent nothing yet, from the same address.
+    let mut idle = TcpStream::connect(at).unwrap();
+    idle.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    // A flood from 200 addresses; once it opened 600 connections (the old rule closed any
+    // handshake 64 newer ones came after), process 1 again and again while it goes on.
+    use std::sync::atomic::Ordering::SeqCst;
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let opened = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let flooders = flood(at, 200, 2, stop.clone(), opened.clone());
+    let t0 = Instant::now();
+    while opened.load(SeqCst) < 600 && t0.elapsed() < Duration::from_secs(20) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let mut took = Vec::new();
+    for _ in 0..5 {
+        let t0 = Instant::now();
+        let one = connect(&address, 1, the_secret()).unwrap();
+        one.put("alive/1", b"1").unwrap();
+        took.push(t0.elapsed());
+    }
+    stop.store(true, SeqCst);
+    for f in flooders {
+        f.join().unwrap();
+    }
+    let flooded = opened.load(SeqCst);
+    eprintln!(
+        "process 1 joined in {took:?} during a flood of {flooded} connections from 200 addresses"
+    );
+    assert!(
+        flooded >= 600,
+        "the flood opened only {flooded} connections"
+    );
+    for t in &took {
+        assert!(
+            *t < Duration::from_secs(3),
+            "a join took {t:?} under the flood"
+        );
+    }
+    // The stranger's idle connection was closed for a newcomer, told "busy".
+    let mut heard = Vec::new();
+    let _ = idle.read_to_end(&mut heard);
+    assert_eq!(
+        heard,
+        [&MAGIC[..], &PROTOCOL.to_le_bytes(), &[1u8]].concat()
+    );
+    // The process's handshake outlived the flood: it proves its keys and is taken.
+    hs.read_message(&second, &mut [0u8; 256]).unwrap();
+    let keys = hs.into_stateless_transport_mode().unwrap();
+    let mut sealed = [0u8; 64];
+    let n = keys
+        .write_message(0, b"xtrain-store/confirm", &mut sealed)
+        .unwrap();
+    proven.write_all(&(n as u16).to_le_bytes()).unwrap();
+    proven.write_all(&sealed[..n]).unwrap();
+    let mut len = [0u8; 2];
+    proven.read_exact(&mut len).unwrap();
+    let mut verdict = vec![0u8; u16::from_le_bytes(len) as usize];
+    proven.read_exact(&mut verdict).unwrap();
+    let mut plain = [0u8; 64];
+    let n = keys.read_message(0, &verdict, &mut plain).unwrap();
+    assert_eq!(
+        &plain[..n.min(1)],
+        [3u8],
+        "the store did not take the process"
+    );
+}
+
+/// A relay that changes one byte inside a put's value (its second sealed record): the put is
+/// refused saying the record did not open, the store counts (and says) a changed frame, and
+/// nothing is taken. It was answered "the value was cut short", and said nowhere.
+#[test]
+fn a_changed_record_inside_a_value_is_said_and_taken_for_nothing() {
+    let (server, address) = serve();
+    let zero = connect(&address, 0, the_secret()).unwrap();
+    let relay = TcpListener::bind("127.0.0.1:0").unwrap();
+    let relay_at = relay.local_addr().unwrap().to_string();
+    let upstream = address.clone();
+    let relaying = std::thread::spawn(move || {
+        let (client, _) = relay.accept().unwrap();
+        let server = TcpStream::connect(upstream).unwrap();
+        let (mut c2, mut s2) = (client.try_clone().unwrap(), server.try_clone().unwrap());
+        std::thread::spawn(move || {
+            let _ = std::io::copy(&mut s2, &mut c2);
+            let _ = c2.shutdown(std::net::Shutdown::Both);
+        });
+        let (mut client, mut server) = (client, server);
+        let mut buf = [0u8; 65536];
+        let mut sent = 0usize;
+        // 100 KB into the stream: inside the value's second record.
+        let at = 100_000;
+        while let Ok(n) = client.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+            if sent <= at && at < sent + n {
+                buf[at - sent] ^= 1;
+            }
+            sent += n;
+            if server.write_all(&buf[..n]).is_err() {
+                break;
+            }
+        }
+        let _ = server.shutdown(std::net::Shutdown::Both);
+    });
+    let me = Credentials {
+        process: 1,
+        secret: the_secret(),
+    };
+    let through = Store::connect(&relay_at, "attack", me, Duration::from_secs(5)).unwrap();
+    let e = through
+        .put("gather/0/0/1", &vec![5u8; 200_000])
+        .unwrap_err();
+    assert!(
+        matches!(&e, StoreError::Refused(m) if m.contains("a sealed record did not open")),
+        "{e}"
+    );
+    drop(through);
+    relaying.join().unwrap();
+    assert_eq!(zero.try_get("gather/0/0/1").unwrap(), None);
+    let frames = server.refusals().get("frame").map_or(0, |r| r.count);
+    assert_eq!(frames, 1, "the store did not count the changed record");
+    still_meet(&address, "after-a-changed-value");
+}
+
+/// What a process that holds the secret sends reaches process 0's log escaped: an operation
+/// named with terminal escapes (which serde's error quotes) is said as `\u{1b}`, never as the
+/// escape itself. And process 0's environment, as /proc shows it to the user's other programs,
+/// no longer holds the XTRAIN_RUN_TOKEN it was started with.
+#[test]
+fn a_peers_bytes_reach_process_0s_log_escaped() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-llama3");
+    let dir = std::env::temp_dir().join(format!("xtrain-escape-{}", std::process::id()));
+    let port = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let address = format!("127.0.0.1:{port}");
+    let zero = std::process::Command::new(env!("CARGO_BIN_EXE_xtrain"))
+        .args(["train", "--model"])
+        .arg(root.join("model"))
+        .arg("--data")
+        .arg(root.join("inputs.safetensors"))
+        .arg("--out")
+        .arg(&dir)
+        .args(["--lora-r", "8", "--steps", "1", "--plugin", "cpu"])
+        .args(["--num-processes", "2", "--process-id", "0"])
+        .args(["--init-timeout", "4", "--coordinator", &address])
+        .env("XTRAIN_RUN_TOKEN", TOKEN)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    let mut s = loop {
+        let stream = TcpStream::connect(&address);
+        if let Ok(stream) = stream {
+            let soon = Instant::now() + Duration::from_secs(5);
+            if let Ok(o) = handshake::open(&stream, &the_secret(), 1, soon) {
+                break o;
+            }
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "process 0 never served"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    // Its environment as the system shows it to the user's other programs holds no secret.
+    let environ = std::fs::read(format!("/proc/{}/environ", zero.id())).unwrap();
+    assert!(
+        !String::from_utf8_lossy(&environ).contains(TOKEN),
+        "process 0's /proc environ holds the secret"
+    );
+    let evil = "{\"op\":\"\\u001b[2J\\u001b]0;owned\\u0007\"}";
+    send(&mut s, &frame(evil, 0, &[])).unwrap();
+    let out = zero.wait_with_output().unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        said.contains("closed the connection of process 1"),
+        "{said}"
+    );
+    assert!(
+        !said.contains('\u{1b}') && !said.contains('\u{7}'),
+        "{said:?}"
+    );
+    assert!(said.contains("\\u{1b}[2J"), "{said}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Random bytes in a file (`head -c 16 /dev/urandom`) are taken whole: a whitespace byte at
+/// either end was trimmed, leaving 120 bits, and one file in 22 was refused. `xxd -p`'s hex
+/// over two lines is the same secret as on one.
+#[test]
+fn random_bytes_and_hex_over_lines_are_taken() {
+    let mut raw = [0u8; 16];
+    for i in 0..2000 {
+        getrandom::fill(&mut raw).unwrap();
+        // Every fifth one with whitespace bytes at its ends, as one in 22 has by chance.
+        if i % 5 == 0 {
+            raw[0] = b'\n';
+            raw[15] = b' ';
+        }
+        Secret::from_bytes(&raw, "a file of 16 random bytes").unwrap();
+    }
+    let token = random_token().unwrap();
+    let xxd = format!("{}\n{}\n", &token[..60], &token[60..]);
+    assert_eq!(
+        Secret::from_bytes(xxd.as_bytes(), "xxd -p").unwrap(),
+        Secret::from_bytes(token.as_bytes(), "one line").unwrap()
+    );
 }

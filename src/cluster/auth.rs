@@ -60,18 +60,18 @@ impl Secret {
         Secret(None)
     }
 
-    /// A secret of these bytes (surrounding whitespace dropped), if they are random enough;
-    /// `what` names where they came from, for the refusal (which never quotes them).
+    /// A secret of these bytes ([`normalized`]), if they are random enough; `what` names where
+    /// they came from, for the refusal (which never quotes them).
     pub fn from_bytes(bytes: &[u8], what: &str) -> anyhow::Result<Secret> {
-        let trimmed = bytes.trim_ascii();
-        if let Err(why) = random_enough(trimmed) {
+        let taken = normalized(bytes);
+        if let Err(why) = random_enough(&taken) {
             anyhow::bail!(
                 "{what} is not a random secret: {why}. Only a random secret of at least \
                  {MIN_BITS} bits is taken, since whoever sees one connection can try guesses \
                  offline: {HOW}"
             );
         }
-        Ok(Secret(Some(trimmed.into())))
+        Ok(Secret(Some(taken.into())))
     }
 
     /// The secret in a file (`--run-token-file`): a regular file (a link is followed and said),
@@ -103,6 +103,29 @@ impl Secret {
     }
 }
 
+/// A secret's bytes as they are taken: hex (with whitespace around it or inside it, as `xxd -p`
+/// breaks its lines) is its hex digits alone; anything else is taken byte for byte, but for
+/// whitespace around printable text. Raw random bytes are never trimmed: a byte that looks like
+/// whitespace is as random as any other (`head -c 16 /dev/urandom` keeps its 128 bits).
+pub fn normalized(bytes: &[u8]) -> Vec<u8> {
+    let trimmed = bytes.trim_ascii();
+    let text = |b: &u8| (0x20..0x7f).contains(b) || b.is_ascii_whitespace();
+    if trimmed
+        .iter()
+        .all(|b| b.is_ascii_hexdigit() || b.is_ascii_whitespace())
+    {
+        trimmed
+            .iter()
+            .copied()
+            .filter(u8::is_ascii_hexdigit)
+            .collect()
+    } else if bytes.iter().all(text) {
+        trimmed.to_vec()
+    } else {
+        bytes.to_vec()
+    }
+}
+
 /// 32 random bytes as 64 hex digits: `xtrain run-token`'s secret.
 pub fn random_token() -> anyhow::Result<String> {
     let mut bytes = [0u8; 32];
@@ -114,11 +137,20 @@ pub fn random_token() -> anyhow::Result<String> {
 /// 4 bits each; raw bytes (a file of random bytes: an eighth of them or more outside printable
 /// ASCII) 8 bits each. Printable text that is not hex is refused (a passphrase, words, base64:
 /// nothing tells a random one from words). A secret is also refused where it shows what random
-/// draws almost never do: few distinct characters, a repeated block, or (for hex) digits and
-/// letters in long runs of their own, as words of a-f do (`deadbeef`).
+/// draws of its length show with a chance of at most [`CHANCE`] each: few distinct characters,
+/// a repeated block, or (for hex) almost no digits or digits and letters in long runs of their
+/// own, as words of a-f do (`deadbeefcafebabe...`). So a random secret (`xtrain run-token`'s,
+/// `openssl rand -hex 16`) is in practice never refused, which a rule of thumb (a few standard
+/// deviations) did for one random 32-digit secret in about 70,000.
 pub fn random_enough(s: &[u8]) -> Result<(), String> {
     if s.is_empty() {
         return Err("it is empty".into());
+    }
+    if s.len() as u64 > MAX_FILE {
+        return Err(format!(
+            "it holds {} bytes (a run's secret is tens of bytes, at most {MAX_FILE})",
+            s.len()
+        ));
     }
     let printable = |b: &u8| (0x20..0x7f).contains(b);
     let outside = s.iter().filter(|b| !printable(b)).count();
@@ -146,37 +178,101 @@ pub fn random_enough(s: &[u8]) -> Result<(), String> {
         ));
     }
     let folded: Vec<u8> = s.iter().map(u8::to_ascii_lowercase).collect();
+    let n = folded.len();
     let mut distinct = folded.clone();
     distinct.sort_unstable();
     distinct.dedup();
-    // A uniform draw of n symbols from the alphabet shows about this many distinct ones; half
-    // of it (at least 8 for hex) is far out in the tail for a random secret.
-    let n = folded.len() as f64;
-    let expected = alphabet as f64 * (1.0 - (1.0 - 1.0 / alphabet as f64).powf(n));
-    if (distinct.len() as f64) < (expected / 2.0).max(8.0_f64.min(expected)) {
+    if chance::few_distinct(n, alphabet, distinct.len()) <= CHANCE {
         return Err(format!(
             "it uses only {} distinct characters (a short alphabet)",
             distinct.len()
         ));
     }
-    if let Some(p) = (1..=folded.len() / 2).find(|&p| folded[p..] == folded[..folded.len() - p]) {
+    // A random secret repeats a block with a chance of 16^-(n/2) at most (2^-64 for 32 digits).
+    if let Some(p) = (1..=n / 2).find(|&p| folded[p..] == folded[..n - p]) {
         return Err(format!("it repeats a block of {p}"));
     }
     if bits_each == 4 {
-        // Digit-to-letter changes between neighbours: about 47% of them in random hex; fewer
-        // than the mean less 4.5 standard deviations is text of a-f and digits in runs.
+        let digits = folded.iter().filter(|b| b.is_ascii_digit()).count();
+        if chance::few_digits(n, digits) <= CHANCE {
+            return Err(format!(
+                "it has {digits} decimal digits in {n}, nearly all letters a-f, as hex words are"
+            ));
+        }
         let changes = folded
             .windows(2)
             .filter(|w| w[0].is_ascii_digit() != w[1].is_ascii_digit())
-            .count() as f64;
-        let p = 2.0 * (10.0 / 16.0) * (6.0 / 16.0);
-        let pairs = n - 1.0;
-        let least = pairs * p - 4.5 * (pairs * p * (1.0 - p)).sqrt();
-        if changes < least {
+            .count();
+        if chance::few_changes(n, changes) <= CHANCE {
             return Err("its digits and letters come in long runs, as words do".into());
         }
     }
     Ok(())
+}
+
+/// The most chance a rule of [`random_enough`] has to refuse a random secret: 2^-40 (one in a
+/// million million).
+pub const CHANCE: f64 = 1.0 / (1u64 << 40) as f64;
+
+/// The chances, exactly (by counting), that `n` uniform random symbols show as little as a
+/// secret does.
+mod chance {
+    /// Of `alphabet` symbols, at most `d` distinct ones.
+    pub fn few_distinct(n: usize, alphabet: usize, d: usize) -> f64 {
+        // p[k]: the chance of exactly k distinct after the draws so far.
+        let mut p = vec![0.0f64; alphabet + 1];
+        p[0] = 1.0;
+        let a = alphabet as f64;
+        for _ in 0..n {
+            for k in (0..=alphabet).rev() {
+                let new = if k > 0 {
+                    p[k - 1] * (alphabet - k + 1) as f64 / a
+                } else {
+                    0.0
+                };
+                p[k] = p[k] * k as f64 / a + new;
+            }
+        }
+        p[..=d.min(alphabet)].iter().sum()
+    }
+
+    /// Of hex digits, at most `d` decimal ones (each one with a chance of 10/16).
+    pub fn few_digits(n: usize, d: usize) -> f64 {
+        // p[k]: the chance of exactly k decimal digits so far.
+        let mut p = vec![0.0f64; n + 1];
+        p[0] = 1.0;
+        for i in 0..n {
+            for k in (0..=i + 1).rev() {
+                let came = if k > 0 { p[k - 1] * 10.0 / 16.0 } else { 0.0 };
+                p[k] = p[k] * 6.0 / 16.0 + came;
+            }
+        }
+        p[..=d.min(n)].iter().sum()
+    }
+
+    /// Of hex digits, at most `c` changes between a decimal digit and a letter among
+    /// neighbours.
+    pub fn few_changes(n: usize, c: usize) -> f64 {
+        let (digit, letter) = (10.0 / 16.0, 6.0 / 16.0);
+        // [class][k]: the chance that the last symbol is of this class (0 digit, 1 letter)
+        // after exactly k changes so far.
+        let mut p = [vec![0.0f64; n], vec![0.0f64; n]];
+        p[0][0] = digit;
+        p[1][0] = letter;
+        for i in 1..n {
+            for k in (0..=i).rev() {
+                let (d, l) = (p[0][k], p[1][k]);
+                let (from_l, from_d) = if k > 0 {
+                    (p[1][k - 1], p[0][k - 1])
+                } else {
+                    (0.0, 0.0)
+                };
+                p[0][k] = (d + from_l) * digit;
+                p[1][k] = (l + from_d) * letter;
+            }
+        }
+        (0..=c.min(n - 1)).map(|k| p[0][k] + p[1][k]).sum()
+    }
 }
 
 /// A token file's bytes, read as [`Secret::from_file`] says.
@@ -272,6 +368,17 @@ static FROM_ENVIRONMENT: OnceLock<Option<String>> = OnceLock::new();
 pub fn take_from_environment() {
     FROM_ENVIRONMENT.get_or_init(|| {
         let token = std::env::var("XTRAIN_RUN_TOKEN").ok();
+        // The value's bytes are overwritten where the process was given them, so that its
+        // environment as the system shows it (/proc/PID/environ, `ps e`) no longer holds them.
+        #[cfg(unix)]
+        // SAFETY: called first thing in `main`, with no other thread reading the environment;
+        // getenv's pointer is to the value's NUL-terminated bytes, overwritten within them.
+        unsafe {
+            let value = libc::getenv(c"XTRAIN_RUN_TOKEN".as_ptr());
+            if !value.is_null() {
+                std::ptr::write_bytes(value, b'-', libc::strlen(value));
+            }
+        }
         std::env::remove_var("XTRAIN_RUN_TOKEN");
         token
     });
@@ -297,7 +404,7 @@ pub fn from_launch(
     if let Some(path) = file {
         let secret = Secret::from_file(path)?;
         if let Some(v) = variable {
-            if Secret(Some(v.as_bytes().trim_ascii().into())) != secret {
+            if Secret(Some(normalized(v.as_bytes()).into())) != secret {
                 anyhow::bail!(
                     "--run-token-file {} and XTRAIN_RUN_TOKEN hold different secrets: give one \
                      (every process of the run must hold the same)",
@@ -352,12 +459,55 @@ mod tests {
             ("0123456789abcdef", "64 bits"),
             (&"0".repeat(64), "distinct"),
             (&"01".repeat(32), "distinct"),
-            (&"3f7a9c2e".repeat(8), "repeats a block of 8"),
-            ("deadbeefcafebabefacadedecade0000deadbeefcafe1", "long runs"),
+            (&"3f7a9c2e5b1d4086".repeat(4), "repeats a block of 16"),
+            ("deadbeefcafebabefeedfacedecafbad", "nearly all letters a-f"),
+            (
+                "deadbeefcafebabefeedfacedecafbad31415926535897932384626433832795",
+                "long runs",
+            ),
+            (&"0".repeat(5000), "5000 bytes"),
             ("", "empty"),
         ] {
             let e = random_enough(bad.as_bytes()).unwrap_err();
             assert!(e.contains(why), "{bad}: {e}");
+        }
+    }
+
+    /// Random 32-digit secrets (`openssl rand -hex 16`, drawn from the system's generator) that
+    /// the rule of thumb refused (its runs of digits and letters, or its distinct digits, a few
+    /// standard deviations out) are taken: every rule now refuses what random draws show with a
+    /// chance of 2^-40 at most, counted exactly, and the counts agree with a direct reckoning.
+    #[test]
+    fn random_secrets_the_rule_of_thumb_refused_are_taken() {
+        for drawn in [
+            "468bf417500893955908880010746885",
+            "27a61880064427749307960562052401",
+            "5543137049639c504101583302122704",
+            "913837806830041530711848cfec7343",
+        ] {
+            random_enough(drawn.as_bytes()).unwrap();
+        }
+        let close = |a: f64, b: f64| (a - b).abs() <= 1e-9 * b;
+        // No change in 32: all 32 digits or all 32 letters.
+        let none = (10.0f64 / 16.0).powi(32) + (6.0f64 / 16.0).powi(32);
+        assert!(close(chance::few_changes(32, 0), none));
+        assert!(close(chance::few_changes(32, 31), 1.0));
+        assert!(close(chance::few_digits(32, 0), (6.0f64 / 16.0).powi(32)));
+        assert!(close(chance::few_digits(32, 32), 1.0));
+        // One distinct symbol of 16 in 32 draws: 16 * 16^-32.
+        assert!(close(
+            chance::few_distinct(32, 16, 1),
+            16.0 * 16f64.powi(-32)
+        ));
+        assert!(close(chance::few_distinct(32, 16, 16), 1.0));
+        // What the rules refuse of a 32-digit random secret, at the edges: 5 distinct digits
+        // of 16, no decimal digit, and no run rule at all (a change or none).
+        assert!(chance::few_distinct(32, 16, 5) <= CHANCE);
+        assert!(chance::few_distinct(32, 16, 6) > CHANCE);
+        assert!(chance::few_digits(32, 1) > CHANCE);
+        assert!(chance::few_changes(32, 0) > CHANCE);
+        for _ in 0..20_000 {
+            random_enough(&random_token().unwrap().as_bytes()[..32]).unwrap();
         }
     }
 

@@ -7,10 +7,17 @@
 //! - store: `MAGIC`, `PROTOCOL`, a status byte: go on (Noise's second message follows), busy
 //!   (no room for another connection now: the process tries again) or refused (a message
 //!   follows: the first message did not open under the run's secret);
-//! - process: its first sealed record, a fixed word: proof that it made the first message now
-//!   (not a recording of another connection's) and holds the keys;
+//! - process: its first sealed record, a fixed word (proof that it made the first message now,
+//!   not a recording of another connection's, and holds the keys) and, once its process has
+//!   joined the run, the session's [`Ticket`];
 //! - store: its first sealed record, the verdict: accepted, busy (this process has as many
-//!   connections as it may), or refused with why (an id outside the run).
+//!   connections as it may), or refused with why (an id outside the run, or the id of a process
+//!   that joined the run, without its ticket).
+//!
+//! The ticket binds an id to the process that joined as it: every holder of the secret passes
+//! the handshake, but once process `k` joined, only a connection that carries the ticket its
+//! session was given acts as process `k`. It travels in a record sealed under the connection's
+//! fresh keys, which whoever records the wire (the secret in hand or not) cannot open.
 //!
 //! The first message is sealed under the secret's key, so a stranger's probe earns one refusal
 //! that says nothing about the run (not even its size), and nothing that would let it test
@@ -33,8 +40,28 @@ const BUSY: u8 = 1;
 const REFUSED: u8 = 2;
 const ACCEPTED: u8 = 3;
 
-/// The process's first sealed record.
+/// The process's first sealed record (its ticket follows, where it has one).
 const CONFIRM: &[u8] = b"xtrain-store/confirm";
+
+/// What the store gives a process when it joins the run: the connections that carry it act as
+/// that process, and no others (see the module's words).
+pub type Ticket = [u8; 32];
+
+/// Whether two tickets are the same (compared in constant time).
+pub fn same_ticket(a: &Ticket, b: &Ticket) -> bool {
+    a.iter().zip(b.iter()).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0
+}
+
+/// What the store says when a process's first message opened under the secret (its fresh
+/// public key in hand), before it answers: go on, or stop there.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum First {
+    GoOn,
+    /// This first message was seen before: a recording, replayed.
+    Replayed,
+    /// The connection was closed meanwhile (crowded out by newcomers, told it is busy).
+    Closed,
+}
 
 /// Noise's messages in this pattern are tens of bytes.
 const MAX_MESSAGE: usize = 256;
@@ -165,11 +192,23 @@ fn opened(stream: &TcpStream, keys: Keys) -> Result<Opened, Failed> {
 }
 
 /// The process's half: greet the store as `process`, check that the store holds the secret,
-/// prove this side's; everything by `deadline`.
+/// prove this side's; everything by `deadline`. A process that has not joined the run (no
+/// ticket yet).
 pub fn open(
     stream: &TcpStream,
     secret: &Secret,
     process: u32,
+    deadline: Instant,
+) -> Result<Opened, Failed> {
+    open_as(stream, secret, process, None, deadline)
+}
+
+/// [`open`], carrying the `ticket` of this process's session once it joined the run.
+pub fn open_as(
+    stream: &TcpStream,
+    secret: &Secret,
+    process: u32,
+    ticket: Option<&Ticket>,
     deadline: Instant,
 ) -> Result<Opened, Failed> {
     let key = secret.key();
@@ -208,7 +247,9 @@ pub fn open(
     hs.read_message(&second, &mut [0u8; MAX_MESSAGE])
         .map_err(|_| Failed::Proof)?;
     let keys: Keys = Arc::new(hs.into_stateless_transport_mode().map_err(broken)?);
-    t.write_all(&with_length(&channel::seal_one(&keys, 0, CONFIRM)?))?;
+    let mut confirm = CONFIRM.to_vec();
+    confirm.extend(ticket.into_iter().flatten());
+    t.write_all(&with_length(&channel::seal_one(&keys, 0, &confirm)?))?;
     let sealed = t.read_message(channel::RECORD)?;
     let verdict = channel::open_one(&keys, 0, &sealed)?;
     match verdict.first() {
@@ -222,13 +263,15 @@ pub fn open(
 }
 
 /// The store's half: hear the process's greeting and first message, which must open under the
-/// secret; answer; take its proof of the keys; then ask `admit` about its id. Returns the
+/// secret; tell `first` its fresh public key (which may stop it there); answer; take its proof
+/// of the keys and its ticket, if any; then ask `admit` about its id and ticket. Returns the
 /// process's id and the sealed halves; everything by `deadline`.
 pub fn accept(
     stream: &TcpStream,
     secret: &Secret,
     deadline: Instant,
-    admit: &dyn Fn(u32) -> Verdict,
+    first: &dyn Fn(&[u8; 32]) -> First,
+    admit: &dyn Fn(u32, Option<&Ticket>) -> Verdict,
 ) -> Result<(u32, Opened), Failed> {
     let mut t = Timed { stream, deadline };
     match t.greeting()? {
@@ -240,7 +283,7 @@ pub fn accept(
         }
         other => return Err(Failed::Protocol(other)),
     }
-    let first = t.read_message(MAX_MESSAGE)?;
+    let first_message = t.read_message(MAX_MESSAGE)?;
     let key = secret.key();
     let greeting = crate::cluster::wire::greeting();
     let mut hs = noise()
@@ -249,7 +292,7 @@ pub fn accept(
         .and_then(|b| b.build_responder())
         .map_err(broken)?;
     let mut payload = [0u8; MAX_MESSAGE];
-    let process = match hs.read_message(&first, &mut payload) {
+    let process = match hs.read_message(&first_message, &mut payload) {
         Ok(4) => u32::from_le_bytes(payload[..4].try_into().unwrap()),
         _ => {
             let mut out = greeting.to_vec();
@@ -262,6 +305,13 @@ pub fn accept(
             return Err(Failed::Proof);
         }
     };
+    // The first 32 bytes of a first message that opened are its sender's fresh public key.
+    let ephemeral: [u8; 32] = first_message[..32].try_into().map_err(broken)?;
+    match first(&ephemeral) {
+        First::GoOn => {}
+        First::Replayed => return Err(Failed::Unconfirmed),
+        First::Closed => return Err(Failed::Io(std::io::ErrorKind::ConnectionAborted.into())),
+    }
     let mut second = [0u8; MAX_MESSAGE];
     let n = hs.write_message(&[], &mut second).map_err(broken)?;
     let mut out = greeting.to_vec();
@@ -272,11 +322,14 @@ pub fn accept(
     // A recorded first message replayed gets this far, but no further: its sender cannot make
     // the keys of this connection's fresh second message.
     let sealed = t.read_message(channel::RECORD)?;
-    match channel::open_one(&keys, 0, &sealed) {
-        Ok(word) if word == CONFIRM => {}
+    let ticket: Option<Ticket> = match channel::open_one(&keys, 0, &sealed) {
+        Ok(word) if word == CONFIRM => None,
+        Ok(word) if word.len() == CONFIRM.len() + 32 && word.starts_with(CONFIRM) => {
+            Some(word[CONFIRM.len()..].try_into().expect("32 bytes"))
+        }
         _ => return Err(Failed::Unconfirmed),
-    }
-    let (verdict, result) = match admit(process) {
+    };
+    let (verdict, result) = match admit(process, ticket.as_ref()) {
         Verdict::Accepted => (vec![ACCEPTED], Ok(())),
         Verdict::Busy => (vec![BUSY], Err(Failed::Busy)),
         Verdict::Refused(why) => {
@@ -316,14 +369,14 @@ mod tests {
         let at = l.local_addr().unwrap();
         let server = std::thread::spawn(move || {
             let (s, _) = l.accept().unwrap();
-            let admit = |p: u32| {
+            let admit = |p: u32, _: Option<&Ticket>| {
                 if p < 2 {
                     Verdict::Accepted
                 } else {
                     Verdict::Refused(format!("process {p} is outside this run of 2 processes"))
                 }
             };
-            let (p, mut o) = accept(&s, &store, soon(), &admit)?;
+            let (p, mut o) = accept(&s, &store, soon(), &|_| First::GoOn, &admit)?;
             // One sealed frame each way after the handshake.
             let mut hello = [0u8; 5];
             o.opener.read_exact(&mut hello)?;
@@ -400,7 +453,8 @@ mod tests {
             &s,
             &secret(),
             Instant::now() + Duration::from_millis(500),
-            &|_| Verdict::Accepted,
+            &|_| First::GoOn,
+            &|_, _| Verdict::Accepted,
         );
         assert!(matches!(got, Err(Failed::Io(_))), "{:?}", got.err());
         assert!(

@@ -27,7 +27,7 @@
 
 use crate::cluster::auth::Secret;
 use crate::cluster::channel::{Opener, Sealer};
-use crate::cluster::handshake::{self, Failed};
+use crate::cluster::handshake::{self, Failed, Ticket};
 use crate::cluster::locks::locked;
 use crate::cluster::wire::{
     io_words, other_protocol, receive, send, send_parts, Greeting, Reply, Request, StoreError,
@@ -51,20 +51,27 @@ struct Link {
     writer: Sealer<TcpStream>,
     reader: BufReader<Opener<TcpStream>>,
     socket: TcpStream,
+    /// It carries the ticket of this process's session (opened after the process joined).
+    ticketed: bool,
 }
 
 impl Link {
     /// Connect and prove who this process is, retrying until `timeout` while process 0 starts
     /// (or has no room yet); every try, handshake included, ends by then. A store that is not
     /// this run's is refused at once.
-    fn open(address: &str, me: &Credentials, timeout: Duration) -> Result<Link, StoreError> {
+    fn open(
+        address: &str,
+        me: &Credentials,
+        ticket: Option<&Ticket>,
+        timeout: Duration,
+    ) -> Result<Link, StoreError> {
         let deadline = Instant::now() + timeout;
         // Connections that something accepted but that never greeted, in a row: a store that
         // is busy may close one, another program closes (or ignores) every one.
         let mut silent = 0;
         loop {
             let last = match connect_once(address, deadline) {
-                Ok(stream) => match Self::greet(stream, address, me, deadline) {
+                Ok(stream) => match Self::greet(stream, address, me, ticket, deadline) {
                     Ok(link) => return Ok(link),
                     Err(Retry::Now(e)) => return Err(e),
                     Err(Retry::Later(why)) => {
@@ -98,6 +105,7 @@ impl Link {
         stream: TcpStream,
         address: &str,
         me: &Credentials,
+        ticket: Option<&Ticket>,
         deadline: Instant,
     ) -> Result<Link, Retry> {
         let refused = |why: String| {
@@ -108,7 +116,7 @@ impl Link {
         };
         let _ = stream.set_nodelay(true);
         let process = u32::try_from(me.process).unwrap_or(u32::MAX);
-        let opened = match handshake::open(&stream, &me.secret, process, deadline) {
+        let opened = match handshake::open_as(&stream, &me.secret, process, ticket, deadline) {
             Ok(o) => o,
             Err(Failed::Protocol(Greeting::Version(v))) => {
                 return Err(refused(other_protocol("process 0", &v.to_string())))
@@ -137,6 +145,7 @@ impl Link {
             writer: opened.sealer,
             reader: BufReader::with_capacity(64 << 10, opened.opener),
             socket: stream,
+            ticketed: ticket.is_some(),
         })
     }
 
@@ -187,11 +196,20 @@ struct Pool {
     me: Credentials,
     connect_timeout: Duration,
     idle: Mutex<Vec<Link>>,
+    /// The ticket this process's session was given when it joined (`watch`): every connection
+    /// opened after carries it.
+    ticket: Mutex<Option<Ticket>>,
 }
 
 impl Pool {
     fn open(&self) -> Result<Link, StoreError> {
-        Link::open(&self.address, &self.me, self.connect_timeout)
+        let ticket = *locked(&self.ticket);
+        Link::open(
+            &self.address,
+            &self.me,
+            ticket.as_ref(),
+            self.connect_timeout,
+        )
     }
 
     /// A broken connection to the store, in the one class and words every call uses.
@@ -221,13 +239,14 @@ impl Store {
         me: Credentials,
         connect_timeout: Duration,
     ) -> Result<Store, StoreError> {
-        let first = Link::open(address, &me, connect_timeout)?;
+        let first = Link::open(address, &me, None, connect_timeout)?;
         Ok(Store {
             pool: Arc::new(Pool {
                 address: address.to_string(),
                 me,
                 connect_timeout,
                 idle: Mutex::new(vec![first]),
+                ticket: Mutex::new(None),
             }),
             prefix: format!("xtrain/{run}/"),
         })
@@ -266,7 +285,12 @@ impl Store {
             // The store closes a connection it refused something on.
             Ok((Reply::Refused { message }, _)) => Err(StoreError::Refused(message)),
             Ok(reply) => {
-                locked(&self.pool.idle).push(link);
+                // One opened before the process joined (in use while it did) is closed: the
+                // store would refuse its next request.
+                let mut idle = locked(&self.pool.idle);
+                if link.ticketed || locked(&self.pool.ticket).is_none() {
+                    idle.push(link);
+                }
                 Ok(reply)
             }
             Err(e) => Err(self.pool.lost(e)),
@@ -367,7 +391,16 @@ impl Store {
             silent_ms,
         };
         match link.call(&join, &[], None) {
-            Ok((Reply::Done, _)) => {}
+            Ok((Reply::Joined, ticket)) => {
+                let ticket: Ticket = ticket.try_into().map_err(|_| {
+                    StoreError::Unavailable("the store answered a join without a ticket".into())
+                })?;
+                // From now on only connections that carry the ticket act as this process: the
+                // ones opened before are closed here (the store would refuse them).
+                let mut idle = locked(&self.pool.idle);
+                *locked(&self.pool.ticket) = Some(ticket);
+                idle.clear();
+            }
             Ok((Reply::Refused { message }, _)) => return Err(StoreError::Refused(message)),
             Ok((Reply::Lost { message }, _)) => return Err(StoreError::Lost(message)),
             Ok((other, _)) => {
@@ -381,6 +414,7 @@ impl Store {
             writer,
             mut reader,
             socket,
+            ..
         } = link;
         let writer = Arc::new(Mutex::new(writer));
         let leaving = Arc::new(AtomicBool::new(false));
@@ -643,7 +677,7 @@ mod tests {
             .watch(None, move |why| tx.send(why).unwrap())
             .unwrap();
         // Process 1 joins, then its connection drops as a killed process's would.
-        let mut peer = Link::open(&address, &me(1), Duration::from_secs(5)).unwrap();
+        let mut peer = Link::open(&address, &me(1), None, Duration::from_secs(5)).unwrap();
         let reply = peer.call(
             &Request::Join {
                 host: "peer".into(),
@@ -652,7 +686,7 @@ mod tests {
             &[],
             None,
         );
-        assert!(matches!(reply, Ok((Reply::Done, _))));
+        assert!(matches!(reply, Ok((Reply::Joined, _))));
         let waiting = {
             let s = watcher.clone();
             std::thread::spawn(move || s.get("never", Duration::from_secs(30)))
@@ -679,12 +713,15 @@ mod tests {
                 tx.send(why).unwrap()
             })
             .unwrap();
-        let mut peer = Link::open(&address, &me(1), Duration::from_secs(5)).unwrap();
+        let mut peer = Link::open(&address, &me(1), None, Duration::from_secs(5)).unwrap();
         let join = Request::Join {
             host: "peer".into(),
             silent_ms: 300,
         };
-        assert!(matches!(peer.call(&join, &[], None), Ok((Reply::Done, _))));
+        assert!(matches!(
+            peer.call(&join, &[], None),
+            Ok((Reply::Joined, _))
+        ));
         let t0 = Instant::now();
         let why = rx.recv_timeout(Duration::from_secs(5)).unwrap();
         assert!(
@@ -704,10 +741,16 @@ mod tests {
             let (stream, _) = listener.accept().unwrap();
             let soon = Instant::now() + Duration::from_secs(5);
             let accepted = handshake::Verdict::Accepted;
-            let (_, mut o) =
-                handshake::accept(&stream, &Secret::none(), soon, &|_| accepted.clone()).unwrap();
+            let (_, mut o) = handshake::accept(
+                &stream,
+                &Secret::none(),
+                soon,
+                &|_| handshake::First::GoOn,
+                &|_, _| accepted.clone(),
+            )
+            .unwrap();
             let _: (Request, _) = receive(&mut o.opener, 0).unwrap();
-            send(&mut o.sealer, &Reply::Done, &[]).unwrap();
+            send(&mut o.sealer, &Reply::Joined, &[7u8; 32]).unwrap();
             std::thread::sleep(Duration::from_secs(3));
         });
         let s = Store {
@@ -716,6 +759,7 @@ mod tests {
                 me: me(1),
                 connect_timeout: Duration::from_secs(5),
                 idle: Mutex::new(Vec::new()),
+                ticket: Mutex::new(None),
             }),
             prefix: "xtrain/t/".into(),
         };
@@ -843,10 +887,13 @@ mod tests {
             };
             assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
             let want = match answer {
-                Some(_) => "process 0 speaks store protocol 7, this xtrain protocol 4",
-                None => "is not an xtrain store (another program holds",
+                Some(_) => format!(
+                    "process 0 speaks store protocol 7, this xtrain protocol {}",
+                    crate::cluster::wire::PROTOCOL
+                ),
+                None => "is not an xtrain store (another program holds".into(),
             };
-            assert!(e.contains(want) && e.contains(&address), "{e}");
+            assert!(e.contains(&want) && e.contains(&address), "{e}");
             other.join().unwrap();
         }
     }

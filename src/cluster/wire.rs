@@ -15,10 +15,10 @@ use serde::{Deserialize, Serialize};
 use std::io::{Read, Write};
 use std::time::Duration;
 
-/// The store protocol's version: 4 seals every frame after a Noise handshake keyed by the run's
-/// secret (3 authenticated the connection only). Raise it with any change to what goes over
-/// the wire.
-pub const PROTOCOL: u32 = 4;
+/// The store protocol's version: 5 binds each process id to the process that joined as it (a
+/// ticket, `handshake`); 4 sealed every frame after a Noise handshake keyed by the run's secret
+/// (3 authenticated the connection only). Raise it with any change to what goes over the wire.
+pub const PROTOCOL: u32 = 5;
 
 /// The first bytes of every connection to the store, both ways.
 pub const MAGIC: &[u8; 8] = b"xtrainKV";
@@ -91,6 +91,9 @@ pub(crate) enum Request {
 #[serde(tag = "reply", rename_all = "snake_case")]
 pub(crate) enum Reply {
     Done,
+    /// A join's answer: the session is open, and the frame's value is its ticket (32 bytes),
+    /// which every other connection of the process then carries (`handshake`).
+    Joined,
     /// The key's value is the frame's value.
     Value,
     NotFound,

@@ -248,6 +248,13 @@ def cmd_tokens(gguf_path, text):
     print(json.dumps({"tokens": llm.tokenize(text.encode(), add_bos=True)}))
 
 
+def cmd_tokens_each(gguf_path, texts_json):
+    """`tokens` for each text of a JSON list, the model loaded once: {"tokens": [ids, ...]}."""
+    llm = Llama(model_path=gguf_path, n_ctx=64, n_threads=2, verbose=False)
+    texts = json.loads(texts_json)
+    print(json.dumps({"tokens": [llm.tokenize(t.encode(), add_bos=True) for t in texts]}))
+
+
 def cmd_quantize(src, dst, ftype):
     """llama.cpp's own quantizer (llama_model_quantize) on an exported file."""
     import ctypes
@@ -341,5 +348,6 @@ if __name__ == "__main__":
         "quantize": cmd_quantize,
         "imported": cmd_imported,
         "tokens": cmd_tokens,
+        "tokens-each": cmd_tokens_each,
         "blocks": cmd_blocks,
     }[cmd](*args)

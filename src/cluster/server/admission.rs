@@ -6,9 +6,13 @@
 //! Fairness: handshakes under way are capped per source address ([`Limits::slots_per_source`])
 //! and in all ([`Limits::handshake_slots`]). A newcomer always gets a slot: past its source's
 //! cap it closes that source's oldest handshake, past the total the oldest of the source that
-//! holds the most. A flood from one address so only ever crowds out itself, and a process on
-//! another address gets in at once. Each handshake must end within
-//! [`Limits::handshake_time`], however slowly its bytes come.
+//! holds the most. A handshake whose first message opened under the run's secret (a process's:
+//! no stranger can make one, and a recording replayed is refused at once) goes only where
+//! every handshake under way has one: so a flood from one address only ever crowds out itself,
+//! and a flood from many addresses (a stranger with a whole IPv6 prefix, or loopback's) crowds
+//! out none of the run's processes once their first message is read. A handshake closed for a
+//! newcomer before that is told "busy", and its process tries again. Each handshake must end
+//! within [`Limits::handshake_time`], however slowly its bytes come.
 //!
 //! [`Limits::slots_per_source`]: super::Limits::slots_per_source
 //! [`Limits::handshake_slots`]: super::Limits::handshake_slots
@@ -16,7 +20,7 @@
 
 use super::requests;
 use super::shared::{Pending, Shared};
-use crate::cluster::handshake::{self, Failed, Verdict};
+use crate::cluster::handshake::{self, Failed, First, Ticket, Verdict};
 use crate::cluster::locks::locked;
 use crate::cluster::wire::{Greeting, PROTOCOL};
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
@@ -54,27 +58,68 @@ pub(super) fn accept_all(listener: TcpListener, shared: &Arc<Shared>) {
 
 /// Which handshake a newcomer from `source` closes to take its slot, if one must go: its own
 /// source's oldest past that source's cap, else past the total the oldest of the source that
-/// holds the most.
+/// holds the most. Handshakes whose first message opened go last: where any has not, the
+/// choice is among those.
 fn crowded_out(
     pending: &[Pending],
     source: IpAddr,
     per_source: usize,
     all: usize,
 ) -> Option<usize> {
+    let any_unproven = pending.iter().any(|p| !p.proven);
+    let candidate = |p: &Pending| !(any_unproven && p.proven);
     let mine = pending.iter().filter(|p| p.source == source).count();
     if mine >= per_source {
-        return pending.iter().position(|p| p.source == source);
+        return pending
+            .iter()
+            .position(|p| p.source == source && !p.proven)
+            .or_else(|| pending.iter().position(|p| p.source == source));
     }
     if pending.len() < all {
         return None;
     }
     let mut counts: std::collections::HashMap<IpAddr, usize> = Default::default();
-    for p in pending {
+    for p in pending.iter().filter(|p| candidate(p)) {
         *counts.entry(p.source).or_default() += 1;
     }
     let most = counts.values().copied().max()?;
     // Of the sources holding the most, the one whose oldest handshake is oldest.
-    pending.iter().position(|p| counts[&p.source] == most)
+    pending
+        .iter()
+        .position(|p| candidate(p) && counts[&p.source] == most)
+}
+
+/// Tell a handshake closed for a newcomer that the store is busy, where it has not been
+/// answered yet (its first message did not open yet), without waiting on its socket.
+fn tell_busy(old: &Pending) {
+    if old.proven {
+        return;
+    }
+    #[cfg(unix)]
+    {
+        use std::os::fd::AsRawFd;
+        let fd = old.stream.as_raw_fd();
+        let busy = handshake::busy();
+        let mut unread = [0u8; 4096];
+        // SAFETY: a send and a receive on the connection's own open descriptor, of buffers
+        // that live across each call; MSG_DONTWAIT: neither blocks. What the peer sent is
+        // read first (a few bytes), so that closing the connection after says "busy" and
+        // ends it cleanly, rather than with a reset that may lose the answer.
+        unsafe {
+            libc::recv(
+                fd,
+                unread.as_mut_ptr().cast(),
+                unread.len(),
+                libc::MSG_DONTWAIT,
+            );
+            libc::send(
+                fd,
+                busy.as_ptr().cast(),
+                busy.len(),
+                libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+            );
+        }
+    }
 }
 
 /// Give a new connection a handshake slot and serve it on a thread of its own.
@@ -90,6 +135,7 @@ fn admit(shared: &Arc<Shared>, stream: TcpStream, from: SocketAddr) {
         limits.handshake_slots,
     ) {
         let old = c.handshaking.remove(k);
+        tell_busy(&old);
         let _ = old.stream.shutdown(Shutdown::Both);
         drop(c);
         shared.say_once(
@@ -109,6 +155,7 @@ fn admit(shared: &Arc<Shared>, stream: TcpStream, from: SocketAddr) {
         id,
         stream: kept,
         source: from.ip(),
+        proven: false,
     });
     drop(c);
     let s = shared.clone();
@@ -128,9 +175,24 @@ fn serve_connection(stream: TcpStream, from: SocketAddr, id: u64, shared: &Share
     let config = &shared.config;
     let processes = config.processes;
     let deadline = Instant::now() + config.limits.handshake_time;
+    // Told when the first message opened: the handshake is a process's from then on (a
+    // recording replayed stops there; one closed meanwhile for a newcomer was told "busy").
+    let first = |ephemeral: &[u8; 32]| {
+        let mut c = locked(&shared.conns);
+        let Some(k) = c.handshaking.iter().position(|q| q.id == id) else {
+            return First::Closed;
+        };
+        if !c.first_seen(ephemeral) {
+            return First::Replayed;
+        }
+        c.handshaking[k].proven = true;
+        First::GoOn
+    };
     // Asked once the process proved the secret and the keys: nothing about the run (not its
-    // size) is said to anyone before.
-    let admit = |p: u32| {
+    // size) is said to anyone before. Once a process joined, only its ticket's bearers act as
+    // it.
+    let ticketed = std::cell::Cell::new(false);
+    let admit = |p: u32, ticket: Option<&Ticket>| {
         let p = p as usize;
         if p >= processes {
             return Verdict::Refused(format!(
@@ -138,6 +200,20 @@ fn serve_connection(stream: TcpStream, from: SocketAddr, id: u64, shared: &Share
                 crate::words::count(processes, "process"),
                 processes - 1
             ));
+        }
+        let joined = {
+            let st = shared.state();
+            st.tickets.get(&p).copied().zip(st.joined.get(&p).copied())
+        };
+        if let Some((theirs, first)) = joined {
+            if !ticket.is_some_and(|t| handshake::same_ticket(t, &theirs)) {
+                return Verdict::Refused(format!(
+                    "process {p} joined the run from {first}, and this connection from {from} \
+                     does not carry its session's ticket: two processes were started with the \
+                     same process id (or another holder of the run's secret claims it)"
+                ));
+            }
+            ticketed.set(true);
         }
         let mut c = locked(&shared.conns);
         let Some(k) = c.handshaking.iter().position(|q| q.id == id) else {
@@ -151,13 +227,20 @@ fn serve_connection(stream: TcpStream, from: SocketAddr, id: u64, shared: &Share
         c.open.insert(id, (pending.stream, p));
         Verdict::Accepted
     };
-    let (process, opened) = match handshake::accept(&stream, &config.secret, deadline, &admit) {
-        Ok(done) => done,
-        Err(failed) => return refused(shared, from, failed),
-    };
+    let (process, opened) =
+        match handshake::accept(&stream, &config.secret, deadline, &first, &admit) {
+            Ok(done) => done,
+            Err(failed) => return refused(shared, from, failed),
+        };
     let _ = stream.set_read_timeout(None);
     let _ = stream.set_write_timeout(Some(config.limits.io));
-    requests::serve(shared, stream, opened, from, process as usize);
+    requests::serve(
+        shared,
+        stream,
+        opened,
+        from,
+        (process as usize, ticketed.get()),
+    );
 }
 
 /// Count and say (once per kind) why a connection was turned away in its handshake.

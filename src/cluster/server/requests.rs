@@ -22,18 +22,20 @@ type Out = Arc<Mutex<Sealer<TcpStream>>>;
 /// The receiving half.
 type In = BufReader<Opener<TcpStream>>;
 
-/// Serve a proven connection of `process` until it closes.
+/// Serve a proven connection of `process` until it closes (`ticketed`: it carries the ticket of
+/// the process's session).
 pub(super) fn serve(
     shared: &Shared,
     socket: TcpStream,
     opened: Opened,
     from: SocketAddr,
-    process: usize,
+    (process, ticketed): (usize, bool),
 ) {
     Proven {
         shared,
         from,
         process,
+        ticketed,
         session: None,
         out: Arc::new(Mutex::new(opened.sealer)),
         socket,
@@ -46,6 +48,9 @@ struct Proven<'a> {
     shared: &'a Shared,
     from: SocketAddr,
     process: usize,
+    /// It carries the ticket of `process`'s session (or is that session): once the process
+    /// joined, no other connection acts as it.
+    ticketed: bool,
     session: Option<Joined>,
     /// Where replies go (a session's through its writer, which shares it).
     out: Out,
@@ -175,14 +180,25 @@ impl Proven<'_> {
                 "frame",
                 self.from,
                 &format!(
-                    "closed the connection of process {} from {}: {e}",
-                    self.process, self.from
+                    "closed the connection of process {} from {}: {}",
+                    self.process,
+                    self.from,
+                    // The words may quote the peer's bytes (an unknown operation's name).
+                    crate::words::escaped(&e.to_string(), 512)
                 ),
             );
         }
     }
 
     fn handle(&mut self, (request, len): (Request, u64), reader: &mut In) -> Then {
+        if !self.ticketed && self.shared.state().tickets.contains_key(&self.process) {
+            return refuse(format!(
+                "process {} has joined the run, and this connection does not carry its \
+                 session's ticket (it opened before the process joined, or another process \
+                 holding the run's secret made it)",
+                self.process
+            ));
+        }
         let session_says = matches!(request, Request::Heartbeat | Request::Leave);
         if self.session.is_some() != session_says {
             return refuse(
@@ -196,6 +212,11 @@ impl Proven<'_> {
                     return refuse(why);
                 }
                 let value = receive_value(reader, len);
+                if let Err(e) = &value {
+                    // A record of the value that did not open (changed, cut or replayed on
+                    // the way) is said as one of the header's would be.
+                    self.ended(e);
+                }
                 match values::commit(shared, self.process, key, len, value) {
                     Ok(()) => Then::Answer(Reply::Done, None),
                     Err(why) => refuse(why),
@@ -238,11 +259,18 @@ impl Proven<'_> {
         }
     }
 
-    /// Open this connection's session (the first of its process).
+    /// Open this connection's session (the first of its process), and give it the ticket that
+    /// every other connection of the process carries from then on.
     fn join(&mut self, host: String, silent_ms: u64) -> Then {
         let process = self.process;
         // A peer's host name goes into messages: printable, and short.
         let host = crate::words::escaped(&host, 255);
+        let mut ticket = [0u8; 32];
+        if let Err(e) = getrandom::fill(&mut ticket) {
+            return refuse(format!(
+                "process 0 cannot draw a ticket for a session ({e})"
+            ));
+        }
         let mut st = self.shared.state();
         if let Some(first) = st.joined.get(&process) {
             let message = format!(
@@ -255,13 +283,19 @@ impl Proven<'_> {
             return refuse(message);
         }
         st.joined.insert(process, self.from);
+        st.tickets.insert(process, ticket);
         let (news, heard) = sync_channel::<Reply>(64);
         st.sessions.insert(process, news.clone());
         drop(st);
+        self.ticketed = true;
+        // The ticket goes first, before anything the session's writer sends.
+        if send(&mut *locked(&self.out), &Reply::Joined, &ticket).is_err() {
+            let _ = self.socket.shutdown(Shutdown::Both);
+        }
         spawn_writer(self.out.clone(), self.socket.try_clone().ok(), heard);
         let silent = (silent_ms > 0).then(|| Duration::from_millis(silent_ms));
         self.session = Some(Joined { news, host, silent });
-        Then::Answer(Reply::Done, None)
+        Then::Sent
     }
 
     /// Record that the run cannot go on and tell every session but this one's.

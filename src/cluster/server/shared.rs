@@ -3,9 +3,10 @@
 //! and what it turned away ([`Refusals`]).
 
 use crate::cluster::auth::Secret;
+use crate::cluster::handshake::Ticket;
 use crate::cluster::locks::locked;
 use crate::cluster::wire::Reply;
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::net::{IpAddr, SocketAddr, TcpStream};
 use std::sync::atomic::AtomicBool;
 use std::sync::mpsc::SyncSender;
@@ -115,6 +116,9 @@ pub(super) struct State {
     pub(super) sessions: HashMap<usize, SyncSender<Reply>>,
     /// Where each process joined from (every join of the run, for a second one).
     pub(super) joined: HashMap<usize, SocketAddr>,
+    /// The ticket each process's session was given when it joined: from then on, only a
+    /// connection that carries it acts as that process.
+    pub(super) tickets: HashMap<usize, Ticket>,
 }
 
 impl State {
@@ -131,7 +135,13 @@ pub(super) struct Pending {
     pub(super) id: u64,
     pub(super) stream: TcpStream,
     pub(super) source: IpAddr,
+    /// Its first message opened under the run's secret (it is a process's, not a stranger's):
+    /// closed for a newcomer only where every handshake under way is.
+    pub(super) proven: bool,
 }
+
+/// The most first messages remembered, to refuse one replayed (a recording of the wire).
+pub(super) const SEEN: usize = 1 << 16;
 
 /// The connections under way and open, to close them when the server stops (and to make room
 /// for a newcomer's handshake).
@@ -142,12 +152,30 @@ pub(super) struct Conns {
     pub(super) handshaking: Vec<Pending>,
     /// Each with its process.
     pub(super) open: HashMap<u64, (TcpStream, usize)>,
+    /// The fresh public keys of the first messages that opened (the last [`SEEN`]), oldest
+    /// first: one seen again is a recording, replayed.
+    pub(super) seen: HashSet<[u8; 32]>,
+    pub(super) seen_order: VecDeque<[u8; 32]>,
 }
 
 impl Conns {
     /// Open connections of `process`.
     pub(super) fn of(&self, process: usize) -> usize {
         self.open.values().filter(|(_, p)| *p == process).count()
+    }
+
+    /// Remember a first message's fresh public key; false where it was seen before.
+    pub(super) fn first_seen(&mut self, key: &[u8; 32]) -> bool {
+        if !self.seen.insert(*key) {
+            return false;
+        }
+        self.seen_order.push_back(*key);
+        if self.seen_order.len() > SEEN {
+            if let Some(old) = self.seen_order.pop_front() {
+                self.seen.remove(&old);
+            }
+        }
+        true
     }
 }
 

@@ -109,9 +109,12 @@ pub(super) fn commit(
     let c = cost(&key, len) as i64;
     let value = match value {
         Ok(v) => v,
-        Err(_) => {
+        Err(e) => {
             st.count(process, -c);
-            return Err("the value was cut short".into());
+            return Err(match e.kind() {
+                std::io::ErrorKind::InvalidData => e.to_string(),
+                _ => "the value was cut short".into(),
+            });
         }
     };
     // Checked again: another connection of the same process may have written it meanwhile.
@@ -143,15 +146,16 @@ pub(super) fn commit(
     Ok(())
 }
 
-/// Process `process` deletes `key` (once read); it stays written.
+/// Process `process` deletes `key` (once read); it stays written. A key never written is left
+/// as it is (no tombstone: deletes of keys that never were hold nothing).
 pub(super) fn delete(shared: &Shared, process: usize, key: &str) -> Result<(), String> {
     may_delete(key, process)?;
     let mut st = shared.state();
     if let Some(e) = st.values.remove(key) {
         let owner = e.owner;
         st.count(owner, -(cost(key, e.value.len() as u64) as i64));
+        st.deleted.insert(tombstone(key));
     }
-    st.deleted.insert(tombstone(key));
     Ok(())
 }
 

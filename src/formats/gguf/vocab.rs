@@ -7,8 +7,10 @@
 //! llama.cpp chooses its pre-tokenizer regex by the name in `tokenizer.ggml.pre`, so the name
 //! must say how `tokenizer.json` splits. [`PRE_TOKENIZERS`] pairs each name with the split, for
 //! both directions: Llama 3's regex split is `llama-bpe`, SmolLM's digit-by-digit split before
-//! byte-level BPE is `smollm`, plain byte-level is `gpt-2`. Any other pre-tokenizer is refused
-//! rather than written under a name that would tokenize differently.
+//! byte-level BPE is `smollm`, Qwen's (Llama 3's with single digits) is `qwen2`, Mistral Nemo's
+//! ("Tekken": letters split where the case changes, single digits) is `tekken`, plain byte-level
+//! is `gpt-2`. Any other pre-tokenizer is refused rather than written under a name that would
+//! tokenize differently.
 
 use super::ggml::{
     self, key, TOKEN_BYTE, TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_UNUSED,
@@ -30,6 +32,12 @@ pub const LLAMA3_SPLIT: &str = "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N
 /// but for digits, which go one at a time. llama.cpp calls it `qwen2`.
 pub const QWEN2_SPLIT: &str = "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
 
+/// Mistral Nemo's pre-tokenizer split pattern ("Tekken", its tokenizer.json's `Split`): a
+/// letter run may start with capitals and ends at the next capital after small letters (so
+/// "camelCase" is two pieces), digits go one at a time, there is no contraction group, and a
+/// run of punctuation takes a following `/` as it takes newlines. llama.cpp calls it `tekken`.
+pub const TEKKEN_SPLIT: &str = "[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]*[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]+|[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]+[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]*|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n/]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
+
 /// A split llama.cpp knows by name.
 pub struct PreTokenizer {
     /// llama.cpp's names for it: the first is the one xtrain writes; all are read.
@@ -40,6 +48,13 @@ pub struct PreTokenizer {
     parts: fn() -> Vec<Json>,
     /// Whether the model's tokenizer.json puts text in Unicode NFC first (its `normalizer`).
     nfc: bool,
+    /// Whether llama.cpp takes a piece that is a whole token of the vocabulary as it is, before
+    /// any merge (it does for `llama-bpe` and `tekken`, as their tokenizer.json files say with
+    /// the BPE model's `ignore_merges`); import writes the same into tokenizer.json.
+    ignore_merges: bool,
+    /// Where llama.cpp's split under this name is known to differ from tokenizer.json's, said
+    /// to the user at export.
+    caveat: Option<&'static str>,
 }
 
 fn byte_level(regex: bool) -> Json {
@@ -57,6 +72,8 @@ pub const PRE_TOKENIZERS: &[PreTokenizer] = &[
         what: "GPT-2's byte-level split",
         parts: || vec![byte_level(true)],
         nfc: false,
+        ignore_merges: false,
+        caveat: None,
     },
     // SmolLM and StarCoder-style vocabularies split digits one by one before byte-level BPE.
     PreTokenizer {
@@ -69,6 +86,8 @@ pub const PRE_TOKENIZERS: &[PreTokenizer] = &[
             ]
         },
         nfc: false,
+        ignore_merges: false,
+        caveat: None,
     },
     // Llama 3's regex split (up to three digits a piece), then bytes without GPT-2's regex.
     PreTokenizer {
@@ -76,6 +95,8 @@ pub const PRE_TOKENIZERS: &[PreTokenizer] = &[
         what: "Llama 3's regex split",
         parts: || vec![split(LLAMA3_SPLIT), byte_level(false)],
         nfc: false,
+        ignore_merges: true,
+        caveat: None,
     },
     // Qwen's regex split (digits one at a time), then bytes without GPT-2's regex.
     PreTokenizer {
@@ -83,6 +104,26 @@ pub const PRE_TOKENIZERS: &[PreTokenizer] = &[
         what: "Qwen2's regex split",
         parts: || vec![split(QWEN2_SPLIT), byte_level(false)],
         nfc: true,
+        ignore_merges: false,
+        caveat: None,
+    },
+    // Mistral Nemo's regex split (case changes, digits one at a time), then bytes without
+    // GPT-2's regex.
+    PreTokenizer {
+        names: &["tekken"],
+        what: "Mistral Nemo's Tekken split",
+        parts: || vec![split(TEKKEN_SPLIT), byte_level(false)],
+        nfc: false,
+        ignore_merges: true,
+        // llama.cpp writes the split with ASCII case classes and leaves marks out of its
+        // letters (tests/llama_cpp.rs pins both).
+        caveat: Some(
+            "llama.cpp's own `tekken` split (every GGUF of Mistral Nemo has it) differs from \
+             tokenizer.json's in two ways: combining marks (Devanagari vowel signs, Arabic and \
+             Hebrew vowel points, decomposed accents) are cut out of words, and a letter \
+             outside ASCII counts as both capital and small (\"aÉ\" is one piece, \"éCole\" \
+             too); text with them can get other token ids in llama.cpp than in transformers",
+        ),
     },
 ];
 
@@ -136,8 +177,9 @@ fn read_json(path: &Path) -> Result<Option<Json>> {
     }
 }
 
-/// `tokenizer.ggml.pre` for tokenizer.json's `pre_tokenizer`.
-fn pre_name(pre: &Json, path: &Path) -> Result<&'static str> {
+/// The split llama.cpp knows that tokenizer.json's `pre_tokenizer` is (its first name is
+/// `tokenizer.ggml.pre`).
+fn pre_of(pre: &Json, path: &Path) -> Result<&'static PreTokenizer> {
     let parts: Vec<&Json> = match pre.get("type").and_then(|t| t.as_str()) {
         Some("Sequence") => pre
             .get("pretokenizers")
@@ -147,7 +189,7 @@ fn pre_name(pre: &Json, path: &Path) -> Result<&'static str> {
         _ => vec![pre],
     };
     match PRE_TOKENIZERS.iter().find(|p| p.splits_as(&parts)) {
-        Some(p) => Ok(p.names[0]),
+        Some(p) => Ok(p),
         None => bail!(
             "{}: its pre_tokenizer ({}) is not one llama.cpp is known to split the same way \
              (xtrain writes {}); a GGUF file would tokenize differently from this model",
@@ -266,10 +308,13 @@ pub fn tokenizer_metadata(
     let merges = merges_of(model, &path)?;
     let mut meta = match space_prefix {
         None => {
-            let pre = pre_name(tok.get("pre_tokenizer").unwrap_or(&Json::Null), &path)?;
+            let pre = pre_of(tok.get("pre_tokenizer").unwrap_or(&Json::Null), &path)?;
+            if let Some(caveat) = pre.caveat {
+                note(caveat.to_string());
+            }
             vec![
                 (key::TOKENIZER_MODEL.to_string(), Value::Str(GPT2.into())),
-                (key::PRE.to_string(), Value::Str(pre.into())),
+                (key::PRE.to_string(), Value::Str(pre.names[0].into())),
                 (key::TOKENS.to_string(), Value::Strs(texts)),
                 (key::TOKEN_TYPE.to_string(), Value::I32s(types)),
                 (key::MERGES.to_string(), Value::Strs(merges)),
@@ -531,7 +576,7 @@ fn byte_level_parts(g: &Gguf, tokens: &[String]) -> Result<(Json, Json, Json, Js
         Json::Null
     };
     let decoder = json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true});
-    let model = json!({"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null, "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false, "vocab": vocab, "merges": merges});
+    let model = json!({"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null, "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": pre.ignore_merges, "vocab": vocab, "merges": merges});
     Ok((normalizer, pre.json(), decoder, model))
 }
 
@@ -566,16 +611,16 @@ mod tests {
         let p = Path::new("tokenizer.json");
         let bl =
             serde_json::json!({"type": "ByteLevel", "add_prefix_space": false, "use_regex": true});
-        assert_eq!(pre_name(&bl, p).unwrap(), "gpt-2");
+        assert_eq!(pre_of(&bl, p).unwrap().names[0], "gpt-2");
         let smol = serde_json::json!({"type": "Sequence", "pretokenizers": [
             {"type": "Digits", "individual_digits": true}, bl]});
-        assert_eq!(pre_name(&smol, p).unwrap(), "smollm");
+        assert_eq!(pre_of(&smol, p).unwrap().names[0], "smollm");
         let llama3 = serde_json::json!({"type": "Sequence", "pretokenizers": [
             {"type": "Split", "pattern": {"Regex": LLAMA3_SPLIT}, "behavior": "Isolated", "invert": false},
             {"type": "ByteLevel", "add_prefix_space": false, "use_regex": false}]});
-        assert_eq!(pre_name(&llama3, p).unwrap(), "llama-bpe");
+        assert_eq!(pre_of(&llama3, p).unwrap().names[0], "llama-bpe");
         let other = serde_json::json!({"type": "Whitespace"});
-        let e = pre_name(&other, p).unwrap_err().to_string();
+        let e = pre_of(&other, p).err().expect("refused").to_string();
         assert!(e.contains("Whitespace"), "{e}");
     }
 
@@ -583,7 +628,7 @@ mod tests {
     fn each_split_written_is_read_back_under_its_name() {
         let p = Path::new("tokenizer.json");
         for pre in PRE_TOKENIZERS {
-            assert_eq!(pre_name(&pre.json(), p).unwrap(), pre.names[0]);
+            assert_eq!(pre_of(&pre.json(), p).unwrap().names[0], pre.names[0]);
         }
     }
 }
