@@ -227,3 +227,57 @@ fn rank_pattern_is_honoured_and_named_in_shape_errors() {
     assert!(e.contains("rank_pattern [(\"k_proj\", 4)]"), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// An adapter for fewer layers than the model is refused naming both depths; `target_modules`
+/// as PEFT's "all-linear" is the seven projections, and as another string (a regular expression
+/// to PEFT) is refused with how to write it.
+#[test]
+fn a_shallower_adapter_and_a_string_target_modules_are_said_as_such() {
+    let dir = tempdir("adapter-depth-targets");
+    let model = fixtures().join("model");
+    let merge_fails = |adapter: &std::path::Path, out: &str| {
+        fails(&[
+            "merge",
+            "--model",
+            model.to_str().unwrap(),
+            "--adapter",
+            adapter.to_str().unwrap(),
+            "--out",
+            dir.join(out).to_str().unwrap(),
+        ])
+    };
+    let shallow = edited_adapter(
+        &dir.join("shallow"),
+        "adapter_step3",
+        |_| {},
+        |t| t.retain(|k, _| !k.contains(".layers.1.")),
+    );
+    let e = merge_fails(&shallow, "m1");
+    assert!(
+        e.contains("the adapter has tensors for 1 layer only, but the model has 2 layers")
+            && e.contains("shallower model"),
+        "{e}"
+    );
+    let all = edited_adapter(
+        &dir.join("all-linear"),
+        "adapter_step3",
+        |c| c["target_modules"] = serde_json::json!("all-linear"),
+        |_| {},
+    );
+    let (a, plain) = (
+        merge(&all, &dir.join("ma")),
+        merge(&fixtures().join("adapter_step3"), &dir.join("mp")),
+    );
+    assert_eq!(max_diff(&a, &plain), 0.0);
+    let regex = edited_adapter(
+        &dir.join("regex"),
+        "adapter_step3",
+        |c| c["target_modules"] = serde_json::json!(".*_proj"),
+        |_| {},
+    );
+    let e = merge_fails(&regex, "m2");
+    assert!(
+        e.contains("`target_modules` is the string \".*_proj\"") && e.contains("as a list"),
+        "{e}"
+    );
+}

@@ -42,6 +42,21 @@ fn train_reproduces_the_oracle_losses_and_adapter_step3() {
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
     assert_eq!(rows.len(), 3);
+    // The first step's line says where the time before it went, the step-0 evaluation too,
+    // and the parts (which run one after another) add up to no more than the total.
+    let before = &rows[0]["time_to_first_step"];
+    let part = |k: &str| {
+        before[k]
+            .as_f64()
+            .unwrap_or_else(|| panic!("{k} in {before}"))
+    };
+    let parts = ["data_s", "compile_s", "load_s", "eval_s", "first_step_s"];
+    let sum: f64 = parts.iter().map(|k| part(k)).sum();
+    assert!(sum <= part("total_s") + 1e-3, "{before}");
+    for k in ["read_s", "convert_s", "upload_s"] {
+        part(k);
+    }
+    assert!(rows[1].get("time_to_first_step").is_none());
     for (i, (row, want)) in rows.iter().zip([6.63896, 6.45776, 6.28345]).enumerate() {
         assert_eq!(row["step"], i as u64 + 1);
         let loss = row["loss"].as_f64().unwrap();

@@ -1,7 +1,8 @@
 //! No function of the library is longer than [`MOST_LINES`] lines (the project's standard: a
 //! function that long does more than one thing). Read from the sources as `cargo fmt` writes
 //! them: a function runs from its `fn` line to the first line after it that is its own closing
-//! brace, at the indentation the `fn` line has.
+//! brace, at the indentation the `fn` line has. And no root-crate file is longer than the
+//! house rule allows (lines before its unit tests: at most two over 600, none over 900).
 
 mod common;
 use common::collect_rs;
@@ -70,6 +71,60 @@ fn no_function_is_longer_than_the_limit() {
     );
 }
 
+/// A root-crate file's lines before its unit tests: at most [`MOST_FILES_OVER`] files over
+/// [`FILE_LINES`], and none over [`MOST_FILE_LINES`] (the house rule for `src/`; a file that
+/// grows past them is split along a seam, as `model/llama.rs` and `cluster/server.rs` were).
+const FILE_LINES: usize = 600;
+const MOST_FILE_LINES: usize = 900;
+const MOST_FILES_OVER: usize = 2;
+
+#[test]
+fn no_root_file_is_longer_than_the_house_rule() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut files = Vec::new();
+    collect_rs(&root.join("src"), &mut files);
+    assert!(files.len() > 100, "read {} files only", files.len());
+    let mut long = Vec::new();
+    for path in files {
+        let text = std::fs::read_to_string(&path).unwrap();
+        let n = lines_before_tests(&text);
+        if n > FILE_LINES {
+            let rel = path
+                .strip_prefix(root)
+                .unwrap()
+                .to_string_lossy()
+                .into_owned();
+            long.push((n, rel));
+        }
+    }
+    long.sort();
+    let said: Vec<String> = long
+        .iter()
+        .map(|(n, f)| format!("{f}: {n} lines"))
+        .collect();
+    assert!(
+        long.iter().all(|(n, _)| *n <= MOST_FILE_LINES),
+        "files over {MOST_FILE_LINES} lines before their tests (split them):\n  {}",
+        said.join("\n  ")
+    );
+    assert!(
+        long.len() <= MOST_FILES_OVER,
+        "{} files over {FILE_LINES} lines before their tests, at most {MOST_FILES_OVER} may be \
+         (split one along a seam):\n  {}",
+        long.len(),
+        said.join("\n  ")
+    );
+}
+
+/// The lines of `text` before its unit tests (`#[cfg(test)]` at the left margin), or all.
+fn lines_before_tests(text: &str) -> usize {
+    let lines: Vec<&str> = text.lines().collect();
+    lines
+        .iter()
+        .position(|l| *l == "#[cfg(test)]")
+        .unwrap_or(lines.len())
+}
+
 #[test]
 fn the_reader_measures_functions_as_written() {
     let code = "\
@@ -92,6 +147,8 @@ async fn inner() {
     };
 }
 ";
+    assert_eq!(lines_before_tests("a\nb\n#[cfg(test)]\nmod tests {}\n"), 2);
+    assert_eq!(lines_before_tests("a\nb\n"), 2);
     assert_eq!(
         function_lengths(code),
         vec![

@@ -958,9 +958,11 @@ fn export_refuses_bad_requests_naming_what_is_wrong() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// An adapter trained with `--quant nf4` is merged against the NF4-dequantized base it was
-/// trained on, read from the run's record, and the export says so; `--base-quant none` merges
-/// against the stored weights and warns that the record says otherwise.
+/// An adapter trained with `--quant nf4` (no checkpoints: the adapter's own record,
+/// `xtrain_base.json`, says it) is merged against the NF4-dequantized base it was trained on,
+/// by export-gguf and by merge, and both say so; `--base-quant none` merges against the stored
+/// weights and warns that the record says otherwise; without a record each says it has none;
+/// given another base than the adapter names, each warns.
 #[test]
 fn a_qlora_adapter_merges_against_the_nf4_base_it_was_trained_on() {
     let dir = tempdir("gguf-qlora");
@@ -972,8 +974,6 @@ fn a_qlora_adapter_merges_against_the_nf4_base_it_was_trained_on() {
             "--quant",
             "nf4",
             "--steps",
-            "2",
-            "--save-every",
             "2",
             "--batch-size",
             "2",
@@ -1006,9 +1006,10 @@ fn a_qlora_adapter_merges_against_the_nf4_base_it_was_trained_on() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "{err}");
     assert!(
-        err.contains("NF4-dequantized base") && err.contains("trainer_state.json"),
+        err.contains("NF4-dequantized base") && err.contains("xtrain_base.json"),
         "{err}"
     );
+    assert!(!err.contains("was trained on `"), "{err}");
 
     let cfg = xtrain::model::config::LlamaConfig::load(&model).unwrap();
     let (lora, tensors) = xtrain::formats::peft::load_adapter(&adapter, &cfg).unwrap();
@@ -1056,6 +1057,70 @@ fn a_qlora_adapter_merges_against_the_nf4_base_it_was_trained_on() {
     let g = xtrain::formats::gguf::read::Gguf::open(&out).unwrap();
     let (got, want) = merged_of(&g, 1, false);
     assert_eq!(got, want, "W + (alpha/r) B A with --base-quant none");
+
+    // merge folds it into the same NF4 base (the tiny model is stored in f32: exact).
+    let merged = dir.join("merged");
+    let o = xtrain(&[
+        "merge",
+        "--model",
+        s(&model),
+        "--adapter",
+        s(&adapter),
+        "--out",
+        s(&merged),
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("NF4-dequantized base"), "{err}");
+    let m = xtrain::formats::safetensors::WeightFiles::open(&merged).unwrap();
+    let name = xtrain::model::lora::Projection::V.weight_name(1);
+    let got = m.read(&name).unwrap().to_f32().unwrap();
+    let (_, want) = merged_of(&g, 1, true);
+    assert_eq!(got, want, "merge: W_nf4 + (alpha/r) B A");
+
+    // Without the record (an adapter from elsewhere), each says so; on another base, each warns.
+    std::fs::remove_file(adapter.join("xtrain_base.json")).unwrap();
+    let other = dir.join("other-base");
+    std::fs::create_dir_all(&other).unwrap();
+    for f in std::fs::read_dir(&model).unwrap().flatten() {
+        std::fs::copy(f.path(), other.join(f.file_name())).unwrap();
+    }
+    let o = xtrain(&[
+        "export-gguf",
+        "--model",
+        s(&other),
+        "--adapter",
+        s(&adapter),
+        "--type",
+        "f32",
+        "--out",
+        s(&out),
+        "--overwrite",
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("has no record of the base"), "{err}");
+    assert!(
+        err.contains("was trained on `") && err.contains("check --model"),
+        "{err}"
+    );
+    let o = xtrain(&[
+        "merge",
+        "--model",
+        s(&other),
+        "--adapter",
+        s(&adapter),
+        "--out",
+        s(&merged),
+        "--overwrite",
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("has no record of the base"), "{err}");
+    assert!(
+        err.contains("was trained on `") && err.contains("check --model"),
+        "{err}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 

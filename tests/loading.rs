@@ -258,3 +258,46 @@ fn rust_heap_while_loading(model: &std::path::Path, whole: bool) -> u64 {
     drop(trainer);
     (peak - before) as u64
 }
+
+/// The load split's parts each count their own bytes, so that each rate divides what that part
+/// did by its time (the whole file's bytes divided by each part's time overstated converting
+/// and quantizing): every byte read is either converted (the norms, the embeddings) or NF4-
+/// quantized (the projections), and the NF4 step quantizes the projections' bytes as stored.
+#[test]
+fn the_load_splits_parts_count_their_own_bytes() {
+    use xtrain::model::lora::{LoraConfig, Projection};
+    use xtrain::program::{Quant, StepSpec};
+    let model = common::fixtures().join("model");
+    let cfg = xtrain::model::config::LlamaConfig::load(&model).unwrap();
+    let lora = LoraConfig {
+        r: 4,
+        alpha: 8.0,
+        dropout: 0.0,
+        targets: Projection::ALL.to_vec(),
+    };
+    let spec = StepSpec {
+        quant: Quant::Nf4,
+        ..StepSpec::new(cfg.clone(), lora, 2, 16, hlo::DType::F32)
+    };
+    let program = xtrain::program::build_train_step(&spec).unwrap();
+    let rt = xtrain::device::runtime::Runtime::open(Some("cpu"), Some(1)).unwrap();
+    let weights = xtrain::formats::weights::CheckpointWeights::open(&model, &cfg).unwrap();
+    let start = xtrain::formats::peft::init_lora(&cfg, &spec.lora, 0);
+    let none = BTreeMap::new();
+    let t = xtrain::device::trainer::Trainer::new(
+        rt, spec, program, weights, &start, &none, true, false,
+    )
+    .unwrap();
+    let f = t.loading.read;
+    assert!(f.quantize_bytes > 0 && f.convert_bytes > 0, "{f:?}");
+    assert_eq!(f.convert_bytes + f.quantize_bytes, f.read_bytes, "{f:?}");
+    let projections: u64 = Projection::ALL
+        .iter()
+        .map(|&p| {
+            let (i, o) = xtrain::model::tensors::projection_dims(&cfg, p);
+            (i * o) as u64 * 4
+        })
+        .sum::<u64>()
+        * cfg.num_hidden_layers as u64;
+    assert_eq!(f.quantize_bytes, projections, "{f:?}");
+}

@@ -85,9 +85,10 @@ pub struct StepArgs {
     #[arg(long, help_heading = "Scale")]
     pub sharding_rules: Option<PathBuf>,
     /// With looped layers, compute the loss and its gradient N positions at a time (less memory
-    /// for long sequences and large vocabularies on one device).
-    #[arg(long, help_heading = "Scale")]
-    pub loss_chunk: Option<i64>,
+    /// for long sequences and large vocabularies on one device); off (the default): the whole
+    /// sequence at once.
+    #[arg(long, value_name = "N|off", value_parser = loss_chunk_or_off, allow_negative_numbers = true, help_heading = "Scale")]
+    pub loss_chunk: Option<LossChunk>,
     /// Query rows per block of causal attention over every key at once (blocks wholly above the
     /// diagonal are not computed); auto (or off): two blocks when the sequence is a multiple of
     /// 256, else one, the value to give over a recipe's or a resumed run's.
@@ -268,7 +269,7 @@ impl StepArgs {
             grad_accum: self.grad_accum,
             mesh: self.mesh()?,
             quant: self.quant,
-            loss_chunk: self.loss_chunk,
+            loss_chunk: self.loss_chunk.and_then(|c| c.0),
             attention_block: self.attention_block.0,
             key_block: self.key_block,
             mlp_chunk: self.mlp_chunk,
@@ -325,6 +326,20 @@ fn attention_block_or_auto(s: &str) -> Result<OrAuto<i64>> {
 
 fn offload_or_auto(s: &str) -> Result<OrAuto<Offload>> {
     Offload::parse_choice(s).map(OrAuto)
+}
+
+/// `--loss-chunk` as given: a number of positions, or off (None).
+#[derive(Clone, Copy, Debug)]
+pub struct LossChunk(pub Option<i64>);
+
+fn loss_chunk_or_off(s: &str) -> Result<LossChunk> {
+    match s {
+        "off" => Ok(LossChunk(None)),
+        n => match n.parse::<i64>() {
+            Ok(n) => Ok(LossChunk(Some(n))),
+            Err(_) => bail!("--loss-chunk must be a number of positions or off, got `{s}`"),
+        },
+    }
 }
 
 /// `--quant`: whether the base weights are NF4.

@@ -277,7 +277,7 @@ fn recipe_flags(
         );
     }
     // The other command's section, said as the top level's keys are (a plan's [compile] target
-    // is the hardware it planned for; `train` runs on this machine's plugin).
+    // is the hardware it planned for, and its [train] plugin what trains there).
     for other in COMMANDS.iter().filter(|c| **c != name) {
         if let Some(toml::Value::Table(section)) = table.get(*other) {
             let keys: Vec<String> = section

@@ -46,6 +46,9 @@ pub struct ExportGgufArgs {
 
 /// The base the merge uses: as asked, or as the adapter's run recorded; said either way.
 fn choose_base(a: &ExportGgufArgs) -> Result<Base> {
+    if let Some(adapter) = &a.adapter {
+        xtrain::formats::adapter_base::read_record(adapter)?;
+    }
     let recorded = a.adapter.as_deref().and_then(gguf_export::recorded_quant);
     let base = match a.base_quant.as_str() {
         "nf4" => Base::Nf4,
@@ -74,6 +77,16 @@ fn choose_base(a: &ExportGgufArgs) -> Result<Base> {
         ),
         (None, Base::Nf4) if a.adapter.is_some() && !a.lora_only => {
             xtrain::esay!("xtrain: merging against the NF4-dequantized base (--base-quant nf4)")
+        }
+        (None, Base::AsStored) if a.base_quant == "auto" && !a.lora_only => {
+            if let Some(adapter) = &a.adapter {
+                xtrain::esay!(
+                    "xtrain: {} has no record of the base it was trained on (an adapter from \
+                     elsewhere, or from an xtrain before 2026-12-07): merging against the \
+                     stored weights; give --base-quant nf4 if it was trained with --quant nf4",
+                    adapter.display()
+                )
+            }
         }
         _ => {}
     }
@@ -113,6 +126,12 @@ pub fn export_gguf(mut a: ExportGgufArgs) -> Result<()> {
     let mut inputs = vec![a.model.as_path()];
     inputs.extend(a.adapter.as_deref());
     let out = xtrain::formats::outdir::check_writable_file("--out", &a.out, a.overwrite, &inputs)?;
+    if let Some(adapter) = &a.adapter {
+        // Read and checked first, so that a refusal comes before what is said of its base.
+        let cfg = xtrain::model::config::LlamaConfig::load(&a.model)?;
+        xtrain::formats::peft::load_adapter(adapter, &cfg)?;
+        xtrain::formats::adapter_base::warn_if_another_base(adapter, &a.model, "export-gguf");
+    }
     let base = choose_base(&a)?;
     if a.lora_only && base == Base::Nf4 {
         xtrain::esay!(

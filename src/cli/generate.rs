@@ -92,6 +92,7 @@ pub fn generate(mut a: GenerateArgs) -> Result<()> {
     let adapter = match &a.adapter {
         Some(d) => {
             xtrain::formats::gguf::export::warn_if_trained_on_nf4(d, "generate");
+            xtrain::formats::adapter_base::warn_if_another_base(d, &a.model, "generate");
             Some(xtrain::formats::peft::load_adapter(d, &cfg)?)
         }
         None => None,

@@ -13,6 +13,7 @@ mod generate;
 mod model;
 mod plan;
 mod plugins;
+mod signals;
 mod targets;
 mod train;
 

@@ -135,6 +135,18 @@ pub fn plan(a: PlanArgs, verbose: bool, given: BTreeSet<String>) -> Result<()> {
         inputs,
         verbose,
     };
+    crate::cli::signals::end_at_once(crate::cli::signals::OnSignal {
+        said: match &options.out {
+            Some(d) => format!(
+                "nothing was written to {} (plan.json and recipe.toml are written whole at the \
+                 end)",
+                d.display()
+            ),
+            None => "the plan was not finished".into(),
+        },
+        out: options.out.clone(),
+        temp_prefixes: &["xtrain-plan-", "xtrain-peak-", "xtrain-aot-"],
+    })?;
     xtrain::plan::run(&options)?;
     Ok(())
 }

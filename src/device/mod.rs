@@ -11,6 +11,9 @@
 //!   client ([`absent::aot`]);
 //! - memory policy ([`memory`]): whether a step fits a device, what would make it fit, and the
 //!   remat and offload choices tried until one does;
+//! - what a compiled step launches per run ([`launches`], read from its optimized HLO), and
+//!   this machine's CPU plugin's matmul rate and cost per operation ([`peak`]), for
+//!   `xtrain plan`'s time model;
 //! - where a step lies across hosts ([`hosts`]): the run's mode (one host, `--virtual-hosts`,
 //!   one process of several), which process holds which mesh position, and each host's share
 //!   of a batch (the transport between the processes is `crate::cluster`).
@@ -25,7 +28,9 @@ pub mod frozen;
 pub mod generate;
 pub mod hosts;
 pub mod kernels;
+pub mod launches;
 pub mod memory;
+pub mod peak;
 pub mod platform;
 pub mod plugins;
 pub mod preference;

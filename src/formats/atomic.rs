@@ -123,8 +123,28 @@ fn sibling(path: &Path, kind: &str) -> Result<(PathBuf, PathBuf)> {
         .to_string_lossy();
     // Unique per call, not only per process: threads of one process may write the same path
     // (the executable cache).
-    let at = pjrt::once::unique_sibling(&parent.join(name.as_ref()), kind);
+    let at = pjrt::once::unique_sibling(&parent.join(temp_base(&name).as_ref()), kind);
     Ok((parent.to_path_buf(), at))
+}
+
+/// The longest file name the usual file systems take (NAME_MAX).
+const NAME_MAX: usize = 255;
+
+/// What a temp name adds to NAME at most: `.`, `.staged-`, a pid and a counter.
+const TEMP_ROOM: usize = 40;
+
+/// NAME as a temp name holds it: itself, or where `.NAME.KIND-PID-N` would be longer than a file
+/// name may be, its first bytes and `~` (so that a 250-character `--out` is written, not refused
+/// for its temp name's length).
+pub fn temp_base(name: &str) -> std::borrow::Cow<'_, str> {
+    if name.len() + TEMP_ROOM <= NAME_MAX {
+        return name.into();
+    }
+    let mut end = NAME_MAX - TEMP_ROOM - 1;
+    while !name.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}~", &name[..end]).into()
 }
 
 /// Move the complete directory `tmp` (beside `dir`) into place as `dir`, replacing an older

@@ -36,20 +36,33 @@ pub fn merged(
     res
 }
 
+/// Merge `adapter` into `model` and write the checkpoint to `out`. `nf4_base`, asked once the
+/// adapter is read and checked: whether it was trained with `--quant nf4`, so that it is folded
+/// into the base as training saw it: every layer's projection matrix NF4-quantized and
+/// dequantized (in f32), then stored in its own type.
 pub fn merge(
     model: &Path,
     adapter: &Path,
     out: &Path,
     replace: crate::formats::atomic::Replace,
+    nf4_base: &dyn Fn() -> Result<bool>,
 ) -> Result<()> {
     let cfg = LlamaConfig::load(model)?;
     let (lora, tensors) = crate::formats::peft::load_adapter(adapter, &cfg)?;
+    let nf4_base = nf4_base()?;
     let files = WeightFiles::open(model)?;
     crate::formats::weights::check(&files, &cfg)?;
     let scale = lora.scale() as f32;
     let mut merged_tensors: BTreeMap<String, HostTensor> = BTreeMap::new();
     for name in files.names() {
-        let t = files.read(name)?;
+        let mut t = files.read(name)?;
+        if nf4_base && name.starts_with("model.layers.") && name.ends_with("_proj.weight") {
+            let w = convert(&t, pjrt::ElementType::F32)?.to_f32()?;
+            let nf4 = crate::model::quant::quantize(&w)
+                .map_err(|e| anyhow::anyhow!("{name}: {e}: the base checkpoint is damaged"))?;
+            let back = HostTensor::from_f32(&crate::model::quant::dequantize(&nf4), &t.dims);
+            t = convert(&back, t.ty)?;
+        }
         merged_tensors.insert(name.clone(), t);
     }
     for l in 0..cfg.num_hidden_layers {

@@ -6,6 +6,7 @@
 //! cache, and every write atomic (a temp file or directory renamed into place). It may use `program` (for the manifest's spec and signature)
 //! and `model`; it knows nothing of devices or training.
 
+pub mod adapter_base;
 pub mod atomic;
 pub mod gguf;
 pub mod host;

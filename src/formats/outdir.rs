@@ -287,11 +287,18 @@ pub fn clean_leftovers(dir: &Path, only: Option<&str>) -> Vec<String> {
         let Some((base, kind, pid)) = temp_name_parts(&name) else {
             continue;
         };
-        if only.is_some_and(|o| o != base) || process_alive(pid) {
+        // A long NAME's temp names hold its first bytes and `~` (atomic::temp_base).
+        let mine = |o: &str| crate::formats::atomic::temp_base(o) == base;
+        if only.is_some_and(|o| !mine(o)) || process_alive(pid) {
             continue;
         }
         let path = dir.join(&name);
-        let target = dir.join(base);
+        let target = match (only, base.ends_with('~')) {
+            (Some(o), true) => dir.join(o),
+            // Whose shortened name it is, is not known: left for the writer of that name.
+            (None, true) if kind == "old" => continue,
+            _ => dir.join(base),
+        };
         if kind == "old" && !target.exists() {
             if std::fs::rename(&path, &target).is_ok() {
                 notes.push(format!(
@@ -319,6 +326,20 @@ pub fn clean_leftovers(dir: &Path, only: Option<&str>) -> Vec<String> {
         }
     }
     notes
+}
+
+/// Remove this process's (`pid`'s) temp files and directories of `name` in `dir` (a command
+/// interrupted while writing it).
+pub fn remove_temps_of(dir: &Path, name: &str, pid: u32) {
+    let base = crate::formats::atomic::temp_base(name);
+    for entry in entries(dir).unwrap_or_default() {
+        if let Some((b, _, p)) = temp_name_parts(&entry) {
+            if b == base && p == pid {
+                let path = dir.join(&entry);
+                let _ = std::fs::remove_dir_all(&path).or_else(|_| std::fs::remove_file(&path));
+            }
+        }
+    }
 }
 
 /// An exclusive lock on a directory (`flock` on the directory itself), held until dropped or
@@ -349,6 +370,31 @@ impl DirLock {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A name too long to hold in a temp name with its suffix is shortened there (its first
+    /// bytes and `~`), and the leftovers of a killed writer of that name are still found.
+    #[test]
+    fn a_long_names_temp_names_fit_a_file_name() {
+        let dir = std::env::temp_dir().join(format!("xtrain-long-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let name = "x".repeat(250);
+        let out = dir.join(&name);
+        crate::formats::atomic::write_dir_atomic(&out, |d| {
+            std::fs::write(d.join("a"), b"1")?;
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(std::fs::read(out.join("a")).unwrap(), b"1");
+        crate::formats::atomic::write_bytes_atomic(&dir.join("y".repeat(255)), b"2").unwrap();
+        // A killed run's temp dir (pid 1 is never ours, and alive: use one no process has).
+        let base = crate::formats::atomic::temp_base(&name).into_owned();
+        let left = dir.join(format!(".{base}.tmp-{}-0", i32::MAX));
+        std::fs::create_dir_all(&left).unwrap();
+        let notes = clean_leftovers(&dir, Some(&name));
+        assert!(!left.exists(), "{notes:?}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn temp_names_and_output_paths() {

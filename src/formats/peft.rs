@@ -135,22 +135,7 @@ pub fn read_config_and_patterns(dir: &Path) -> Result<(LoraConfig, Patterns)> {
     let dropout = field("lora_dropout")
         .and_then(|v| v.as_f64())
         .unwrap_or(0.0);
-    let targets = match field("target_modules") {
-        Some(serde_json::Value::Array(a)) => {
-            let mut t: Vec<Projection> = a
-                .iter()
-                .map(|v| Projection::parse(v.as_str().unwrap_or("?")))
-                .collect::<Result<_>>()
-                .with_context(|| format!("in {}", path.display()))?;
-            t.sort();
-            t.dedup();
-            t
-        }
-        _ => bail!(
-            "{}: `target_modules` must be a list of module names",
-            path.display()
-        ),
-    };
+    let targets = target_modules(field("target_modules"), &path)?;
     let pattern = |key: &str| -> Result<Vec<(String, f64)>> {
         match field(key) {
             None => Ok(Vec::new()),
@@ -204,6 +189,34 @@ pub fn read_config_and_patterns(dir: &Path) -> Result<(LoraConfig, Patterns)> {
         },
         patterns,
     ))
+}
+
+/// `target_modules` as PEFT writes it: a list of module names, or "all-linear".
+fn target_modules(given: Option<&serde_json::Value>, path: &Path) -> Result<Vec<Projection>> {
+    Ok(match given {
+        Some(serde_json::Value::Array(a)) => {
+            let mut t: Vec<Projection> = a
+                .iter()
+                .map(|v| Projection::parse(v.as_str().unwrap_or("?")))
+                .collect::<Result<_>>()
+                .with_context(|| format!("in {}", path.display()))?;
+            t.sort();
+            t.dedup();
+            t
+        }
+        // PEFT's word for every linear layer but the head: on Llama, the seven projections.
+        Some(serde_json::Value::String(s)) if s == "all-linear" => Projection::ALL.to_vec(),
+        Some(serde_json::Value::String(s)) => bail!(
+            "{}: `target_modules` is the string {s:?}, which PEFT takes as a regular expression \
+             over module names; xtrain reads a list of module names (or \"all-linear\"): write \
+             it as a list, e.g. [\"q_proj\", \"v_proj\"]",
+            path.display()
+        ),
+        _ => bail!(
+            "{}: `target_modules` must be a list of module names",
+            path.display()
+        ),
+    })
 }
 
 /// The text of `dir`'s adapter_config.json (`path`); where `dir` is a run's directory, the
@@ -281,6 +294,7 @@ pub fn read_tensors(
     let path = dir.join("adapter_model.safetensors");
     let st = SafeTensors::open(&path)?;
     let mut out = BTreeMap::new();
+    shallower(&st, cfg, &path, dir)?;
     for t in lora_tensors(cfg, lora) {
         let info = st.info(&t.name)?;
         if info.shape != t.shape {
@@ -305,10 +319,10 @@ pub fn read_tensors(
             .and_then(|(_, rest)| rest.split('.').next()?.parse::<i64>().ok());
         if let Some(l) = layer.filter(|&l| l >= cfg.num_hidden_layers) {
             bail!(
-                "{}: tensor `{extra}` is for layer {l}, but the model has {} layers (an adapter \
+                "{}: tensor `{extra}` is for layer {l}, but the model has {} (an adapter \
                  trained on a deeper model?{})",
                 path.display(),
-                cfg.num_hidden_layers,
+                crate::words::count(cfg.num_hidden_layers as usize, "layer"),
                 trained_on(&dir.join("adapter_config.json"))
             );
         }
@@ -320,6 +334,30 @@ pub fn read_tensors(
         );
     }
     Ok(out)
+}
+
+/// Refuse an adapter whose tensors stop at a layer short of the model's last (trained on a
+/// shallower model), naming both depths.
+fn shallower(st: &SafeTensors, cfg: &LlamaConfig, path: &Path, dir: &Path) -> Result<()> {
+    let deepest = st
+        .tensors
+        .keys()
+        .filter_map(|k| {
+            let (_, rest) = k.split_once(".layers.")?;
+            rest.split('.').next()?.parse::<i64>().ok()
+        })
+        .max();
+    match deepest {
+        Some(l) if l + 1 < cfg.num_hidden_layers => bail!(
+            "{}: the adapter has tensors for {} only, but the model has {} (an adapter \
+             trained on a shallower model?{})",
+            path.display(),
+            crate::words::count(l as usize + 1, "layer"),
+            crate::words::count(cfg.num_hidden_layers as usize, "layer"),
+            trained_on(&dir.join("adapter_config.json"))
+        ),
+        _ => Ok(()),
+    }
 }
 
 /// An adapter's base model as PEFT records it: `base_model_name_or_path` and `revision`.

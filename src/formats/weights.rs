@@ -115,10 +115,12 @@ pub struct ReadFigures {
     /// Bytes of the files mapped in (a box's span: from its first byte to its last).
     pub read_bytes: u64,
     /// Seconds cutting each device's box out of the mapped bytes, converting it to the
-    /// program's element type and stacking layers.
+    /// program's element type and stacking layers, and the bytes of those boxes as stored.
     pub convert_s: f64,
-    /// Seconds NF4-quantizing (on every core).
+    pub convert_bytes: u64,
+    /// Seconds NF4-quantizing (on every core), and the bytes quantized as stored.
     pub quantize_s: f64,
+    pub quantize_bytes: u64,
 }
 
 impl ReadFigures {
@@ -129,7 +131,9 @@ impl ReadFigures {
                 read_s: a.read_s + b.read_s,
                 read_bytes: a.read_bytes + b.read_bytes,
                 convert_s: a.convert_s + b.convert_s,
+                convert_bytes: a.convert_bytes + b.convert_bytes,
                 quantize_s: a.quantize_s + b.quantize_s,
+                quantize_bytes: a.quantize_bytes + b.quantize_bytes,
             })
     }
 }
@@ -225,13 +229,14 @@ impl CheckpointWeights {
 
     /// Map in the pages of the box (`starts`, `sizes`) of tensor `name` (from the first byte of
     /// the box to its last), timed as reading.
-    fn read_pages(&mut self, name: &str, shape: &[i64], starts: &[i64], sizes: &[i64], es: u64) {
+    fn read_pages(&mut self, name: &str, shape: &[i64], at: &[i64], n: &[i64], es: u64) -> u64 {
         let t = Instant::now();
-        let (first, last) = box_span(shape, starts, sizes);
-        self.files
-            .populate(name, (first * es) as usize, (last * es) as usize);
+        let (first, last) = box_span(shape, at, n);
+        let (first, last) = (first * es, last * es);
+        self.files.populate(name, first as usize, last as usize);
         self.figures.read_s += t.elapsed().as_secs_f64();
-        self.figures.read_bytes += (last - first) * es;
+        self.figures.read_bytes += last - first;
+        last - first
     }
 
     /// The box of checkpoint tensor `name` (as stored: one layer's), converted to `ty` and
@@ -253,7 +258,8 @@ impl CheckpointWeights {
                 sizes.len()
             );
         }
-        self.read_pages(name, &shape, starts, sizes, dtype.size_bytes() as u64);
+        let read = self.read_pages(name, &shape, starts, sizes, dtype.size_bytes() as u64);
+        self.figures.convert_bytes += read;
         let t = Instant::now();
         let bytes = self.files.bytes(name)?;
         if dtype == ty {
@@ -309,7 +315,8 @@ impl CheckpointWeights {
                 );
             }
             let zeros = vec![0; shape.len()];
-            self.read_pages(name, &shape, &zeros, &shape, dtype.size_bytes() as u64);
+            let read = self.read_pages(name, &shape, &zeros, &shape, dtype.size_bytes() as u64);
+            self.figures.quantize_bytes += read;
             let t = Instant::now();
             let bytes = self.files.bytes(name)?;
             let codes = &mut packed[l * n / 2..(l + 1) * n / 2];

@@ -249,8 +249,14 @@ pub fn resolve_model_config(model: &str) -> Result<(LlamaConfig, Option<PathBuf>
         return Ok((cfg, None));
     }
     let names: Vec<&str> = PRESETS.iter().map(|(n, _)| *n).collect();
+    // Presets are lower case: `Llama-3.2-1B` is most likely `llama-3.2-1b`.
+    let hint = names
+        .iter()
+        .find(|n| n.eq_ignore_ascii_case(model))
+        .map(|n| format!("; did you mean --model {n}? (preset names are lower case)"))
+        .unwrap_or_default();
     bail!(
-        "--model {model}: no such directory, and not a preset (presets: {})",
+        "--model {model}: no such directory, and not a preset{hint} (presets: {})",
         names.join(", ")
     )
 }

@@ -3,14 +3,22 @@
 //! CPU, with `--devices` virtual devices, as `compile --check` without a target does: what CI
 //! plans on).
 
+use super::cost::{Rates, GPU_LAUNCH_S};
+use super::search::Budget;
 use super::search::{Compiled, Figures};
 use crate::device::absent::aot::TargetDevices;
 use crate::device::absent::{Platform, Target};
+use crate::device::memory::offload::mem_total;
 use crate::device::runtime::Runtime;
 use crate::program::{Program, StepSpec};
+use crate::words::{count, gib};
 use anyhow::{bail, Result};
 use std::collections::BTreeMap;
 use std::path::Path;
+
+/// The host memory per device assumed for a GPU described by a `--target-config` file, whose
+/// class is not known: a consumer card's desktop (the least of `builtin.toml`'s classes).
+pub const UNKNOWN_GPU_HOST_BYTES: i64 = 64 << 30;
 
 /// The compiler a plan asks.
 pub enum Backend {
@@ -24,6 +32,10 @@ pub struct Here {
     plugin: Option<String>,
     devices: i64,
     runtimes: BTreeMap<i64, Runtime>,
+    /// The CPU plugin's rates, once measured.
+    measured: Option<Rates>,
+    /// Compiles so far (each dumps into a directory of its own).
+    compiles: usize,
 }
 
 impl Backend {
@@ -44,6 +56,8 @@ impl Backend {
                 plugin: plugin.map(str::to_string),
                 devices,
                 runtimes: BTreeMap::new(),
+                measured: None,
+                compiles: 0,
             };
             return Ok(Backend::Here(here));
         };
@@ -64,10 +78,9 @@ impl Backend {
         match self {
             Backend::Absent(t) => t.target.spec.clone(),
             Backend::Here(h) => format!(
-                "this machine's {} plugin ({} device{})",
+                "this machine's {} plugin ({})",
                 crate::device::platform::named_platform(h.plugin.as_deref()),
-                h.devices,
-                if h.devices == 1 { "" } else { "s" }
+                count(h.devices as usize, "device")
             ),
         }
     }
@@ -77,6 +90,19 @@ impl Backend {
         match self {
             Backend::Absent(t) => Some(t.target.spec.clone()),
             Backend::Here(_) => None,
+        }
+    }
+
+    /// The plugin `xtrain train` runs the plan's pick with: the target's (`plugin`, the
+    /// target's plugin file, where given), or this machine's where it is not the CPU's
+    /// (train's default).
+    pub fn train_plugin(&self, plugin: Option<&str>) -> Option<String> {
+        match self {
+            Backend::Absent(t) => Some(plugin.unwrap_or(t.target.platform.plugin()).to_string()),
+            Backend::Here(h) => {
+                let named = crate::device::platform::named_platform(h.plugin.as_deref());
+                (named != "cpu").then(|| h.plugin.clone().unwrap_or(named.to_string()))
+            }
         }
     }
 
@@ -102,22 +128,98 @@ impl Backend {
         }
     }
 
-    /// The device memory XLA may use per device, where the plugin says it.
-    pub fn usable_memory(&self) -> Result<Option<i64>> {
+    /// Whether the plan compiles with this machine's plugin.
+    pub fn is_here(&self) -> bool {
+        matches!(self, Backend::Here(_))
+    }
+
+    /// A device's memory, where known: the target's, or on this machine's CPU plugin (whose
+    /// devices' memory is the host's RAM, shared by them) this machine's memory over its
+    /// devices.
+    pub fn device_memory(&self) -> Result<Option<Budget>> {
+        Ok(match self {
+            Backend::Absent(t) => t.memory_per_device().map(|bytes| Budget {
+                bytes,
+                source: format!("a {}", t.device_kind()),
+            }),
+            Backend::Here(h) => h.cpu_share(),
+        })
+    }
+
+    /// The device memory XLA may use per device, where known (see [`Backend::device_memory`]).
+    pub fn usable_memory(&self) -> Result<Option<Budget>> {
+        Ok(match self {
+            Backend::Absent(t) => t.usable_memory_per_device()?.map(|bytes| Budget {
+                bytes,
+                source: "what the device gives XLA".into(),
+            }),
+            Backend::Here(h) => h.cpu_share(),
+        })
+    }
+
+    /// The host memory per device a plan assumes by default: this machine's over its devices;
+    /// for a target, its device class's usual machine (`builtin.toml`), or for a GPU described
+    /// by a file a consumer card's desktop.
+    pub fn host_memory(&self) -> Budget {
         match self {
-            Backend::Absent(t) => t.usable_memory_per_device(),
-            // The CPU plugin's "device memory" is the host's RAM, shared by its devices: a
-            // plan here is given its limit.
-            Backend::Here(_) => Ok(None),
+            Backend::Absent(t) => match t.target.host_memory_per_chip {
+                Some(chip) => {
+                    let bytes = chip * t.target.chips / t.devices.len().max(1) as i64;
+                    Budget {
+                        bytes,
+                        source: format!(
+                            "the host memory usual for {} machines, {} per device",
+                            t.device_kind(),
+                            gib(bytes)
+                        ),
+                    }
+                }
+                None => Budget {
+                    bytes: UNKNOWN_GPU_HOST_BYTES,
+                    source: format!(
+                        "a GPU described by --target-config: a consumer card's desktop, {}",
+                        gib(UNKNOWN_GPU_HOST_BYTES)
+                    ),
+                },
+            },
+            Backend::Here(h) => match mem_total() {
+                Some(total) => Budget {
+                    bytes: total / h.devices,
+                    source: format!(
+                        "this machine's memory, {} over {}",
+                        gib(total),
+                        count(h.devices as usize, "device")
+                    ),
+                },
+                None => Budget {
+                    bytes: UNKNOWN_GPU_HOST_BYTES,
+                    source: format!(
+                        "this machine's memory is not known (no /proc/meminfo): {} assumed",
+                        gib(UNKNOWN_GPU_HOST_BYTES)
+                    ),
+                },
+            },
         }
     }
 
-    /// Dense bf16 TFLOP/s per device for the time model: the target's where known; on this
-    /// machine 1 (the model then only orders the points, and says so by its unit).
-    pub fn peak_tflops(&self) -> f64 {
+    /// What the time model stands on, where anything: a known target's dense bf16 peak per
+    /// device (and a GPU's cost per kernel launch; a TPU runs its step as one program), or this
+    /// machine's CPU plugin measured for `dtype`; None for a GPU described by a file or a GPU
+    /// plugin here, whose peak is not known.
+    pub fn rates(&mut self, dtype: hlo::DType) -> Result<Option<Rates>> {
         match self {
-            Backend::Absent(t) => t.peak_bf16_tflops_per_device().unwrap_or(100.0),
-            Backend::Here(_) => 1.0,
+            Backend::Absent(t) => Ok(t.peak_bf16_tflops_per_device().map(|peak| Rates {
+                tflops_per_device: peak,
+                per_launch_s: match t.target.platform {
+                    Platform::Tpu => 0.0,
+                    Platform::Cuda | Platform::Rocm => GPU_LAUNCH_S,
+                },
+                source: format!(
+                    "{}'s dense bf16 peak, {peak:.0} TFLOP/s per device",
+                    t.target.spec
+                ),
+            })),
+            Backend::Here(h) => h.rates(dtype),
         }
     }
 
@@ -130,6 +232,10 @@ impl Backend {
                     device_bytes: b.stats.total_bytes(),
                     host_bytes: b.stats.host_total_bytes(),
                     compile_s: b.compile_s,
+                    launches: b
+                        .optimized_hlo
+                        .as_deref()
+                        .and_then(crate::device::launches::launches),
                 })),
                 Err(e) if crate::device::memory::fit::is_out_of_memory(&e) => {
                     Ok(Compiled::OutOfMemory)
@@ -154,6 +260,60 @@ impl Backend {
 }
 
 impl Here {
+    /// On the CPU plugin, this machine's memory over the plan's devices (None elsewhere: a GPU
+    /// here says its memory only once opened).
+    fn cpu_share(&self) -> Option<Budget> {
+        let cpu = crate::device::platform::named_platform(self.plugin.as_deref()) == "cpu";
+        let total = mem_total().filter(|_| cpu)?;
+        Some(Budget {
+            bytes: total / self.devices,
+            source: format!(
+                "this machine's memory, {} over {}",
+                gib(total),
+                count(self.devices as usize, "device")
+            ),
+        })
+    }
+
+    /// This machine's CPU plugin measured (once) for steps in `dtype`, on one device; None
+    /// for another plugin here, whose peak is not known.
+    fn rates(&mut self, dtype: hlo::DType) -> Result<Option<Rates>> {
+        let named = crate::device::platform::named_platform(self.plugin.as_deref());
+        if named != "cpu" {
+            return Ok(None);
+        }
+        if let Some(r) = &self.measured {
+            return Ok(Some(r.clone()));
+        }
+        crate::esay!("xtrain: plan: measuring this machine's CPU plugin for the time model");
+        let rt = self.runtime(1)?;
+        let m = crate::device::peak::measure_cpu(rt, dtype)?;
+        // The devices of one CPU share its cores.
+        let rates = Rates {
+            tflops_per_device: m.matmul_tflops / self.devices as f64,
+            per_launch_s: m.per_launch_s,
+            source: format!(
+                "this machine's CPU plugin, measured: {:.0} GFLOP/s on a {} matmul (shared by \
+                 {}), {:.1} us per launched operation",
+                m.matmul_tflops * 1e3,
+                dtype.mlir(),
+                count(self.devices as usize, "device"),
+                m.per_launch_s * 1e6
+            ),
+        };
+        self.measured = Some(rates.clone());
+        Ok(Some(rates))
+    }
+
+    /// The runtime of `n` devices, opened once.
+    fn runtime(&mut self, n: i64) -> Result<&Runtime> {
+        if !self.runtimes.contains_key(&n) {
+            let rt = Runtime::open(self.plugin.as_deref(), Some(n))?;
+            self.runtimes.insert(n, rt);
+        }
+        Ok(&self.runtimes[&n])
+    }
+
     fn compile(&mut self, program: &Program) -> Result<Compiled> {
         let n = program.partitions.max(1);
         if n > self.devices {
@@ -162,19 +322,26 @@ impl Here {
                 self.devices
             );
         }
-        if !self.runtimes.contains_key(&n) {
-            let rt = Runtime::open(self.plugin.as_deref(), Some(n))?;
-            self.runtimes.insert(n, rt);
-        }
-        let rt = &self.runtimes[&n];
+        let dump = std::env::temp_dir().join(format!(
+            "xtrain-plan-{}-{}",
+            std::process::id(),
+            self.compiles
+        ));
+        self.compiles += 1;
+        let rt = self.runtime(n)?;
         let t0 = std::time::Instant::now();
-        let exe = rt.compile_dumping(program, None)?;
+        let exe = rt.compile_dumping(program, Some(&dump));
         let compile_s = t0.elapsed().as_secs_f64();
-        let m = exe.memory_stats()?;
+        let optimized = crate::device::absent::aot::read_dump(&dump).0;
+        let _ = std::fs::remove_dir_all(&dump);
+        let m = exe?.memory_stats()?;
         Ok(Compiled::Figures(Figures {
             device_bytes: m.total_bytes(),
             host_bytes: m.host_total_bytes(),
             compile_s,
+            launches: optimized
+                .as_deref()
+                .and_then(crate::device::launches::launches),
         }))
     }
 }

@@ -1,29 +1,49 @@
 //! What `xtrain plan` knows before it compiles: a lower bound of a step's device memory, to
 //! skip compiles that cannot fit, and a model of its time, to rank the settings on GPUs (where
 //! XLA gives no time) and to order the compiles on every target. The model is stated in
-//! [`GPU_MODEL`] and in docs/performance.md, and is never presented as a measurement.
+//! [`MODEL`] and in docs/usage.md, and is never presented as a measurement. It stands on the
+//! device's rates ([`Rates`]: a GPU's data-sheet peak and a stated cost per kernel launch; this
+//! machine's CPU plugin measured), and says so where it has none.
 
 use crate::model::lora::Projection;
 use crate::model::tensors::projection_dims;
 use crate::program::{Program, Remat, StepSpec};
 
-/// The model of a step's time on a GPU, as `plan` says it.
-pub const GPU_MODEL: &str = "model, not a measurement: the step's matmul and attention FLOPs \
+/// The model of a step's time, as `plan` says it.
+pub const MODEL: &str = "model, not a measurement: the step's matmul and attention FLOPs \
      (forward, recomputation by the remat policy and the MLP's tiles, backward through the \
-     activations and LoRA) at the devices' dense bf16 peak, plus host<->device copies of \
+     activations and LoRA) at the devices' dense peak (a GPU's bf16 data-sheet figure; this \
+     machine's CPU plugin measured on a 1024^3 matmul), plus the operations the compiled step \
+     launches (each loop body once per trip) at a cost each (a GPU kernel launch: 5 us; the \
+     CPU plugin: measured on a chain of small matmuls), plus host<->device copies of \
      offloaded weights and activations at 25 GB/s (PCIe 4.0 x16), plus FSDP's weight gathers \
      and tensor parallelism's activation reductions at 100 GB/s between devices, added with no \
      overlap";
 
-/// Host link and device interconnect of [`GPU_MODEL`], bytes per second.
+/// Host link and device interconnect of [`MODEL`], bytes per second.
 const HOST_LINK: f64 = 25e9;
 const DEVICE_LINK: f64 = 100e9;
+
+/// A GPU's cost per launched kernel in [`MODEL`]: a CUDA or HIP launch and XLA's own work
+/// around it, a few microseconds.
+pub const GPU_LAUNCH_S: f64 = 5e-6;
+
+/// What the model stands on for a target: its devices' peak and cost per launched operation,
+/// and where they came from.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Rates {
+    pub tflops_per_device: f64,
+    pub per_launch_s: f64,
+    pub source: String,
+}
 
 /// A step's modelled time, in parts.
 #[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
 pub struct Modelled {
     pub seconds: f64,
     pub compute_s: f64,
+    /// The compiled step's launches times the cost of one (0 before it is compiled).
+    pub launch_s: f64,
     pub host_s: f64,
     pub interconnect_s: f64,
 }
@@ -33,6 +53,7 @@ impl Modelled {
     pub fn binding(&self) -> &'static str {
         let parts = [
             (self.compute_s, "compute"),
+            (self.launch_s, "launches"),
             (self.host_s, "host link"),
             (self.interconnect_s, "interconnect"),
         ];
@@ -44,6 +65,28 @@ impl Modelled {
             )
             .1
     }
+
+    /// The same with the compiled step's `launches` at `per_launch_s` each.
+    pub fn with_launches(self, launches: f64, per_launch_s: f64) -> Modelled {
+        let launch_s = launches * per_launch_s;
+        Modelled {
+            seconds: self.seconds - self.launch_s + launch_s,
+            launch_s,
+            ..self
+        }
+    }
+}
+
+/// Bytes per device of host memory that the step's program needs at least: its arguments held
+/// in host memory (offloaded frozen weights).
+pub fn host_lower_bound_bytes(spec: &StepSpec, program: &Program) -> i64 {
+    program
+        .args
+        .iter()
+        .zip(&program.arg_shard_dims)
+        .filter(|(a, _)| a.memory(spec).is_some())
+        .map(|(a, d)| d.iter().product::<i64>() * a.dtype.size_bytes() as i64)
+        .sum()
 }
 
 /// Bytes per device that the step's program needs at least, whatever the compiler does: its
@@ -106,7 +149,7 @@ fn frozen_bytes(spec: &StepSpec, program: &Program) -> (i64, i64) {
     (all, host)
 }
 
-/// The step's FLOPs, all devices together (see [`GPU_MODEL`]).
+/// The step's FLOPs, all devices together (see [`MODEL`]).
 pub fn step_flops(spec: &StepSpec) -> f64 {
     let c = &spec.model;
     let tokens = (spec.batch * spec.seq) as f64;
@@ -155,8 +198,8 @@ pub fn step_flops(spec: &StepSpec) -> f64 {
     matmuls + lora + attention + head
 }
 
-/// The modelled time of `spec`'s step on `devices` devices of `peak_tflops` each (see
-/// [`GPU_MODEL`]).
+/// The modelled time of `spec`'s step on its devices of `peak_tflops` each, before its launches
+/// are known (see [`MODEL`], [`Modelled::with_launches`]).
 pub fn modelled(spec: &StepSpec, program: &Program, peak_tflops: f64) -> Modelled {
     let devices = program.partitions.max(1) as f64;
     let compute_s = step_flops(spec) / devices / (peak_tflops * 1e12);
@@ -209,6 +252,7 @@ pub fn modelled(spec: &StepSpec, program: &Program, peak_tflops: f64) -> Modelle
     Modelled {
         seconds: compute_s + host_s + interconnect_s,
         compute_s,
+        launch_s: 0.0,
         host_s,
         interconnect_s,
     }

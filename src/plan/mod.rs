@@ -5,7 +5,7 @@
 //! without compiling it ([`cost`]: a lower bound of the device memory; larger microbatches
 //! than a step that does not fit), compiles the rest fastest first until enough fit
 //! ([`search`]), and ranks what fits: on TPUs by the compiler's estimate of the whole step, on
-//! GPUs, where XLA gives no time, by a model it states ([`cost::GPU_MODEL`]), never presented
+//! GPUs and the CPU, where XLA gives no time, by a model it states ([`cost::MODEL`]), never presented
 //! as a measurement. `--seq max` first finds the longest sequence that the least-memory settings
 //! fit. The answer is a ranked table, `plan.json` and a `recipe.toml` that `compile --config`
 //! and `train --config` take as they are ([`report`]).
@@ -13,19 +13,23 @@
 //! It drives compiles, so it is a stage after `compile`: it may use everything before it.
 
 pub mod backend;
+pub mod budget;
 pub mod cost;
+pub mod longest;
 pub mod options;
 pub mod report;
 pub mod search;
 pub mod space;
 
 use crate::program::Program;
+use crate::words::count;
 use anyhow::{bail, Result};
 use backend::Backend;
+use cost::Rates;
 pub use options::{Plan, PlanOptions, Probe, SeqGoal};
-use search::{Compiled, Limits, Point};
+use search::{Compiled, Limits};
 use sha2::{Digest, Sha256};
-use space::{Knob, Knobs};
+use space::Knob;
 use std::collections::HashMap;
 
 /// Plan the step for the target as `o` asks; write its outputs if `o.out` is given.
@@ -50,7 +54,88 @@ pub fn run(o: &PlanOptions) -> Result<Plan> {
         }
         None => None,
     };
-    let mut backend = Backend::open(
+    let (mut backend, o, limits) = open(o)?;
+    let o = &o;
+    let name = backend.name();
+    let rates = backend.rates(o.step.dtype)?;
+    // Without rates the model only orders the compiles (and says so in the table).
+    let peak = rates.as_ref().map_or(1.0, |r| r.tflops_per_device);
+    let devices = backend.devices();
+    let mut compiled = HashMap::new();
+    let mut compile = |program: &Program| compile_once(&mut backend, &mut compiled, program);
+    let (seq, probes) = match o.seq {
+        SeqGoal::Fixed(s) => (s, Vec::new()),
+        SeqGoal::Max { step, upto } => {
+            longest::longest(o, devices, &limits, (step, upto), &mut compile)?
+        }
+    };
+    let points = o.space.points(devices, o.batch_size, seq, &o.rules);
+    let built = search::points(points, &o.step, &o.model, o.batch_size, seq, peak);
+    crate::esay!(
+        "xtrain: plan: {} for {name} at {seq} tokens x {} ({} refused by the step's checks)",
+        count(built.len(), "point"),
+        count(
+            o.batch_size as usize,
+            if o.step.dpo().is_some() {
+                "pair"
+            } else {
+                "row"
+            }
+        ),
+        built.iter().filter(|(_, p)| p.is_none()).count()
+    );
+    let tight = matches!(o.seq, SeqGoal::Max { .. });
+    let (mut points, mut ranked) = search::search(built, &limits, tight, &mut compile)?;
+    let by_estimate = backend.is_tpu();
+    if let Some(r) = &rates {
+        for p in points.iter_mut() {
+            let launches = p.figures.as_ref().and_then(|f| f.launches);
+            if let (Some(m), Some(l)) = (p.modelled, launches) {
+                p.modelled = Some(m.with_launches(l.count, r.per_launch_s));
+            }
+        }
+        search::rank(&points, &mut ranked, |p| p.modelled.map(|m| m.seconds));
+    }
+    if by_estimate {
+        for &i in &ranked {
+            let spec = points[i].spec.as_ref().expect("fits");
+            crate::esay!(
+                "xtrain: plan: estimating {} (unrolled 1- and 2-layer steps)",
+                points[i].knobs.line()
+            );
+            points[i].estimate_s = backend.estimate(spec)?;
+        }
+        search::rank(&points, &mut ranked, |p| p.estimate_s);
+    }
+    let plan = Plan {
+        target: name,
+        target_flag: backend.target_flag(),
+        train_plugin: backend.train_plugin(o.plugin.as_deref()),
+        seq,
+        batch_size: o.batch_size,
+        method: method(o, by_estimate, &limits, rates.as_ref()),
+        rates,
+        limits,
+        points,
+        ranked,
+        by_estimate,
+        probes,
+    };
+    report::print_table(&plan);
+    if let Some(out) = &out {
+        report::write(out, o, &plan)?;
+    }
+    if plan.chosen().is_none() {
+        bail!("{}", report::nothing_fits(&plan, out.as_deref()));
+    }
+    Ok(plan)
+}
+
+/// The compiler the plan asks, the options with what the target cannot do fixed (no offload
+/// on the CPU plugin), and the limits the points must fit: everything refused here is refused
+/// before the first compile.
+fn open(o: &PlanOptions) -> Result<(Backend, PlanOptions, Limits)> {
+    let backend = Backend::open(
         o.target.as_deref(),
         o.target_config.as_deref(),
         o.plugin.as_deref(),
@@ -58,15 +143,30 @@ pub fn run(o: &PlanOptions) -> Result<Plan> {
         o.verbose,
     )?;
     let name = backend.name();
-    let limit = match (o.memory_limit, backend.usable_memory()?) {
-        (Some(l), _) => l,
-        (None, Some(u)) => u,
-        (None, None) => {
-            bail!("{name} does not say how much memory a device has; give --memory-limit-gib")
+    let positions = o.model.max_position_embeddings;
+    if let SeqGoal::Max { upto: Some(u), .. } = o.seq {
+        if u > positions {
+            crate::esay!(
+                "xtrain: plan: --seq-limit {u} is more than the model's {positions} positions: \
+                 searching up to {positions}"
+            );
         }
-    };
-    let peak = backend.peak_tflops();
+    }
+    let device = budget::device(&backend, o.memory_limit)?;
+    let host = budget::host(&backend, o.host_memory_limit)?;
     let devices = backend.devices();
+    if let Knob::Fixed(Some(mesh)) = &o.space.mesh {
+        if mesh.devices() != devices {
+            bail!(
+                "--mesh {} is a mesh of {}, and {name} has {}: give a mesh of {}, or leave \
+                 --mesh out to search them",
+                space::mesh_text(mesh),
+                count(mesh.devices() as usize, "device"),
+                count(devices as usize, "device"),
+                count(devices as usize, "device")
+            );
+        }
+    }
     let mut space = o.space.clone();
     if !backend.can_offload() {
         match space.offload {
@@ -78,67 +178,13 @@ pub fn run(o: &PlanOptions) -> Result<Plan> {
             _ => space.offload = Knob::Fixed(crate::program::Offload::NONE),
         }
     }
-    let o = &PlanOptions { space, ..o.clone() };
     let limits = Limits {
-        limit_bytes: limit,
-        host_limit_bytes: o.host_memory_limit,
+        device,
+        host,
         confirm: o.confirm,
         exhaustive: o.exhaustive,
     };
-    let mut compiled = HashMap::new();
-    let mut compile = |program: &Program| compile_once(&mut backend, &mut compiled, program);
-    let (seq, probes) = match o.seq {
-        SeqGoal::Fixed(s) => (s, Vec::new()),
-        SeqGoal::Max { step, upto } => longest(o, devices, &limits, (step, upto), &mut compile)?,
-    };
-    let points = o.space.points(devices, o.batch_size, seq, &o.rules);
-    let built = search::points(points, &o.step, &o.model, o.batch_size, seq, peak);
-    crate::esay!(
-        "xtrain: plan: {} points for {name} at {seq} tokens x {} {} ({} refused by the \
-         step's checks)",
-        built.len(),
-        o.batch_size,
-        if o.step.dpo().is_some() {
-            "pairs"
-        } else {
-            "rows"
-        },
-        built.iter().filter(|(_, p)| p.is_none()).count()
-    );
-    let (mut points, mut ranked) = search::search(built, &limits, &mut compile)?;
-    let by_estimate = backend.is_tpu();
-    if by_estimate {
-        for &i in &ranked {
-            let spec = points[i].spec.as_ref().expect("fits");
-            crate::esay!(
-                "xtrain: plan: estimating {} (unrolled 1- and 2-layer steps)",
-                points[i].knobs.line()
-            );
-            points[i].estimate_s = backend.estimate(spec)?;
-        }
-        let key = |p: &Point| p.estimate_s.unwrap_or(f64::MAX);
-        ranked.sort_by(|&a, &b| key(&points[a]).total_cmp(&key(&points[b])));
-    }
-    let plan = Plan {
-        target: name,
-        target_flag: backend.target_flag(),
-        seq,
-        batch_size: o.batch_size,
-        limit_bytes: limit,
-        points,
-        ranked,
-        by_estimate,
-        probes,
-        method: method(o, by_estimate, limit),
-    };
-    report::print_table(&plan);
-    if let Some(out) = &out {
-        report::write(out, o, &plan)?;
-    }
-    if plan.chosen().is_none() {
-        bail!("{}", report::nothing_fits(&plan, out.as_deref()));
-    }
-    Ok(plan)
+    Ok((backend, PlanOptions { space, ..o.clone() }, limits))
 }
 
 /// Compile `program` for its figures, once per plan: `--seq max`'s last probe is often a point
@@ -163,34 +209,38 @@ fn compile_once(
 }
 
 /// How the plan was made, as plan.json's `method` says it.
-fn method(o: &PlanOptions, by_estimate: bool, limit: i64) -> String {
+fn method(o: &PlanOptions, by_estimate: bool, limits: &Limits, rates: Option<&Rates>) -> String {
     let fit = format!(
         "fits: the target compiler's device memory per device (arguments + non-aliased outputs + \
-         temporaries) within {} ({}); every point that fits was compiled whole",
-        crate::words::gib(limit),
-        match o.memory_limit {
-            Some(_) => "--memory-limit-gib",
-            None => "what the device gives XLA",
-        }
-    ) + &o.host_memory_limit.map_or(String::new(), |h| {
-        format!(
-            ", and host memory per device within {} (--host-memory-limit-gib)",
-            crate::words::gib(h)
-        )
-    });
+         temporaries) within {} ({}), and its host memory per device within {} ({}); every \
+         point that fits was compiled whole",
+        crate::words::gib(limits.device.bytes),
+        limits.device.source,
+        crate::words::gib(limits.host.bytes),
+        limits.host.source,
+    );
     let rank = match by_estimate {
         true => "ranked by the TPU compiler's estimate of the whole step (its cost model over \
                  unrolled 1- and 2-layer steps), among the points the model put first"
             .to_string(),
-        false => format!("ranked by a {}", cost::GPU_MODEL),
+        false => match rates {
+            Some(r) => format!("ranked by a {} (here: {})", cost::MODEL, r.source),
+            None => "no time given: the model has no peak for this device (a GPU described by \
+                     a file, or a GPU plugin here); the compiles were ordered by the step's FLOPs"
+                .to_string(),
+        },
     };
     let skip = match o.exhaustive {
         true => "every point compiled".to_string(),
         false => format!(
-            "points compiled fastest first by the model until {} fit; skipped without compiling: \
-             a lower bound of the device memory (arguments in device memory, and the layer-input \
-             stack where activations stay on the device) above the limit, and larger \
-             microbatches than a point that does not fit",
+            "points compiled fastest first by the model until {} fit, where memory is tight \
+             after their neighbours with less memory; skipped without compiling: a lower bound \
+             of the device memory (arguments in device memory, and the layer-input stack where \
+             activations stay on the device) or of the host memory (arguments in host memory) \
+             above its limit, and a point that needs at least the memory of a point that does \
+             not fit it, knob by knob (more offload needs less device memory and more host \
+             memory; a chunked loss, MLP tiles, remat per layer and more microbatches less of \
+             both)",
             o.confirm
         ),
     };
@@ -198,113 +248,10 @@ fn method(o: &PlanOptions, by_estimate: bool, limit: i64) -> String {
         SeqGoal::Fixed(_) => String::new(),
         SeqGoal::Max { step, .. } => format!(
             "; --seq max: the longest multiple of {step} tokens that the least-memory settings \
-             of the space fit (a binary search, taking a longer sequence than one that does \
-             not fit not to fit either)"
+             of the space fit (the longest first, then the lengths the figures point at by a \
+             line through the nearest probes, halving where that does not narrow the interval; \
+             a longer sequence than one that does not fit taken not to fit either)"
         ),
     };
     format!("{fit}; {rank}; {skip}{seq}")
-}
-
-/// `--seq max`: the longest multiple of `step` tokens, up to the model's positions, that the
-/// least-memory settings of the space fit, by binary search (each probe a full compile).
-fn longest(
-    o: &PlanOptions,
-    devices: i64,
-    limits: &Limits,
-    (step, upto): (i64, Option<i64>),
-    compile: &mut dyn FnMut(&Program) -> Result<Compiled>,
-) -> Result<(i64, Vec<Probe>)> {
-    if step < 2 {
-        bail!("--seq-step must be at least 2 tokens, got {step}");
-    }
-    let positions = o.model.max_position_embeddings;
-    let most = upto.unwrap_or(positions).min(positions) / step;
-    if most < 1 {
-        bail!(
-            "--seq-step {step} is longer than the longest sequence searched ({} tokens: the \
-             model's positions, or --seq-limit)",
-            upto.unwrap_or(positions).min(positions)
-        );
-    }
-    let mut probes = Vec::new();
-    let mut fits = |k: i64, probes: &mut Vec<Probe>| -> Result<bool> {
-        let seq = k * step;
-        for s in o.space.least_memory(devices, o.batch_size, seq, &o.rules) {
-            let found = probe(o, &s, seq, compile)?;
-            let fit = found.as_ref().is_some_and(|f| limits.holds(f));
-            let gib = crate::words::gib;
-            crate::esay!(
-                "xtrain: plan: --seq {seq} with {}: {}",
-                s.line(),
-                match (fit, &found) {
-                    (true, Some(f)) =>
-                        format!("fits ({}, host {})", gib(f.device_bytes), gib(f.host_bytes)),
-                    (false, Some(f)) => format!(
-                        "does not fit ({}, host {})",
-                        gib(f.device_bytes),
-                        gib(f.host_bytes)
-                    ),
-                    _ => "does not fit".into(),
-                }
-            );
-            probes.push(Probe {
-                seq,
-                flags: s.line(),
-                fits: fit,
-                device_bytes: found.as_ref().map(|f| f.device_bytes),
-                host_bytes: found.as_ref().map(|f| f.host_bytes),
-            });
-            if fit {
-                return Ok(true);
-            }
-        }
-        Ok(false)
-    };
-    if !fits(1, &mut probes)? {
-        bail!(
-            "not even {step} tokens fit the target with the least-memory settings of the space \
-             (see above); give more devices, --quant nf4, or a smaller --seq-step"
-        );
-    }
-    let (mut lo, mut hi) = (1, most + 1);
-    if fits(most, &mut probes)? {
-        lo = most;
-    } else {
-        hi = most;
-    }
-    while hi - lo > 1 {
-        let mid = (lo + hi) / 2;
-        if fits(mid, &mut probes)? {
-            lo = mid;
-        } else {
-            hi = mid;
-        }
-    }
-    crate::esay!("xtrain: plan: --seq max: {} tokens", lo * step);
-    Ok((lo * step, probes))
-}
-
-/// The memory figures of `s`'s step at `seq`, or None where the step refuses it or the compiler
-/// says it does not fit.
-fn probe(
-    o: &PlanOptions,
-    s: &Knobs,
-    seq: i64,
-    compile: &mut dyn FnMut(&Program) -> Result<Compiled>,
-) -> Result<Option<search::Figures>> {
-    let spec = match s.options(&o.step).spec(o.model.clone(), o.batch_size, seq) {
-        Ok(spec) => spec,
-        Err(e) => {
-            crate::esay!(
-                "xtrain: plan: --seq {seq} with {}: refused: {e:#}",
-                s.line()
-            );
-            return Ok(None);
-        }
-    };
-    let program = crate::program::build_train_step(&spec)?;
-    Ok(match compile(&program)? {
-        Compiled::Figures(f) => Some(f),
-        Compiled::OutOfMemory => None,
-    })
 }

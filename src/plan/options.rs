@@ -1,6 +1,6 @@
 //! What `xtrain plan` is asked ([`PlanOptions`]) and what it found ([`Plan`]).
 
-use super::search::Point;
+use super::search::{Limits, Point};
 use super::space::Space;
 use crate::model::config::LlamaConfig;
 use crate::program::{sharding::Rules, StepOptions};
@@ -27,7 +27,8 @@ pub struct PlanOptions {
     pub batch_size: i64,
     /// The device memory to fit, bytes (None: what the target's devices give XLA).
     pub memory_limit: Option<i64>,
-    /// The host memory per device to fit, bytes (None: any).
+    /// The host memory per device to fit, bytes (None: this machine's, or the target's usual
+    /// machine's, `budget::host`).
     pub host_memory_limit: Option<i64>,
     /// How many points that fit to compile (the table's rows).
     pub confirm: usize,
@@ -64,14 +65,20 @@ pub struct Plan {
     pub target: String,
     /// `--target` as given (None: this machine).
     pub target_flag: Option<String>,
+    /// The plugin `xtrain train` runs the pick with, as the recipe's `[train]` names it (None:
+    /// train's default, the CPU).
+    pub train_plugin: Option<String>,
     pub seq: i64,
     pub batch_size: i64,
-    pub limit_bytes: i64,
+    /// The device and host memory per device the points fit, and where each came from.
+    pub limits: Limits,
     /// Every point, and the indices of those that fit, best first.
     pub points: Vec<Point>,
     pub ranked: Vec<usize>,
-    /// Ranked by the TPU compiler's estimate (else by the GPU model).
+    /// Ranked by the TPU compiler's estimate (else by the time model).
     pub by_estimate: bool,
+    /// What the time model stands on (None: nothing; the table gives no time).
+    pub rates: Option<super::cost::Rates>,
     pub probes: Vec<Probe>,
     pub method: String,
 }

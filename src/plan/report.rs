@@ -4,7 +4,7 @@
 
 use super::options::{Plan, PlanOptions, SeqGoal};
 use super::search::{Outcome, Point};
-use crate::words::{duration, gib};
+use crate::words::{count, duration, gib};
 use anyhow::Result;
 use serde_json::{json, Value};
 use std::path::Path;
@@ -20,17 +20,20 @@ pub fn print_table(plan: &Plan) {
         .iter()
         .find_map(|p| p.spec.as_ref())
         .is_some_and(|s| s.dpo.is_some());
+    let l = &plan.limits;
     crate::say!(
-        "plan for {}: {} tokens x {} {} per step, device memory limit {}",
+        "plan for {}: {} tokens x {} per step; per device: device memory limit {} ({}), host \
+         memory budget {} ({})",
         plan.target,
         plan.seq,
-        plan.batch_size,
-        if pairs {
-            "preference pairs (two rows each)"
-        } else {
-            "rows"
+        match pairs {
+            true => count(plan.batch_size as usize, "preference pair") + " (two rows each)",
+            false => count(plan.batch_size as usize, "row"),
         },
-        gib(plan.limit_bytes)
+        gib(l.device.bytes),
+        l.device.source,
+        gib(l.host.bytes),
+        l.host.source
     );
     // The settings column as wide as its longest line, so the figures line up.
     let w = plan
@@ -57,25 +60,25 @@ pub fn print_table(plan: &Plan) {
             "{:>4}  {:<w$} {:>22} {:>10} {:>22} {:>11}  {}",
             rank + 1,
             p.knobs.line(),
-            format!("{} of {}", gib(f.device_bytes), gib(plan.limit_bytes)),
+            format!("{} of {}", gib(f.device_bytes), gib(l.device.bytes)),
             gib(f.host_bytes),
             seconds.map_or("-".into(), duration),
             seconds.map_or("-".into(), |s| format!("{:.0}", tokens(plan) / s)),
             binding(plan, p)
         );
     }
-    let count = |o: fn(&Outcome) -> bool| plan.points.iter().filter(|p| o(&p.outcome)).count();
+    let n = |o: fn(&Outcome) -> bool| plan.points.iter().filter(|p| o(&p.outcome)).count();
     crate::say!(
-        "{} points: {} fit, {} do not, {} skipped by the bound, {} by smaller microbatches that \
-         do not fit, {} refused by the step's checks, {} not compiled (ranked below those that \
+        "{}: {} fit, {} do not, {} skipped by the bound, {} by a point that needs no \
+         more memory and does not fit, {} refused by the step's checks, {} not compiled (ranked below those that \
          fit)",
-        plan.points.len(),
-        count(|o| *o == Outcome::Fits),
-        count(|o| *o == Outcome::DoesNotFit),
-        count(|o| *o == Outcome::AboveBound),
-        count(|o| matches!(o, Outcome::LargerThan(_))),
-        count(|o| matches!(o, Outcome::Refused(_))),
-        count(|o| *o == Outcome::Unexplored),
+        count(plan.points.len(), "point"),
+        n(|o| *o == Outcome::Fits),
+        n(|o| *o == Outcome::DoesNotFit),
+        n(|o| *o == Outcome::AboveBound),
+        n(|o| matches!(o, Outcome::Dominated(..))),
+        n(|o| matches!(o, Outcome::Refused(_))),
+        n(|o| *o == Outcome::Unexplored),
     );
     if let Some(p) = plan.chosen() {
         crate::say!("pick: {}", p.knobs.line());
@@ -95,8 +98,10 @@ pub fn nothing_fits(plan: &Plan, wrote: Option<&Path>) -> String {
         }
     }
     let mut said = format!(
-        "nothing fits {} at {} tokens x {} rows",
-        plan.target, plan.seq, plan.batch_size
+        "nothing fits {} at {} tokens x {}",
+        plan.target,
+        plan.seq,
+        count(plan.batch_size as usize, "row")
     );
     let least = plan
         .points
@@ -108,7 +113,23 @@ pub fn nothing_fits(plan: &Plan, wrote: Option<&Path>) -> String {
         said += &format!(
             "; the least device memory a compiled point needs is {} of {}",
             gib(b),
-            gib(plan.limit_bytes)
+            gib(plan.limits.device.bytes)
+        );
+    }
+    let host = plan
+        .points
+        .iter()
+        .filter_map(|p| p.figures.as_ref())
+        .filter(|f| f.device_bytes <= plan.limits.device.bytes)
+        .map(|f| f.host_bytes)
+        .min();
+    if let Some(h) = host {
+        said += &format!(
+            "; those within the device's limit need {} of host memory or more, over the \
+             budget of {} ({})",
+            gib(h),
+            gib(plan.limits.host.bytes),
+            plan.limits.host.source
         );
     }
     let bound = plan
@@ -121,15 +142,17 @@ pub fn nothing_fits(plan: &Plan, wrote: Option<&Path>) -> String {
         said += &format!(
             "; the points not compiled need at least {} of {} by their lower bound",
             gib(b),
-            gib(plan.limit_bytes)
+            gib(plan.limits.device.bytes)
         );
     }
     for (why, n) in reasons.iter().take(5) {
-        let points = if *n == 1 { "point" } else { "points" };
-        said += &format!("\n  the step's checks refused {n} {points}: {why}");
+        said += &format!(
+            "\n  the step's checks refused {}: {why}",
+            count(*n, "point")
+        );
     }
     if reasons.len() > 5 {
-        said += &format!("\n  and {} other reasons", reasons.len() - 5);
+        said += &format!("\n  and {} more", count(reasons.len() - 5, "reason"));
     }
     said += &match wrote {
         Some(dir) => format!("\nevery point is in {}", dir.join("plan.json").display()),
@@ -155,7 +178,10 @@ fn tokens(plan: &Plan) -> f64 {
 fn step_seconds(plan: &Plan, p: &Point) -> Option<f64> {
     match plan.by_estimate {
         true => p.estimate_s,
-        false => p.modelled.map(|m| m.seconds),
+        false => p
+            .modelled
+            .filter(|_| plan.rates.is_some())
+            .map(|m| m.seconds),
     }
 }
 
@@ -163,6 +189,7 @@ fn step_seconds(plan: &Plan, p: &Point) -> Option<f64> {
 fn binding(plan: &Plan, p: &Point) -> &'static str {
     match (&p.outcome, p.modelled) {
         (Outcome::Fits, _) if plan.by_estimate => "(TPU estimate)",
+        (Outcome::Fits, _) if plan.rates.is_none() => "(no peak known: no time modelled)",
         (Outcome::Fits, Some(m)) => m.binding(),
         _ => "device memory",
     }
@@ -178,19 +205,28 @@ fn point_json(plan: &Plan, p: &Point) -> Value {
         .collect();
     let mut figures = json!({
         "fits": p.outcome == Outcome::Fits,
-        "limit_gib": plan.limit_bytes as f64 / GIB,
+        "limit_gib": plan.limits.device.bytes as f64 / GIB,
+        "host_limit_gib": plan.limits.host.bytes as f64 / GIB,
     });
     if let Some(f) = &p.figures {
         figures["device_gib"] = json!(f.device_bytes as f64 / GIB);
         figures["host_gib"] = json!(f.host_bytes as f64 / GIB);
         figures["compile_s"] = json!(f.compile_s);
+        if let Some(l) = &f.launches {
+            figures["launches"] = json!(l);
+        }
     }
     if let Some(b) = p.bound_bytes {
         figures["lower_bound_gib"] = json!(b as f64 / GIB);
     }
+    if let Some(b) = p.host_bound_bytes {
+        figures["host_lower_bound_gib"] = json!(b as f64 / GIB);
+    }
     if let Some(m) = p.modelled {
-        figures["model_s"] = json!(m.seconds);
-        figures["model"] = json!(m);
+        if plan.rates.is_some() {
+            figures["model_s"] = json!(m.seconds);
+            figures["model"] = json!(m);
+        }
     }
     if let Some(e) = p.estimate_s {
         figures["estimate_s"] = json!(e);
@@ -217,6 +253,12 @@ pub fn plan_json(o: &PlanOptions, plan: &Plan) -> Value {
         "model": o.model_flag,
         "seq": plan.seq,
         "batch_size": plan.batch_size,
+        "limits": {
+            "device_gib": plan.limits.device.bytes as f64 / GIB,
+            "device_from": plan.limits.device.source,
+            "host_gib": plan.limits.host.bytes as f64 / GIB,
+            "host_from": plan.limits.host.source,
+        },
         "seq_max": match o.seq {
             SeqGoal::Max { step, upto } => json!({"step": step, "upto": upto, "longest": plan.seq, "probes": plan.probes}),
             SeqGoal::Fixed(_) => Value::Null,
@@ -227,83 +269,115 @@ pub fn plan_json(o: &PlanOptions, plan: &Plan) -> Value {
     })
 }
 
-/// The pick as a `--config` recipe: the model and its flags as given, the shapes and the
-/// pick's settings at the top (both commands take them), the target under `[compile]`.
-pub fn recipe(o: &PlanOptions, plan: &Plan, p: &Point) -> String {
+/// The pick as a `--config` recipe: the model and its flags as given (a directory written
+/// absolute, so that the recipe works from any directory), the shapes and the pick's settings
+/// at the top (both commands take them), the target under `[compile]` and its plugin under
+/// `[train]`. TOML written by the `toml` crate.
+pub fn recipe(o: &PlanOptions, plan: &Plan, p: &Point) -> Result<String> {
+    use toml::Value;
     let spec = p.spec.as_ref().expect("the pick was built");
-    let q = |s: &str| format!("{s:?}");
-    let mut lines =
-        vec![
-            format!(
-            "# Written by `xtrain plan` for {}: {} tokens x {} rows per step, {} of {} per device \
+    let text = |s: &str| Value::String(s.to_string());
+    let mut top = toml::Table::new();
+    let mut put = |k: &str, v: Value| {
+        top.insert(k.to_string(), v);
+    };
+    put("model", text(&absolute(&o.model_flag)));
+    put("dtype", text(spec.dtype.mlir()));
+    put("quant", text(spec.quant.name()));
+    put("lora_r", Value::Integer(spec.lora.r));
+    put("lora_alpha", Value::Float(spec.lora.alpha));
+    put("lora_dropout", Value::Float(spec.lora.dropout));
+    let targets = crate::model::lora::Projection::list(&spec.lora.targets);
+    put("lora_targets", text(&targets));
+    put("batch_size", Value::Integer(plan.batch_size));
+    put("seq", Value::Integer(plan.seq));
+    put("matmul_result", text(o.step.matmul_result.name()));
+    put("attention_scores", text(o.step.attention_scores.name()));
+    put(
+        "keep_softmax_stats",
+        Value::Boolean(spec.keep_softmax_stats),
+    );
+    // The optimizer's constants are part of the step program, as the plan compiled it.
+    let adam = &o.step.adam;
+    put("betas", text(&format!("{},{}", adam.beta1, adam.beta2)));
+    put("eps", Value::Float(adam.eps));
+    put("weight_decay", Value::Float(adam.weight_decay));
+    put("max_grad_norm", Value::Float(adam.max_grad_norm));
+    // Preference training: the step the plan compiled is DPO's (batch_size counts pairs).
+    if let Some(d) = &spec.dpo {
+        put("method", text("dpo"));
+        put("beta", Value::Float(d.beta));
+        put("dpo_loss", text(d.dpo_loss.name()));
+        put("label_smoothing", Value::Float(d.label_smoothing));
+        put("reference", text(d.reference.name()));
+        put(
+            "precompute_reference",
+            Value::Boolean(d.precompute_reference),
+        );
+    }
+    if let Some(b) = spec.attention_block {
+        put("attention_block", Value::Integer(b));
+    }
+    if spec.mesh.is_some() {
+        put(
+            "pin_mlp_activations",
+            Value::Boolean(spec.pin_mlp_activations),
+        );
+    }
+    for (flag, value) in p.knobs.given() {
+        let number = value.parse::<i64>().ok().filter(|_| flag != "mesh");
+        put(
+            &flag.replace('-', "_"),
+            number.map_or(text(&value), Value::Integer),
+        );
+    }
+    let mut compile = toml::Table::new();
+    if let Some(target) = &plan.target_flag {
+        compile.insert("target".into(), text(target));
+        if let Some(c) = &o.target_config {
+            compile.insert(
+                "target_config".into(),
+                text(&absolute(&c.display().to_string())),
+            );
+        }
+    }
+    if let Some(plugin) = &o.plugin {
+        compile.insert("plugin".into(), text(&absolute(plugin)));
+    }
+    if !compile.is_empty() {
+        top.insert("compile".into(), Value::Table(compile));
+    }
+    if let Some(plugin) = &plan.train_plugin {
+        let mut train = toml::Table::new();
+        train.insert("plugin".into(), text(&absolute(plugin)));
+        top.insert("train".into(), Value::Table(train));
+    }
+    let head = [
+        format!(
+            "# Written by `xtrain plan` for {}: {} tokens x {} per step, {} of {} per device \
              by the target compiler's figures (not a run on the hardware).",
             plan.target,
             plan.seq,
-            plan.batch_size,
-            p.figures.as_ref().map_or("?".into(), |f| gib(f.device_bytes)),
-            gib(plan.limit_bytes)
+            count(plan.batch_size as usize, "row"),
+            p.figures
+                .as_ref()
+                .map_or("?".into(), |f| gib(f.device_bytes)),
+            gib(plan.limits.device.bytes)
         ),
-            "#   xtrain compile --config recipe.toml --check --out PROGRAM_DIR".into(),
-            train_line(&o.model_flag),
-            String::new(),
-            format!("model = {}", q(&o.model_flag)),
-            format!("dtype = {}", q(spec.dtype.mlir())),
-            format!("quant = {}", q(spec.quant.name())),
-            format!("lora_r = {}", spec.lora.r),
-            format!("lora_alpha = {:?}", spec.lora.alpha),
-            format!("lora_dropout = {:?}", spec.lora.dropout),
-            format!(
-                "lora_targets = {}",
-                q(&crate::model::lora::Projection::list(&spec.lora.targets))
-            ),
-            format!("batch_size = {}", plan.batch_size),
-            format!("seq = {}", plan.seq),
-            format!("matmul_result = {}", q(o.step.matmul_result.name())),
-            format!("attention_scores = {}", q(o.step.attention_scores.name())),
-            format!("keep_softmax_stats = {}", spec.keep_softmax_stats),
-            // The optimizer's constants are part of the step program, as the plan compiled it.
-            format!(
-                "betas = {}",
-                q(&format!("{},{}", o.step.adam.beta1, o.step.adam.beta2))
-            ),
-            format!("eps = {:?}", o.step.adam.eps),
-            format!("weight_decay = {:?}", o.step.adam.weight_decay),
-            format!("max_grad_norm = {:?}", o.step.adam.max_grad_norm),
-        ];
-    // Preference training: the step the plan compiled is DPO's (batch_size counts pairs).
-    if let Some(d) = &spec.dpo {
-        lines.push(format!("method = {}", q("dpo")));
-        lines.push(format!("beta = {:?}", d.beta));
-        lines.push(format!("dpo_loss = {}", q(d.dpo_loss.name())));
-        lines.push(format!("label_smoothing = {:?}", d.label_smoothing));
-        lines.push(format!("reference = {}", q(d.reference.name())));
-        lines.push(format!("precompute_reference = {}", d.precompute_reference));
+        "#   xtrain compile --config recipe.toml --check --out PROGRAM_DIR".into(),
+        train_line(&o.model_flag),
+    ];
+    Ok(head.join("\n") + "\n\n" + &toml::to_string(&top)?)
+}
+
+/// `path` made absolute where it names something here (a model directory, a file), so that a
+/// recipe names the same thing from any directory; a preset, repo id or plugin name as it is.
+fn absolute(path: &str) -> String {
+    let p = Path::new(path);
+    match p.exists() && p.is_relative() {
+        true => std::path::absolute(p).map_or(path.to_string(), |a| a.display().to_string()),
+        false => path.to_string(),
     }
-    if let Some(b) = spec.attention_block {
-        lines.push(format!("attention_block = {b}"));
-    }
-    if spec.mesh.is_some() {
-        lines.push(format!(
-            "pin_mlp_activations = {}",
-            spec.pin_mlp_activations
-        ));
-    }
-    for (flag, value) in p.knobs.given() {
-        let key = flag.replace('-', "_");
-        match flag {
-            "grad-accum" | "loss-chunk" => lines.push(format!("{key} = {value}")),
-            _ => lines.push(format!("{key} = {}", q(&value))),
-        }
-    }
-    if let Some(target) = &plan.target_flag {
-        lines.push(String::new());
-        lines.push("[compile]".into());
-        lines.push(format!("target = {}", q(target)));
-        if let Some(c) = &o.target_config {
-            lines.push(format!("target_config = {}", q(&c.display().to_string())));
-        }
-    }
-    lines.join("\n") + "\n"
 }
 
 /// The recipe's `xtrain train` line: a preset is a config without weights, so the train line
@@ -326,7 +400,7 @@ fn train_line(model: &str) -> String {
 /// not at all.
 pub fn write(out: &Path, o: &PlanOptions, plan: &Plan) -> Result<()> {
     let json = serde_json::to_string_pretty(&plan_json(o, plan))? + "\n";
-    let recipe = plan.chosen().map(|p| recipe(o, plan, p));
+    let recipe = plan.chosen().map(|p| recipe(o, plan, p)).transpose()?;
     let replace = crate::formats::atomic::Replace::when(o.overwrite);
     crate::formats::atomic::write_dir_atomic_as(out, replace, |dir| {
         crate::formats::atomic::write_bytes_atomic(&dir.join("plan.json"), json.as_bytes())?;

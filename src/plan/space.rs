@@ -191,10 +191,12 @@ impl Space {
 
     /// The points of the space that need the least memory for `seq` (`--seq max` probes with
     /// them, taking a longer sequence than one none of them fits to need more): remat per
-    /// layer, everything offloaded, the most microbatches, key blocks, the loss in chunks and
-    /// the MLP in tiles, each where the knob is searched; on a searched mesh of several
-    /// devices, one point with FSDP over them all and one with the sequence split over them
-    /// (a context axis).
+    /// layer, the most microbatches, key blocks, the loss in chunks and the MLP in tiles, each
+    /// where the knob is searched; on a searched mesh of several devices, FSDP over them all
+    /// and the sequence split over them (a context axis); with the offload searched, each of
+    /// these with everything offloaded (the least device memory), then the activations, the
+    /// frozen weights and nothing (less host memory, for a host budget that everything
+    /// offloaded exceeds).
     pub fn least_memory(&self, devices: i64, batch: i64, seq: i64, rules: &Rules) -> Vec<Knobs> {
         let meshes = self.mesh.values(|| match devices <= 1 {
             true => vec![None],
@@ -211,7 +213,7 @@ impl Space {
             mesh: None,
             grad_accum: self.grad_accum.or_else(|| batch),
             remat: self.remat.or_else(|| Remat::Layer),
-            offload: self.offload.or_else(|| Offload::ALL),
+            offload: Offload::ALL,
             key_block: self
                 .key_block
                 .or_else(|| KeyBlocks::Size(DEFAULT_KEY_BLOCK)),
@@ -220,22 +222,32 @@ impl Space {
                 .mlp_chunk
                 .or_else(|| mlp_chunk_for(seq).map_or(MlpChunks::Off, MlpChunks::Size)),
         };
-        meshes
-            .into_iter()
-            .map(|mesh| {
-                // The MLP's tiles cut the sequence, which a context axis splits already.
-                let split = mesh.as_ref().is_some_and(|m| m.context_size() > 1);
-                let mlp_chunk = match split && self.mlp_chunk.is_searched() {
-                    true => MlpChunks::Off,
-                    false => frugal.mlp_chunk,
-                };
-                Knobs {
-                    mesh,
+        let offloads = self.offload.values(|| {
+            vec![
+                Offload::ALL,
+                Offload::ACTIVATIONS,
+                Offload::FROZEN,
+                Offload::NONE,
+            ]
+        });
+        let mut points = Vec::new();
+        for mesh in meshes {
+            // The MLP's tiles cut the sequence, which a context axis splits already.
+            let split = mesh.as_ref().is_some_and(|m| m.context_size() > 1);
+            let mlp_chunk = match split && self.mlp_chunk.is_searched() {
+                true => MlpChunks::Off,
+                false => frugal.mlp_chunk,
+            };
+            for &offload in &offloads {
+                points.push(Knobs {
+                    mesh: mesh.clone(),
                     mlp_chunk,
+                    offload,
                     ..frugal.clone()
-                }
-            })
-            .collect()
+                });
+            }
+        }
+        points
     }
 }
 
@@ -298,12 +310,64 @@ impl Knobs {
             .join(" ")
     }
 
-    /// The same knobs but for the number of microbatches.
-    pub fn same_but_accumulation(&self, other: &Knobs) -> bool {
-        Knobs {
-            grad_accum: other.grad_accum,
-            ..self.clone()
-        } == *other
+    /// Whether these knobs' step needs no more `memory` than `other`'s, knob by knob, by the
+    /// orders the search takes for granted: more microbatches, a chunked loss, MLP tiles and remat
+    /// per layer (against save-proj) need less of both memories; more offload less device memory
+    /// and more host memory. The mesh and the key block must be the same (their memory is not
+    /// ordered).
+    pub fn needs_no_more(&self, other: &Knobs, memory: Memory) -> bool {
+        let offload = |a: Offload, b: Offload| {
+            let within = |x: Offload, y: Offload| {
+                (!x.frozen || y.frozen) && (!x.activations || y.activations)
+            };
+            match memory {
+                Memory::Device => within(b, a),
+                Memory::Host => within(a, b),
+            }
+        };
+        let remat = self.remat == other.remat
+            || (self.remat == Remat::Layer && other.remat == Remat::SaveProj);
+        let loss = self.loss_chunk == other.loss_chunk || other.loss_chunk.is_none();
+        let mlp = self.mlp_chunk == other.mlp_chunk || other.mlp_chunk == MlpChunks::Off;
+        self.mesh == other.mesh
+            && self.key_block == other.key_block
+            && self.grad_accum >= other.grad_accum
+            && remat
+            && loss
+            && mlp
+            && offload(self.offload, other.offload)
+    }
+
+    /// How many knobs differ from `other`'s.
+    pub fn differences(&self, other: &Knobs) -> usize {
+        [
+            self.mesh != other.mesh,
+            self.grad_accum != other.grad_accum,
+            self.remat != other.remat,
+            self.offload != other.offload,
+            self.key_block != other.key_block,
+            self.loss_chunk != other.loss_chunk,
+            self.mlp_chunk != other.mlp_chunk,
+        ]
+        .iter()
+        .filter(|d| **d)
+        .count()
+    }
+}
+
+/// The two memories a point must fit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Memory {
+    Device,
+    Host,
+}
+
+impl Memory {
+    pub fn name(self) -> &'static str {
+        match self {
+            Memory::Device => "device memory",
+            Memory::Host => "host memory",
+        }
     }
 }
 
@@ -346,6 +410,38 @@ mod tests {
         assert_eq!(loss_chunk_for(96), Some(48));
         assert_eq!(mlp_chunk_for(131072), Some(4096));
         assert_eq!(mlp_chunk_for(64), Some(32));
+    }
+
+    /// The memory orders: more offload needs no more device memory and no less host memory;
+    /// a chunked loss, MLP tiles, remat per layer and more microbatches need no more of either.
+    #[test]
+    fn the_memory_orders_of_the_knobs() {
+        let rules = Rules::default();
+        let low = Space::default().least_memory(1, 4, 64, &rules)[0].clone();
+        let with = |f: &dyn Fn(&mut Knobs)| {
+            let mut k = low.clone();
+            f(&mut k);
+            k
+        };
+        let less_offload = with(&|k| k.offload = Offload::ACTIVATIONS);
+        assert!(low.needs_no_more(&less_offload, Memory::Device));
+        assert!(!low.needs_no_more(&less_offload, Memory::Host));
+        assert!(less_offload.needs_no_more(&low, Memory::Host));
+        for bigger in [
+            with(&|k| k.remat = Remat::SaveProj),
+            with(&|k| k.loss_chunk = None),
+            with(&|k| k.mlp_chunk = MlpChunks::Off),
+            with(&|k| k.grad_accum = 2),
+        ] {
+            assert_eq!(low.differences(&bigger), 1);
+            for m in [Memory::Device, Memory::Host] {
+                assert!(low.needs_no_more(&bigger, m), "{bigger:?}");
+                assert!(!bigger.needs_no_more(&low, m), "{bigger:?}");
+            }
+        }
+        let other_block = with(&|k| k.key_block = KeyBlocks::Off);
+        assert!(!low.needs_no_more(&other_block, Memory::Device));
+        assert!(!other_block.needs_no_more(&low, Memory::Device));
     }
 
     /// A fixed knob is one value; a searched one its list: 2 remats x 4 offloads x 2 key

@@ -21,16 +21,30 @@ use pjrt::HostTensor;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-/// Write an adapter directory (complete or not at all).
+/// Write an adapter directory (complete or not at all) of `spec`'s step: PEFT's files and
+/// xtrain's record of the base it was trained on (`formats::adapter_base`: its quantization and
+/// element type, which merge and export-gguf fold it into).
 pub fn save_adapter(
     dir: &Path,
-    lora: &LoraConfig,
+    spec: &crate::program::StepSpec,
     tensors: &BTreeMap<String, HostTensor>,
     base: &crate::formats::peft::BaseModel,
 ) -> Result<()> {
-    write_dir_atomic(dir, |tmp| {
-        crate::formats::peft::write(tmp, lora, tensors, base)
-    })
+    write_dir_atomic(dir, |tmp| write_adapter(tmp, spec, tensors, base))
+}
+
+/// PEFT's adapter files and xtrain's record of the base, into `dir`.
+fn write_adapter(
+    dir: &Path,
+    spec: &crate::program::StepSpec,
+    tensors: &BTreeMap<String, HostTensor>,
+    base: &crate::formats::peft::BaseModel,
+) -> Result<()> {
+    crate::formats::peft::write(dir, &spec.lora, tensors, base)?;
+    crate::formats::adapter_base::write_record(
+        dir,
+        &crate::formats::adapter_base::Trained::of(spec),
+    )
 }
 
 /// Where training stands, saved with each checkpoint.
@@ -112,7 +126,7 @@ pub fn save_checkpoint(
     };
     let write = |extra: &dyn Fn(&Path) -> Result<()>| {
         write_dir_atomic(dir, |tmp| {
-            crate::formats::peft::write(tmp, &trainer.spec.lora, &lora, base)?;
+            write_adapter(tmp, &trainer.spec, &lora, base)?;
             crate::formats::safetensors::write(
                 &tmp.join("optimizer.safetensors"),
                 &moments,
@@ -123,7 +137,7 @@ pub fn save_checkpoint(
                 serde_json::to_string_pretty(state)?.as_bytes(),
             )?;
             if let Some(r) = reference {
-                crate::formats::peft::write(&tmp.join(REFERENCE), &trainer.spec.lora, r, base)?;
+                write_adapter(&tmp.join(REFERENCE), &trainer.spec, r, base)?;
             }
             extra(tmp)
         })

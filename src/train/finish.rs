@@ -148,6 +148,8 @@ pub(super) struct Signals {
     /// Set for a process of a run of several (its name, for the message): the first signal
     /// ends it at once.
     at_once: Arc<Mutex<Option<String>>>,
+    /// The run's output dir once known: a second signal names its newest checkpoint.
+    out: Arc<Mutex<Option<PathBuf>>>,
 }
 
 impl Signals {
@@ -168,6 +170,11 @@ impl Signals {
         *locked(&self.at_once) = Some(name);
     }
 
+    /// The run's output dir, whose newest checkpoint a second signal names.
+    pub fn set_out(&self, out: &std::path::Path) {
+        *locked(&self.out) = Some(out.to_path_buf());
+    }
+
     pub fn abandonable<R>(&self, abandon: Abandon, phase: impl FnOnce() -> R) -> R {
         *locked(&self.abandon) = Some(abandon);
         let r = phase();
@@ -185,10 +192,14 @@ impl Signals {
 pub(super) fn stop_on_signals() -> Result<Signals> {
     let interrupted = Arc::new(AtomicBool::new(false));
     let heard = SIGNAL.get_or_init(Arc::default).clone();
+    let count = Arc::new(AtomicUsize::new(0));
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
-        // Registered first, so it sees the flag as the previous signal left it.
-        signal_hook::flag::register_conditional_shutdown(sig, 128 + sig, interrupted.clone())
-            .context("cannot install signal handlers")?;
+        let n = count.clone();
+        // SAFETY: the handler only adds to an atomic, which is async-signal-safe.
+        unsafe {
+            signal_hook::low_level::register(sig, move || _ = n.fetch_add(1, Ordering::SeqCst))
+        }
+        .context("cannot install signal handlers")?;
         signal_hook::flag::register(sig, interrupted.clone())
             .context("cannot install signal handlers")?;
         signal_hook::flag::register_usize(sig, heard.clone(), sig as usize)
@@ -196,6 +207,8 @@ pub(super) fn stop_on_signals() -> Result<Signals> {
     }
     let abandon: Arc<Mutex<Option<Abandon>>> = Arc::default();
     let at_once: Arc<Mutex<Option<String>>> = Arc::default();
+    let out: Arc<Mutex<Option<PathBuf>>> = Arc::default();
+    let dir = out.clone();
     // A signal handler can neither print nor abandon; this thread says what the first signal
     // does, and abandons a phase without a safe point.
     let (flag, action) = (interrupted.clone(), abandon.clone());
@@ -206,6 +219,9 @@ pub(super) fn stop_on_signals() -> Result<Signals> {
             std::thread::sleep(std::time::Duration::from_millis(100));
             if !flag.load(Ordering::SeqCst) {
                 continue;
+            }
+            if count.load(Ordering::SeqCst) >= 2 {
+                quit_at_once(locked(&dir).as_deref(), sig.load(Ordering::SeqCst));
             }
             if let Some(name) = locked(&now).as_ref() {
                 end_now(name, sig.load(Ordering::SeqCst));
@@ -228,7 +244,45 @@ pub(super) fn stop_on_signals() -> Result<Signals> {
         interrupted,
         abandon,
         at_once,
+        out,
     })
+}
+
+/// A second signal: end the process at once (other threads may be inside the plugin, so no
+/// exit handlers run), naming the run's newest checkpoint to continue from.
+fn quit_at_once(out: Option<&std::path::Path>, sig: usize) -> ! {
+    let code = match sig as i32 {
+        signal_hook::consts::SIGTERM => 143,
+        _ => 130,
+    };
+    let newest = out.and_then(newest_checkpoint);
+    match newest {
+        Some(dir) => crate::esay!(
+            "\nxtrain: quitting at once (a second signal); the newest checkpoint is {} \
+             (continue with `{}`)",
+            dir.display(),
+            resume_command(&dir)
+        ),
+        None => crate::esay!(
+            "\nxtrain: quitting at once (a second signal); the run has no checkpoint yet"
+        ),
+    }
+    let _ = std::io::stderr().flush();
+    signal_hook::low_level::exit(code)
+}
+
+/// The run directory's `checkpoint-K` with the largest K.
+pub(super) fn newest_checkpoint(out: &std::path::Path) -> Option<PathBuf> {
+    std::fs::read_dir(out)
+        .ok()?
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let k: u64 = name.strip_prefix("checkpoint-")?.parse().ok()?;
+            e.path().is_dir().then_some((k, e.path()))
+        })
+        .max_by_key(|(k, _)| *k)
+        .map(|(_, p)| p)
 }
 
 /// End a process of a run of several on signal `sig`: say so, then end without running exit
@@ -244,4 +298,25 @@ fn end_now(name: &str, sig: usize) -> ! {
     );
     let _ = std::io::stderr().flush();
     signal_hook::low_level::exit(code)
+}
+
+#[cfg(test)]
+mod tests {
+    /// A second signal names the checkpoint with the largest step, by number (10 after 9), and
+    /// nothing else in the run dir.
+    #[test]
+    fn the_newest_checkpoint_is_the_largest_step() {
+        let dir = std::env::temp_dir().join(format!("xtrain-newest-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        for d in ["checkpoint-9", "checkpoint-10", "step-12", "checkpoint-x"] {
+            std::fs::create_dir_all(dir.join(d)).unwrap();
+        }
+        std::fs::write(dir.join("checkpoint-11"), b"not a dir").unwrap();
+        assert_eq!(
+            super::newest_checkpoint(&dir),
+            Some(dir.join("checkpoint-10"))
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(super::newest_checkpoint(&dir), None);
+    }
 }

@@ -26,9 +26,9 @@ pub struct Metrics {
     /// Model FLOPs of a step over the devices' peak FLOP/s, when the peak is known: a step's MFU
     /// is this over its time.
     pub mfu_seconds: Option<f64>,
-    /// When this invocation began and where its time went before the first step (loading,
-    /// compiling): written into its first step's line as `time_to_first_step`, with the step's
-    /// own time and the total.
+    /// When this invocation began and where its time went before the first step (reading the
+    /// data, loading, compiling, the step-0 evaluation): written into its first step's line as
+    /// `time_to_first_step`, with the step's own time and the total.
     pub first_step: Option<(std::time::Instant, serde_json::Value)>,
 }
 

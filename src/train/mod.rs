@@ -55,6 +55,7 @@ pub fn run(opts: &TrainOptions) -> Result<()> {
     let cfg = LlamaConfig::load(&opts.model)?;
     settings::settle(&mut opts, &cfg, &mut notes)?;
     opts.validate()?;
+    signals.set_out(&opts.out);
     for (flag, note) in opts.step.idle_result_types() {
         if opts.given(flag) {
             notes.push(note);
@@ -101,6 +102,7 @@ fn run_in(
     let began = Instant::now();
     let stop = || signals.stop() && team.is_none();
     let data = crate::data::load(&opts.data, &opts.model, cfg)?;
+    let data_s = began.elapsed().as_secs_f64();
     if stop() {
         return Ok(Finished::Interrupted(None));
     }
@@ -120,7 +122,7 @@ fn run_in(
         // Complete: the adapter is written again from the checkpoint, without loading the
         // weights or compiling the step for nothing (minutes on a large model).
         let base = crate::formats::peft::base_model(&opts.model);
-        save_adapter(&opts.out.join("adapter"), &spec.lora, &start.lora, &base)?;
+        save_adapter(&opts.out.join("adapter"), &spec, &start.lora, &base)?;
         return Ok(Finished::Complete);
     }
     let weights = load_weights(opts, cfg)?;
@@ -152,7 +154,9 @@ fn run_in(
         false => None,
     };
     if let Some(metrics) = &mut metrics {
-        metrics.first_step = Some((began, before_first_step(&trainer)));
+        let mut before = before_first_step(&trainer);
+        before["data_s"] = data_s.into();
+        metrics.first_step = Some((began, before));
         metrics.mfu_seconds = opts.peak_tflops.map(|peak| {
             let spec = &trainer.spec;
             let devices = spec.mesh.as_ref().map_or(1, |m| m.devices()) as f64;
@@ -188,7 +192,7 @@ fn run_in(
         return Ok(Finished::Interrupted(None));
     }
     if run.state.step == 0 {
-        run.evaluate(0)?;
+        run.evaluate_first()?;
     }
     let first = run.state.step;
     let finished = run.train(&signals.interrupted)?;
@@ -523,7 +527,7 @@ impl Run<'_> {
             };
             save_adapter(
                 &opts.out.join(format!("step-{step}")),
-                &self.trainer.spec.lora,
+                &self.trainer.spec,
                 &lora_now,
                 &self.base,
             )?;
@@ -532,6 +536,17 @@ impl Run<'_> {
     }
 
     /// Loss and exact-match accuracy on the held-out batches (if any), logged at `step`.
+    /// The step-0 evaluation, part of the time to the first step (on a large held-out set
+    /// most of it): said apart, as `eval_s` in the first step's line.
+    fn evaluate_first(&mut self) -> Result<()> {
+        let t0 = Instant::now();
+        self.evaluate(0)?;
+        if let Some((_, before)) = self.metrics.as_mut().and_then(|m| m.first_step.as_mut()) {
+            before["eval_s"] = t0.elapsed().as_secs_f64().into();
+        }
+        Ok(())
+    }
+
     fn evaluate(&mut self, step: u64) -> Result<()> {
         if self.eval_batches.is_empty() {
             return Ok(());
@@ -588,7 +603,7 @@ impl Run<'_> {
         };
         save_adapter(
             &self.opts.out.join("adapter"),
-            &self.trainer.spec.lora,
+            &self.trainer.spec,
             &lora_now,
             &self.base,
         )?;

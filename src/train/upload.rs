@@ -135,9 +135,10 @@ fn say_loaded(
         let before = before.map_or("unknown".into(), progress::gib);
         let secs = t0.elapsed().as_secs_f64();
         crate::esay!(
-            "xtrain: loaded {} of weights onto {devices} device{} in {secs:.2}s, {:.2} GiB/s (largest tensor {})",
+            "xtrain: loaded {} of weights (as the step holds them) onto {} in {secs:.2}s, {:.2} \
+             GiB/s; the checkpoint's largest tensor, as stored: {}",
             progress::gib(total),
-            if devices == 1 { "" } else { "s" },
+            crate::words::count(devices as usize, "device"),
             total as f64 / (1u64 << 30) as f64 / secs.max(1e-9),
             progress::gib(largest),
         );
@@ -162,10 +163,11 @@ fn say_loaded(
     }
 }
 
-/// Where loading's time went, as one line, each part with its rate: reading the files (GiB of
-/// the files mapped in), converting or quantizing (GiB of those bytes), and uploading (GiB put on
-/// the devices). They overlap (two threads, the quantizing on every core), so their sum may
-/// exceed the load's time.
+/// Where loading's time went, as one line, each part with its own bytes and rate: reading the
+/// files (the bytes mapped in), converting (the bytes of the boxes converted, as stored),
+/// quantizing (the bytes quantized, as stored), and uploading (the bytes put on the devices).
+/// They overlap (two threads, the quantizing on every core), so their sum may exceed the load's
+/// time.
 fn loading_split(f: &crate::device::frozen::LoadFigures) -> String {
     // Under a hundredth of a second (a zero-copy upload) a rate says nothing.
     let rate = |bytes: u64, s: f64| {
@@ -184,16 +186,18 @@ fn loading_split(f: &crate::device::frozen::LoadFigures) -> String {
             rate(read, f.read.read_s)
         ),
         format!(
-            "convert {:.2}s ({})",
+            "convert {:.2}s ({}, {})",
             f.read.convert_s,
-            rate(read, f.read.convert_s)
+            progress::gib(f.read.convert_bytes),
+            rate(f.read.convert_bytes, f.read.convert_s)
         ),
     ];
     if f.read.quantize_s > 0.0 {
         parts.push(format!(
-            "quantize {:.2}s ({})",
+            "quantize {:.2}s ({}, {})",
             f.read.quantize_s,
-            rate(read, f.read.quantize_s)
+            progress::gib(f.read.quantize_bytes),
+            rate(f.read.quantize_bytes, f.read.quantize_s)
         ));
     }
     parts.push(format!(

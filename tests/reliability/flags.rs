@@ -260,6 +260,19 @@ fn a_generate_flag_out_of_range_is_refused() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A preset typed as its model card writes it (`Llama-3.2-1B`) is pointed to the preset's
+/// lower-case name.
+#[test]
+fn a_preset_in_capitals_is_pointed_to_its_name() {
+    compile_is_refused(
+        "rel-preset-capitals",
+        &[(
+            &["--model", "Llama-3.2-1B"],
+            "did you mean --model llama-3.2-1b? (preset names are lower case)",
+        )],
+    );
+}
+
 #[test]
 fn compile_batch_0_is_refused() {
     compile_is_refused(

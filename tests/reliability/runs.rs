@@ -811,6 +811,10 @@ fn a_second_ctrl_c_ends_the_run_at_once() {
         !err.contains("interrupted before"),
         "the second signal, not the end of the phase, ended it: {err}"
     );
+    assert!(
+        err.contains("quitting at once (a second signal); the run has no checkpoint yet"),
+        "{err}"
+    );
     assert!(t1.elapsed().as_secs() < 5, "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
 }

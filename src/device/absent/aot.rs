@@ -502,7 +502,7 @@ impl TargetDevices {
 
 /// The optimized module and its memory report from an XLA dump directory: the largest
 /// `*after_optimizations.txt` (the step; small helper modules are dumped too).
-fn read_dump(dir: &Path) -> (Option<String>, Option<String>) {
+pub fn read_dump(dir: &Path) -> (Option<String>, Option<String>) {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return (None, None);
     };

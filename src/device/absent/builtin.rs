@@ -41,6 +41,8 @@ pub struct GpuModel {
     pub registers_per_block: u32,
     /// Dense bf16 matrix throughput (TFLOP/s), for model-FLOPs utilisation figures.
     pub peak_bf16_tflops: f64,
+    /// Host memory per GPU in its usual machine: `xtrain plan`'s default budget.
+    pub host_memory_bytes: i64,
 }
 
 /// A TPU generation as libtpu names it, with its dense bf16 throughput per chip (TFLOP/s).
@@ -49,6 +51,8 @@ pub struct GpuModel {
 pub struct TpuGeneration {
     pub name: String,
     pub peak_bf16_tflops_per_chip: f64,
+    /// Host memory per chip, GiB: `xtrain plan`'s default budget (builtin.toml says why).
+    pub host_memory_gib_per_chip: i64,
     /// Chips in the generation's largest slice (a full pod).
     pub max_chips: i64,
 }
@@ -107,6 +111,7 @@ struct GpuRow {
     registers_per_core: u32,
     registers_per_block: u32,
     peak_bf16_tflops: f64,
+    host_memory_gib: i64,
 }
 
 fn read_table(text: &str) -> Result<Builtin> {
@@ -145,6 +150,7 @@ fn read_table(text: &str) -> Result<Builtin> {
             registers_per_core: g.registers_per_core,
             registers_per_block: g.registers_per_block,
             peak_bf16_tflops: g.peak_bf16_tflops,
+            host_memory_bytes: g.host_memory_gib << 30,
         });
     }
     Ok(Builtin {
@@ -235,7 +241,7 @@ mod tests {
                  bandwidth_bytes_per_s = 1\nl2_mib = 1\nclock_ghz = 1.0\nthreads_per_warp = 32\n\
                  threads_per_core = 1\nfpus_per_core = 1\nshared_per_block_kib = 1\n\
                  shared_per_block_optin_kib = 1\nshared_per_core_kib = 1\nregisters_per_core = 1\n\
-                 registers_per_block = 1\npeak_bf16_tflops = 1.0\n"
+                 registers_per_block = 1\npeak_bf16_tflops = 1.0\nhost_memory_gib = 64\n"
             )
         };
         assert!(read_table(&row("cuda_compute_capability = [9, 0]\n")).is_ok());

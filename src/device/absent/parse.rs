@@ -29,6 +29,9 @@ pub struct Target {
     pub chips: i64,
     /// Dense bf16 throughput per chip, TFLOP/s, where known.
     pub peak_bf16_tflops_per_chip: Option<f64>,
+    /// The host memory per chip of the machine such a chip usually sits in (`builtin.toml`),
+    /// where known (not for a GPU described by a file).
+    pub host_memory_per_chip: Option<i64>,
 }
 
 /// Every name `--target` knows, for error messages.
@@ -105,6 +108,8 @@ impl Target {
     }
 
     fn tpu(spec: &str, generation: &str, dims: &str) -> Result<Target> {
+        // One chip is a slice of one host of one chip, which libtpu names 1x1.
+        let dims = if dims == "1" { "1x1" } else { dims };
         let gen = tpus()
             .iter()
             .find(|t| t.name == generation)
@@ -161,6 +166,7 @@ impl Target {
             create_options,
             chips,
             peak_bf16_tflops_per_chip: Some(gen.peak_bf16_tflops_per_chip),
+            host_memory_per_chip: Some(gen.host_memory_gib_per_chip << 30),
         })
     }
 
@@ -177,8 +183,8 @@ impl Target {
             Platform::Rocm
         };
         let (hosts, per_host) = parse_count(count, spec)?;
-        let (config, peak) = match config_file {
-            Some(file) => (read_target_config(file, platform)?, None),
+        let (config, peak, host) = match config_file {
+            Some(file) => (read_target_config(file, platform)?, None, None),
             None => {
                 let gpu = gpus()
                     .iter()
@@ -191,7 +197,11 @@ impl Target {
                             known_targets()
                         )
                     })?;
-                (gpu.target_config(), Some(gpu.peak_bf16_tflops))
+                (
+                    gpu.target_config(),
+                    Some(gpu.peak_bf16_tflops),
+                    Some(gpu.host_memory_bytes),
+                )
             }
         };
         Ok(Target {
@@ -208,6 +218,7 @@ impl Target {
             ],
             chips: hosts * per_host,
             peak_bf16_tflops_per_chip: peak,
+            host_memory_per_chip: host,
         })
     }
 }
@@ -298,6 +309,8 @@ mod tests {
                 "{spec}: {e}"
             );
         }
+        let one = Target::parse("tpu:v5e:1", None).unwrap();
+        assert_eq!((one.chips, one.topology_name.as_str()), (1, "v5e:1x1"));
         for ok in [
             "tpu:v5e:1x1",
             "tpu:v5e:2x4",

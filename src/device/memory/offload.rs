@@ -124,8 +124,18 @@ pub fn check_host_memory(needed: i64) -> Result<()> {
 
 /// `MemAvailable` from /proc/meminfo, in bytes.
 fn mem_available() -> Option<i64> {
+    meminfo("MemAvailable")
+}
+
+/// This machine's memory (`MemTotal` from /proc/meminfo), in bytes.
+pub fn mem_total() -> Option<i64> {
+    meminfo("MemTotal")
+}
+
+/// A field of /proc/meminfo, in bytes.
+fn meminfo(field: &str) -> Option<i64> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let line = text.lines().find(|l| l.split(':').next() == Some(field))?;
     let kib: i64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib * 1024)
 }

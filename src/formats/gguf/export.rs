@@ -212,10 +212,14 @@ fn merged_plan(
     Ok((entries, sources))
 }
 
-/// Whether the adapter's training record says it was trained with `--quant nf4`: the adapter
-/// is a checkpoint (its `trainer_state.json`), or a run's `adapter/` beside the run's
-/// checkpoints (the latest one's). Returns the quant and the file that says it.
+/// Whether the adapter's training record says it was trained with `--quant nf4`: its own
+/// record of its base (`xtrain_base.json`, beside every adapter xtrain writes), else for an
+/// adapter of an older xtrain a checkpoint's `trainer_state.json`, or a run's `adapter/` beside
+/// the run's checkpoints (the latest one's). Returns the quant and the file that says it.
 pub fn recorded_quant(adapter: &Path) -> Option<(String, PathBuf)> {
+    if let Ok(Some((t, record))) = crate::formats::adapter_base::read_record(adapter) {
+        return Some((t.quant, record));
+    }
     let quant_in = |state: &Path| -> Option<String> {
         let text = std::fs::read_to_string(state).ok()?;
         let j: serde_json::Value = serde_json::from_str(&text).ok()?;
