@@ -25,10 +25,14 @@ pub fn import_gguf(file: &Path, out: &Path, overwrite: bool) -> Result<()> {
             xtrain::esay!("importing {}: {pct}% of {total} tensors", file.display());
         }
     })?;
+    let g = xtrain::formats::gguf::read::Gguf::open(file)?;
+    let (_, (family, why)) = xtrain::formats::gguf::import::arch_and_family(&g)?;
     xtrain::say!(
-        "wrote {} in {:.1}s",
+        "wrote {} in {:.1}s: a {} model{}",
         out.display(),
-        t0.elapsed().as_secs_f64()
+        t0.elapsed().as_secs_f64(),
+        family.model_type(),
+        why.map(|w| format!(" ({w})")).unwrap_or_default(),
     );
     Ok(())
 }

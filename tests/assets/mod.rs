@@ -8,6 +8,15 @@ use anyhow::{bail, Context, Result};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+/// SmolLM2-135M-Instruct's GGUF file (Q4_1), fetching it the first time.
+pub fn smollm2_gguf() -> Result<PathBuf> {
+    let gguf = pjrt::discover::cache_dir()
+        .join("downloads")
+        .join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    pjrt::once::create_once(&gguf, "the SmolLM2 GGUF", |g| g.is_file(), fetch_smollm2)?;
+    Ok(gguf)
+}
+
 /// The imported SmolLM2-135M-Instruct model directory, fetching and importing it the first time.
 /// Safe to call from several threads and processes: the fetch and the import are each made by
 /// one caller at a time ([`pjrt::once::create_once`]), the others wait and use theirs.

@@ -6,7 +6,8 @@
 //! llama.cpp's `llama` architecture rotates adjacent pairs of a head's values, so its converter
 //! reorders the rows of q and k from Hugging Face's two halves ([`reorder_qk`]); `qwen2` and
 //! `qwen3` rotate the two halves as Hugging Face does (NeoX-style RoPE) and keep the rows as
-//! they are. Mistral is Llama's graph and is written as `llama`.
+//! they are. Mistral is Llama's graph and is written as `llama`; a `llama` file imports as
+//! Mistral where it says so ([`Arch::family_in`]).
 
 use super::ggml::hparam;
 use crate::model::config::{Family, LlamaConfig};
@@ -16,7 +17,8 @@ use crate::model::config::{Family, LlamaConfig};
 pub struct Arch {
     /// llama.cpp's name (`general.architecture`, the prefix of its hyperparameter keys).
     pub name: &'static str,
-    /// The families written as this architecture; a file of it imports as the first.
+    /// The families written as this architecture; a file of it imports as the first unless it
+    /// says which ([`Arch::family_in`]).
     pub families: &'static [Family],
     /// Whether llama.cpp keeps the rows of q and k per head as interleaved pairs (its Llama
     /// RoPE rotates adjacent values), where Hugging Face keeps two halves: see [`reorder_qk`].
@@ -58,9 +60,40 @@ pub fn arch_of(family: Family) -> &'static Arch {
 }
 
 impl Arch {
-    /// The family a file of this architecture imports as.
-    pub fn family(&self) -> Family {
-        self.families[0]
+    /// The family a file of this architecture imports as, by what else the file says:
+    /// `model_type` (xtrain's export writes [`super::ggml::key::MODEL_TYPE`]), else the
+    /// family a `names` entry (`general.name`, `general.basename`; llama.cpp's converter takes
+    /// them from the checkpoint's name, "Mistral-7B-Instruct-v0.3") names, case aside, else
+    /// the first. A family with no RoPE scaling is not chosen by name where the file carries
+    /// Llama 3's (`llama3_rope`). Returns the family and, where it is not the first, why.
+    pub fn family_in(
+        &self,
+        model_type: Option<&str>,
+        names: &[&str],
+        llama3_rope: bool,
+    ) -> anyhow::Result<(Family, Option<String>)> {
+        if let Some(t) = model_type {
+            return match self.families.iter().find(|f| f.model_type() == t) {
+                Some(&f) => Ok((f, Some(format!("{} = {t}", super::ggml::key::MODEL_TYPE)))),
+                None => anyhow::bail!(
+                    "{} = `{t}` is not a family llama.cpp's `{}` architecture holds ({})",
+                    super::ggml::key::MODEL_TYPE,
+                    self.name,
+                    self.families
+                        .iter()
+                        .map(|f| f.model_type())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            };
+        }
+        for &f in &self.families[1..] {
+            let says = |n: &&&str| n.to_ascii_lowercase().contains(f.model_type());
+            if let Some(name) = names.iter().find(says).filter(|_| !llama3_rope) {
+                return Ok((f, Some(format!("the file's name is \"{name}\""))));
+            }
+        }
+        Ok((self.families[0], None))
     }
 }
 
@@ -384,5 +417,27 @@ mod tests {
             .unwrap()
             .unwrap();
         assert_eq!(rope_freqs(&tiny).is_some(), tiny.rope_scaling.is_some());
+    }
+
+    #[test]
+    fn a_llama_file_imports_as_mistral_where_it_says_so() {
+        let family = |t, names: &[&str], rope| LLAMA.family_in(t, names, rope).unwrap().0;
+        assert_eq!(family(Some("mistral"), &["model"], false), Family::Mistral);
+        assert_eq!(family(Some("llama"), &["Mistral-x"], false), Family::Llama);
+        assert_eq!(
+            family(None, &["Mistral-Nemo-Instruct-2407"], false),
+            Family::Mistral
+        );
+        assert_eq!(family(None, &["x", "Mistral"], false), Family::Mistral);
+        assert_eq!(family(None, &["Meta-Llama-3.1-8B"], false), Family::Llama);
+        assert_eq!(family(None, &[], false), Family::Llama);
+        // Llama 3's RoPE scaling is not Mistral's, whatever the name.
+        assert_eq!(family(None, &["mistral-ish"], true), Family::Llama);
+        let e = LLAMA.family_in(Some("qwen2"), &[], false).unwrap_err();
+        assert!(e.to_string().contains("llama, mistral"), "{e}");
+        assert_eq!(
+            QWEN2.family_in(None, &["Mistral"], false).unwrap().0,
+            Family::Qwen2
+        );
     }
 }

@@ -69,9 +69,15 @@ fn model_metadata(cfg: &LlamaConfig, name: &str, ty: TensorType) -> Result<Vec<(
     let mut m = vec![
         (key::ARCHITECTURE.to_string(), Value::Str(a.name.into())),
         (key::NAME.to_string(), Value::Str(name.into())),
+    ];
+    if a.families.len() > 1 {
+        let t = cfg.family.model_type();
+        m.push((key::MODEL_TYPE.to_string(), Value::Str(t.into())));
+    }
+    m.extend([
         (key::FILE_TYPE.to_string(), Value::U32(ty.file_type())),
         (key::QUANTIZATION_VERSION.to_string(), Value::U32(2)),
-    ];
+    ]);
     let fields = serde_json::to_value(cfg)?;
     for h in HPARAMS {
         let v = &fields[h.field];

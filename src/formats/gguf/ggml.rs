@@ -166,6 +166,10 @@ pub mod key {
     pub const ARCHITECTURE: &str = "general.architecture";
     pub const TYPE: &str = "general.type";
     pub const NAME: &str = "general.name";
+    pub const BASENAME: &str = "general.basename";
+    /// config.json's `model_type`, which xtrain writes where llama.cpp's architecture holds
+    /// more than one family (Mistral is written as `llama`); llama.cpp ignores it.
+    pub const MODEL_TYPE: &str = "xtrain.model_type";
     pub const FILE_TYPE: &str = "general.file_type";
     pub const QUANTIZATION_VERSION: &str = "general.quantization_version";
     pub const ALIGNMENT: &str = "general.alignment";

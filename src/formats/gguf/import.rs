@@ -33,6 +33,25 @@ fn hparam_value(g: &Gguf, arch: &str, h: &Hparam) -> Option<Json> {
     }
 }
 
+/// The architecture of a GGUF file and the family it imports as ([`arch::Arch::family_in`]),
+/// with the reason where that is not the architecture's first family.
+pub fn arch_and_family(g: &Gguf) -> Result<(&'static arch::Arch, (Family, Option<String>))> {
+    let name = g.str(key::ARCHITECTURE).unwrap_or("");
+    let Some(a) = arch::arch(name) else {
+        bail!(
+            "{} is `{name}`; xtrain imports {}",
+            key::ARCHITECTURE,
+            arch::arch_names()
+        );
+    };
+    let names: Vec<&str> = [key::NAME, key::BASENAME]
+        .iter()
+        .filter_map(|k| g.str(k))
+        .collect();
+    let llama3_rope = g.tensor(arch::ROPE_FREQS).is_some();
+    Ok((a, a.family_in(g.str(key::MODEL_TYPE), &names, llama3_rope)?))
+}
+
 /// The HF config of a GGUF file of one of [`arch::ARCHS`].
 pub fn hf_config(g: &Gguf) -> Result<Json> {
     if g.str(key::TYPE) == Some("adapter") {
@@ -42,15 +61,7 @@ pub fn hf_config(g: &Gguf) -> Result<Json> {
             key::TYPE
         );
     }
-    let name = g.str(key::ARCHITECTURE).unwrap_or("");
-    let Some(a) = arch::arch(name) else {
-        bail!(
-            "{} is `{name}`; xtrain imports {}",
-            key::ARCHITECTURE,
-            arch::arch_names()
-        );
-    };
-    let family = a.family();
+    let (a, (family, _)) = arch_and_family(g)?;
     let mut c = json!({
         "architectures": [family.architecture()],
         "model_type": family.model_type(),
@@ -59,7 +70,13 @@ pub fn hf_config(g: &Gguf) -> Result<Json> {
     });
     // The switches of the family's config that llama.cpp's architecture fixes.
     match family {
-        Family::Llama | Family::Mistral => c["attention_bias"] = json!(false),
+        Family::Llama => c["attention_bias"] = json!(false),
+        // llama.cpp's `llama` attends over the whole context; without the field transformers
+        // would slide Mistral's attention over 4096 tokens.
+        Family::Mistral => {
+            c["attention_bias"] = json!(false);
+            c["sliding_window"] = Json::Null;
+        }
         Family::Qwen2 => c["use_sliding_window"] = json!(false),
         Family::Qwen3 => {
             c["attention_bias"] = json!(false);
@@ -302,6 +319,8 @@ fn hf_values(
 /// whole under a temp name and put in place once complete: replacing whatever `out` held (a
 /// sharded model's index and shards included) with [`Replace::Yes`], and only where `out` is
 /// still free or empty with [`Replace::No`].
+///
+/// `progress(done, total)` after each tensor.
 ///
 /// [`Replace::Yes`]: crate::formats::atomic::Replace::Yes
 /// [`Replace::No`]: crate::formats::atomic::Replace::No
