@@ -77,12 +77,36 @@ fn messages(v: &serde_json::Value, key: &str) -> std::result::Result<Vec<Message
         .collect()
 }
 
+/// What a row without `key` is told: the keys it has (a misspelt one shows), and for a row of
+/// supervised data (`text`, `messages`, or `prompt` + `completion`) that it is one.
+fn missing(obj: &serde_json::Map<String, serde_json::Value>, key: &str) -> String {
+    let expected = "a preference row is {\"prompt\", \"chosen\", \"rejected\"}";
+    let has = |k: &str| obj.get(k).is_some_and(|v| !v.is_null());
+    if !has("chosen") && !has("rejected") {
+        if let Some(k) = ["text", "messages", "completion"]
+            .into_iter()
+            .find(|k| has(k))
+        {
+            return format!(
+                "no `{key}`: this is a row of supervised data (`{k}`), and --method dpo takes \
+                 preference pairs ({expected}); train on it without --method dpo"
+            );
+        }
+    }
+    let keys: Vec<String> = obj.keys().map(|k| format!("`{k}`")).collect();
+    let keys = if keys.is_empty() {
+        "none".to_string()
+    } else {
+        keys.join(", ")
+    };
+    format!("no `{key}` (the row's keys: {keys}; {expected})")
+}
+
 /// A row (a JSONL line, or a Parquet row as the object it would be) as a pair.
 pub(crate) fn parse_pair(v: &serde_json::Value) -> std::result::Result<Pair, String> {
     let obj = v.as_object().ok_or("not a JSON object")?;
-    let expected = "a preference row is {\"prompt\", \"chosen\", \"rejected\"}";
     let get = |k: &str| match obj.get(k) {
-        None | Some(serde_json::Value::Null) => Err(format!("no `{k}` ({expected})")),
+        None | Some(serde_json::Value::Null) => Err(missing(obj, k)),
         Some(v) => Ok(v),
     };
     let (prompt, chosen, rejected) = (get("prompt")?, get("chosen")?, get("rejected")?);
@@ -296,4 +320,39 @@ pub fn pair_rows_of(
         rows.extend(two);
     }
     Ok((rows, report))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn refusal(line: &str) -> String {
+        match parse_pair(&serde_json::from_str(line).unwrap()) {
+            Ok(_) => panic!("{line} was taken"),
+            Err(e) => e,
+        }
+    }
+
+    #[test]
+    fn a_row_without_a_field_names_the_keys_it_has_or_that_it_is_supervised() {
+        let e = refusal(r#"{"prompt": "a", "choosen": " b", "rejected": " c"}"#);
+        assert!(
+            e.starts_with("no `chosen` (the row's keys: `choosen`, `prompt`, `rejected`;"),
+            "{e}"
+        );
+        let e = refusal("{}");
+        assert!(e.starts_with("no `prompt` (the row's keys: none;"), "{e}");
+        for row in [
+            r#"{"text": "hello"}"#,
+            r#"{"messages": [{"role": "user", "content": "hi"}]}"#,
+            r#"{"prompt": "a", "completion": " b"}"#,
+        ] {
+            let e = refusal(row);
+            assert!(
+                e.contains("this is a row of supervised data")
+                    && e.contains("without --method dpo"),
+                "{row}: {e}"
+            );
+        }
+    }
 }
