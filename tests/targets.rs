@@ -156,7 +156,7 @@ fn tiny_step_compiles_for_a_tpu_v5e_slice() {
     let dir = tempdir("target-tpu");
     let out = compile_for("tpu:v5e:2x2", &dir, &[]);
     assert!(
-        out.contains("target tpu:v5e:2x2: 4 x TPU v5 lite on 1 host(s)"),
+        out.contains("target tpu:v5e:2x2: 4 x TPU v5 lite on 1 host"),
         "{out}"
     );
     assert!(out.contains(r#"mesh [("fsdp", 4)]"#), "{out}");

@@ -41,11 +41,11 @@ pub fn print_target(t: &TargetDevices) -> Result<()> {
         format!(" {version}")
     };
     crate::say!(
-        "target {}: {} x {} on {} host(s){memory} ({} plugin{version}, PJRT C API {}.{})",
+        "target {}: {} x {} on {}{memory} ({} plugin{version}, PJRT C API {}.{})",
         t.target.spec,
         t.devices.len(),
         t.device_kind(),
-        t.hosts(),
+        crate::words::count(t.hosts().max(0) as usize, "host"),
         t.target.platform.plugin(),
         t.plugin.api_version().0,
         t.plugin.api_version().1,
