@@ -9,6 +9,12 @@
 //! refusal). Taking a longer sequence than one that does not fit not to fit either, the answer
 //! is the one a binary search gives.
 //!
+//! Each probe compiles the whole model, not a model cut to a few layers whose memory is
+//! extrapolated to all of them (as the TPU time estimate does for time): the layers are one loop
+//! body, so a 2- or 3-layer step compiles in about the time of the whole one, and at long lengths
+//! the whole step's device memory is not their line (docs/performance.md, "Should `--seq max`
+//! probe a few layers?"; `tools/bench-plan-extrapolation`).
+//!
 //! At each length the least-memory settings are tried in order, least device memory first
 //! (everything offloaded), then those that need less host memory; one that a tried setting shows
 //! cannot fit (less offload than one that did not fit the device, more than one that did not

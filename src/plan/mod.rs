@@ -248,9 +248,10 @@ fn method(o: &PlanOptions, by_estimate: bool, limits: &Limits, rates: Option<&Ra
         SeqGoal::Fixed(_) => String::new(),
         SeqGoal::Max { step, .. } => format!(
             "; --seq max: the longest multiple of {step} tokens that the least-memory settings \
-             of the space fit (the longest first, then the lengths the figures point at by a \
-             line through the nearest probes, halving where that does not narrow the interval; \
-             a longer sequence than one that does not fit taken not to fit either)"
+             of the space fit, each probe a full compile of the step (the longest first, then \
+             the lengths the figures point at by a line through the nearest probes, halving \
+             where that does not narrow the interval; a longer sequence than one that does not \
+             fit taken not to fit either)"
         ),
     };
     format!("{fit}; {rank}; {skip}{seq}")
