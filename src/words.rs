@@ -107,6 +107,17 @@ pub fn gib(n: i64) -> String {
     }
 }
 
+/// `x` with `places` decimals, never `-0.0000`: a figure that rounds to zero is shown as zero,
+/// whatever side of it the float noise fell (a DPO margin at step 1, where the policy is the
+/// reference).
+pub fn fixed(x: f64, places: usize) -> String {
+    let s = format!("{x:.places$}");
+    match s.strip_prefix('-') {
+        Some(rest) if rest.chars().all(|c| c == '0' || c == '.') => rest.to_string(),
+        _ => s,
+    }
+}
+
 /// This machine's host name (`gethostname`), or None where it cannot be read. Messages say `?`
 /// for None; a file name says something else.
 pub fn hostname() -> Option<String> {
@@ -149,6 +160,15 @@ pub fn escaped(text: &str, max: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_figure_that_rounds_to_zero_has_no_sign() {
+        assert_eq!(fixed(-1.2e-7, 4), "0.0000");
+        assert_eq!(fixed(1.2e-7, 4), "0.0000");
+        assert_eq!(fixed(-0.00006, 4), "-0.0001");
+        assert_eq!(fixed(-2.5, 1), "-2.5");
+        assert_eq!(fixed(f64::NAN, 2), "NaN");
+    }
 
     #[test]
     fn counts_and_plurals() {

@@ -8,33 +8,7 @@ use xtrain::formats::safetensors::SafeTensors;
 fn train_reproduces_the_oracle_losses_and_adapter_step3() {
     let f = fixtures();
     let out = tempdir("oracle-train");
-    let status = train_cmd(&f.join("model"), &f.join("inputs.safetensors"), &out)
-        .arg("--init-adapter")
-        .arg(f.join("adapter_init"))
-        .args([
-            "--steps",
-            "3",
-            "--lr",
-            "1e-3",
-            "--betas",
-            "0.9,0.999",
-            "--eps",
-            "1e-8",
-            "--weight-decay",
-            "0",
-        ])
-        .args([
-            "--lora-r",
-            "8",
-            "--lora-alpha",
-            "16",
-            "--lora-targets",
-            "q,k,v,o,gate,up,down",
-            "--save-every",
-            "3",
-        ])
-        .status()
-        .unwrap();
+    let status = oracle_train_cmd(&f, &out).status().unwrap();
     assert!(status.success());
     let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
     let rows: Vec<serde_json::Value> = metrics

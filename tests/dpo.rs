@@ -287,6 +287,34 @@ fn a_resumed_dpo_run_equals_an_uninterrupted_one() {
     assert_eq!(strip(&metrics(&whole)), strip(&metrics(&parts)));
 }
 
+/// `--precompute-reference` changes how the reference's log-probabilities are had, not what the
+/// run computes: a run started without it and resumed with it says so (it is not refused as a
+/// flag of preference training, though `--method` was left out) and still ends at TRL's run.
+#[test]
+fn a_dpo_run_resumed_with_the_reference_precomputed_still_equals_trl() {
+    let dir = tempdir("dpo-resume-precompute");
+    let out = dir.join("run");
+    ok(
+        &train(&dir, "sigmoid_start", &out, &["--stop-after", "2"]),
+        "first part",
+    );
+    let o = xtrain_cmd()
+        .args(["train", "--resume"])
+        .arg(out.join("checkpoint-2"))
+        .arg("--precompute-reference")
+        .output()
+        .unwrap();
+    let err = ok(&o, "resumed with --precompute-reference");
+    assert!(
+        err.contains(
+            "--precompute-reference true (the command line) instead of the recorded \
+             --precompute-reference false"
+        ),
+        "{err}"
+    );
+    check_against_trl("sigmoid_start", &out, "resumed with --precompute-reference");
+}
+
 /// QLoRA DPO: NF4 base weights, a fresh adapter (the base model is then the reference, and the
 /// first loss ln 2): the loss falls and the margin grows over the steps.
 #[test]

@@ -499,26 +499,7 @@ fn xtrain_train_on_two_virtual_hosts_reproduces_peft_for_each_family() {
     for f in FAMILIES {
         let d = family_dir(f);
         let out = tempdir(&format!("family-train-{f}"));
-        let o = train_cmd(&d.join("model"), &d.join("inputs.safetensors"), &out)
-            .arg("--init-adapter")
-            .arg(d.join("adapter_init"))
-            .args([
-                "--steps",
-                "3",
-                "--lr",
-                "1e-3",
-                "--betas",
-                "0.9,0.999",
-                "--eps",
-                "1e-8",
-            ])
-            .args(["--weight-decay", "0", "--lora-r", "8", "--lora-alpha", "16"])
-            .args([
-                "--lora-targets",
-                "q,k,v,o,gate,up,down",
-                "--save-every",
-                "3",
-            ])
+        let o = oracle_train_cmd(&d, &out)
             .args(["--mesh", "fsdp=4", "--virtual-hosts", "2"])
             .output()
             .unwrap();

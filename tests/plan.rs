@@ -443,7 +443,7 @@ fn ctrl_c_during_a_plan_says_nothing_was_written() {
         .unwrap()
         .flatten()
         .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|n| n.starts_with(&format!("xtrain-plan-{pid}-")))
+        .filter(|n| n.starts_with(&format!("xtrain-dumps-{pid}-")))
         .collect();
     assert!(left.is_empty(), "{left:?}");
 }

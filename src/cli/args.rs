@@ -170,10 +170,12 @@ pub struct PreferenceArgs {
 }
 
 impl PreferenceArgs {
-    /// `--method`; with sft, the DPO flags are refused (they would do nothing).
-    pub fn method(&self) -> Result<Method> {
+    /// `--method`; with sft, the DPO flags are refused (they would do nothing). Not where the
+    /// method is still to come from a checkpoint (`train --resume` without `--method`): the
+    /// recorded method settles them, and a flag that differs from the run's is refused there.
+    pub fn method(&self, recorded: bool) -> Result<Method> {
         let method = Method::parse(&self.method)?;
-        if method == Method::Sft {
+        if method == Method::Sft && !recorded {
             let given = [
                 ("--beta", self.beta.is_some()),
                 ("--dpo-loss", self.dpo_loss.is_some()),
@@ -261,6 +263,12 @@ impl StepArgs {
 
     /// The step options these flags give.
     pub fn options(&self) -> Result<StepOptions> {
+        self.options_with(false)
+    }
+
+    /// [`StepArgs::options`], where `method_recorded` says the method is to be taken from a
+    /// checkpoint (`train --resume` without `--method`).
+    pub fn options_with(&self, method_recorded: bool) -> Result<StepOptions> {
         Ok(StepOptions {
             lora: self.lora.config()?,
             adam: self.adam()?,
@@ -278,7 +286,7 @@ impl StepArgs {
             keep_softmax_stats: self.keep_softmax_stats,
             pin_mlp_activations: self.pin_mlp_activations,
             offload: self.offload.0,
-            method: self.preference.method()?,
+            method: self.preference.method(method_recorded)?,
             preference: self.preference.preference()?,
         })
     }

@@ -228,6 +228,12 @@ pub fn main() {
             .and_then(|model| convert::merge(&model, &adapter, &out, overwrite)),
     };
     if let Err(e) = result {
+        if signals::ending() {
+            // The signal's watcher is removing the temp files and ends the process.
+            loop {
+                std::thread::park();
+            }
+        }
         xtrain::esay!("error: {e:#}");
         std::process::exit(1);
     }

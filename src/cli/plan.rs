@@ -145,7 +145,7 @@ pub fn plan(a: PlanArgs, verbose: bool, given: BTreeSet<String>) -> Result<()> {
             None => "the plan was not finished".into(),
         },
         out: options.out.clone(),
-        temp_prefixes: &["xtrain-plan-", "xtrain-peak-", "xtrain-aot-"],
+        temp_prefixes: &[xtrain::device::dumps::ROOT_PREFIX],
     })?;
     xtrain::plan::run(&options)?;
     Ok(())

@@ -214,7 +214,9 @@ pub fn train(
         Some(m) => crate::cli::model::model_dir(m, a.revision.as_deref(), "train")?,
         None => PathBuf::new(),
     };
-    let mut step = a.step.options()?;
+    let mut step = a
+        .step
+        .options_with(a.resume.is_some() && !explicit.contains("method"))?;
     // TRL's reference for a model that arrives with an adapter: a frozen copy of it.
     if a.step.preference.reference.is_none() && a.init_adapter.is_some() {
         step.preference.reference = xtrain::program::Reference::Start;

@@ -24,6 +24,7 @@
 
 pub mod absent;
 pub mod cache;
+pub mod dumps;
 pub mod frozen;
 pub mod generate;
 pub mod hosts;

@@ -63,17 +63,16 @@ fn best_of(
     dtype: DType,
     runs: usize,
 ) -> Result<(f64, f64)> {
-    let dump =
-        std::env::temp_dir().join(format!("xtrain-peak-{}-{}", std::process::id(), text.len()));
+    let dump = crate::device::dumps::DumpDir::new()?;
     let options = CompileOptions::default()
         .with_override(
             "xla_dump_to",
-            OptionValue::String(dump.to_string_lossy().into()),
+            OptionValue::String(dump.path().to_string_lossy().into()),
         )
         .with_override("xla_dump_hlo_as_text", OptionValue::Bool(true));
     let exe = rt.client.compile(text, &options);
-    let optimized = crate::device::absent::aot::read_dump(&dump).0;
-    let _ = std::fs::remove_dir_all(&dump);
+    let optimized = crate::device::absent::aot::read_dump(dump.path()).0;
+    drop(dump);
     let exe = exe.context("compiling the CPU plugin's measuring program")?;
     let launched = optimized
         .as_deref()

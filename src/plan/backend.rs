@@ -34,8 +34,6 @@ pub struct Here {
     runtimes: BTreeMap<i64, Runtime>,
     /// The CPU plugin's rates, once measured.
     measured: Option<Rates>,
-    /// Compiles so far (each dumps into a directory of its own).
-    compiles: usize,
 }
 
 impl Backend {
@@ -57,7 +55,6 @@ impl Backend {
                 devices,
                 runtimes: BTreeMap::new(),
                 measured: None,
-                compiles: 0,
             };
             return Ok(Backend::Here(here));
         };
@@ -322,18 +319,13 @@ impl Here {
                 self.devices
             );
         }
-        let dump = std::env::temp_dir().join(format!(
-            "xtrain-plan-{}-{}",
-            std::process::id(),
-            self.compiles
-        ));
-        self.compiles += 1;
+        let dump = crate::device::dumps::DumpDir::new()?;
         let rt = self.runtime(n)?;
         let t0 = std::time::Instant::now();
-        let exe = rt.compile_dumping(program, Some(&dump));
+        let exe = rt.compile_dumping(program, Some(dump.path()));
         let compile_s = t0.elapsed().as_secs_f64();
-        let optimized = crate::device::absent::aot::read_dump(&dump).0;
-        let _ = std::fs::remove_dir_all(&dump);
+        let optimized = crate::device::absent::aot::read_dump(dump.path()).0;
+        drop(dump);
         let m = exe?.memory_stats()?;
         Ok(Compiled::Figures(Figures {
             device_bytes: m.total_bytes(),

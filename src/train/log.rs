@@ -104,9 +104,9 @@ impl Metrics {
         line["eval_pairs"] = m.pairs.into();
         writeln!(self.file, "{line}")?;
         crate::train::progress::say(&format!(
-            "eval at step {step}: loss {:.4}, reward margin {:.4}, accuracy {:.1}% of {} pairs",
+            "eval at step {step}: loss {:.4}, reward margin {}, accuracy {:.1}% of {} pairs",
             m.loss,
-            m.rewards_margins,
+            crate::words::fixed(m.rewards_margins, 4),
             100.0 * m.rewards_accuracies,
             m.pairs
         ));

@@ -78,8 +78,8 @@ pub(super) fn step_metrics(trainer: &Trainer, batch: &Batch) -> Result<Option<Pa
 pub(super) fn shown(m: Option<&PairMetrics>) -> String {
     m.map_or(String::new(), |m| {
         format!(
-            " margin {:.4} acc {:.0}%",
-            m.rewards_margins,
+            " margin {} acc {:.0}%",
+            crate::words::fixed(m.rewards_margins, 4),
             100.0 * m.rewards_accuracies
         )
     })

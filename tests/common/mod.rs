@@ -103,6 +103,29 @@ pub fn train_cmd(model: &Path, data: &Path, out: &Path) -> Command {
     c
 }
 
+/// The oracle's run of a fixture dir (`model/`, `inputs.safetensors`, `adapter_init/`) into
+/// `out`: 3 AdamW steps (lr 1e-3, betas 0.9,0.999, eps 1e-8, no weight decay) of a rank-8,
+/// alpha-16 adapter on all seven projections, saved at step 3; to add flags to.
+pub fn oracle_train_cmd(fixture: &Path, out: &Path) -> Command {
+    let mut c = train_cmd(
+        &fixture.join("model"),
+        &fixture.join("inputs.safetensors"),
+        out,
+    );
+    c.arg("--init-adapter")
+        .arg(fixture.join("adapter_init"))
+        .args(["--steps", "3", "--lr", "1e-3", "--betas", "0.9,0.999"])
+        .args(["--eps", "1e-8", "--weight-decay", "0"])
+        .args(["--lora-r", "8", "--lora-alpha", "16"])
+        .args([
+            "--lora-targets",
+            "q,k,v,o,gate,up,down",
+            "--save-every",
+            "3",
+        ]);
+    c
+}
+
 /// Run xtrain with `args` and wait for it.
 pub fn xtrain(args: &[&str]) -> Output {
     xtrain_cmd().args(args).output().unwrap()

@@ -225,8 +225,8 @@ impl TargetDevices {
                 d.to_path_buf()
             }
             None => {
-                temp = TempDir::new()?;
-                temp.0.clone()
+                temp = crate::device::dumps::DumpDir::new()?;
+                temp.path().to_path_buf()
             }
         };
         let options = self.options(&dump_dir);
@@ -527,30 +527,6 @@ pub fn read_dump(dir: &Path) -> (Option<String>, Option<String>) {
         std::fs::read_to_string(&path).ok(),
         std::fs::read_to_string(report).ok(),
     )
-}
-
-/// A temporary directory removed on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new() -> Result<TempDir> {
-        let d = std::env::temp_dir().join(format!(
-            "xtrain-aot-{}-{}",
-            std::process::id(),
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_nanos())
-                .unwrap_or(0)
-        ));
-        std::fs::create_dir_all(&d).with_context(|| format!("cannot create {}", d.display()))?;
-        Ok(TempDir(d))
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
 }
 
 #[cfg(test)]

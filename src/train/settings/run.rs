@@ -44,8 +44,9 @@ pub const PATH_FLAGS: &[&str] = &["model", "data", "eval-data", "out", "program"
 /// The flags that say how a run is laid out on devices and how it reports, not what it
 /// computes: a resumed run takes the recorded value when the flag is left out, and a value
 /// given on the command line wins over it (said, not refused). The program-form flags here
-/// change the form of the same arithmetic; `--attention-scores` is not among them, since bf16
-/// scores round once more than f32 ones.
+/// change the form of the same arithmetic (`--precompute-reference` too: the reference's
+/// forward pass once before training instead of inside each step); `--attention-scores` is not
+/// among them, since bf16 scores round once more than f32 ones.
 pub const LAYOUT_AND_REPORTING: &[&str] = &[
     "remat",
     "offload",
@@ -59,6 +60,7 @@ pub const LAYOUT_AND_REPORTING: &[&str] = &[
     "matmul-result",
     "keep-softmax-stats",
     "pin-mlp-activations",
+    "precompute-reference",
     "plugin",
     "program",
     "eval-data",
