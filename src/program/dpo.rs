@@ -279,12 +279,9 @@ impl Layout<'_> {
             });
         }
         let model = self.model();
-        let (embed, norm, lm_head) = self.ends(&m.frozen);
-        let h0 = model.embed(b, embed, ids)?;
-        let h0 = self.constrain_batch(b, h0)?;
-        let ctx = model.context(b, mask, self.spec.lora.scale())?;
-        let (fwd, inv) = self.forward_loop(b, m, h0, &ctx, key)?;
-        let h_last = model.in_natural_order(b, fwd[0])?;
+        let (_, norm, lm_head) = self.ends(&m.frozen);
+        let f = self.scanned_forward(b, m, ids, mask, key)?;
+        let h_last = f.h_last;
         // With the loss in chunks each chunk's gradient is taken per row before the loss is
         // known and scaled after; whole, the logits' gradient is scaled before the head's vjp.
         let (logps, dh) = match self.spec.loss_chunk {
@@ -307,13 +304,7 @@ impl Layout<'_> {
             }
         };
         let (logps, loss) = logps;
-        // The gradient of the last hidden state in the layers' row order.
-        let dh = if h_last == fwd[0] {
-            dh
-        } else {
-            b.vjp(&[(h_last, dh)], &[fwd[0]])?[0]
-        };
-        let grads = self.backward_loop(b, m, &fwd, &inv, dh)?;
+        let grads = self.scanned_backward(b, m, &f, dh)?;
         Ok(PairPass {
             loss,
             grads,

@@ -25,7 +25,53 @@ pub(super) struct LoopInputs {
     dropout: bool,
 }
 
+/// A looped forward pass kept for its backward: what the forward loop carried out (the last
+/// hidden state in the layers' row order, the saved stacks), the loops' invariants, and the
+/// last hidden state in natural row order, `h_last` [B, T, H], that the head reads.
+pub(super) struct ScannedForward {
+    fwd: Vec<Value>,
+    inv: LoopInputs,
+    pub h_last: Value,
+}
+
 impl Layout<'_> {
+    /// The embedding and the layer loop up to `h_last`, for a step that takes gradients (the
+    /// next-token loss's and DPO's): the first half of [`Layout::scanned_backward`]'s pair.
+    pub(super) fn scanned_forward(
+        &self,
+        b: &mut Builder,
+        m: &ModelValues,
+        ids: Value,
+        mask: Value,
+        key: Option<Value>,
+    ) -> hlo::Result<ScannedForward> {
+        let model = self.model();
+        let (embed, _, _) = self.ends(&m.frozen);
+        let h0 = model.embed(b, embed, ids)?;
+        let h0 = self.constrain_batch(b, h0)?;
+        let ctx = model.context(b, mask, self.spec.lora.scale())?;
+        let (fwd, inv) = self.forward_loop(b, m, h0, &ctx, key)?;
+        let h_last = model.in_natural_order(b, fwd[0])?;
+        Ok(ScannedForward { fwd, inv, h_last })
+    }
+
+    /// The LoRA gradients from the gradient `dh` of `f.h_last`, through the backward loop.
+    pub(super) fn scanned_backward(
+        &self,
+        b: &mut Builder,
+        m: &ModelValues,
+        f: &ScannedForward,
+        dh: Value,
+    ) -> hlo::Result<Vec<Value>> {
+        // The gradient of the last hidden state in the layers' row order.
+        let dh = if f.h_last == f.fwd[0] {
+            dh
+        } else {
+            b.vjp(&[(f.h_last, dh)], &[f.fwd[0]])?[0]
+        };
+        self.backward_loop(b, m, &f.fwd, &f.inv, dh)
+    }
+
     /// Logits with layers unrolled over per-layer weights.
     pub(super) fn logits_unrolled(
         &self,
@@ -175,12 +221,9 @@ impl Layout<'_> {
             return Ok((loss, grads));
         }
         let model = self.model();
-        let (embed, norm, lm_head) = self.ends(&m.frozen);
-        let h0 = model.embed(b, embed, ids)?;
-        let h0 = self.constrain_batch(b, h0)?;
-        let ctx = model.context(b, mask, self.spec.lora.scale())?;
-        let (fwd, inv) = self.forward_loop(b, m, h0, &ctx, key)?;
-        let h_last = model.in_natural_order(b, fwd[0])?;
+        let (_, norm, lm_head) = self.ends(&m.frozen);
+        let f = self.scanned_forward(b, m, ids, mask, key)?;
+        let h_last = f.h_last;
         let (loss, dh) = match self.spec.loss_chunk {
             Some(chunk) => {
                 self.chunked_loss_and_dh(b, h_last, norm, lm_head, labels, denom, chunk)?
@@ -193,13 +236,7 @@ impl Layout<'_> {
                 (loss, dh)
             }
         };
-        // The gradient of the last hidden state in the layers' row order.
-        let dh = if h_last == fwd[0] {
-            dh
-        } else {
-            b.vjp(&[(h_last, dh)], &[fwd[0]])?[0]
-        };
-        let grads = self.backward_loop(b, m, &fwd, &inv, dh)?;
+        let grads = self.scanned_backward(b, m, &f, dh)?;
         Ok((loss, grads))
     }
 
@@ -243,7 +280,7 @@ impl Layout<'_> {
     /// The forward loop over the stacked layers from the embedded input `h0`. Its carry, and what
     /// it returns: the last hidden state, every layer's input [L, B, T, H] and (with `save-proj`)
     /// a stack [L, ...] of each of [`Layout::saved_points`], stacks kept as [`stack_type`].
-    pub(super) fn forward_loop(
+    fn forward_loop(
         &self,
         b: &mut Builder,
         m: &ModelValues,
@@ -314,7 +351,7 @@ impl Layout<'_> {
     /// gradient `dh` of the last hidden state, recompute each layer (substituting the saved
     /// projections) and apply its vjp; the carry is (dh, the LoRA gradient stacks). Returns the
     /// gradients in LoRA argument order.
-    pub(super) fn backward_loop(
+    fn backward_loop(
         &self,
         b: &mut Builder,
         m: &ModelValues,
