@@ -21,6 +21,7 @@ mod builder;
 mod dpo;
 pub mod flops;
 mod form;
+mod forward;
 mod layout;
 mod passes;
 pub mod sharding;
