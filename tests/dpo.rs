@@ -315,6 +315,56 @@ fn a_dpo_run_resumed_with_the_reference_precomputed_still_equals_trl() {
     check_against_trl("sigmoid_start", &out, "resumed with --precompute-reference");
 }
 
+/// Ctrl-C in a DPO run saves a checkpoint at the step it reached, with the reference adapter
+/// beside it, and exits with 130; `--resume` of that checkpoint goes on from there.
+#[test]
+fn ctrl_c_in_a_dpo_run_saves_a_checkpoint_that_resumes() {
+    let dir = tempdir("dpo-ctrl-c");
+    let out = dir.join("run");
+    let mut cmd = train_cmd(&model(&dir), &dpo().join("pairs.jsonl"), &out);
+    // More steps than the run can take before the signal comes.
+    cmd.args(["--method", "dpo", "--seq", "48", "--batch-size", "4"])
+        .args([
+            "--steps",
+            "100000",
+            "--lr",
+            "1e-4",
+            "--log-every",
+            "1",
+            "--no-plot",
+        ])
+        .arg("--init-adapter")
+        .arg(dpo().join("init"));
+    let (status, said) = interrupted(&mut cmd, "step 2/");
+    assert_eq!(status.code(), Some(130), "{said}");
+    assert!(
+        said.contains("interrupted; saved") && !said.contains("panicked"),
+        "{said}"
+    );
+    let step: u64 = std::fs::read_dir(&out)
+        .unwrap()
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            name.strip_prefix("checkpoint-")?.parse().ok()
+        })
+        .max()
+        .expect("a checkpoint");
+    assert!(step >= 2, "{said}");
+    let ckpt = out.join(format!("checkpoint-{step}"));
+    assert!(ckpt.join("reference/adapter_model.safetensors").is_file());
+    // One more step (`--stop-after` counts the steps this process takes).
+    let o = xtrain_cmd()
+        .args(["train", "--resume"])
+        .arg(&ckpt)
+        .args(["--stop-after", "1"])
+        .output()
+        .unwrap();
+    ok(&o, "resumed after Ctrl-C");
+    let next = out.join(format!("checkpoint-{}", step + 1));
+    assert!(next.join("reference/adapter_model.safetensors").is_file());
+}
+
 /// QLoRA DPO: NF4 base weights, a fresh adapter (the base model is then the reference, and the
 /// first loss ln 2): the loss falls and the margin grows over the steps.
 #[test]

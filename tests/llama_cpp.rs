@@ -1205,39 +1205,6 @@ fn the_llama_3_2_and_3_3_presets_compile_and_lora_on_the_output_is_refused() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// Runs xtrain with `args`, sends it SIGINT once a line of its stderr starts with `after`, and
-/// gives its exit status and everything it said on stderr.
-fn interrupted(args: &[&str], after: &str) -> (std::process::ExitStatus, String) {
-    use std::io::{BufRead, BufReader};
-    let mut child = xtrain_cmd()
-        .args(args)
-        .stderr(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
-    let mut said = String::new();
-    for line in lines.by_ref() {
-        let line = line.unwrap();
-        said += &line;
-        said.push('\n');
-        if line.starts_with(after) {
-            break;
-        }
-    }
-    assert!(said.contains(after), "no progress: {said}");
-    let kill = Command::new("kill")
-        .args(["-INT", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(kill.success());
-    for line in lines {
-        said += &line.unwrap();
-        said.push('\n');
-    }
-    (child.wait().unwrap(), said)
-}
-
 /// Ctrl-C in the middle of `import-gguf` ends it, saying that nothing was written at `--out`,
 /// with exit code 130, leaving neither `--out` nor its temp directory.
 #[test]
@@ -1245,7 +1212,10 @@ fn ctrl_c_during_import_says_so_and_leaves_nothing_behind() {
     let gguf = assets::smollm2_gguf().expect("fetch SmolLM2's GGUF");
     let dir = tempdir("gguf-import-interrupted");
     let out = dir.join("m");
-    let (status, said) = interrupted(&["import-gguf", s(&gguf), "--out", s(&out)], "importing ");
+    let (status, said) = interrupted(
+        xtrain_cmd().args(["import-gguf", s(&gguf), "--out", s(&out)]),
+        "importing ",
+    );
     assert_eq!(status.code(), Some(130), "{said}");
     assert!(
         said.contains("interrupted") && said.contains("nothing was written there"),
@@ -1287,7 +1257,7 @@ fn another_models_adapter_and_ctrl_c_leave_nothing_behind() {
     assert!(!out.exists());
 
     let (status, said) = interrupted(
-        &[
+        xtrain_cmd().args([
             "export-gguf",
             "--model",
             s(&model),
@@ -1295,7 +1265,7 @@ fn another_models_adapter_and_ctrl_c_leave_nothing_behind() {
             "f32",
             "--out",
             s(&out),
-        ],
+        ]),
         "exporting: ",
     );
     assert_eq!(status.code(), Some(130), "{said}");

@@ -126,6 +126,38 @@ pub fn oracle_train_cmd(fixture: &Path, out: &Path) -> Command {
     c
 }
 
+/// Runs `cmd`, sends it SIGINT once a line of its stderr starts with `after`, and gives its exit
+/// status and everything it said on stderr.
+pub fn interrupted(cmd: &mut Command, after: &str) -> (std::process::ExitStatus, String) {
+    use std::io::{BufRead, BufReader};
+    let mut child = cmd
+        .stderr(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let mut said = String::new();
+    for line in lines.by_ref() {
+        let line = line.unwrap();
+        said += &line;
+        said.push('\n');
+        if line.starts_with(after) {
+            break;
+        }
+    }
+    assert!(said.contains(after), "no progress: {said}");
+    let kill = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    for line in lines {
+        said += &line.unwrap();
+        said.push('\n');
+    }
+    (child.wait().unwrap(), said)
+}
+
 /// Run xtrain with `args` and wait for it.
 pub fn xtrain(args: &[&str]) -> Output {
     xtrain_cmd().args(args).output().unwrap()
