@@ -341,17 +341,10 @@ fn ctrl_c_in_a_dpo_run_saves_a_checkpoint_that_resumes() {
         said.contains("interrupted; saved") && !said.contains("panicked"),
         "{said}"
     );
-    let step: u64 = std::fs::read_dir(&out)
-        .unwrap()
-        .flatten()
-        .filter_map(|e| {
-            let name = e.file_name().to_string_lossy().into_owned();
-            name.strip_prefix("checkpoint-")?.parse().ok()
-        })
-        .max()
-        .expect("a checkpoint");
+    let ckpt = latest_checkpoint(&out).expect("a checkpoint");
+    let name = ckpt.file_name().unwrap().to_string_lossy().into_owned();
+    let step: u64 = name.trim_start_matches("checkpoint-").parse().unwrap();
     assert!(step >= 2, "{said}");
-    let ckpt = out.join(format!("checkpoint-{step}"));
     assert!(ckpt.join("reference/adapter_model.safetensors").is_file());
     // One more step (`--stop-after` counts the steps this process takes).
     let o = xtrain_cmd()

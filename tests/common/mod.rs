@@ -158,6 +158,28 @@ pub fn interrupted(cmd: &mut Command, after: &str) -> (std::process::ExitStatus,
     (child.wait().unwrap(), said)
 }
 
+/// The run dir's checkpoint of the highest step (`checkpoint-N` holding a trainer_state.json).
+pub fn latest_checkpoint(out: &Path) -> Option<PathBuf> {
+    std::fs::read_dir(out)
+        .ok()?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            p.file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with("checkpoint-")
+                && p.join("trainer_state.json").is_file()
+        })
+        .max_by_key(|p| {
+            p.file_name()
+                .unwrap()
+                .to_string_lossy()
+                .trim_start_matches("checkpoint-")
+                .parse::<u64>()
+                .unwrap_or(0)
+        })
+}
+
 /// Run xtrain with `args` and wait for it.
 pub fn xtrain(args: &[&str]) -> Output {
     xtrain_cmd().args(args).output().unwrap()

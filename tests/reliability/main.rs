@@ -111,27 +111,6 @@ fn all_tensors(path: &Path) -> std::collections::BTreeMap<String, pjrt::HostTens
         .collect()
 }
 
-fn latest_checkpoint(out: &Path) -> Option<PathBuf> {
-    std::fs::read_dir(out)
-        .ok()?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| {
-            p.file_name()
-                .unwrap()
-                .to_string_lossy()
-                .starts_with("checkpoint-")
-                && p.join("trainer_state.json").is_file()
-        })
-        .max_by_key(|p| {
-            p.file_name()
-                .unwrap()
-                .to_string_lossy()
-                .trim_start_matches("checkpoint-")
-                .parse::<u64>()
-                .unwrap_or(0)
-        })
-}
-
 fn unsafe_kill(pid: u32, sig: i32) {
     let status = Command::new("kill")
         .arg(format!("-{sig}"))
